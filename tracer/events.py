@@ -1,0 +1,217 @@
+"""The canonical collective record shared by every trace source.
+
+Glossary (one size convention everywhere, NCCL's):
+
+- ``count``: elements **per rank** as NCCL's ``ncclXxx(count=...)`` argument: the message
+  for all_reduce / broadcast / reduce, the *send* count of all_gather, the *receive* count of
+  reduce_scatter, the per-peer count of all_to_all, the message of send / recv.
+- ``msg_bytes``: ``count * dtype_bytes`` (what NCCL's nsys payload calls "Message size [bytes]").
+- ``group_id``: an identity of the communicator that is equal on every member (for torch
+  process groups: the sorted world ranks joined by commas, e.g. ``"0,1,2,3"``; for NCCL logs:
+  the commId, or parent+color for split comms).
+- ``group_rank``: this rank's index inside the group; ``root`` is the root's (or, for
+  send / recv, the peer's) group rank.
+- ``seq``: 0-based index of the call among this rank's calls on this group.
+
+Derived quantities (the nccl-tests array size S, bus factors) live in one table in
+``verify/traffic.py``; this module only stores what a source observed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+#: Canonical op names (snake case, torch.distributed's vocabulary).
+OPS: tuple[str, ...] = (
+    "all_reduce",
+    "all_gather",
+    "reduce_scatter",
+    "broadcast",
+    "reduce",
+    "all_to_all",
+    "send",
+    "recv",
+    "barrier",
+)
+
+#: Size in bytes of each dtype, by torch's dtype name (``str(torch.float32)[6:]``).
+DTYPE_BYTES: dict[str, int] = {
+    "int8": 1,
+    "uint8": 1,
+    "bool": 1,
+    "int16": 2,
+    "int32": 4,
+    "uint32": 4,
+    "int64": 8,
+    "uint64": 8,
+    "float16": 2,
+    "bfloat16": 2,
+    "float32": 4,
+    "float64": 8,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+}
+
+#: Trace sources known to the harness.
+SOURCES: tuple[str, ...] = ("interposer", "flight_recorder", "nccl_log", "nsys")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CollectiveEvent:
+    """One collective (or point-to-point) call as seen by one rank through one source.
+
+    Fields that a source cannot know are ``None`` (for example an nsys range has
+    ``msg_bytes`` but no dtype). ``msg_bytes`` is filled from ``count * dtype_bytes`` when
+    omitted.
+
+    Raises:
+        ValueError: ``op`` is not one of :data:`OPS`, ``source`` not one of :data:`SOURCES`,
+            a size is negative, or ``msg_bytes`` disagrees with ``count * dtype_bytes``.
+    """
+
+    source: str
+    op: str
+    rank: int | None = None
+    group_id: str | None = None
+    group_size: int | None = None
+    group_rank: int | None = None
+    seq: int | None = None
+    count: int | None = None
+    dtype: str | None = None
+    dtype_bytes: int | None = None
+    msg_bytes: int | None = None
+    root: int | None = None
+    phase: str | None = None
+    module: str | None = None
+    t_start_ns: int | None = None
+    t_end_ns: int | None = None
+    source_ref: str = ""
+    pid: int | None = None
+    host: str | None = None
+    cuda_dev: int | None = None
+    comm: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.op not in OPS:
+            raise ValueError(f"Invalid CollectiveEvent op={self.op!r}. Must be one of {OPS}.")
+        if self.source not in SOURCES:
+            raise ValueError(
+                f"Invalid CollectiveEvent source={self.source!r}. Must be one of {SOURCES}."
+            )
+        if self.dtype is not None and self.dtype_bytes is None and self.dtype in DTYPE_BYTES:
+            object.__setattr__(self, "dtype_bytes", DTYPE_BYTES[self.dtype])
+        for name in ("count", "dtype_bytes", "msg_bytes", "group_size"):
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                raise ValueError(f"Invalid CollectiveEvent {name}={value}. Must be >= 0.")
+        if self.count is not None and self.dtype_bytes is not None:
+            expected = self.count * self.dtype_bytes
+            if self.msg_bytes is None:
+                object.__setattr__(self, "msg_bytes", expected)
+            elif self.msg_bytes != expected:
+                raise ValueError(
+                    f"Invalid CollectiveEvent msg_bytes={self.msg_bytes}. Must equal "
+                    f"count * dtype_bytes = {self.count} * {self.dtype_bytes} = {expected} "
+                    f"({self.source_ref})."
+                )
+
+    @property
+    def dur_ns(self) -> int | None:
+        """End minus start in ns, where both are known."""
+        if self.t_start_ns is None or self.t_end_ns is None:
+            return None
+        return self.t_end_ns - self.t_start_ns
+
+    def replace(self, **changes) -> CollectiveEvent:
+        """A copy with ``changes`` applied (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+
+#: Arrow schema of a table of :class:`CollectiveEvent` (one column per field, same order).
+EVENT_SCHEMA = pa.schema(
+    [
+        pa.field("source", pa.string(), nullable=False),
+        pa.field("op", pa.string(), nullable=False),
+        pa.field("rank", pa.int32()),
+        pa.field("group_id", pa.string()),
+        pa.field("group_size", pa.int32()),
+        pa.field("group_rank", pa.int32()),
+        pa.field("seq", pa.int64()),
+        pa.field("count", pa.int64()),
+        pa.field("dtype", pa.string()),
+        pa.field("dtype_bytes", pa.int32()),
+        pa.field("msg_bytes", pa.int64()),
+        pa.field("root", pa.int32()),
+        pa.field("phase", pa.string()),
+        pa.field("module", pa.string()),
+        pa.field("t_start_ns", pa.int64()),
+        pa.field("t_end_ns", pa.int64()),
+        pa.field("source_ref", pa.string(), nullable=False),
+        pa.field("pid", pa.int64()),
+        pa.field("host", pa.string()),
+        pa.field("cuda_dev", pa.int32()),
+        pa.field("comm", pa.string()),
+    ]
+)
+
+assert [f.name for f in EVENT_SCHEMA] == [f.name for f in dataclasses.fields(CollectiveEvent)]
+
+
+def to_table(events: Iterable[CollectiveEvent]) -> pa.Table:
+    """Events as an Arrow table with :data:`EVENT_SCHEMA`."""
+    columns: dict[str, list] = {f.name: [] for f in EVENT_SCHEMA}
+    for ev in events:
+        for name, values in columns.items():
+            values.append(getattr(ev, name))
+    return pa.Table.from_pydict(columns, schema=EVENT_SCHEMA)
+
+
+def to_frame(events: Iterable[CollectiveEvent]) -> pd.DataFrame:
+    """Events as a pandas DataFrame (nullable integer columns, one row per event)."""
+    return to_table(events).to_pandas(types_mapper=pd.ArrowDtype)
+
+
+def write_parquet(events: Iterable[CollectiveEvent], path: str | Path) -> Path:
+    """Write events to a Parquet file with :data:`EVENT_SCHEMA`; returns the path."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(to_table(events), path)
+    return path
+
+
+def read_parquet(path: str | Path) -> list[CollectiveEvent]:
+    """Read events written by :func:`write_parquet`.
+
+    Raises:
+        ValueError: the file lacks a column of :data:`EVENT_SCHEMA`.
+    """
+    table = pq.read_table(path)
+    missing = [f.name for f in EVENT_SCHEMA if f.name not in table.column_names]
+    if missing:
+        raise ValueError(
+            f"Invalid events file {str(path)!r}: missing columns {missing}. Must be written "
+            "by tracer.events.write_parquet (dmuon-trace ... --out)."
+        )
+    rows = table.select([f.name for f in EVENT_SCHEMA]).to_pylist()
+    return [CollectiveEvent(**row) for row in rows]
+
+
+def from_frame(frame: pd.DataFrame) -> list[CollectiveEvent]:
+    """Inverse of :func:`to_frame` (extra columns are ignored)."""
+    names = [f.name for f in EVENT_SCHEMA]
+    out = []
+    for row in frame[names].to_dict("records"):
+        out.append(CollectiveEvent(**{k: (None if pd.isna(v) else v) for k, v in row.items()}))
+    return out
+
+
+def group_id_from_ranks(ranks: Sequence[int]) -> str:
+    """The group identity used for torch process groups: sorted world ranks, comma-joined."""
+    return ",".join(str(r) for r in sorted(ranks))
