@@ -1,0 +1,19 @@
+"""DMuon: Muon with one owner rank per weight matrix, under DDP, FSDP2 and HSDP.
+
+Typical use (every rank, before wrapping)::
+
+    mesh = init_device_mesh("cuda", (world_size,))
+    dm = dmuon.dedicate_params(model, mesh, reshard_after_forward=True)   # Z3
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh, ignored_params=set(dm))
+    fully_shard(model, mesh=mesh, ignored_params=set(dm))
+    opt = dmuon.DMuon(model.parameters(), dedicated=dm, lr=0.02, adamw_lr=3e-4)
+
+See README.md for DDP and HSDP.
+"""
+
+from .annotate import phase, span
+from .dedicate import DedicatedParams, dedicate_params, default_predicate
+from .optim import DMuon
+
+__all__ = ["DMuon", "DedicatedParams", "dedicate_params", "default_predicate", "phase", "span"]

@@ -34,6 +34,13 @@ PHASES = ("setup", "forward", "backward", "optimizer", "replicate")
 
 _phase_stack: list[str] = []
 _lock = threading.Lock()
+_active = threading.local()  # per thread: stack of (span name, module) currently open
+
+
+def current_span() -> tuple[str, str | None] | None:
+    """``(name, module)`` of the innermost open :func:`span` on this thread, or ``None``."""
+    stack = getattr(_active, "stack", None)
+    return stack[-1] if stack else None
 
 
 def current_phase() -> str | None:
@@ -106,11 +113,16 @@ def span(name: str, *, module: str | None = None, owner: int | None = None) -> I
     if _NVTX_DOMAIN is not None:
         nvtx_range = _NVTX_DOMAIN.get_event_attributes(message=message)
         _NVTX_DOMAIN.push_range(nvtx_range)
+    stack = getattr(_active, "stack", None)
+    if stack is None:
+        stack = _active.stack = []
+    stack.append((name, module))
     t0 = now_ns()
     try:
         yield
     finally:
         t1 = now_ns()
+        stack.pop()
         if _NVTX_DOMAIN is not None:
             _NVTX_DOMAIN.pop_range()
         if _listeners:

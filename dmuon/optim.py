@@ -1,0 +1,197 @@
+"""The DMuon optimizer: Muon on each dedicated matrix's owner only, AdamW for everything else.
+
+``step()`` issues no collective on 1-D meshes: owners already hold the averaged gradient
+(reduced in backward) and non-owners skip the matrix. On HSDP meshes the owner's async
+replicate broadcast starts as ``step()`` returns (phase ``replicate``); its wait is in the
+module's next forward pre-hook.
+
+The Muon math is ``torch.optim.Muon``'s (same argument names and defaults, see
+``muon_math.py``); the AdamW math is ``torch.optim.AdamW``'s (its functional form,
+single-tensor path).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch.optim import Optimizer
+from torch.optim.adam import adam as _adam_functional
+
+from . import annotate
+from .dedicate import DedicatedParams
+from .muon_math import MUON_DEFAULTS, muon_update_
+
+
+class DMuon(Optimizer):
+    """Muon for dedicated params (on their owner), AdamW for the rest.
+
+    A normal ``torch.optim.Optimizer``: ``param_groups[0]`` is the Muon group (every
+    dedicated param, identical on all ranks, so LR schedulers and ``state_dict`` work the
+    same everywhere), ``param_groups[1]`` the AdamW group. Momentum buffers exist only on
+    owners.
+
+    Args:
+        params: every parameter of the model (``model.parameters()``, plain tensors or FSDP2
+            DTensor shards); those in ``dedicated`` go to Muon, the rest to AdamW.
+        dedicated: the handle from :func:`dmuon.dedicate_params`.
+        lr, weight_decay, momentum, nesterov, ns_coefficients, eps, ns_steps, adjust_lr_fn:
+            as ``torch.optim.Muon`` (defaults equal). ``ns_coefficients`` may also be a
+            sequence of per-step ``(a, b, c)`` (e.g. ``muon_math.POLAR_EXPRESS_COEFFICIENTS``).
+        adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay: as ``torch.optim.AdamW``'s
+            ``lr, betas, eps, weight_decay`` (defaults equal).
+
+    Attributes:
+        ns_calls: Newton–Schulz invocations on this rank since construction.
+
+    Raises:
+        ValueError: a dedicated param is missing from ``params`` or a hyper-parameter is invalid.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor],
+        *,
+        dedicated: DedicatedParams,
+        lr: float = MUON_DEFAULTS["lr"],
+        weight_decay: float = MUON_DEFAULTS["weight_decay"],
+        momentum: float = MUON_DEFAULTS["momentum"],
+        nesterov: bool = MUON_DEFAULTS["nesterov"],
+        ns_coefficients=MUON_DEFAULTS["ns_coefficients"],
+        eps: float = MUON_DEFAULTS["eps"],
+        ns_steps: int = MUON_DEFAULTS["ns_steps"],
+        adjust_lr_fn: str | None = MUON_DEFAULTS["adjust_lr_fn"],
+        adamw_lr: float = 1e-3,
+        adamw_betas: tuple[float, float] = (0.9, 0.999),
+        adamw_eps: float = 1e-8,
+        adamw_weight_decay: float = 1e-2,
+    ) -> None:
+        if not lr >= 0.0:
+            raise ValueError(f"Invalid lr={lr}. Must be >= 0.")
+        if not 0.0 <= momentum < 1.0:
+            raise ValueError(f"Invalid momentum={momentum}. Must be in [0, 1).")
+        if adjust_lr_fn not in (None, "original", "match_rms_adamw"):
+            raise ValueError(
+                f"Invalid adjust_lr_fn={adjust_lr_fn!r}. Must be None, 'original' or "
+                "'match_rms_adamw'."
+            )
+        all_params = list(params)
+        given = {id(p) for p in all_params}
+        missing = [n for n, p in zip(dedicated.names, dedicated.params) if id(p) not in given]
+        if missing:
+            raise ValueError(
+                f"Invalid params: dedicated params {missing[:3]} are not among them. Pass "
+                "model.parameters() of the model given to dedicate_params."
+            )
+        adamw = [p for p in all_params if p not in dedicated]
+        groups = [
+            dict(
+                params=dedicated.params,
+                algorithm="muon",
+                lr=lr,
+                weight_decay=weight_decay,
+                momentum=momentum,
+                nesterov=nesterov,
+                ns_coefficients=ns_coefficients,
+                eps=eps,
+                ns_steps=ns_steps,
+                adjust_lr_fn=adjust_lr_fn,
+            ),
+            dict(
+                params=adamw,
+                algorithm="adamw",
+                lr=adamw_lr,
+                betas=adamw_betas,
+                eps=adamw_eps,
+                weight_decay=adamw_weight_decay,
+            ),
+        ]
+        super().__init__(groups, defaults={})
+        self.dedicated = dedicated
+        self.ns_calls = 0
+        self._owned = {id(p) for p in dedicated.owned()}
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none)
+        self.dedicated.after_zero_grad()
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """Update owned dedicated params with Muon and all others with AdamW.
+
+        Raises:
+            RuntimeError: called in the middle of a backward pass (see
+                ``DedicatedParams.before_step``).
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self.dedicated.before_step()
+        with annotate.phase("optimizer"):
+            for group in self.param_groups:
+                if group["algorithm"] == "muon":
+                    self._muon_group(group)
+                else:
+                    self._adamw_group(group)
+        self.dedicated.after_step()
+        return loss
+
+    def _muon_group(self, group: dict) -> None:
+        for p in group["params"]:
+            if id(p) not in self._owned or p.grad is None:
+                continue
+            state = self.state[p]
+            if "momentum_buffer" not in state:
+                state["momentum_buffer"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
+            with annotate.span("dmuon.newton_schulz", owner=self.dedicated.owner_of(p)):
+                muon_update_(
+                    p,
+                    p.grad,
+                    state["momentum_buffer"],
+                    lr=group["lr"],
+                    weight_decay=group["weight_decay"],
+                    momentum=group["momentum"],
+                    nesterov=group["nesterov"],
+                    ns_coefficients=group["ns_coefficients"],
+                    ns_steps=group["ns_steps"],
+                    eps=group["eps"],
+                    adjust_lr_fn=group["adjust_lr_fn"],
+                )
+            self.ns_calls += 1
+
+    def _adamw_group(self, group: dict) -> None:
+        params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            state = self.state[p]
+            if not state:
+                state["step"] = torch.tensor(0.0, dtype=torch.get_default_dtype())
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            params.append(p)
+            grads.append(p.grad)
+            exp_avgs.append(state["exp_avg"])
+            exp_avg_sqs.append(state["exp_avg_sq"])
+            steps.append(state["step"])
+        if not params:
+            return
+        beta1, beta2 = group["betas"]
+        _adam_functional(
+            params,
+            grads,
+            exp_avgs,
+            exp_avg_sqs,
+            [],
+            steps,
+            foreach=False,
+            decoupled_weight_decay=True,
+            amsgrad=False,
+            beta1=beta1,
+            beta2=beta2,
+            lr=group["lr"],
+            weight_decay=group["weight_decay"],
+            eps=group["eps"],
+            maximize=False,
+        )

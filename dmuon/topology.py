@@ -1,0 +1,137 @@
+"""Mesh topology: which ranks share a shard group and a replicate group.
+
+Glossary:
+
+- **shard axis** (size N): the ranks among which a dedicated matrix is broadcast before
+  forward and reduced to its shard owner in backward. For DDP and FSDP2 (1-D meshes) this is
+  the whole world.
+- **replicate axis** (size R): HSDP's second mesh axis. Ranks with the same shard index s
+  form a replicate group; the global owner broadcasts updated matrices along it.
+- Mesh coordinates ``(r, s)``; global owner index ``g = r * N + s`` (row-major, the layout of
+  ``init_device_mesh(device, (R, N), mesh_dim_names=("replicate", "shard"))``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+#: Required names and order of a 2-D (HSDP) mesh's axes.
+HSDP_AXES = ("replicate", "shard")
+
+
+@dataclass(frozen=True)
+class Topology:
+    """This rank's place in the mesh and the process groups of its two axes.
+
+    Attributes:
+        replicate_size: R (1 for a 1-D mesh).
+        shard_size: N.
+        replicate_index: r of this rank.
+        shard_index: s of this rank.
+        shard_group: process group of this rank's shard axis (N ranks).
+        replicate_group: process group of this rank's replicate axis (R ranks), ``None`` if R == 1.
+        shard_group_ranks: world ranks of ``shard_group`` in group-rank order.
+        replicate_group_ranks: world ranks of ``replicate_group`` in group-rank order.
+    """
+
+    replicate_size: int
+    shard_size: int
+    replicate_index: int
+    shard_index: int
+    shard_group: dist.ProcessGroup
+    replicate_group: dist.ProcessGroup | None
+    shard_group_ranks: tuple[int, ...]
+    replicate_group_ranks: tuple[int, ...]
+
+    @property
+    def world_size(self) -> int:
+        """W = R * N."""
+        return self.replicate_size * self.shard_size
+
+    @property
+    def mesh_shape(self) -> tuple[int, int]:
+        """``(R, N)``, the planner's ``mesh_shape``."""
+        return (self.replicate_size, self.shard_size)
+
+    @property
+    def global_index(self) -> int:
+        """g = r * N + s of this rank."""
+        return self.replicate_index * self.shard_size + self.shard_index
+
+    def coords(self, g: int) -> tuple[int, int]:
+        """Mesh coordinates ``(r, s)`` of global owner index ``g``."""
+        return divmod(g, self.shard_size)
+
+
+def topology_from_mesh(mesh: DeviceMesh) -> Topology:
+    """Validate ``mesh`` and read this rank's topology from it.
+
+    Args:
+        mesh: a 1-D ``DeviceMesh`` (DDP, FSDP2) or a 2-D one with
+            ``mesh_dim_names == ("replicate", "shard")`` (HSDP), spanning the whole world.
+
+    Raises:
+        ValueError: not a DeviceMesh, a mesh of 3 or more dimensions, a 2-D mesh whose axes
+            are not named ``("replicate", "shard")`` in that order, or a mesh whose size
+            W = R * N differs from the world size.
+        RuntimeError: torch.distributed is not initialised.
+    """
+    if not isinstance(mesh, DeviceMesh):
+        raise ValueError(
+            f"Invalid mesh={mesh!r}. Must be a torch.distributed.device_mesh.DeviceMesh, e.g. "
+            "init_device_mesh('cuda', (world_size,)) or init_device_mesh('cuda', (R, N), "
+            "mesh_dim_names=('replicate', 'shard'))."
+        )
+    if not dist.is_initialized():
+        raise RuntimeError(
+            "torch.distributed is not initialised: call dist.init_process_group (torchrun sets "
+            "the environment) before dmuon.dedicate_params."
+        )
+    if mesh.ndim == 1:
+        group = mesh.get_group()
+        ranks = tuple(dist.get_process_group_ranks(group))
+        n = len(ranks)
+        r, s, rep_group, rep_ranks = 0, dist.get_group_rank(group, dist.get_rank()), None, ()
+        replicate_size = 1
+    elif mesh.ndim == 2:
+        if tuple(mesh.mesh_dim_names or ()) != HSDP_AXES:
+            raise ValueError(
+                f"Invalid mesh_dim_names={mesh.mesh_dim_names!r} of a 2-D mesh. Must be "
+                f"{HSDP_AXES} in that order (replicate axis first, shard axis second), as in "
+                "init_device_mesh(device, (R, N), mesh_dim_names=('replicate', 'shard'))."
+            )
+        group = mesh.get_group("shard")
+        rep_group = mesh.get_group("replicate")
+        ranks = tuple(dist.get_process_group_ranks(group))
+        rep_ranks = tuple(dist.get_process_group_ranks(rep_group))
+        replicate_size, n = mesh.shape
+        s = dist.get_group_rank(group, dist.get_rank())
+        r = dist.get_group_rank(rep_group, dist.get_rank())
+        if replicate_size == 1:
+            rep_group, rep_ranks = None, ()
+    else:
+        raise ValueError(
+            f"Invalid mesh with ndim={mesh.ndim} (shape {tuple(mesh.shape)}). Must be 1-D "
+            "(DDP, FSDP2) or 2-D ('replicate', 'shard') for HSDP; DMuon does not compose with "
+            "a third mesh axis (e.g. tensor parallel) yet: pass the data-parallel sub-mesh."
+        )
+    world = dist.get_world_size()
+    if replicate_size * n != world:
+        raise ValueError(
+            f"Invalid mesh of shape {tuple(mesh.shape)}: W = R * N = {replicate_size * n} "
+            f"must equal the world size {world}. DMuon's owners span the whole job; build the "
+            "mesh over every rank."
+        )
+    return Topology(
+        replicate_size=replicate_size,
+        shard_size=n,
+        replicate_index=r,
+        shard_index=s,
+        shard_group=group,
+        replicate_group=rep_group,
+        shard_group_ranks=ranks,
+        replicate_group_ranks=rep_ranks,
+    )

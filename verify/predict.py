@@ -1,0 +1,264 @@
+"""The exact collective list of one training step, per rank and phase, from shapes alone.
+
+Inputs are a :class:`RunLayout` (the model's parameter shapes, the Muon targets, the mesh,
+how the non-Muon params are wrapped); the output is every call each rank must issue in one
+step (op, group, per-rank count, dtype, root, phase) plus how many of its elements belong
+to Muon-target params (``dedicated_count``, used to attribute fused buckets).
+
+What is modelled (torch 2.13, measured on gloo by the harness):
+
+- DMuon (``dmuon.buckets.bucket_layout`` and the shared planner decide buckets and owners):
+  forward broadcast per bucket over the shard axis from its holder; Z3 re-broadcast in
+  backward; reduce to the holder over the shard axis, then (HSDP) to the owner over the
+  replicate axis; (HSDP) the owner's replicate broadcast after the step.
+- FSDP2 (``fully_shard``): one all_gather per FSDP group (params of a wrapped module not in a
+  nested wrapped module and not ignored) whose per-rank count is the sum of dim-0-padded
+  shard sizes ceil(d0/N)·(d1·…); the root module is not resharded after forward (FSDP2 sets
+  the root's ``post_forward_mesh_info`` to None), every other group is re-gathered in
+  backward when ``reshard_after_forward``; one reduce_scatter per group (recv count = the
+  same padded shard size); HSDP adds an all_reduce of the shard over the replicate axis.
+- DDP: one all_reduce per gradient bucket, buckets from DDP's own
+  ``dist._compute_bucket_assignment_by_size`` with caps (1 MiB first, ``bucket_cap_mb``).
+- Naive baselines: one all_gather per Muon matrix in the optimizer step (``full_tensor()``
+  of the Shard(0) gradient; per-rank count ceil(d0/N)·d1).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from dmuon.buckets import bucket_layout
+from dmuon.plan import OwnershipPlan, ParamSpec, plan_ownership
+from tracer.events import group_id_from_ranks
+
+from .traffic import MODES
+
+
+@dataclass(frozen=True)
+class RunLayout:
+    """Everything the predictor needs about one run (no tensors, no process groups).
+
+    Attributes:
+        mode: one of :data:`verify.traffic.MODES`.
+        replicate_size: R (1 for 1-D meshes).
+        shard_size: N.
+        params: every parameter of the model in ``named_parameters()`` order.
+        muon_names: the Muon targets (dedicated in DMuon modes).
+        fsdp_modules: modules wrapped with ``fully_shard`` in wrap order ("" = root, last).
+        reshard_after_forward: FSDP2's and DMuon's Z3 flag.
+        ddp_bucket_cap_bytes: DDP's ``bucket_cap_mb`` in bytes.
+    """
+
+    mode: str
+    replicate_size: int
+    shard_size: int
+    params: tuple[ParamSpec, ...]
+    muon_names: tuple[str, ...]
+    fsdp_modules: tuple[str, ...] = ()
+    reshard_after_forward: bool = True
+    ddp_bucket_cap_bytes: int = 25 * 1024 * 1024
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"Invalid mode={self.mode!r}. Must be one of {MODES}.")
+
+    @property
+    def world_size(self) -> int:
+        return self.replicate_size * self.shard_size
+
+    @property
+    def is_dmuon(self) -> bool:
+        return self.mode.startswith("dmuon-")
+
+    def muon_specs(self) -> list[ParamSpec]:
+        names = set(self.muon_names)
+        return [p for p in self.params if p.name in names]
+
+    def plan(self) -> OwnershipPlan:
+        """The ownership plan DMuon computes for this layout (the same pure function)."""
+        return plan_ownership(self.muon_specs(), (self.replicate_size, self.shard_size))
+
+    def p_m(self) -> int:
+        """P_M: elements of the Muon-target params."""
+        return sum(p.numel for p in self.muon_specs())
+
+
+@dataclass(frozen=True)
+class Expected:
+    """One predicted call on one rank (``count`` in NCCL's per-rank convention)."""
+
+    rank: int
+    phase: str
+    op: str
+    group_id: str
+    group_size: int
+    count: int
+    dtype: str
+    root: int | None
+    module: str | None
+    dedicated_count: int
+
+    def key(self) -> tuple:
+        """The identity compared with measured events (module is for messages only)."""
+        return (self.rank, self.phase, self.op, self.group_id, self.count, self.dtype, self.root)
+
+
+def shard_ranks(rank: int, n: int) -> list[int]:
+    """World ranks of ``rank``'s shard group (row of the (R, N) mesh)."""
+    r = rank // n
+    return [r * n + j for j in range(n)]
+
+
+def replicate_ranks(rank: int, n: int, r_size: int) -> list[int]:
+    """World ranks of ``rank``'s replicate group (column of the (R, N) mesh)."""
+    s = rank % n
+    return [i * n + s for i in range(r_size)]
+
+
+def padded_shard_numel(shape: Sequence[int], n: int) -> int:
+    """FSDP2's per-rank shard size: dim 0 padded up to a multiple of n, divided by n."""
+    rest = math.prod(shape[1:])
+    return -(-shape[0] // n) * rest if shape else 1
+
+
+def _fsdp_groups(layout: RunLayout, ignored: set[str]) -> list[tuple[str, list[ParamSpec]]]:
+    """(wrapped module, managed params) in wrap order; empty groups dropped."""
+    taken: set[str] = set(ignored)
+    out = []
+    for module in layout.fsdp_modules:
+        prefix = module + "." if module else ""
+        managed = [p for p in layout.params if p.name.startswith(prefix) and p.name not in taken]
+        taken.update(p.name for p in managed)
+        if managed:
+            out.append((module, managed))
+    return out
+
+
+def _dmuon_calls(layout: RunLayout, rank: int) -> list[Expected]:
+    n, r_size = layout.shard_size, layout.replicate_size
+    r_me, s_me = divmod(rank, n)
+    shard = shard_ranks(rank, n)
+    rep = replicate_ranks(rank, n, r_size)
+    sid, rid = group_id_from_ranks(shard), group_id_from_ranks(rep)
+    out: list[Expected] = []
+
+    def add(phase, op, gid, gsize, b, root):
+        out.append(Expected(rank, phase, op, gid, gsize, b.numel, b.dtype, root, b.module, b.numel))
+
+    for b in bucket_layout(layout.muon_specs(), layout.plan()):
+        r_own, s_own = divmod(b.owner, n)
+        add("forward", "broadcast", sid, n, b, s_own)
+        if layout.reshard_after_forward:
+            add("backward", "broadcast", sid, n, b, s_own)
+        add("backward", "reduce", sid, n, b, s_own)
+        if r_size > 1 and s_me == s_own:
+            add("backward", "reduce", rid, r_size, b, r_own)
+            add("replicate", "broadcast", rid, r_size, b, r_own)
+    return out
+
+
+def _fsdp_calls(layout: RunLayout, rank: int, ignored: set[str]) -> list[Expected]:
+    n, r_size = layout.shard_size, layout.replicate_size
+    sid = group_id_from_ranks(shard_ranks(rank, n))
+    rid = group_id_from_ranks(replicate_ranks(rank, n, r_size))
+    muon = set(layout.muon_names)
+    out: list[Expected] = []
+    for module, managed in _fsdp_groups(layout, ignored):
+        dtypes = {p.dtype for p in managed}
+        if len(dtypes) != 1:
+            raise ValueError(
+                f"Invalid FSDP group {module or '<root>'}: mixed dtypes {sorted(dtypes)}; the "
+                "predictor models one dtype per fully_shard group."
+            )
+        dtype = dtypes.pop()
+        count = sum(padded_shard_numel(p.shape, n) for p in managed)
+        ded = sum(padded_shard_numel(p.shape, n) for p in managed if p.name in muon)
+        is_root = module == ""
+
+        def add(phase, op, gid, gsize):
+            out.append(Expected(rank, phase, op, gid, gsize, count, dtype, None, module, ded))
+
+        add("forward", "all_gather", sid, n)
+        if layout.reshard_after_forward and not is_root:
+            add("backward", "all_gather", sid, n)
+        add("backward", "reduce_scatter", sid, n)
+        if r_size > 1:
+            add("backward", "all_reduce", rid, r_size)
+    return out
+
+
+def ddp_buckets(params: Sequence[ParamSpec], cap_bytes: int) -> list[list[ParamSpec]]:
+    """DDP's gradient buckets, from DDP's own assignment function (torch 2.13).
+
+    Raises:
+        RuntimeError: torch's private ``_compute_bucket_assignment_by_size`` is missing.
+    """
+    if not params:
+        return []
+    tensors = [torch.empty(p.shape, dtype=getattr(torch, p.dtype), device="meta") for p in params]
+    # DDP assigns over params in model order with [first bucket cap, bucket_cap].
+    indices, _ = dist._compute_bucket_assignment_by_size(
+        [t.to_empty(device="cpu") for t in tensors],
+        [dist._DEFAULT_FIRST_BUCKET_BYTES, cap_bytes],
+        [False] * len(tensors),
+    )
+    return [[params[i] for i in bucket] for bucket in indices]
+
+
+def _ddp_calls(layout: RunLayout, rank: int, ignored: set[str]) -> list[Expected]:
+    wid = group_id_from_ranks(range(layout.world_size))
+    muon = set(layout.muon_names)
+    out = []
+    for bucket in ddp_buckets([p for p in layout.params if p.name not in ignored], layout.ddp_bucket_cap_bytes):
+        out.append(
+            Expected(
+                rank,
+                "backward",
+                "all_reduce",
+                wid,
+                layout.world_size,
+                sum(p.numel for p in bucket),
+                bucket[0].dtype,
+                None,
+                None,
+                sum(p.numel for p in bucket if p.name in muon),
+            )
+        )
+    return out
+
+
+def _naive_step_calls(layout: RunLayout, rank: int) -> list[Expected]:
+    n = layout.shard_size
+    sid = group_id_from_ranks(shard_ranks(rank, n))
+    out = []
+    for p in layout.muon_specs():
+        c = padded_shard_numel(p.shape, n)
+        out.append(Expected(rank, "optimizer", "all_gather", sid, n, c, p.dtype, None, p.name, c))
+    return out
+
+
+def predict_step(layout: RunLayout) -> list[Expected]:
+    """Every call of one training step on every rank (forward, backward, optimizer[, replicate])."""
+    out: list[Expected] = []
+    dedicated = set(layout.muon_names) if layout.is_dmuon else set()
+    for rank in range(layout.world_size):
+        if layout.is_dmuon:
+            out += _dmuon_calls(layout, rank)
+        if layout.mode in ("ddp-muon", "dmuon-ddp"):
+            out += _ddp_calls(layout, rank, dedicated)
+        else:
+            out += _fsdp_calls(layout, rank, dedicated)
+        if layout.mode.startswith("naive-"):
+            out += _naive_step_calls(layout, rank)
+    return out
+
+
+def ns_calls_per_step(layout: RunLayout) -> int:
+    """Newton–Schulz invocations per step over all ranks: 1 per matrix for DMuon, W otherwise."""
+    matrices = len(layout.muon_names)
+    return matrices if layout.is_dmuon else matrices * layout.world_size

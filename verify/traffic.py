@@ -1,0 +1,142 @@
+"""The traffic model: per-collective factors and the closed forms of SPEC §2 (one table).
+
+Accounting (nccl-tests, PERFORMANCE.md; SPEC §2): for a call over a group of n ranks with
+per-rank ``count`` (NCCL's convention), the total array size is
+
+    S = count            for all_reduce, broadcast, reduce
+    S = n * count        for all_gather, reduce_scatter, all_to_all
+
+and with a bandwidth-optimal algorithm each member receives on average ``f(n) * S``
+elements, f = 2(n-1)/n for all_reduce and (n-1)/n otherwise. The *step figure* of a mode is
+the mean over all W ranks of the sum of f(n)·S over the calls each rank takes part in. Each
+rank records its own copy of a call, so the W-average is ``sum(f·S over all ranks' events) / W``.
+
+nccl-tests' busbw factor (the busiest rank) is 1 for broadcast / reduce and is a different
+quantity: see :func:`bus_factor`; never mix the two.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+#: Ops whose nccl-tests array size is n * count.
+_TIMES_N = frozenset({"all_gather", "reduce_scatter", "all_to_all"})
+
+
+def array_elems(op: str, count: int, group_size: int) -> int:
+    """nccl-tests' total array size S in elements (see module docstring)."""
+    return group_size * count if op in _TIMES_N else count
+
+
+def avg_recv_factor(op: str, group_size: int) -> float:
+    """f(n): mean elements received per member per element of S (bandwidth-optimal).
+
+    Point-to-point calls are outside the model of SPEC §2: a ``recv`` receives its count
+    (f = 1), a ``send`` receives nothing, a ``barrier`` carries no payload.
+    """
+    n = group_size
+    if op == "recv":
+        return 1.0
+    if op in ("send", "barrier") or n <= 1:
+        return 0.0
+    return 2.0 * (n - 1) / n if op == "all_reduce" else (n - 1) / n
+
+
+def bus_factor(op: str, group_size: int) -> float:
+    """nccl-tests' busbw factor (busiest rank): 2(n-1)/n all_reduce; (n-1)/n AG/RS/A2A; 1 else."""
+    n = group_size
+    if op == "all_reduce":
+        return 2.0 * (n - 1) / n
+    if op in _TIMES_N:
+        return (n - 1) / n
+    return 1.0
+
+
+def avg_elems(op: str, count: int, group_size: int) -> float:
+    """f(n)·S of one call as seen by one member (contribution to the W-average numerator)."""
+    return avg_recv_factor(op, group_size) * array_elems(op, count, group_size)
+
+
+@dataclass(frozen=True)
+class ClosedForm:
+    """A mode's dedicated-param traffic per step as a multiple of P_M, by phase.
+
+    ``text`` is the formula as printed in reports; ``phases`` maps phase -> factor of P_M.
+    ``seed_phases`` is the seed document's reading where it differs (HSDP replicate terms).
+    """
+
+    text: str
+    phases: dict[str, float]
+    seed_phases: dict[str, float] | None = None
+
+    @property
+    def total(self) -> float:
+        return sum(self.phases.values())
+
+    @property
+    def seed_total(self) -> float | None:
+        return None if self.seed_phases is None else sum(self.seed_phases.values())
+
+
+def closed_form(mode: str, shard_size: int, replicate_size: int = 1) -> ClosedForm:
+    """The closed form of SPEC §2's table for ``mode`` at N = shard_size, R = replicate_size.
+
+    Modes: ddp-muon, dmuon-ddp, naive-fsdp2-z2, naive-fsdp2-z3, dmuon-z2, dmuon-z3,
+    naive-hsdp, dmuon-hsdp-z2, dmuon-hsdp-z3.
+
+    HSDP: the replicate-axis reduce and broadcast of each matrix run over one replicate group
+    of R ranks, so each costs (R-1)/(N·R)·P_M per rank on the W-average (the correction of
+    SPEC §2); the seed prices them at (R-1)/R·P_M each (``seed_phases``).
+
+    Raises:
+        ValueError: unknown mode or non-positive sizes.
+    """
+    n, r = shard_size, replicate_size
+    if n < 1 or r < 1:
+        raise ValueError(f"Invalid shard_size={n}, replicate_size={r}. Must be >= 1.")
+    a = (n - 1) / n
+    rep = (r - 1) / (n * r)
+    seed_rep = (r - 1) / r
+    table: dict[str, ClosedForm] = {
+        "ddp-muon": ClosedForm("2(N-1)/N", {"backward": 2 * a}),
+        "dmuon-ddp": ClosedForm("2(N-1)/N", {"forward": a, "backward": a}),
+        "naive-fsdp2-z2": ClosedForm("3(N-1)/N", {"forward": a, "backward": a, "optimizer": a}),
+        "naive-fsdp2-z3": ClosedForm(
+            "4(N-1)/N", {"forward": a, "backward": 2 * a, "optimizer": a}
+        ),
+        "dmuon-z2": ClosedForm("2(N-1)/N", {"forward": a, "backward": a}),
+        "dmuon-z3": ClosedForm("3(N-1)/N", {"forward": a, "backward": 2 * a}),
+        # naive HSDP = FSDP2 HSDP (reshard) + full-grad gather: AG fwd + AG/RS bwd + the
+        # replicate all_reduce of a 1/N shard + AG in the step.
+        "naive-hsdp": ClosedForm(
+            "4(N-1)/N + 2(R-1)/(N·R)",
+            {"forward": a, "backward": 2 * a + 2 * rep, "optimizer": a},
+        ),
+        "dmuon-hsdp-z2": ClosedForm(
+            "2(W-1)/W",
+            {"forward": a, "backward": a + rep, "replicate": rep},
+            {"forward": a, "backward": a + seed_rep, "replicate": seed_rep},
+        ),
+        "dmuon-hsdp-z3": ClosedForm(
+            "2(W-1)/W + (N-1)/N",
+            {"forward": a, "backward": 2 * a + rep, "replicate": rep},
+            {"forward": a, "backward": 2 * a + seed_rep, "replicate": seed_rep},
+        ),
+    }
+    if mode not in table:
+        raise ValueError(f"Invalid mode={mode!r}. Must be one of {sorted(table)}.")
+    return table[mode]
+
+
+#: Every mode the harness knows, in report order.
+MODES = (
+    "ddp-muon",
+    "dmuon-ddp",
+    "naive-fsdp2-z2",
+    "naive-fsdp2-z3",
+    "dmuon-z2",
+    "dmuon-z3",
+    "naive-hsdp",
+    "dmuon-hsdp-z2",
+    "dmuon-hsdp-z3",
+)
