@@ -100,7 +100,8 @@ def _fsdp_wrap(model: nn.Module, mesh, reshard: bool, ignored: set, per_linear: 
     for i, block in enumerate(model.blocks):
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard, ignored_params=ignored or None)
         order.append(f"blocks.{i}")
-    fully_shard(model, mesh=mesh, reshard_after_forward=reshard, ignored_params=ignored or None)
+    # The root without reshard_after_forward: FSDP2's "auto" keeps it unsharded after forward.
+    fully_shard(model, mesh=mesh, ignored_params=ignored or None)
     order.append("")
     return tuple(order)
 

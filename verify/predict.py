@@ -13,9 +13,11 @@ What is modelled (torch 2.13, measured on gloo by the harness):
   replicate axis; (HSDP) the owner's replicate broadcast after the step.
 - FSDP2 (``fully_shard``): one all_gather per FSDP group (params of a wrapped module not in a
   nested wrapped module and not ignored) whose per-rank count is the sum of dim-0-padded
-  shard sizes ceil(d0/N)·(d1·…); the root module is not resharded after forward (FSDP2 sets
-  the root's ``post_forward_mesh_info`` to None), every other group is re-gathered in
-  backward when ``reshard_after_forward``; one reduce_scatter per group (recv count = the
+  shard sizes ceil(d0/N)·(d1·…); every non-root group is re-gathered in backward when
+  ``reshard_after_forward``; the root is not resharded after forward when it was wrapped
+  without an explicit ``reshard_after_forward`` (torch 2.13 ``FSDPState._lazy_init`` sets the
+  root's ``post_forward_mesh_info`` to None only for that "auto" case; the harness wraps the
+  root that way, as users usually do: ``root_auto_reshard``); one reduce_scatter per group (recv count = the
   same padded shard size); HSDP adds an all_reduce of the shard over the replicate axis.
 - DDP: one all_reduce per gradient bucket, buckets from DDP's own
   ``dist._compute_bucket_assignment_by_size`` with caps (1 MiB first, ``bucket_cap_mb``).
@@ -52,6 +54,8 @@ class RunLayout:
         fsdp_modules: modules wrapped with ``fully_shard`` in wrap order ("" = root, last).
         reshard_after_forward: FSDP2's and DMuon's Z3 flag.
         ddp_bucket_cap_bytes: DDP's ``bucket_cap_mb`` in bytes.
+        root_auto_reshard: the root was wrapped without ``reshard_after_forward`` (FSDP2 then
+            keeps it unsharded after forward).
     """
 
     mode: str
@@ -62,6 +66,7 @@ class RunLayout:
     fsdp_modules: tuple[str, ...] = ()
     reshard_after_forward: bool = True
     ddp_bucket_cap_bytes: int = 25 * 1024 * 1024
+    root_auto_reshard: bool = True
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -85,7 +90,7 @@ class RunLayout:
 
     def p_m(self) -> int:
         """P_M: elements of the Muon-target params."""
-        return sum(p.numel for p in self.muon_specs())
+        return sum(math.prod(p.shape) for p in self.muon_specs())
 
 
 @dataclass(frozen=True)
@@ -178,13 +183,13 @@ def _fsdp_calls(layout: RunLayout, rank: int, ignored: set[str]) -> list[Expecte
         dtype = dtypes.pop()
         count = sum(padded_shard_numel(p.shape, n) for p in managed)
         ded = sum(padded_shard_numel(p.shape, n) for p in managed if p.name in muon)
-        is_root = module == ""
+        keeps_unsharded = module == "" and layout.root_auto_reshard
 
         def add(phase, op, gid, gsize):
             out.append(Expected(rank, phase, op, gid, gsize, count, dtype, None, module, ded))
 
         add("forward", "all_gather", sid, n)
-        if layout.reshard_after_forward and not is_root:
+        if layout.reshard_after_forward and not keeps_unsharded:
             add("backward", "all_gather", sid, n)
         add("backward", "reduce_scatter", sid, n)
         if r_size > 1:
@@ -203,7 +208,7 @@ def ddp_buckets(params: Sequence[ParamSpec], cap_bytes: int) -> list[list[ParamS
     tensors = [torch.empty(p.shape, dtype=getattr(torch, p.dtype), device="meta") for p in params]
     # DDP assigns over params in model order with [first bucket cap, bucket_cap].
     indices, _ = dist._compute_bucket_assignment_by_size(
-        [t.to_empty(device="cpu") for t in tensors],
+        tensors,
         [dist._DEFAULT_FIRST_BUCKET_BYTES, cap_bytes],
         [False] * len(tensors),
     )
@@ -222,11 +227,11 @@ def _ddp_calls(layout: RunLayout, rank: int, ignored: set[str]) -> list[Expected
                 "all_reduce",
                 wid,
                 layout.world_size,
-                sum(p.numel for p in bucket),
+                sum(math.prod(p.shape) for p in bucket),
                 bucket[0].dtype,
                 None,
                 None,
-                sum(p.numel for p in bucket if p.name in muon),
+                sum(math.prod(p.shape) for p in bucket if p.name in muon),
             )
         )
     return out

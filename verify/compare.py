@@ -1,0 +1,141 @@
+"""Compare measured collectives with the prediction: exact multisets, then the W-averages.
+
+A measured event and a predicted call are the same when their key
+``(rank, phase, op, group_id, count, dtype, root)`` is equal. The comparison is a multiset
+difference per run: anything predicted but not measured is *missing*, anything measured but
+not predicted is *unexpected*; either fails the run.
+
+Traffic figures follow ``verify.traffic``: the W-average of f(n)·S. The Muon-param share of
+a measured event (``dedicated`` figures) is the share of its matched prediction: a DDP
+bucket or an FSDP2 group may fuse Muon and AdamW params in one call, and only the plan knows
+the split; the existence and size of every call is measured. Unmatched events count towards
+totals but not towards the Muon share (and fail the run anyway).
+"""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from collections.abc import Sequence
+
+from tracer.events import CollectiveEvent
+
+from .predict import Expected, RunLayout, ns_calls_per_step, predict_step
+from .traffic import avg_elems, closed_form
+
+PHASES = ("forward", "backward", "optimizer", "replicate")
+
+
+def event_key(ev: CollectiveEvent) -> tuple:
+    """The comparison key of a measured event (see module docstring)."""
+    return (ev.rank, ev.phase, ev.op, ev.group_id, ev.count, ev.dtype, ev.root)
+
+
+def _call_dict(key: tuple, n: int, module: str | None) -> dict:
+    rank, phase, op, group_id, count, dtype, root = key
+    return dict(rank=rank, phase=phase, op=op, group_id=group_id, count=count, dtype=dtype,
+                root=root, module=module, n=n)
+
+
+def compare_run(
+    layout: RunLayout,
+    events: Sequence[CollectiveEvent],
+    *,
+    steps: int,
+    ns_calls: int,
+) -> dict:
+    """The report entry of one run (keys of report.json's ``runs[]``, see verify/report.py).
+
+    Args:
+        layout: what was run.
+        events: every rank's interposer events over ``steps`` measured steps.
+        steps: number of measured steps (> 0).
+        ns_calls: measured Newton–Schulz calls over those steps, summed over ranks.
+
+    Raises:
+        ValueError: ``steps`` < 1.
+    """
+    if steps < 1:
+        raise ValueError(f"Invalid steps={steps}. Must be >= 1.")
+    w = layout.world_size
+    predicted: list[Expected] = predict_step(layout)
+    pred_counter = Counter()
+    share: dict[tuple, float] = {}
+    module_of: dict[tuple, str | None] = {}
+    for e in predicted:
+        pred_counter[e.key()] += steps
+        share[e.key()] = e.dedicated_count / e.count if e.count else 0.0
+        module_of[e.key()] = e.module
+    meas_counter = Counter(event_key(ev) for ev in events)
+    missing = pred_counter - meas_counter
+    unexpected = meas_counter - pred_counter
+
+    phases: dict[str, dict] = {}
+    form = closed_form(layout.mode, layout.shard_size, layout.replicate_size)
+    p_m = layout.p_m()
+    per_rank = defaultdict(float)
+    total_measured = 0.0
+    meas_phase = defaultdict(float)
+    meas_phase_n = Counter()
+    for ev in events:
+        key = event_key(ev)
+        elems = avg_elems(ev.op, ev.count or 0, ev.group_size or 1)
+        total_measured += elems
+        ded = elems * share.get(key, 0.0)
+        meas_phase[ev.phase] += ded
+        meas_phase_n[ev.phase] += 1
+        per_rank[ev.rank] += ded
+    pred_phase = defaultdict(float)
+    pred_phase_n = Counter()
+    total_predicted = 0.0
+    for e in predicted:
+        elems = avg_elems(e.op, e.count, e.group_size)
+        total_predicted += elems
+        pred_phase[e.phase] += elems * share[e.key()]
+        pred_phase_n[e.phase] += 1
+    for ph in [p for p in PHASES if p in pred_phase or p in meas_phase] + sorted(
+        p for p in set(meas_phase) if p not in PHASES
+    ):
+        ph_missing = sum(n for k, n in missing.items() if k[1] == ph)
+        ph_unexpected = sum(n for k, n in unexpected.items() if k[1] == ph)
+        cf = form.phases.get(ph)
+        seed = form.seed_phases.get(ph) if form.seed_phases else None
+        phases[str(ph)] = {
+            "measured_avg_elems": meas_phase[ph] / (w * steps),
+            "predicted_avg_elems": pred_phase[ph] / w,
+            "closed_form_avg_elems": None if cf is None else cf * p_m,
+            "seed_avg_elems": None if seed is None else seed * p_m,
+            "collectives_measured": meas_phase_n[ph] / steps,
+            "collectives_predicted": pred_phase_n[ph],
+            "pass": ph_missing == 0 and ph_unexpected == 0,
+        }
+    measured_avg = sum(meas_phase.values()) / (w * steps)
+    predicted_avg = sum(pred_phase.values()) / w
+    ns_per_step = ns_calls / steps
+    ns_expected = ns_calls_per_step(layout)
+    padded = any(s.shape[0] % layout.shard_size for s in layout.muon_specs())
+    closed_ok = padded or abs(measured_avg - form.total * p_m) <= 1e-9 * max(p_m, 1)
+    ok = not missing and not unexpected and ns_per_step == ns_expected and closed_ok
+    run = dict(
+        mode=layout.mode,
+        world_size=w,
+        shard_size=layout.shard_size,
+        replicate_size=layout.replicate_size,
+        p_m=p_m,
+        measured_avg_elems=measured_avg,
+        predicted_avg_elems=predicted_avg,
+        closed_form=form.text,
+        closed_form_avg_elems=form.total * p_m,
+        seed_avg_elems=None if form.seed_total is None else form.seed_total * p_m,
+        ratio_to_p_m=measured_avg / p_m if p_m else 0.0,
+        ns_calls_per_step=int(ns_per_step) if ns_per_step == int(ns_per_step) else ns_per_step,
+        ns_calls_expected=ns_expected,
+        max_rank_elems=max(per_rank.values(), default=0.0) / steps,
+        total_measured_avg_elems=total_measured / (w * steps),
+        total_predicted_avg_elems=total_predicted / w,
+        phases=phases,
+        missing=[_call_dict(k, n, module_of.get(k)) for k, n in sorted(missing.items(), key=str)],
+        unexpected=[_call_dict(k, n, None) for k, n in sorted(unexpected.items(), key=str)],
+        closed_form_matches=closed_ok,
+    )
+    run["pass"] = ok
+    return run

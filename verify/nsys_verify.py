@@ -1,0 +1,166 @@
+"""``make nsys-verify``: the verify-traffic workload under Nsight Systems, checked against the
+interposer.
+
+Steps (where ``nsys`` is on PATH and ``torch.cuda.device_count() >= 2``):
+
+1. ``nsys profile -t cuda,nvtx -o <dir>/report --force-overwrite=true python -m verify.launch
+   --out-dir <dir>``: the workload writes ``<dir>/report.json`` and interposer events
+   ``<dir>/<mode>/events_rank<r>.parquet``; nsys writes ``<dir>/report.nsys-rep``.
+2. ``nsys export --type sqlite --include-blobs=true --force-overwrite=true -o
+   <dir>/report.sqlite <dir>/report.nsys-rep``.
+3. :func:`tracer.nsys.parse_nsys`, ranks assigned to nsys events (:func:`assign_ranks`), then
+   :func:`tracer.crosscheck.crosscheck` ``(reference=interposer, other=nsys, source="nsys")``.
+
+nsys events carry no communicator or size (the payload blob is not decoded, see
+``tracer/nsys_payload.py``), so both sides are compared per rank in time order, without group
+ids or sequence numbers, and the printed verdict says when sizes could not be compared.
+
+Exit codes: 0 pass; 1 cross-check failed; 3 prerequisites missing (no ``nsys`` on PATH, fewer
+than 2 GPUs; the message names which); 4 a step failed (workload, export, parse: the message
+says which, with its exit status); 5 ``tracer.crosscheck`` not importable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import shutil
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+EXIT_PASS, EXIT_FAIL, EXIT_PREREQUISITES, EXIT_STEP_FAILED, EXIT_NO_CROSSCHECK = 0, 1, 3, 4, 5
+MIN_GPUS = 2
+
+
+def missing_prerequisites(nsys_path: str | None, gpu_count: int) -> list[str]:
+    """What this machine lacks for an nsys run, one sentence each (empty: all present)."""
+    missing = []
+    if nsys_path is None:
+        missing.append("`nsys` is not on PATH (install Nsight Systems, or add its target-linux-x64 "
+                       "folder to PATH)")
+    if gpu_count < MIN_GPUS:
+        missing.append(f"torch.cuda.device_count() = {gpu_count}, need >= {MIN_GPUS} GPUs for an "
+                       "NCCL run")
+    return missing
+
+
+def profile_command(out_dir: Path, *, nsys: str = "nsys", python: str = sys.executable,
+                    extra: Sequence[str] = ()) -> list[str]:
+    """``nsys profile`` around the workload; the report lands in ``<out_dir>/report.nsys-rep``."""
+    return [nsys, "profile", "-t", "cuda,nvtx", "-o", str(out_dir / "report"),
+            "--force-overwrite=true", python, "-m", "verify.launch", "--out-dir", str(out_dir),
+            *extra]
+
+
+def export_command(report: Path, sqlite_out: Path, *, nsys: str = "nsys") -> list[str]:
+    """``nsys export`` to SQLite with the payload blobs (``binaryData``) included."""
+    return [nsys, "export", "--type", "sqlite", "--include-blobs=true", "--force-overwrite=true",
+            "-o", str(sqlite_out), str(report)]
+
+
+def load_reference(out_dir: Path):
+    """Interposer events of every mode: ``<out_dir>/<mode>/events_rank<r>.parquet``."""
+    from tracer.events import read_parquet
+
+    files = sorted(out_dir.glob("*/events_rank*.parquet"))
+    if not files:
+        raise ValueError(f"Invalid workload output out_dir={str(out_dir)!r}: no "
+                         "<mode>/events_rank<r>.parquet. Must be written by verify.launch.")
+    return [ev for f in files for ev in read_parquet(f)]
+
+
+def assign_ranks(nsys_events, reference):
+    """nsys events with ``rank`` set, for a single-node run with one process per GPU.
+
+    By ``pid`` where the reference events carry one (exact); otherwise by CUDA device, taking
+    rank = ``cuda_dev`` (torchrun's one process per GPU with device = local rank = rank on one
+    node). Events with neither keep ``rank=None``. Group ids and seqs are cleared (nsys does not
+    know them) and events are ordered by (rank, t_start_ns) so that threads of one process merge
+    into issue order.
+    """
+    rank_by_pid = {e.pid: e.rank for e in reference if e.pid is not None and e.rank is not None}
+    out = []
+    for ev in nsys_events:
+        rank = rank_by_pid.get(ev.pid) if rank_by_pid else ev.cuda_dev
+        out.append(ev.replace(rank=rank, group_id=None, seq=None))
+    return sorted(out, key=lambda e: (e.rank is None, e.rank or 0, e.t_start_ns or 0))
+
+
+def _reference_per_rank(reference):
+    """Reference events keyed by rank only (nsys has no group ids), in issue order."""
+    return [ev.replace(group_id=None, seq=None) for ev in reference]
+
+
+def _run(cmd: list[str], what: str) -> int:
+    print(f"nsys-verify: {what}: {' '.join(cmd)}", flush=True)
+    try:
+        return subprocess.call(cmd)
+    except OSError as exc:
+        print(f"nsys-verify: {what} could not start: {exc}", file=sys.stderr)
+        return 127
+
+
+def _gpu_count() -> int:
+    try:
+        import torch
+    except ImportError:
+        return 0
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="make nsys-verify", description=__doc__.split("\n\n")[0],
+        epilog="Exit codes: 0 pass, 1 cross-check failed, 3 prerequisites missing, 4 a step "
+               "failed, 5 tracer.crosscheck not importable.")
+    parser.add_argument("--out-dir", type=Path, default=None,
+                        help="output folder (default traces/nsys-<UTC timestamp>)")
+    parser.add_argument("--nsys", default=None, help="nsys executable (default: from PATH)")
+    parser.add_argument("--align", choices=("exact", "tail"), default="exact",
+                        help="crosscheck window alignment (tracer/crosscheck.py)")
+    args, extra = parser.parse_known_args(argv)
+    nsys = args.nsys or shutil.which("nsys")
+    missing = missing_prerequisites(nsys, _gpu_count())
+    if missing:
+        print("nsys-verify: prerequisites missing, nothing run:\n  - " + "\n  - ".join(missing),
+              file=sys.stderr)
+        return EXIT_PREREQUISITES
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    out_dir = args.out_dir or Path("traces") / f"nsys-{stamp}"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    rc = _run(profile_command(out_dir, nsys=nsys, extra=extra), "profile")
+    if rc != 0:
+        print(f"nsys-verify: workload under nsys failed with exit status {rc}", file=sys.stderr)
+        return EXIT_STEP_FAILED
+    sqlite_out = out_dir / "report.sqlite"
+    rc = _run(export_command(out_dir / "report.nsys-rep", sqlite_out, nsys=nsys), "export")
+    if rc != 0:
+        print(f"nsys-verify: nsys export failed with exit status {rc}", file=sys.stderr)
+        return EXIT_STEP_FAILED
+    try:
+        from tracer.crosscheck import crosscheck
+    except ImportError as exc:
+        print(f"nsys-verify: tracer.crosscheck not importable ({exc})", file=sys.stderr)
+        return EXIT_NO_CROSSCHECK
+    from tracer.nsys import parse_nsys
+
+    try:
+        result = parse_nsys(sqlite_out)
+        reference = load_reference(out_dir)
+    except ValueError as exc:
+        print(f"nsys-verify: {exc}", file=sys.stderr)
+        return EXIT_STEP_FAILED
+    print(result.summary())
+    check = crosscheck(_reference_per_rank(reference), assign_ranks(result.events, reference),
+                       source="nsys", backend="nccl", align=args.align)
+    print("\n".join(check.lines()))
+    if any(ev.msg_bytes is None for ev in result.events):
+        print(f"nsys-verify: nsys sizes unavailable: {result.sizes_unavailable_reason}")
+    print(f"nsys-verify: {'PASS' if check.passed else 'FAIL'}")
+    return EXIT_PASS if check.passed else EXIT_FAIL
+
+
+if __name__ == "__main__":
+    sys.exit(main())

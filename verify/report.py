@@ -1,0 +1,682 @@
+"""Render a verify-traffic report: terminal table, report.json, report.md and traffic.png.
+
+The ``report`` dict (built by the verify-traffic runner) *is* the content of report.json; every
+function here is a pure function of it. Units: all ``*_elems`` figures count elements of the
+dedicated (Muon-target) parameters per rank per training step, as the **W-average** of
+``f(n)·S`` over the calls each rank takes part in (SPEC §2; S is nccl-tests' "total array
+size", f = 2(n-1)/n for all_reduce and (n-1)/n otherwise, from nccl-tests
+``doc/PERFORMANCE.md``). ``max_rank_elems`` is the busiest rank's figure in the same unit; it is
+always shown in its own column, never mixed with the averages.
+
+Glossary: W = world size, N = shard-group size (``shard_size``), R = replicate-group size
+(``replicate_size``), P_M = elements of dedicated params (``p_m``), NS = Newton–Schulz.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from statistics import median
+
+from tabulate import tabulate
+
+from tracer.events import SOURCES
+
+#: Training modes the harness runs, in report order.
+MODES: tuple[str, ...] = (
+    "ddp-muon",
+    "dmuon-ddp",
+    "naive-fsdp2-z2",
+    "naive-fsdp2-z3",
+    "dmuon-z2",
+    "dmuon-z3",
+    "naive-hsdp",
+    "dmuon-hsdp-z2",
+    "dmuon-hsdp-z3",
+)
+
+#: Phase rows in display order (names from ``dmuon.annotate.PHASES``).
+PHASE_ORDER: tuple[str, ...] = ("setup", "forward", "backward", "optimizer", "replicate")
+
+#: Short column labels of the trace sources (``tracer.events.SOURCES``).
+SOURCE_LABELS: dict[str, str] = {
+    "interposer": "interposer",
+    "flight_recorder": "fr",
+    "nccl_log": "nccl",
+    "nsys": "nsys",
+}
+
+#: Measured and predicted figures are sums of integers divided by W: equal up to float rounding.
+READING_REL_TOL = 1e-9
+
+#: How many missing / unexpected collectives and source mismatches a failure listing shows.
+MAX_LISTED = 20
+MAX_MISMATCHES = 5
+
+_NUM = (int, float)
+_OPT_NUM = (int, float, type(None))
+_OPT_STR = (str, type(None))
+_OPT_INT = (int, type(None))
+
+#: key -> allowed types, in report.json order.
+_TOP_KEYS: dict[str, tuple] = {
+    "pass": (bool,),
+    "created_utc": (str,),
+    "torch_version": (str,),
+    "backend": (str,),
+    "world_size": (int,),
+    "steps_warmup": (int,),
+    "steps_measured": (int,),
+    "run_id": (str,),
+    "runs": (list,),
+}
+_RUN_KEYS: dict[str, tuple] = {
+    "mode": (str,),
+    "world_size": (int,),
+    "shard_size": (int,),
+    "replicate_size": (int,),
+    "p_m": (int,),
+    "measured_avg_elems": _NUM,
+    "predicted_avg_elems": _NUM,
+    "closed_form": (str,),
+    "closed_form_avg_elems": _NUM,
+    "seed_avg_elems": _OPT_NUM,
+    "ratio_to_p_m": _NUM,
+    "ns_calls_per_step": _NUM,  # a mean over measured steps: may be fractional
+    "ns_calls_expected": _NUM,
+    "max_rank_elems": _NUM,
+    "total_measured_avg_elems": _NUM,
+    "total_predicted_avg_elems": _NUM,
+    "loss_first": _NUM,
+    "loss_last": _NUM,
+    "pass": (bool,),
+    "phases": (dict,),
+    "missing": (list,),
+    "unexpected": (list,),
+    "sources": (dict,),
+    "replicate_overlap": (list,),
+    "timeline": _OPT_STR,
+}
+_PHASE_KEYS: dict[str, tuple] = {
+    "measured_avg_elems": _NUM,
+    "predicted_avg_elems": _NUM,
+    "closed_form_avg_elems": _OPT_NUM,
+    "seed_avg_elems": _OPT_NUM,
+    "collectives_measured": _NUM,  # calls per step, all ranks (mean over measured steps)
+    "collectives_predicted": _NUM,
+    "pass": (bool,),
+}
+_COLLECTIVE_KEYS: dict[str, tuple] = {  # None where the source could not tell
+    "rank": _OPT_INT,
+    "phase": _OPT_STR,
+    "op": (str,),
+    "group_id": _OPT_STR,
+    "count": _OPT_INT,
+    "dtype": _OPT_STR,
+    "root": _OPT_INT,
+    "module": _OPT_STR,
+    "n": (int,),
+}
+_SOURCE_KEYS: dict[str, tuple] = {
+    "events": (int,),
+    "matched": (int,),
+    "unmatched": (int,),
+    "pass": (bool,),
+    "mismatches": (list,),
+}
+_OVERLAP_KEYS: dict[str, tuple] = {
+    "module": (str,),
+    "rank": (int,),
+    "issued_ns": (int,),
+    "waited_ns": (int,),
+    "wait_dur_ns": (int,),
+}
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+def _check_keys(obj: object, spec: Mapping[str, tuple], where: str) -> None:
+    if not isinstance(obj, Mapping):
+        raise ValueError(f"Invalid {where}={obj!r}. Must be a dict with keys {list(spec)}.")
+    for key, types in spec.items():
+        if key not in obj:
+            raise ValueError(
+                f"Invalid {where}: missing key {key!r}. Must have keys {list(spec)} "
+                "(report.json data model, verify/report.py)."
+            )
+        value = obj[key]
+        # bool is an int subclass: only accept it where bool is the declared type.
+        bad_bool = isinstance(value, bool) and bool not in types
+        if bad_bool or not isinstance(value, types):
+            names = "/".join("None" if t is type(None) else t.__name__ for t in types)
+            raise ValueError(f"Invalid {where}[{key!r}]={value!r}. Must be of type {names}.")
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ValueError(
+                f"Invalid {where}[{key!r}]={value!r}. Must be finite (JSON has no NaN/inf); "
+                "fix the runner that computed it."
+            )
+
+
+def validate_report(report: Mapping) -> None:
+    """Check ``report`` against the report.json data model.
+
+    Raises:
+        ValueError: a key is missing or has the wrong type, a float is NaN/inf, a mode, phase
+            or source name is unknown, ``ratio_to_p_m`` is not ``measured_avg_elems / p_m``, a
+            replicate broadcast is waited before it is issued, or ``report["pass"]`` is true
+            while a run failed.
+    """
+    _check_keys(report, _TOP_KEYS, "report")
+    if report["backend"] not in ("gloo", "nccl"):
+        raise ValueError(
+            f"Invalid report['backend']={report['backend']!r}. Must be 'gloo' or 'nccl'."
+        )
+    if not report["runs"]:
+        raise ValueError("Invalid report['runs']=[]. Must hold at least one run.")
+    for i, run in enumerate(report["runs"]):
+        where = f"report['runs'][{i}]"
+        _check_keys(run, _RUN_KEYS, where)
+        where = f"run {run['mode']!r}"
+        if run["mode"] not in MODES:
+            raise ValueError(f"Invalid {where} mode={run['mode']!r}. Must be one of {MODES}.")
+        if run["p_m"] <= 0:
+            raise ValueError(f"Invalid {where} p_m={run['p_m']}. Must be > 0 (dedicated elements).")
+        ratio = run["measured_avg_elems"] / run["p_m"]
+        if not math.isclose(run["ratio_to_p_m"], ratio, rel_tol=READING_REL_TOL, abs_tol=1e-12):
+            raise ValueError(
+                f"Invalid {where} ratio_to_p_m={run['ratio_to_p_m']}. Must equal "
+                f"measured_avg_elems / p_m = {run['measured_avg_elems']} / {run['p_m']} = {ratio}."
+            )
+        for name, ph in run["phases"].items():
+            if not isinstance(name, str):
+                raise ValueError(f"Invalid {where} phase={name!r}. Must be a str (phase name).")
+            _check_keys(ph, _PHASE_KEYS, f"{where} phases[{name!r}]")
+        for kind in ("missing", "unexpected"):
+            for j, entry in enumerate(run[kind]):
+                _check_keys(entry, _COLLECTIVE_KEYS, f"{where} {kind}[{j}]")
+        for name, src in run["sources"].items():
+            if name not in SOURCES:
+                raise ValueError(f"Invalid {where} source={name!r}. Must be one of {SOURCES}.")
+            _check_keys(src, _SOURCE_KEYS, f"{where} sources[{name!r}]")
+        for j, entry in enumerate(run["replicate_overlap"]):
+            _check_keys(entry, _OVERLAP_KEYS, f"{where} replicate_overlap[{j}]")
+            if entry["waited_ns"] < entry["issued_ns"]:
+                raise ValueError(
+                    f"Invalid {where} replicate_overlap[{j}] waited_ns={entry['waited_ns']} < "
+                    f"issued_ns={entry['issued_ns']}. Must be measured from the same step start "
+                    "(the step that issued the broadcast), so that the wait comes after the issue."
+                )
+    failed = [run["mode"] for run in report["runs"] if not run["pass"]]
+    if report["pass"] and failed:
+        raise ValueError(
+            f"Invalid report['pass']=True while runs {failed} failed. Must be False when any "
+            "run fails (it is the CI gate)."
+        )
+
+
+# ----------------------------------------------------------------------------- formatting
+
+
+def fmt_elems(x: float | None) -> str:
+    """Elements with thousands separators: integers exactly, fractions to 2 decimals, ``–``
+    for None (``98304.0`` -> ``98,304``; ``43690.666`` -> ``43,690.67``)."""
+    if x is None:
+        return "–"
+    if abs(x - round(x)) < 1e-9:
+        return f"{round(x):,}"
+    return f"{x:,.2f}"
+
+
+def fmt_count(x: float) -> str:
+    """A per-step count (calls): an integer as is, a fractional mean to 2 decimals."""
+    return f"{round(x)}" if abs(x - round(x)) < 1e-9 else f"{x:.2f}"
+
+
+def fmt_ratio(x: float | None) -> str:
+    """A ratio to P_M with 4 decimals (e.g. ``1.5000``); ``–`` for None."""
+    return "–" if x is None else f"{x:.4f}"
+
+
+def _us(ns: float) -> str:
+    return f"{ns / 1e3:,.1f}"
+
+
+def _sources_present(report: Mapping) -> list[str]:
+    present = {name for run in report["runs"] for name in run["sources"]}
+    return [s for s in SOURCES if s in present]
+
+
+def _has_seed(report: Mapping) -> bool:
+    return any(
+        run["seed_avg_elems"] is not None
+        or any(ph["seed_avg_elems"] is not None for ph in run["phases"].values())
+        for run in report["runs"]
+    )
+
+
+def _phase_names(phases: Mapping[str, Mapping]) -> list[str]:
+    """Known phases in :data:`PHASE_ORDER`, then any other (e.g. an untagged call) sorted."""
+    return [n for n in PHASE_ORDER if n in phases] + sorted(n for n in phases
+                                                            if n not in PHASE_ORDER)
+
+
+def _ordered_phases(phases: Mapping[str, Mapping]) -> list[tuple[str, Mapping]]:
+    return [(name, phases[name]) for name in _phase_names(phases)]
+
+
+def _verdict(ok: bool) -> str:
+    return "PASS" if ok else "FAIL"
+
+
+def table_rows(report: Mapping) -> tuple[list[str], list[list[str]]]:
+    """Headers and rows of the per-mode, per-phase table (one row per phase plus ``total``).
+
+    Average columns (``... avg [elem]``) and the per-rank maximum (``max rank [elem]``) are
+    separate; the maximum, NS calls and per-source counts are per run, so only on ``total``.
+
+    Raises:
+        ValueError: ``report`` does not follow the data model (see :func:`validate_report`).
+    """
+    validate_report(report)
+    seed = _has_seed(report)
+    sources = _sources_present(report)
+    headers = ["mode", "phase", "measured avg [elem]", "predicted avg [elem]",
+               "closed form avg [elem]", "formula"]
+    if seed:
+        headers.append("seed avg [elem]")
+    headers += ["ratio to P_M", "max rank [elem]", "collectives meas/pred",
+                "NS calls/step meas/exp"]
+    headers += [f"{SOURCE_LABELS[s]} [matched/events]" for s in sources]
+    headers.append("result")
+
+    rows: list[list[str]] = []
+    for run in report["runs"]:
+        p_m = run["p_m"]
+        phases = _ordered_phases(run["phases"])
+        for name, ph in phases:
+            row = [run["mode"], name, fmt_elems(ph["measured_avg_elems"]),
+                   fmt_elems(ph["predicted_avg_elems"]), fmt_elems(ph["closed_form_avg_elems"]), ""]
+            if seed:
+                row.append(fmt_elems(ph["seed_avg_elems"]))
+            row += [fmt_ratio(ph["measured_avg_elems"] / p_m), "",
+                    f"{fmt_count(ph['collectives_measured'])}/"
+                    f"{fmt_count(ph['collectives_predicted'])}", ""]
+            row += [""] * len(sources)
+            row.append(_verdict(ph["pass"]))
+            rows.append(row)
+        n_meas = sum(ph["collectives_measured"] for _, ph in phases)
+        n_pred = sum(ph["collectives_predicted"] for _, ph in phases)
+        row = [run["mode"], "total", fmt_elems(run["measured_avg_elems"]),
+               fmt_elems(run["predicted_avg_elems"]), fmt_elems(run["closed_form_avg_elems"]),
+               run["closed_form"]]
+        if seed:
+            row.append(fmt_elems(run["seed_avg_elems"]))
+        row += [fmt_ratio(run["ratio_to_p_m"]), fmt_elems(run["max_rank_elems"]),
+                f"{fmt_count(n_meas)}/{fmt_count(n_pred)}",
+                f"{fmt_count(run['ns_calls_per_step'])}/{fmt_count(run['ns_calls_expected'])}"]
+        for s in sources:
+            src = run["sources"].get(s)
+            if src is None:
+                row.append("–")
+            else:
+                row.append(f"{src['matched']}/{src['events']}" + ("" if src["pass"] else " FAIL"))
+        row.append(_verdict(run["pass"]))
+        rows.append(row)
+    return headers, rows
+
+
+def _all_params_rows(report: Mapping) -> tuple[list[str], list[list[str]]]:
+    headers = ["mode", "W", "N", "R", "P_M [elem]", "all params measured avg [elem]",
+               "all params predicted avg [elem]", "loss first", "loss last"]
+    rows = [
+        [run["mode"], run["world_size"], run["shard_size"], run["replicate_size"],
+         fmt_elems(run["p_m"]), fmt_elems(run["total_measured_avg_elems"]),
+         fmt_elems(run["total_predicted_avg_elems"]), f"{run['loss_first']:.4f}",
+         f"{run['loss_last']:.4f}"]
+        for run in report["runs"]
+    ]
+    return headers, rows
+
+
+def _collective_rows(entries: Sequence[Mapping]) -> list[list[str]]:
+    return [
+        [_dash(e["rank"]), _dash(e["phase"]), e["op"], _dash(e["group_id"]),
+         "–" if e["count"] is None else f"{e['count']:,}", _dash(e["dtype"]), _dash(e["root"]),
+         _dash(e["module"]), f"×{e['n']}"]
+        for e in entries[:MAX_LISTED]
+    ]
+
+
+def _dash(value: object) -> str:
+    return "–" if value is None or value == "" else str(value)
+
+
+_COLLECTIVE_HEADERS = ["rank", "phase", "op", "group", "count [elem/rank]", "dtype", "root",
+                       "module", "×n"]
+
+
+def failure_sections(run: Mapping, tablefmt: str) -> list[tuple[str, str]]:
+    """``(title, body)`` pairs explaining why ``run`` failed: failed phases, missing and
+    unexpected collectives (first :data:`MAX_LISTED`), source mismatches (first
+    :data:`MAX_MISMATCHES` per source, then a count of the rest)."""
+    out: list[tuple[str, str]] = []
+    bad_phases = [
+        f"{name}: measured {fmt_elems(ph['measured_avg_elems'])} vs predicted "
+        f"{fmt_elems(ph['predicted_avg_elems'])} elem, collectives "
+        f"{fmt_count(ph['collectives_measured'])}/{fmt_count(ph['collectives_predicted'])}"
+        for name, ph in _ordered_phases(run["phases"]) if not ph["pass"]
+    ]
+    if run["ns_calls_per_step"] != run["ns_calls_expected"]:
+        bad_phases.append(
+            f"NS calls/step: measured {fmt_count(run['ns_calls_per_step'])} vs expected "
+            f"{fmt_count(run['ns_calls_expected'])}"
+        )
+    if bad_phases:
+        out.append(("failed checks", "\n".join(f"- {line}" for line in bad_phases)))
+    for kind in ("missing", "unexpected"):
+        entries = run[kind]
+        if not entries:
+            continue
+        calls = sum(e["n"] for e in entries)
+        title = f"{kind} collectives ({len(entries)} entries, {calls} calls)"
+        body = tabulate(_collective_rows(entries), headers=_COLLECTIVE_HEADERS, tablefmt=tablefmt)
+        if len(entries) > MAX_LISTED:
+            body += f"\n… and {len(entries) - MAX_LISTED} more entries"
+        out.append((title, body))
+    for name in SOURCES:
+        src = run["sources"].get(name)
+        if src is None or not src["mismatches"]:
+            continue
+        shown = src["mismatches"][:MAX_MISMATCHES]
+        lines = [f"- {m}" for m in shown]
+        rest = len(src["mismatches"]) - len(shown)
+        if rest:
+            lines.append(f"- … and {rest} more")
+        title = (f"{name} mismatches ({len(src['mismatches'])}; matched {src['matched']}/"
+                 f"{src['events']}, unmatched {src['unmatched']})")
+        out.append((title, "\n".join(lines)))
+    return out
+
+
+_LEGEND = (
+    "avg [elem]: dedicated-param elements per rank per step, W-average of f(n)·S (SPEC §2); "
+    "max rank [elem]: busiest rank, same unit; ratio to P_M: measured avg / P_M."
+)
+
+
+def format_table(report: Mapping) -> str:
+    """The terminal report: the per-mode, per-phase table, the all-params table, and for each
+    failed run the reasons (see :func:`failure_sections`).
+
+    Raises:
+        ValueError: ``report`` does not follow the data model (see :func:`validate_report`).
+    """
+    headers, rows = table_rows(report)
+    colalign = ("left", "left") + ("right",) * (len(headers) - 2)
+    parts = [
+        f"verify-traffic {report['run_id']}: backend={report['backend']} W={report['world_size']} "
+        f"torch {report['torch_version']}, {report['steps_measured']} measured steps after "
+        f"{report['steps_warmup']} warm-up -> {_verdict(report['pass'])}",
+        tabulate(rows, headers=[_two_line(h) for h in headers], tablefmt="simple",
+                 colalign=colalign, disable_numparse=True),
+        _LEGEND,
+        "",
+        _tab(_all_params_rows(report), "simple"),
+    ]
+    for run in report["runs"]:
+        if run["pass"]:
+            continue
+        parts += ["", f"FAIL {run['mode']} (W={run['world_size']}, N={run['shard_size']}, "
+                      f"R={run['replicate_size']})"]
+        for title, body in failure_sections(run, "simple"):
+            parts += [f"  {title}:", _indent(body, "    ")]
+    return "\n".join(parts) + "\n"
+
+
+def _two_line(header: str) -> str:
+    """A terminal header on two lines: the unit (``[...]``) or the ``meas/...`` pair below."""
+    if " [" in header:
+        i = header.rindex(" [")
+    elif header.endswith((" meas/pred", " meas/exp")):
+        i = header.rindex(" ")
+    else:
+        return header
+    return header[:i] + "\n" + header[i + 1:]
+
+
+def _tab(headers_rows: tuple[list[str], list[list]], tablefmt: str) -> str:
+    headers, rows = headers_rows
+    colalign = ("left",) + ("right",) * (len(headers) - 1)
+    return tabulate(rows, headers=headers, tablefmt=tablefmt, colalign=colalign,
+                    disable_numparse=True)
+
+
+def _indent(text: str, prefix: str) -> str:
+    return "\n".join(prefix + line for line in text.splitlines())
+
+
+# ----------------------------------------------------------------------------- markdown
+
+
+def _close(a: float | None, b: float | None) -> bool:
+    return a is not None and b is not None and math.isclose(a, b, rel_tol=READING_REL_TOL,
+                                                            abs_tol=1e-6)
+
+
+def hsdp_reading_rows(report: Mapping) -> tuple[list[str], list[list[str]]]:
+    """The HSDP replicate-term comparison: for each run with a seed reading, the replicate
+    phase and the total, measured vs the W-average reading (closed form) vs the seed's
+    reading, and which one the measurement confirms. Empty rows when no run has one."""
+    headers = ["mode", "term", "measured avg [elem]", "W-average reading [elem]",
+               "seed reading [elem]", "measured / seed", "confirmed reading"]
+    rows = []
+    for run in report["runs"]:
+        terms = []
+        rep = run["phases"].get("replicate")
+        if rep is not None and rep["seed_avg_elems"] is not None:
+            terms.append(("replicate", rep["measured_avg_elems"], rep["closed_form_avg_elems"],
+                          rep["seed_avg_elems"]))
+        if run["seed_avg_elems"] is not None:
+            terms.append(("total", run["measured_avg_elems"], run["closed_form_avg_elems"],
+                          run["seed_avg_elems"]))
+        for term, measured, w_avg, seed in terms:
+            if _close(measured, w_avg) and not _close(measured, seed):
+                verdict = "W-average"
+            elif _close(measured, seed) and not _close(measured, w_avg):
+                verdict = "seed"
+            elif _close(measured, seed):
+                verdict = "both (equal here)"
+            else:
+                verdict = "neither"
+            ratio = fmt_ratio(measured / seed) if seed else "–"
+            rows.append([run["mode"], term, fmt_elems(measured), fmt_elems(w_avg),
+                         fmt_elems(seed), ratio, verdict])
+    return headers, rows
+
+
+def overlap_rows(report: Mapping) -> tuple[list[str], list[list[str]]]:
+    """Per run with ``replicate_overlap`` entries: how the async replicate broadcast hid
+    behind compute. ``issue→wait`` is ``waited_ns - issued_ns`` (both from the start of the
+    step that issued the broadcast); ``wait`` is ``wait_dur_ns``, the time the next forward
+    pre-hook blocked (near 0: fully hidden). Times in µs."""
+    headers = ["mode", "broadcasts", "median issue→wait [µs]", "median wait [µs]",
+               "max wait [µs]", "total wait / rank [µs]"]
+    rows = []
+    for run in report["runs"]:
+        entries = run["replicate_overlap"]
+        if not entries:
+            continue
+        leads = [e["waited_ns"] - e["issued_ns"] for e in entries]
+        waits = [e["wait_dur_ns"] for e in entries]
+        ranks = {e["rank"] for e in entries}
+        rows.append([run["mode"], len(entries), _us(median(leads)), _us(median(waits)),
+                     _us(max(waits)), _us(sum(waits) / len(ranks))])
+    return headers, rows
+
+
+_ACCOUNTING = (
+    "**Accounting.** Every figure in *elem* counts elements of the dedicated (Muon-target) "
+    "parameters moved per rank per training step, averaged over the steady-state steps. For one "
+    "collective call over a group of n ranks, S is nccl-tests' total array size (the message for "
+    "all_reduce, broadcast and reduce; n × the per-rank count for all_gather and "
+    "reduce_scatter) and f(n)·S is what a bandwidth-optimal algorithm delivers to an average "
+    "member, with f = 2(n-1)/n for all_reduce and (n-1)/n for every other collective "
+    "(nccl-tests `doc/PERFORMANCE.md`). A rank's figure is the sum of f(n)·S over the calls it "
+    "takes part in; *avg* columns are the mean over all W ranks (total link traffic / W, "
+    "SPEC §2), *max rank* is the busiest rank (load balance) and is never averaged in. "
+    "*predicted* is the exact list of collectives derived from the ownership plan and the "
+    "model's shapes; *closed form* is the formula of SPEC §2 evaluated at P_M; *ratio to P_M* "
+    "is measured avg / P_M. Multiply by the dtype size for bytes."
+)
+
+
+def format_markdown(report: Mapping) -> str:
+    """report.md: header, accounting note, the per-mode table, the all-params table, the HSDP
+    replicate-term comparison and overlap (when HSDP runs exist), the traffic chart, and the
+    failure listings.
+
+    Raises:
+        ValueError: ``report`` does not follow the data model (see :func:`validate_report`).
+    """
+    headers, rows = table_rows(report)
+    colalign = ("left", "left") + ("right",) * (len(headers) - 2)
+    md = [
+        f"# verify-traffic report `{report['run_id']}`: {_verdict(report['pass'])}",
+        "",
+        "| run id | created (UTC) | torch | backend | W | warm-up steps | measured steps |",
+        "|---|---|---|---|---|---|---|",
+        f"| `{report['run_id']}` | {report['created_utc']} | {report['torch_version']} | "
+        f"{report['backend']} | {report['world_size']} | {report['steps_warmup']} | "
+        f"{report['steps_measured']} |",
+        "",
+        _ACCOUNTING,
+        "",
+        "## Dedicated-param traffic per mode and phase",
+        "",
+        tabulate(rows, headers=headers, tablefmt="github", colalign=colalign,
+                 disable_numparse=True),
+        "",
+        "## All params (dedicated + AdamW-stepped) and loss",
+        "",
+        _tab(_all_params_rows(report), "github"),
+        "",
+        "![ratio to P_M per mode](traffic.png)",
+    ]
+    h_headers, h_rows = hsdp_reading_rows(report)
+    if h_rows:
+        md += [
+            "",
+            "## HSDP replicate term: which reading holds",
+            "",
+            "The seed document prices the replicate-axis reduce and the replicate broadcast at "
+            "(R-1)/R·P_M each. Under the W-average accounting each dedicated param takes part in "
+            "one reduce and one broadcast over R ranks, (R-1)·P_M/W = (R-1)/(N·R)·P_M per rank "
+            "each, so DMuon-HSDP Z2 totals 2(W-1)/W. The measurement decides:",
+            "",
+            _tab((h_headers, h_rows), "github"),
+        ]
+    o_headers, o_rows = overlap_rows(report)
+    if o_rows:
+        md += [
+            "",
+            "## HSDP replicate broadcast overlap",
+            "",
+            "Issued after the optimizer step, waited in the owning layer's next forward "
+            "pre-hook; times from step start.",
+            "",
+            _tab((o_headers, o_rows), "github"),
+        ]
+    timelines = [(run["mode"], run["timeline"]) for run in report["runs"] if run["timeline"]]
+    if timelines:
+        md += ["", "## Timelines (Chrome trace JSON)", ""]
+        md += [f"- {mode}: [`{path}`]({path})" for mode, path in timelines]
+    failed = [run for run in report["runs"] if not run["pass"]]
+    if failed:
+        md += ["", "## Failures"]
+        for run in failed:
+            md += ["", f"### {run['mode']} (W={run['world_size']}, N={run['shard_size']}, "
+                       f"R={run['replicate_size']})"]
+            for title, body in failure_sections(run, "github"):
+                md += ["", f"**{title}**", "", body]
+    return "\n".join(md) + "\n"
+
+
+# ----------------------------------------------------------------------------- files
+
+
+def _ordered(obj: Mapping, spec: Mapping[str, tuple], order_rest: Sequence[str] = ()) -> dict:
+    known = [k for k in spec if k in obj]
+    rest_known = [k for k in order_rest if k in obj and k not in known]
+    extra = sorted(k for k in obj if k not in known and k not in rest_known)
+    return {k: obj[k] for k in known + rest_known + extra}
+
+
+def canonical_report(report: Mapping) -> dict:
+    """``report`` with keys in the data-model order (extra keys after, sorted): the stable
+    key order of report.json. Values are not changed."""
+    top = _ordered(report, _TOP_KEYS)
+    runs = []
+    for run in report["runs"]:
+        r = _ordered(run, _RUN_KEYS)
+        r["phases"] = {name: _ordered(ph, _PHASE_KEYS) for name, ph in
+                       _ordered_phases(run["phases"])}
+        r["missing"] = [_ordered(e, _COLLECTIVE_KEYS) for e in run["missing"]]
+        r["unexpected"] = [_ordered(e, _COLLECTIVE_KEYS) for e in run["unexpected"]]
+        r["sources"] = {name: _ordered(s, _SOURCE_KEYS)
+                        for name, s in _ordered(run["sources"], {}, SOURCES).items()}
+        r["replicate_overlap"] = [_ordered(e, _OVERLAP_KEYS) for e in run["replicate_overlap"]]
+        runs.append(r)
+    top["runs"] = runs
+    return top
+
+
+def report_json(report: Mapping) -> str:
+    """report.json text: validated, canonical key order, indent 2, strict JSON (no NaN).
+
+    Raises:
+        ValueError: ``report`` does not follow the data model (see :func:`validate_report`).
+    """
+    validate_report(report)
+    text = json.dumps(canonical_report(report), indent=2, allow_nan=False, ensure_ascii=False)
+    return text + "\n"
+
+
+def read_report(path: str | Path) -> dict:
+    """Load and validate a report.json written by :func:`write_report`.
+
+    Raises:
+        ValueError: the file is not JSON or does not follow the data model.
+    """
+    path = Path(path)
+    try:
+        report = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"Invalid report file {str(path)!r}: not JSON ({exc}). Must be a "
+                         "report.json written by verify.report.write_report.") from exc
+    validate_report(report)
+    return report
+
+
+def write_report(report: Mapping, out_dir: str | Path) -> dict[str, Path]:
+    """Write report.json, report.md and traffic.png into ``out_dir`` (created if needed).
+
+    Returns:
+        ``{"json": path, "markdown": path, "traffic_png": path}``.
+
+    Raises:
+        ValueError: ``report`` does not follow the data model (see :func:`validate_report`).
+    """
+    from verify.plots import plot_traffic  # matplotlib import only when plotting
+
+    text = report_json(report)  # validates before anything is written
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {"json": out / "report.json", "markdown": out / "report.md",
+             "traffic_png": out / "traffic.png"}
+    paths["json"].write_text(text, encoding="utf-8")
+    paths["markdown"].write_text(format_markdown(report), encoding="utf-8")
+    plot_traffic(report, paths["traffic_png"])
+    return paths

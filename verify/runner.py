@@ -1,0 +1,194 @@
+"""Run every mode on this rank, measure steady-state steps, and assemble the report on rank 0.
+
+Runs inside an initialised default process group (torchrun, or the test harness). For each
+mode: build it (``verify.modes``), train ``warmup + measured`` steps on the byte corpus, record
+the measured steps with the :class:`tracer.interposer.Interposer`, write this rank's events
+to ``<out_dir>/<mode>/events_rank<r>.parquet``, and gather everything to rank 0, which
+compares with the prediction (``verify.compare``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import dmuon
+from tracer.events import write_parquet
+from tracer.interposer import Interposer
+
+from .compare import compare_run
+from .data import ByteCorpus, local_slice
+from .model import GPTConfig, TinyGPT
+from .modes import build
+from .traffic import MODES
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """What ``verify-traffic`` runs (defaults: the embedded CPU job).
+
+    Attributes:
+        modes: modes to run, in order; HSDP modes are skipped where W is not even and >= 4.
+        steps_warmup: steps before measuring (lazy init, DDP's bucket rebuild).
+        steps_measured: steady-state steps recorded by the interposer.
+        global_batch: sequences per step over all ranks (divisible by W).
+        seq_len: tokens per sequence.
+        d_model, n_layers, n_heads: the TinyGPT size.
+        seed: model init and data order.
+        out_dir: where traces and reports go.
+        device: "cpu" (gloo) or "cuda" (NCCL).
+    """
+
+    modes: tuple[str, ...] = MODES
+    steps_warmup: int = 4
+    steps_measured: int = 2
+    global_batch: int = 8
+    seq_len: int = 64
+    d_model: int = 64
+    n_layers: int = 2
+    n_heads: int = 4
+    seed: int = 0
+    out_dir: str = "traces/latest"
+    device: str = "cpu"
+    extra: dict = field(default_factory=dict)
+
+
+def runnable_modes(config: RunConfig, world_size: int) -> list[str]:
+    """The modes of ``config`` this world size can run (HSDP needs an even W >= 4)."""
+    ok_hsdp = world_size >= 4 and world_size % 2 == 0
+    return [m for m in config.modes if ok_hsdp or "hsdp" not in m]
+
+
+def _train_mode(mode: str, config: RunConfig, corpus: ByteCorpus, progress) -> dict:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    cfg = GPTConfig(seq_len=config.seq_len, d_model=config.d_model, n_layers=config.n_layers, n_heads=config.n_heads)
+
+    def make_model():
+        torch.manual_seed(config.seed)
+        return TinyGPT(cfg)
+
+    built = build(mode, make_model, config.device)
+    model, opt = built.model, built.optimizer
+    losses = []
+    interposer = Interposer()
+    ns_before = 0
+    total = config.steps_warmup + config.steps_measured
+    for step in range(total):
+        if step == config.steps_warmup:
+            ns_before = opt.ns_calls
+            interposer.__enter__()
+        x, y = corpus.global_batch(step, config.global_batch, config.seq_len, seed=config.seed)
+        x, y = local_slice(x, rank, world), local_slice(y, rank, world)
+        x, y = x.to(config.device), y.to(config.device)
+        with dmuon.phase("forward"):
+            logits = model(x)
+            loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
+        with dmuon.phase("backward"):
+            loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+        progress(1)
+    interposer.__exit__(None, None, None)
+    if built.dedicated is not None:
+        built.dedicated.wait_pending()
+    ns_calls = opt.ns_calls - ns_before
+    out = Path(config.out_dir) / mode
+    write_parquet(interposer.events, out / f"events_rank{rank}.parquet")
+    return {
+        "events": interposer.events,
+        "spans": interposer.spans,
+        "losses": losses,
+        "ns_calls": ns_calls,
+        "layout": built.layout,
+        "plan_digest": built.dedicated.plan.digest() if built.dedicated else None,
+    }
+
+
+def run_all(config: RunConfig, progress=None) -> dict | None:
+    """Run every mode; returns the report dict on rank 0 and ``None`` elsewhere.
+
+    ``progress(n)`` is called after every training step on rank 0 (e.g. ``tqdm.update``).
+    """
+    rank, world = dist.get_rank(), dist.get_world_size()
+    corpus = ByteCorpus.from_stdlib()
+    tick = progress if (progress is not None and rank == 0) else (lambda n: None)
+    runs = []
+    for mode in runnable_modes(config, world):
+        mine = _train_mode(mode, config, corpus, tick)
+        gathered: list = [None] * world if rank == 0 else None
+        dist.gather_object(mine, gathered, dst=0)
+        if rank != 0:
+            continue
+        events = [ev for r in gathered for ev in r["events"]]
+        run = compare_run(
+            gathered[0]["layout"],
+            events,
+            steps=config.steps_measured,
+            ns_calls=sum(r["ns_calls"] for r in gathered),
+        )
+        losses = [sum(r["losses"][i] for r in gathered) / world for i in range(len(mine["losses"]))]
+        run["loss_first"], run["loss_last"] = losses[0], losses[-1]
+        run["loss_falls"] = losses[-1] < losses[0]
+        run["pass"] = run["pass"] and run["loss_falls"]
+        digests = {r["plan_digest"] for r in gathered}
+        run["plan_digest"] = digests.pop() if len(digests) == 1 else sorted(map(str, digests))
+        run["sources"] = {
+            "interposer": {
+                "events": len(events),
+                "matched": len(events) - sum(u["n"] for u in run["unexpected"]),
+                "unmatched": sum(u["n"] for u in run["unexpected"]) + sum(m["n"] for m in run["missing"]),
+                "pass": not run["unexpected"] and not run["missing"],
+            }
+        }
+        run["replicate_overlap"] = _replicate_overlap(gathered)
+        from tracer.timeline import write_chrome_trace
+
+        timeline = Path(config.out_dir) / mode / "timeline.json"
+        write_chrome_trace(timeline, {i: (r["events"], r["spans"]) for i, r in enumerate(gathered)}, name=mode)
+        run["timeline"] = str(timeline.relative_to(config.out_dir))
+        runs.append(run)
+    if rank != 0:
+        return None
+    return {
+        "pass": all(r["pass"] for r in runs) and bool(runs),
+        "torch_version": torch.__version__,
+        "backend": dist.get_backend(),
+        "world_size": world,
+        "steps_warmup": config.steps_warmup,
+        "steps_measured": config.steps_measured,
+        "config": {k: v for k, v in asdict(config).items() if k != "extra"},
+        "runs": runs,
+    }
+
+
+def _replicate_overlap(gathered: list[dict]) -> list[dict]:
+    """HSDP: each replicate broadcast's issue time and the end of its wait (interposer clock, ns).
+
+    A wait is paired with the latest earlier issue of the same module on the same rank;
+    ``gap_ns`` (wait start minus issue) is the time the transfer had to hide behind compute.
+    """
+    out = []
+    for rank, r in enumerate(gathered):
+        issued: dict[str, list[int]] = {}
+        for s in r["spans"]:
+            if s.name == "dmuon.replicate_broadcast":
+                issued.setdefault(s.module, []).append(s.t_start_ns)
+        for s in r["spans"]:
+            if s.name != "dmuon.replicate_wait":
+                continue
+            before = [t for t in issued.get(s.module, []) if t < s.t_start_ns]
+            if before:
+                out.append({
+                    "module": s.module,
+                    "rank": rank,
+                    "issued_ns": before[-1],
+                    "waited_ns": s.t_start_ns,
+                    "gap_ns": s.t_start_ns - before[-1],
+                    "wait_dur_ns": s.t_end_ns - s.t_start_ns,
+                })
+    return out
