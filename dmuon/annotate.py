@@ -50,12 +50,20 @@ def current_phase() -> str | None:
 
 @contextmanager
 def phase(name: str) -> Iterator[None]:
-    """Tag everything issued inside the block with phase ``name`` (nestable)."""
+    """Tag everything issued inside the block with phase ``name`` (nestable).
+
+    Also an NVTX range ``dmuon.phase <name>`` in the ``DMuon`` domain, so Nsight Systems
+    (and ``tracer.nsys``) can attribute NCCL ranges to phases.
+    """
     with _lock:
         _phase_stack.append(name)
+    if _NVTX_DOMAIN is not None:
+        _NVTX_DOMAIN.push_range(_NVTX_DOMAIN.get_event_attributes(message=f"dmuon.phase {name}"))
     try:
         yield
     finally:
+        if _NVTX_DOMAIN is not None:
+            _NVTX_DOMAIN.pop_range()
         with _lock:
             # Remove the innermost occurrence: blocks may exit out of order across threads.
             for i in range(len(_phase_stack) - 1, -1, -1):

@@ -27,6 +27,7 @@ What is modelled (torch 2.13, measured on gloo by the harness):
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -79,6 +80,32 @@ class RunLayout:
     @property
     def is_dmuon(self) -> bool:
         return self.mode.startswith("dmuon-")
+
+    def to_dict(self) -> dict:
+        """JSON-able form (written as ``<run>/<mode>/layout.json``)."""
+        d = dataclasses.asdict(self)
+        d["params"] = [dataclasses.asdict(p) for p in self.params]
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> RunLayout:
+        """Inverse of :meth:`to_dict`.
+
+        Raises:
+            ValueError: a key is missing or the mode is unknown.
+        """
+        try:
+            params = tuple(
+                ParamSpec(name=p["name"], shape=tuple(p["shape"]), dtype=p["dtype"], module=p["module"])
+                for p in d["params"]
+            )
+            fields = {f.name for f in dataclasses.fields(cls)} - {"params"}
+            kwargs = {k: d[k] for k in fields if k in d}
+        except (KeyError, TypeError) as exc:
+            raise ValueError(f"Invalid layout: missing or malformed {exc}. Must come from RunLayout.to_dict.") from exc
+        kwargs["muon_names"] = tuple(kwargs.get("muon_names", ()))
+        kwargs["fsdp_modules"] = tuple(kwargs.get("fsdp_modules", ()))
+        return cls(params=params, **kwargs)
 
     def muon_specs(self) -> list[ParamSpec]:
         names = set(self.muon_names)

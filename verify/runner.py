@@ -9,6 +9,7 @@ compares with the prediction (``verify.compare``).
 
 from __future__ import annotations
 
+import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -99,6 +100,8 @@ def _train_mode(mode: str, config: RunConfig, corpus: ByteCorpus, progress) -> d
     ns_calls = opt.ns_calls - ns_before
     out = Path(config.out_dir) / mode
     write_parquet(interposer.events, out / f"events_rank{rank}.parquet")
+    if rank == 0:
+        (out / "layout.json").write_text(json.dumps(built.layout.to_dict(), indent=1))
     return {
         "events": interposer.events,
         "spans": interposer.spans,
