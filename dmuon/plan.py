@@ -95,14 +95,15 @@ def specs_from_named_parameters(
     ]
 
 
+def _is_int_at_least(x, low: int) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool) and x >= low
+
+
 def _validate_mesh_shape(mesh_shape) -> tuple[int, int]:
     ok = (
         isinstance(mesh_shape, (tuple, list))
         and len(mesh_shape) == 2
-        and all(
-            isinstance(x, numbers.Integral) and not isinstance(x, bool) and x >= 1
-            for x in mesh_shape
-        )
+        and all(_is_int_at_least(x, 1) for x in mesh_shape)
     )
     if not ok:
         raise ValueError(
@@ -129,7 +130,7 @@ def _validate_specs(specs: Sequence[ParamSpec]) -> tuple[ParamSpec, ...]:
         if (
             not isinstance(shape, tuple)
             or len(shape) != 2
-            or not all(isinstance(d, numbers.Integral) and not isinstance(d, bool) and d >= 1 for d in shape)
+            or not all(_is_int_at_least(d, 1) for d in shape)
         ):
             raise ValueError(
                 f"Invalid shape={shape!r} for param {spec.name!r}. Must be a 2-D tuple of "
@@ -168,7 +169,7 @@ class OwnershipPlan:
                 f"{sorted(set(names) - set(owner))}, extra={sorted(set(owner) - set(names))}."
             )
         for name, g in owner.items():
-            if isinstance(g, bool) or not isinstance(g, numbers.Integral) or not 0 <= g < world:
+            if not _is_int_at_least(g, 0) or g >= world:
                 raise ValueError(
                     f"Invalid owner[{name!r}]={g!r}. Must be an int in [0, {world}) for "
                     f"mesh_shape={mesh_shape}."
@@ -205,7 +206,7 @@ class OwnershipPlan:
 
     def params_of(self, g: int) -> list[str]:
         """Names owned by global owner ``g``, sorted by name. ``ValueError`` if g not in [0, W)."""
-        if isinstance(g, bool) or not isinstance(g, numbers.Integral) or not 0 <= g < self.world_size:
+        if not _is_int_at_least(g, 0) or g >= self.world_size:
             raise ValueError(f"Invalid {g=}. Must be an int in [0, {self.world_size}).")
         return [sp.name for sp in self.specs if self.owner[sp.name] == g]
 
@@ -249,7 +250,7 @@ class OwnershipPlan:
 
     # ----- identity and display ----------------------------------------------------------------
     def canonical_json(self) -> str:
-        """The plan as canonical JSON (sorted keys, no whitespace, ASCII): what :meth:`digest` hashes."""
+        """Canonical JSON (sorted keys, no whitespace, ASCII) of the plan; :meth:`digest` input."""
         doc = {
             "version": PLAN_VERSION,
             "mesh_shape": list(self.mesh_shape),

@@ -105,7 +105,9 @@ class ByteCorpus:
     sha256: str
 
     @classmethod
-    def from_bytes(cls, data: bytes, *, eval_fraction: float = 0.1, source: str = "bytes", num_files: int = 0) -> ByteCorpus:
+    def from_bytes(
+        cls, data: bytes, *, eval_fraction: float = 0.1, source: str = "bytes", num_files: int = 0
+    ) -> ByteCorpus:
         """Split ``data`` into train (head) and eval (tail, ``eval_fraction`` of it).
 
         Raises:
@@ -143,7 +145,9 @@ class ByteCorpus:
             ValueError: ``max_bytes`` < 2, no sources found, bad ``eval_fraction``.
         """
         if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 2:
-            raise ValueError(f"Invalid {max_bytes=}. Must be an int >= 2 (default {DEFAULT_MAX_BYTES}).")
+            raise ValueError(
+                f"Invalid {max_bytes=}. Must be an int >= 2 (default {DEFAULT_MAX_BYTES})."
+            )
         files = stdlib_source_files(stdlib_dir)
         chunks: list[bytes] = []
         total = 0
@@ -156,7 +160,9 @@ class ByteCorpus:
             total += len(data)
             used += 1
         root = stdlib_dir if stdlib_dir is not None else sysconfig.get_paths()["stdlib"]
-        return cls.from_bytes(b"".join(chunks), eval_fraction=eval_fraction, source=str(root), num_files=used)
+        return cls.from_bytes(
+            b"".join(chunks), eval_fraction=eval_fraction, source=str(root), num_files=used
+        )
 
     def split_tokens(self, split: str) -> Tensor:
         """``tokens`` for ``"train"``, ``eval_tokens`` for ``"eval"``."""
@@ -180,7 +186,10 @@ class ByteCorpus:
             ValueError: non-positive ``batch_size`` / ``seq_len``, negative ``step`` /
                 ``seed``, unknown ``split``, or a split shorter than ``seq_len + 1`` bytes.
         """
-        for name, value, low in (("step", step, 0), ("seed", seed, 0), ("batch_size", batch_size, 1), ("seq_len", seq_len, 1)):
+        checks = (
+            ("step", step, 0), ("seed", seed, 0), ("batch_size", batch_size, 1), ("seq_len", seq_len, 1)
+        )
+        for name, value, low in checks:
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"Invalid {name}={value!r}. Must be an int >= {low}.")
         data = self.split_tokens(split)

@@ -133,11 +133,9 @@ class TinyGPT(nn.Module):
 
     def muon_param_names(self) -> list[str]:
         """Names of the Muon targets: the hidden Linear weights of every block, in order."""
-        return [
-            name
-            for name, _ in self.named_parameters()
-            if name.startswith("blocks.") and name.endswith(("qkv.weight", "proj.weight", "fc1.weight", "fc2.weight"))
-        ]
+        targets = ("attn.qkv.weight", "attn.proj.weight", "mlp.fc1.weight", "mlp.fc2.weight")
+        names = (n for n, _ in self.named_parameters())
+        return [n for n in names if n.startswith("blocks.") and n.endswith(targets)]
 
     def forward(self, idx: Tensor) -> Tensor:
         """Token ids ``idx`` (B, T) int64 in [0, V), T <= seq_len -> logits (B, T, V), float.

@@ -1,0 +1,32 @@
+"""Session-wide process pools for the distributed tests (see ``harness.py``).
+
+``pool2`` and ``pool4`` are created on first use and closed at the end of the session; tests
+share them because starting ranks costs seconds. A task that fails or times out kills that
+pool's workers, and the pool starts fresh ones on the next task, so one failing test does not
+break the others.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from tests.distributed.harness import DistributedPool
+
+#: Per-call timeout of the shared pools, seconds. Gloo on 2 cores finishes tasks in well under it.
+POOL_TIMEOUT_S = 120
+
+
+@pytest.fixture(scope="session")
+def pool2() -> Iterator[DistributedPool]:
+    """A 2-rank gloo :class:`DistributedPool`, shared by the whole session."""
+    with DistributedPool(2, timeout_s=POOL_TIMEOUT_S) as pool:
+        yield pool
+
+
+@pytest.fixture(scope="session")
+def pool4() -> Iterator[DistributedPool]:
+    """A 4-rank gloo :class:`DistributedPool`, shared by the whole session."""
+    with DistributedPool(4, timeout_s=POOL_TIMEOUT_S) as pool:
+        yield pool
