@@ -20,6 +20,9 @@ from pathlib import Path
 
 import torch
 
+from tracer.flight_recorder import flight_recorder_env
+from verify.main import VERDICT_FILE
+
 DEFAULT_CPU_PROCS = 4
 
 
@@ -45,6 +48,7 @@ def launch_env(use_nccl: bool, out_dir: Path) -> dict[str, str]:
     env = dict(os.environ)
     env.pop("TORCH_DISTRIBUTED_DEBUG", None)
     env.setdefault("OMP_NUM_THREADS", "1")
+    env.update(flight_recorder_env())
     if use_nccl:
         (out_dir / "nccl").mkdir(parents=True, exist_ok=True)
         env.update(
@@ -71,7 +75,15 @@ def main(argv: list[str] | None = None) -> int:
     where = f"{nproc} GPUs, NCCL" if use_nccl else f"{nproc} local CPU processes, gloo (no ≥2 GPUs visible)"
     print(f"verify-traffic: {where}; output in {out_dir}/", flush=True)
     cmd = launch_command(nproc, out_dir, extra)
-    return subprocess.call(cmd, env=launch_env(use_nccl, out_dir))
+    code = subprocess.call(cmd, env=launch_env(use_nccl, out_dir))
+    if code != 0:
+        print(f"verify-traffic: torchrun exited with {code} (a worker failed; see above)", file=sys.stderr)
+        return code
+    verdict = out_dir / VERDICT_FILE
+    if not verdict.is_file():
+        print(f"verify-traffic: no verdict in {verdict}; the run did not finish", file=sys.stderr)
+        return 2
+    return int(verdict.read_text())
 
 
 if __name__ == "__main__":

@@ -24,6 +24,8 @@ from .traffic import MODES
 
 #: Exit codes.
 EXIT_PASS, EXIT_MISMATCH = 0, 1
+#: File in --out-dir holding rank 0's verdict (0 pass, 1 mismatch).
+VERDICT_FILE = "exit_code"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -76,13 +78,13 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if bar:
             bar.close()
-    code = EXIT_PASS
     if rank == 0:
         code = _finish(report, Path(args.out_dir))
-    codes = [code] if rank == 0 else [None]
-    dist.broadcast_object_list(codes, src=0)
+        # torchrun turns a worker's non-zero exit into a crash report; the verdict travels
+        # through a file instead and verify.launch returns it as its exit code.
+        (Path(args.out_dir) / VERDICT_FILE).write_text(f"{code}\n")
     dist.destroy_process_group()
-    return int(codes[0])
+    return 0
 
 
 def _finish(report: dict, out_dir: Path) -> int:

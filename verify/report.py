@@ -164,10 +164,10 @@ def validate_report(report: Mapping) -> None:
     """Check ``report`` against the report.json data model.
 
     Raises:
-        ValueError: a key is missing or has the wrong type, a float is NaN/inf, a mode, phase
-            or source name is unknown, ``ratio_to_p_m`` is not ``measured_avg_elems / p_m``, a
-            replicate broadcast is waited before it is issued, or ``report["pass"]`` is true
-            while a run failed.
+        ValueError: a key is missing or has the wrong type, a float is NaN/inf, a mode or
+            source name is unknown, a phase name is not a str, ``ratio_to_p_m`` is not
+            ``measured_avg_elems / p_m``, a replicate broadcast is waited before it is
+            issued, or ``report["pass"]`` is true while a run failed.
     """
     _check_keys(report, _TOP_KEYS, "report")
     if report["backend"] not in ("gloo", "nccl"):
@@ -183,7 +183,9 @@ def validate_report(report: Mapping) -> None:
         if run["mode"] not in MODES:
             raise ValueError(f"Invalid {where} mode={run['mode']!r}. Must be one of {MODES}.")
         if run["p_m"] <= 0:
-            raise ValueError(f"Invalid {where} p_m={run['p_m']}. Must be > 0 (dedicated elements).")
+            raise ValueError(
+                f"Invalid {where} p_m={run['p_m']}. Must be > 0 (elements of dedicated params)."
+            )
         ratio = run["measured_avg_elems"] / run["p_m"]
         if not math.isclose(run["ratio_to_p_m"], ratio, rel_tol=READING_REL_TOL, abs_tol=1e-12):
             raise ValueError(
@@ -467,18 +469,21 @@ def _close(a: float | None, b: float | None) -> bool:
 
 
 def hsdp_reading_rows(report: Mapping) -> tuple[list[str], list[list[str]]]:
-    """The HSDP replicate-term comparison: for each run with a seed reading, the replicate
-    phase and the total, measured vs the W-average reading (closed form) vs the seed's
+    """The HSDP replicate-term comparison: for each run with a seed reading, every phase
+    whose seed reading differs from the W-average reading (the phases holding a replicate
+    term: the replicate broadcast, and backward where the replicate-axis reduce is tagged
+    there) and the total: measured vs the W-average reading (closed form) vs the seed's
     reading, and which one the measurement confirms. Empty rows when no run has one."""
     headers = ["mode", "term", "measured avg [elem]", "W-average reading [elem]",
                "seed reading [elem]", "measured / seed", "confirmed reading"]
     rows = []
     for run in report["runs"]:
-        terms = []
-        rep = run["phases"].get("replicate")
-        if rep is not None and rep["seed_avg_elems"] is not None:
-            terms.append(("replicate", rep["measured_avg_elems"], rep["closed_form_avg_elems"],
-                          rep["seed_avg_elems"]))
+        terms = [
+            (name, ph["measured_avg_elems"], ph["closed_form_avg_elems"], ph["seed_avg_elems"])
+            for name, ph in _ordered_phases(run["phases"])
+            if ph["seed_avg_elems"] is not None
+            and not _close(ph["seed_avg_elems"], ph["closed_form_avg_elems"])
+        ]
         if run["seed_avg_elems"] is not None:
             terms.append(("total", run["measured_avg_elems"], run["closed_form_avg_elems"],
                           run["seed_avg_elems"]))
@@ -576,7 +581,8 @@ def format_markdown(report: Mapping) -> str:
             "one reduce and one broadcast over R ranks, (R-1)·P_M/W = (R-1)/(N·R)·P_M per rank "
             "each, so DMuon-HSDP Z2 totals 2(W-1)/W. The measurement decides:",
             "",
-            _tab((h_headers, h_rows), "github"),
+            tabulate(h_rows, headers=h_headers, tablefmt="github", disable_numparse=True,
+                     colalign=("left", "left") + ("right",) * 4 + ("left",)),
         ]
     o_headers, o_rows = overlap_rows(report)
     if o_rows:

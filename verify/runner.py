@@ -18,13 +18,17 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import dmuon
+from tracer.crosscheck import crosscheck
 from tracer.events import write_parquet
+from tracer.flight_recorder import dump_flight_recorder, flight_recorder_enabled, fr_window, read_flight_recorder
 from tracer.interposer import Interposer
+from tracer.timeline import write_chrome_trace
 
 from .compare import compare_run
 from .data import ByteCorpus, local_slice
 from .model import GPTConfig, TinyGPT
 from .modes import build
+from .plots import plot_timeline
 from .traffic import MODES
 
 
@@ -74,14 +78,19 @@ def _train_mode(mode: str, config: RunConfig, corpus: ByteCorpus, progress) -> d
 
     built = build(mode, make_model, config.device)
     model, opt = built.model, built.optimizer
-    losses = []
+    out = Path(config.out_dir) / mode
+    losses, step_starts = [], []
     interposer = Interposer()
+    fr_on = flight_recorder_enabled()
     ns_before = 0
     total = config.steps_warmup + config.steps_measured
     for step in range(total):
         if step == config.steps_warmup:
             ns_before = opt.ns_calls
+            fr_before = dump_flight_recorder(out / "fr_before", rank) if fr_on else None
             interposer.__enter__()
+        if step >= config.steps_warmup:
+            step_starts.append(dmuon.annotate.now_ns())
         x, y = corpus.global_batch(step, config.global_batch, config.seq_len, seed=config.seed)
         x, y = local_slice(x, rank, world), local_slice(y, rank, world)
         x, y = x.to(config.device), y.to(config.device)
@@ -95,10 +104,14 @@ def _train_mode(mode: str, config: RunConfig, corpus: ByteCorpus, progress) -> d
         losses.append(loss.item())
         progress(1)
     interposer.__exit__(None, None, None)
+    step_starts.append(dmuon.annotate.now_ns())
+    fr_events = None
+    if fr_on:
+        after = dump_flight_recorder(out, rank)
+        fr_events = fr_window(read_flight_recorder(fr_before).events, read_flight_recorder(after).events)
     if built.dedicated is not None:
         built.dedicated.wait_pending()
     ns_calls = opt.ns_calls - ns_before
-    out = Path(config.out_dir) / mode
     write_parquet(interposer.events, out / f"events_rank{rank}.parquet")
     if rank == 0:
         (out / "layout.json").write_text(json.dumps(built.layout.to_dict(), indent=1))
@@ -106,6 +119,8 @@ def _train_mode(mode: str, config: RunConfig, corpus: ByteCorpus, progress) -> d
         "events": interposer.events,
         "spans": interposer.spans,
         "losses": losses,
+        "step_starts_ns": step_starts,
+        "fr_events": fr_events,
         "ns_calls": ns_calls,
         "layout": built.layout,
         "plan_digest": built.dedicated.plan.digest() if built.dedicated else None,
@@ -140,20 +155,17 @@ def run_all(config: RunConfig, progress=None) -> dict | None:
         run["pass"] = run["pass"] and run["loss_falls"]
         digests = {r["plan_digest"] for r in gathered}
         run["plan_digest"] = digests.pop() if len(digests) == 1 else sorted(map(str, digests))
-        run["sources"] = {
-            "interposer": {
-                "events": len(events),
-                "matched": len(events) - sum(u["n"] for u in run["unexpected"]),
-                "unmatched": sum(u["n"] for u in run["unexpected"]) + sum(m["n"] for m in run["missing"]),
-                "pass": not run["unexpected"] and not run["missing"],
-            }
-        }
+        run["sources"] = _sources(run, events, gathered)
+        run["pass"] = run["pass"] and all(s["pass"] for s in run["sources"].values())
         run["replicate_overlap"] = _replicate_overlap(gathered)
-        from tracer.timeline import write_chrome_trace
-
+        per_rank = {i: (r["events"], r["spans"]) for i, r in enumerate(gathered)}
         timeline = Path(config.out_dir) / mode / "timeline.json"
-        write_chrome_trace(timeline, {i: (r["events"], r["spans"]) for i, r in enumerate(gathered)}, name=mode)
+        write_chrome_trace(timeline, per_rank, name=mode)
         run["timeline"] = str(timeline.relative_to(config.out_dir))
+        if mode.startswith("dmuon-"):
+            starts = gathered[0]["step_starts_ns"]  # one host: one perf_counter clock
+            plot_timeline(timeline.with_suffix(".png"), per_rank, title=f"{mode}: last measured step",
+                          t0_ns=starts[-2], t1_ns=starts[-1])
         runs.append(run)
     if rank != 0:
         return None
@@ -167,6 +179,27 @@ def run_all(config: RunConfig, progress=None) -> dict | None:
         "config": {k: v for k, v in asdict(config).items() if k != "extra"},
         "runs": runs,
     }
+
+
+def _sources(run: dict, events: list, gathered: list[dict]) -> dict:
+    """report.json ``sources``: the interposer against the prediction, the others against it."""
+    unexpected = sum(u["n"] for u in run["unexpected"])
+    missing = sum(m["n"] for m in run["missing"])
+    sources = {
+        "interposer": {
+            "events": len(events),
+            "matched": len(events) - unexpected,
+            "unmatched": unexpected + missing,
+            "pass": unexpected == 0 and missing == 0,
+            "mismatches": [f"missing {m}" for m in run["missing"][:10]]
+            + [f"unexpected {u}" for u in run["unexpected"][:10]],
+        }
+    }
+    if all(r["fr_events"] is not None for r in gathered):
+        fr = [ev for r in gathered for ev in r["fr_events"]]
+        check = crosscheck(events, fr, source="flight_recorder", backend=dist.get_backend())
+        sources["flight_recorder"] = {**check.as_report(), "mismatches": [str(m) for m in check.mismatches[:20]]}
+    return sources
 
 
 def _replicate_overlap(gathered: list[dict]) -> list[dict]:

@@ -402,3 +402,29 @@ def test_gather_is_listed_as_unrecorded_with_a_warning(pool2):
         assert events == []
         assert [name for name, _ in unrecorded] == ["c10d::gather_", "c10d::gather_"]
         assert len(messages) == 1 and "c10d::gather_" in messages[0]
+
+
+# ------------------------------------------------------- GPU: autograd's device threads
+def _ddp_cuda_thread_task():
+    import threading
+
+    model = _mlp().cuda()
+    ddp = DDP(model)
+    hook_threads = []
+    model[0].weight.register_hook(lambda g: hook_threads.append(threading.get_ident()))
+    with Interposer() as ip, annotate.phase("backward"):
+        ddp(torch.randn(3, 4, device="cuda")).sum().backward()
+        torch.cuda.synchronize()
+    return ip.events, threading.get_ident(), hook_threads
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU and NCCL")
+def test_ddp_all_reduce_seen_from_autograd_device_thread():
+    """On CUDA, autograd runs hooks (and DDP's reducer) on its device thread; the dispatch
+    mode must follow it there (autograd restores the caller's thread-local state)."""
+    with DistributedPool(1, backend="nccl", timeout_s=120) as pool:
+        [(events, caller, hook_threads)] = pool.run(_ddp_cuda_thread_task)
+    assert hook_threads and hook_threads[0] != caller  # really another thread
+    backward = [e for e in events if e.phase == "backward"]
+    assert [e.op for e in backward] == ["all_reduce"]
+    assert backward[0].count == sum(p.numel() for p in _mlp().parameters())

@@ -1,0 +1,62 @@
+"""Measured collectives (interposer) equal the predicted list exactly, in every mode.
+
+Each run trains TinyGPT for 2 warm-up + 2 measured steps on 4 (or 2) gloo ranks; the test
+asserts the per-rank, per-phase multiset of (op, group, count, dtype, root) and the
+W-averaged Muon-param traffic against SPEC §2's closed forms.
+"""
+
+import pytest
+
+from tests.distributed import traffic_tasks
+from verify.compare import compare_run
+from verify.traffic import MODES
+
+pytestmark = pytest.mark.distributed
+
+#: SPEC §2 at N=4 (1-D) and N=2, R=2 (HSDP 2x2), as multiples of P_M.
+EXPECTED_RATIO_W4 = {
+    "ddp-muon": 1.5, "dmuon-ddp": 1.5, "naive-fsdp2-z2": 2.25, "naive-fsdp2-z3": 3.0,
+    "dmuon-z2": 1.5, "dmuon-z3": 2.25,
+    "naive-hsdp": 2.5, "dmuon-hsdp-z2": 1.5, "dmuon-hsdp-z3": 2.0,
+}
+
+
+def _compare(pool, mode, **config):
+    results = pool.run(traffic_tasks.measure_mode, mode, **config)
+    events = [ev for r in results for ev in r["events"]]
+    run = compare_run(results[0]["layout"], events, steps=2, ns_calls=sum(r["ns_calls"] for r in results))
+    return run, results
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_w4_exact_collectives_and_closed_form(pool4, mode):
+    run, _ = _compare(pool4, mode)
+    assert run["missing"] == [] and run["unexpected"] == [], (run["missing"][:5], run["unexpected"][:5])
+    assert run["ratio_to_p_m"] == pytest.approx(EXPECTED_RATIO_W4[mode], rel=1e-12)
+    assert run["ns_calls_per_step"] == run["ns_calls_expected"]
+    assert run["pass"]
+
+
+def test_hsdp_replicate_terms_follow_the_w_average_not_the_seed(pool4):
+    run, _ = _compare(pool4, "dmuon-hsdp-z2")
+    rep = run["phases"]["replicate"]
+    p_m = run["p_m"]
+    # (R-1)/(N·R)·P_M with N = R = 2: P_M/4, not the seed's (R-1)/R·P_M = P_M/2.
+    assert rep["measured_avg_elems"] == pytest.approx(p_m / 4)
+    assert rep["seed_avg_elems"] == pytest.approx(p_m / 2)
+
+
+@pytest.mark.parametrize("mode", ["dmuon-z3", "naive-fsdp2-z3", "dmuon-hsdp-z3"])
+def test_uneven_shapes_padding_predicted_exactly(pool4, mode):
+    # d_model=30: qkv (90, 30) and fc2 (30, 120) have dim 0 not divisible by 4 (or 2).
+    run, _ = _compare(pool4, mode, d_model=30, n_heads=3, n_layers=1)
+    assert run["missing"] == [] and run["unexpected"] == []
+    assert run["pass"]
+
+
+@pytest.mark.parametrize("mode", ["dmuon-ddp", "dmuon-z2", "dmuon-z3", "naive-fsdp2-z2"])
+def test_w2_exact(pool2, mode):
+    run, _ = _compare(pool2, mode)
+    assert run["pass"], (run["missing"][:5], run["unexpected"][:5])
+    expected = {"dmuon-ddp": 1.0, "dmuon-z2": 1.0, "dmuon-z3": 1.5, "naive-fsdp2-z2": 1.5}[mode]
+    assert run["ratio_to_p_m"] == pytest.approx(expected)

@@ -1,0 +1,373 @@
+"""The byte-counting seam: record every collective this rank issues, as ``CollectiveEvent``s.
+
+Seam. Every ``torch.distributed`` collective, whatever issued it, reaches the dispatcher as
+one operator call before any backend runs:
+
+- ``c10d::*`` ops (``c10d::allreduce_``, ``c10d::_allgather_base_``, ``c10d::send`` ...): the
+  ``ProcessGroup`` methods call them, so they carry the Python functions
+  (``dist.all_reduce``, ``dist.all_gather_into_tensor`` -> ``all_gather_single``, P2P,
+  ``batch_isend_irecv``, ``async_op=True``), FSDP2's all-gathers / reduce-scatters and HSDP's
+  replicate all-reduce, and DDP's C++ ``Reducer`` bucket all-reduce and construction-time
+  broadcasts (``ProcessGroup::allreduce`` in C++ dispatches ``c10d::allreduce_``).
+- ``_c10d_functional::*`` / ``_c10d_functional_autograd::*`` / ``_dtensor::*`` ops: functional
+  collectives used by DTensor ``redistribute`` / ``full_tensor()``.
+
+:class:`Interposer` is a ``TorchDispatchMode``: its handler runs for each such op, records it,
+and calls the op unchanged (results are bit-identical). While a mode handles an op, the mode is
+popped, so ops *nested inside* a collective (the ``c10d::_allgather_base_`` a functional
+all-gather issues, ``all_gather_into_tensor`` -> ``all_gather_single``) never reach it: each
+logical call is recorded once, at its outermost op. Dispatch modes are thread-local state;
+autograd captures it at ``backward()`` and restores it on its worker threads
+(``at::ThreadLocalState``), so hooks run by autograd (DDP's reducer, FSDP2's post-backward,
+DMuon's hooks) are seen. Collectives issued from threads the user starts themselves are not.
+
+Sizes follow :mod:`tracer.events` (NCCL's ``count``): the message for all_reduce / broadcast /
+reduce / send / recv; the input (send) count for all_gather; the output (recv) count for
+reduce_scatter; the per-peer count for all_to_all.
+
+- Coalesced calls (``allgather_into_tensor_coalesced_``, ``reduce_scatter_tensor_coalesced_``,
+  ``allreduce_coalesced_``, ``_coalescing_manager``, functional ``*_coalesced``) give **one
+  event per tensor**, with the same times: ProcessGroupNCCL launches one ``ncclAllGather`` /
+  ``ncclReduceScatter`` / ``ncclAllReduce`` per tensor inside one ``ncclGroupStart/End``, and
+  NCCL logs one line per call (torch ``ProcessGroupNCCL::allgather_into_tensor_coalesced``).
+- ``batch_isend_irecv`` gives one send / recv event per P2P op (NCCL logs one Send/Recv each).
+- ``all_to_all_single`` with equal splits (or none): ``count = numel / group_size``. Uneven
+  splits have no single NCCL count: ``count`` and ``msg_bytes`` are ``None`` and the splits are
+  written into ``source_ref`` (NCCL logs them as per-peer Send/Recv lines).
+- ``barrier`` has no user payload: ``count``/``dtype`` are ``None`` (ProcessGroupNCCL runs it
+  as an AllReduce of one float32 element, which an NCCL log shows).
+- ``root`` is a *group* rank: the root of broadcast / reduce, the peer of send / recv (``None``
+  for ``recv`` from any source). ``c10d`` ops already receive group ranks.
+- ``gather`` / ``scatter`` have no canonical op in :data:`tracer.events.OPS`: they are not
+  recorded as events but listed in :attr:`Interposer.unrecorded` with a warning.
+
+Times: ``t_start_ns`` / ``t_end_ns`` are :func:`dmuon.annotate.now_ns` just before and after
+the op call. For asynchronous ops (``async_op=True``, functional collectives, everything on
+NCCL) the end is the return of the *issue*, not completion of the transfer.
+
+``seq`` counts this rank's recorded calls per ``group_id`` (0-based). Two process groups over
+the same ranks share a ``group_id`` and hence one counter. A process group that is not
+registered with ``torch.distributed`` (built by hand) gets ``group_id=None``.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from dmuon import annotate
+from tracer.events import CollectiveEvent, group_id_from_ranks
+
+#: Namespaces of collective ops the interposer inspects; every other op passes straight through.
+NAMESPACES = ("c10d", "_c10d_functional", "_c10d_functional_autograd", "_dtensor")
+
+#: Ops in those namespaces that move no data of their own.
+_IGNORED = frozenset(
+    {
+        "c10d::check_for_nan",
+        "_c10d_functional::wait_tensor",
+        "_c10d_functional::_wrap_tensor_autograd",
+    }
+)
+
+
+@dataclass(frozen=True, slots=True)
+class _Call:
+    """One logical collective found in an op's arguments (before group / timing)."""
+
+    op: str
+    count: int | None
+    dtype: str | None
+    root: int | None = None
+    note: str = ""
+
+
+def _dtype_name(t: torch.Tensor) -> str:
+    return str(t.dtype).removeprefix("torch.")
+
+
+def _msg(op: str, t: torch.Tensor, count: int | None = None, root: int | None = None) -> _Call:
+    return _Call(op, t.numel() if count is None else count, _dtype_name(t), root)
+
+
+def _first(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    assert len(tensors) >= 1, "c10d op with an empty tensor list"
+    return tensors[0]
+
+
+def _all_to_all(t: torch.Tensor, out_splits, in_splits, group_size: int) -> _Call:
+    """all_to_all of ``t`` (dim-0 splits); per-peer count when every split is equal."""
+    row_elems = t.numel() // t.shape[0] if t.dim() > 0 and t.shape[0] > 0 else 1
+    in_splits, out_splits = [int(s) for s in in_splits], [int(s) for s in out_splits]
+    if not in_splits and not out_splits:
+        return _msg("all_to_all", t, t.numel() // group_size)
+    if len(set(in_splits + out_splits)) == 1:
+        return _msg("all_to_all", t, in_splits[0] * row_elems)
+    note = f"uneven all_to_all in_splits={in_splits} out_splits={out_splits} {row_elems=}"
+    return _Call("all_to_all", None, _dtype_name(t), None, note)
+
+
+def _all_to_all_list(inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor]) -> _Call:
+    """all_to_all of lists (one tensor per peer); per-peer count when all sizes are equal."""
+    numels = {t.numel() for t in [*inputs, *outputs]}
+    if len(numels) == 1:
+        return _msg("all_to_all", inputs[0])
+    note = f"uneven all_to_all in={[t.numel() for t in inputs]} out={[t.numel() for t in outputs]}"
+    return _Call("all_to_all", None, _dtype_name(inputs[0]), None, note)
+
+
+# Each handler maps the op's bound arguments to the logical calls it makes; the group comes
+# from the argument named ``process_group`` (c10d) or ``group_name`` (functional).
+_Handler = Callable[[dict[str, Any], int], list[_Call]]
+
+_C10D: dict[str, _Handler] = {
+    "allreduce_": lambda a, n: [_msg("all_reduce", _first(a["tensors"]))],
+    "allreduce_coalesced_": lambda a, n: [_msg("all_reduce", t) for t in a["tensors"]],
+    "broadcast_": lambda a, n: [_msg("broadcast", _first(a["tensors"]), root=a["root_rank"])],
+    "reduce_": lambda a, n: [_msg("reduce", _first(a["tensors"]), root=a["root_rank"])],
+    "allgather_": lambda a, n: [_msg("all_gather", _first(a["input_tensors"]))],
+    "_allgather_base_": lambda a, n: [_msg("all_gather", a["input_tensor"])],
+    "allgather_coalesced_": lambda a, n: [_msg("all_gather", t) for t in a["input_list"]],
+    "allgather_into_tensor_coalesced_": lambda a, n: [_msg("all_gather", t) for t in a["inputs"]],
+    "reduce_scatter_": lambda a, n: [_msg("reduce_scatter", _first(a["output_tensors"]))],
+    "_reduce_scatter_base_": lambda a, n: [_msg("reduce_scatter", a["output_tensor"])],
+    "reduce_scatter_tensor_coalesced_": lambda a, n: [
+        _msg("reduce_scatter", t) for t in a["outputs"]
+    ],
+    "alltoall_base_": lambda a, n: [
+        _all_to_all(a["input"], a["output_split_sizes"], a["input_split_sizes"], n)
+    ],
+    "alltoall_": lambda a, n: [_all_to_all_list(a["input_tensors"], a["output_tensors"])],
+    "barrier": lambda a, n: [_Call("barrier", None, None)],
+    "monitored_barrier_": lambda a, n: [_Call("barrier", None, None)],
+    "send": lambda a, n: [_msg("send", _first(a["tensors"]), root=a["dst"])],
+    "recv_": lambda a, n: [_msg("recv", _first(a["tensors"]), root=a["src"])],
+    "recv_any_source_": lambda a, n: [_msg("recv", _first(a["tensors"]))],
+}
+
+_FUNCTIONAL: dict[str, _Handler] = {
+    "all_reduce": lambda a, n: [_msg("all_reduce", a["input"])],
+    "all_reduce_": lambda a, n: [_msg("all_reduce", a["input"])],
+    "all_reduce_coalesced": lambda a, n: [_msg("all_reduce", t) for t in a["inputs"]],
+    "all_reduce_coalesced_": lambda a, n: [_msg("all_reduce", t) for t in a["inputs"]],
+    "all_gather_into_tensor": lambda a, n: [_msg("all_gather", a["input"])],
+    "all_gather_into_tensor_out": lambda a, n: [_msg("all_gather", a["input"])],
+    "all_gather_into_tensor_coalesced": lambda a, n: [
+        _msg("all_gather", t) for t in a["inputs"]
+    ],
+    "reduce_scatter_tensor": lambda a, n: [
+        _msg("reduce_scatter", a["input"], a["input"].numel() // n)
+    ],
+    "reduce_scatter_tensor_out": lambda a, n: [
+        _msg("reduce_scatter", a["input"], a["input"].numel() // n)
+    ],
+    "reduce_scatter_tensor_coalesced": lambda a, n: [
+        _msg("reduce_scatter", t, t.numel() // n) for t in a["inputs"]
+    ],
+    "all_to_all_single": lambda a, n: [
+        _all_to_all(a["input"], a["output_split_sizes"], a["input_split_sizes"], n)
+    ],
+    "broadcast": lambda a, n: [_msg("broadcast", a["input"], root=a["src"])],
+    "broadcast_": lambda a, n: [_msg("broadcast", a["input"], root=a["src"])],
+    "isend": lambda a, n: [_msg("send", a["tensor"], root=a["dst"])],
+    "irecv": lambda a, n: [_msg("recv", a["tensor"], root=a["src"])],
+    "batch_p2p_ops": lambda a, n: [
+        _msg("send" if kind == "isend" else "recv", t, root=peer)
+        for kind, peer, t in zip(a["op_list"], a["peer_list"], a["tensors"], strict=True)
+    ],
+}
+
+_HANDLERS: dict[str, _Handler] = {f"c10d::{k}": v for k, v in _C10D.items()}
+for _ns in ("_c10d_functional", "_c10d_functional_autograd"):
+    _HANDLERS.update({f"{_ns}::{k}": v for k, v in _FUNCTIONAL.items()})
+_HANDLERS["_dtensor::shard_dim_alltoall"] = lambda a, n: [
+    _msg("all_to_all", a["input"], a["input"].numel() // n)
+]
+_PASS = object()  # route: not a collective
+_UNRECORDED = object()  # route: a collective the interposer cannot represent
+#: Collectives with no canonical op in tracer.events.OPS: listed, warned about, not recorded.
+_UNRECORDABLE = frozenset({"c10d::gather_", "c10d::scatter_"})
+
+
+@dataclass(frozen=True, slots=True)
+class _Group:
+    group_id: str | None
+    group_size: int
+    group_rank: int
+
+
+def _unbox(pg: Any) -> dist.ProcessGroup:
+    """The Python ``ProcessGroup`` of an op argument (a TorchScript object or a group name)."""
+    if isinstance(pg, str):
+        return dist.distributed_c10d._resolve_process_group(pg)
+    if isinstance(pg, dist.ProcessGroup):
+        return pg
+    return dist.ProcessGroup.unbox(pg)
+
+
+class Interposer(TorchDispatchMode):
+    """Record every collective this process issues while active, plus DMuon spans.
+
+    Usage (inside each rank, default process group initialised)::
+
+        with Interposer() as ip:
+            train_step()
+        ip.events  # list[CollectiveEvent], source="interposer", in issue order
+        ip.spans   # list[dmuon.annotate.Span] ended while active
+
+    Attributes:
+        events: recorded :class:`~tracer.events.CollectiveEvent` (``rank`` = world rank;
+            ``phase`` = :func:`dmuon.annotate.current_phase` and ``module`` = module of
+            :func:`dmuon.annotate.current_span` at issue time).
+        spans: DMuon spans that ended while active (from every thread of this process).
+        unrecorded: ``(op name, reason)`` of collectives seen but not representable.
+
+    Entering adds one dispatch mode and one span listener; exiting removes both (no global
+    state remains). An instance records one session: entering it again raises ``ValueError``.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.events: list[CollectiveEvent] = []
+        self.spans: list[annotate.Span] = []
+        self.unrecorded: list[tuple[str, str]] = []
+        self._lock = threading.Lock()
+        self._seq: dict[str | None, int] = {}
+        self._groups: dict[Any, _Group] = {}
+        self._arg_names: dict[Any, list[str]] = {}
+        self._routes: dict[Any, Any] = {}
+        self._used = False
+        self._rank: int | None = None
+
+    # ----------------------------------------------------------------------- mode lifecycle
+    def __enter__(self) -> Interposer:
+        if self._used:
+            raise ValueError(
+                "Invalid reuse of an Interposer: it was already entered once. Must create a "
+                "new Interposer() for each recording."
+            )
+        self._used = True
+        annotate.add_span_listener(self._on_span)
+        try:
+            return super().__enter__()
+        except BaseException:
+            annotate.remove_span_listener(self._on_span)
+            raise
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        try:
+            super().__exit__(exc_type, exc, tb)
+        finally:
+            annotate.remove_span_listener(self._on_span)
+
+    def _on_span(self, span: annotate.Span) -> None:
+        with self._lock:
+            self.spans.append(span)
+
+    # ---------------------------------------------------------------------------- dispatch
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        route = self._routes.get(func)
+        if route is None:
+            route = self._routes[func] = self._route(func)
+        if route is _PASS:  # every non-collective op: straight through
+            return func(*args, **kwargs)
+        if route is _UNRECORDED:
+            self._note_unrecorded(func._schema.name)
+            return func(*args, **kwargs)
+        bound = self._bind(func, args, kwargs)
+        phase = annotate.current_phase()
+        span = annotate.current_span()
+        t_start_ns = annotate.now_ns()
+        out = func(*args, **kwargs)
+        t_end_ns = annotate.now_ns()
+        group = self._group(bound.get("process_group", bound.get("group_name")))
+        calls = route(bound, group.group_size)
+        self._record(calls, group, phase, span[1] if span else None, t_start_ns, t_end_ns)
+        return out
+
+    @staticmethod
+    def _route(func) -> _Handler | object:
+        """The handler of ``func``, :data:`_PASS` or :data:`_UNRECORDED`."""
+        if func.namespace not in NAMESPACES:
+            return _PASS
+        name = func._schema.name
+        if name in _IGNORED:
+            return _PASS
+        return _HANDLERS.get(name, _UNRECORDED)
+
+    def _bind(self, func, args, kwargs) -> dict[str, Any]:
+        names = self._arg_names.get(func)
+        if names is None:
+            names = self._arg_names[func] = [a.name for a in func._schema.arguments]
+        bound = dict(zip(names, args))
+        bound.update(kwargs)
+        return bound
+
+    def _group(self, pg_arg: Any) -> _Group:
+        """Identity of the op's process group, cached per group name / ProcessGroup object."""
+        if isinstance(pg_arg, str):
+            group = self._groups.get(pg_arg)
+            if group is not None:
+                return group
+        pg = _unbox(pg_arg)  # the registered Python object: stable while the group lives
+        key = pg_arg if isinstance(pg_arg, str) else pg
+        group = self._groups.get(key)
+        if group is None:
+            try:
+                group_id = group_id_from_ranks(dist.get_process_group_ranks(pg))
+            except (ValueError, RuntimeError, KeyError):
+                group_id = None  # a ProcessGroup built by hand, unknown to torch.distributed
+            group = self._groups[key] = _Group(group_id, pg.size(), pg.rank())
+        return group
+
+    def _record(self, calls, group, phase, module, t_start_ns, t_end_ns) -> None:
+        if self._rank is None:
+            self._rank = dist.get_rank()
+        with self._lock:
+            for call in calls:
+                seq = self._seq.get(group.group_id, 0)
+                self._seq[group.group_id] = seq + 1
+                ref = f"interposer:rank{self._rank}:#{len(self.events)}"
+                self.events.append(
+                    CollectiveEvent(
+                        source="interposer",
+                        op=call.op,
+                        rank=self._rank,
+                        group_id=group.group_id,
+                        group_size=group.group_size,
+                        group_rank=group.group_rank,
+                        seq=seq,
+                        count=call.count,
+                        dtype=call.dtype,
+                        root=call.root,
+                        phase=phase,
+                        module=module,
+                        t_start_ns=t_start_ns,
+                        t_end_ns=t_end_ns,
+                        source_ref=f"{ref} {call.note}" if call.note else ref,
+                    )
+                )
+
+    def _note_unrecorded(self, name: str) -> None:
+        if name in _UNRECORDABLE:
+            reason = "no canonical op for it in tracer.events.OPS"
+        else:
+            reason = "unknown collective op (not in tracer.interposer's table)"
+        with self._lock:
+            first = all(n != name for n, _ in self.unrecorded)
+            self.unrecorded.append((name, reason))
+        if first:
+            warnings.warn(
+                f"Interposer saw {name} and did not record it: {reason}. Traffic totals of "
+                "this run miss it.",
+                RuntimeWarning,
+                stacklevel=3,
+            )

@@ -1,0 +1,168 @@
+"""Line formats of NCCL_DEBUG=INFO logs (NCCL 2.4 to 2.30, RCCL) and PyTorch's comm lines.
+
+Pure tables and regular expressions, no state; :mod:`tracer.nccl_log` uses them. Every
+format here is taken from NCCL's ``INFO(...)`` calls at its release tags (``src/enqueue.cc``
+for COLL lines, ``src/init.cc`` for INIT lines, ``src/debug.cc`` for the prefix) and from the
+real excerpts under ``shared/fixtures/nccl/`` (see ``TRACE_FORMATS.md``).
+
+Line anatomy::
+
+    [2026-05-05 06:16:47] node-01:1896279:1896279 [0] NCCL INFO AllReduce: opCount 0 ...
+    `-- timestamp (2.26+) `-- host:pid:tid     `-- cudaDev (CUDA device, not the rank)
+
+Anything before the timestamp / host (Ray's ``(RayTrainWorker pid=…)``, mpirun's ``[0] ``,
+another rank's unterminated line) is ignored: records are found by searching for
+``NCCL INFO `` anywhere in a physical line, never anchored at column 0.
+"""
+
+from __future__ import annotations
+
+import calendar
+import re
+
+#: Marker that starts the message of every INFO line (``src/debug.cc``: ``"%s NCCL INFO "``).
+INFO_MARK = "NCCL INFO "
+
+#: NCCL COLL op name -> canonical op (tracer.events.OPS). ``AllToAll`` is RCCL's spelling.
+NCCL_OP_NAMES: dict[str, str] = {
+    "AllReduce": "all_reduce",
+    "AllGather": "all_gather",
+    "ReduceScatter": "reduce_scatter",
+    "Broadcast": "broadcast",
+    "Reduce": "reduce",
+    "Send": "send",
+    "Recv": "recv",
+    "AlltoAll": "all_to_all",
+    "AllToAll": "all_to_all",
+}
+
+#: COLL op names NCCL logs that have no canonical op in tracer.events.OPS (reported as issues).
+UNSUPPORTED_OP_NAMES: frozenset[str] = frozenset({"Gather", "Scatter", "AllToAllv", "AllToAllV"})
+
+#: Ops whose ``root`` field means something (the root, or for send / recv the peer).
+ROOTED_OPS: frozenset[str] = frozenset({"broadcast", "reduce", "send", "recv"})
+
+#: ncclDataType_t (``src/nccl.h.in``) -> torch dtype name. 10 and 11 exist from NCCL 2.24.
+NCCL_DATATYPES: dict[int, str] = {
+    0: "int8",
+    1: "uint8",
+    2: "int32",
+    3: "uint32",
+    4: "int64",
+    5: "uint64",
+    6: "float16",
+    7: "float32",
+    8: "float64",
+    9: "bfloat16",
+    10: "float8_e4m3fn",
+    11: "float8_e5m2",
+}
+
+#: NCCL dtype enum by torch name (inverse of :data:`NCCL_DATATYPES`).
+DATATYPE_NUMBERS: dict[str, int] = {v: k for k, v in NCCL_DATATYPES.items()}
+
+#: COLL message (2.4 → 2.30; RCCL appends ``task %d globalrank %d`` after the stream, ignored):
+#: ``%s: opCount %lx sendbuff %p recvbuff %p count %zu datatype %d op %d root %d comm %p
+#: [nranks=%d] stream %p``. Groups: op, opCount, count, datatype, op, root, comm, nranks,
+#: stream keyword. A line is *complete* when the ``stream`` keyword is present.
+COLL_RE = re.compile(
+    r"([A-Za-z]+): opCount ([0-9a-fA-F]+) sendbuff \S+ recvbuff \S+ count (\d+)"
+    r" datatype (\d+) op (\d+) root (-?\d+) comm ([^\s\[]+)"
+    r"(?: \[nranks=(\d+)\])?( stream(?: (?:0x[0-9a-fA-F]+|\(nil\)))?)?"
+)
+
+#: Fast path: a whole physical line that is one plain, complete COLL record with a
+#: ``host:pid:tid [dev] `` prefix at column 0 (the shape of almost every line of a per-process
+#: NCCL_DEBUG_FILE). Groups: host, pid, tid, dev, then as :data:`COLL_RE` minus the stream.
+#: Any line it does not match takes the general path, which yields the same record.
+FAST_COLL_LINE_RE = re.compile(
+    r"([^\s\[\]:]+):(\d+):(\d+) \[(\d+)\] NCCL INFO ([A-Za-z]+): opCount ([0-9a-fA-F]+)"
+    r" sendbuff \S+ recvbuff \S+ count (\d+) datatype (\d+) op (\d+) root (-?\d+)"
+    r" comm ([^\s\[]+) (?:\[nranks=(\d+)\] )?stream (?:0x[0-9a-fA-F]+|\(nil\))[ \t]*\r?\n?\Z"
+)
+
+#: :data:`NCCL_DATATYPES` keyed by the decimal text as logged.
+NCCL_DATATYPES_BY_TEXT: dict[str, str] = {str(k): v for k, v in NCCL_DATATYPES.items()}
+
+#: Start of any COLL message, complete or not: ``<Op>: opCount ``.
+COLL_HEAD_RE = re.compile(r"([A-Za-z]+): opCount\b")
+
+#: INIT / DESTROY message, every version: optional init function name (2.21+), then
+#: ``comm %p rank %d nranks %d cudaDev %d`` ... ``- Init START|COMPLETE`` or
+#: ``- Destroy COMPLETE`` / ``- Abort COMPLETE``. The middle (nvmlDev, busId, commId,
+#: parent, splitCount / childCount, color, key) is read by :data:`INIT_FIELD_RE`.
+INIT_RE = re.compile(
+    r"(?:(nccl\w+) )?comm (\S+) rank (-?\d+) nranks (\d+) cudaDev (-?\d+)(.*?) ?- "
+    r"(Init|Destroy|Abort) (START|COMPLETE)"
+)
+
+#: Optional ``name value`` fields inside an INIT line.
+INIT_FIELD_RE = re.compile(r"\b(commId|parent|splitCount|childCount|color|key|busId) (\S+)")
+
+#: Markers of messages that must parse as INIT / DESTROY lines (otherwise: an issue).
+INIT_MARKERS = ("- Init START", "- Init COMPLETE", "Init START", "Init COMPLETE",
+                "Destroy COMPLETE", "Abort COMPLETE")
+
+#: Prefix before ``NCCL INFO``: optional ``[timestamp] ``, optional ``host:pid:tid ``,
+#: optional ``[cudaDev] ``, anchored at the marker. Host is ``[^\s\[\]]`` characters; when
+#: another rank's line ends without a newline right before it (interleaved output), the host
+#: may carry that line's last characters (e.g. ``0x55f1ubuntu``): NCCL writes no separator.
+PREFIX_RE = re.compile(
+    r"(?:\[(\d{4}-\d\d-\d\d[ T]\d\d:\d\d:\d\d(?:[.,]\d+)?)\] )?"
+    r"(?:([^\s\[\]]+?):(\d+):(\d+) ?)?(?:\[(-?\d+)\] ?)?\Z"
+)
+
+#: PyTorch ProcessGroupNCCL (glog) line naming a comm pointer, for example
+#: ``I0527 15:16:57.738664 58629 ProcessGroupNCCL.cpp:2183] [PG 0 (default_pg) Rank 5]
+#: ProcessGroupNCCL created ncclComm_ 0x555b8d27b370 on CUDA device: <index>``.
+#: Also the newer ``[PG ID 0 PG GUID 0(default_pg) Rank 0]`` prefix. The index is printed
+#: as a raw character (``c10::DeviceIndex`` is an ``int8_t``), see :func:`decode_torch_device`.
+TORCH_COMM_RE = re.compile(
+    r"\[PG (?:ID )?([^\s\]()]+)(?: PG GUID ([^\s\]()]+))? ?(?:\(([^)]*)\))? Rank (\d+)\]"
+    r" ProcessGroupNCCL created ncclComm_ (\S+) on CUDA device:"
+)
+
+#: glog prefix ``I0527 15:16:57.219332 58624 file.cpp:123]``: group 1 is the thread id.
+GLOG_RE = re.compile(r"[IWEF]\d{4} \d\d:\d\d:\d\d\.\d+ +(\d+) ")
+
+#: A physical line that only carries the rest of a wrapped COLL line's stream pointer.
+STREAM_TAIL_RE = re.compile(r"\s*(?:0x[0-9a-fA-F]+|\(nil\))\s*\Z")
+
+
+def timestamp_ns(text: str) -> int:
+    """``YYYY-mm-dd HH:MM:SS[.frac]`` (NCCL 2.26+ ``NCCL_DEBUG_TIMESTAMP_FORMAT`` default
+    ``[%F %T] ``) as integer ns since the Unix epoch, reading the wall clock as UTC (the log
+    does not name its zone: use the value for ordering and differences).
+
+    Raises:
+        ValueError: ``text`` is not in that format.
+    """
+    date, _, clock = text.replace("T", " ").partition(" ")
+    try:
+        year, month, day = (int(x) for x in date.split("-"))
+        hms, _, frac = clock.replace(",", ".").partition(".")
+        hour, minute, second = (int(x) for x in hms.split(":"))
+    except ValueError as exc:
+        raise ValueError(
+            f"Invalid NCCL timestamp {text=}. Must be 'YYYY-mm-dd HH:MM:SS[.frac]'."
+        ) from exc
+    seconds = calendar.timegm((year, month, day, hour, minute, second, 0, 0, 0))
+    frac_ns = int((frac + "000000000")[:9]) if frac else 0
+    return seconds * 1_000_000_000 + frac_ns
+
+
+def decode_torch_device(tail: str) -> int | None:
+    """CUDA device index from the text after ``on CUDA device:`` in a PyTorch line.
+
+    PyTorch streams a ``c10::DeviceIndex`` (``int8_t``) into the log, so the index appears as
+    a raw byte: ``"\\x03"`` is device 3. Decimal digits are accepted too. Bytes 0x09-0x0d
+    (device 9-13) are whitespace and cannot be told from line ends; they and an empty or
+    altered tail decode to ``None``.
+    """
+    text = tail[1:] if tail.startswith(" ") else tail
+    text = text.rstrip("\r\n")
+    if text.strip().isdigit():
+        return int(text.strip())
+    if len(text) == 1 and (ord(text) < 9 or 14 <= ord(text) < 32):
+        return ord(text)
+    return None
