@@ -382,3 +382,8 @@ def test_rccl_trailing_fields_and_crlf_line_ends():
     assert [(e.op, e.count, e.seq) for e in res.events] == [("all_reduce", 8, 0),
                                                            ("all_reduce", 8, 1)]
     assert res.issues == []
+
+
+def test_impossible_timestamp_is_not_a_crash():
+    res = parse_nccl_logs(_lines("[2026-13-45 99:99:99] " + P + COLL))
+    assert [(e.t_start_ns, e.count) for e in res.events] == [(None, 8)] and res.issues == []

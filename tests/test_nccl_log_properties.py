@@ -21,7 +21,8 @@ REAL = ("hopper01:191370:191425 [1] NCCL INFO AllGather: opCount d sendbuff 0x7f
 NOISE = st.text(alphabet=st.characters(codec="utf-8", exclude_categories=("Cs",)), max_size=80)
 TOKENS = st.sampled_from(["NCCL INFO ", "NCCL WARN ", ": opCount ", " stream", "comm 0x1 ",
                           " rank 1 nranks 2 cudaDev 0 - Init COMPLETE", "[0] ", "\n",
-                          "created ncclComm_ ", "[PG 0 (x) Rank 1] ", " count 5", "0x1f "])
+                          "created ncclComm_ ", "[PG 0 (x) Rank 1] ", " count 5", "0x1f ",
+                          "[2026-13-45 99:99:99] ", "[2026-05-05 06:16:47.5] ", "h:1:2 "])
 
 
 @settings(max_examples=150, deadline=None)

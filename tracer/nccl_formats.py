@@ -73,10 +73,10 @@ COLL_RE = re.compile(
 
 #: Fast path: a whole physical line that is one plain, complete COLL record with a
 #: ``host:pid:tid [dev] `` prefix at column 0 (the shape of almost every line of a per-process
-#: NCCL_DEBUG_FILE). Groups: host, pid, tid, dev, then as :data:`COLL_RE` minus the stream.
-#: Any line it does not match takes the general path, which yields the same record.
+#: NCCL_DEBUG_FILE). Groups: the prefix ``host:pid:tid [dev] ``, then as :data:`COLL_RE` minus
+#: the stream. Any line it does not match takes the general path, which yields the same record.
 FAST_COLL_LINE_RE = re.compile(
-    r"([^\s\[\]:]+):(\d+):(\d+) \[(\d+)\] NCCL INFO ([A-Za-z]+): opCount ([0-9a-fA-F]+)"
+    r"([^\s\[\]:]+:\d+:\d+ \[\d+\] )NCCL INFO ([A-Za-z]+): opCount ([0-9a-fA-F]+)"
     r" sendbuff \S+ recvbuff \S+ count (\d+) datatype (\d+) op (\d+) root (-?\d+)"
     r" comm ([^\s\[]+) (?:\[nranks=(\d+)\] )?stream (?:0x[0-9a-fA-F]+|\(nil\))[ \t]*\r?\n?\Z"
 )

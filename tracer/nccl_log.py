@@ -154,18 +154,15 @@ class ParseStats:
     plain_lines: int = 0
     ignored: Counter = field(default_factory=Counter)  # NCCL lines not parsed, by kind
 
-    def merge(self, other: ParseStats) -> None:
-        for name in ("lines", "coll_lines", "init_lines", "torch_lines", "continuation_lines",
-                     "plain_lines"):
-            setattr(self, name, getattr(self, name) + getattr(other, name))
-        self.ignored.update(other.ignored)
-
 
 def _parse_prefix(text: str) -> tuple:
     """``(t_start_ns, host, pid, tid, cuda_dev)`` of the text before ``NCCL INFO``."""
     m = fmt.PREFIX_RE.search(text)
     ts, host, pid, tid, dev = m.groups()  # PREFIX_RE matches the empty string at the end
-    t_ns = fmt.timestamp_ns(ts) if ts else None
+    try:
+        t_ns = fmt.timestamp_ns(ts) if ts else None
+    except ValueError:  # a bracketed date that is not a calendar date: not a timestamp
+        t_ns = None
     return (t_ns, host, int(pid) if pid else None, int(tid) if tid else None,
             int(dev) if dev else None)
 
@@ -189,30 +186,35 @@ def iter_nccl_records(
     mark = fmt.INFO_MARK
     coll_match = fmt.COLL_RE.match
     fast = fmt.FAST_COLL_LINE_RE.match
+    new = tuple.__new__
+    tails: dict[str, tuple] = {}  # fast-path prefix -> (host, pid, tid, cuda_dev, None)
     op_names, dtypes = fmt.NCCL_OP_NAMES, fmt.NCCL_DATATYPES_BY_TEXT
     line_no = 0
     for line_no, line in enumerate(lines, 1):
         if pending is None:
             m = fast(line)
             if m is not None:
-                host, pid, tid, dev, nccl_op, opc, count, dt, redop, root, comm, nranks = (
-                    m.groups())
+                ptext, nccl_op, opc, count, dt, redop, root, comm, nranks = m.groups()
                 op = op_names.get(nccl_op)
                 dtype = dtypes.get(dt)
                 if op is not None and dtype is not None:
+                    tail = tails.get(ptext)
+                    if tail is None:
+                        if len(tails) >= _PREFIX_CACHE_MAX:
+                            tails.clear()
+                        tail = tails[ptext] = _parse_prefix(ptext)[1:] + (None,)
                     expect_tail = False
                     st.coll_lines += 1
-                    yield CollRecord(file, line_no, op, nccl_op, int(opc, 16), int(count),
-                                     int(dt), dtype, int(redop), int(root), comm,
-                                     int(nranks) if nranks else None, host, int(pid),
-                                     int(tid), int(dev), None)
+                    yield new(CollRecord, (
+                        file, line_no, op, nccl_op, int(opc, 16), int(count), int(dt), dtype,
+                        int(redop), int(root), comm, int(nranks) if nranks else None) + tail)
                     continue
         if line.endswith("\n"):
             line = line[:-1]
             if line.endswith("\r"):
                 line = line[:-1]
         if pending is not None:
-            if mark not in line and line.strip():
+            if "NCCL" not in line and line.strip():  # a continuation never holds a prefix
                 pending[1] += line
                 pending[3] += 1
                 st.continuation_lines += 1
@@ -400,8 +402,7 @@ def _proc(host: str | None, pid: int | None, file: str) -> tuple:
 class _Resolver:
     """Comm pointer -> communicator state; turns records into events."""
 
-    def __init__(self, strict: bool):
-        self.strict = strict
+    def __init__(self):
         self.comms: dict[tuple, _Comm] = {}
         self.history: list[_Comm] = []  # replaced epochs (pointer reuse)
         self.torch_by_file: dict[tuple, TorchCommRecord] = {}
@@ -446,11 +447,13 @@ class _Resolver:
         return None
 
     def _coll(self, rec: CollRecord) -> CollectiveEvent | ParseIssue:
-        proc = (rec.host, rec.pid) if rec.pid is not None else (f"file:{rec.file}", None)
-        key = (proc, rec.comm)
+        (file, line_no, op, _, _, count, _, dtype, _, root, ptr, coll_nranks, host, pid, _,
+         dev, t_ns) = rec
+        proc = (host, pid) if pid is not None else (f"file:{file}", None)
+        key = (proc, ptr)
         c = self.comms.get(key)
         if c is None:
-            c = self.comms[key] = _Comm(proc, rec.comm, rec.file, cuda_dev=rec.cuda_dev)
+            c = self.comms[key] = _Comm(proc, ptr, file, cuda_dev=dev)
         if c.used_version != self.version:
             res = self.resolve(c)
             if c.used != res:
@@ -458,22 +461,19 @@ class _Resolver:
                     c.stale = True
                 c.used = res
             c.used_version = self.version
-        res = c.used
+        rank, group_id, group_rank, nranks = c.used
         seq = c.calls
         c.calls = seq + 1
-        rank, group_id, group_rank, nranks = res
-        if rec.nranks is not None:
-            if nranks is not None and nranks != rec.nranks:
-                return ParseIssue(rec.file, rec.line_no, f"nranks={rec.nranks} disagrees with "
-                                  f"the INIT line {c.init_ref} (nranks {nranks})", rec.comm)
-            nranks = rec.nranks
-            c.nranks_seen = nranks
+        if coll_nranks is not None:
+            if nranks is not None and nranks != coll_nranks:
+                return ParseIssue(file, line_no, f"nranks={coll_nranks} disagrees with the "
+                                  f"INIT line {c.init_ref} (nranks {nranks})", ptr)
+            nranks = c.nranks_seen = coll_nranks
         return CollectiveEvent(
-            source="nccl_log", op=rec.op, rank=rank, group_id=group_id, group_size=nranks,
-            group_rank=group_rank, seq=seq, count=rec.count, dtype=rec.dtype,
-            root=rec.root if rec.op in fmt.ROOTED_OPS else None, t_start_ns=rec.t_start_ns,
-            source_ref=f"{rec.file}:{rec.line_no}", pid=rec.pid, host=rec.host,
-            cuda_dev=rec.cuda_dev, comm=rec.comm)
+            source="nccl_log", op=op, rank=rank, group_id=group_id, group_size=nranks,
+            group_rank=group_rank, seq=seq, count=count, dtype=dtype,
+            root=root if op in fmt.ROOTED_OPS else None, t_start_ns=t_ns,
+            source_ref=f"{file}:{line_no}", pid=pid, host=host, cuda_dev=dev, comm=ptr)
 
     def _torch(self, c: _Comm) -> TorchCommRecord | None:
         t = self.torch_by_tid.get((c.proc[1], c.comm)) if c.proc[1] is not None else None
@@ -580,7 +580,7 @@ def iter_nccl_events(paths, *, strict: bool = False, issues: list | None = None,
             how many there were and the first one.
         stats: line counts, updated in place.
     """
-    r = _Resolver(strict)
+    r = _Resolver()
     own: list[ParseIssue] = [] if issues is None else issues
     for name, lines in _sources(paths):
         for rec in iter_nccl_records(lines, file=name, stats=stats):
@@ -661,7 +661,7 @@ def parse_nccl_logs(paths, *, strict: bool = False) -> NcclLogResult:
     Raises:
         ValueError: a path does not exist; in strict mode, the first unreadable line.
     """
-    r = _Resolver(strict)
+    r = _Resolver()
     stats = ParseStats()
     events: list[CollectiveEvent] = []
     issues: list[ParseIssue] = []

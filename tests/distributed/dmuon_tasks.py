@@ -135,3 +135,85 @@ def dmuon_owner_grads(mode: str, config: GPTConfig = SMALL) -> dict[str, torch.T
             elif p.grad is None:
                 dropped.append(n)
     return {"grads": grads, "dropped": dropped, "n_dedicated": len(dm)}
+
+
+def expect_error(case: str) -> str:
+    """Run one bad-input case; return the exception type and message raised on this rank."""
+    rank = dist.get_rank()
+    world = dist.get_world_size()
+    model = make_model()
+    try:
+        if case == "non_2d_param":
+            dmuon.dedicate_params(model, _mesh("flat"), params=[model.blocks[0].ln1.weight])
+        elif case == "param_not_in_model":
+            dmuon.dedicate_params(model, _mesh("flat"), params=[nn.Parameter(torch.zeros(4, 4))])
+        elif case == "mesh_3d":
+            mesh = init_device_mesh("cpu", (1, 2, world // 2), mesh_dim_names=("a", "replicate", "shard"))
+            dmuon.dedicate_params(model, mesh)
+        elif case == "mesh_axes_swapped":
+            mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("shard", "replicate"))
+            dmuon.dedicate_params(model, mesh)
+        elif case == "plan_mismatch":
+            # rank 1 builds a wider model: the plan digests differ
+            if rank == 1:
+                model = make_model(GPTConfig(seq_len=16, d_model=48, n_layers=1, n_heads=2))
+            dmuon.dedicate_params(model, _mesh("flat"))
+        elif case == "already_ddp":
+            dmuon.dedicate_params(DistributedDataParallel(model), _mesh("flat"))
+        elif case == "optimizer_missing_params":
+            dm = dmuon.dedicate_params(model, _mesh("flat"))
+            dmuon.DMuon([model.head.weight], dedicated=dm)
+        else:
+            raise AssertionError(case)
+    except (ValueError, RuntimeError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+def fewer_matrices_than_ranks(steps: int) -> dict:
+    """Only 2 dedicated matrices on 4 ranks: two owners idle, training still works."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = make_model()
+    dm = dmuon.dedicate_params(model, _mesh("flat"), params=["blocks.0.attn.qkv.weight", "blocks.0.mlp.fc1.weight"])
+    ddp = DistributedDataParallel(model)
+    opt = dmuon.DMuon(ddp.parameters(), dedicated=dm, lr=MUON_LR, adamw_lr=ADAMW_LR)
+    losses = []
+    for step in range(steps):
+        x, y = corpus().global_batch(step, GLOBAL_BATCH, SMALL.seq_len)
+        loss = _loss(ddp, local_slice(x, rank, world), local_slice(y, rank, world))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return {"owned": len(dm.owned()), "ns_calls": opt.ns_calls, "losses": losses}
+
+
+class _SkipMLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 8, bias=False)
+        self.b = nn.Linear(8, 8, bias=False)
+        self.out = nn.Linear(8, 2)
+
+    def forward(self, x, use_b: bool):
+        h = torch.relu(self.a(x))
+        if use_b:
+            h = torch.relu(self.b(h))
+        return self.out(h)
+
+
+def unused_param() -> dict:
+    """`b` unused in the first step on every rank: its owner gets a zero gradient."""
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = _SkipMLP()
+    dm = dmuon.dedicate_params(model, _mesh("flat"), params=[model.a.weight, model.b.weight], reshard_after_forward=False)
+    opt = dmuon.DMuon(model.parameters(), dedicated=dm, lr=MUON_LR, adamw_lr=ADAMW_LR)
+    x = torch.randn(4, 8)
+    model(x, False).sum().backward()
+    b_grad = model.b.weight.grad.clone() if model.b.weight.grad is not None else None
+    opt.step()
+    opt.zero_grad()
+    model(x, True).sum().backward()  # the next step still runs (no hang, sequences aligned)
+    opt.step()
+    return {"owns_b": dm.owner_of(model.b.weight) == rank, "b_grad": b_grad}
