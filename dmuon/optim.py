@@ -37,7 +37,7 @@ class DMuon(Optimizer):
         dedicated: the handle from :func:`dmuon.dedicate_params`.
         lr, weight_decay, momentum, nesterov, ns_coefficients, eps, ns_steps, adjust_lr_fn:
             as ``torch.optim.Muon`` (defaults equal). ``ns_coefficients`` may also be a
-            sequence of per-step ``(a, b, c)`` (e.g. ``muon_math.POLAR_EXPRESS_COEFFICIENTS``).
+            sequence of per-step ``(a, b, c)`` (e.g. ``muon_math.polar_express_coefficients(ns_steps)``).
         adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay: as ``torch.optim.AdamW``'s
             ``lr, betas, eps, weight_decay`` (defaults equal).
 
