@@ -24,18 +24,7 @@ from tabulate import tabulate
 
 from tracer.events import SOURCES
 
-#: Training modes the harness runs, in report order.
-MODES: tuple[str, ...] = (
-    "ddp-muon",
-    "dmuon-ddp",
-    "naive-fsdp2-z2",
-    "naive-fsdp2-z3",
-    "dmuon-z2",
-    "dmuon-z3",
-    "naive-hsdp",
-    "dmuon-hsdp-z2",
-    "dmuon-hsdp-z3",
-)
+from .traffic import MODES  # noqa: E402  (modes in report order: one list, in traffic.py)
 
 #: Phase rows in display order (names from ``dmuon.annotate.PHASES``).
 PHASE_ORDER: tuple[str, ...] = ("setup", "forward", "backward", "optimizer", "replicate")
