@@ -24,7 +24,7 @@ from tabulate import tabulate
 
 from tracer.events import SOURCES
 
-from .traffic import MODES  # noqa: E402  (modes in report order: one list, in traffic.py)
+from .traffic import MODES
 
 #: Phase rows in display order (names from ``dmuon.annotate.PHASES``).
 PHASE_ORDER: tuple[str, ...] = ("setup", "forward", "backward", "optimizer", "replicate")
