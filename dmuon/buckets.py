@@ -40,11 +40,6 @@ def bucket_layout(specs: Sequence[ParamSpec], plan: OwnershipPlan) -> list[Bucke
         members.setdefault(key, []).append(spec)
     out = []
     for (module, owner, dtype), group in members.items():
-        numel = 0
-        for spec in group:
-            n = 1
-            for d in spec.shape:
-                n *= d
-            numel += n
+        numel = sum(spec.numel for spec in group)
         out.append(BucketSpec(module, owner, dtype, tuple(s.name for s in group), numel))
     return out

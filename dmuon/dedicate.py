@@ -42,7 +42,7 @@ from torch.utils._pytree import tree_leaves
 
 from . import annotate, collectives
 from .buckets import bucket_layout
-from .plan import OwnershipPlan, ParamSpec, plan_ownership
+from .plan import OwnershipPlan, plan_ownership, specs_from_named_parameters
 from .topology import Topology, topology_from_mesh
 
 #: Names of modules treated as an output head by :func:`default_predicate`.
@@ -124,7 +124,7 @@ class DedicatedParams:
         self._param_ids = {id(p) for p in self._params}
         modules = dict(model.named_modules())
         by_name = {n: p for n, p, _ in named}
-        specs = _specs(named)
+        specs = specs_from_named_parameters((n, p) for n, p, _ in named)
         me = topology.global_index
         self.buckets: list[_Bucket] = []
         for spec in bucket_layout(specs, plan):
@@ -147,6 +147,7 @@ class DedicatedParams:
         self._by_module: dict[nn.Module, list[_Bucket]] = {}
         for b in self.buckets:
             self._by_module.setdefault(b.module, []).append(b)
+        self._owner_by_id = {id(p): b.owner for b in self.buckets for p in b.params}
         self._reduce_order = list(reversed(self.buckets))
         self._next_reduce = 0
         self._callback_queued = False
@@ -189,9 +190,8 @@ class DedicatedParams:
         Raises:
             ValueError: ``p`` is not a dedicated param.
         """
-        for b in self.buckets:
-            if any(q is p for q in b.params):
-                return b.owner
+        if id(p) in self._owner_by_id:
+            return self._owner_by_id[id(p)]
         raise ValueError(
             f"Invalid param of shape {tuple(p.shape)}: not dedicated by this DedicatedParams."
         )
@@ -361,13 +361,6 @@ class DedicatedParams:
             b.synced = False
 
 
-def _specs(named: list[tuple[str, nn.Parameter, str]]) -> list[ParamSpec]:
-    return [
-        ParamSpec(name=n, shape=tuple(p.shape), dtype=str(p.dtype).removeprefix("torch."), module=m)
-        for n, p, m in named
-    ]
-
-
 def _flatten_into_views(params: list[nn.Parameter]) -> torch.Tensor:
     """Copy ``params`` into one flat buffer and make their ``.data`` views into it."""
     first = params[0]
@@ -396,15 +389,15 @@ def _select(
     }
     if params is not None:
         chosen = []
+        by_name = {v[0]: v for v in owner_module.values()}
         for i, p in enumerate(params):
             if isinstance(p, str):
-                matches = [v for v in owner_module.values() if v[0] == p]
-                if not matches:
+                if p not in by_name:
                     raise ValueError(
                         f"Invalid params[{i}]={p!r}: no parameter of that name in the model. "
                         "Must be a name from model.named_parameters() or the Parameter itself."
                     )
-                chosen.append(matches[0])
+                chosen.append(by_name[p])
             elif id(p) in owner_module:
                 chosen.append(owner_module[id(p)])
             else:
@@ -477,7 +470,7 @@ def dedicate_params(
         )
     topology = topology_from_mesh(mesh)
     named = _select(model, params, predicate)
-    plan = plan_ownership(_specs(named), topology.mesh_shape)
+    plan = plan_ownership(specs_from_named_parameters((n, p) for n, p, _ in named), topology.mesh_shape)
     collectives.check_plan_agreement(plan.digest(), "ownership plan")
     DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
         model, [n for n, _, _ in named]

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import numbers
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -44,12 +45,13 @@ def _dtype_bytes(dtype: str, where: str) -> int:
 
 @dataclass(frozen=True)
 class ParamSpec:
-    """What the planner knows about one Muon-target parameter.
+    """What the planner (and the traffic predictor) knows about one parameter.
 
     Attributes:
         name: fully qualified parameter name (``model.named_parameters()``), e.g.
             ``"blocks.0.attn.qkv.weight"``; the plan's key and its tie-breaker.
-        shape: the full (unsharded) shape; must be 2-D ``(rows, cols)`` with positive dims.
+        shape: the full (unsharded) shape; :func:`plan_ownership` requires 2-D
+            ``(rows, cols)`` with positive dims (the predictor also describes 1-D params).
         dtype: torch dtype name, e.g. ``"float32"``.
         module: fully qualified name of the module holding the param (``"blocks.0.attn.qkv"``);
             the runtime packs same-owner params of one module into one broadcast.
@@ -62,8 +64,8 @@ class ParamSpec:
 
     @property
     def numel(self) -> int:
-        """Elements of the full matrix."""
-        return self.shape[0] * self.shape[1]
+        """Elements of the full (unsharded) tensor."""
+        return math.prod(self.shape)
 
     @property
     def nbytes(self) -> int:

@@ -26,7 +26,6 @@ from verify.report import (
     read_report,
     report_json,
     table_rows,
-    validate_report,
     write_report,
 )
 

@@ -569,6 +569,24 @@ def _sources(paths) -> Iterator[tuple[str, Iterable[str]]]:
                 yield str(path), f
 
 
+def _resolved_events(paths, r: _Resolver, strict: bool, issues: list[ParseIssue],
+                     stats: ParseStats | None, files: list[str] | None) -> Iterator[CollectiveEvent]:
+    """Feed every record of every input to ``r``; yield events, collect issues (or raise)."""
+    for name, lines in _sources(paths):
+        if files is not None:
+            files.append(name)
+        for rec in iter_nccl_records(lines, file=name, stats=stats):
+            out = r.feed(rec)
+            if out is None:
+                continue
+            if type(out) is ParseIssue:
+                if strict:
+                    raise NcclLogError(out)
+                issues.append(out)
+                continue
+            yield out
+
+
 def iter_nccl_events(paths, *, strict: bool = False, issues: list | None = None,
                      stats: ParseStats | None = None) -> Iterator[CollectiveEvent]:
     """Events of NCCL logs, streaming; identities resolved from lines seen so far.
@@ -580,19 +598,8 @@ def iter_nccl_events(paths, *, strict: bool = False, issues: list | None = None,
             how many there were and the first one.
         stats: line counts, updated in place.
     """
-    r = _Resolver()
     own: list[ParseIssue] = [] if issues is None else issues
-    for name, lines in _sources(paths):
-        for rec in iter_nccl_records(lines, file=name, stats=stats):
-            out = r.feed(rec)
-            if out is None:
-                continue
-            if type(out) is ParseIssue:
-                if strict:
-                    raise NcclLogError(out)
-                own.append(out)
-                continue
-            yield out
+    yield from _resolved_events(paths, _Resolver(), strict, own, stats, None)
     if issues is None and own:
         import warnings
 
@@ -663,21 +670,9 @@ def parse_nccl_logs(paths, *, strict: bool = False) -> NcclLogResult:
     """
     r = _Resolver()
     stats = ParseStats()
-    events: list[CollectiveEvent] = []
     issues: list[ParseIssue] = []
     files: list[str] = []
-    for name, lines in _sources(paths):
-        files.append(name)
-        for rec in iter_nccl_records(lines, file=name, stats=stats):
-            out = r.feed(rec)
-            if out is None:
-                continue
-            if type(out) is ParseIssue:
-                if strict:
-                    raise NcclLogError(out)
-                issues.append(out)
-            else:
-                events.append(out)
+    events = list(_resolved_events(paths, r, strict, issues, stats, files))
     _fix_stale(r, events)
     comms = [r.info(c) for c in r.all_comms()]
     seen = {(c.proc, c.comm) for c in r.all_comms()}

@@ -19,7 +19,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import dmuon
 from dmuon.dedicate import default_predicate
-from dmuon.plan import ParamSpec
+from dmuon.plan import specs_from_named_parameters
 
 from .baselines import NaiveShardedMuon
 from .predict import RunLayout
@@ -58,17 +58,6 @@ class _Pair:
     def zero_grad(self) -> None:
         self.muon.zero_grad()
         self.adamw.zero_grad()
-
-
-def param_specs(model: nn.Module) -> tuple[ParamSpec, ...]:
-    """Every parameter of the bare model as a ParamSpec, in ``named_parameters()`` order."""
-    modules = dict(model.named_modules())
-    out = []
-    for name, p in model.named_parameters():
-        module = name.rpartition(".")[0]
-        assert module in modules
-        out.append(ParamSpec(name=name, shape=tuple(p.shape), dtype=str(p.dtype)[6:], module=module))
-    return tuple(out)
 
 
 def muon_names(model: nn.Module) -> tuple[str, ...]:
@@ -114,7 +103,7 @@ def build(mode: str, make_model: Callable[[], nn.Module], device: str = "cpu") -
     """
     world = dist.get_world_size()
     model = make_model().to(device)
-    specs = param_specs(model)
+    specs = tuple(specs_from_named_parameters(model.named_parameters()))
     targets = muon_names(model)
     mesh = _mesh(mode, world, device)
     r_size, n = (mesh.shape if mesh.ndim == 2 else (1, world))

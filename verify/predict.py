@@ -117,7 +117,7 @@ class RunLayout:
 
     def p_m(self) -> int:
         """P_M: elements of the Muon-target params."""
-        return sum(math.prod(p.shape) for p in self.muon_specs())
+        return sum(p.numel for p in self.muon_specs())
 
 
 @dataclass(frozen=True)
@@ -254,11 +254,11 @@ def _ddp_calls(layout: RunLayout, rank: int, ignored: set[str]) -> list[Expected
                 "all_reduce",
                 wid,
                 layout.world_size,
-                sum(math.prod(p.shape) for p in bucket),
+                sum(p.numel for p in bucket),
                 bucket[0].dtype,
                 None,
                 None,
-                sum(math.prod(p.shape) for p in bucket if p.name in muon),
+                sum(p.numel for p in bucket if p.name in muon),
             )
         )
     return out

@@ -10,7 +10,7 @@ compares with the prediction (``verify.compare``).
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -59,7 +59,6 @@ class RunConfig:
     seed: int = 0
     out_dir: str = "traces/latest"
     device: str = "cpu"
-    extra: dict = field(default_factory=dict)
 
 
 def runnable_modes(config: RunConfig, world_size: int) -> list[str]:
@@ -176,7 +175,7 @@ def run_all(config: RunConfig, progress=None) -> dict | None:
         "world_size": world,
         "steps_warmup": config.steps_warmup,
         "steps_measured": config.steps_measured,
-        "config": {k: v for k, v in asdict(config).items() if k != "extra"},
+        "config": asdict(config),
         "runs": runs,
     }
 

@@ -11,8 +11,8 @@ elements, f = 2(n-1)/n for all_reduce and (n-1)/n otherwise. The *step figure* o
 the mean over all W ranks of the sum of f(n)·S over the calls each rank takes part in. Each
 rank records its own copy of a call, so the W-average is ``sum(f·S over all ranks' events) / W``.
 
-nccl-tests' busbw factor (the busiest rank) is 1 for broadcast / reduce and is a different
-quantity: see :func:`bus_factor`; never mix the two.
+nccl-tests' busbw factor describes the busiest rank (1 for broadcast / reduce), a different
+quantity: reports show the busiest rank's own sum in a separate column, never mixed in.
 """
 
 from __future__ import annotations
@@ -40,16 +40,6 @@ def avg_recv_factor(op: str, group_size: int) -> float:
     if op in ("send", "barrier") or n <= 1:
         return 0.0
     return 2.0 * (n - 1) / n if op == "all_reduce" else (n - 1) / n
-
-
-def bus_factor(op: str, group_size: int) -> float:
-    """nccl-tests' busbw factor (busiest rank): 2(n-1)/n all_reduce; (n-1)/n AG/RS/A2A; 1 else."""
-    n = group_size
-    if op == "all_reduce":
-        return 2.0 * (n - 1) / n
-    if op in _TIMES_N:
-        return (n - 1) / n
-    return 1.0
 
 
 def avg_elems(op: str, count: int, group_size: int) -> float:

@@ -37,17 +37,23 @@ def _loss(model, x, y):
     return F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
 
 
-def oracle(steps: int, config: GPTConfig = SMALL, **muon_kw) -> dict[str, torch.Tensor]:
-    """Single process: torch.optim.Muon on the default targets + torch.optim.AdamW, full batch."""
+def oracle(steps: int, config: GPTConfig = SMALL, micro_batches: int = 1) -> dict[str, torch.Tensor]:
+    """Single process: torch.optim.Muon on the default targets + torch.optim.AdamW, full batch.
+
+    ``micro_batches`` > 1 accumulates the same global batch as that many equal slices (the
+    same arithmetic in another summation order): the oracle's own reordering noise.
+    """
     model = make_model(config)
     modules = dict(model.named_modules())
     named = dict(model.named_parameters())
     targets = [n for n, p in named.items() if dmuon.default_predicate(n, p, modules[n.rpartition(".")[0]])]
-    muon = torch.optim.Muon([named[n] for n in targets], lr=MUON_LR, **muon_kw)
+    muon = torch.optim.Muon([named[n] for n in targets], lr=MUON_LR)
     adamw = torch.optim.AdamW([p for n, p in named.items() if n not in targets], lr=ADAMW_LR)
     for step in range(steps):
         x, y = corpus().global_batch(step, GLOBAL_BATCH, config.seq_len)
-        _loss(model, x, y).backward()
+        for m in range(micro_batches):
+            xs, ys = local_slice(x, m, micro_batches), local_slice(y, m, micro_batches)
+            (_loss(model, xs, ys) / micro_batches).backward()
         muon.step()
         adamw.step()
         muon.zero_grad()
@@ -153,6 +159,10 @@ def expect_error(case: str) -> str:
         elif case == "mesh_axes_swapped":
             mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("shard", "replicate"))
             dmuon.dedicate_params(model, mesh)
+        elif case == "mesh_not_world":
+            # every rank builds the same 2-D mesh, then passes its 1-D row (N = W/2)
+            mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "row"))
+            dmuon.dedicate_params(model, mesh["row"])
         elif case == "plan_mismatch":
             # rank 1 builds a wider model: the plan digests differ
             if rank == 1:

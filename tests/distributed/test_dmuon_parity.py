@@ -5,14 +5,14 @@ Tolerances (named, with reasons):
 - GRAD_RTOL / GRAD_ATOL: the owner's averaged gradient sums the same fp32 per-rank
   gradients in a different order than one process does (N partial batch means, summed then
   divided): differences are a few fp32 ulps of the gradient.
-- PARAM_REL_TOL: after 10 steps, each parameter may differ by at most 10% of the oracle's
-  total displacement max|p_10 - p_0|. The gradients agree to fp32 ulps (test above), but
-  Newton–Schulz runs in bfloat16 (torch.optim.Muon's recipe, 8 mantissa bits): a one-ulp
-  fp32 difference in the momentum can flip a bf16 rounding, a 2^-8 = 0.4% change of that
-  element of the step's update, and AdamW's sqrt(v) normalisation amplifies tiny gradient
-  differences the same way; the flips compound over 10 steps. Measured on this model
-  (W=2, 4 and HSDP 2x2): Muon matrices 2.0–6.8%, AdamW params 0.01–1.9%. The exactness of
-  the reduction itself is asserted by the gradient test with fp32 tolerances.
+- After 10 steps parameters are compared relative to the oracle's displacement
+  max|p_10 - p_0|. Newton–Schulz runs in bfloat16 (torch.optim.Muon's recipe), so a one-ulp
+  fp32 difference in a gradient can flip a bf16 rounding, and AdamW's sqrt(v) normalisation
+  amplifies tiny differences too; over 10 steps these compound. The bound is therefore
+  measured, not guessed: the same single-process oracle fed the same global batch as W
+  accumulated micro-batches (only the summation order changes) deviates from itself by
+  NOISE_FLOOR(W); DMuon must stay within FLOOR_FACTOR times that. Measured on this model:
+  floor 3.4% (W=2) and 10.7% (W=4); DMuon 4.5% (W=2), 4.6-6.8% (W=4, HSDP 2x2).
 """
 
 import pytest
@@ -23,14 +23,17 @@ from tests.distributed import dmuon_tasks as T
 pytestmark = pytest.mark.distributed
 
 GRAD_RTOL, GRAD_ATOL = 1e-5, 1e-7
-PARAM_REL_TOL = 0.10
+FLOOR_FACTOR = 2.0
 STEPS = 10
 FLAT_MODES = ("ddp", "z2", "z3")
 
 
 @pytest.fixture(scope="module")
 def oracle_10():
-    return T.make_model().state_dict(), T.oracle(STEPS)
+    """(initial params, oracle after 10 steps, {W: the oracle's reordering noise floor})."""
+    init, ref = T.make_model().state_dict(), T.oracle(STEPS)
+    floor = {w: _rel_err(T.oracle(STEPS, micro_batches=w), init, ref) for w in (2, 4)}
+    return init, ref, floor
 
 
 def _rel_err(got: dict, init: dict, ref: dict) -> float:
@@ -57,17 +60,17 @@ def test_owner_receives_the_global_mean_gradient(pool4, mode):
 
 @pytest.mark.parametrize("mode", FLAT_MODES)
 def test_n2_matches_oracle(pool2, oracle_10, mode):
-    init, ref = oracle_10
+    init, ref, floor = oracle_10
     merged = T.merge_owned(pool2.run(T.train_dmuon, mode, STEPS))
-    assert _rel_err(merged, init, ref) < PARAM_REL_TOL
+    assert _rel_err(merged, init, ref) <= FLOOR_FACTOR * floor[2]
 
 
 def test_n4_all_modes_match_oracle_and_each_other(pool4, oracle_10):
-    init, ref = oracle_10
+    init, ref, floor = oracle_10
     runs = {m: pool4.run(T.train_dmuon, m, STEPS) for m in FLAT_MODES + ("hsdp-z2", "hsdp-z3")}
     merged = {m: T.merge_owned(r) for m, r in runs.items()}
     for mode, params in merged.items():
-        assert _rel_err(params, init, ref) < PARAM_REL_TOL, mode
+        assert _rel_err(params, init, ref) <= FLOOR_FACTOR * floor[4], mode
     # Z2 and Z3 differ only in residency: bit-identical, on the 1-D and the 2-D mesh.
     for a, b in (("z2", "z3"), ("hsdp-z2", "hsdp-z3")):
         assert all(torch.equal(merged[a][n], merged[b][n]) for n in ref), (a, b)

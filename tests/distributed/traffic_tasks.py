@@ -17,4 +17,5 @@ def measure_mode(mode: str, **config) -> dict:
     cfg = RunConfig(out_dir=tempfile.mkdtemp(prefix="dmuon-traffic-"), steps_warmup=2, steps_measured=2, **config)
     result = _train_mode(mode, cfg, _corpus, lambda n: None)
     result.pop("spans")
+    result["out_dir"] = cfg.out_dir
     return result
