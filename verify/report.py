@@ -398,6 +398,23 @@ _LEGEND = (
 )
 
 
+def nvlink_lines(report: Mapping, tablefmt: str) -> list[str]:
+    """The NVLink cross-check (``runs[].nvlink``, see ``verify/nvlink.py``): one line when no
+    run could read the counters, else a table per mode; nothing for reports without it."""
+    entries = [(run["mode"], run["nvlink"]) for run in report["runs"] if run.get("nvlink")]
+    if not entries:
+        return []
+    reasons = {e.get("reason") for _, e in entries if not e["available"]}
+    if all(not e["available"] for _, e in entries) and len(reasons) == 1:
+        return [f"NVLink counters (NVML, coarse cross-check): unavailable: {reasons.pop()}"]
+    rows = [[mode, f"{e['tx_bytes']:,}", f"{e['modelled_wire_bytes']:,}",
+             fmt_ratio(e["tx_to_model"]), str(e["links"])] if e["available"]
+            else [mode, "unavailable", "", "", e.get("reason", "")] for mode, e in entries]
+    headers = ["mode", "NVLink TX [bytes]", "modelled wire [bytes]", "TX / model", "links"]
+    return ["NVLink counters (NVML, coarse cross-check; protocol overhead included):", "",
+            tabulate(rows, headers=headers, tablefmt=tablefmt, disable_numparse=True)]
+
+
 def format_table(report: Mapping) -> str:
     """The terminal report: the per-mode, per-phase table, the all-params table, and for each
     failed run the reasons (see :func:`failure_sections`).
@@ -417,6 +434,9 @@ def format_table(report: Mapping) -> str:
         "",
         _tab(_all_params_rows(report), "simple"),
     ]
+    nvlink = nvlink_lines(report, "simple")
+    if nvlink:
+        parts += [""] + nvlink
     for run in report["runs"]:
         if run["pass"]:
             continue
@@ -584,6 +604,9 @@ def format_markdown(report: Mapping) -> str:
             "",
             _tab((o_headers, o_rows), "github"),
         ]
+    nvlink = nvlink_lines(report, "github")
+    if nvlink:
+        md += ["", "## NVLink counters", ""] + nvlink
     timelines = [(run["mode"], run["timeline"]) for run in report["runs"] if run["timeline"]]
     if timelines:
         md += ["", "## Timelines (Chrome trace JSON)", ""]

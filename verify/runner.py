@@ -10,6 +10,7 @@ compares with the prediction (``verify.compare``).
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -22,12 +23,15 @@ from tracer.crosscheck import crosscheck
 from tracer.events import write_parquet
 from tracer.flight_recorder import dump_flight_recorder, flight_recorder_enabled, fr_window, read_flight_recorder
 from tracer.interposer import Interposer
+from tracer.nvml import NvlinkSampler
 from tracer.timeline import write_chrome_trace
 
 from .compare import compare_run
 from .data import ByteCorpus, local_slice
 from .model import GPTConfig, TinyGPT
 from .modes import build
+from .nccl_source import WindowMark, capture_active, nccl_source_report
+from .nvlink import nvlink_report
 from .plots import plot_timeline
 from .traffic import MODES
 
@@ -81,12 +85,20 @@ def _train_mode(mode: str, config: RunConfig, corpus: ByteCorpus, progress) -> d
     losses, step_starts = [], []
     interposer = Interposer()
     fr_on = flight_recorder_enabled()
+    nccl_on = capture_active(dist.get_backend())
+    nccl_mark = None
+    # one reader per node: local rank 0 samples every GPU of its node
+    nvlink = NvlinkSampler() if int(os.environ.get("LOCAL_RANK", rank)) == 0 else None
     ns_before = 0
     total = config.steps_warmup + config.steps_measured
     for step in range(total):
         if step == config.steps_warmup:
             ns_before = opt.ns_calls
             fr_before = dump_flight_recorder(out / "fr_before", rank) if fr_on else None
+            nccl_mark = WindowMark(rank) if nccl_on else None  # this rank's own NCCL log
+            if nvlink is not None:
+                _sync(config.device)  # warm-up traffic finished before the counters start
+                nvlink.start()
             interposer.__enter__()
         if step >= config.steps_warmup:
             step_starts.append(dmuon.annotate.now_ns())
@@ -103,7 +115,11 @@ def _train_mode(mode: str, config: RunConfig, corpus: ByteCorpus, progress) -> d
         losses.append(loss.item())
         progress(1)
     interposer.__exit__(None, None, None)
+    if nvlink is not None:
+        _sync(config.device)
+    nvlink_reading = nvlink.stop() if nvlink is not None else None
     step_starts.append(dmuon.annotate.now_ns())
+    nccl = nccl_mark.close() if nccl_mark is not None else None  # only the window travels
     fr_events = None
     if fr_on:
         after = dump_flight_recorder(out, rank)
@@ -120,10 +136,17 @@ def _train_mode(mode: str, config: RunConfig, corpus: ByteCorpus, progress) -> d
         "losses": losses,
         "step_starts_ns": step_starts,
         "fr_events": fr_events,
+        "nccl": nccl,
+        "nvlink": nvlink_reading,
         "ns_calls": ns_calls,
         "layout": built.layout,
         "plan_digest": built.dedicated.plan.digest() if built.dedicated else None,
     }
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
 
 
 def run_all(config: RunConfig, progress=None) -> dict | None:
@@ -154,9 +177,10 @@ def run_all(config: RunConfig, progress=None) -> dict | None:
         run["pass"] = run["pass"] and run["loss_falls"]
         digests = {r["plan_digest"] for r in gathered}
         run["plan_digest"] = digests.pop() if len(digests) == 1 else sorted(map(str, digests))
-        run["sources"] = _sources(run, events, gathered)
+        run["sources"] = _sources(run, events, gathered, config.steps_measured)
         run["pass"] = run["pass"] and all(s["pass"] for s in run["sources"].values())
         run["replicate_overlap"] = _replicate_overlap(gathered)
+        run["nvlink"] = nvlink_report([r["nvlink"] for r in gathered if r["nvlink"] is not None], events)
         per_rank = {i: (r["events"], r["spans"]) for i, r in enumerate(gathered)}
         timeline = Path(config.out_dir) / mode / "timeline.json"
         write_chrome_trace(timeline, per_rank, name=mode)
@@ -180,7 +204,7 @@ def run_all(config: RunConfig, progress=None) -> dict | None:
     }
 
 
-def _sources(run: dict, events: list, gathered: list[dict]) -> dict:
+def _sources(run: dict, events: list, gathered: list[dict], steps: int) -> dict:
     """report.json ``sources``: the interposer against the prediction, the others against it."""
     unexpected = sum(u["n"] for u in run["unexpected"])
     missing = sum(m["n"] for m in run["missing"])
@@ -198,6 +222,9 @@ def _sources(run: dict, events: list, gathered: list[dict]) -> dict:
         fr = [ev for r in gathered for ev in r["fr_events"]]
         check = crosscheck(events, fr, source="flight_recorder", backend=dist.get_backend())
         sources["flight_recorder"] = {**check.as_report(), "mismatches": [str(m) for m in check.mismatches[:20]]}
+    if any(r["nccl"] is not None for r in gathered):
+        sources["nccl_log"] = nccl_source_report(
+            [r["nccl"] for r in gathered if r["nccl"] is not None], events, gathered[0]["layout"], steps)
     return sources
 
 
