@@ -227,3 +227,29 @@ def unused_param() -> dict:
     model(x, True).sum().backward()  # the next step still runs (no hang, sequences aligned)
     opt.step()
     return {"owns_b": dm.owner_of(model.b.weight) == rank, "b_grad": b_grad}
+
+
+def hsdp_replicate_waits() -> dict:
+    """HSDP Z2: state_dict() and a second step() right after step() wait for the in-flight
+    replicate broadcasts; returns what each rank held at both points."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mesh = _mesh("hsdp")
+    model = make_model()
+    dm = dmuon.dedicate_params(model, mesh, reshard_after_forward=False)
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh, reshard_after_forward=False, ignored_params=set(dm))
+    fully_shard(model, mesh=mesh, ignored_params=set(dm))
+    opt = dmuon.DMuon(model.parameters(), dedicated=dm, lr=MUON_LR, adamw_lr=ADAMW_LR)
+    x, y = corpus().global_batch(0, GLOBAL_BATCH, SMALL.seq_len)
+    _loss(model, local_slice(x, rank, world), local_slice(y, rank, world)).backward()
+    opt.step()
+    holders = [b for b in dm.buckets if b.is_holder]
+    issued = sum(b.pending is not None for b in holders)
+    sd = model.state_dict()
+    after_state_dict = sum(b.pending is not None for b in dm.buckets)
+    at_state_dict = {b.module_name: torch.cat([sd[n].reshape(-1) for n in b.names]).clone() for b in holders}
+    opt.step()  # same grads again, while this step's replicate broadcasts would be in flight
+    dm.wait_pending()
+    return {"issued": issued, "holders": len(holders), "after_state_dict": after_state_dict,
+            "at_state_dict": at_state_dict,
+            "after_second_step": {b.module_name: b.flat.clone() for b in holders}}

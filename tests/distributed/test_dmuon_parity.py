@@ -86,3 +86,20 @@ def test_repeated_runs_are_bit_identical(pool4):
     first = T.merge_owned(pool4.run(T.train_dmuon, "hsdp-z3", 3))
     second = T.merge_owned(pool4.run(T.train_dmuon, "hsdp-z3", 3))
     assert all(torch.equal(first[n], second[n]) for n in first)
+
+
+def test_hsdp_state_dict_and_second_step_wait_for_replicate_broadcast(pool4):
+    results = pool4.run(T.hsdp_replicate_waits)
+    assert all(r["issued"] == r["holders"] > 0 for r in results)  # every holder had one in flight
+    assert all(r["after_state_dict"] == 0 for r in results)
+    for key in ("at_state_dict", "after_second_step"):
+        by_module: dict = {}
+        for r in results:
+            for module, flat in r[key].items():
+                by_module.setdefault(module, []).append(flat)
+        for module, flats in by_module.items():
+            assert len(flats) == 2, module  # the owner and its replica on the other replicate rank
+            assert torch.equal(flats[0], flats[1]), (key, module)
+    first = {m: f for r in results for m, f in r["at_state_dict"].items()}
+    second = {m: f for r in results for m, f in r["after_second_step"].items()}
+    assert all(not torch.equal(first[m], second[m]) for m in first)  # the second step did update
