@@ -10,11 +10,18 @@ Two things, both cheap when nobody listens:
   ``"DMuon"`` domain (package ``nvtx``; a no-op without a profiler attached) and is passed to
   every registered listener (the tracer's timeline uses this).
 
+NVTX emission can be switched off, e.g. to measure its cost (``benchmarks/bench_nvtx.py``) or
+to keep DMuon's ranges out of a profile: set the environment variable ``DMUON_NVTX=0`` before
+``dmuon`` is imported, or call :func:`set_nvtx_enabled` at any time. Off, :func:`phase` and
+:func:`span` skip the NVTX calls and the message formatting (one boolean check each); the phase
+tags and the span listeners work either way. On is the default.
+
 Nothing here issues a collective or imports the tracer: listeners are registered from outside.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -31,6 +38,49 @@ except Exception:  # pragma: no cover - depends on the platform
 
 #: Phase names DMuon itself uses; a training loop may add its own.
 PHASES = ("setup", "forward", "backward", "optimizer", "replicate")
+
+#: Environment variable read once at import: ``0``/``false``/``off``/``no`` turn NVTX off.
+NVTX_ENV = "DMUON_NVTX"
+_ENV_OFF = ("0", "false", "off", "no")
+_ENV_ON = ("", "1", "true", "on", "yes")
+
+
+def _nvtx_from_env(value: str | None) -> bool:
+    """Whether ``DMUON_NVTX=value`` asks for NVTX emission (unset: yes).
+
+    Raises:
+        ValueError: ``value`` is not one of the accepted spellings.
+    """
+    if value is None or value.strip().lower() in _ENV_ON:
+        return True
+    if value.strip().lower() in _ENV_OFF:
+        return False
+    raise ValueError(f"Invalid {NVTX_ENV}={value!r}. Must be one of {_ENV_OFF} (NVTX off) or "
+                     f"{_ENV_ON[1:]} (on); unset it for the default (on).")
+
+
+# True while phase()/span() emit NVTX ranges: nvtx importable and not switched off.
+_nvtx_on = _NVTX_DOMAIN is not None and _nvtx_from_env(os.environ.get(NVTX_ENV))
+
+
+def nvtx_enabled() -> bool:
+    """Whether :func:`phase` and :func:`span` currently emit NVTX ranges."""
+    return _nvtx_on
+
+
+def set_nvtx_enabled(enabled: bool) -> bool:
+    """Switch NVTX emission of :func:`phase` / :func:`span` on or off; returns the previous
+    setting. Ranges already open are closed as they were opened (no unbalanced pop).
+
+    Raises:
+        ValueError: ``enabled`` is true but the ``nvtx`` package could not be imported.
+    """
+    global _nvtx_on
+    if enabled and _NVTX_DOMAIN is None:
+        raise ValueError("Invalid set_nvtx_enabled(True): the nvtx package is not importable "
+                         "here. Must install it (pip install nvtx) to emit NVTX ranges.")
+    previous, _nvtx_on = _nvtx_on, bool(enabled)
+    return previous
 
 _phase_stack: list[str] = []
 _lock = threading.Lock()
@@ -52,17 +102,19 @@ def current_phase() -> str | None:
 def phase(name: str) -> Iterator[None]:
     """Tag everything issued inside the block with phase ``name`` (nestable).
 
-    Also an NVTX range ``dmuon.phase <name>`` in the ``DMuon`` domain, so Nsight Systems
-    (and ``tracer.nsys``) can attribute NCCL ranges to phases.
+    Also an NVTX range ``dmuon.phase <name>`` in the ``DMuon`` domain (unless switched off,
+    :func:`set_nvtx_enabled`), so Nsight Systems (and ``tracer.nsys``) can attribute NCCL
+    ranges to phases.
     """
     with _lock:
         _phase_stack.append(name)
-    if _NVTX_DOMAIN is not None:
+    emit = _nvtx_on
+    if emit:
         _NVTX_DOMAIN.push_range(_NVTX_DOMAIN.get_event_attributes(message=f"dmuon.phase {name}"))
     try:
         yield
     finally:
-        if _NVTX_DOMAIN is not None:
+        if emit:
             _NVTX_DOMAIN.pop_range()
         with _lock:
             # Remove the innermost occurrence: blocks may exit out of order across threads.
@@ -109,18 +161,17 @@ def now_ns() -> int:
 def span(name: str, *, module: str | None = None, owner: int | None = None) -> Iterator[None]:
     """Mark a timeline range; shows in Nsight Systems (NVTX domain ``DMuon``) and listeners.
 
-    The NVTX message is ``name`` followed by ``module`` and ``owner`` when given, e.g.
-    ``dmuon.broadcast blocks.0.mlp.fc1 owner=2``.
+    The NVTX message (unless switched off, :func:`set_nvtx_enabled`) is ``name`` followed by
+    ``module`` and ``owner`` when given, e.g. ``dmuon.broadcast blocks.0.mlp.fc1 owner=2``.
     """
-    message = name
-    if module is not None:
-        message += f" {module}"
-    if owner is not None:
-        message += f" owner={owner}"
-    nvtx_range = None
-    if _NVTX_DOMAIN is not None:
-        nvtx_range = _NVTX_DOMAIN.get_event_attributes(message=message)
-        _NVTX_DOMAIN.push_range(nvtx_range)
+    emit = _nvtx_on
+    if emit:
+        message = name
+        if module is not None:
+            message += f" {module}"
+        if owner is not None:
+            message += f" owner={owner}"
+        _NVTX_DOMAIN.push_range(_NVTX_DOMAIN.get_event_attributes(message=message))
     stack = getattr(_active, "stack", None)
     if stack is None:
         stack = _active.stack = []
@@ -131,7 +182,7 @@ def span(name: str, *, module: str | None = None, owner: int | None = None) -> I
     finally:
         t1 = now_ns()
         stack.pop()
-        if _NVTX_DOMAIN is not None:
+        if emit:
             _NVTX_DOMAIN.pop_range()
         if _listeners:
             s = Span(name, module, owner, current_phase(), t0, t1, threading.get_ident())

@@ -110,6 +110,8 @@ class DMuon(Optimizer):
         self.dedicated = dedicated
         self.ns_calls = 0
         self._owned = {id(p) for p in dedicated.owned()}
+        # Module of each dedicated matrix: its Newton–Schulz span names it, like the comm spans.
+        self._module_of = {id(p): b.module_name for b in dedicated.buckets for p in b.params}
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none)
@@ -144,7 +146,8 @@ class DMuon(Optimizer):
             state = self.state[p]
             if "momentum_buffer" not in state:
                 state["momentum_buffer"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
-            with annotate.span("dmuon.newton_schulz", owner=self.dedicated.owner_of(p)):
+            with annotate.span("dmuon.newton_schulz", module=self._module_of[id(p)],
+                               owner=self.dedicated.owner_of(p)):
                 muon_update_(
                     p,
                     p.grad,

@@ -193,9 +193,11 @@ def _fixture_reference():
 def test_crosscheck_fixture_with_gloo_profile(shared_fixtures):
     fr = read_flight_recorder(shared_fixtures / PICKLE_AS_JSON).events
     check = crosscheck(_fixture_reference(), fr, source="flight_recorder", backend="gloo")
-    assert check.as_report() == {"events": 12, "matched": 12, "unmatched": 0, "pass": True}
+    assert check.as_report() == {"events": 12, "matched": 12, "unmatched": 0, "pass": True,
+                                 "size_unknown": 0}
     plain = crosscheck(_fixture_reference(), fr, source="flight_recorder")
-    assert plain.as_report() == {"events": 12, "matched": 10, "unmatched": 2, "pass": False}
+    assert plain.as_report() == {"events": 12, "matched": 10, "unmatched": 2, "pass": False,
+                                 "size_unknown": 0}
     assert [str(m).split(":")[0] for m in plain.mismatches] == [
         "rank 0 group 0,1,2,3 seq 2", "rank 0 group 0,1,2,3 seq 8"]
     assert "reference reduce_scatter count=128 float32" in str(plain.mismatches[0])

@@ -1,5 +1,6 @@
 """verify.nsys_verify: the prerequisites-missing path for real (no nsys, no GPU here), the
-command lines as pure functions, rank assignment, and step failures."""
+command lines as pure functions, rank assignment, step failures, and main() end to end on a
+small export built with the real export's DDL (nsys itself replaced by a stub)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO_ROOT
+from tests.test_nsys import _ddl, _gtid, build_export
 from tracer.events import CollectiveEvent, write_parquet
 from verify import nsys_verify as nv
 
@@ -59,6 +61,113 @@ def test_assign_ranks_by_pid_then_device():
     by_dev = nv.assign_ranks(nsys, no_pid)
     assert [(e.rank, e.t_start_ns) for e in by_dev] == [(0, 10), (1, 20), (1, 30)]
     assert all(e.group_id is None and e.seq is None for e in by_dev)
+
+
+def _iref(rank, pid, op="broadcast", seq=0, t=0, count=8, root=None):
+    return CollectiveEvent(source="interposer", op=op, rank=rank, pid=pid, group_id="0,1",
+                           group_size=2, seq=seq, count=count, dtype="float32", root=root,
+                           t_start_ns=t, t_end_ns=t + 1, source_ref=f"interposer:rank{rank}:#{seq}")
+
+
+def test_assign_ranks_unmatched_process_is_a_clear_error():
+    ref = [_iref(0, 500), _iref(1, 400)]
+    nsys = [_ns(500, 0, 1), _ns(999, 1, 5), _ns(999, 1, 6), _ns(400, 1, 7)]
+    with pytest.raises(ValueError) as err:
+        nv.assign_ranks(nsys, ref)
+    msg = str(err.value)
+    assert "process(es) matching no rank (pid=999: 2 NCCL ranges, first r.sqlite#NVTX_EVENTS.5)" \
+        in msg
+    assert "pid -> rank {400: 1, 500: 0}" in msg and "Must come from the same run" in msg
+    # Without pids in the reference the device fallback applies and nothing is rejected.
+    assert [e.rank for e in nv.assign_ranks(nsys, [e.replace(pid=None) for e in ref])] == [
+        0, 1, 1, 1]
+
+
+def test_assign_ranks_rejects_one_pid_on_two_ranks():
+    with pytest.raises(ValueError, match=r"pid -> ranks \{7: \[0, 1\]\}.*one host"):
+        nv.assign_ranks([_ns(7, 0, 1)], [_iref(0, 7), _iref(1, 7)])
+
+
+def test_reference_per_rank_is_in_time_order_across_modes():
+    # load_reference reads modes in name order; the run order is the time order.
+    later = [_iref(0, 5, "all_reduce", 0, t=900), _iref(1, 6, "all_reduce", 0, t=901)]
+    earlier = [_iref(0, 5, "broadcast", 0, t=100), _iref(0, 5, "reduce", 1, t=100),
+               _iref(1, 6, "broadcast", 0, t=101)]
+    got = nv._reference_per_rank(later + earlier)
+    assert [(e.rank, e.op) for e in got] == [(0, "broadcast"), (0, "reduce"), (0, "all_reduce"),
+                                             (1, "broadcast"), (1, "all_reduce")]
+    assert all(e.group_id is None and e.seq is None for e in got)
+
+
+# --- main() end to end: interposer events + an nsys export of the same (stub) run ---------
+
+PIDS = {0: 10, 1: 20}  # rank -> pid
+NCCL_DOM = 3
+#: The run: mode "z3" first, then mode "ddp" (the reverse of their name order).
+RUN = [("z3", "broadcast", "ncclBroadcast", 0), ("z3", "reduce", "ncclReduce", 0),
+       ("ddp", "all_reduce", "ncclAllReduce", None)]
+
+
+def _write_run(out_dir: Path) -> None:
+    files: dict[Path, list] = {}
+    for rank, pid in PIDS.items():
+        for i, (mode, op, _, root) in enumerate(RUN):
+            ev = _iref(rank, pid, op, seq=i, t=1000 * i + rank, root=root)
+            files.setdefault(out_dir / mode / f"events_rank{rank}.parquet", []).append(ev)
+    for path, events in files.items():
+        write_parquet(events, path)
+
+
+@pytest.fixture
+def stub_nsys(tmp_path, monkeypatch, shared_fixtures):
+    """main() with nsys replaced: 'profile' writes the run's interposer events, 'export' an
+    export built from ``nvtx`` rows (edit the list before calling main)."""
+    ddl = _ddl(shared_fixtures)
+    nvtx = [(0, None, 75, "NCCL", _gtid(pid, pid), NCCL_DOM) for pid in PIDS.values()]
+    for i, (_, _, api, _) in enumerate(RUN):
+        for rank, pid in PIDS.items():
+            t = 10_000 * (i + 1) + rank
+            nvtx.append((t, t + 50, 59, api, _gtid(pid, pid), NCCL_DOM))
+
+    def run(cmd, what):
+        if what == "profile":
+            _write_run(tmp_path)
+        else:
+            build_export(tmp_path / "report.sqlite", ddl, nvtx=nvtx)
+        return 0
+
+    monkeypatch.setattr(nv, "_gpu_count", lambda: 2)
+    monkeypatch.setattr(nv, "_run", run)
+    return nvtx
+
+
+def _main(tmp_path):
+    return nv.main(["--nsys", "nsys-stub", "--out-dir", str(tmp_path)])
+
+
+def test_main_passes_without_sizes(tmp_path, stub_nsys, capsys):
+    assert _main(tmp_path) == nv.EXIT_PASS
+    out = capsys.readouterr().out
+    assert "nsys: PASS events=6 matched=6 unmatched=0 skipped=0 outside_window=0 " \
+           "size_unknown=6" in out
+    assert "nsys-verify: 6 calls compared without sizes" in out
+    assert out.rstrip().endswith("nsys-verify: PASS")
+
+
+def test_main_fails_on_a_missing_call(tmp_path, stub_nsys, capsys):
+    del stub_nsys[-1]  # rank 1's last ncclAllReduce
+    assert _main(tmp_path) == nv.EXIT_FAIL
+    out = capsys.readouterr().out
+    assert "rank 1 group None: missing in nsys: reference all_reduce count=8 float32" in out
+    assert out.rstrip().endswith("nsys-verify: FAIL")
+
+
+def test_main_stops_on_a_process_of_no_rank(tmp_path, stub_nsys, capsys):
+    stub_nsys.append((0, None, 75, "NCCL", _gtid(30, 30), NCCL_DOM))
+    stub_nsys.append((5, 9, 59, "ncclAllReduce", _gtid(30, 30), NCCL_DOM))
+    assert _main(tmp_path) == nv.EXIT_STEP_FAILED
+    err = capsys.readouterr().err
+    assert "rank assignment failed" in err and "pid=30: 1 NCCL ranges" in err
 
 
 def test_load_reference(tmp_path):

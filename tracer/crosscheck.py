@@ -6,6 +6,15 @@ one to one and in order, in op, size and dtype (and root where both know it). Si
 A ``barrier`` compares by op only: its payload, if any, is a backend detail (gloo records none,
 NCCL all-reduces one byte).
 
+Sources without sizes. Where the *other* source has no size for a call (``count`` and
+``msg_bytes`` both ``None``: an nsys report whose payload blobs are not decoded, see
+:mod:`tracer.nsys_payload`), the pair is compared by op only, plus dtype and root where both
+sides know them. Such pairs are counted in :attr:`SourceCheck.size_unknown` (matched or not)
+and named in a note; they do not fail the check by themselves, so the call *sequence* is still
+verified: a reference call missing in the other source, an extra call and an op that differs
+fail as always. A size known on both sides that differs fails, and so does a size the other
+source knows but the reference does not (``... unknown in reference``).
+
 Where a backend *records* a call differently from how it was issued, a :class:`SourceProfile`
 says so; nothing else is forgiven. The only one measured here (torch 2.13.0 CPU build, gloo,
 ``tests/distributed/test_flight_recorder_gloo.py``) is :data:`FLIGHT_RECORDER_GLOO`:
@@ -42,9 +51,10 @@ order (one FR dump per rank, in ``record_id`` order). They are deliberately not 
 own counter (the seq-mapping ``align`` assumes one process group per ``group_id``; use
 :func:`tracer.flight_recorder.fr_window` with ``"exact"`` otherwise).
 
-Calls are paired with :class:`difflib.SequenceMatcher` on (op, size), so a missing or extra
-call is reported as such instead of shifting every later pair; then each pair is compared
-field by field (dtype, root).
+Calls are paired with :class:`difflib.SequenceMatcher` on (op, size), or on op alone for a
+``(rank, group_id)`` where the other source lacks some size, so a missing or extra call is
+reported as such instead of shifting every later pair; then each pair is compared field by
+field (size, dtype, root).
 """
 
 from __future__ import annotations
@@ -164,6 +174,9 @@ class SourceCheck:
         mismatches: every disagreement, human readable via ``str()``.
         skipped: reference calls of ops the source cannot record on this backend.
         outside_window: other-source events before/after the window, not compared.
+        size_unknown: compared pairs (in ``matched`` or ``unmatched``) whose size could not be
+            compared because the other source has none for the call (module docstring).
+        notes: what the reader should know about how the comparison was made.
     """
 
     source: str
@@ -174,18 +187,20 @@ class SourceCheck:
     mismatches: list[Mismatch] = field(default_factory=list)
     skipped: int = 0
     outside_window: int = 0
+    size_unknown: int = 0
     notes: list[str] = field(default_factory=list)
 
     def as_report(self) -> dict:
-        """The ``report.json`` ``sources[source]`` entry: ``{events, matched, unmatched, pass}``."""
+        """The ``report.json`` ``sources[source]`` entry:
+        ``{events, matched, unmatched, pass, size_unknown}``."""
         return {"events": self.events, "matched": self.matched, "unmatched": self.unmatched,
-                "pass": self.passed}
+                "pass": self.passed, "size_unknown": self.size_unknown}
 
     def lines(self) -> list[str]:
         """Summary line, notes, then one line per mismatch."""
         head = (f"{self.source}: {'PASS' if self.passed else 'FAIL'} events={self.events} "
                 f"matched={self.matched} unmatched={self.unmatched} skipped={self.skipped} "
-                f"outside_window={self.outside_window}")
+                f"outside_window={self.outside_window} size_unknown={self.size_unknown}")
         return [head] + [f"  note: {n}" for n in self.notes] + [f"  {m}" for m in self.mismatches]
 
 
@@ -272,6 +287,11 @@ def _size_field(expected: Sequence[_Expected], others: Sequence[CollectiveEvent]
     return "msg_bytes"
 
 
+def _sizeless(ev: CollectiveEvent) -> bool:
+    """The other source has no size for this call (a barrier needs none)."""
+    return ev.op != "barrier" and ev.count is None and ev.msg_bytes is None
+
+
 def _differences(x: _Expected, ev: CollectiveEvent, size_field: str) -> list[str]:
     if x.error:
         return [x.error]
@@ -281,8 +301,12 @@ def _differences(x: _Expected, ev: CollectiveEvent, size_field: str) -> list[str
     if x.op == "barrier" or ev.op == "barrier":
         return diffs
     mine, theirs = getattr(x, size_field), getattr(ev, size_field)
-    if mine is None or theirs is None:
-        diffs.append(f"{size_field} unknown on one side")
+    if _sizeless(ev):
+        pass  # compared by op (dtype, root) only; counted in SourceCheck.size_unknown
+    elif mine is None:
+        diffs.append(f"{size_field} unknown in reference")
+    elif theirs is None:  # other has a count but no msg_bytes (dtype unknown to it)
+        diffs.append(f"{size_field} unknown in other")
     elif mine != theirs:
         diffs.append(f"{size_field} differs")
     if x.event.dtype is not None and ev.dtype is not None and x.event.dtype != ev.dtype:
@@ -296,12 +320,13 @@ def _compare_key(key: Key, expected: list[_Expected], others: list[CollectiveEve
                  result: SourceCheck, source: str) -> None:
     rank, group_id = key
     size_field = _size_field(expected, others)
+    by_op = any(_sizeless(e) for e in others)  # pair on op alone: sizes cannot all be matched
 
     def sig_x(x: _Expected):
-        return (x.op, None if x.op == "barrier" else getattr(x, size_field))
+        return (x.op, None if by_op or x.op == "barrier" else getattr(x, size_field))
 
     def sig_o(e: CollectiveEvent):
-        return (e.op, None if e.op == "barrier" else getattr(e, size_field))
+        return (e.op, None if by_op or e.op == "barrier" else getattr(e, size_field))
 
     def missing(x: _Expected) -> None:
         result.mismatches.append(Mismatch(rank, group_id, x.event.seq, None,
@@ -318,6 +343,8 @@ def _compare_key(key: Key, expected: list[_Expected], others: list[CollectiveEve
         pairs = list(zip(expected[i1:i2], others[j1:j2]))
         for x, e in pairs:
             diffs = _differences(x, e, size_field)
+            if x.op != "barrier" and _sizeless(e):
+                result.size_unknown += 1
             if diffs:
                 result.unmatched += 1
                 result.mismatches.append(Mismatch(
@@ -353,7 +380,8 @@ def crosscheck(
         align: ``"exact"``, ``"tail"`` or ``{(rank, group_id): first_seq}`` (module docstring).
 
     Returns:
-        A :class:`SourceCheck`; ``as_report()`` gives ``{events, matched, unmatched, pass}``.
+        A :class:`SourceCheck`; ``as_report()`` gives
+        ``{events, matched, unmatched, pass, size_unknown}``.
 
     Raises:
         ValueError: unknown ``source`` or ``align``, or an ``other`` event of another source.
@@ -385,6 +413,10 @@ def crosscheck(
         result.outside_window += outside
         _compare_key(key, expected, window, result, source)
     compared = result.matched + result.unmatched
+    if result.size_unknown:
+        result.notes.append(f"{result.size_unknown} of {compared} pairs compared by op only "
+                            f"(dtype / root where both know them): {source} has no size for "
+                            "them, so their sizes are not verified")
     if compared == 0:
         result.notes.append("nothing compared: no observable reference call and no "
                             f"{source} event in the window")

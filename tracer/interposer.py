@@ -45,6 +45,10 @@ Times: ``t_start_ns`` / ``t_end_ns`` are :func:`dmuon.annotate.now_ns` just befo
 the op call. For asynchronous ops (``async_op=True``, functional collectives, everything on
 NCCL) the end is the return of the *issue*, not completion of the transfer.
 
+Process: every event carries ``pid`` (``os.getpid()``) and ``host`` (``socket.gethostname()``),
+read once at the first recorded call, so that sources which only know the process (an nsys
+report) can be mapped to ranks (:func:`verify.nsys_verify.assign_ranks`).
+
 ``seq`` counts this rank's recorded calls per ``group_id`` (0-based). Two process groups over
 the same ranks share a ``group_id`` and hence one counter. A process group that is not
 registered with ``torch.distributed`` (built by hand) gets ``group_id=None``.
@@ -52,6 +56,8 @@ registered with ``torch.distributed`` (built by hand) gets ``group_id=None``.
 
 from __future__ import annotations
 
+import os
+import socket
 import threading
 import warnings
 from collections.abc import Callable, Sequence
@@ -225,7 +231,8 @@ class Interposer(TorchDispatchMode):
     Attributes:
         events: recorded :class:`~tracer.events.CollectiveEvent` (``rank`` = world rank;
             ``phase`` = :func:`dmuon.annotate.current_phase` and ``module`` = module of
-            :func:`dmuon.annotate.current_span` at issue time).
+            :func:`dmuon.annotate.current_span` at issue time; ``pid`` / ``host`` of this
+            process).
         spans: DMuon spans that ended while active (from every thread of this process).
         unrecorded: ``(op name, reason)`` of collectives seen but not representable.
 
@@ -245,6 +252,8 @@ class Interposer(TorchDispatchMode):
         self._routes: dict[Any, Any] = {}
         self._used = False
         self._rank: int | None = None
+        self._pid: int | None = None
+        self._host: str | None = None
 
     # ----------------------------------------------------------------------- mode lifecycle
     def __enter__(self) -> Interposer:
@@ -329,8 +338,9 @@ class Interposer(TorchDispatchMode):
         return group
 
     def _record(self, calls, group, phase, module, t_start_ns, t_end_ns) -> None:
-        if self._rank is None:
+        if self._rank is None:  # at the first call, in the process that records
             self._rank = dist.get_rank()
+            self._pid, self._host = os.getpid(), socket.gethostname()
         with self._lock:
             for call in calls:
                 seq = self._seq.get(group.group_id, 0)
@@ -353,6 +363,8 @@ class Interposer(TorchDispatchMode):
                         t_start_ns=t_start_ns,
                         t_end_ns=t_end_ns,
                         source_ref=f"{ref} {call.note}" if call.note else ref,
+                        pid=self._pid,
+                        host=self._host,
                     )
                 )
 

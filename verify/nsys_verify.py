@@ -8,16 +8,19 @@ Steps (where ``nsys`` is on PATH and ``torch.cuda.device_count() >= 2``):
    ``<dir>/<mode>/events_rank<r>.parquet``; nsys writes ``<dir>/report.nsys-rep``.
 2. ``nsys export --type sqlite --include-blobs=true --force-overwrite=true -o
    <dir>/report.sqlite <dir>/report.nsys-rep``.
-3. :func:`tracer.nsys.parse_nsys`, ranks assigned to nsys events (:func:`assign_ranks`), then
-   :func:`tracer.crosscheck.crosscheck` ``(reference=interposer, other=nsys, source="nsys")``.
+3. :func:`tracer.nsys.parse_nsys`, ranks assigned to nsys events by pid (:func:`assign_ranks`;
+   the interposer records each rank's pid), then :func:`tracer.crosscheck.crosscheck`
+   ``(reference=interposer, other=nsys, source="nsys")``.
 
 nsys events carry no communicator or size (the payload blob is not decoded, see
 ``tracer/nsys_payload.py``), so both sides are compared per rank in time order, without group
-ids or sequence numbers, and the printed verdict says when sizes could not be compared.
+ids or sequence numbers, and by op only: the cross-check's ``size_unknown`` counts those
+calls, and the printed verdict says that their sizes were not compared.
 
 Exit codes: 0 pass; 1 cross-check failed; 3 prerequisites missing (no ``nsys`` on PATH, fewer
-than 2 GPUs; the message names which); 4 a step failed (workload, export, parse: the message
-says which, with its exit status); 5 ``tracer.crosscheck`` not importable.
+than 2 GPUs; the message names which); 4 a step failed (workload, export, parse, rank
+assignment: the message says which, with its exit status or error); 5 ``tracer.crosscheck``
+not importable.
 """
 
 from __future__ import annotations
@@ -71,26 +74,71 @@ def load_reference(out_dir: Path):
     return [ev for f in files for ev in read_parquet(f)]
 
 
-def assign_ranks(nsys_events, reference):
-    """nsys events with ``rank`` set, for a single-node run with one process per GPU.
+def _rank_by_pid(reference) -> dict[int, int]:
+    """``{pid: rank}`` of the reference events that carry both (empty: none carries a pid)."""
+    ranks_by_pid: dict[int, set[int]] = {}
+    for e in reference:
+        if e.pid is not None and e.rank is not None:
+            ranks_by_pid.setdefault(e.pid, set()).add(e.rank)
+    shared = {pid: sorted(r) for pid, r in ranks_by_pid.items() if len(r) > 1}
+    if shared:
+        raise ValueError(f"Invalid reference events: pid -> ranks {shared} (one pid, several "
+                         "ranks). Must be one process per rank on one host: pass the reference "
+                         "events of the host whose nsys report is checked.")
+    return {pid: next(iter(r)) for pid, r in ranks_by_pid.items()}
 
-    By ``pid`` where the reference events carry one (exact); otherwise by CUDA device, taking
-    rank = ``cuda_dev`` (torchrun's one process per GPU with device = local rank = rank on one
-    node). Events with neither keep ``rank=None``. Group ids and seqs are cleared (nsys does not
-    know them) and events are ordered by (rank, t_start_ns) so that threads of one process merge
-    into issue order.
+
+def assign_ranks(nsys_events, reference):
+    """nsys events with ``rank`` set from the process that issued them.
+
+    By ``pid`` where the reference (interposer) events carry one (:mod:`tracer.interposer`
+    records ``os.getpid()``): an nsys process is the rank whose reference events have its pid,
+    exact on one node. Otherwise by CUDA device, taking rank = ``cuda_dev`` (torchrun's one
+    process per GPU with device = local rank = rank on one node); events without a device keep
+    ``rank=None``. Group ids and seqs are cleared (nsys does not know them) and events are
+    ordered by (rank, t_start_ns) so that threads of one process merge into issue order.
+
+    Args:
+        nsys_events: :class:`~tracer.events.CollectiveEvent` of ``source="nsys"`` (``pid`` from
+            the export's ``globalTid``).
+        reference: the interposer's events of the same run, all ranks.
+
+    Raises:
+        ValueError: by pid, an nsys process whose pid no reference event has (the report and
+            the reference come from different runs, or a process outside the workload's ranks
+            issued NCCL calls); or one pid with events of two ranks in the reference (pids of
+            several hosts: check one host's report against that host's ranks).
     """
-    rank_by_pid = {e.pid: e.rank for e in reference if e.pid is not None and e.rank is not None}
+    rank_by_pid = _rank_by_pid(reference)
+    if rank_by_pid:
+        unmatched: dict[int | None, list] = {}
+        for ev in nsys_events:
+            if ev.pid not in rank_by_pid:
+                unmatched.setdefault(ev.pid, []).append(ev)
+        if unmatched:
+            known = dict(sorted(rank_by_pid.items()))
+            found = "; ".join(f"pid={pid}: {len(evs)} NCCL ranges, first {evs[0].source_ref}"
+                              for pid, evs in sorted(unmatched.items(), key=lambda kv: repr(kv[0])))
+            raise ValueError(f"Invalid nsys events: process(es) matching no rank ({found}); the "
+                             f"reference has pid -> rank {known}. Must come from the same run as "
+                             "the reference events (profile the workload and read its "
+                             "<mode>/events_rank<r>.parquet, as `make nsys-verify` does).")
     out = []
     for ev in nsys_events:
-        rank = rank_by_pid.get(ev.pid) if rank_by_pid else ev.cuda_dev
+        rank = rank_by_pid[ev.pid] if rank_by_pid else ev.cuda_dev
         out.append(ev.replace(rank=rank, group_id=None, seq=None))
     return sorted(out, key=lambda e: (e.rank is None, e.rank or 0, e.t_start_ns or 0))
 
 
 def _reference_per_rank(reference):
-    """Reference events keyed by rank only (nsys has no group ids), in issue order."""
-    return [ev.replace(group_id=None, seq=None) for ev in reference]
+    """Reference events keyed by rank only (nsys has no group ids), in issue order.
+
+    ``load_reference`` reads the modes' files in name order, not run order: each rank's events
+    are put back in time order (``t_start_ns``: one clock per process; a stable sort keeps the
+    issue order of a coalesced call's events, which share their times).
+    """
+    ordered = sorted(reference, key=lambda e: (e.rank is None, e.rank or 0, e.t_start_ns or 0))
+    return [ev.replace(group_id=None, seq=None) for ev in ordered]
 
 
 def _run(cmd: list[str], what: str) -> int:
@@ -153,11 +201,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"nsys-verify: {exc}", file=sys.stderr)
         return EXIT_STEP_FAILED
     print(result.summary())
-    check = crosscheck(_reference_per_rank(reference), assign_ranks(result.events, reference),
-                       source="nsys", backend="nccl", align=args.align)
+    try:
+        ranked = assign_ranks(result.events, reference)
+    except ValueError as exc:
+        print(f"nsys-verify: rank assignment failed: {exc}", file=sys.stderr)
+        return EXIT_STEP_FAILED
+    check = crosscheck(_reference_per_rank(reference), ranked, source="nsys", backend="nccl",
+                       align=args.align)
     print("\n".join(check.lines()))
-    if any(ev.msg_bytes is None for ev in result.events):
-        print(f"nsys-verify: nsys sizes unavailable: {result.sizes_unavailable_reason}")
+    if check.size_unknown:
+        print(f"nsys-verify: {check.size_unknown} calls compared without sizes (op, order and "
+              f"count of calls only): {result.sizes_unavailable_reason}")
     print(f"nsys-verify: {'PASS' if check.passed else 'FAIL'}")
     return EXIT_PASS if check.passed else EXIT_FAIL
 

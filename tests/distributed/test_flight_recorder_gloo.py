@@ -199,7 +199,7 @@ def test_crosscheck_passes_on_exact_window(fr_run):
     assert len(p2p) == 4  # world: ranks 0->1, subgroup: ranks 1->2
     assert check.skipped == 4
     assert check.as_report() == {"events": len(reference) - 4, "matched": len(reference) - 4,
-                                 "unmatched": 0, "pass": True}
+                                 "unmatched": 0, "pass": True, "size_unknown": 0}
 
 
 def test_crosscheck_passes_with_tail_and_seq_alignment_on_lifetime_dump(fr_run):

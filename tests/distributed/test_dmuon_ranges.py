@@ -1,0 +1,77 @@
+"""Every range the timeline issue lists is emitted by a real DMuon step, on 4 gloo ranks:
+broadcast, re-broadcast, reduce, replicate wait, Newton–Schulz per matrix and the HSDP
+replicate broadcast, each with module and owner, as span listeners see them and as NVTX
+messages that tracer.nsys parses back (recorded through a stand-in NVTX domain)."""
+
+from __future__ import annotations
+
+import pytest
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from dmuon import annotate
+from tests.distributed.dmuon_tasks import GLOBAL_BATCH, SMALL, corpus, make_model
+from tests.test_annotate import RecordingDomain
+from tracer.nsys import _SPAN_RE
+from verify.data import local_slice
+from verify.modes import build
+
+pytestmark = pytest.mark.distributed
+
+#: DMuon's span names, one per range of the issue (SPEC §1 step order).
+ISSUE_RANGES = {"dmuon.broadcast", "dmuon.rebroadcast", "dmuon.reduce", "dmuon.replicate_wait",
+                "dmuon.newton_schulz", "dmuon.replicate_broadcast"}
+
+
+def _ranges_of_last_step(mode: str, steps: int) -> dict:
+    """Train ``steps`` steps; spans and NVTX pushes of the last one (the replicate wait of an
+    HSDP step waits for the previous step's broadcast, so the first step has none)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    built = build(mode, lambda: make_model(SMALL))
+    spans, fake = [], RecordingDomain()
+    saved = annotate._NVTX_DOMAIN, annotate.nvtx_enabled()
+    try:
+        for step in range(steps):
+            if step == steps - 1:
+                annotate.add_span_listener(spans.append)
+                annotate._NVTX_DOMAIN = fake
+                annotate.set_nvtx_enabled(True)
+            x, y = corpus().global_batch(step, GLOBAL_BATCH, SMALL.seq_len)
+            x, y = local_slice(x, rank, world), local_slice(y, rank, world)
+            with annotate.phase("forward"):
+                logits = built.model(x)
+                loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
+            with annotate.phase("backward"):
+                loss.backward()
+            built.optimizer.step()
+            built.optimizer.zero_grad()
+    finally:
+        annotate.remove_span_listener(spans.append)
+        annotate._NVTX_DOMAIN = saved[0]
+        annotate.set_nvtx_enabled(saved[1])
+    built.dedicated.wait_pending()
+    return {"spans": [(s.name, s.module, s.owner) for s in spans],
+            "pushed": [m for kind, m in fake.calls if kind == "push"],
+            "pops": sum(kind == "pop" for kind, _ in fake.calls),
+            "module_names": sorted({b.module_name for b in built.dedicated.buckets})}
+
+
+def test_hsdp_z3_step_emits_every_issue_range_with_module_and_owner(pool4):
+    results = pool4.run(_ranges_of_last_step, "dmuon-hsdp-z3", 2)
+    names = {name for out in results for name, _, _ in out["spans"]}
+    assert names == ISSUE_RANGES
+    for out in results:
+        assert out["spans"], "a rank emitted no span"
+        for name, module, owner in out["spans"]:
+            assert module in out["module_names"] and 0 <= owner < 4, (name, module, owner)
+        assert out["pops"] == len(out["pushed"])
+        spans_pushed = [m for m in out["pushed"] if not m.startswith("dmuon.phase ")]
+        assert len(spans_pushed) == len(out["spans"])
+        for message in spans_pushed:  # what nsys will show, read back by tracer.nsys
+            match = _SPAN_RE.match(message)
+            assert match and match["module"] in out["module_names"] and match["owner"], message
+    # Newton–Schulz: one range per dedicated matrix (one per module here), on its owner only.
+    ns = [(rank, module, owner) for rank, out in enumerate(results)
+          for name, module, owner in out["spans"] if name == "dmuon.newton_schulz"]
+    assert sorted(module for _, module, _ in ns) == results[0]["module_names"]
+    assert all(rank == owner for rank, _, owner in ns)  # 2 x 2 mesh: owner index = world rank
