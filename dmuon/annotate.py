@@ -124,6 +124,23 @@ def phase(name: str) -> Iterator[None]:
                     break
 
 
+@contextmanager
+def window(name: str) -> Iterator[None]:
+    """An NVTX range ``dmuon.window <name>`` in the ``DMuon`` domain and nothing else (no phase
+    tag, no span listener): marks a measured window in an Nsight Systems profile so that a
+    checker keeps only the NCCL ranges inside it (``verify/nsys_verify.py``). Off when NVTX
+    emission is switched off (:func:`set_nvtx_enabled`).
+    """
+    emit = _nvtx_on
+    if emit:
+        _NVTX_DOMAIN.push_range(_NVTX_DOMAIN.get_event_attributes(message=f"dmuon.window {name}"))
+    try:
+        yield
+    finally:
+        if emit:
+            _NVTX_DOMAIN.pop_range()
+
+
 @dataclass(frozen=True, slots=True)
 class Span:
     """A finished timeline range: ``t_start_ns``/``t_end_ns`` from ``time.perf_counter_ns``."""

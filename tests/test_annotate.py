@@ -52,6 +52,21 @@ def test_ranges_carry_name_module_and_owner(domain):
     ]
 
 
+def test_window_is_an_nvtx_range_only(domain):
+    seen = []
+    annotate.add_span_listener(seen.append)
+    try:
+        with annotate.window("dmuon-z3"):
+            assert annotate.current_span() is None and annotate.current_phase() is None
+    finally:
+        annotate.remove_span_listener(seen.append)
+    assert domain.calls == [("push", "dmuon.window dmuon-z3"), ("pop", None)] and seen == []
+    annotate.set_nvtx_enabled(False)
+    with annotate.window("x"):
+        pass
+    assert len(domain.calls) == 2
+
+
 def test_switched_off_emits_nothing_but_keeps_phases_and_listeners(domain):
     spans = []
     annotate.add_span_listener(spans.append)

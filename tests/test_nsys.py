@@ -207,6 +207,7 @@ def _col(frame, name: str) -> list:
 def _attribution_export(tmp_path, ddl, **kw):
     create = [(0, None, 75, "NCCL", MAIN, NCCL_DOM), (0, None, 75, "DMuon", MAIN, DMUON_DOM)]
     nvtx = create + [
+        (50, 5000, 59, "dmuon.window dmuon-z3", MAIN, DMUON_DOM),  # a window, not a module span
         (100, 1000, 59, "dmuon.phase forward", MAIN, DMUON_DOM),
         (110, 400, 59, "dmuon.broadcast blocks.0.mlp.fc1 owner=2", MAIN, DMUON_DOM),
         (120, 200, 59, "ncclBroadcast", MAIN, NCCL_DOM),           # forward, fc1, owner 2
@@ -254,7 +255,10 @@ def test_attribution_by_containment_and_kernel_links(tmp_path, ddl):
     assert _col(res.details, "nccl_group") == [None, 0, 0, None, None]
     assert res.other_api_counts == {"ncclGroupStart": 1, "ncclGroupEnd": 2}
     assert len(res.kernels) == 3 and res.kernels["unlinked_reason"].isna().all()
-    assert res.n_dmuon_ranges == 5
+    assert res.n_dmuon_ranges == 6
+    (window,) = res.windows
+    assert (window.name, window.pid, window.t_start_ns, window.t_end_ns) == ("dmuon-z3", 10, 50, 5000)
+    assert all(window.contains(e) for e in res.events)
 
 
 def test_blobs_present_are_not_decoded(tmp_path, ddl):

@@ -88,8 +88,7 @@ def test_assign_ranks_rejects_one_pid_on_two_ranks():
         nv.assign_ranks([_ns(7, 0, 1)], [_iref(0, 7), _iref(1, 7)])
 
 
-def test_reference_per_rank_is_in_time_order_across_modes():
-    # load_reference reads modes in name order; the run order is the time order.
+def test_reference_per_rank_is_in_time_order():
     later = [_iref(0, 5, "all_reduce", 0, t=900), _iref(1, 6, "all_reduce", 0, t=901)]
     earlier = [_iref(0, 5, "broadcast", 0, t=100), _iref(0, 5, "reduce", 1, t=100),
                _iref(1, 6, "broadcast", 0, t=101)]
@@ -102,7 +101,7 @@ def test_reference_per_rank_is_in_time_order_across_modes():
 # --- main() end to end: interposer events + an nsys export of the same (stub) run ---------
 
 PIDS = {0: 10, 1: 20}  # rank -> pid
-NCCL_DOM = 3
+NCCL_DOM, DMUON_DOM = 3, 4
 #: The run: mode "z3" first, then mode "ddp" (the reverse of their name order).
 RUN = [("z3", "broadcast", "ncclBroadcast", 0), ("z3", "reduce", "ncclReduce", 0),
        ("ddp", "all_reduce", "ncclAllReduce", None)]
@@ -123,7 +122,14 @@ def stub_nsys(tmp_path, monkeypatch, shared_fixtures):
     """main() with nsys replaced: 'profile' writes the run's interposer events, 'export' an
     export built from ``nvtx`` rows (edit the list before calling main)."""
     ddl = _ddl(shared_fixtures)
-    nvtx = [(0, None, 75, "NCCL", _gtid(pid, pid), NCCL_DOM) for pid in PIDS.values()]
+    nvtx = [(0, None, 75, dom, _gtid(pid, pid), i) for pid in PIDS.values()
+            for dom, i in (("NCCL", NCCL_DOM), ("DMuon", DMUON_DOM))]
+    for rank, pid in PIDS.items():
+        # each mode's window (the runner's dmuon.window range) and a warm-up call before it
+        nvtx += [(9_000, 25_000, 59, "dmuon.window z3", _gtid(pid, pid), DMUON_DOM),
+                 (29_000, 35_000, 59, "dmuon.window ddp", _gtid(pid, pid), DMUON_DOM),
+                 (5_000 + rank, 5_050, 59, "ncclBroadcast", _gtid(pid, pid), NCCL_DOM),
+                 (27_000 + rank, 27_050, 59, "ncclAllReduce", _gtid(pid, pid), NCCL_DOM)]
     for i, (_, _, api, _) in enumerate(RUN):
         for rank, pid in PIDS.items():
             t = 10_000 * (i + 1) + rank
@@ -148,9 +154,11 @@ def _main(tmp_path):
 def test_main_passes_without_sizes(tmp_path, stub_nsys, capsys):
     assert _main(tmp_path) == nv.EXIT_PASS
     out = capsys.readouterr().out
-    assert "nsys: PASS events=6 matched=6 unmatched=0 skipped=0 outside_window=0 " \
-           "size_unknown=6" in out
+    assert "== z3\nnsys: PASS events=4 matched=4 unmatched=0 skipped=0 outside_window=0 " \
+           "size_unknown=4" in out
+    assert "== ddp\nnsys: PASS events=2 matched=2" in out
     assert "nsys-verify: 6 calls compared without sizes" in out
+    assert "nsys-verify: 4 NCCL ranges outside the measured windows" in out
     assert out.rstrip().endswith("nsys-verify: PASS")
 
 
@@ -164,10 +172,19 @@ def test_main_fails_on_a_missing_call(tmp_path, stub_nsys, capsys):
 
 def test_main_stops_on_a_process_of_no_rank(tmp_path, stub_nsys, capsys):
     stub_nsys.append((0, None, 75, "NCCL", _gtid(30, 30), NCCL_DOM))
-    stub_nsys.append((5, 9, 59, "ncclAllReduce", _gtid(30, 30), NCCL_DOM))
+    stub_nsys.append((0, None, 75, "DMuon", _gtid(30, 30), DMUON_DOM))
+    stub_nsys.append((9_000, 25_000, 59, "dmuon.window z3", _gtid(30, 30), DMUON_DOM))
+    stub_nsys.append((9_005, 9_009, 59, "ncclAllReduce", _gtid(30, 30), NCCL_DOM))
     assert _main(tmp_path) == nv.EXIT_STEP_FAILED
     err = capsys.readouterr().err
-    assert "rank assignment failed" in err and "pid=30: 1 NCCL ranges" in err
+    assert "process(es) matching no rank (pid=30: 1 NCCL ranges" in err
+
+
+def test_main_stops_without_windows(tmp_path, stub_nsys, capsys):
+    stub_nsys[:] = [row for row in stub_nsys if not str(row[3]).startswith("dmuon.window ddp")]
+    assert _main(tmp_path) == nv.EXIT_STEP_FAILED
+    err = capsys.readouterr().err
+    assert "no 'dmuon.window ddp' NVTX range (windows found: ['z3'])" in err
 
 
 def test_load_reference(tmp_path):
@@ -177,7 +194,8 @@ def test_load_reference(tmp_path):
                          source_ref="x")
     write_parquet([ev], tmp_path / "ddp" / "events_rank1.parquet")
     write_parquet([ev.replace(rank=0)], tmp_path / "z2" / "events_rank0.parquet")
-    assert sorted(e.rank for e in nv.load_reference(tmp_path)) == [0, 1]
+    by_mode = nv.load_reference(tmp_path)
+    assert sorted(by_mode) == ["ddp", "z2"] and [e.rank for e in by_mode["ddp"]] == [1]
 
 
 def test_failed_profile_step_is_reported(tmp_path, monkeypatch, capsys):

@@ -31,9 +31,11 @@ The thread id, kernel names and GPU durations are in ``NsysResult.details`` (one
 Attribution: DMuon's spans (:func:`dmuon.annotate.span`) are push/pop ranges in NVTX domain
 ``DMuon`` with messages ``dmuon.<what> [<module>] [owner=<k>]``. An NCCL range gets the module
 of the innermost span on the same thread that contains it in time. A range named
-``dmuon.phase <name>`` (proposed; :func:`dmuon.annotate.phase` does not emit NVTX yet) sets the
-phase: innermost containing phase range on the same thread, else, since DMuon's phase is
-process-wide and autograd runs backward hooks on its own threads, on any thread of the process.
+``dmuon.phase <name>`` (:func:`dmuon.annotate.phase`) sets the phase: innermost containing
+phase range on the same thread, else, since DMuon's phase is process-wide and autograd runs
+backward hooks on its own threads, on any thread of the process. Ranges ``dmuon.window <name>``
+(:func:`dmuon.annotate.window`, around verify-traffic's measured steps) are not spans: they
+are listed in ``NsysResult.windows`` for selecting a window's events.
 """
 
 from __future__ import annotations
@@ -74,6 +76,24 @@ SUPPORTED_SCHEMA_MAJOR = "3"
 _REQUIRED_NVTX_COLUMNS = ("start", "end", "eventType", "globalTid", "domainId", "text")
 _SPAN_RE = re.compile(r"^(?P<name>dmuon\.[\w.]+)(?: (?P<module>[^\s=]+))?(?: owner=(?P<owner>\d+))?$")
 _PHASE_RE = re.compile(r"^dmuon\.phase (?P<phase>\S+)$")
+_WINDOW_RE = re.compile(r"^dmuon\.window (?P<window>\S+)$")
+
+
+@dataclass(frozen=True)
+class NsysWindow:
+    """A ``dmuon.window <name>`` range (:func:`dmuon.annotate.window`): a measured window of
+    process ``pid`` from ``t_start_ns`` to ``t_end_ns`` (export clock, ns)."""
+
+    name: str
+    pid: int
+    t_start_ns: int
+    t_end_ns: int
+    source_ref: str
+
+    def contains(self, ev: CollectiveEvent) -> bool:
+        """Whether ``ev`` was issued by this process inside the window."""
+        return (ev.pid == self.pid and ev.t_start_ns is not None
+                and self.t_start_ns <= ev.t_start_ns <= self.t_end_ns)
 
 DETAIL_COLUMNS = (
     "event_index", "source_ref", "nvtx_rowid", "global_tid", "pid", "tid", "api_name",
@@ -122,6 +142,7 @@ class NsysResult:
         sizes_unavailable_reason: why ``msg_bytes`` is ``None`` (always set, see module doc).
         payload_fields: :func:`tracer.nsys_payload.locate_payload_fields`.
         warnings: non-fatal findings (unvalidated schema version, inferred domains, ...).
+        windows: DMuon's ``dmuon.window <name>`` ranges (measured windows), by start.
     """
 
     info: ExportInfo
@@ -134,6 +155,7 @@ class NsysResult:
     nccl_domain_source: str
     n_dmuon_ranges: int = 0
     warnings: list[str] = field(default_factory=list)
+    windows: list[NsysWindow] = field(default_factory=list)
 
     def summary(self) -> str:
         """Human-readable summary: events per op, processes / threads, kernels, sizes."""
@@ -449,7 +471,17 @@ def parse_nsys(path: str | Path, *, allow_unknown_schema: bool = False) -> NsysR
     if not fields.empty and COMM_ENTRY_NAME not in set(fields["entry_name"]):
         warnings.append("no 'NCCL communicator ID' payload entry (NCCL < 2.25)")
     return NsysResult(info, events, details, kernel_table, dict(other), reason, fields,
-                      nccl_source, len(dmuon), warnings)
+                      nccl_source, len(dmuon), warnings, _windows(dmuon, ref))
+
+
+def _windows(dmuon: pd.DataFrame, ref) -> list[NsysWindow]:
+    out = []
+    for row in dmuon.dropna(subset=["end"]).sort_values(["start", "rowid"]).itertuples():
+        m = _WINDOW_RE.match(row.name_ or "")
+        if m:
+            out.append(NsysWindow(m["window"], int(row.pid), int(row.start), int(row.end),
+                                  ref("NVTX_EVENTS", row.rowid)))
+    return out
 
 
 def _attribute(colls: pd.DataFrame, outer: pd.DataFrame, key: str) -> dict[int, int]:
@@ -470,7 +502,7 @@ def _build_events(nccl, dmuon, member_of, kernels_by_event, ref):
     names = dmuon["name_"].fillna("")
     is_phase = names.str.match(_PHASE_RE)
     phases = dmuon[is_phase]
-    module_spans = dmuon[~is_phase & names.str.match(_SPAN_RE)]
+    module_spans = dmuon[~is_phase & ~names.str.match(_WINDOW_RE) & names.str.match(_SPAN_RE)]
     span_of = _attribute(colls, module_spans, "global_tid")
     phase_of = {"thread": _attribute(colls, phases, "global_tid"),
                 "process": _attribute(colls, phases, "pid")}

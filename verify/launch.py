@@ -5,7 +5,7 @@
   (``<out>/nccl/nccl.%h.%p.log``; NCCL expands only %h and %p).
 - otherwise the embedded default: ``--nproc`` (default 4) local CPU processes on gloo.
 
-Traces and reports go to ``traces/<run-id>/``. The exit code is verify.main's (0 pass,
+Traces and reports go to ``traces/<run-id>/`` (or ``--out-dir``). The exit code is verify.main's (0 pass,
 1 mismatch) or torchrun's when a process fails.
 """
 
@@ -63,6 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="make verify-traffic", description=__doc__.split("\n\n")[0])
     parser.add_argument("--nproc", type=int, default=None, help=f"CPU processes when < 2 GPUs (default {DEFAULT_CPU_PROCS})")
     parser.add_argument("--run-id", default=None, help="traces/<run-id>/ (default: UTC timestamp)")
+    parser.add_argument("--out-dir", default=None, help="output folder (default: traces/<run-id>/)")
     args, extra = parser.parse_known_args(argv)
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     use_nccl = gpus >= 2
@@ -70,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     if nproc < 2:
         parser.error(f"Invalid --nproc={nproc}. Must be >= 2 (a distributed run).")
     run_id = args.run_id or datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    out_dir = Path("traces") / run_id
+    out_dir = Path(args.out_dir) if args.out_dir else Path("traces") / run_id
     out_dir.mkdir(parents=True, exist_ok=True)
     where = f"{nproc} GPUs, NCCL" if use_nccl else f"{nproc} local CPU processes, gloo (no ≥2 GPUs visible)"
     print(f"verify-traffic: {where}; output in {out_dir}/", flush=True)

@@ -9,6 +9,7 @@ compares with the prediction (``verify.compare``).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from dataclasses import asdict, dataclass
@@ -84,6 +85,7 @@ def _train_mode(mode: str, config: RunConfig, corpus: ByteCorpus, progress) -> d
     out = Path(config.out_dir) / mode
     losses, step_starts = [], []
     interposer = Interposer()
+    window = contextlib.ExitStack()
     fr_on = flight_recorder_enabled()
     nccl_on = capture_active(dist.get_backend())
     nccl_mark = None
@@ -99,7 +101,8 @@ def _train_mode(mode: str, config: RunConfig, corpus: ByteCorpus, progress) -> d
             if nvlink is not None:
                 _sync(config.device)  # warm-up traffic finished before the counters start
                 nvlink.start()
-            interposer.__enter__()
+            window.enter_context(dmuon.annotate.window(mode))  # NVTX: the window for nsys
+            window.enter_context(interposer)
         if step >= config.steps_warmup:
             step_starts.append(dmuon.annotate.now_ns())
         x, y = corpus.global_batch(step, config.global_batch, config.seq_len, seed=config.seed)
@@ -114,7 +117,7 @@ def _train_mode(mode: str, config: RunConfig, corpus: ByteCorpus, progress) -> d
         opt.zero_grad()
         losses.append(loss.item())
         progress(1)
-    interposer.__exit__(None, None, None)
+    window.close()
     if nvlink is not None:
         _sync(config.device)
     nvlink_reading = nvlink.stop() if nvlink is not None else None
