@@ -28,17 +28,17 @@ def test_launch_env_sets_nccl_logging_only_for_nccl(tmp_path, monkeypatch):
 @pytest.mark.distributed
 def test_verify_traffic_end_to_end_two_processes(tmp_path):
     proc = subprocess.run(
-        [sys.executable, "-m", "verify.launch", "--nproc", "2", "--run-id", "e2e",
+        [sys.executable, "-m", "verify.launch", "--nproc", "2", "--out-dir", "runs/e2e",
          "--modes", "dmuon-z3", "--steps-warmup", "2", "--steps-measured", "1"],
         cwd=tmp_path, capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    report = json.loads((tmp_path / "traces/e2e/report.json").read_text())
+    report = json.loads((tmp_path / "runs/e2e/report.json").read_text())
     (run,) = report["runs"]
     assert report["pass"] and run["mode"] == "dmuon-z3" and run["ratio_to_p_m"] == 1.5  # 3(N-1)/N, N=2
     assert run["sources"]["flight_recorder"]["pass"]
     assert "nccl_log" not in run["sources"]  # gloo: no NCCL log to read
     assert run["nvlink"]["available"] or run["nvlink"]["reason"]  # here: NVML missing, and why
     for name in ("report.md", "traffic.png", "dmuon-z3/timeline.json", "dmuon-z3/timeline.png", "dmuon-z3/layout.json"):
-        assert (tmp_path / "traces/e2e" / name).is_file(), name
-    assert "PASS" in proc.stdout
+        assert (tmp_path / "runs/e2e" / name).is_file(), name
+    assert "PASS" in proc.stdout and (tmp_path / "runs/e2e/exit_code").read_text() == "0\n"
