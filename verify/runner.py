@@ -72,6 +72,46 @@ def runnable_modes(config: RunConfig, world_size: int) -> list[str]:
     return [m for m in config.modes if ok_hsdp or "hsdp" not in m]
 
 
+class _MeasuredWindow:
+    """Every recorder of the measured steps, opened after the warm-up and closed after the last
+    step: the interposer, the Flight Recorder dumps, this rank's NCCL log window, the NVLink
+    counters (local rank 0 samples its node) and the ``dmuon.window <mode>`` NVTX range."""
+
+    def __init__(self, mode: str, out: Path, device: str) -> None:
+        self.mode, self.out, self.device = mode, out, device
+        self.rank = dist.get_rank()
+        self.interposer = Interposer()
+        self._fr_on = flight_recorder_enabled()
+        self._nccl_on = capture_active(dist.get_backend())
+        local_rank = int(os.environ.get("LOCAL_RANK", self.rank))
+        self._nvlink = NvlinkSampler() if local_rank == 0 else None
+        self._stack = contextlib.ExitStack()
+
+    def open(self) -> None:
+        self._fr_before = dump_flight_recorder(self.out / "fr_before", self.rank) if self._fr_on else None
+        self._nccl = WindowMark(self.rank) if self._nccl_on else None
+        if self._nvlink is not None:
+            _sync(self.device)  # warm-up traffic finished before the counters start
+            self._nvlink.start()
+        self._stack.enter_context(dmuon.annotate.window(self.mode))
+        self._stack.enter_context(self.interposer)
+
+    def close(self) -> dict:
+        """``{"fr_events", "nccl", "nvlink"}``: what the other recorders saw (``None`` where off)."""
+        self._stack.close()
+        nccl = self._nccl.close() if self._nccl is not None else None  # only the window travels
+        nvlink = None
+        if self._nvlink is not None:
+            _sync(self.device)
+            nvlink = self._nvlink.stop()
+        fr_events = None
+        if self._fr_on:
+            after = dump_flight_recorder(self.out, self.rank)
+            fr_events = fr_window(read_flight_recorder(self._fr_before).events,
+                                  read_flight_recorder(after).events)
+        return {"fr_events": fr_events, "nccl": nccl, "nvlink": nvlink}
+
+
 def _train_mode(mode: str, config: RunConfig, corpus: ByteCorpus, progress) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg = GPTConfig(seq_len=config.seq_len, d_model=config.d_model, n_layers=config.n_layers, n_heads=config.n_heads)
@@ -84,25 +124,12 @@ def _train_mode(mode: str, config: RunConfig, corpus: ByteCorpus, progress) -> d
     model, opt = built.model, built.optimizer
     out = Path(config.out_dir) / mode
     losses, step_starts = [], []
-    interposer = Interposer()
-    window = contextlib.ExitStack()
-    fr_on = flight_recorder_enabled()
-    nccl_on = capture_active(dist.get_backend())
-    nccl_mark = None
-    # one reader per node: local rank 0 samples every GPU of its node
-    nvlink = NvlinkSampler() if int(os.environ.get("LOCAL_RANK", rank)) == 0 else None
+    window = _MeasuredWindow(mode, out, config.device)
     ns_before = 0
-    total = config.steps_warmup + config.steps_measured
-    for step in range(total):
+    for step in range(config.steps_warmup + config.steps_measured):
         if step == config.steps_warmup:
             ns_before = opt.ns_calls
-            fr_before = dump_flight_recorder(out / "fr_before", rank) if fr_on else None
-            nccl_mark = WindowMark(rank) if nccl_on else None  # this rank's own NCCL log
-            if nvlink is not None:
-                _sync(config.device)  # warm-up traffic finished before the counters start
-                nvlink.start()
-            window.enter_context(dmuon.annotate.window(mode))  # NVTX: the window for nsys
-            window.enter_context(interposer)
+            window.open()
         if step >= config.steps_warmup:
             step_starts.append(dmuon.annotate.now_ns())
         x, y = corpus.global_batch(step, config.global_batch, config.seq_len, seed=config.seed)
@@ -117,31 +144,21 @@ def _train_mode(mode: str, config: RunConfig, corpus: ByteCorpus, progress) -> d
         opt.zero_grad()
         losses.append(loss.item())
         progress(1)
-    window.close()
-    if nvlink is not None:
-        _sync(config.device)
-    nvlink_reading = nvlink.stop() if nvlink is not None else None
+    recorded = window.close()
     step_starts.append(dmuon.annotate.now_ns())
-    nccl = nccl_mark.close() if nccl_mark is not None else None  # only the window travels
-    fr_events = None
-    if fr_on:
-        after = dump_flight_recorder(out, rank)
-        fr_events = fr_window(read_flight_recorder(fr_before).events, read_flight_recorder(after).events)
     if built.dedicated is not None:
         built.dedicated.wait_pending()
-    ns_calls = opt.ns_calls - ns_before
-    write_parquet(interposer.events, out / f"events_rank{rank}.parquet")
+    events = window.interposer.events
+    write_parquet(events, out / f"events_rank{rank}.parquet")
     if rank == 0:
         (out / "layout.json").write_text(json.dumps(built.layout.to_dict(), indent=1))
     return {
-        "events": interposer.events,
-        "spans": interposer.spans,
+        "events": events,
+        "spans": window.interposer.spans,
         "losses": losses,
         "step_starts_ns": step_starts,
-        "fr_events": fr_events,
-        "nccl": nccl,
-        "nvlink": nvlink_reading,
-        "ns_calls": ns_calls,
+        **recorded,
+        "ns_calls": opt.ns_calls - ns_before,
         "layout": built.layout,
         "plan_digest": built.dedicated.plan.digest() if built.dedicated else None,
     }
