@@ -2,9 +2,10 @@
 
 Runs inside an initialised default process group (torchrun, or the test harness). For each
 mode: build it (``verify.modes``), train ``warmup + measured`` steps on the byte corpus, record
-the measured steps with the :class:`tracer.interposer.Interposer`, write this rank's events
-to ``<out_dir>/<mode>/events_rank<r>.parquet``, and gather everything to rank 0, which
-compares with the prediction (``verify.compare``).
+the measured steps with the :class:`tracer.interposer.Interposer` (and the Flight Recorder,
+the NCCL log and the NVLink counters where they exist: ``_MeasuredWindow``), write this rank's
+events to ``<out_dir>/<mode>/events_rank<r>.parquet``, and gather everything to rank 0, which
+compares with the prediction (``verify.compare``) and cross-checks the other sources.
 """
 
 from __future__ import annotations
