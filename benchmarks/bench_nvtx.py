@@ -35,7 +35,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from tabulate import tabulate
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -44,6 +43,7 @@ from tests.distributed.harness import DistributedPool  # noqa: E402
 from verify.data import ByteCorpus, local_slice  # noqa: E402
 from verify.model import GPTConfig, TinyGPT  # noqa: E402
 from verify.modes import build  # noqa: E402
+from verify.runner import train_step  # noqa: E402
 
 GLOBAL_BATCH = 8  # sequences per step over all ranks (verify.runner.RunConfig's default)
 CORPUS_BYTES = 200_000
@@ -112,14 +112,7 @@ class CountingDomain:
 def _step(built, corpus: ByteCorpus, step: int, seq_len: int) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     x, y = corpus.global_batch(step, GLOBAL_BATCH, seq_len)
-    x, y = local_slice(x, rank, world), local_slice(y, rank, world)
-    with annotate.phase("forward"):
-        logits = built.model(x)
-        loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
-    with annotate.phase("backward"):
-        loss.backward()
-    built.optimizer.step()
-    built.optimizer.zero_grad()
+    train_step(built.model, built.optimizer, local_slice(x, rank, world), local_slice(y, rank, world))
 
 
 def _rank_task(mode: str, warmup: int, steps: int, repeats: int) -> dict:

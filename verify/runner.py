@@ -23,7 +23,12 @@ import torch.nn.functional as F
 import dmuon
 from tracer.crosscheck import crosscheck
 from tracer.events import write_parquet
-from tracer.flight_recorder import dump_flight_recorder, flight_recorder_enabled, fr_window, read_flight_recorder
+from tracer.flight_recorder import (
+    dump_flight_recorder,
+    flight_recorder_enabled,
+    fr_window,
+    read_flight_recorder,
+)
 from tracer.interposer import Interposer
 from tracer.nvml import NvlinkSampler
 from tracer.timeline import write_chrome_trace
@@ -71,6 +76,27 @@ def runnable_modes(config: RunConfig, world_size: int) -> list[str]:
     """The modes of ``config`` this world size can run (HSDP needs an even W >= 4)."""
     ok_hsdp = world_size >= 4 and world_size % 2 == 0
     return [m for m in config.modes if ok_hsdp or "hsdp" not in m]
+
+
+def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor,
+               y: torch.Tensor) -> float:
+    """One step of next-token training with DMuon's phase tags: forward and the cross-entropy
+    loss (phase ``forward``), backward (``backward``), ``optimizer.step()``, ``zero_grad()``.
+
+    Args:
+        x, y: int64 token ids ``[batch, seq_len]`` of this rank (inputs and targets).
+
+    Returns:
+        The loss (a Python float).
+    """
+    with dmuon.phase("forward"):
+        logits = model(x)
+        loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
+    with dmuon.phase("backward"):
+        loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss.item()
 
 
 class _MeasuredWindow:
@@ -135,15 +161,7 @@ def _train_mode(mode: str, config: RunConfig, corpus: ByteCorpus, progress) -> d
             step_starts.append(dmuon.annotate.now_ns())
         x, y = corpus.global_batch(step, config.global_batch, config.seq_len, seed=config.seed)
         x, y = local_slice(x, rank, world), local_slice(y, rank, world)
-        x, y = x.to(config.device), y.to(config.device)
-        with dmuon.phase("forward"):
-            logits = model(x)
-            loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
-        with dmuon.phase("backward"):
-            loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
+        losses.append(train_step(model, opt, x.to(config.device), y.to(config.device)))
         progress(1)
     recorded = window.close()
     step_starts.append(dmuon.annotate.now_ns())

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import pytest
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from dmuon import annotate
 from tests.distributed.dmuon_tasks import GLOBAL_BATCH, SMALL, corpus, make_model
@@ -15,6 +14,7 @@ from tests.test_annotate import RecordingDomain
 from tracer.nsys import _SPAN_RE
 from verify.data import local_slice
 from verify.modes import build
+from verify.runner import train_step
 
 pytestmark = pytest.mark.distributed
 
@@ -37,14 +37,7 @@ def _ranges_of_last_step(mode: str, steps: int) -> dict:
                 annotate._NVTX_DOMAIN = fake
                 annotate.set_nvtx_enabled(True)
             x, y = corpus().global_batch(step, GLOBAL_BATCH, SMALL.seq_len)
-            x, y = local_slice(x, rank, world), local_slice(y, rank, world)
-            with annotate.phase("forward"):
-                logits = built.model(x)
-                loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
-            with annotate.phase("backward"):
-                loss.backward()
-            built.optimizer.step()
-            built.optimizer.zero_grad()
+            train_step(built.model, built.optimizer, local_slice(x, rank, world), local_slice(y, rank, world))
     finally:
         annotate.remove_span_listener(spans.append)
         annotate._NVTX_DOMAIN = saved[0]
