@@ -108,14 +108,10 @@ def phase(name: str) -> Iterator[None]:
     """
     with _lock:
         _phase_stack.append(name)
-    emit = _nvtx_on
-    if emit:
-        _NVTX_DOMAIN.push_range(_NVTX_DOMAIN.get_event_attributes(message=f"dmuon.phase {name}"))
     try:
-        yield
+        with _nvtx_range("dmuon.phase", name):
+            yield
     finally:
-        if emit:
-            _NVTX_DOMAIN.pop_range()
         with _lock:
             # Remove the innermost occurrence: blocks may exit out of order across threads.
             for i in range(len(_phase_stack) - 1, -1, -1):
@@ -131,9 +127,17 @@ def window(name: str) -> Iterator[None]:
     checker keeps only the NCCL ranges inside it (``verify/nsys_verify.py``). Off when NVTX
     emission is switched off (:func:`set_nvtx_enabled`).
     """
+    with _nvtx_range("dmuon.window", name):
+        yield
+
+
+@contextmanager
+def _nvtx_range(kind: str, name: str) -> Iterator[None]:
+    """NVTX push/pop range ``<kind> <name>`` in the DMuon domain, if emission is on at entry
+    (the message is only formatted then)."""
     emit = _nvtx_on
     if emit:
-        _NVTX_DOMAIN.push_range(_NVTX_DOMAIN.get_event_attributes(message=f"dmuon.window {name}"))
+        _NVTX_DOMAIN.push_range(_NVTX_DOMAIN.get_event_attributes(message=f"{kind} {name}"))
     try:
         yield
     finally:
