@@ -2,28 +2,43 @@
 
 A script, not a test::
 
-    python benchmarks/bench_nccl_parser.py [--lines 2000000] [--ranks 8]
+    python benchmarks/bench_nccl_parser.py [--lines 2000000] [--ranks 8] [--repeats 5]
 
-Generates one log per rank in a temp dir (INIT lines, then COLL lines rendered by the test
-tool tests/tools/nccl_render.py in NCCL 2.21 format), then times, in this process:
+Generates one log per rank in a temp dir (an INIT line, then COLL lines rendered by the test
+tool tests/tools/nccl_render.py in NCCL 2.21 format), in two cases: ``plain`` (``host:pid:tid
+[dev] NCCL INFO ...``) and ``timestamps`` (the same with NCCL 2.26+'s ``[YYYY-mm-dd
+HH:MM:SS.ffffff] `` prefix). The process is pinned to one CPU (``--cpu``) and Arrow to one
+thread. Per case it times, in this process, ``--repeats`` rounds of (after one warm-up):
 
 - ``read``: ``for line in f: pass`` (the I/O floor);
 - ``regex``: one ``re.search`` per line for ``NCCL INFO <Op>: opCount`` (a minimal parser);
-- ``records``: :func:`tracer.nccl_log.iter_nccl_records` (every field, no resolution);
-- ``events``: :func:`tracer.nccl_log.iter_nccl_events` (resolved CollectiveEvents, streaming).
+- ``table``: :func:`tracer.nccl_log.nccl_logs_to_table` (files -> Arrow table of events);
+- ``parquet``: :func:`tracer.nccl_log.write_nccl_parquet` (files -> Parquet, what
+  ``dmuon-trace nccl PATH... --out`` runs);
+- with ``--layers``: :func:`~tracer.nccl_log.iter_nccl_records` and
+  :func:`~tracer.nccl_log.iter_nccl_events` (Python objects per line; slower).
 
-Memory: ``ru_maxrss`` before and after the full streaming ``events`` pass (a delta near 0 means
-the parser held no per-line state), and the tracemalloc peak of the same path on the first
-20,000 and 200,000 lines of one file (equal peaks: memory does not grow with the log).
-Prints lines/s, ratios vs the baselines, and the memory figures.
+It prints COLL lines per second of CPU time (``time.process_time``: all threads of this
+process) and of wall time, median and best of the rounds, and each path's ratio to ``read``
+and ``regex`` of the same round. The machine is shared: read the medians, and the ratios.
+
+Memory, measured first (``plain`` case, at ``--lines`` and a quarter of it, to show it does
+not grow): the growth of ``ru_maxrss`` and of ``VmHWM`` over one streaming ``parquet`` pass
+and Arrow's pool peak (``pyarrow.default_memory_pool().max_memory()``), each in a fresh
+subprocess after a warm-up pass on a small log (Linux keeps ``ru_maxrss`` across ``exec``,
+so the children start before this process has held any table); and the ``tracemalloc`` peak
+(Python objects and numpy arrays) of the same pass in this process.
 """
 
 from __future__ import annotations
 
 import argparse
-import itertools
+import json
+import os
 import re
 import resource
+import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -32,43 +47,59 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import pyarrow as pa  # noqa: E402
+from tabulate import tabulate  # noqa: E402
+
 from tests.tools import nccl_render as R  # noqa: E402
 from tracer.events import CollectiveEvent  # noqa: E402
-from tracer.nccl_log import iter_nccl_events, iter_nccl_records  # noqa: E402
+from tracer.nccl_log import (  # noqa: E402
+    iter_nccl_events,
+    iter_nccl_records,
+    nccl_logs_to_table,
+    write_nccl_parquet,
+)
 
 OPS = [("all_gather", "bfloat16"), ("reduce_scatter", "float32"), ("all_reduce", "float32"),
        ("broadcast", "bfloat16"), ("reduce", "bfloat16")]
+T0_NS = 1_777_961_807_000_000_000  # 2026-05-05 06:16:47 UTC
+STEP_NS = 7_000  # between two lines of one rank
 
 
-def generate(folder: Path, n_lines: int, ranks: int) -> list[Path]:
+def generate(folder: Path, n_lines: int, ranks: int, timestamps: bool) -> list[Path]:
+    """One log per rank: an INIT line, then ``n_lines // ranks`` COLL lines."""
+    folder.mkdir(parents=True, exist_ok=True)
     paths = []
     per_rank = n_lines // ranks
     for rank in range(ranks):
         host, pid, dev, comm = f"node{rank // 8}", 10_000 + rank, rank % 8, f"0x55aa{rank:04x}0"
+        # the messages of the five calls as rendered by the test tool, with holes for the
+        # opCount and count fields that change from line to line
+        holes = []
+        for op, dtype in OPS:
+            ev = CollectiveEvent(source="nccl_log", op=op, count=4096, dtype=dtype,
+                                 root=rank % ranks, comm=comm, group_size=ranks)
+            msg = R.coll_line(ev, opcount=0xABC)
+            assert msg.count("opCount abc ") == 1 and msg.count(" count 4096 ") == 1
+            holes.append(msg.replace("{", "{{").replace("}", "}}")
+                         .replace("opCount abc ", "opCount {:x} ").replace(" count 4096 ",
+                                                                           " count {} "))
         path = folder / f"nccl.{host}.{pid}"
         with open(path, "w") as f:
             f.write(R.prefix(host, pid, pid, dev) + R.init_line(
                 version="2.21", comm=comm, rank=rank, nranks=ranks, cuda_dev=dev,
                 comm_id="0x5ae77eb5ea4ec1ee") + "\n")
+            plain = R.prefix(host, pid, pid, dev)
             for i in range(per_rank):
-                op, dtype = OPS[i % len(OPS)]
-                ev = CollectiveEvent(source="nccl_log", op=op, count=4096 + i % 977, dtype=dtype,
-                                     root=i % ranks, comm=comm, group_size=ranks, host=host,
-                                     pid=pid, cuda_dev=dev)
-                f.write(R.event_line(ev, opcount=i) + "\n")
+                pre = R.prefix(host, pid, pid, dev, T0_NS + i * STEP_NS) if timestamps else plain
+                f.write(pre + holes[i % len(holes)].format(i, 4096 + i % 977) + "\n")
         paths.append(path)
     return paths
 
 
-def timed(label: str, fn, paths: list[Path]) -> float:
-    t0 = time.perf_counter()
-    n = fn(paths)
-    dt = time.perf_counter() - t0
-    print(f"{label:8s} {n:>10,d} lines in {dt:7.2f} s = {n / dt:>12,.0f} lines/s")
-    return n / dt
+_RE = re.compile(r"NCCL INFO ([A-Za-z]+): opCount")
 
 
-def read_pass(paths):
+def read_pass(paths, out):
     n = 0
     for p in paths:
         with open(p) as f:
@@ -77,10 +108,7 @@ def read_pass(paths):
     return n
 
 
-_RE = re.compile(r"NCCL INFO ([A-Za-z]+): opCount")
-
-
-def regex_pass(paths):
+def regex_pass(paths, out):
     n = 0
     for p in paths:
         with open(p) as f:
@@ -90,59 +118,170 @@ def regex_pass(paths):
     return n
 
 
-def records_pass(paths):
+def table_pass(paths, out):
+    return nccl_logs_to_table(paths).table.num_rows
+
+
+def parquet_pass(paths, out):
+    return write_nccl_parquet(paths, out).rows
+
+
+def records_pass(paths, out):
     n = 0
     for p in paths:
         with open(p) as f:
-            for _ in iter_nccl_records(f, file=str(p)):
-                n += 1
+            n += sum(1 for _ in iter_nccl_records(f, file=str(p)))
     return n
 
 
-def events_pass(paths):
+def events_pass(paths, out):
     return sum(1 for _ in iter_nccl_events(paths))
 
 
-def peak_bytes(path: Path, n_lines: int) -> int:
-    with open(path) as f:
-        tracemalloc.start()
-        n = sum(1 for _ in iter_nccl_events([(str(path), itertools.islice(f, n_lines))]))
-        peak = tracemalloc.get_traced_memory()[1]
-        tracemalloc.stop()
-    assert n == n_lines - 1  # the first line is the INIT line
-    return peak
+def time_case(paths: list[Path], out: Path, repeats: int, layers: bool) -> dict:
+    """``{name: [(lines, cpu_s, wall_s) per round]}``; one warm-up round first."""
+    passes = {"read": read_pass, "regex": regex_pass, "table": table_pass,
+              "parquet": parquet_pass}
+    if layers:
+        passes |= {"records": records_pass, "events": events_pass}
+    times: dict[str, list] = {name: [] for name in passes}
+    for rnd in range(repeats + 1):
+        for name, fn in passes.items():
+            c0, w0 = time.process_time(), time.perf_counter()
+            n = fn(paths, out)
+            if rnd:
+                times[name].append((n, time.process_time() - c0, time.perf_counter() - w0))
+    return times
+
+
+def report(case: str, times: dict, coll_lines: int) -> list[list]:
+    rows = []
+    for name, rounds in times.items():
+        cpu = [coll_lines / c for _, c, _ in rounds]
+        wall = [coll_lines / w for _, _, w in rounds]
+        vs_read = [c_read / c for (_, c, _), (_, c_read, _) in zip(rounds, times["read"])]
+        vs_regex = [c_re / c for (_, c, _), (_, c_re, _) in zip(rounds, times["regex"])]
+        rows.append([case, name, f"{statistics.median(cpu):,.0f}", f"{max(cpu):,.0f}",
+                     f"{statistics.median(wall):,.0f}", f"{statistics.median(vs_read):.3f}",
+                     f"{statistics.median(vs_regex):.3f}"])
+    return rows
+
+
+def _hwm_kib() -> int | None:
+    """Peak resident set of this address space (``VmHWM``, Linux), which unlike
+    ``ru_maxrss`` starts afresh at ``exec``; ``None`` where ``/proc`` lacks it."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
+    except (OSError, StopIteration):
+        return None
+
+
+def memory_probe(paths: list[str], out: str, warm: list[str]) -> dict:
+    """One streaming Parquet pass in this (fresh) process, after a warm-up pass."""
+    write_nccl_parquet(warm, out)
+    pool = pa.default_memory_pool()
+    rss0, hwm0, arrow0 = maxrss_kib(), _hwm_kib(), pool.max_memory()
+    rows = write_nccl_parquet(paths, out).rows
+    hwm1 = _hwm_kib()
+    return {"rows": rows, "rss_before_kib": rss0, "rss_growth_kib": maxrss_kib() - rss0,
+            "hwm_before_kib": hwm0, "hwm_growth_kib": None if hwm0 is None else hwm1 - hwm0,
+            "arrow_peak_before": arrow0, "arrow_peak": pool.max_memory(),
+            "arrow_allocated_after": pa.total_allocated_bytes()}
 
 
 def maxrss_kib() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
 
 
+def tracemalloc_peak(paths: list[Path], out: Path) -> int:
+    tracemalloc.start()
+    write_nccl_parquet(paths, out)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    return peak
+
+
+def pin(cpu: int | None) -> int:
+    cpus = sorted(os.sched_getaffinity(0))
+    cpu = cpus[0] if cpu is None else cpu
+    os.sched_setaffinity(0, {cpu})
+    pa.set_cpu_count(1)
+    pa.set_io_thread_count(1)
+    return cpu
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--lines", type=int, default=2_000_000, help="COLL lines in total")
+    ap.add_argument("--lines", type=int, default=2_000_000, help="COLL lines in total per case")
     ap.add_argument("--ranks", type=int, default=8, help="processes (one file each)")
+    ap.add_argument("--repeats", type=int, default=5, help="timed rounds per case")
+    ap.add_argument("--cpu", type=int, default=None, help="CPU to pin to (default: the first "
+                    "this process may use)")
+    ap.add_argument("--layers", action="store_true", help="also time iter_nccl_records and "
+                    "iter_nccl_events")
+    ap.add_argument("--probe", nargs="+", help=argparse.SUPPRESS)  # internal: memory_probe
     args = ap.parse_args(argv)
+    if args.probe:
+        out, warm, *paths = args.probe
+        print(json.dumps(memory_probe(paths, out, [warm])))
+        return 0
+    cpu = pin(args.cpu)
+    print(f"pinned to CPU {cpu}; Arrow {pa.__version__}, 1 thread; Python {sys.version.split()[0]}")
+    rows = []
+    coll = args.lines // args.ranks * args.ranks
     with tempfile.TemporaryDirectory() as tmp:
-        t0 = time.perf_counter()
-        paths = generate(Path(tmp), args.lines, args.ranks)
-        size = sum(p.stat().st_size for p in paths)
-        print(f"generated {len(paths)} files, {size / 2**20:.0f} MiB in "
-              f"{time.perf_counter() - t0:.1f} s")
-        read = timed("read", read_pass, paths)
-        regex = timed("regex", regex_pass, paths)
-        records = timed("records", records_pass, paths)
-        rss0 = maxrss_kib()
-        events = timed("events", events_pass, paths)
-        rss1 = maxrss_kib()
-        print(f"records: {records / read:.3f} x read, {records / regex:.3f} x regex; "
-              f"events: {events / read:.3f} x read, {events / regex:.3f} x regex")
-        print(f"ru_maxrss: {rss0 / 1024:.1f} MiB before the events pass, {rss1 / 1024:.1f} MiB "
-              f"after ({(rss1 - rss0) / 1024:+.1f} MiB over {args.lines:,d} lines)")
-        lines = [n for n in (20_000, 200_000) if n <= args.lines // args.ranks]
-        peaks = [peak_bytes(paths[0], n) for n in lines]
-        print("tracemalloc peak, streaming events: " + ", ".join(
-            f"{n:,d} lines {p / 1024:.0f} KiB" for n, p in zip(lines, peaks)))
+        tmp = Path(tmp)
+        logs = {}
+        for case in ("plain", "timestamps"):
+            t0 = time.perf_counter()
+            logs[case] = generate(tmp / case, args.lines, args.ranks, case == "timestamps")
+            size = sum(p.stat().st_size for p in logs[case])
+            print(f"{case}: {len(logs[case])} files, {coll:,d} COLL lines, {size / 2**20:.0f} "
+                  f"MiB, generated in {time.perf_counter() - t0:.1f} s", flush=True)
+        # first, while this process is small: a child inherits its ru_maxrss
+        print(memory_section(logs["plain"], tmp, args.lines, args.ranks, cpu), flush=True)
+        for case, paths in logs.items():
+            times = time_case(paths, tmp / "events.parquet", args.repeats, args.layers)
+            for name, rounds in times.items():
+                assert all(n in (coll, coll + args.ranks) for n, _, _ in rounds), (name, rounds)
+            rows += report(case, times, coll)
+        print(tabulate(rows, headers=["case", "path", "COLL lines/s (CPU, median)",
+                                      "best", "lines/s (wall, median)", "x read", "x regex"],
+                       disable_numparse=True))
     return 0
+
+
+def memory_section(paths: list[Path], tmp: Path, n_lines: int, ranks: int, cpu: int) -> str:
+    """The memory table; steady once a pass is past its first row group (ROW_GROUP_ROWS rows)
+    and full blocks, so compare sizes beyond that (the default's 500,000 and 2,000,000)."""
+    small = generate(tmp / "quarter", n_lines // 4, ranks, False)
+    warm = generate(tmp / "warm", 8 * ranks, ranks, False)[0]
+    sizes = ((f"{n_lines // 4:,d} lines", small), (f"{n_lines:,d} lines", paths))
+    cmd = ["taskset", "-c", str(cpu)] if _has_taskset() else []
+    probes = [json.loads(subprocess.run(
+        cmd + [sys.executable, __file__, "--probe", str(tmp / "probe.parquet"), str(warm),
+               *map(str, ps)], check=True, capture_output=True, text=True).stdout)
+        for _, ps in sizes]  # before any tracemalloc pass grows this process
+    rows = []
+    for (label, ps), probe in zip(sizes, probes):
+        hwm = probe["hwm_growth_kib"]
+        rows.append([label, probe["rows"], f"{probe['rss_before_kib'] / 1024:.0f}",
+                     f"{probe['rss_growth_kib'] / 1024:+.1f}",
+                     "n/a" if hwm is None else f"{hwm / 1024:+.1f}",
+                     f"{probe['arrow_peak'] / 2**20:.1f}",
+                     f"{probe['arrow_allocated_after'] / 2**20:.1f}",
+                     f"{tracemalloc_peak(ps, tmp / 'tm.parquet') / 2**20:.1f}"])
+    return "memory of one streaming parquet pass:\n" + tabulate(
+        rows, headers=["log", "events", "ru_maxrss before (MiB)", "ru_maxrss growth (MiB)",
+                       "VmHWM growth (MiB)", "Arrow pool peak (MiB)", "Arrow held after (MiB)",
+                       "tracemalloc peak (MiB)"], disable_numparse=True)
+
+
+def _has_taskset() -> bool:
+    from shutil import which
+
+    return which("taskset") is not None
 
 
 if __name__ == "__main__":

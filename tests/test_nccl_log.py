@@ -199,12 +199,15 @@ def test_unknown_datatype_keeps_the_event_and_reports_it():
     assert "unknown datatype 13" in issue.reason
 
 
-def test_gather_scatter_are_unsupported_op_issues():
-    res = parse_nccl_logs(_lines(P + COLL.replace("AllReduce", "Gather"),
-                                 P + COLL.replace("AllReduce", "Scatter")))
-    assert res.events == []
-    assert [i.reason.split(" (")[0] for i in res.issues] == [
-        "unsupported op 'Gather'", "unsupported op 'Scatter'"]
+def test_gather_scatter_are_events_and_alltoallv_an_unsupported_op_issue():
+    """NCCL 2.28+ Gather / Scatter: count is per rank (send count of gather, receive count of
+    scatter), root kept; AllToAllv has no canonical op."""
+    gather = COLL.replace("AllReduce", "Gather").replace("root 0", "root 1")
+    res = parse_nccl_logs(_lines(P + gather, P + COLL.replace("AllReduce", "Scatter"),
+                                 P + COLL.replace("AllReduce", "AllToAllv")))
+    assert [(e.op, e.count, e.msg_bytes, e.root, e.seq) for e in res.events] == [
+        ("gather", 8, 32, 1, 0), ("scatter", 8, 32, 0, 1)]
+    assert [i.reason.split(" (")[0] for i in res.issues] == ["unsupported op 'AllToAllv'"]
 
 
 def test_interleaved_records_on_one_physical_line_and_foreign_prefixes():

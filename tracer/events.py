@@ -4,7 +4,10 @@ Glossary (one size convention everywhere, NCCL's):
 
 - ``count``: elements **per rank** as NCCL's ``ncclXxx(count=...)`` argument: the message
   for all_reduce / broadcast / reduce, the *send* count of all_gather, the *receive* count of
-  reduce_scatter, the per-peer count of all_to_all, the message of send / recv.
+  reduce_scatter, the per-peer count of all_to_all, the message of send / recv, the *send*
+  count of each rank of gather and the *receive* count of each rank of scatter (NCCL 2.28+
+  ``ncclGather`` / ``ncclScatter``, ``docs/api/colls.rst``: the root receives / sends
+  ``nranks * count``).
 - ``msg_bytes``: ``count * dtype_bytes`` (what NCCL's nsys payload calls "Message size [bytes]").
 - ``group_id``: an identity of the communicator that is equal on every member (for torch
   process groups: the sorted world ranks joined by commas, e.g. ``"0,1,2,3"``; for NCCL logs:
@@ -39,6 +42,8 @@ OPS: tuple[str, ...] = (
     "send",
     "recv",
     "barrier",
+    "gather",
+    "scatter",
 )
 
 #: Size in bytes of each dtype, by torch's dtype name (``str(torch.float32)[6:]``).

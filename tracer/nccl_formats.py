@@ -23,7 +23,8 @@ import re
 #: Marker that starts the message of every INFO line (``src/debug.cc``: ``"%s NCCL INFO "``).
 INFO_MARK = "NCCL INFO "
 
-#: NCCL COLL op name -> canonical op (tracer.events.OPS). ``AllToAll`` is RCCL's spelling.
+#: NCCL COLL op name -> canonical op (tracer.events.OPS). ``AllToAll`` is RCCL's spelling;
+#: ``AlltoAll``, ``Gather`` and ``Scatter`` are logged from NCCL 2.28 (``src/collectives.cc``).
 NCCL_OP_NAMES: dict[str, str] = {
     "AllReduce": "all_reduce",
     "AllGather": "all_gather",
@@ -34,13 +35,16 @@ NCCL_OP_NAMES: dict[str, str] = {
     "Recv": "recv",
     "AlltoAll": "all_to_all",
     "AllToAll": "all_to_all",
+    "Gather": "gather",
+    "Scatter": "scatter",
 }
 
 #: COLL op names NCCL logs that have no canonical op in tracer.events.OPS (reported as issues).
-UNSUPPORTED_OP_NAMES: frozenset[str] = frozenset({"Gather", "Scatter", "AllToAllv", "AllToAllV"})
+UNSUPPORTED_OP_NAMES: frozenset[str] = frozenset({"AllToAllv", "AllToAllV"})
 
 #: Ops whose ``root`` field means something (the root, or for send / recv the peer).
-ROOTED_OPS: frozenset[str] = frozenset({"broadcast", "reduce", "send", "recv"})
+ROOTED_OPS: frozenset[str] = frozenset({"broadcast", "reduce", "gather", "scatter", "send",
+                                        "recv"})
 
 #: ncclDataType_t (``src/nccl.h.in``) -> torch dtype name. 10 and 11 exist from NCCL 2.24.
 NCCL_DATATYPES: dict[int, str] = {
@@ -79,6 +83,25 @@ FAST_COLL_LINE_RE = re.compile(
     r"([^\s\[\]:]+:\d+:\d+ \[\d+\] )NCCL INFO ([A-Za-z]+): opCount ([0-9a-fA-F]+)"
     r" sendbuff \S+ recvbuff \S+ count (\d+) datatype (\d+) op (\d+) root (-?\d+)"
     r" comm ([^\s\[]+) (?:\[nranks=(\d+)\] )?stream (?:0x[0-9a-fA-F]+|\(nil\))[ \t]*\r?\n?\Z"
+)
+
+#: RE2 pattern (``pyarrow.compute.match_substring_regex``) of a *fast* line of the columnar
+#: reader (:mod:`tracer.nccl_columns`): one physical line, ended by ``\n``, that is exactly one
+#: complete COLL record with a supported op and a known datatype, optionally the 2.26+
+#: ``[YYYY-mm-dd HH:MM:SS[.frac]] `` timestamp, then ``host:pid:tid [dev] `` at column 0, single
+#: spaces between fields, trailing blanks only. Every field is ASCII and space-free, so the
+#: reader splits such a line at spaces; numbers are bounded so that they fit the event schema
+#: (count < 10**16, so msg_bytes fits int64; root, nranks, cudaDev < 10**9). The general
+#: path reads any line it accepts to the same record (tested); every other line takes it.
+FAST_COLL_LINE_RE2 = (
+    r"^(?:\[[0-9]{4}-[0-9]{2}-[0-9]{2} [0-9]{2}:[0-9]{2}:[0-9]{2}(?:\.[0-9]+)?\] )?"
+    r"[A-Za-z0-9_.\-]+:[0-9]{1,18}:[0-9]+ \[[0-9]{1,9}\] NCCL INFO "
+    r"(?:" + "|".join(sorted(NCCL_OP_NAMES, key=lambda k: (-len(k), k))) + r"): opCount "
+    r"[0-9a-fA-F]+ sendbuff (?:0x[0-9a-fA-F]+|\(nil\)) recvbuff (?:0x[0-9a-fA-F]+|\(nil\)) "
+    r"count [0-9]{1,16} datatype (?:"
+    + "|".join(sorted(map(str, NCCL_DATATYPES), key=lambda k: (-len(k), k)))
+    + r") op [0-9]+ root -?[0-9]{1,9} comm 0x[0-9a-fA-F]+ (?:\[nranks=[0-9]{1,9}\] )?"
+    r"stream (?:0x[0-9a-fA-F]+|\(nil\))[ \t]*\n$"
 )
 
 #: :data:`NCCL_DATATYPES` keyed by the decimal text as logged.
@@ -135,7 +158,8 @@ def timestamp_ns(text: str) -> int:
     does not name its zone: use the value for ordering and differences).
 
     Raises:
-        ValueError: ``text`` is not in that format.
+        ValueError: ``text`` is not in that format, or not a time that int64 ns since the
+            epoch can hold (1677-09-21 to 2262-04-11).
     """
     date, _, clock = text.replace("T", " ").partition(" ")
     try:
@@ -148,7 +172,11 @@ def timestamp_ns(text: str) -> int:
         ) from exc
     seconds = calendar.timegm((year, month, day, hour, minute, second, 0, 0, 0))
     frac_ns = int((frac + "000000000")[:9]) if frac else 0
-    return seconds * 1_000_000_000 + frac_ns
+    ns = seconds * 1_000_000_000 + frac_ns
+    if not -(2**63) <= ns < 2**63:
+        raise ValueError(f"Invalid NCCL timestamp {text=}. Must lie between 1677-09-21 and "
+                         "2262-04-11 (int64 ns since the epoch).")
+    return ns
 
 
 def decode_torch_device(tail: str) -> int | None:

@@ -4,12 +4,14 @@ Accounting (nccl-tests, PERFORMANCE.md; SPEC §2): for a call over a group of n 
 per-rank ``count`` (NCCL's convention), the total array size is
 
     S = count            for all_reduce, broadcast, reduce
-    S = n * count        for all_gather, reduce_scatter, all_to_all
+    S = n * count        for all_gather, reduce_scatter, all_to_all, gather, scatter
 
 and with a bandwidth-optimal algorithm each member receives on average ``f(n) * S``
-elements, f = 2(n-1)/n for all_reduce and (n-1)/n otherwise. The *step figure* of a mode is
-the mean over all W ranks of the sum of f(n)·S over the calls each rank takes part in. Each
-rank records its own copy of a call, so the W-average is ``sum(f·S over all ranks' events) / W``.
+elements, f = 2(n-1)/n for all_reduce, (n-1)/n**2 for gather and scatter (only the root
+receives, or only it sends: (n-1)·count in all), and (n-1)/n otherwise. The *step figure* of
+a mode is the mean over all W ranks of the sum of f(n)·S over the calls each rank takes part
+in. Each rank records its own copy of a call, so the W-average is
+``sum(f·S over all ranks' events) / W``.
 
 nccl-tests' busbw factor describes the busiest rank (1 for broadcast / reduce), a different
 quantity: reports show the busiest rank's own sum in a separate column, never mixed in.
@@ -19,8 +21,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-#: Ops whose nccl-tests array size is n * count.
-_TIMES_N = frozenset({"all_gather", "reduce_scatter", "all_to_all"})
+#: Ops whose nccl-tests array size is n * count (gather / scatter: nccl-tests
+#: src/gather.cu and src/scatter.cu, ``GetBw``: ``count * nranks * typesize``).
+_TIMES_N = frozenset({"all_gather", "reduce_scatter", "all_to_all", "gather", "scatter"})
 
 
 def array_elems(op: str, count: int, group_size: int) -> int:
@@ -39,6 +42,8 @@ def avg_recv_factor(op: str, group_size: int) -> float:
         return 1.0
     if op in ("send", "barrier") or n <= 1:
         return 0.0
+    if op in ("gather", "scatter"):
+        return (n - 1) / n**2
     return 2.0 * (n - 1) / n if op == "all_reduce" else (n - 1) / n
 
 

@@ -86,3 +86,45 @@ def event_line(ev: CollectiveEvent, *, tid: int | None = None, **kw) -> str:
     """Full physical line (prefix + COLL message, no newline) for ``ev`` using its host,
     pid, cuda_dev and t_start_ns."""
     return prefix(ev.host, ev.pid, tid or ev.pid, ev.cuda_dev, ev.t_start_ns) + coll_line(ev, **kw)
+
+
+def destroy_line(*, comm: str, rank: int, nranks: int, cuda_dev: int) -> str:
+    """``comm %p rank %d nranks %d cudaDev %d busId %lx - Destroy COMPLETE`` (no prefix;
+    ``src/init.cc``, ``commDestroy``)."""
+    return (f"comm {comm} rank {rank} nranks {nranks} cudaDev {cuda_dev} "
+            f"busId {0x1000 * (cuda_dev + 1):x} - Destroy COMPLETE")
+
+
+def torch_comm_line(*, pg: str, pg_name: str, rank: int, comm: str, tid: int,
+                    cuda_dev: int) -> str:
+    """PyTorch's glog line naming a comm pointer (``ProcessGroupNCCL.cpp``), the device index
+    streamed as a raw character as PyTorch does (``c10::DeviceIndex`` is an ``int8_t``)."""
+    return (f"I0527 15:16:57.738664 {tid} ProcessGroupNCCL.cpp:2183] [PG {pg} ({pg_name}) "
+            f"Rank {rank}] ProcessGroupNCCL created ncclComm_ {comm} on CUDA device: "
+            f"{chr(cuda_dev)}")
+
+
+def timestamp_text(year: int, month: int, day: int, hour: int, minute: int, second: int,
+                   frac: str = "") -> str:
+    """``[YYYY-mm-dd HH:MM:SS[.frac]] `` with any field values (also impossible ones)."""
+    dot = f".{frac}" if frac else ""
+    return f"[{year:04d}-{month:02d}-{day:02d} {hour:02d}:{minute:02d}:{second:02d}{dot}] "
+
+
+#: Canonical op -> NCCL COLL op name for the ops NCCL logs from 2.28 beyond :data:`NCCL_NAME`.
+NCCL_NAME_2_28 = {"gather": "Gather", "scatter": "Scatter"}
+
+
+def coll_line_2_28(ev: CollectiveEvent, **kw) -> str:
+    """:func:`coll_line` for every op NCCL 2.28+ logs, gather and scatter too (same fields:
+    ``count`` per rank, ``root``)."""
+    if ev.op not in NCCL_NAME_2_28:
+        return coll_line(ev, **kw)
+    line = coll_line(ev.replace(op="broadcast"), **kw)
+    return NCCL_NAME_2_28[ev.op] + line[len(NCCL_NAME["broadcast"]):]
+
+
+def event_line_2_28(ev: CollectiveEvent, *, tid: int | None = None, **kw) -> str:
+    """:func:`event_line` for every op NCCL 2.28+ logs."""
+    return (prefix(ev.host, ev.pid, tid or ev.pid, ev.cuda_dev, ev.t_start_ns)
+            + coll_line_2_28(ev, **kw))
