@@ -38,8 +38,9 @@ reduce_scatter; the per-peer count for all_to_all.
   as an AllReduce of one float32 element, which an NCCL log shows).
 - ``root`` is a *group* rank: the root of broadcast / reduce, the peer of send / recv (``None``
   for ``recv`` from any source). ``c10d`` ops already receive group ranks.
-- ``gather`` / ``scatter`` have no canonical op in :data:`tracer.events.OPS`: they are not
-  recorded as events but listed in :attr:`Interposer.unrecorded` with a warning.
+- ``gather`` / ``scatter``: ``count`` is each rank's send count (gather's input) or receive
+  count (scatter's output), ``root`` the root's group rank, as NCCL 2.28+ logs
+  ``ncclGather`` / ``ncclScatter``.
 
 Times: ``t_start_ns`` / ``t_end_ns`` are :func:`dmuon.annotate.now_ns` just before and after
 the op call. For asynchronous ops (``async_op=True``, functional collectives, everything on
@@ -138,6 +139,8 @@ _C10D: dict[str, _Handler] = {
     "allreduce_coalesced_": lambda a, n: [_msg("all_reduce", t) for t in a["tensors"]],
     "broadcast_": lambda a, n: [_msg("broadcast", _first(a["tensors"]), root=a["root_rank"])],
     "reduce_": lambda a, n: [_msg("reduce", _first(a["tensors"]), root=a["root_rank"])],
+    "gather_": lambda a, n: [_msg("gather", _first(a["input_tensors"]), root=a["root_rank"])],
+    "scatter_": lambda a, n: [_msg("scatter", _first(a["output_tensors"]), root=a["root_rank"])],
     "allgather_": lambda a, n: [_msg("all_gather", _first(a["input_tensors"]))],
     "_allgather_base_": lambda a, n: [_msg("all_gather", a["input_tensor"])],
     "allgather_coalesced_": lambda a, n: [_msg("all_gather", t) for t in a["input_list"]],
@@ -198,8 +201,6 @@ _HANDLERS["_dtensor::shard_dim_alltoall"] = lambda a, n: [
 ]
 _PASS = object()  # route: not a collective
 _UNRECORDED = object()  # route: a collective the interposer cannot represent
-#: Collectives with no canonical op in tracer.events.OPS: listed, warned about, not recorded.
-_UNRECORDABLE = frozenset({"c10d::gather_", "c10d::scatter_"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -369,10 +370,7 @@ class Interposer(TorchDispatchMode):
                 )
 
     def _note_unrecorded(self, name: str) -> None:
-        if name in _UNRECORDABLE:
-            reason = "no canonical op for it in tracer.events.OPS"
-        else:
-            reason = "unknown collective op (not in tracer.interposer's table)"
+        reason = "unknown collective op (not in tracer.interposer's table)"
         with self._lock:
             first = all(n != name for n, _ in self.unrecorded)
             self.unrecorded.append((name, reason))

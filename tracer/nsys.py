@@ -63,7 +63,9 @@ NCCL_API_TO_OP: dict[str, str] = {
     "ncclReduce": "reduce",
     "ncclSend": "send",
     "ncclRecv": "recv",
-    "ncclAlltoAll": "all_to_all",
+    "ncclAlltoAll": "all_to_all",  # ncclAlltoAll, ncclGather, ncclScatter: NCCL 2.28+
+    "ncclGather": "gather",
+    "ncclScatter": "scatter",
 }
 EVENT_TYPE_PUSH_POP = 59
 EVENT_TYPE_START_END = 60

@@ -10,6 +10,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import matplotlib
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
@@ -17,8 +18,9 @@ from dmuon.annotate import Span
 from tracer.events import OPS, CollectiveEvent
 from verify.report import validate_report
 
-#: Colour of each collective op (tab10 by position in ``tracer.events.OPS``).
-_OP_COLORS = {op: f"C{i % 10}" for i, op in enumerate(OPS)}
+#: Colour of each collective op (matplotlib's ``tab20`` by position in ``tracer.events.OPS``:
+#: one colour each for up to 20 ops).
+_OP_COLORS = {op: matplotlib.colormaps["tab20"](i % 20) for i, op in enumerate(OPS)}
 #: Span colours: pastel, so that spans never read as one of the (saturated) op colours.
 _SPAN_PALETTE = ("#b3cde3", "#ccebc5", "#decbe4", "#fed9a6", "#ffffcc", "#e5d8bd", "#fddaec",
                  "#f2f2f2", "#fbb4ae")

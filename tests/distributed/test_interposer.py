@@ -386,22 +386,45 @@ def test_real_events_and_spans_on_a_chrome_timeline(pool2, tmp_path):
         (0, "dmuon.reduce"), (1, "dmuon.reduce")]
 
 
-def _gather_task():
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        with Interposer() as ip:
-            out = [torch.empty(2), torch.empty(2)] if dist.get_rank() == 0 else None
-            dist.gather(torch.ones(2), out, dst=0)
-            dist.gather(torch.ones(2), out, dst=0)
+def _gather_scatter_task():
+    rank = dist.get_rank()
+    with Interposer() as ip:
+        out = [torch.empty(3), torch.empty(3)] if rank == 1 else None
+        dist.gather(torch.full((3,), float(rank)), out, dst=1)
+        received = torch.empty(2, dtype=torch.float64)
+        chunks = [torch.zeros(2, dtype=torch.float64), torch.ones(2, dtype=torch.float64)] if rank == 0 else None
+        dist.scatter(received, chunks, src=0)
+    return [(e.op, e.count, e.dtype, e.root, e.group_size) for e in ip.events], ip.unrecorded, received
+
+
+def test_gather_and_scatter_recorded_with_send_and_receive_counts(pool2):
+    for rank, (events, unrecorded, received) in enumerate(pool2.run(_gather_scatter_task)):
+        assert events == [("gather", 3, "float32", 1, 2), ("scatter", 2, "float64", 0, 2)]
+        assert unrecorded == [] and received.tolist() == [float(rank)] * 2
+
+
+def _unknown_op_task():
+    import tracer.interposer as interposer_module
+
+    handler = interposer_module._HANDLERS.pop("c10d::broadcast_")  # as if torch added an op
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with Interposer() as ip:
+                dist.broadcast(torch.ones(2), src=0)
+                dist.broadcast(torch.ones(2), src=0)
+    finally:
+        interposer_module._HANDLERS["c10d::broadcast_"] = handler
     return ip.events, ip.unrecorded, [str(w.message) for w in caught
                                       if issubclass(w.category, RuntimeWarning)]
 
 
-def test_gather_is_listed_as_unrecorded_with_a_warning(pool2):
-    for events, unrecorded, messages in pool2.run(_gather_task):
+def test_an_unknown_collective_is_listed_as_unrecorded_with_one_warning(pool2):
+    for events, unrecorded, messages in pool2.run(_unknown_op_task):
         assert events == []
-        assert [name for name, _ in unrecorded] == ["c10d::gather_", "c10d::gather_"]
-        assert len(messages) == 1 and "c10d::gather_" in messages[0]
+        assert [name for name, _ in unrecorded] == ["c10d::broadcast_"] * 2
+        assert len(messages) == 1 and "c10d::broadcast_" in messages[0]
+        assert "unknown collective op" in messages[0]
 
 
 # ------------------------------------------------------- GPU: autograd's device threads
