@@ -13,6 +13,8 @@ import argparse
 import json
 import pickle
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -54,7 +56,8 @@ def test_json_fixture_exact_events(shared_fixtures):
         ("all_reduce", 1, 100, "float32", 400),
         ("all_to_all", 2, 8, "float32", 32),  # input 32 over 4 ranks: 8 per peer
         ("reduce", 3, 50, "float32", 200),
-        # seq 4 gloo:gather, seq 5 gloo:scatter: no canonical op -> unreadable
+        ("gather", 4, 5, "float32", 20),  # input [5], output [4, 5] (this rank is the root)
+        ("scatter", 5, 6, "float32", 24),  # input [4, 6] (root), output [6]
         ("all_reduce", 6, 3, "float32", 12),  # all_reduce_coalesced of [3] and [4]:
         ("all_reduce", 6, 4, "float32", 16),  # one event per tensor, one seq
     ]
@@ -66,11 +69,9 @@ def test_json_fixture_exact_events(shared_fixtures):
     }
     assert all(e.source == "flight_recorder" and e.root is None for e in read.events)
     assert read.events[0].source_ref == f"{shared_fixtures / JSON_DUMP}#0"
-    assert [e.source_ref.rsplit("#")[1] for e in read.events[4:6]] == ["6.0", "6.1"]
+    assert [e.source_ref.rsplit("#")[1] for e in read.events[6:8]] == ["6.0", "6.1"]
     assert read.events[0].t_start_ns == 1795938099686074607 and read.events[0].t_end_ns is None
-    record_ids = [u.split(": ", 1)[0].rsplit("#", 1)[1] for u in read.unreadable]
-    assert record_ids == ["4", "5", "11", "12"]
-    assert "gloo:gather" in read.unreadable[0] and "gloo:scatter" in read.unreadable[1]
+    assert read.unreadable == []
     assert read.states == {"scheduled": 14}
 
 
@@ -90,9 +91,22 @@ def test_pickle_as_json_fixture_exact_events(shared_fixtures):
     assert {(e.rank, e.group_id, e.group_size) for e in read.events} == {(0, W, 4)}
 
 
-def test_strict_mode_raises_on_unsupported_entry(shared_fixtures):
+def _with_unknown_op(shared_fixtures, tmp_path) -> Path:
+    """The JSON fixture with record 4 renamed to an op FR_OPS does not know."""
+    dump = json.loads((shared_fixtures / JSON_DUMP).read_text())
+    dump["entries"][4]["profiling_name"] = "gloo:allgather_future_op"
+    path = tmp_path / "fr_rank0.json"
+    path.write_text(json.dumps(dump))
+    return path
+
+
+def test_unsupported_entry_is_unreadable_and_strict_raises(shared_fixtures, tmp_path):
+    path = _with_unknown_op(shared_fixtures, tmp_path)
+    read = read_flight_recorder(path)
+    assert len(read.unreadable) == 1 and "#4: unsupported op" in read.unreadable[0]
+    assert "gloo:allgather_future_op" in read.unreadable[0]
     with pytest.raises(ValueError, match=r"Invalid Flight Recorder entry .*#4: unsupported op"):
-        read_flight_recorder(shared_fixtures / JSON_DUMP, strict=True)
+        read_flight_recorder(path, strict=True)
 
 
 def test_real_pickle_file_loads_like_json(shared_fixtures, tmp_path):
@@ -156,12 +170,12 @@ def test_cli_fr_writes_parquet_and_summary(shared_fixtures, tmp_path, capsys):
     printed = capsys.readouterr().out
     assert rc == 0
     events = read_parquet(out)
-    assert len(events) == 24 and {e.source for e in events} == {"flight_recorder"}
+    assert len(events) == 28 and {e.source for e in events} == {"flight_recorder"}
     assert events == read_flight_recorder_paths([shared_fixtures / "flight_recorder"]).events
-    assert "2 dump(s), 24 events, ranks [0]" in printed
-    assert "4 unreadable entries" in printed and "gloo:gather" in printed
+    assert "2 dump(s), 28 events, ranks [0]" in printed and "gather" in printed
     assert "0,1,2,3" in printed
-    rc = cli_main(["fr", str(shared_fixtures / JSON_DUMP), "--out", str(out), "--strict"])
+    unknown = _with_unknown_op(shared_fixtures, tmp_path)
+    rc = cli_main(["fr", str(unknown), "--out", str(out), "--strict"])
     assert rc == 2 and "unsupported op" in capsys.readouterr().out
     rc = cli_main(["fr", str(shared_fixtures / JSON_DUMP), "--out", str(out), "--pg-ranks", "x"])
     assert rc == 2 and "Invalid --pg-ranks 'x'" in capsys.readouterr().out

@@ -21,7 +21,9 @@ world and on a subgroup; see ``tests/distributed/test_flight_recorder_gloo.py``)
   tensor), ``gloo:reduce``, ``gloo:broadcast``, ``gloo:all_gather`` (both
   ``all_gather_into_tensor`` and list ``all_gather``; output ``[n, count]``),
   ``gloo:all_to_all`` (``all_to_all_single``; input = n x the per-peer count),
-  ``gloo:barrier`` (no tensors), ``gloo:gather``, ``gloo:scatter``.
+  ``gloo:barrier`` (no tensors), ``gloo:gather`` (inputs ``[[count]]`` on every rank, outputs
+  ``[[n, count]]`` on the root only), ``gloo:scatter`` (outputs ``[[count]]`` on every rank,
+  inputs ``[[n, count]]`` on the root only).
 - send / recv / ``batch_isend_irecv`` are **not recorded** on gloo (they consume an ``op_id``
   but no entry and no ``collective_seq_id``).
 - ``state`` stays ``"scheduled"`` forever on gloo (states come from CUDA events). This parser
@@ -130,6 +132,8 @@ FR_OPS: dict[str, str] = {
     "all_reduce_barrier": "barrier",
     "send": "send",
     "recv": "recv",
+    "gather": "gather",
+    "scatter": "scatter",
 }
 
 _RANK_IN_NAME = re.compile(r"rank[_-]?(\d+)", re.IGNORECASE)
@@ -251,7 +255,7 @@ class FlightRecorderRead:
     Attributes:
         events: canonical events, in file order then ``record_id`` order.
         unreadable: ``"<file>#<record_id>: <reason>"`` for every entry (or whole file) that
-            could not become an event (unsupported op such as gather/scatter, inconsistent
+            could not become an event (an op not in FR_OPS, inconsistent
             sizes, mixed dtypes); nothing is dropped silently.
         states: number of entries per FR ``state`` (gloo: all ``"scheduled"``).
         files: the dump files read.
@@ -356,6 +360,14 @@ def _counts(op: str, in_sizes: list, out_sizes: list, group_size: int | None) ->
     if op in ("all_reduce", "broadcast", "reduce", "send"):
         return [prod(s) for s in in_sizes]
     if op == "recv":
+        return [prod(s) for s in out_sizes]
+    if op == "gather":  # every rank's input is its send count; outputs ([n, c]) on the root only
+        if out_sizes and group_size is not None and n_out != n_in * group_size:
+            raise _EntryError(f"gather output {n_out} != input {n_in} x {group_size=}")
+        return [prod(s) for s in in_sizes]
+    if op == "scatter":  # every rank's output is its receive count; inputs on the root only
+        if in_sizes and group_size is not None and n_in != n_out * group_size:
+            raise _EntryError(f"scatter input {n_in} != output {n_out} x {group_size=}")
         return [prod(s) for s in out_sizes]
     if op == "all_gather":  # per-rank inputs; outputs stacked ([n, c]) or a list of n tensors
         # Functional all_gather_into_tensor (DTensor full_tensor) on gloo is recorded with

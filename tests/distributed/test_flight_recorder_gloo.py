@@ -82,6 +82,12 @@ def _every_collective(g, calls: _Calls) -> None:
     dist.all_reduce_coalesced([torch.ones(3), torch.ones(4)], group=g)
     calls.record("all_reduce", g, 3, torch.float32)
     calls.record("all_reduce", g, 4, torch.float32)
+    gathered = [torch.empty(5) for _ in range(n)] if me == n - 1 else None
+    dist.gather(torch.ones(5), gathered, dst=glob(n - 1), group=g)
+    calls.record("gather", g, 5, torch.float32, root=n - 1)
+    chunks = [torch.ones(6, dtype=torch.float16) for _ in range(n)] if me == 0 else None
+    dist.scatter(torch.empty(6, dtype=torch.float16), chunks, src=glob(0), group=g)
+    calls.record("scatter", g, 6, torch.float16, root=0)
 
 
 def _run_window(out_dir: str) -> list[CollectiveEvent]:
@@ -172,13 +178,16 @@ def test_fr_window_holds_exactly_the_issued_calls_as_gloo_records_them(fr_run):
                 ("all_reduce", gid, n, 20, "int64"),
                 ("all_reduce", gid, n, 3, "float32"),  # all_reduce_coalesced: one entry,
                 ("all_reduce", gid, n, 4, "float32"),  # one event per tensor
+                ("gather", gid, n, 5, "float32"),  # inputs on every rank
+                ("scatter", gid, n, 6, "float16"),  # outputs on every rank
             ]
         got = [(e.op, e.group_id, e.group_size, e.count, e.dtype) for e in mine]
         assert got == expected, f"rank {rank}"
         for gid, _ in groups:
             seqs = [e.seq for e in mine if e.group_id == gid]
             # consecutive collective_seq_id; the coalesced entry's two tensors share one
-            assert seqs == list(range(seqs[0], seqs[0] + 10)) + [seqs[0] + 9]
+            assert seqs == list(range(seqs[0], seqs[0] + 10)) + [seqs[0] + 9, seqs[0] + 10,
+                                                                  seqs[0] + 11]
             ranks = [int(r) for r in gid.split(",")]
             assert {e.group_rank for e in mine if e.group_id == gid} == {ranks.index(rank)}
         assert all(f"fr_rank{rank}.json#" in e.source_ref for e in mine)
