@@ -23,8 +23,8 @@ def test_event_record_and_parser(op, tmp_path):
     ev = CollectiveEvent(source="nccl_log", op=op, count=1000, dtype="bfloat16", root=2,
                          comm="0xc0", group_size=4, host="n0", pid=7, cuda_dev=1)
     assert ev.msg_bytes == 2000  # per rank, as NCCL logs it
-    line = R.event_line_2_28(ev, opcount=5)
-    assert line.split("NCCL INFO ")[1].startswith(R.NCCL_NAME_2_28[op] + ": opCount 5 ")
+    line = R.event_line(ev, opcount=5)
+    assert line.split("NCCL INFO ")[1].startswith(R.NCCL_NAME[op] + ": opCount 5 ")
     path = tmp_path / "nccl.log"
     path.write_text(line + "\n" + "[1] " + line + "\n")  # bulk path, then the general one
     res = parse_nccl_logs(path)

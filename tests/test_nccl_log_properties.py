@@ -51,7 +51,7 @@ EVENTS = st.builds(
         source="nccl_log", op=op, count=count, dtype=dtype,
         root=root if op in ROOTED_OPS else None,
         comm=f"0x{comm:x}", group_size=n, host=host, pid=pid, cuda_dev=dev, t_start_ns=ts),
-    st.sampled_from(sorted(R.NCCL_NAME) + sorted(R.NCCL_NAME_2_28)), st.integers(0, 2**40),
+    st.sampled_from(sorted(R.NCCL_NAME)), st.integers(0, 2**40),
     st.sampled_from(sorted(DATATYPE_NUMBERS)),
     st.integers(0, 1023), st.integers(1, 2**48), st.integers(1, 4096),
     st.from_regex(r"[a-z][a-z0-9\-]{0,15}", fullmatch=True), st.integers(1, 2**22),
@@ -62,7 +62,7 @@ EVENTS = st.builds(
 @given(EVENTS, st.sampled_from(["", "[3] ", "(RayTrainWorker pid=9, ip=10.1.2.3) "]),
        st.sampled_from(["", " ", "  \t"]), st.integers(0, 2**32))
 def test_rendered_line_parses_back_to_the_same_event(ev, foreign, trailing, opcount):
-    line = foreign + R.event_line_2_28(ev, opcount=opcount) + trailing + "\n"
+    line = foreign + R.event_line(ev, opcount=opcount) + trailing + "\n"
     res = parse_nccl_logs([("r", [line])])
     assert res.issues == []
     (got,) = res.events

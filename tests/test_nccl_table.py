@@ -159,7 +159,7 @@ def test_every_real_fixture_equals_the_reference(shared_fixtures, tmp_path, monk
 
 # ------------------------------------------------------------------ generated jobs
 
-OPS = sorted(R.NCCL_NAME) + sorted(R.NCCL_NAME_2_28)
+OPS = sorted(R.NCCL_NAME)
 DTYPES = ["float32", "bfloat16", "int64", "uint8", "float8_e5m2"]
 COMMS = ["0xa0", "0xb0", "0x7f00c0"]
 PROCS = [("n0", 100, 0), ("n0", 101, 1), ("n1", 100, 0)]  # (host, pid, cudaDev)
@@ -192,7 +192,7 @@ def _coll(draw, comm: str) -> str:
         source="nccl_log", op=draw(st.sampled_from(OPS)), count=draw(st.integers(0, 10**18)),
         dtype=draw(st.sampled_from(DTYPES)), root=draw(st.integers(0, 3)), comm=comm,
         group_size=draw(st.sampled_from([None, 2, 4, 4])))
-    return R.coll_line_2_28(ev, opcount=draw(st.integers(0, 300)))
+    return R.coll_line(ev, opcount=draw(st.integers(0, 300)))
 
 
 @st.composite

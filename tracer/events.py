@@ -208,15 +208,6 @@ def read_parquet(path: str | Path) -> list[CollectiveEvent]:
     return [CollectiveEvent(**row) for row in rows]
 
 
-def from_frame(frame: pd.DataFrame) -> list[CollectiveEvent]:
-    """Inverse of :func:`to_frame` (extra columns are ignored)."""
-    names = [f.name for f in EVENT_SCHEMA]
-    out = []
-    for row in frame[names].to_dict("records"):
-        out.append(CollectiveEvent(**{k: (None if pd.isna(v) else v) for k, v in row.items()}))
-    return out
-
-
 def group_id_from_ranks(ranks: Sequence[int]) -> str:
     """The group identity used for torch process groups: sorted world ranks, comma-joined."""
     return ",".join(str(r) for r in sorted(ranks))

@@ -17,12 +17,11 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 from collections.abc import Sequence
 
+from dmuon.annotate import PHASES
 from tracer.events import CollectiveEvent
 
 from .predict import Expected, RunLayout, ns_calls_per_step, predict_step
 from .traffic import avg_elems, closed_form
-
-PHASES = ("forward", "backward", "optimizer", "replicate")
 
 
 def event_key(ev: CollectiveEvent) -> tuple:

@@ -157,14 +157,19 @@ def assign_ranks(nsys_events, reference):
     for ev in nsys_events:
         rank = rank_by_pid[ev.pid] if rank_by_pid else ev.cuda_dev
         out.append(ev.replace(rank=rank, group_id=None, seq=None))
-    return sorted(out, key=lambda e: (e.rank is None, e.rank or 0, e.t_start_ns or 0))
+    return sorted(out, key=_rank_then_time)
+
+
+def _rank_then_time(e) -> tuple:
+    """Sort key: by rank (unknown last), then issue time (a stable sort keeps ties in order)."""
+    return (e.rank is None, e.rank or 0, e.t_start_ns or 0)
 
 
 def _reference_per_rank(reference):
     """Reference events keyed by rank only (nsys has no group ids), in issue order
     (``t_start_ns``: one clock per process; a stable sort keeps the issue order of a coalesced
     call's events, which share their times)."""
-    ordered = sorted(reference, key=lambda e: (e.rank is None, e.rank or 0, e.t_start_ns or 0))
+    ordered = sorted(reference, key=_rank_then_time)
     return [ev.replace(group_id=None, seq=None) for ev in ordered]
 
 

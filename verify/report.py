@@ -22,12 +22,13 @@ from statistics import median
 
 from tabulate import tabulate
 
+from dmuon.annotate import PHASES
 from tracer.events import SOURCES
 
 from .traffic import MODES
 
-#: Phase rows in display order (names from ``dmuon.annotate.PHASES``).
-PHASE_ORDER: tuple[str, ...] = ("setup", "forward", "backward", "optimizer", "replicate")
+#: Phase rows in display order: DMuon's own phases.
+PHASE_ORDER: tuple[str, ...] = PHASES
 
 #: Short column labels of the trace sources (``tracer.events.SOURCES``).
 SOURCE_LABELS: dict[str, str] = {

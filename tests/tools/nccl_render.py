@@ -22,7 +22,8 @@ from tracer.nccl_formats import DATATYPE_NUMBERS
 #: Canonical op -> NCCL COLL op name.
 NCCL_NAME = {"all_reduce": "AllReduce", "all_gather": "AllGather",
              "reduce_scatter": "ReduceScatter", "broadcast": "Broadcast", "reduce": "Reduce",
-             "send": "Send", "recv": "Recv", "all_to_all": "AlltoAll"}
+             "send": "Send", "recv": "Recv", "all_to_all": "AlltoAll", "gather": "Gather",
+             "scatter": "Scatter"}  # Gather / Scatter: NCCL 2.28+
 
 VERSIONS = ("2.4", "2.18", "2.21", "2.24", "2.29")
 
@@ -109,22 +110,3 @@ def timestamp_text(year: int, month: int, day: int, hour: int, minute: int, seco
     """``[YYYY-mm-dd HH:MM:SS[.frac]] `` with any field values (also impossible ones)."""
     dot = f".{frac}" if frac else ""
     return f"[{year:04d}-{month:02d}-{day:02d} {hour:02d}:{minute:02d}:{second:02d}{dot}] "
-
-
-#: Canonical op -> NCCL COLL op name for the ops NCCL logs from 2.28 beyond :data:`NCCL_NAME`.
-NCCL_NAME_2_28 = {"gather": "Gather", "scatter": "Scatter"}
-
-
-def coll_line_2_28(ev: CollectiveEvent, **kw) -> str:
-    """:func:`coll_line` for every op NCCL 2.28+ logs, gather and scatter too (same fields:
-    ``count`` per rank, ``root``)."""
-    if ev.op not in NCCL_NAME_2_28:
-        return coll_line(ev, **kw)
-    line = coll_line(ev.replace(op="broadcast"), **kw)
-    return NCCL_NAME_2_28[ev.op] + line[len(NCCL_NAME["broadcast"]):]
-
-
-def event_line_2_28(ev: CollectiveEvent, *, tid: int | None = None, **kw) -> str:
-    """:func:`event_line` for every op NCCL 2.28+ logs."""
-    return (prefix(ev.host, ev.pid, tid or ev.pid, ev.cuda_dev, ev.t_start_ns)
-            + coll_line_2_28(ev, **kw))
