@@ -13,7 +13,9 @@ See README.md for DDP and HSDP.
 """
 
 from .annotate import phase, span
-from .dedicate import DedicatedParams, dedicate_params, default_predicate
+from .api import dedicate_params
+from .dedicate import DedicatedParams
+from .select import default_predicate
 from .optim import DMuon
 
 __all__ = ["DMuon", "DedicatedParams", "dedicate_params", "default_predicate", "phase", "span"]

@@ -30,7 +30,7 @@ Per step (SPEC §1):
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -42,26 +42,8 @@ from torch.utils._pytree import tree_leaves
 
 from . import annotate, collectives
 from .buckets import bucket_layout
-from .plan import OwnershipPlan, plan_ownership, specs_from_named_parameters
-from .topology import Topology, topology_from_mesh
-
-#: Names of modules treated as an output head by :func:`default_predicate`.
-HEAD_NAMES = frozenset({"head", "lm_head", "output", "classifier", "score"})
-
-Predicate = Callable[[str, nn.Parameter, nn.Module], bool]
-
-
-def default_predicate(name: str, param: nn.Parameter, module: nn.Module) -> bool:
-    """Muon targets by default: 2-D weights of hidden ``nn.Linear`` layers.
-
-    Left to AdamW: embeddings, the output head (a Linear whose own name is one of
-    :data:`HEAD_NAMES`, or whose weight is tied to an embedding), norms, biases, 1-D params.
-    """
-    if param.ndim != 2 or not isinstance(module, nn.Linear):
-        return False
-    module_leaf = name.rpartition(".")[0].rpartition(".")[2]
-    return module_leaf not in HEAD_NAMES
-
+from .plan import OwnershipPlan, specs_from_named_parameters
+from .topology import Topology
 
 @dataclass(eq=False)
 class _Bucket:
@@ -373,106 +355,3 @@ def _flatten_into_views(params: list[nn.Parameter]) -> torch.Tensor:
             p.data = flat[offset : offset + n].view_as(p)
             offset += n
     return flat
-
-
-def _select(
-    model: nn.Module, params, predicate: Predicate | None
-) -> list[tuple[str, nn.Parameter, str]]:
-    """(name, param, module name) of the dedicated params, validated, in model order."""
-    owner_module: dict[int, tuple[str, nn.Parameter, str, nn.Module]] = {}
-    for module_name, module in model.named_modules():
-        for pname, p in module.named_parameters(recurse=False):
-            full = f"{module_name}.{pname}" if module_name else pname
-            owner_module.setdefault(id(p), (full, p, module_name, module))
-    tied_to_embedding = {
-        id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)
-    }
-    if params is not None:
-        chosen = []
-        by_name = {v[0]: v for v in owner_module.values()}
-        for i, p in enumerate(params):
-            if isinstance(p, str):
-                if p not in by_name:
-                    raise ValueError(
-                        f"Invalid params[{i}]={p!r}: no parameter of that name in the model. "
-                        "Must be a name from model.named_parameters() or the Parameter itself."
-                    )
-                chosen.append(by_name[p])
-            elif id(p) in owner_module:
-                chosen.append(owner_module[id(p)])
-            else:
-                raise ValueError(
-                    f"Invalid params[{i}] (a tensor of shape {tuple(p.shape)}): it is not a "
-                    "parameter of the model. Pass parameters of the module given as `model`."
-                )
-        ids = {id(c[1]) for c in chosen}
-        selected = [v for v in owner_module.values() if id(v[1]) in ids]
-    else:
-        pred = predicate or default_predicate
-        selected = [
-            v
-            for v in owner_module.values()
-            if id(v[1]) not in tied_to_embedding and pred(v[0], v[1], v[3])
-        ]
-    for name, p, _, _ in selected:
-        if p.ndim != 2:
-            raise ValueError(
-                f"Invalid dedicated param {name} of shape {tuple(p.shape)}: Muon needs 2-D "
-                "matrices. Leave 1-D params and embeddings to AdamW (use the default "
-                "predicate or filter with p.ndim == 2)."
-            )
-        if not p.requires_grad:
-            raise ValueError(f"Invalid dedicated param {name}: requires_grad is False.")
-    return [(name, p, module_name) for name, p, module_name, _ in selected]
-
-
-def dedicate_params(
-    model: nn.Module,
-    mesh,
-    *,
-    params=None,
-    predicate: Predicate | None = None,
-    reshard_after_forward: bool = True,
-) -> DedicatedParams:
-    """Give every Muon-target matrix of ``model`` one owner rank and install DMuon's hooks.
-
-    Call it on every rank, on the bare model, **before** wrapping: then
-    ``DistributedDataParallel(model)`` skips the dedicated params (they are registered in
-    DDP's params-to-ignore list here) and ``fully_shard(module, mesh=..., ignored_params=set(dm))``
-    leaves them to DMuon.
-
-    Args:
-        model: the bare ``nn.Module`` (not yet DDP / FSDP2 wrapped), identical on all ranks.
-        mesh: a 1-D ``DeviceMesh`` (DDP, FSDP2) or a 2-D one named ``("replicate", "shard")`` (HSDP).
-        params: optional explicit dedicated params (Parameters or names); default: ``predicate``.
-        predicate: ``f(name, param, module) -> bool``; default :func:`default_predicate`.
-        reshard_after_forward: ``True`` = Z3 (non-holders free after forward and receive
-            again before backward), ``False`` = Z2 (keep until the next step).
-
-    Returns:
-        The :class:`DedicatedParams` handle.
-
-    Raises:
-        ValueError: ``model`` is already DDP- or FSDP2-wrapped, a dedicated param is not 2-D
-            or not in the model, or the mesh is invalid (see ``topology_from_mesh``).
-        RuntimeError: the ranks computed different plans (checked with one all_gather of the
-            plan digest before any other DMuon collective).
-    """
-    from torch.nn.parallel import DistributedDataParallel
-
-    if isinstance(model, DistributedDataParallel) or any(
-        type(p).__name__ == "DTensor" for p in model.parameters()
-    ):
-        raise ValueError(
-            f"Invalid model of type {type(model).__name__}: already wrapped by DDP or FSDP2. "
-            "Call dmuon.dedicate_params on the bare model first, then wrap it with "
-            "DistributedDataParallel(model) or fully_shard(..., ignored_params=set(dm))."
-        )
-    topology = topology_from_mesh(mesh)
-    named = _select(model, params, predicate)
-    plan = plan_ownership(specs_from_named_parameters((n, p) for n, p, _ in named), topology.mesh_shape)
-    collectives.check_plan_agreement(plan.digest(), "ownership plan")
-    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
-        model, [n for n, _, _ in named]
-    )
-    return DedicatedParams(model, named, topology, plan, reshard_after_forward)

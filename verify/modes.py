@@ -18,7 +18,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 import dmuon
-from dmuon.dedicate import default_predicate
+from dmuon.select import default_predicate
 from dmuon.plan import specs_from_named_parameters
 
 from .baselines import NaiveShardedMuon
