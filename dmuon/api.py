@@ -60,4 +60,4 @@ def dedicate_params(
     DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
         model, [n for n, _, _ in named]
     )
-    return DedicatedParams(model, named, topology, plan, reshard_after_forward)
+    return DedicatedParams(model, named, topology, plan, reshard_after_forward, mesh=mesh)
