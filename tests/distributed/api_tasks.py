@@ -61,3 +61,116 @@ def bad_hyperparameters() -> dict:
     opt.zero_grad()
     out["after"] = T._loss(model, local_slice(x, rank, world), local_slice(y, rank, world)).item()
     return out
+
+
+def setup_error(case: str) -> str:
+    """One bad ``dedicate_params`` setup on every rank; this rank's error text."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = T.make_model()
+
+    def run():
+        if case == "z2_on_one_rank_z3_elsewhere":
+            dmuon.dedicate_params(model, T._mesh("flat"), reshard_after_forward=rank != 1)
+        elif case == "mesh_smaller_than_world":
+            # ranks 0 and 1 are in the mesh, the others are not: none may reach get_group
+            dmuon.dedicate_params(model, init_device_mesh("cpu", (world // 2,)))
+        elif case == "dedicate_twice":
+            dmuon.dedicate_params(model, T._mesh("flat"))
+            dmuon.dedicate_params(model, T._mesh("flat"))
+        elif case == "dedicate_twice_submodule":
+            dmuon.dedicate_params(model, T._mesh("flat"))
+            dmuon.dedicate_params(model.blocks[0], T._mesh("flat"))
+        else:
+            raise AssertionError(case)
+
+    return _error(run)
+
+
+class Conv1D(nn.Module):
+    """Hugging Face GPT-2's ``Conv1D`` semantics (``transformers.pytorch_utils.Conv1D``, not
+    imported): ``y = x @ weight + bias`` with ``weight`` of shape ``(nx, nf)`` = (in, out)."""
+
+    def __init__(self, nf: int, nx: int) -> None:
+        super().__init__()
+        self.nf = nf
+        self.weight = nn.Parameter(torch.randn(nx, nf) * 0.1)
+        self.bias = nn.Parameter(torch.zeros(nf))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.addmm(self.bias, x.reshape(-1, x.size(-1)), self.weight).view(*x.shape[:-1], self.nf)
+
+
+class GPT2Like(nn.Module):
+    """A GPT-2-shaped toy: embedding, an MLP of ``Conv1D`` (``c_fc``, ``c_proj``), a frozen
+    hidden Linear, an ``unembed`` head."""
+
+    def __init__(self, vocab: int = 32, d: int = 16) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(vocab, d)
+        self.c_fc = Conv1D(4 * d, d)
+        self.c_proj = Conv1D(d, 4 * d)
+        self.frozen = nn.Linear(d, d, bias=False)
+        self.frozen.weight.requires_grad_(False)
+        self.unembed = nn.Linear(d, vocab, bias=False)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        h = self.wte(idx)
+        h = h + self.c_proj(torch.relu(self.c_fc(h)))
+        return self.unembed(self.frozen(h))
+
+
+def gpt2_like_trains_like_torch_muon(steps: int) -> dict:
+    """GPT2Like under DMuon-DDP (the default predicate) for ``steps`` steps; returns the
+    dedicated names and the params this rank owns."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = GPT2Like()
+    dm = dmuon.dedicate_params(model, T._mesh("flat"), reshard_after_forward=False)
+    ddp = DistributedDataParallel(model)
+    opt = dmuon.DMuon(ddp.parameters(), dedicated=dm, lr=T.MUON_LR, adamw_lr=T.ADAMW_LR)
+    for step in range(steps):
+        x = gpt2_batch(step)
+        ddp(local_slice(x, rank, world)).logsumexp(-1).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    owned = {id(p) for p in dm.owned()}
+    return {"names": dm.names, "owned": {n: p.detach().clone() for n, p in model.named_parameters() if id(p) in owned}}
+
+
+def gpt2_batch(step: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(step)
+    return torch.randint(0, 32, (8, 6), generator=g)
+
+
+def gpt2_like_oracle(steps: int) -> dict[str, torch.Tensor]:
+    """Single process: torch.optim.Muon on the Conv1D weights + AdamW on the rest."""
+    torch.manual_seed(0)
+    model = GPT2Like()
+    muon_names = ("c_fc.weight", "c_proj.weight")
+    named = dict(model.named_parameters())
+    muon = torch.optim.Muon([named[n] for n in muon_names], lr=T.MUON_LR)
+    adamw = torch.optim.AdamW([p for n, p in named.items() if n not in muon_names and p.requires_grad], lr=T.ADAMW_LR)
+    for step in range(steps):
+        model(gpt2_batch(step)).logsumexp(-1).mean().backward()
+        muon.step()
+        adamw.step()
+        muon.zero_grad()
+        adamw.zero_grad()
+    return {n: named[n].detach().clone() for n in muon_names}
+
+
+def nothing_to_dedicate() -> dict:
+    """A model with no hidden Linear: a warning, and DMuon trains it with AdamW only."""
+    import warnings
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(16, 8), nn.LayerNorm(8))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        dm = dmuon.dedicate_params(model, T._mesh("flat"))
+    opt = dmuon.DMuon(model.parameters(), dedicated=dm)
+    model(torch.arange(4)).sum().backward()
+    opt.step()
+    return {"dedicated": len(dm), "warnings": [str(w.message) for w in caught]}
