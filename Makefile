@@ -32,7 +32,7 @@ nsys-verify: $(STAMP)
 	$(PY) -m verify.nsys_verify $(ARGS)
 
 # One CUDA GPU: every DMuon mode at W=1 on NCCL through the NCCL-log path + CUDA parity.
-# Exit 0 pass, 1 fail, 77 no usable GPU here (skipped; it prints what is missing).
+# Exit 0 pass, 1 fail, 3 no usable GPU here (skipped; it prints what is missing).
 gpu-check: $(STAMP)
 	$(PY) -m verify.gpu_check $(ARGS)
 

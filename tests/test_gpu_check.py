@@ -14,9 +14,9 @@ def test_missing_requirements_names_what_is_missing():
     assert len(G.missing_requirements(True, 0, False)) == 2
 
 
-def test_without_a_gpu_it_prints_what_is_missing_and_exits_77(capsys, monkeypatch):
+def test_without_a_gpu_it_prints_what_is_missing_and_exits_3(capsys, monkeypatch):
     monkeypatch.setattr(G.torch.cuda, "is_available", lambda: False)
-    assert G.main([]) == G.EXIT_NO_GPU == 77
+    assert G.main([]) == G.EXIT_NO_GPU == 3
     assert "gpu-check: skipped, this machine lacks a CUDA GPU" in capsys.readouterr().out
 
 

@@ -15,8 +15,8 @@ Where the machine cannot run it (no CUDA device, a CPU build of torch, no NCCL),
 what is missing and exits with :data:`EXIT_NO_GPU` without running anything.
 
 Exit codes: :data:`EXIT_PASS` (0) both parts pass; :data:`EXIT_FAIL` (1) a part failed (its
-problems are printed); :data:`EXIT_NO_GPU` (77, the "skipped" code of automake's test
-harness) no usable GPU here.
+problems are printed); :data:`EXIT_NO_GPU` (3, as ``make nsys-verify`` where nsys is missing)
+no usable GPU here.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-EXIT_PASS, EXIT_FAIL, EXIT_NO_GPU = 0, 1, 77
+EXIT_PASS, EXIT_FAIL, EXIT_NO_GPU = 0, 1, 3
 
 #: The DMuon modes a single process can run (``verify.traffic.MODES`` minus HSDP).
 MODES = ("dmuon-ddp", "dmuon-z2", "dmuon-z3")

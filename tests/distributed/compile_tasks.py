@@ -124,3 +124,29 @@ def oracle(steps: int, backend: str | None) -> dict[str, torch.Tensor]:
             opt.step()
             opt.zero_grad()
     return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def readme_snippet(code: str) -> dict:
+    """Run README's torch.compile snippet on TinyGPT, then two steps; Dynamo's graph count and
+    the losses."""
+    import torch._dynamo
+    import torch._inductor.config
+
+    torch._inductor.config.compile_threads = 1
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    scope = {"dmuon": dmuon, "fully_shard": fully_shard, "model": T.make_model(), "mesh": T._mesh("flat")}
+    exec(code, scope)  # noqa: S102 - the README's own snippet
+    model, opt = scope["model"], scope["opt"]
+    losses = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for step in range(2):
+            x, y = T.corpus().global_batch(step, T.GLOBAL_BATCH, T.SMALL.seq_len)
+            loss = T._loss(model, local_slice(x, rank, world), local_slice(y, rank, world))
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+    return {"graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"], "losses": losses}

@@ -11,6 +11,8 @@ exactly like eager (issue 13, "torch.compile").
   (measured on the single-process oracle, without DMuon).
 """
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -73,3 +75,19 @@ def test_compiled_blocks_inductor_match_eager_and_z2_equals_z3(fr_pool2, tmp_pat
     assert _rel_err(z2, _merged(eager["z2"]), init) <= FLOOR_FACTOR * floor
     for m in runs:
         assert [r["calls"] for r in eager[m]] == [r["calls"] for r in runs[m]], m
+
+
+def readme_compile_snippet() -> str:
+    """The first python block under README's "### torch.compile"."""
+    text = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    section = text.split("### torch.compile", 1)[1]
+    return section.split("```python\n", 1)[1].split("```", 1)[0]
+
+
+@pytest.mark.slow
+def test_readme_compile_snippet_runs(fr_pool2):
+    code = readme_compile_snippet()
+    assert "block.compile()" in code
+    results = fr_pool2.run_with_timeout(300, C.readme_snippet, code)
+    for r in results:
+        assert r["graphs"] > 0 and r["losses"][1] < r["losses"][0], r
