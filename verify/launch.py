@@ -103,7 +103,8 @@ def main(argv: list[str] | None = None) -> int:
     run_id = args.run_id or datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     out_dir = Path(args.out_dir) if args.out_dir else Path("traces") / run_id
     out_dir.mkdir(parents=True, exist_ok=True)
-    where = f"{nproc} GPUs, NCCL" if use_nccl else f"{nproc} local CPU processes, gloo (no ≥2 GPUs visible)"
+    cpu_why = "" if args.backend == "gloo" else " (no ≥2 GPUs visible)"
+    where = f"{nproc} GPU(s), NCCL" if use_nccl else f"{nproc} local CPU processes, gloo{cpu_why}"
     print(f"verify-traffic: {where}; output in {out_dir}/", flush=True)
     cmd = launch_command(nproc, out_dir, [*extra, "--backend", "nccl" if use_nccl else "gloo"])
     code = subprocess.call(cmd, env=launch_env(use_nccl, out_dir))
