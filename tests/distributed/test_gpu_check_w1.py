@@ -45,7 +45,7 @@ FSDP2_W1_GAP = (
     "torch 2.13 fsdp/_fully_shard: _fsdp_param_group.py unshard's world_size == 1 branch, "
     "_fsdp_collectives.py foreach_reduce's world_size > 1 guard); verify.predict still "
     "predicts them, so gpu-check's dmuon-z2/z3 pass only "
-once the predictor models W=1")
+    "once the predictor models W=1")
 
 
 @pytest.mark.parametrize("mode", ["dmuon-z2", "dmuon-z3"])
