@@ -11,13 +11,19 @@ checkpointing and torch.compile" quotes its output; rerun it after changing the 
 from __future__ import annotations
 
 from tests.distributed import compile_tasks as C
-from tests.distributed.harness import DistributedPool
+from tests.distributed.harness import DistributedPool, RankError
 
 
 def main() -> None:
     with DistributedPool(2, timeout_s=300) as pool:
         for mode in ("z2", "z3"):
-            result = pool.run(C.graph_breaks, mode)[0]
+            try:
+                result = pool.run(C.graph_breaks, mode)[0]
+            except RankError as exc:  # Dynamo or the hooks raised: show the cause, go on
+                lines = exc.tracebacks[exc.rank].strip().splitlines()
+                last = next((ln for ln in reversed(lines) if "Error" in ln), lines[-1])
+                print(f"{mode}: failed on rank {exc.rank}: {last[:400]}")
+                continue
             print(f"{mode}: {result['graphs']} graphs, {result['breaks']} graph breaks")
             for reason in result["reasons"]:
                 print(f"  {reason}")
