@@ -34,7 +34,7 @@ from tracer.nvml import NvlinkSampler
 from tracer.timeline import write_chrome_trace
 
 from .compare import compare_run
-from .data import ByteCorpus, local_slice
+from .data import ByteCorpus, global_batch_size, local_slice
 from .model import GPTConfig, TinyGPT
 from .modes import build
 from .nccl_source import WindowMark, capture_active, nccl_source_report
@@ -51,7 +51,10 @@ class RunConfig:
         modes: modes to run, in order; HSDP modes are skipped where W is not even and >= 4.
         steps_warmup: steps before measuring (lazy init, DDP's bucket rebuild).
         steps_measured: steady-state steps recorded by the interposer.
-        global_batch: sequences per step over all ranks (divisible by W).
+        batch_per_rank: sequences per rank per step; the global batch is W times it, so any
+            world size runs (``verify.data.global_batch_size``).
+        global_batch: sequences per step over all ranks, overriding ``batch_per_rank``; must
+            be a multiple of W (checked before training starts).
         seq_len: tokens per sequence.
         d_model, n_layers, n_heads: the TinyGPT size.
         seed: model init and data order.
@@ -62,7 +65,8 @@ class RunConfig:
     modes: tuple[str, ...] = MODES
     steps_warmup: int = 4
     steps_measured: int = 2
-    global_batch: int = 8
+    batch_per_rank: int = 2
+    global_batch: int | None = None
     seq_len: int = 64
     d_model: int = 64
     n_layers: int = 2
@@ -147,6 +151,7 @@ def _train_mode(mode: str, config: RunConfig, corpus: ByteCorpus, progress) -> d
         torch.manual_seed(config.seed)
         return TinyGPT(cfg)
 
+    batch = global_batch_size(world, per_rank=config.batch_per_rank, global_batch=config.global_batch)
     built = build(mode, make_model, config.device)
     model, opt = built.model, built.optimizer
     out = Path(config.out_dir) / mode
@@ -159,7 +164,7 @@ def _train_mode(mode: str, config: RunConfig, corpus: ByteCorpus, progress) -> d
             window.open()
         if step >= config.steps_warmup:
             step_starts.append(dmuon.annotate.now_ns())
-        x, y = corpus.global_batch(step, config.global_batch, config.seq_len, seed=config.seed)
+        x, y = corpus.global_batch(step, batch, config.seq_len, seed=config.seed)
         x, y = local_slice(x, rank, world), local_slice(y, rank, world)
         losses.append(train_step(model, opt, x.to(config.device), y.to(config.device)))
         progress(1)
