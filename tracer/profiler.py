@@ -21,7 +21,10 @@ events carry the collectives depends on the backend; measured on torch 2.13.0 (C
   (``distributedInfo.pg_config``); ``group_size`` is derived where the shapes imply it
   (all_gather_into_tensor: output / input, reduce_scatter_tensor: input / output).
   ``_c10d_functional::*`` ops are wrappers that issue a nested ``c10d::*`` op and are skipped
-  (one event per logical call). Tensor-list arguments carry no dtype (``Input type``
+  (one event per logical call). A ``c10d::*`` op that runs inside another one on the same
+  thread is the same call dispatched again (a ``TorchDispatchMode`` such as the interposer or
+  ``CommDebugMode`` calls the op it intercepts: measured, every call then shows twice) and is
+  skipped too, counted under ``nested c10d::<op>``. Tensor-list arguments carry no dtype (``Input type``
   ``TensorList``): the dtype comes from the backend's own annotation, next item.
 - **``gloo:<op>``** (``cat`` ``user_annotation``, gloo's worker threads or the issuing thread
   for send / recv): ProcessGroupGloo's record of running the work, with the input's dims and
@@ -356,6 +359,7 @@ def read_profiler_trace(path: str | Path, *, rank: int | None = None) -> Profile
         return trace
     single = (group_id_from_ranks(pgs[0]["ranks"]), len(pgs[0]["ranks"])) if len(pgs) == 1 else (None, None)
     calls, annots = [], []
+    open_until: dict = {}  # tid -> end (ns) of the outermost c10d op running on that thread
     for e in sorted(raw, key=lambda e: float(e.get("ts", 0))):
         name = e.get("name", "")
         ref = f"{path.name}#{e.get('ts')}"
@@ -364,6 +368,11 @@ def read_profiler_trace(path: str | Path, *, rank: int | None = None) -> Profile
             annots.append(_Annot(name[5:], _ts_ns(e)[0], args.get("Input Dims", []), args.get("Input type", [])))
         elif name.startswith("c10d::") and e.get("cat") == "cpu_op":
             op = name[6:]
+            t0, t1 = _ts_ns(e)
+            if t0 < open_until.get(e.get("tid"), -1):
+                trace.ignored[f"nested {name}"] += 1
+                continue
+            open_until[e.get("tid")] = t1
             if op not in C10D_OPS:
                 trace.issues.append(f"{ref}: unknown c10d op {name!r} (not converted)")
                 continue

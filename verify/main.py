@@ -36,6 +36,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps-warmup", type=int, default=RunConfig.steps_warmup)
     parser.add_argument("--steps-measured", type=int, default=RunConfig.steps_measured)
     parser.add_argument("--timeout-s", type=int, default=300, help="process-group timeout (s)")
+    parser.add_argument("--no-profiler", action="store_true",
+                        help="do not record the measured steps with torch.profiler (a third source)")
     parser.add_argument("--global-batch", type=int, default=None,
                         help=f"sequences per step over all ranks, a multiple of W (default "
                              f"{RunConfig.batch_per_rank} per rank, so it follows the world size)")
@@ -73,6 +75,7 @@ def main(argv: list[str] | None = None) -> int:
         steps_warmup=args.steps_warmup,
         steps_measured=args.steps_measured,
         global_batch=args.global_batch,
+        profiler=not args.no_profiler,
         out_dir=args.out_dir,
         device="cuda" if use_cuda else "cpu",
     )
