@@ -4,9 +4,9 @@ Runs inside an initialised default process group (torchrun, or the test harness)
 mode: build it (``verify.modes``), train ``warmup + measured`` steps on the byte corpus, record
 the measured steps with the :class:`tracer.interposer.Interposer` and ``torch.profiler`` (and
 the Flight Recorder, the NCCL log and the NVLink counters where they exist: ``_MeasuredWindow``),
-write this rank's
-events to ``<out_dir>/<mode>/events_rank<r>.parquet``, and gather everything to rank 0, which
-compares with the prediction (``verify.compare``) and cross-checks the other sources.
+write this rank's events to ``<out_dir>/<mode>/events_rank<r>.parquet``, and gather everything
+to rank 0, which compares with the prediction (``verify.compare``) and cross-checks the other
+sources. The global batch is ``batch_per_rank`` times W unless ``global_batch`` is given.
 """
 
 from __future__ import annotations
