@@ -37,8 +37,11 @@ def test_verify_traffic_end_to_end_two_processes(tmp_path):
     (run,) = report["runs"]
     assert report["pass"] and run["mode"] == "dmuon-z3" and run["ratio_to_p_m"] == 1.5  # 3(N-1)/N, N=2
     assert run["sources"]["flight_recorder"]["pass"]
+    assert run["sources"]["profiler"]["pass"]  # torch.profiler: the third source on CPU
+    assert run["sources"]["profiler"]["matched"] == run["sources"]["interposer"]["events"]
     assert "nccl_log" not in run["sources"]  # gloo: no NCCL log to read
     assert run["nvlink"]["available"] or run["nvlink"]["reason"]  # here: NVML missing, and why
-    for name in ("report.md", "traffic.png", "dmuon-z3/timeline.json", "dmuon-z3/timeline.png", "dmuon-z3/layout.json"):
+    for name in ("report.md", "traffic.png", "dmuon-z3/timeline.json", "dmuon-z3/timeline.png",
+                 "dmuon-z3/layout.json", "dmuon-z3/profiler_rank0.json", "dmuon-z3/profiler_rank1.json"):
         assert (tmp_path / "runs/e2e" / name).is_file(), name
     assert "PASS" in proc.stdout and (tmp_path / "runs/e2e/exit_code").read_text() == "0\n"

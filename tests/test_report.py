@@ -261,7 +261,7 @@ def test_fmt_elems():
         (lambda r: r.update(backend="mpi"), "\\['backend'\\]='mpi'"),
         (lambda r: r["runs"][2]["phases"].update({None: r["runs"][2]["phases"]["forward"]}),
          "phase=None"),
-        (lambda r: r["runs"][2]["sources"].update(profiler={}), "source='profiler'"),
+        (lambda r: r["runs"][2]["sources"].update(perfetto={}), "source='perfetto'"),
         (lambda r: r["runs"][5]["missing"][0].pop("dtype"), "missing\\[0\\]: missing key 'dtype'"),
         (lambda r: r.update(runs=[]), "Must hold at least one run"),
         (lambda r: r["runs"][7]["replicate_overlap"][0].update(waited_ns=0),

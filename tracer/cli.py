@@ -5,6 +5,7 @@ Subcommands (each module registers its own, see ``register_cli`` in it):
 - ``nccl PATH... --out events.parquet``: NCCL_DEBUG=INFO logs (``tracer.nccl_log``)
 - ``fr PATH... --out events.parquet``: PyTorch Flight Recorder dumps (``tracer.flight_recorder``)
 - ``nsys REPORT.sqlite --out events.parquet``: Nsight Systems SQLite exports (``tracer.nsys``)
+- ``profiler TRACE... --out events.parquet``: torch.profiler Chrome traces (``tracer.profiler``)
 - ``check EVENTS --against REPORT_OR_RUN``: compare events with a predicted run (``verify.check``)
 """
 
@@ -19,6 +20,7 @@ _SUBCOMMAND_MODULES = (
     "tracer.nccl_log",
     "tracer.flight_recorder",
     "tracer.nsys",
+    "tracer.profiler",
     "verify.check",
 )
 

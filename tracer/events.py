@@ -65,7 +65,7 @@ DTYPE_BYTES: dict[str, int] = {
 }
 
 #: Trace sources known to the harness.
-SOURCES: tuple[str, ...] = ("interposer", "flight_recorder", "nccl_log", "nsys")
+SOURCES: tuple[str, ...] = ("interposer", "flight_recorder", "nccl_log", "nsys", "profiler")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

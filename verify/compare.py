@@ -10,6 +10,11 @@ a measured event (``dedicated`` figures) is the share of its matched prediction:
 bucket or an FSDP2 group may fuse Muon and AdamW params in one call, and only the plan knows
 the split; the existence and size of every call is measured. Unmatched events count towards
 totals but not towards the Muon share (and fail the run anyway).
+
+The closed form gates every run, in every phase and in total: the measured W-average must equal
+SPEC §2's formula at P_M (DMuon and DDP modes, any shapes: they move whole matrices) or at
+P_M^pad, the Muon params padded on dim 0 to a multiple of N (the naive FSDP2 / HSDP
+baselines, ``verify.traffic.PADDED_MODES``; derivation in docs/traffic-model.md).
 """
 
 from __future__ import annotations
@@ -21,12 +26,20 @@ from dmuon.annotate import PHASES
 from tracer.events import CollectiveEvent
 
 from .predict import Expected, RunLayout, ns_calls_per_step, predict_step
-from .traffic import avg_elems, closed_form
+from .traffic import PADDED_MODES, avg_elems, closed_form, closed_form_p_m
 
 
 def event_key(ev: CollectiveEvent) -> tuple:
     """The comparison key of a measured event (see module docstring)."""
     return (ev.rank, ev.phase, ev.op, ev.group_id, ev.count, ev.dtype, ev.root)
+
+
+#: Measured and closed-form averages are sums of integers times rationals: equal up to rounding.
+CLOSED_FORM_REL_TOL = 1e-9
+
+
+def _close(measured: float, expected: float, scale: int) -> bool:
+    return abs(measured - expected) <= CLOSED_FORM_REL_TOL * max(scale, 1)
 
 
 def _call_dict(key: tuple, n: int, module: str | None) -> dict:
@@ -71,6 +84,8 @@ def compare_run(
     phases: dict[str, dict] = {}
     form = closed_form(layout.mode, layout.shard_size, layout.replicate_size)
     p_m = layout.p_m()
+    cf_p_m = closed_form_p_m(layout.mode, [s.shape for s in layout.muon_specs()], layout.shard_size)
+    padded = layout.mode in PADDED_MODES and cf_p_m != p_m
     per_rank = defaultdict(float)
     total_measured = 0.0
     meas_phase = defaultdict(float)
@@ -96,23 +111,27 @@ def compare_run(
     ):
         ph_missing = sum(n for k, n in missing.items() if k[1] == ph)
         ph_unexpected = sum(n for k, n in unexpected.items() if k[1] == ph)
-        cf = form.phases.get(ph)
+        cf = form.phases.get(ph, 0.0)
         seed = form.seed_phases.get(ph) if form.seed_phases else None
+        measured_ph = meas_phase[ph] / (w * steps)
+        cf_ok = _close(measured_ph, cf * cf_p_m, cf_p_m)
         phases[str(ph)] = {
-            "measured_avg_elems": meas_phase[ph] / (w * steps),
+            "measured_avg_elems": measured_ph,
             "predicted_avg_elems": pred_phase[ph] / w,
-            "closed_form_avg_elems": None if cf is None else cf * p_m,
+            "closed_form_avg_elems": cf * cf_p_m,
             "seed_avg_elems": None if seed is None else seed * p_m,
             "collectives_measured": meas_phase_n[ph] / steps,
             "collectives_predicted": pred_phase_n[ph],
-            "pass": ph_missing == 0 and ph_unexpected == 0,
+            "closed_form_matches": cf_ok,
+            "pass": ph_missing == 0 and ph_unexpected == 0 and cf_ok,
         }
     measured_avg = sum(meas_phase.values()) / (w * steps)
     predicted_avg = sum(pred_phase.values()) / w
     ns_per_step = ns_calls / steps
     ns_expected = ns_calls_per_step(layout)
-    padded = any(s.shape[0] % layout.shard_size for s in layout.muon_specs())
-    closed_ok = padded or abs(measured_avg - form.total * p_m) <= 1e-9 * max(p_m, 1)
+    closed_ok = _close(measured_avg, form.total * cf_p_m, cf_p_m) and all(
+        ph["closed_form_matches"] for ph in phases.values()
+    )
     ok = not missing and not unexpected and ns_per_step == ns_expected and closed_ok
     run = dict(
         mode=layout.mode,
@@ -122,8 +141,10 @@ def compare_run(
         p_m=p_m,
         measured_avg_elems=measured_avg,
         predicted_avg_elems=predicted_avg,
-        closed_form=form.text,
-        closed_form_avg_elems=form.total * p_m,
+        closed_form=form.text + (" at P_M^pad" if padded else ""),
+        closed_form_avg_elems=form.total * cf_p_m,
+        closed_form_p_m=cf_p_m,
+        closed_form_padded=padded,
         seed_avg_elems=None if form.seed_total is None else form.seed_total * p_m,
         ratio_to_p_m=measured_avg / p_m if p_m else 0.0,
         ns_calls_per_step=int(ns_per_step) if ns_per_step == int(ns_per_step) else ns_per_step,

@@ -29,7 +29,13 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-__all__ = ["ByteCorpus", "DEFAULT_MAX_BYTES", "local_slice", "stdlib_source_files"]
+__all__ = [
+    "ByteCorpus",
+    "DEFAULT_MAX_BYTES",
+    "global_batch_size",
+    "local_slice",
+    "stdlib_source_files",
+]
 
 #: Default corpus size: 4 MiB of source text (about 1 s to read, 4 MiB of uint8 tokens).
 DEFAULT_MAX_BYTES = 4 * 1024 * 1024
@@ -79,6 +85,33 @@ def local_slice(x: Tensor, rank: int, world_size: int) -> Tensor:
         )
     rows = batch_size // world_size
     return x[rank * rows : (rank + 1) * rows]
+
+
+def global_batch_size(world_size: int, *, per_rank: int, global_batch: int | None = None) -> int:
+    """Sequences per step over all ranks: ``global_batch`` when given, else ``per_rank * W``.
+
+    The default follows the world size (every rank keeps ``per_rank`` rows), so any W runs; an
+    explicit global batch must split evenly over the W ranks (:func:`local_slice`). Checked
+    before any collective, identically on every rank.
+
+    Raises:
+        ValueError: ``world_size`` or ``per_rank`` < 1, or ``global_batch`` not a positive
+            multiple of ``world_size``.
+    """
+    for name, value in (("world_size", world_size), ("per_rank", per_rank)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"Invalid {name}={value!r}. Must be a positive int.")
+    if global_batch is None:
+        return per_rank * world_size
+    bad_type = isinstance(global_batch, bool) or not isinstance(global_batch, int)
+    if bad_type or global_batch < 1 or global_batch % world_size:
+        near = world_size * max(1, global_batch // world_size) if not bad_type else world_size
+        raise ValueError(
+            f"Invalid --global-batch={global_batch!r} for {world_size=}. Must be a positive "
+            f"multiple of the world size so every rank gets the same rows (e.g. {near} or "
+            f"{near + world_size}), or omitted ({per_rank} per rank: {per_rank * world_size})."
+        )
+    return global_batch
 
 
 def _step_seed(seed: int, step: int, split: str) -> int:

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
+from .data import global_batch_size
 from .runner import RunConfig, run_all, runnable_modes
 from .traffic import MODES
 
@@ -37,6 +38,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps-warmup", type=int, default=RunConfig.steps_warmup)
     parser.add_argument("--steps-measured", type=int, default=RunConfig.steps_measured)
     parser.add_argument("--timeout-s", type=int, default=300, help="process-group timeout (s)")
+    parser.add_argument("--no-profiler", action="store_true",
+                        help="do not record the measured steps with torch.profiler (a third source)")
+    parser.add_argument("--global-batch", type=int, default=None,
+                        help=f"sequences per step over all ranks, a multiple of W (default "
+                             f"{RunConfig.batch_per_rank} per rank, so it follows the world size)")
     args = parser.parse_args(argv)
     unknown = [m for m in args.modes.split(",") if m not in MODES]
     if unknown:
@@ -52,6 +58,12 @@ def main(argv: list[str] | None = None) -> int:
     if "RANK" not in os.environ:
         print("dmuon-verify-traffic must run under torchrun; use `make verify-traffic`.", file=sys.stderr)
         return 2
+    try:  # every rank checks the same thing before any collective
+        global_batch_size(int(os.environ.get("WORLD_SIZE", "1")), per_rank=RunConfig.batch_per_rank,
+                          global_batch=args.global_batch)
+    except ValueError as exc:
+        print(f"dmuon-verify-traffic: {exc}", file=sys.stderr)
+        return 2
     use_cuda = args.backend == "nccl" or (args.backend == "auto" and torch.cuda.is_available())
     if use_cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
@@ -64,6 +76,8 @@ def main(argv: list[str] | None = None) -> int:
         modes=tuple(args.modes.split(",")),
         steps_warmup=args.steps_warmup,
         steps_measured=args.steps_measured,
+        global_batch=args.global_batch,
+        profiler=not args.no_profiler,
         out_dir=args.out_dir,
         device="cuda" if use_cuda else "cpu",
     )

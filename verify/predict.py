@@ -7,10 +7,14 @@ to Muon-target params (``dedicated_count``, used to attribute fused buckets).
 
 What is modelled (torch 2.13, measured on gloo by the harness):
 
-- DMuon (``dmuon.buckets.bucket_layout`` and the shared planner decide buckets and owners):
-  forward broadcast per bucket over the shard axis from its holder; Z3 re-broadcast in
-  backward; reduce to the holder over the shard axis, then (HSDP) to the owner over the
-  replicate axis; (HSDP) the owner's replicate broadcast after the step.
+- DMuon, derived here from the documented protocol (SPEC §1 and the glossary of
+  ``dmuon/dedicate.py``) and the planner's output alone: a *bucket* is the dedicated params
+  of one module with the same global owner and dtype (:func:`dmuon_buckets`); per bucket a
+  forward broadcast over the shard axis from its holder; Z3 re-broadcast in backward; reduce
+  to the holder over the shard axis, then (HSDP) to the owner over the replicate axis; (HSDP)
+  the owner's replicate broadcast after the step. Independence: this module imports
+  ``dmuon.plan`` (ParamSpec, OwnershipPlan, plan_ownership) and nothing else of ``dmuon``, so a
+  bucketing bug in the runtime is not reproduced here (``tests/test_predict.py`` checks it).
 - FSDP2 (``fully_shard``): one all_gather per FSDP group (params of a wrapped module not in a
   nested wrapped module and not ignored) whose per-rank count is the sum of dim-0-padded
   shard sizes ceil(d0/N)·(d1·…); every non-root group is re-gathered in backward when
@@ -23,6 +27,15 @@ What is modelled (torch 2.13, measured on gloo by the harness):
   ``dist._compute_bucket_assignment_by_size`` with caps (1 MiB first, ``bucket_cap_mb``).
 - Naive baselines: one all_gather per Muon matrix in the optimizer step (``full_tensor()``
   of the Shard(0) gradient; per-rank count ceil(d0/N)·d1).
+
+Mixed precision (``RunLayout.mp_param_dtype`` / ``mp_reduce_dtype``, the semantics of FSDP2's
+``MixedPrecisionPolicy``; ``reduce_dtype`` defaults to ``param_dtype`` when only that is set):
+DMuon's forward / backward broadcasts travel in param_dtype, its reduces (both mesh axes) in
+reduce_dtype, the HSDP replicate broadcast of the updated params in their own (fp32 master)
+dtype; FSDP2's all_gathers in param_dtype, its reduce_scatters and the HSDP replicate
+all_reduce in reduce_dtype. DDP's all_reduce and the naive step all_gather (of the sharded
+grad, which FSDP2 casts back to the param's dtype) keep the params' dtype. Element counts never
+change; only the dtype (and so the bytes) of a call does.
 """
 
 from __future__ import annotations
@@ -35,9 +48,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from dmuon.buckets import bucket_layout
 from dmuon.plan import OwnershipPlan, ParamSpec, plan_ownership
-from tracer.events import group_id_from_ranks
+from tracer.events import DTYPE_BYTES, group_id_from_ranks
 
 from .traffic import MODES
 
@@ -57,6 +69,11 @@ class RunLayout:
         ddp_bucket_cap_bytes: DDP's ``bucket_cap_mb`` in bytes.
         root_auto_reshard: the root was wrapped without ``reshard_after_forward`` (FSDP2 then
             keeps it unsharded after forward).
+        mp_param_dtype: mixed precision's param dtype (torch name, e.g. ``"bfloat16"``) or
+            ``None`` (no mixed precision): the dtype of DMuon's broadcasts and FSDP2's
+            all_gathers (module docstring).
+        mp_reduce_dtype: the dtype of gradient reductions; ``None`` means ``mp_param_dtype``
+            (FSDP2's default), or the params' own dtype when that is ``None`` too.
     """
 
     mode: str
@@ -68,10 +85,27 @@ class RunLayout:
     reshard_after_forward: bool = True
     ddp_bucket_cap_bytes: int = 25 * 1024 * 1024
     root_auto_reshard: bool = True
+    mp_param_dtype: str | None = None
+    mp_reduce_dtype: str | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"Invalid mode={self.mode!r}. Must be one of {MODES}.")
+        for name in ("mp_param_dtype", "mp_reduce_dtype"):
+            value = getattr(self, name)
+            if value is not None and value not in DTYPE_BYTES:
+                raise ValueError(
+                    f"Invalid {name}={value!r}. Must be None or a torch dtype name among "
+                    f"{sorted(DTYPE_BYTES)} (str(torch.bfloat16) without 'torch.')."
+                )
+
+    def cast_dtype(self, own: str) -> str:
+        """Dtype of a param's forward / backward gather or broadcast (mixed precision)."""
+        return self.mp_param_dtype or own
+
+    def reduce_dtype(self, own: str) -> str:
+        """Dtype of a param's gradient reduction (mixed precision, FSDP2's default rule)."""
+        return self.mp_reduce_dtype or self.mp_param_dtype or own
 
     @property
     def world_size(self) -> int:
@@ -171,26 +205,71 @@ def _fsdp_groups(layout: RunLayout, ignored: set[str]) -> list[tuple[str, list[P
     return out
 
 
+@dataclass(frozen=True)
+class DMuonBucket:
+    """One predicted DMuon bucket: what one broadcast / reduce of the protocol moves.
+
+    Attributes:
+        module: the module holding the params ("" for the root module).
+        owner: global owner index g = r * N + s (``OwnershipPlan.owner``).
+        dtype: the params' own dtype (torch name).
+        names: member params in model order.
+        numel: elements of all members.
+    """
+
+    module: str
+    owner: int
+    dtype: str
+    names: tuple[str, ...]
+    numel: int
+
+
+def dmuon_buckets(specs: Sequence[ParamSpec], plan: OwnershipPlan) -> list[DMuonBucket]:
+    """DMuon's buckets from the documented rule (SPEC §1, ``dmuon/dedicate.py`` glossary).
+
+    A bucket is the dedicated params of one module with the same global owner and the same
+    dtype; one collective per bucket and phase. Written independently of the runtime's own
+    bucketing code, which is what this prediction checks. The order (first appearance in
+    ``specs``) does not matter to the comparison, which is a multiset.
+
+    Raises:
+        ValueError: a spec has no owner in ``plan``.
+    """
+    members: dict[tuple[str, int, str], list[ParamSpec]] = {}
+    for spec in specs:
+        if spec.name not in plan.owner:
+            raise ValueError(
+                f"Invalid spec {spec.name!r}: not in the ownership plan. Must be one of the "
+                f"planned params {list(plan.owner)[:3]}...; plan and specs must come from the "
+                "same layout."
+            )
+        members.setdefault((spec.module, plan.owner[spec.name], spec.dtype), []).append(spec)
+    return [
+        DMuonBucket(module, owner, dtype, tuple(p.name for p in ps), sum(p.numel for p in ps))
+        for (module, owner, dtype), ps in members.items()
+    ]
+
+
 def _dmuon_calls(layout: RunLayout, rank: int) -> list[Expected]:
     n, r_size = layout.shard_size, layout.replicate_size
-    r_me, s_me = divmod(rank, n)
-    shard = shard_ranks(rank, n)
-    rep = replicate_ranks(rank, n, r_size)
-    sid, rid = group_id_from_ranks(shard), group_id_from_ranks(rep)
+    s_me = rank % n
+    sid = group_id_from_ranks(shard_ranks(rank, n))
+    rid = group_id_from_ranks(replicate_ranks(rank, n, r_size))
     out: list[Expected] = []
 
-    def add(phase, op, gid, gsize, b, root):
-        out.append(Expected(rank, phase, op, gid, gsize, b.numel, b.dtype, root, b.module, b.numel))
+    def add(phase, op, gid, gsize, b, dtype, root):
+        out.append(Expected(rank, phase, op, gid, gsize, b.numel, dtype, root, b.module, b.numel))
 
-    for b in bucket_layout(layout.muon_specs(), layout.plan()):
+    for b in dmuon_buckets(layout.muon_specs(), layout.plan()):
         r_own, s_own = divmod(b.owner, n)
-        add("forward", "broadcast", sid, n, b, s_own)
+        cast, red = layout.cast_dtype(b.dtype), layout.reduce_dtype(b.dtype)
+        add("forward", "broadcast", sid, n, b, cast, s_own)
         if layout.reshard_after_forward:
-            add("backward", "broadcast", sid, n, b, s_own)
-        add("backward", "reduce", sid, n, b, s_own)
+            add("backward", "broadcast", sid, n, b, cast, s_own)
+        add("backward", "reduce", sid, n, b, red, s_own)
         if r_size > 1 and s_me == s_own:
-            add("backward", "reduce", rid, r_size, b, r_own)
-            add("replicate", "broadcast", rid, r_size, b, r_own)
+            add("backward", "reduce", rid, r_size, b, red, r_own)
+            add("replicate", "broadcast", rid, r_size, b, b.dtype, r_own)
     # DMuon's usage all_reduce (dmuon/dedicate.py step 5): one int32 per dedicated param, all W
     # ranks, no dedicated payload.
     wid = group_id_from_ranks(range(layout.world_size))
@@ -206,26 +285,28 @@ def _fsdp_calls(layout: RunLayout, rank: int, ignored: set[str]) -> list[Expecte
     muon = set(layout.muon_names)
     out: list[Expected] = []
     for module, managed in _fsdp_groups(layout, ignored):
-        dtypes = {p.dtype for p in managed}
+        dtypes = {layout.cast_dtype(p.dtype) for p in managed}
         if len(dtypes) != 1:
             raise ValueError(
                 f"Invalid FSDP group {module or '<root>'}: mixed dtypes {sorted(dtypes)}; the "
-                "predictor models one dtype per fully_shard group."
+                "predictor models one dtype per fully_shard group (set mp_param_dtype to "
+                "gather them in one dtype)."
             )
         dtype = dtypes.pop()
+        red = layout.reduce_dtype(managed[0].dtype)  # own dtypes agree when no mp is set
         count = sum(padded_shard_numel(p.shape, n) for p in managed)
         ded = sum(padded_shard_numel(p.shape, n) for p in managed if p.name in muon)
         keeps_unsharded = module == "" and layout.root_auto_reshard
 
-        def add(phase, op, gid, gsize):
-            out.append(Expected(rank, phase, op, gid, gsize, count, dtype, None, module, ded))
+        def add(phase, op, gid, gsize, dt):
+            out.append(Expected(rank, phase, op, gid, gsize, count, dt, None, module, ded))
 
-        add("forward", "all_gather", sid, n)
+        add("forward", "all_gather", sid, n, dtype)
         if layout.reshard_after_forward and not keeps_unsharded:
-            add("backward", "all_gather", sid, n)
-        add("backward", "reduce_scatter", sid, n)
+            add("backward", "all_gather", sid, n, dtype)
+        add("backward", "reduce_scatter", sid, n, red)
         if r_size > 1:
-            add("backward", "all_reduce", rid, r_size)
+            add("backward", "all_reduce", rid, r_size, red)
     return out
 
 

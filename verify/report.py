@@ -36,6 +36,7 @@ SOURCE_LABELS: dict[str, str] = {
     "flight_recorder": "fr",
     "nccl_log": "nccl",
     "nsys": "nsys",
+    "profiler": "prof",
 }
 
 #: Measured and predicted figures are sums of integers divided by W: equal up to float rounding.

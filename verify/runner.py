@@ -2,10 +2,11 @@
 
 Runs inside an initialised default process group (torchrun, or the test harness). For each
 mode: build it (``verify.modes``), train ``warmup + measured`` steps on the byte corpus, record
-the measured steps with the :class:`tracer.interposer.Interposer` (and the Flight Recorder,
-the NCCL log and the NVLink counters where they exist: ``_MeasuredWindow``), write this rank's
-events to ``<out_dir>/<mode>/events_rank<r>.parquet``, and gather everything to rank 0, which
-compares with the prediction (``verify.compare``) and cross-checks the other sources.
+the measured steps with the :class:`tracer.interposer.Interposer` and ``torch.profiler`` (and
+the Flight Recorder, the NCCL log and the NVLink counters where they exist: ``_MeasuredWindow``),
+write this rank's events to ``<out_dir>/<mode>/events_rank<r>.parquet``, and gather everything
+to rank 0, which compares with the prediction (``verify.compare``) and cross-checks the other
+sources. The global batch is ``batch_per_rank`` times W unless ``global_batch`` is given.
 """
 
 from __future__ import annotations
@@ -31,10 +32,11 @@ from tracer.flight_recorder import (
 )
 from tracer.interposer import Interposer
 from tracer.nvml import NvlinkSampler
+from tracer.profiler import profiler_source_events, read_profiler_trace
 from tracer.timeline import write_chrome_trace
 
 from .compare import compare_run
-from .data import ByteCorpus, local_slice
+from .data import ByteCorpus, global_batch_size, local_slice
 from .model import GPTConfig, TinyGPT
 from .modes import build
 from .nccl_source import WindowMark, capture_active, nccl_source_report
@@ -51,18 +53,24 @@ class RunConfig:
         modes: modes to run, in order; HSDP modes are skipped where W is not even and >= 4.
         steps_warmup: steps before measuring (lazy init, DDP's bucket rebuild).
         steps_measured: steady-state steps recorded by the interposer.
-        global_batch: sequences per step over all ranks (divisible by W).
+        batch_per_rank: sequences per rank per step; the global batch is W times it, so any
+            world size runs (``verify.data.global_batch_size``).
+        global_batch: sequences per step over all ranks, overriding ``batch_per_rank``; must
+            be a multiple of W (checked before training starts).
         seq_len: tokens per sequence.
         d_model, n_layers, n_heads: the TinyGPT size.
         seed: model init and data order.
         out_dir: where traces and reports go.
         device: "cpu" (gloo) or "cuda" (NCCL).
+        profiler: record the measured steps with ``torch.profiler`` too (CPU activities,
+            shapes), a third source matched one to one against the interposer.
     """
 
     modes: tuple[str, ...] = MODES
     steps_warmup: int = 4
     steps_measured: int = 2
-    global_batch: int = 8
+    batch_per_rank: int = 2
+    global_batch: int | None = None
     seq_len: int = 64
     d_model: int = 64
     n_layers: int = 2
@@ -70,6 +78,7 @@ class RunConfig:
     seed: int = 0
     out_dir: str = "traces/latest"
     device: str = "cpu"
+    profiler: bool = True
 
 
 def runnable_modes(config: RunConfig, world_size: int) -> list[str]:
@@ -101,10 +110,12 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, x: torc
 
 class _MeasuredWindow:
     """Every recorder of the measured steps, opened after the warm-up and closed after the last
-    step: the interposer, the Flight Recorder dumps, this rank's NCCL log window, the NVLink
-    counters (local rank 0 samples its node) and the ``dmuon.window <mode>`` NVTX range."""
+    step: the interposer, ``torch.profiler`` (CPU activities with shapes; its Chrome trace goes
+    to ``<mode>/profiler_rank<r>.json``), the Flight Recorder dumps, this rank's NCCL log window,
+    the NVLink counters (local rank 0 samples its node) and the ``dmuon.window <mode>`` NVTX
+    range."""
 
-    def __init__(self, mode: str, out: Path, device: str) -> None:
+    def __init__(self, mode: str, out: Path, device: str, profiler: bool = True) -> None:
         self.mode, self.out, self.device = mode, out, device
         self.rank = dist.get_rank()
         self.interposer = Interposer()
@@ -113,19 +124,38 @@ class _MeasuredWindow:
         local_rank = int(os.environ.get("LOCAL_RANK", self.rank))
         self._nvlink = NvlinkSampler() if local_rank == 0 else None
         self._stack = contextlib.ExitStack()
+        self._profiler = None
+        if profiler:
+            from torch.profiler import ProfilerActivity, profile
 
-    def open(self) -> None:
+            self._profiler = profile(activities=[ProfilerActivity.CPU], record_shapes=True)
+
+    def open(self, drain=None) -> None:
+        """Start every recorder. ``drain()`` runs after the interposer stops and before the
+        profiler does (HSDP: wait for the last asynchronous replicate broadcasts, so that the
+        profiler sees them run; the interposer and the spans end with the last step)."""
         self._fr_before = dump_flight_recorder(self.out / "fr_before", self.rank) if self._fr_on else None
         self._nccl = WindowMark(self.rank) if self._nccl_on else None
         if self._nvlink is not None:
             _sync(self.device)  # warm-up traffic finished before the counters start
             self._nvlink.start()
+        if self._profiler is not None:
+            self._stack.enter_context(self._profiler)
+            if drain is not None:
+                self._stack.callback(drain)
         self._stack.enter_context(dmuon.annotate.window(self.mode))
         self._stack.enter_context(self.interposer)
 
     def close(self) -> dict:
-        """``{"fr_events", "nccl", "nvlink"}``: what the other recorders saw (``None`` where off)."""
+        """``{"fr_events", "profiler_events", "nccl", "nvlink"}``: what the other recorders saw
+        (``None`` where off)."""
         self._stack.close()
+        profiler_events = None
+        if self._profiler is not None:
+            path = self.out / f"profiler_rank{self.rank}.json"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self._profiler.export_chrome_trace(str(path))
+            profiler_events = read_profiler_trace(path, rank=self.rank).events
         nccl = self._nccl.close() if self._nccl is not None else None  # only the window travels
         nvlink = None
         if self._nvlink is not None:
@@ -136,7 +166,8 @@ class _MeasuredWindow:
             after = dump_flight_recorder(self.out, self.rank)
             fr_events = fr_window(read_flight_recorder(self._fr_before).events,
                                   read_flight_recorder(after).events)
-        return {"fr_events": fr_events, "nccl": nccl, "nvlink": nvlink}
+        return {"fr_events": fr_events, "profiler_events": profiler_events, "nccl": nccl,
+                "nvlink": nvlink}
 
 
 def _train_mode(mode: str, config: RunConfig, corpus: ByteCorpus, progress) -> dict:
@@ -147,19 +178,20 @@ def _train_mode(mode: str, config: RunConfig, corpus: ByteCorpus, progress) -> d
         torch.manual_seed(config.seed)
         return TinyGPT(cfg)
 
+    batch = global_batch_size(world, per_rank=config.batch_per_rank, global_batch=config.global_batch)
     built = build(mode, make_model, config.device)
     model, opt = built.model, built.optimizer
     out = Path(config.out_dir) / mode
     losses, step_starts = [], []
-    window = _MeasuredWindow(mode, out, config.device)
+    window = _MeasuredWindow(mode, out, config.device, config.profiler)
     ns_before = 0
     for step in range(config.steps_warmup + config.steps_measured):
         if step == config.steps_warmup:
             ns_before = opt.ns_calls
-            window.open()
+            window.open(drain=built.dedicated.wait_pending if built.dedicated is not None else None)
         if step >= config.steps_warmup:
             step_starts.append(dmuon.annotate.now_ns())
-        x, y = corpus.global_batch(step, config.global_batch, config.seq_len, seed=config.seed)
+        x, y = corpus.global_batch(step, batch, config.seq_len, seed=config.seed)
         x, y = local_slice(x, rank, world), local_slice(y, rank, world)
         losses.append(train_step(model, opt, x.to(config.device), y.to(config.device)))
         progress(1)
@@ -261,6 +293,11 @@ def _sources(run: dict, events: list, gathered: list[dict], steps: int) -> dict:
         fr = [ev for r in gathered for ev in r["fr_events"]]
         check = crosscheck(events, fr, source="flight_recorder", backend=dist.get_backend())
         sources["flight_recorder"] = {**check.as_report(), "mismatches": [str(m) for m in check.mismatches[:20]]}
+    if all(r.get("profiler_events") is not None for r in gathered):
+        ref, prof, note = profiler_source_events(events, [ev for r in gathered for ev in r["profiler_events"]])
+        check = crosscheck(ref, prof, source="profiler", backend=dist.get_backend())
+        sources["profiler"] = {**check.as_report(), "mismatches": [str(m) for m in check.mismatches[:20]],
+                               "notes": ([note] if note else []) + check.notes}
     if any(r["nccl"] is not None for r in gathered):
         sources["nccl_log"] = nccl_source_report(
             [r["nccl"] for r in gathered if r["nccl"] is not None], events, gathered[0]["layout"], steps)

@@ -123,6 +123,43 @@ def closed_form(mode: str, shard_size: int, replicate_size: int = 1) -> ClosedFo
     return table[mode]
 
 
+#: Modes whose Muon params are FSDP2-sharded on dim 0 (the naive baselines): their traffic
+#: follows the padded sizes, so their closed form is evaluated at P_M^pad (docs/traffic-model.md).
+#: DMuon modes move whole matrices and never pad; DDP does not shard.
+PADDED_MODES = frozenset({"naive-fsdp2-z2", "naive-fsdp2-z3", "naive-hsdp"})
+
+
+def padded_numel(shape: tuple[int, ...], shard_size: int) -> int:
+    """Elements of a param with dim 0 padded up to a multiple of N = ``shard_size``:
+    N·ceil(d0/N)·(d1·…) (FSDP2's ``Shard(0)`` padding; 1 for a 0-d param).
+
+    Raises:
+        ValueError: ``shard_size`` < 1.
+    """
+    if shard_size < 1:
+        raise ValueError(f"Invalid {shard_size=}. Must be >= 1.")
+    if not shape:
+        return 1
+    rest = 1
+    for d in shape[1:]:
+        rest *= d
+    return -(-shape[0] // shard_size) * shard_size * rest
+
+
+def closed_form_p_m(mode: str, shapes: list[tuple[int, ...]], shard_size: int) -> int:
+    """The P_M a mode's closed form is evaluated at: the Muon params' elements, padded to a
+    multiple of N on dim 0 for :data:`PADDED_MODES` (P_M^pad), as they are otherwise."""
+    if mode in PADDED_MODES:
+        return sum(padded_numel(s, shard_size) for s in shapes)
+    total = 0
+    for s in shapes:
+        n = 1
+        for d in s:
+            n *= d
+        total += n
+    return total
+
+
 #: Every mode the harness knows, in report order.
 MODES = (
     "ddp-muon",

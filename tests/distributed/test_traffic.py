@@ -2,12 +2,15 @@
 
 Each run trains TinyGPT for 2 warm-up + 2 measured steps on 4 (or 2) gloo ranks; the test
 asserts the per-rank, per-phase multiset of (op, group, count, dtype, root) and the
-W-averaged Muon-param traffic against SPEC §2's closed forms.
+W-averaged Muon-param traffic against SPEC §2's closed forms, and that torch.profiler's record
+of the same steps matches the interposer one to one (a third source).
 """
 
 import pytest
 
 from tests.distributed import traffic_tasks
+from tracer.crosscheck import crosscheck
+from tracer.profiler import profiler_source_events
 from verify.compare import compare_run
 from verify.traffic import MODES
 
@@ -28,13 +31,24 @@ def _compare(pool, mode, **config):
     return run, results
 
 
+def _assert_profiler_matches(results):
+    ref = [ev for r in results for ev in r["events"]]
+    prof = [ev for r in results for ev in r["profiler_events"]]
+    assert len(prof) == len(ref) > 0
+    check = crosscheck(*profiler_source_events(ref, prof)[:2], source="profiler", backend="gloo")
+    assert check.passed and check.matched == len(ref), check.lines()[:10]
+    # gloo's own annotations gave every sized call its dtype: dtypes were compared too
+    assert all(e.dtype is not None for e in prof if e.op != "barrier")
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_w4_exact_collectives_and_closed_form(pool4, mode):
-    run, _ = _compare(pool4, mode)
+    run, results = _compare(pool4, mode)
     assert run["missing"] == [] and run["unexpected"] == [], (run["missing"][:5], run["unexpected"][:5])
     assert run["ratio_to_p_m"] == pytest.approx(EXPECTED_RATIO_W4[mode], rel=1e-12)
     assert run["ns_calls_per_step"] == run["ns_calls_expected"]
-    assert run["pass"]
+    assert run["closed_form_matches"] and run["pass"]
+    _assert_profiler_matches(results)
 
 
 def test_hsdp_replicate_terms_follow_the_w_average_not_the_seed(pool4):

@@ -19,3 +19,31 @@ def measure_mode(mode: str, **config) -> dict:
     result.pop("spans")
     result["out_dir"] = cfg.out_dir
     return result
+
+
+def measure_with_swapped_params(mode: str, **config) -> dict:
+    """``measure_mode`` with the runtime's bucketing mutated: two params of different sizes and
+    owners swap buckets (a bucketing bug the independent predictor must catch). Patches the
+    name the runtime resolves when ``DedicatedParams`` is built; fails loudly if the runtime
+    no longer has it."""
+    import dataclasses
+
+    import dmuon.dedicate as runtime
+
+    original = runtime.bucket_layout
+
+    def swapped(specs, plan):
+        buckets = list(original(specs, plan))
+        a = 0
+        b = next(i for i, x in enumerate(buckets)
+                 if x.owner != buckets[a].owner and x.numel != buckets[a].numel and x.dtype == buckets[a].dtype)
+        ba, bb = buckets[a], buckets[b]
+        buckets[a] = dataclasses.replace(ba, names=bb.names, numel=bb.numel)
+        buckets[b] = dataclasses.replace(bb, names=ba.names, numel=ba.numel)
+        return buckets
+
+    runtime.bucket_layout = swapped
+    try:
+        return measure_mode(mode, **config)
+    finally:
+        runtime.bucket_layout = original

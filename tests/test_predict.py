@@ -1,0 +1,233 @@
+"""The predictor without processes: its independence from the runtime, its closed forms at any
+world size (padded for the naive baselines), mixed precision, and the comparison's verdicts."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from collections import Counter
+from fractions import Fraction
+from pathlib import Path
+
+import pytest
+
+from tracer.events import CollectiveEvent
+from verify.compare import compare_run
+from verify.model import GPTConfig, TinyGPT
+from verify.modes import muon_names
+from verify.predict import RunLayout, dmuon_buckets, predict_step
+from verify.traffic import avg_elems, closed_form, padded_numel
+
+from dmuon.plan import specs_from_named_parameters
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _layout(mode: str, world: int, *, d_model: int = 64, n_heads: int = 4, **extra) -> RunLayout:
+    """The layout ``verify.modes.build`` records for TinyGPT (same wrapping, no processes)."""
+    model = TinyGPT(GPTConfig(d_model=d_model, n_heads=n_heads, n_layers=2))
+    specs = tuple(specs_from_named_parameters(model.named_parameters()))
+    targets = muon_names(model)
+    r, n = (2, world // 2) if "hsdp" in mode else (1, world)
+    fsdp = ()
+    if mode != "ddp-muon" and mode != "dmuon-ddp":
+        per_linear = [] if mode.startswith("dmuon-") else sorted(
+            {t.rpartition(".")[0] for t in targets}, key=[s.module for s in specs].index)
+        fsdp = (*per_linear, "blocks.0", "blocks.1", "")
+    reshard = mode.endswith("z3") or mode == "naive-hsdp"
+    return RunLayout(mode=mode, replicate_size=r, shard_size=n, params=specs, muon_names=targets,
+                     fsdp_modules=fsdp, reshard_after_forward=reshard, **extra)
+
+
+def _events(layout: RunLayout, steps: int = 1) -> list[CollectiveEvent]:
+    """The prediction as if measured (what a perfect interposer would record)."""
+    return [
+        CollectiveEvent(source="interposer", op=e.op, rank=e.rank, group_id=e.group_id,
+                        group_size=e.group_size, count=e.count, dtype=e.dtype, root=e.root,
+                        phase=e.phase)
+        for _ in range(steps) for e in predict_step(layout)
+    ]
+
+
+def _dedicated_avg(layout: RunLayout) -> Fraction:
+    """Exact W-average of the Muon-param share of the predicted calls (rational arithmetic)."""
+    total = Fraction(0)
+    for e in predict_step(layout):
+        n = e.group_size
+        f = Fraction(2 * (n - 1), n) if e.op == "all_reduce" else Fraction(n - 1, n)
+        s = n * e.count if e.op in ("all_gather", "reduce_scatter") else e.count
+        total += f * s * Fraction(e.dedicated_count, e.count)
+    return total / layout.world_size
+
+
+# --------------------------------------------------------------------------- independence
+_ALLOWED_DMUON = {"dmuon.plan"}
+
+
+def _imports(path: Path) -> set[str]:
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = ("verify." * (node.level > 0)) + (node.module or "")
+            names.add(base.rstrip("."))
+            names.update(f"{base}.{a.name}".lstrip(".") for a in node.names if node.module is None)
+    return names
+
+
+def test_predictor_imports_only_the_planner_from_dmuon():
+    # The predictor and every harness module it reaches (transitively) may take the planner's
+    # output from dmuon and nothing else: no bucketing, hooks or collectives of the runtime.
+    seen, todo, dmuon_imports = set(), ["verify.predict"], set()
+    while todo:
+        mod = todo.pop()
+        if mod in seen:
+            continue
+        seen.add(mod)
+        for name in _imports(REPO / (mod.replace(".", "/") + ".py")):
+            if name == "dmuon" or name.startswith("dmuon."):
+                dmuon_imports.add(name)
+            elif name.startswith(("verify.", "tracer.")) and (REPO / (name.replace(".", "/") + ".py")).is_file():
+                todo.append(name)
+    assert "verify.traffic" in seen and "tracer.events" in seen
+    assert dmuon_imports == _ALLOWED_DMUON, dmuon_imports
+
+
+def test_predictor_never_calls_the_runtime():
+    # In a fresh interpreter, break every runtime module but the planner (and the NS cost
+    # model it uses) after building the layout: the prediction is unchanged, so it cannot
+    # reach the runtime's bucketing, hooks or collectives by any path.
+    code = """
+import sys, dmuon, dmuon.plan
+import tests.test_predict as t
+layout = t._layout("dmuon-hsdp-z3", 4)
+ref = t.predict_step(layout)
+for name, mod in list(sys.modules.items()):
+    if name.startswith("dmuon.") and name not in ("dmuon.plan", "dmuon.muon_math"):
+        for attr in [a for a in vars(mod) if not a.startswith("__")]:
+            setattr(mod, attr, None)
+assert sys.modules["dmuon.buckets"].bucket_layout is None
+assert t.predict_step(layout) == ref
+print("ok", len(ref))
+"""
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
+                         timeout=120, env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.startswith("ok ")
+
+
+def test_buckets_follow_the_documented_rule():
+    layout = _layout("dmuon-z3", 3)
+    plan = layout.plan()
+    buckets = dmuon_buckets(layout.muon_specs(), plan)
+    # one bucket per (module, owner, dtype); together they hold every Muon param once
+    keys = [(b.module, b.owner, b.dtype) for b in buckets]
+    assert len(keys) == len(set(keys))
+    names = [n for b in buckets for n in b.names]
+    assert sorted(names) == sorted(layout.muon_names)
+    for b in buckets:
+        assert {plan.owner[n] for n in b.names} == {b.owner}
+        assert b.numel == sum(s.numel for s in layout.muon_specs() if s.name in b.names)
+
+
+# --------------------------------------------------------------------------- closed forms
+@pytest.mark.parametrize("world,mode,ratio", [
+    (3, "dmuon-ddp", Fraction(4, 3)), (3, "dmuon-z2", Fraction(4, 3)),
+    (3, "dmuon-z3", Fraction(2)), (3, "ddp-muon", Fraction(4, 3)),
+    (4, "dmuon-hsdp-z2", Fraction(3, 2)), (4, "dmuon-hsdp-z3", Fraction(2)),
+    (6, "dmuon-hsdp-z3", Fraction(5, 3) + Fraction(2, 3)),
+])
+def test_dmuon_prediction_equals_closed_form_at_any_world_size(world, mode, ratio):
+    # W=3: the TinyGPT matrices (64, 64), (192, 64), (256, 64), (64, 256) are not all
+    # divisible by 3, and DMuon's closed form holds exactly anyway (whole matrices move).
+    layout = _layout(mode, world)
+    if layout.shard_size == 3:
+        assert any(s.shape[0] % 3 for s in layout.muon_specs())
+    assert _dedicated_avg(layout) == ratio * layout.p_m()
+    run = compare_run(layout, _events(layout), steps=1, ns_calls=len(layout.muon_names) * (
+        1 if layout.is_dmuon else world))
+    assert run["closed_form_matches"] and run["pass"] and not run["closed_form_padded"]
+    assert run["ratio_to_p_m"] == pytest.approx(float(ratio), rel=1e-12)
+
+
+@pytest.mark.parametrize("mode,factor", [
+    ("naive-fsdp2-z2", Fraction(3) * Fraction(2, 3)), ("naive-fsdp2-z3", Fraction(4) * Fraction(2, 3)),
+])
+def test_naive_baselines_gate_a_padded_closed_form(mode, factor):
+    layout = _layout(mode, 3)
+    p_pad = sum(padded_numel(s.shape, 3) for s in layout.muon_specs())
+    assert p_pad > layout.p_m()  # 64 rows pad to 66 at N=3
+    assert _dedicated_avg(layout) == factor * p_pad
+    run = compare_run(layout, _events(layout), steps=1, ns_calls=len(layout.muon_names) * 3)
+    assert run["closed_form_padded"] and run["closed_form_p_m"] == p_pad
+    assert run["closed_form"].endswith("at P_M^pad")
+    assert run["closed_form_avg_elems"] == pytest.approx(float(factor * p_pad))
+    assert run["pass"]
+    # the unpadded formula would be off: the gate is the padded one, not a switched-off one
+    assert run["measured_avg_elems"] != pytest.approx(float(factor) * layout.p_m())
+
+
+def test_closed_form_gates_a_predictor_that_drifts(monkeypatch):
+    # A predictor that forgets one reduce, and a trace that lacks it too: the multisets agree,
+    # the closed form of SPEC §2 does not, and the run fails on it (in that phase and in total).
+    import verify.compare as compare
+
+    layout = _layout("dmuon-z2", 3)
+    drop = next(e for e in predict_step(layout) if e.op == "reduce")
+    key = (drop.op, drop.root, drop.count)
+    drifted = [e for e in predict_step(layout) if (e.op, e.root, e.count) != key]
+    monkeypatch.setattr(compare, "predict_step", lambda _layout: drifted)
+    events = [ev for ev in _events(layout) if (ev.op, ev.root, ev.count) != key]
+    run = compare.compare_run(layout, events, steps=1, ns_calls=len(layout.muon_names))
+    assert run["missing"] == [] and run["unexpected"] == []
+    assert not run["closed_form_matches"] and not run["pass"]
+    assert not run["phases"]["backward"]["closed_form_matches"]
+    assert run["phases"]["forward"]["closed_form_matches"]
+
+
+# --------------------------------------------------------------------------- mixed precision
+def test_mixed_precision_dtypes_per_collective():
+    layout = _layout("dmuon-hsdp-z3", 4, mp_param_dtype="bfloat16", mp_reduce_dtype="float32")
+    by = Counter((e.op, e.phase, e.group_size, e.dtype) for e in predict_step(layout)
+                 if e.dedicated_count == e.count and e.op in ("broadcast", "reduce"))
+    dtypes = {(op, phase): dt for (op, phase, _, dt) in by}
+    assert dtypes[("broadcast", "forward")] == "bfloat16"
+    assert dtypes[("broadcast", "backward")] == "bfloat16"
+    assert dtypes[("reduce", "backward")] == "float32"
+    assert dtypes[("broadcast", "replicate")] == "float32"  # the fp32 master copy
+    fsdp = {(e.op, e.phase): e.dtype for e in predict_step(layout) if e.op in ("all_gather", "reduce_scatter", "all_reduce")}
+    assert fsdp == {("all_gather", "forward"): "bfloat16", ("all_gather", "backward"): "bfloat16",
+                    ("reduce_scatter", "backward"): "float32", ("all_reduce", "backward"): "float32"}
+
+
+def test_mixed_precision_reduce_defaults_to_param_dtype_and_elements_do_not_change():
+    plain = _layout("dmuon-z2", 4)
+    mp = _layout("dmuon-z2", 4, mp_param_dtype="bfloat16")
+    a, b = predict_step(plain), predict_step(mp)
+    assert [(e.rank, e.phase, e.op, e.count) for e in a] == [(e.rank, e.phase, e.op, e.count) for e in b]
+    assert {e.dtype for e in b if e.op in ("broadcast", "reduce", "all_gather", "reduce_scatter")} == {"bfloat16"}
+    # bytes halve, elements do not
+    elems = lambda es: sum(avg_elems(e.op, e.count, e.group_size) for e in es)
+    assert elems(a) == elems(b)
+    run = compare_run(mp, _events(mp), steps=1, ns_calls=len(mp.muon_names))
+    assert run["pass"]
+    # measured in fp32 against a bf16 prediction: every call is missing / unexpected
+    bad = compare_run(mp, _events(plain), steps=1, ns_calls=len(mp.muon_names))
+    assert not bad["pass"] and {m["dtype"] for m in bad["missing"]} == {"bfloat16"}
+
+
+def test_mixed_precision_layout_round_trips_and_validates():
+    layout = _layout("naive-fsdp2-z2", 2, mp_param_dtype="bfloat16")
+    assert RunLayout.from_dict(layout.to_dict()) == layout
+    with pytest.raises(ValueError, match=r"Invalid mp_reduce_dtype='bf16'"):
+        _layout("dmuon-z2", 2, mp_reduce_dtype="bf16")
+    # the naive step gathers the sharded grad, which FSDP2 keeps in the param's dtype
+    step = {e.dtype for e in predict_step(layout) if e.phase == "optimizer"}
+    assert step == {"float32"}
+
+
+def test_closed_form_table_is_the_spec_at_n3():
+    assert closed_form("dmuon-z3", 3).total == pytest.approx(2.0)
+    assert closed_form("dmuon-z2", 3).total == pytest.approx(4 / 3)
