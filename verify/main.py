@@ -21,6 +21,7 @@ from tqdm import tqdm
 
 from .runner import RunConfig, run_all, runnable_modes
 from .traffic import MODES
+from .usermodel import BUILTIN, skip_reasons
 
 #: Exit codes.
 EXIT_PASS, EXIT_MISMATCH = 0, 1
@@ -35,6 +36,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps-warmup", type=int, default=RunConfig.steps_warmup)
     parser.add_argument("--steps-measured", type=int, default=RunConfig.steps_measured)
     parser.add_argument("--timeout-s", type=int, default=300, help="process-group timeout (s)")
+    parser.add_argument("--model", default=BUILTIN,
+                        help=f"'{BUILTIN}' (built in), a preset of verify.presets, or pkg.module:factory "
+                        "returning (model, loss_fn) (README: Verify your own model)")
+    parser.add_argument("--wide", action="store_true",
+                        help="print every column (default: a table that fits 120 columns)")
     args = parser.parse_args(argv)
     unknown = [m for m in args.modes.split(",") if m not in MODES]
     if unknown:
@@ -64,14 +70,14 @@ def main(argv: list[str] | None = None) -> int:
         steps_measured=args.steps_measured,
         out_dir=args.out_dir,
         device="cuda" if use_cuda else "cpu",
+        model=args.model,
     )
     rank = dist.get_rank()
     modes = runnable_modes(config, dist.get_world_size())
     bar = None
     if rank == 0:
-        skipped = [m for m in config.modes if m not in modes]
-        if skipped:
-            print(f"skipping {skipped}: HSDP needs an even world size >= 4", flush=True)
+        for mode, why in skip_reasons(config.modes, dist.get_world_size()).items():
+            print(f"skipping {mode}: {why}", flush=True)
         bar = tqdm(total=len(modes) * (config.steps_warmup + config.steps_measured), desc="training steps", unit="step")
     try:
         report = run_all(config, progress=bar.update if bar else None)
@@ -79,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
         if bar:
             bar.close()
     if rank == 0:
-        code = _finish(report, Path(args.out_dir))
+        code = _finish(report, Path(args.out_dir), wide=args.wide)
         # torchrun turns a worker's non-zero exit into a crash report; the verdict travels
         # through a file instead and verify.launch returns it as its exit code.
         (Path(args.out_dir) / VERDICT_FILE).write_text(f"{code}\n")
@@ -87,13 +93,13 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _finish(report: dict, out_dir: Path) -> int:
+def _finish(report: dict, out_dir: Path, wide: bool = False) -> int:
     from .report import format_table, write_report
 
     report.setdefault("created_utc", datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
     report.setdefault("run_id", out_dir.name)
     paths = write_report(report, out_dir)
-    print(format_table(report), flush=True)
+    print(format_table(report, wide=wide), flush=True)
     print("wrote " + ", ".join(str(p) for p in paths.values()), flush=True)
     print("PASS" if report["pass"] else "FAIL: measured traffic differs from the model (see above)", flush=True)
     return EXIT_PASS if report["pass"] else EXIT_MISMATCH

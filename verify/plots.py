@@ -16,7 +16,7 @@ from matplotlib.patches import Patch
 
 from dmuon.annotate import Span
 from tracer.events import OPS, CollectiveEvent
-from verify.report import validate_report
+from .report_schema import validate_report
 
 #: Colour of each collective op (matplotlib's ``tab20`` by position in ``tracer.events.OPS``:
 #: one colour each for up to 20 ops).

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import math
+import textwrap
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from statistics import median
@@ -25,7 +26,20 @@ from tabulate import tabulate
 from dmuon.annotate import PHASES
 from tracer.events import SOURCES
 
+from .report_schema import (
+    COLLECTIVE_KEYS,
+    OVERLAP_KEYS,
+    PHASE_KEYS,
+    READING_REL_TOL,
+    RUN_KEYS,
+    SOURCE_KEYS,
+    TOP_KEYS,
+    validate_report,
+)
 from .traffic import MODES
+
+__all__ = ["MODES", "READING_REL_TOL", "validate_report", "format_table", "format_markdown",
+           "report_json", "read_report", "write_report", "table_rows"]
 
 #: Phase rows in display order: DMuon's own phases.
 PHASE_ORDER: tuple[str, ...] = PHASES
@@ -38,176 +52,9 @@ SOURCE_LABELS: dict[str, str] = {
     "nsys": "nsys",
 }
 
-#: Measured and predicted figures are sums of integers divided by W: equal up to float rounding.
-READING_REL_TOL = 1e-9
-
 #: How many missing / unexpected collectives and source mismatches a failure listing shows.
 MAX_LISTED = 20
 MAX_MISMATCHES = 5
-
-_NUM = (int, float)
-_OPT_NUM = (int, float, type(None))
-_OPT_STR = (str, type(None))
-_OPT_INT = (int, type(None))
-
-#: key -> allowed types, in report.json order.
-_TOP_KEYS: dict[str, tuple] = {
-    "pass": (bool,),
-    "created_utc": (str,),
-    "torch_version": (str,),
-    "backend": (str,),
-    "world_size": (int,),
-    "steps_warmup": (int,),
-    "steps_measured": (int,),
-    "run_id": (str,),
-    "runs": (list,),
-}
-_RUN_KEYS: dict[str, tuple] = {
-    "mode": (str,),
-    "world_size": (int,),
-    "shard_size": (int,),
-    "replicate_size": (int,),
-    "p_m": (int,),
-    "measured_avg_elems": _NUM,
-    "predicted_avg_elems": _NUM,
-    "closed_form": (str,),
-    "closed_form_avg_elems": _NUM,
-    "seed_avg_elems": _OPT_NUM,
-    "ratio_to_p_m": _NUM,
-    "ns_calls_per_step": _NUM,  # a mean over measured steps: may be fractional
-    "ns_calls_expected": _NUM,
-    "max_rank_elems": _NUM,
-    "total_measured_avg_elems": _NUM,
-    "total_predicted_avg_elems": _NUM,
-    "loss_first": _NUM,
-    "loss_last": _NUM,
-    "pass": (bool,),
-    "phases": (dict,),
-    "missing": (list,),
-    "unexpected": (list,),
-    "sources": (dict,),
-    "replicate_overlap": (list,),
-    "timeline": _OPT_STR,
-}
-_PHASE_KEYS: dict[str, tuple] = {
-    "measured_avg_elems": _NUM,
-    "predicted_avg_elems": _NUM,
-    "closed_form_avg_elems": _OPT_NUM,
-    "seed_avg_elems": _OPT_NUM,
-    "collectives_measured": _NUM,  # calls per step, all ranks (mean over measured steps)
-    "collectives_predicted": _NUM,
-    "pass": (bool,),
-}
-_COLLECTIVE_KEYS: dict[str, tuple] = {  # None where the source could not tell
-    "rank": _OPT_INT,
-    "phase": _OPT_STR,
-    "op": (str,),
-    "group_id": _OPT_STR,
-    "count": _OPT_INT,
-    "dtype": _OPT_STR,
-    "root": _OPT_INT,
-    "module": _OPT_STR,
-    "n": (int,),
-}
-_SOURCE_KEYS: dict[str, tuple] = {
-    "events": (int,),
-    "matched": (int,),
-    "unmatched": (int,),
-    "pass": (bool,),
-    "mismatches": (list,),
-}
-_OVERLAP_KEYS: dict[str, tuple] = {
-    "module": (str,),
-    "rank": (int,),
-    "issued_ns": (int,),
-    "waited_ns": (int,),
-    "wait_dur_ns": (int,),
-}
-
-
-# ----------------------------------------------------------------------------- validation
-
-
-def _check_keys(obj: object, spec: Mapping[str, tuple], where: str) -> None:
-    if not isinstance(obj, Mapping):
-        raise ValueError(f"Invalid {where}={obj!r}. Must be a dict with keys {list(spec)}.")
-    for key, types in spec.items():
-        if key not in obj:
-            raise ValueError(
-                f"Invalid {where}: missing key {key!r}. Must have keys {list(spec)} "
-                "(report.json data model, verify/report.py)."
-            )
-        value = obj[key]
-        # bool is an int subclass: only accept it where bool is the declared type.
-        bad_bool = isinstance(value, bool) and bool not in types
-        if bad_bool or not isinstance(value, types):
-            names = "/".join("None" if t is type(None) else t.__name__ for t in types)
-            raise ValueError(f"Invalid {where}[{key!r}]={value!r}. Must be of type {names}.")
-        if isinstance(value, float) and not math.isfinite(value):
-            raise ValueError(
-                f"Invalid {where}[{key!r}]={value!r}. Must be finite (JSON has no NaN/inf); "
-                "fix the runner that computed it."
-            )
-
-
-def validate_report(report: Mapping) -> None:
-    """Check ``report`` against the report.json data model.
-
-    Raises:
-        ValueError: a key is missing or has the wrong type, a float is NaN/inf, a mode or
-            source name is unknown, a phase name is not a str, ``ratio_to_p_m`` is not
-            ``measured_avg_elems / p_m``, a replicate broadcast is waited before it is
-            issued, or ``report["pass"]`` is true while a run failed.
-    """
-    _check_keys(report, _TOP_KEYS, "report")
-    if report["backend"] not in ("gloo", "nccl"):
-        raise ValueError(
-            f"Invalid report['backend']={report['backend']!r}. Must be 'gloo' or 'nccl'."
-        )
-    if not report["runs"]:
-        raise ValueError("Invalid report['runs']=[]. Must hold at least one run.")
-    for i, run in enumerate(report["runs"]):
-        where = f"report['runs'][{i}]"
-        _check_keys(run, _RUN_KEYS, where)
-        where = f"run {run['mode']!r}"
-        if run["mode"] not in MODES:
-            raise ValueError(f"Invalid {where} mode={run['mode']!r}. Must be one of {MODES}.")
-        if run["p_m"] <= 0:
-            raise ValueError(
-                f"Invalid {where} p_m={run['p_m']}. Must be > 0 (elements of dedicated params)."
-            )
-        ratio = run["measured_avg_elems"] / run["p_m"]
-        if not math.isclose(run["ratio_to_p_m"], ratio, rel_tol=READING_REL_TOL, abs_tol=1e-12):
-            raise ValueError(
-                f"Invalid {where} ratio_to_p_m={run['ratio_to_p_m']}. Must equal "
-                f"measured_avg_elems / p_m = {run['measured_avg_elems']} / {run['p_m']} = {ratio}."
-            )
-        for name, ph in run["phases"].items():
-            if not isinstance(name, str):
-                raise ValueError(f"Invalid {where} phase={name!r}. Must be a str (phase name).")
-            _check_keys(ph, _PHASE_KEYS, f"{where} phases[{name!r}]")
-        for kind in ("missing", "unexpected"):
-            for j, entry in enumerate(run[kind]):
-                _check_keys(entry, _COLLECTIVE_KEYS, f"{where} {kind}[{j}]")
-        for name, src in run["sources"].items():
-            if name not in SOURCES:
-                raise ValueError(f"Invalid {where} source={name!r}. Must be one of {SOURCES}.")
-            _check_keys(src, _SOURCE_KEYS, f"{where} sources[{name!r}]")
-        for j, entry in enumerate(run["replicate_overlap"]):
-            _check_keys(entry, _OVERLAP_KEYS, f"{where} replicate_overlap[{j}]")
-            if entry["waited_ns"] < entry["issued_ns"]:
-                raise ValueError(
-                    f"Invalid {where} replicate_overlap[{j}] waited_ns={entry['waited_ns']} < "
-                    f"issued_ns={entry['issued_ns']}. Must be measured from the same step start "
-                    "(the step that issued the broadcast), so that the wait comes after the issue."
-                )
-    failed = [run["mode"] for run in report["runs"] if not run["pass"]]
-    if report["pass"] and failed:
-        raise ValueError(
-            f"Invalid report['pass']=True while runs {failed} failed. Must be False when any "
-            "run fails (it is the CI gate)."
-        )
-
 
 # ----------------------------------------------------------------------------- formatting
 
@@ -230,6 +77,44 @@ def fmt_count(x: float) -> str:
 def fmt_ratio(x: float | None) -> str:
     """A ratio to P_M with 4 decimals (e.g. ``1.5000``); ``–`` for None."""
     return "–" if x is None else f"{x:.4f}"
+
+
+def fmt_bytes(b: float | None) -> str:
+    """Bytes in binary units to 3-4 significant digits (``589824`` -> ``576.0 KiB``); ``–``
+    for None."""
+    if b is None:
+        return "–"
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(b) >= scale:
+            return f"{b / scale:.1f} {unit}"
+    return f"{b:.0f} B"
+
+
+def _fmt_int_bytes(b: float | None) -> str:
+    return "–" if b is None else fmt_elems(b)
+
+
+def _fmt_ms(timing: Mapping | None) -> str:
+    return "–" if timing is None else f"{timing['step_ms']:.1f}"
+
+
+def _fmt_exposed(timing: Mapping | None, wide: bool = False) -> str:
+    if timing is None or timing["exposed_comm_frac"] is None:
+        return "–"
+    frac = timing["exposed_comm_frac"]
+    if wide:
+        return f"{100 * frac:.1f} (max {100 * timing['exposed_comm_frac_max']:.1f})"
+    return f"{100 * frac:.0f}%"
+
+
+def _phase_bytes(run: Mapping, phase: str) -> dict[str, float]:
+    """Measured W-average dedicated bytes of ``phase`` (or ``"total"``) by dtype; {} without."""
+    return dict(run.get("bytes", {}).get("measured_avg_bytes", {}).get(phase, {}))
+
+
+def _dtypes(report: Mapping) -> list[str]:
+    return sorted({d for run in report["runs"]
+                   for table in run.get("bytes", {}).values() for by in table.values() for d in by})
 
 
 def _us(ns: float) -> str:
@@ -279,7 +164,11 @@ def table_rows(report: Mapping) -> tuple[list[str], list[list[str]]]:
                "closed form avg [elem]", "formula"]
     if seed:
         headers.append("seed avg [elem]")
-    headers += ["ratio to P_M", "max rank [elem]", "collectives meas/pred",
+    dtypes = _dtypes(report)
+    headers += ["ratio to P_M"]
+    headers += [f"measured avg [B {d}]" for d in dtypes]
+    headers += ["busiest rank", "busiest recv [elem]", "busiest sent [elem]",
+                "busiest recv [B]", "step [ms]", "exposed comm [%]", "collectives meas/pred",
                 "NS calls/step meas/exp"]
     headers += [f"{SOURCE_LABELS[s]} [matched/events]" for s in sources]
     headers.append("result")
@@ -293,7 +182,9 @@ def table_rows(report: Mapping) -> tuple[list[str], list[list[str]]]:
                    fmt_elems(ph["predicted_avg_elems"]), fmt_elems(ph["closed_form_avg_elems"]), ""]
             if seed:
                 row.append(fmt_elems(ph["seed_avg_elems"]))
-            row += [fmt_ratio(ph["measured_avg_elems"] / p_m), "",
+            row += [fmt_ratio(ph["measured_avg_elems"] / p_m)]
+            row += [_fmt_int_bytes(_phase_bytes(run, name).get(d)) for d in dtypes]
+            row += ["", "", "", "", "", "",
                     f"{fmt_count(ph['collectives_measured'])}/"
                     f"{fmt_count(ph['collectives_predicted'])}", ""]
             row += [""] * len(sources)
@@ -306,7 +197,13 @@ def table_rows(report: Mapping) -> tuple[list[str], list[list[str]]]:
                run["closed_form"]]
         if seed:
             row.append(fmt_elems(run["seed_avg_elems"]))
-        row += [fmt_ratio(run["ratio_to_p_m"]), fmt_elems(run["max_rank_elems"]),
+        wire, timing = run.get("wire"), run.get("timing")
+        row += [fmt_ratio(run["ratio_to_p_m"])]
+        row += [_fmt_int_bytes(_phase_bytes(run, "total").get(d)) for d in dtypes]
+        row += ["–" if wire is None else str(wire["busiest_rank"]), fmt_elems(run["max_rank_elems"]),
+                "–" if wire is None else fmt_elems(wire["max_sent_elems"]),
+                "–" if wire is None else _fmt_int_bytes(wire["max_recv_bytes"]),
+                _fmt_ms(timing), _fmt_exposed(timing, wide=True),
                 f"{fmt_count(n_meas)}/{fmt_count(n_pred)}",
                 f"{fmt_count(run['ns_calls_per_step'])}/{fmt_count(run['ns_calls_expected'])}"]
         for s in sources:
@@ -320,9 +217,12 @@ def table_rows(report: Mapping) -> tuple[list[str], list[list[str]]]:
     return headers, rows
 
 
-def _all_params_rows(report: Mapping) -> tuple[list[str], list[list[str]]]:
+def _all_params_rows(report: Mapping, two_line: bool = False) -> tuple[list[str], list[list[str]]]:
     headers = ["mode", "W", "N", "R", "P_M [elem]", "all params measured avg [elem]",
                "all params predicted avg [elem]", "loss first", "loss last"]
+    if two_line:
+        headers = ["mode", "W", "N", "R", "P_M\n[elem]", "all params measured\navg [elem]",
+                   "all params predicted\navg [elem]", "loss\nfirst", "loss\nlast"]
     rows = [
         [run["mode"], run["world_size"], run["shard_size"], run["replicate_size"],
          fmt_elems(run["p_m"]), fmt_elems(run["total_measured_avg_elems"]),
@@ -416,35 +316,156 @@ def nvlink_lines(report: Mapping, tablefmt: str) -> list[str]:
             tabulate(rows, headers=headers, tablefmt=tablefmt, disable_numparse=True)]
 
 
-def format_table(report: Mapping) -> str:
-    """The terminal report: the per-mode, per-phase table, the all-params table, and for each
-    failed run the reasons (see :func:`failure_sections`).
+#: Width the default terminal table fits in (``--wide`` lifts it).
+TERMINAL_COLUMNS = 120
+
+#: Compact table: (header, group) per column; groups are drawn as one line above the headers.
+_COMPACT = (
+    ("mode", ""), ("phase", ""),
+    ("measured\n[elem]", "traffic"), ("=pred\n/cf", "traffic"), ("ratio\n/P_M", "traffic"),
+    ("bytes\n[avg]", "traffic"), ("busiest\n/P_M", "traffic"),
+    ("step\n[ms]", "time"), ("exposed\ncomm", "time"),
+    ("NS\ncalls", "checks"), ("srcs\nok", "checks"), ("result", "checks"),
+)
+_GROUP_LABELS = {"traffic": "dedicated params per rank-step", "time": "time", "checks": "checks"}
+
+_COMPACT_LEGEND = (
+    "measured: W-average of f(n)·S (SPEC §2) in elements; =pred/cf: '=' when it equals the "
+    "predicted collective list / the closed form ('≠' otherwise, '–' no closed form); bytes: "
+    "the same in bytes (all dtypes); busiest: the rank receiving most under NCCL's ring / chain "
+    "algorithms (verify/wire.py), / P_M; step: median over measured steps of the slowest rank; "
+    "exposed comm: share of the step the training thread is blocked (verify/steptime.py); "
+    "NS calls meas/exp; sources: matched sources / sources. --wide shows every column."
+)
+
+
+def _mark(a: float | None, b: float | None) -> str:
+    if a is None or b is None:
+        return "–"
+    return "=" if _close(a, b) else "≠"
+
+
+def _sources_cell(run: Mapping) -> str:
+    srcs = run["sources"]
+    bad = [SOURCE_LABELS.get(name, name) for name, src in srcs.items() if not src["pass"]]
+    cell = f"{len(srcs) - len(bad)}/{len(srcs)}"
+    return cell + (" " + ",".join(bad) if bad else "")
+
+
+def compact_rows(report: Mapping) -> tuple[list[str], list[list[str]]]:
+    """Headers and rows of the default terminal table (:data:`_COMPACT`, fits
+    :data:`TERMINAL_COLUMNS`): per phase the measured average and its checks, per run
+    (``total`` row) bytes, the busiest rank, time, NS calls and sources.
 
     Raises:
         ValueError: ``report`` does not follow the data model (see :func:`validate_report`).
     """
-    headers, rows = table_rows(report)
-    colalign = ("left", "left") + ("right",) * (len(headers) - 2)
-    parts = [
-        f"verify-traffic {report['run_id']}: backend={report['backend']} W={report['world_size']} "
-        f"torch {report['torch_version']}, {report['steps_measured']} measured steps after "
-        f"{report['steps_warmup']} warm-up -> {_verdict(report['pass'])}",
-        tabulate(rows, headers=[_two_line(h) for h in headers], tablefmt="simple",
-                 colalign=colalign, disable_numparse=True),
-        _LEGEND,
-        "",
-        _tab(_all_params_rows(report), "simple"),
-    ]
+    validate_report(report)
+    rows = []
+    for run in report["runs"]:
+        p_m = run["p_m"]
+        for name, ph in _ordered_phases(run["phases"]):
+            rows.append([run["mode"], name, fmt_elems(ph["measured_avg_elems"]),
+                         f"{_mark(ph['measured_avg_elems'], ph['predicted_avg_elems'])}/"
+                         f"{_mark(ph['measured_avg_elems'], ph['closed_form_avg_elems'])}",
+                         fmt_ratio(ph["measured_avg_elems"] / p_m),
+                         fmt_bytes(sum(_phase_bytes(run, name).values()) or None),
+                         "", "", "", "", "", _verdict(ph["pass"])])
+        timing = run.get("timing")
+        rows.append([run["mode"], "total", fmt_elems(run["measured_avg_elems"]),
+                     f"{_mark(run['measured_avg_elems'], run['predicted_avg_elems'])}/"
+                     f"{_mark(run['measured_avg_elems'], run['closed_form_avg_elems'])}",
+                     fmt_ratio(run["ratio_to_p_m"]),
+                     fmt_bytes(sum(_phase_bytes(run, "total").values()) or None),
+                     fmt_ratio(run["max_rank_elems"] / p_m) if "wire" in run else "–",
+                     _fmt_ms(timing), _fmt_exposed(timing),
+                     f"{fmt_count(run['ns_calls_per_step'])}/{fmt_count(run['ns_calls_expected'])}",
+                     _sources_cell(run), _verdict(run["pass"])])
+    return [h for h, _ in _COMPACT], rows
+
+
+def grouped(table: str, groups: Sequence[str], labels: Mapping[str, str]) -> str:
+    """``table`` (tabulate ``simple``) with a line of group labels above its header: each
+    label centred over its run of adjacent columns, dashes filling the span (cut to fit).
+
+    Args:
+        groups: the group of each column (``""``: none), in column order.
+    """
+    lines = table.splitlines()
+    rule = next(i for i, line in enumerate(lines) if line and set(line) <= {"-", " "})
+    spans, pos = [], 0
+    for run in lines[rule].split(" "):
+        if run:
+            spans.append((pos, pos + len(run)))
+        pos += len(run) + 1
+    if len(spans) != len(groups):
+        raise AssertionError(f"table has {len(spans)} columns, groups name {len(groups)}")
+    top = [" "] * len(lines[rule])
+    i = 0
+    while i < len(groups):
+        j = i
+        while j + 1 < len(groups) and groups[j + 1] == groups[i]:
+            j += 1
+        if groups[i]:
+            start, end = spans[i][0], spans[j][1]
+            text = f" {labels.get(groups[i], groups[i])} "[: end - start]
+            lead = (end - start - len(text)) // 2
+            fill = "─" * lead + text + "─" * (end - start - len(text) - lead)
+            top[start:end] = fill
+        i = j + 1
+    return "\n".join(["".join(top).rstrip()] + lines)
+
+
+def _wrap(text: str, width: int = TERMINAL_COLUMNS, indent: str = "") -> str:
+    return "\n".join(textwrap.wrap(text, width=width, initial_indent=indent,
+                                   subsequent_indent=indent, break_on_hyphens=False))
+
+
+def format_table(report: Mapping, *, wide: bool = False) -> str:
+    """The terminal report: the per-mode, per-phase table (compact, fitting
+    :data:`TERMINAL_COLUMNS`, with grouped headers; ``wide``: every column of
+    :func:`table_rows`), the all-params table, skipped modes, and for each failed run the
+    reasons (see :func:`failure_sections`). Text lines are wrapped to fit unless ``wide``.
+
+    Raises:
+        ValueError: ``report`` does not follow the data model (see :func:`validate_report`).
+    """
+    if wide:
+        headers, rows = table_rows(report)
+        colalign = ("left", "left") + ("right",) * (len(headers) - 2)
+        main = tabulate(rows, headers=[_two_line(h) for h in headers], tablefmt="simple",
+                        colalign=colalign, disable_numparse=True)
+        legend = _LEGEND
+    else:
+        headers, rows = compact_rows(report)
+        colalign = ("left", "left") + ("right",) * (len(headers) - 2)
+        main = grouped(tabulate(rows, headers=headers, tablefmt="simple", colalign=colalign,
+                                disable_numparse=True), [g for _, g in _COMPACT], _GROUP_LABELS)
+        legend = _wrap(_COMPACT_LEGEND)
+    model = f" model={report['model']}" if "model" in report else ""
+    title = (f"verify-traffic {report['run_id']}: backend={report['backend']} "
+             f"W={report['world_size']}{model} torch {report['torch_version']}, "
+             f"{report['steps_measured']} measured steps after {report['steps_warmup']} "
+             f"warm-up -> {_verdict(report['pass'])}")
+    parts = [title if wide else _wrap(title), main, legend, "",
+             _tab(_all_params_rows(report, two_line=True), "simple")]
+    for entry in report.get("skipped", []):
+        parts.append(_wrap(f"skipped {entry['mode']}: {entry['reason']}"))
     nvlink = nvlink_lines(report, "simple")
     if nvlink:
-        parts += [""] + nvlink
+        parts += [""] + (nvlink if wide else [_wrap(line) if line else line for line in nvlink])
     for run in report["runs"]:
         if run["pass"]:
             continue
         parts += ["", f"FAIL {run['mode']} (W={run['world_size']}, N={run['shard_size']}, "
                       f"R={run['replicate_size']})"]
         for title, body in failure_sections(run, "simple"):
-            parts += [f"  {title}:", _indent(body, "    ")]
+            body = _indent(body, "    ")
+            if not wide:
+                body = "\n".join(line if len(line) <= TERMINAL_COLUMNS
+                                 else _wrap(line.strip(), indent="      ")[4:]
+                                 for line in body.splitlines())
+            parts += [f"  {title}:", body]
     return "\n".join(parts) + "\n"
 
 
@@ -636,17 +657,17 @@ def _ordered(obj: Mapping, spec: Mapping[str, tuple], order_rest: Sequence[str] 
 def canonical_report(report: Mapping) -> dict:
     """``report`` with keys in the data-model order (extra keys after, sorted): the stable
     key order of report.json. Values are not changed."""
-    top = _ordered(report, _TOP_KEYS)
+    top = _ordered(report, TOP_KEYS)
     runs = []
     for run in report["runs"]:
-        r = _ordered(run, _RUN_KEYS)
-        r["phases"] = {name: _ordered(ph, _PHASE_KEYS) for name, ph in
+        r = _ordered(run, RUN_KEYS)
+        r["phases"] = {name: _ordered(ph, PHASE_KEYS) for name, ph in
                        _ordered_phases(run["phases"])}
-        r["missing"] = [_ordered(e, _COLLECTIVE_KEYS) for e in run["missing"]]
-        r["unexpected"] = [_ordered(e, _COLLECTIVE_KEYS) for e in run["unexpected"]]
-        r["sources"] = {name: _ordered(s, _SOURCE_KEYS)
+        r["missing"] = [_ordered(e, COLLECTIVE_KEYS) for e in run["missing"]]
+        r["unexpected"] = [_ordered(e, COLLECTIVE_KEYS) for e in run["unexpected"]]
+        r["sources"] = {name: _ordered(s, SOURCE_KEYS)
                         for name, s in _ordered(run["sources"], {}, SOURCES).items()}
-        r["replicate_overlap"] = [_ordered(e, _OVERLAP_KEYS) for e in run["replicate_overlap"]]
+        r["replicate_overlap"] = [_ordered(e, OVERLAP_KEYS) for e in run["replicate_overlap"]]
         runs.append(r)
     top["runs"] = runs
     return top
