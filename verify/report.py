@@ -322,19 +322,20 @@ TERMINAL_COLUMNS = 120
 #: Compact table: (header, group) per column; groups are drawn as one line above the headers.
 _COMPACT = (
     ("mode", ""), ("phase", ""),
-    ("measured\n[elem]", "traffic"), ("=pred\n/cf", "traffic"), ("ratio\n/P_M", "traffic"),
-    ("bytes\n[avg]", "traffic"), ("busiest\n/P_M", "traffic"),
-    ("step\n[ms]", "time"), ("exposed\ncomm", "time"),
+    ("measured\n[elem]", "traffic"), ("pred\n/cf", "traffic"), ("ratio\n/P_M", "traffic"),
+    ("bytes\n[avg]", "traffic"), ("peak\n/P_M", "traffic"),
+    ("step\n[ms]", "time"), ("comm\nwait", "time"),
     ("NS\ncalls", "checks"), ("srcs\nok", "checks"), ("result", "checks"),
 )
 _GROUP_LABELS = {"traffic": "dedicated params per rank-step", "time": "time", "checks": "checks"}
 
 _COMPACT_LEGEND = (
-    "measured: W-average of f(n)·S (SPEC §2) in elements; =pred/cf: '=' when it equals the "
+    "measured: W-average of f(n)·S (SPEC §2) in elements; pred/cf: '=' when it equals the "
     "predicted collective list / the closed form ('≠' otherwise, '–' no closed form); bytes: "
-    "the same in bytes (all dtypes); busiest: the rank receiving most under NCCL's ring / chain "
-    "algorithms (verify/wire.py), / P_M; step: median over measured steps of the slowest rank; "
-    "exposed comm: share of the step the training thread is blocked (verify/steptime.py); "
+    "the same in bytes (all dtypes); peak: the busiest rank's received elements under NCCL's ring / "
+    "chain algorithms (verify/wire.py) / P_M; step: median over measured steps of the slowest "
+    "rank; comm wait: exposed communication, the share of the step the training thread is "
+    "blocked (verify/steptime.py); "
     "NS calls meas/exp; sources: matched sources / sources. --wide shows every column."
 )
 
@@ -590,6 +591,8 @@ def format_markdown(report: Mapping) -> str:
         "",
         _ACCOUNTING,
         "",
+        f"Model: `{report.get('model', 'tinygpt')}`.",
+        "",
         "## Dedicated-param traffic per mode and phase",
         "",
         tabulate(rows, headers=headers, tablefmt="github", colalign=colalign,
@@ -601,6 +604,7 @@ def format_markdown(report: Mapping) -> str:
         "",
         "![ratio to P_M per mode](traffic.png)",
     ]
+    md += _busiest_and_time_md(report)
     h_headers, h_rows = hsdp_reading_rows(report)
     if h_rows:
         md += [
@@ -642,6 +646,41 @@ def format_markdown(report: Mapping) -> str:
             for title, body in failure_sections(run, "github"):
                 md += ["", f"**{title}**", "", body]
     return "\n".join(md) + "\n"
+
+
+def _busiest_and_time_md(report: Mapping) -> list[str]:
+    """Markdown sections: skipped modes, per-rank wire traffic, time per step."""
+    md: list[str] = []
+    if report.get("skipped"):
+        md += ["", "## Skipped modes", ""]
+        md += [f"- `{e['mode']}`: {e['reason']}" for e in report["skipped"]]
+    wired = [run for run in report["runs"] if "wire" in run]
+    if wired:
+        rows = [[run["mode"], e["rank"], fmt_elems(e["sent_elems"]), fmt_elems(e["recv_elems"]),
+                 fmt_elems(e["sent_bytes"]), fmt_elems(e["recv_bytes"]),
+                 "busiest" if e["rank"] == run["wire"]["busiest_rank"] else ""]
+                for run in wired for e in run["wire"]["per_rank"]]
+        md += ["", "## Busiest rank", "",
+               "Dedicated-param elements and bytes each rank sends and receives per step under "
+               "NCCL's algorithms (ring for all_reduce / all_gather / reduce_scatter, a pipelined "
+               "chain for broadcast / reduce; docs/traffic-model.md, verify/wire.py). The mean "
+               "of *recv* over the ranks is the W-average above; the busiest rank receives most.",
+               "", _tab((["mode", "rank", "sent [elem]", "recv [elem]", "sent [B]", "recv [B]", ""],
+                         rows), "github")]
+    timed = [run for run in report["runs"] if "timing" in run]
+    if timed:
+        rows = [[run["mode"], _fmt_ms(run["timing"]),
+                 " / ".join(f"{ms:.1f}" for ms in run["timing"]["step_ms_per_step"]),
+                 _fmt_exposed(run["timing"], wide=True),
+                 run["timing"]["exposed_comm_reason"] or run["timing"]["exposed_comm_source"]]
+                for run in timed]
+        md += ["", "## Time per step", "",
+               "Median over the measured steps of the slowest rank's step; exposed communication "
+               "is the share of the step the training thread is blocked (mean over ranks, max in "
+               "brackets; verify/steptime.py). Timings on a shared CPU machine are noisy.", "",
+               _tab((["mode", "step [ms]", "steps [ms]", "exposed comm [%]", "source"], rows),
+                    "github")]
+    return md
 
 
 # ----------------------------------------------------------------------------- files

@@ -130,7 +130,7 @@ def _preset_factory(name: str, loss: LossFn) -> Factory:
     from . import presets
 
     def factory():
-        return presets.build(name), loss  # a bare nn.Module on the CPU
+        return presets.build_preset(name, device="cpu"), loss  # a bare nn.Module on the CPU
 
     return factory
 
