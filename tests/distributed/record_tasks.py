@@ -50,3 +50,47 @@ def bad_factory_error(model: str) -> str:
 
 
 _ = dmuon  # imported before fork by the pool's parent
+
+
+def blocked_in_collective(sleep_s: float) -> dict:
+    """Rank 1 sleeps before an all_reduce; rank 0 waits for it inside the collective."""
+    import time
+
+    from verify.steptime import StepTime, sample
+
+    dist.barrier()
+    before = sample()
+    if dist.get_rank() == 1:
+        time.sleep(sleep_s)  # sleeping is blocked time too, but not inside a collective
+    dist.all_reduce(torch.ones(4))
+    step = StepTime.between(before, sample())
+    return {"wall_ns": step.wall_ns, "blocked_ns": step.blocked_ns}
+
+
+def ddp_window(out_dir: str) -> dict:
+    """The own-script window on DMuon + DDP (examples.my_model)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.nn.parallel import DistributedDataParallel
+
+    from examples.my_model import ResidualMLP, loss_fn
+    from verify.record import TrafficWindow
+
+    rank = dist.get_rank()
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    bare = ResidualMLP()
+    dm = dmuon.dedicate_params(bare, mesh, reshard_after_forward=False)
+    model = DistributedDataParallel(bare)
+    opt = dmuon.DMuon(model.parameters(), dedicated=dm, lr=0.02, adamw_lr=3e-3)
+    window = TrafficWindow(model, dm, opt, out_dir=out_dir)
+    for step in range(4):
+        if step == 2:
+            window.start()
+        with dmuon.phase("forward"):
+            loss = loss_fn(model, rank, step)
+        with dmuon.phase("backward"):
+            loss.backward()
+        opt.step()
+        opt.zero_grad()
+        if window.recording:
+            window.step_done(loss)
+    return window.finish()

@@ -78,3 +78,19 @@ def test_user_factory_matches_prediction(pool2, tmp_path):
 def test_bad_factory_is_rejected_on_every_rank(pool2, factory, match):
     errors = pool2.run(record_tasks.bad_factory_error, f"tests.distributed.bad_factories:{factory}")
     assert len(set(errors)) == 1 and re.search(match, errors[0]), errors
+
+
+def test_own_script_window_on_ddp(pool2, tmp_path):
+    report = pool2.run(record_tasks.ddp_window, str(tmp_path))[0]
+    run = report["runs"][0]
+    assert run["mode"] == "dmuon-ddp" and report["pass"], run["missing"] + run["unexpected"]
+    assert run["ratio_to_p_m"] == pytest.approx(1.0)  # 2(N-1)/N at N=2
+
+
+def test_exposed_time_is_the_wait_inside_a_collective(pool2):
+    """Rank 0 waits ~0.3 s in all_reduce for a sleeping rank 1: blocked time sees the wait."""
+    r0, r1 = pool2.run(record_tasks.blocked_in_collective, 0.3)
+    if r0["blocked_ns"] is None:
+        pytest.skip("/proc/thread-self/schedstat unavailable on this kernel")
+    assert r0["blocked_ns"] >= 0.25e9 and r0["blocked_ns"] <= r0["wall_ns"]
+    assert r1["blocked_ns"] >= 0.25e9  # the sleep itself: why only collectives may block a step
