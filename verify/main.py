@@ -81,6 +81,11 @@ def main(argv: list[str] | None = None) -> int:
         bar = tqdm(total=len(modes) * (config.steps_warmup + config.steps_measured), desc="training steps", unit="step")
     try:
         report = run_all(config, progress=bar.update if bar else None)
+    except ValueError as exc:  # a user mistake (e.g. --model), raised alike on every rank
+        if rank == 0:
+            print(f"verify-traffic: {exc}", file=sys.stderr, flush=True)
+        dist.destroy_process_group()
+        return 2
     finally:
         if bar:
             bar.close()
