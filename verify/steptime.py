@@ -15,7 +15,9 @@ run queue, timeslices; kernel ``Documentation/scheduler/sched-stats.rst``)::
     blocked = wall - on_cpu - run_queue_wait
 
 Subtracting the run-queue wait matters on an oversubscribed machine (4 ranks on 2 cores):
-time a runnable thread waits for a core is not communication. Caveat: other sleeps of the
+time a runnable thread waits for a core is not communication. Waiting inside a collective for a
+slower (or descheduled) peer *is* counted: from this rank's view it is exposed communication,
+which is how skew between ranks shows up. Caveat: other sleeps of the
 training thread (joining intra-op worker threads when ``torch.get_num_threads() > 1``, page
 faults on a swapping machine) count too; the harness runs one intra-op thread per rank where
 cores are scarce. Where schedstat is missing (not Linux, or a kernel without
