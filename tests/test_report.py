@@ -22,12 +22,12 @@ from verify.report import (
     MODES,
     fmt_elems,
     format_markdown,
-    format_table,
     read_report,
     report_json,
     table_rows,
     write_report,
 )
+from verify.report_terminal import format_table
 
 P_M = 98_304
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

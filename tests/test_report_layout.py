@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from tests.test_report import example_report
-from verify.report import TERMINAL_COLUMNS, compact_rows, format_markdown, format_table, table_rows
+from verify.report import format_markdown, table_rows
+from verify.report_terminal import TERMINAL_COLUMNS, compact_rows, format_table
 
 ROOT = Path(__file__).resolve().parents[1]
 

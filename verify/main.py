@@ -99,7 +99,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _finish(report: dict, out_dir: Path, wide: bool = False) -> int:
-    from .report import format_table, write_report
+    from .report import write_report
+    from .report_terminal import format_table
 
     report.setdefault("created_utc", datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
     report.setdefault("run_id", out_dir.name)

@@ -53,8 +53,8 @@ from tracer.interposer import Interposer
 
 from .compare import compare_run
 from .predict import RunLayout
-from .steptime import StepTime, sample, timing_report
-from .wire import dedicated_traffic
+from .figures import add_figures, interposer_source
+from .steptime import StepTime, sample
 
 
 class TrafficMismatch(AssertionError):
@@ -208,17 +208,9 @@ class TrafficWindow:
     def _report(self, layout: RunLayout, gathered: list[dict], steps: int) -> dict:
         events = [ev for r in gathered for ev in r["events"]]
         run = compare_run(layout, events, steps=steps, ns_calls=sum(r["ns_calls"] for r in gathered))
-        run.update(dedicated_traffic(layout, events, steps))
-        run["max_rank_elems"] = run["wire"]["max_recv_elems"]
         device = "cuda" if dist.get_backend() == "nccl" else "cpu"
-        run["timing"] = timing_report([r["times"] for r in gathered], device)
-        unexpected = sum(u["n"] for u in run["unexpected"])
-        missing = sum(m["n"] for m in run["missing"])
-        run["sources"] = {"interposer": {
-            "events": len(events), "matched": len(events) - unexpected,
-            "unmatched": unexpected + missing, "pass": not unexpected and not missing,
-            "mismatches": [f"missing {m}" for m in run["missing"][:10]]
-            + [f"unexpected {u}" for u in run["unexpected"][:10]]}}
+        add_figures(run, layout, events, steps, [r["times"] for r in gathered], device)
+        run["sources"] = {"interposer": interposer_source(run, len(events))}
         losses = [sum(r["losses"][i] for r in gathered) / len(gathered) for i in range(steps)]
         run.update(loss_first=losses[0], loss_last=losses[-1], replicate_overlap=[], timeline=None)
         report = {

@@ -1,4 +1,5 @@
-"""Render a verify-traffic report: terminal table, report.json, report.md and traffic.png.
+"""Render a verify-traffic report: report.json, report.md and traffic.png, and the tables and
+formatters the terminal report (``verify.report_terminal``) shares.
 
 The ``report`` dict (built by the verify-traffic runner) *is* the content of report.json; every
 function here is a pure function of it. Units: all ``*_elems`` figures count elements of the
@@ -16,7 +17,6 @@ from __future__ import annotations
 
 import json
 import math
-import textwrap
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from statistics import median
@@ -38,7 +38,7 @@ from .report_schema import (
 )
 from .traffic import MODES
 
-__all__ = ["MODES", "READING_REL_TOL", "validate_report", "format_table", "format_markdown",
+__all__ = ["MODES", "READING_REL_TOL", "validate_report", "format_markdown",
            "report_json", "read_report", "write_report", "table_rows"]
 
 #: Phase rows in display order: DMuon's own phases.
@@ -94,11 +94,11 @@ def _fmt_int_bytes(b: float | None) -> str:
     return "–" if b is None else fmt_elems(b)
 
 
-def _fmt_ms(timing: Mapping | None) -> str:
+def fmt_ms(timing: Mapping | None) -> str:
     return "–" if timing is None else f"{timing['step_ms']:.1f}"
 
 
-def _fmt_exposed(timing: Mapping | None, wide: bool = False) -> str:
+def fmt_exposed(timing: Mapping | None, wide: bool = False) -> str:
     if timing is None or timing["exposed_comm_frac"] is None:
         return "–"
     frac = timing["exposed_comm_frac"]
@@ -107,12 +107,12 @@ def _fmt_exposed(timing: Mapping | None, wide: bool = False) -> str:
     return f"{100 * frac:.0f}%"
 
 
-def _phase_bytes(run: Mapping, phase: str) -> dict[str, float]:
+def phase_bytes(run: Mapping, phase: str) -> dict[str, float]:
     """Measured W-average dedicated bytes of ``phase`` (or ``"total"``) by dtype; {} without."""
     return dict(run.get("bytes", {}).get("measured_avg_bytes", {}).get(phase, {}))
 
 
-def _dtypes(report: Mapping) -> list[str]:
+def dtypes_of(report: Mapping) -> list[str]:
     return sorted({d for run in report["runs"]
                    for table in run.get("bytes", {}).values() for by in table.values() for d in by})
 
@@ -140,11 +140,11 @@ def _phase_names(phases: Mapping[str, Mapping]) -> list[str]:
                                                             if n not in PHASE_ORDER)
 
 
-def _ordered_phases(phases: Mapping[str, Mapping]) -> list[tuple[str, Mapping]]:
+def ordered_phases(phases: Mapping[str, Mapping]) -> list[tuple[str, Mapping]]:
     return [(name, phases[name]) for name in _phase_names(phases)]
 
 
-def _verdict(ok: bool) -> str:
+def verdict(ok: bool) -> str:
     return "PASS" if ok else "FAIL"
 
 
@@ -164,7 +164,7 @@ def table_rows(report: Mapping) -> tuple[list[str], list[list[str]]]:
                "closed form avg [elem]", "formula"]
     if seed:
         headers.append("seed avg [elem]")
-    dtypes = _dtypes(report)
+    dtypes = dtypes_of(report)
     headers += ["ratio to P_M"]
     headers += [f"measured avg [B {d}]" for d in dtypes]
     headers += ["busiest rank", "busiest recv [elem]", "busiest sent [elem]",
@@ -176,19 +176,19 @@ def table_rows(report: Mapping) -> tuple[list[str], list[list[str]]]:
     rows: list[list[str]] = []
     for run in report["runs"]:
         p_m = run["p_m"]
-        phases = _ordered_phases(run["phases"])
+        phases = ordered_phases(run["phases"])
         for name, ph in phases:
             row = [run["mode"], name, fmt_elems(ph["measured_avg_elems"]),
                    fmt_elems(ph["predicted_avg_elems"]), fmt_elems(ph["closed_form_avg_elems"]), ""]
             if seed:
                 row.append(fmt_elems(ph["seed_avg_elems"]))
             row += [fmt_ratio(ph["measured_avg_elems"] / p_m)]
-            row += [_fmt_int_bytes(_phase_bytes(run, name).get(d)) for d in dtypes]
+            row += [_fmt_int_bytes(phase_bytes(run, name).get(d)) for d in dtypes]
             row += ["", "", "", "", "", "",
                     f"{fmt_count(ph['collectives_measured'])}/"
                     f"{fmt_count(ph['collectives_predicted'])}", ""]
             row += [""] * len(sources)
-            row.append(_verdict(ph["pass"]))
+            row.append(verdict(ph["pass"]))
             rows.append(row)
         n_meas = sum(ph["collectives_measured"] for _, ph in phases)
         n_pred = sum(ph["collectives_predicted"] for _, ph in phases)
@@ -199,11 +199,11 @@ def table_rows(report: Mapping) -> tuple[list[str], list[list[str]]]:
             row.append(fmt_elems(run["seed_avg_elems"]))
         wire, timing = run.get("wire"), run.get("timing")
         row += [fmt_ratio(run["ratio_to_p_m"])]
-        row += [_fmt_int_bytes(_phase_bytes(run, "total").get(d)) for d in dtypes]
+        row += [_fmt_int_bytes(phase_bytes(run, "total").get(d)) for d in dtypes]
         row += ["–" if wire is None else str(wire["busiest_rank"]), fmt_elems(run["max_rank_elems"]),
                 "–" if wire is None else fmt_elems(wire["max_sent_elems"]),
                 "–" if wire is None else _fmt_int_bytes(wire["max_recv_bytes"]),
-                _fmt_ms(timing), _fmt_exposed(timing, wide=True),
+                fmt_ms(timing), fmt_exposed(timing, wide=True),
                 f"{fmt_count(n_meas)}/{fmt_count(n_pred)}",
                 f"{fmt_count(run['ns_calls_per_step'])}/{fmt_count(run['ns_calls_expected'])}"]
         for s in sources:
@@ -212,12 +212,12 @@ def table_rows(report: Mapping) -> tuple[list[str], list[list[str]]]:
                 row.append("–")
             else:
                 row.append(f"{src['matched']}/{src['events']}" + ("" if src["pass"] else " FAIL"))
-        row.append(_verdict(run["pass"]))
+        row.append(verdict(run["pass"]))
         rows.append(row)
     return headers, rows
 
 
-def _all_params_rows(report: Mapping, two_line: bool = False) -> tuple[list[str], list[list[str]]]:
+def all_params_rows(report: Mapping, two_line: bool = False) -> tuple[list[str], list[list[str]]]:
     headers = ["mode", "W", "N", "R", "P_M [elem]", "all params measured avg [elem]",
                "all params predicted avg [elem]", "loss first", "loss last"]
     if two_line:
@@ -259,7 +259,7 @@ def failure_sections(run: Mapping, tablefmt: str) -> list[tuple[str, str]]:
         f"{name}: measured {fmt_elems(ph['measured_avg_elems'])} vs predicted "
         f"{fmt_elems(ph['predicted_avg_elems'])} elem, collectives "
         f"{fmt_count(ph['collectives_measured'])}/{fmt_count(ph['collectives_predicted'])}"
-        for name, ph in _ordered_phases(run["phases"]) if not ph["pass"]
+        for name, ph in ordered_phases(run["phases"]) if not ph["pass"]
     ]
     if run["ns_calls_per_step"] != run["ns_calls_expected"]:
         bad_phases.append(
@@ -293,7 +293,7 @@ def failure_sections(run: Mapping, tablefmt: str) -> list[tuple[str, str]]:
     return out
 
 
-_LEGEND = (
+WIDE_LEGEND = (
     "avg [elem]: dedicated-param elements per rank per step, W-average of f(n)·S (SPEC §2); "
     "max rank [elem]: busiest rank, same unit; ratio to P_M: measured avg / P_M."
 )
@@ -316,186 +316,21 @@ def nvlink_lines(report: Mapping, tablefmt: str) -> list[str]:
             tabulate(rows, headers=headers, tablefmt=tablefmt, disable_numparse=True)]
 
 
-#: Width the default terminal table fits in (``--wide`` lifts it).
-TERMINAL_COLUMNS = 120
-
-#: Compact table: (header, group) per column; groups are drawn as one line above the headers.
-_COMPACT = (
-    ("mode", ""), ("phase", ""),
-    ("measured\n[elem]", "traffic"), ("pred\n/cf", "traffic"), ("ratio\n/P_M", "traffic"),
-    ("bytes\n[avg]", "traffic"), ("peak\n/P_M", "traffic"),
-    ("step\n[ms]", "time"), ("comm\nwait", "time"),
-    ("NS\ncalls", "checks"), ("srcs\nok", "checks"), ("result", "checks"),
-)
-_GROUP_LABELS = {"traffic": "dedicated params per rank-step", "time": "time", "checks": "checks"}
-
-_COMPACT_LEGEND = (
-    "measured: W-average of f(n)·S (SPEC §2) in elements; pred/cf: '=' when it equals the "
-    "predicted collective list / the closed form ('≠' otherwise, '–' no closed form); bytes: "
-    "the same in bytes (all dtypes); peak: the busiest rank's received elements under NCCL's ring / "
-    "chain algorithms (verify/wire.py) / P_M; step: median over measured steps of the slowest "
-    "rank; comm wait: exposed communication, the share of the step the training thread is "
-    "blocked (verify/steptime.py); "
-    "NS calls meas/exp; sources: matched sources / sources. --wide shows every column."
-)
-
-
-def _mark(a: float | None, b: float | None) -> str:
-    if a is None or b is None:
-        return "–"
-    return "=" if _close(a, b) else "≠"
-
-
-def _sources_cell(run: Mapping) -> str:
-    srcs = run["sources"]
-    bad = [SOURCE_LABELS.get(name, name) for name, src in srcs.items() if not src["pass"]]
-    cell = f"{len(srcs) - len(bad)}/{len(srcs)}"
-    return cell + (" " + ",".join(bad) if bad else "")
-
-
-def compact_rows(report: Mapping) -> tuple[list[str], list[list[str]]]:
-    """Headers and rows of the default terminal table (:data:`_COMPACT`, fits
-    :data:`TERMINAL_COLUMNS`): per phase the measured average and its checks, per run
-    (``total`` row) bytes, the busiest rank, time, NS calls and sources.
-
-    Raises:
-        ValueError: ``report`` does not follow the data model (see :func:`validate_report`).
-    """
-    validate_report(report)
-    rows = []
-    for run in report["runs"]:
-        p_m = run["p_m"]
-        for name, ph in _ordered_phases(run["phases"]):
-            rows.append([run["mode"], name, fmt_elems(ph["measured_avg_elems"]),
-                         f"{_mark(ph['measured_avg_elems'], ph['predicted_avg_elems'])}/"
-                         f"{_mark(ph['measured_avg_elems'], ph['closed_form_avg_elems'])}",
-                         fmt_ratio(ph["measured_avg_elems"] / p_m),
-                         fmt_bytes(sum(_phase_bytes(run, name).values()) or None),
-                         "", "", "", "", "", _verdict(ph["pass"])])
-        timing = run.get("timing")
-        rows.append([run["mode"], "total", fmt_elems(run["measured_avg_elems"]),
-                     f"{_mark(run['measured_avg_elems'], run['predicted_avg_elems'])}/"
-                     f"{_mark(run['measured_avg_elems'], run['closed_form_avg_elems'])}",
-                     fmt_ratio(run["ratio_to_p_m"]),
-                     fmt_bytes(sum(_phase_bytes(run, "total").values()) or None),
-                     fmt_ratio(run["max_rank_elems"] / p_m) if "wire" in run else "–",
-                     _fmt_ms(timing), _fmt_exposed(timing),
-                     f"{fmt_count(run['ns_calls_per_step'])}/{fmt_count(run['ns_calls_expected'])}",
-                     _sources_cell(run), _verdict(run["pass"])])
-    return [h for h, _ in _COMPACT], rows
-
-
-def grouped(table: str, groups: Sequence[str], labels: Mapping[str, str]) -> str:
-    """``table`` (tabulate ``simple``) with a line of group labels above its header: each
-    label centred over its run of adjacent columns, dashes filling the span (cut to fit).
-
-    Args:
-        groups: the group of each column (``""``: none), in column order.
-    """
-    lines = table.splitlines()
-    rule = next(i for i, line in enumerate(lines) if line and set(line) <= {"-", " "})
-    spans, pos = [], 0
-    for run in lines[rule].split(" "):
-        if run:
-            spans.append((pos, pos + len(run)))
-        pos += len(run) + 1
-    if len(spans) != len(groups):
-        raise AssertionError(f"table has {len(spans)} columns, groups name {len(groups)}")
-    top = [" "] * len(lines[rule])
-    i = 0
-    while i < len(groups):
-        j = i
-        while j + 1 < len(groups) and groups[j + 1] == groups[i]:
-            j += 1
-        if groups[i]:
-            start, end = spans[i][0], spans[j][1]
-            text = f" {labels.get(groups[i], groups[i])} "[: end - start]
-            lead = (end - start - len(text)) // 2
-            fill = "─" * lead + text + "─" * (end - start - len(text) - lead)
-            top[start:end] = fill
-        i = j + 1
-    return "\n".join(["".join(top).rstrip()] + lines)
-
-
-def _wrap(text: str, width: int = TERMINAL_COLUMNS, indent: str = "") -> str:
-    return "\n".join(textwrap.wrap(text, width=width, initial_indent=indent,
-                                   subsequent_indent=indent, break_on_hyphens=False))
-
-
-def format_table(report: Mapping, *, wide: bool = False) -> str:
-    """The terminal report: the per-mode, per-phase table (compact, fitting
-    :data:`TERMINAL_COLUMNS`, with grouped headers; ``wide``: every column of
-    :func:`table_rows`), the all-params table, skipped modes, and for each failed run the
-    reasons (see :func:`failure_sections`). Text lines are wrapped to fit unless ``wide``.
-
-    Raises:
-        ValueError: ``report`` does not follow the data model (see :func:`validate_report`).
-    """
-    if wide:
-        headers, rows = table_rows(report)
-        colalign = ("left", "left") + ("right",) * (len(headers) - 2)
-        main = tabulate(rows, headers=[_two_line(h) for h in headers], tablefmt="simple",
-                        colalign=colalign, disable_numparse=True)
-        legend = _LEGEND
-    else:
-        headers, rows = compact_rows(report)
-        colalign = ("left", "left") + ("right",) * (len(headers) - 2)
-        main = grouped(tabulate(rows, headers=headers, tablefmt="simple", colalign=colalign,
-                                disable_numparse=True), [g for _, g in _COMPACT], _GROUP_LABELS)
-        legend = _wrap(_COMPACT_LEGEND)
-    model = f" model={report['model']}" if "model" in report else ""
-    title = (f"verify-traffic {report['run_id']}: backend={report['backend']} "
-             f"W={report['world_size']}{model} torch {report['torch_version']}, "
-             f"{report['steps_measured']} measured steps after {report['steps_warmup']} "
-             f"warm-up -> {_verdict(report['pass'])}")
-    parts = [title if wide else _wrap(title), main, legend, "",
-             _tab(_all_params_rows(report, two_line=True), "simple")]
-    for entry in report.get("skipped", []):
-        parts.append(_wrap(f"skipped {entry['mode']}: {entry['reason']}"))
-    nvlink = nvlink_lines(report, "simple")
-    if nvlink:
-        parts += [""] + (nvlink if wide else [_wrap(line) if line else line for line in nvlink])
-    for run in report["runs"]:
-        if run["pass"]:
-            continue
-        parts += ["", f"FAIL {run['mode']} (W={run['world_size']}, N={run['shard_size']}, "
-                      f"R={run['replicate_size']})"]
-        for title, body in failure_sections(run, "simple"):
-            body = _indent(body, "    ")
-            if not wide:
-                body = "\n".join(line if len(line) <= TERMINAL_COLUMNS
-                                 else _wrap(line.strip(), indent="      ")[4:]
-                                 for line in body.splitlines())
-            parts += [f"  {title}:", body]
-    return "\n".join(parts) + "\n"
-
-
-def _two_line(header: str) -> str:
-    """A terminal header on two lines: the unit (``[...]``) or the ``meas/...`` pair below."""
-    if " [" in header:
-        i = header.rindex(" [")
-    elif header.endswith((" meas/pred", " meas/exp")):
-        i = header.rindex(" ")
-    else:
-        return header
-    return header[:i] + "\n" + header[i + 1:]
-
-
-def _tab(headers_rows: tuple[list[str], list[list]], tablefmt: str) -> str:
+def tab(headers_rows: tuple[list[str], list[list]], tablefmt: str) -> str:
     headers, rows = headers_rows
     colalign = ("left",) + ("right",) * (len(headers) - 1)
     return tabulate(rows, headers=headers, tablefmt=tablefmt, colalign=colalign,
                     disable_numparse=True)
 
 
-def _indent(text: str, prefix: str) -> str:
+def indent(text: str, prefix: str) -> str:
     return "\n".join(prefix + line for line in text.splitlines())
 
 
 # ----------------------------------------------------------------------------- markdown
 
 
-def _close(a: float | None, b: float | None) -> bool:
+def readings_equal(a: float | None, b: float | None) -> bool:
     return a is not None and b is not None and math.isclose(a, b, rel_tol=READING_REL_TOL,
                                                             abs_tol=1e-6)
 
@@ -512,19 +347,19 @@ def hsdp_reading_rows(report: Mapping) -> tuple[list[str], list[list[str]]]:
     for run in report["runs"]:
         terms = [
             (name, ph["measured_avg_elems"], ph["closed_form_avg_elems"], ph["seed_avg_elems"])
-            for name, ph in _ordered_phases(run["phases"])
+            for name, ph in ordered_phases(run["phases"])
             if ph["seed_avg_elems"] is not None
-            and not _close(ph["seed_avg_elems"], ph["closed_form_avg_elems"])
+            and not readings_equal(ph["seed_avg_elems"], ph["closed_form_avg_elems"])
         ]
         if run["seed_avg_elems"] is not None:
             terms.append(("total", run["measured_avg_elems"], run["closed_form_avg_elems"],
                           run["seed_avg_elems"]))
         for term, measured, w_avg, seed in terms:
-            if _close(measured, w_avg) and not _close(measured, seed):
+            if readings_equal(measured, w_avg) and not readings_equal(measured, seed):
                 verdict = "W-average"
-            elif _close(measured, seed) and not _close(measured, w_avg):
+            elif readings_equal(measured, seed) and not readings_equal(measured, w_avg):
                 verdict = "seed"
-            elif _close(measured, seed):
+            elif readings_equal(measured, seed):
                 verdict = "both (equal here)"
             else:
                 verdict = "neither"
@@ -581,7 +416,7 @@ def format_markdown(report: Mapping) -> str:
     headers, rows = table_rows(report)
     colalign = ("left", "left") + ("right",) * (len(headers) - 2)
     md = [
-        f"# verify-traffic report `{report['run_id']}`: {_verdict(report['pass'])}",
+        f"# verify-traffic report `{report['run_id']}`: {verdict(report['pass'])}",
         "",
         "| run id | created (UTC) | torch | backend | W | warm-up steps | measured steps |",
         "|---|---|---|---|---|---|---|",
@@ -600,7 +435,7 @@ def format_markdown(report: Mapping) -> str:
         "",
         "## All params (dedicated + AdamW-stepped) and loss",
         "",
-        _tab(_all_params_rows(report), "github"),
+        tab(all_params_rows(report), "github"),
         "",
         "![ratio to P_M per mode](traffic.png)",
     ]
@@ -628,7 +463,7 @@ def format_markdown(report: Mapping) -> str:
             "Issued after the optimizer step, waited in the owning layer's next forward "
             "pre-hook; times from step start.",
             "",
-            _tab((o_headers, o_rows), "github"),
+            tab((o_headers, o_rows), "github"),
         ]
     nvlink = nvlink_lines(report, "github")
     if nvlink:
@@ -665,20 +500,20 @@ def _busiest_and_time_md(report: Mapping) -> list[str]:
                "NCCL's algorithms (ring for all_reduce / all_gather / reduce_scatter, a pipelined "
                "chain for broadcast / reduce; docs/traffic-model.md, verify/wire.py). The mean "
                "of *recv* over the ranks is the W-average above; the busiest rank receives most.",
-               "", _tab((["mode", "rank", "sent [elem]", "recv [elem]", "sent [B]", "recv [B]", ""],
+               "", tab((["mode", "rank", "sent [elem]", "recv [elem]", "sent [B]", "recv [B]", ""],
                          rows), "github")]
     timed = [run for run in report["runs"] if "timing" in run]
     if timed:
-        rows = [[run["mode"], _fmt_ms(run["timing"]),
+        rows = [[run["mode"], fmt_ms(run["timing"]),
                  " / ".join(f"{ms:.1f}" for ms in run["timing"]["step_ms_per_step"]),
-                 _fmt_exposed(run["timing"], wide=True),
+                 fmt_exposed(run["timing"], wide=True),
                  run["timing"]["exposed_comm_reason"] or run["timing"]["exposed_comm_source"]]
                 for run in timed]
         md += ["", "## Time per step", "",
                "Median over the measured steps of the slowest rank's step; exposed communication "
                "is the share of the step the training thread is blocked (mean over ranks, max in "
                "brackets; verify/steptime.py). Timings on a shared CPU machine are noisy.", "",
-               _tab((["mode", "step [ms]", "steps [ms]", "exposed comm [%]", "source"], rows),
+               tab((["mode", "step [ms]", "steps [ms]", "exposed comm [%]", "source"], rows),
                     "github")]
     return md
 
@@ -701,7 +536,7 @@ def canonical_report(report: Mapping) -> dict:
     for run in report["runs"]:
         r = _ordered(run, RUN_KEYS)
         r["phases"] = {name: _ordered(ph, PHASE_KEYS) for name, ph in
-                       _ordered_phases(run["phases"])}
+                       ordered_phases(run["phases"])}
         r["missing"] = [_ordered(e, COLLECTIVE_KEYS) for e in run["missing"]]
         r["unexpected"] = [_ordered(e, COLLECTIVE_KEYS) for e in run["unexpected"]]
         r["sources"] = {name: _ordered(s, SOURCE_KEYS)

@@ -39,10 +39,10 @@ from .modes import build
 from .nccl_source import WindowMark, capture_active, nccl_source_report
 from .nvlink import nvlink_report
 from .plots import plot_timeline
-from .steptime import StepTime, sample, timing_report
+from .figures import add_figures, interposer_source
+from .steptime import StepTime, sample
 from .traffic import MODES
 from .usermodel import ModelSource, check_loss, resolve, skip_reasons, validate_source
-from .wire import dedicated_traffic
 
 
 @dataclass(frozen=True)
@@ -254,9 +254,8 @@ def run_all(config: RunConfig, progress=None) -> dict | None:
         run["pass"] = run["pass"] and all(s["pass"] for s in run["sources"].values())
         run["replicate_overlap"] = _replicate_overlap(gathered)
         run["nvlink"] = nvlink_report([r["nvlink"] for r in gathered if r["nvlink"] is not None], events)
-        run.update(dedicated_traffic(gathered[0]["layout"], events, config.steps_measured))
-        run["max_rank_elems"] = run["wire"]["max_recv_elems"]  # the busiest rank, NCCL's algorithms
-        run["timing"] = timing_report([r["step_times"] for r in gathered], config.device)
+        add_figures(run, gathered[0]["layout"], events, config.steps_measured,
+                    [r["step_times"] for r in gathered], config.device)
         per_rank = {i: (r["events"], r["spans"]) for i, r in enumerate(gathered)}
         timeline = Path(config.out_dir) / mode / "timeline.json"
         write_chrome_trace(timeline, per_rank, name=mode)
@@ -286,18 +285,7 @@ def run_all(config: RunConfig, progress=None) -> dict | None:
 
 def _sources(run: dict, events: list, gathered: list[dict], steps: int) -> dict:
     """report.json ``sources``: the interposer against the prediction, the others against it."""
-    unexpected = sum(u["n"] for u in run["unexpected"])
-    missing = sum(m["n"] for m in run["missing"])
-    sources = {
-        "interposer": {
-            "events": len(events),
-            "matched": len(events) - unexpected,
-            "unmatched": unexpected + missing,
-            "pass": unexpected == 0 and missing == 0,
-            "mismatches": [f"missing {m}" for m in run["missing"][:10]]
-            + [f"unexpected {u}" for u in run["unexpected"][:10]],
-        }
-    }
+    sources = {"interposer": interposer_source(run, len(events))}
     if all(r["fr_events"] is not None for r in gathered):
         fr = [ev for r in gathered for ev in r["fr_events"]]
         check = crosscheck(events, fr, source="flight_recorder", backend=dist.get_backend())
