@@ -123,3 +123,13 @@ def test_no_import_cycle_in_verify():
 def test_plots_import_does_not_load_report():
     code = "import sys, verify.plots; assert 'verify.report' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, timeout=120)
+
+
+def test_traffic_chart_marks_the_busiest_rank(tmp_path):
+    from verify.plots import plot_traffic, traffic_series
+
+    report = _with_new_figures(example_report())
+    series = {s["mode"]: s for s in traffic_series(report)}
+    assert series["dmuon-z2"]["busiest"] == pytest.approx(1.95)
+    assert all(s["busiest"] is None for s in traffic_series(example_report()))
+    assert plot_traffic(report, tmp_path / "t.png").stat().st_size > 10_000

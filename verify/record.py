@@ -73,7 +73,10 @@ def layout_from_job(model: nn.Module, dedicated: dmuon.DedicatedParams) -> RunLa
         raise ValueError(f"Invalid dedicated={type(dedicated).__name__}. Must be the "
                          "DedicatedParams returned by dmuon.dedicate_params.")
     topo = dedicated.topology
-    z3 = bool(dedicated.reshard_after_forward)
+    z3 = getattr(dedicated, "reshard_after_forward", None)
+    if not isinstance(z3, bool):
+        raise ValueError(f"Invalid dedicated: reshard_after_forward={z3!r}. Must be the bool "
+                         "given to dmuon.dedicate_params (Z3: True, Z2: False).")
     common = dict(replicate_size=topo.replicate_size, shard_size=topo.shard_size,
                   muon_names=tuple(dedicated.names))
     if isinstance(model, DistributedDataParallel):
@@ -91,7 +94,7 @@ def layout_from_job(model: nn.Module, dedicated: dmuon.DedicatedParams) -> RunLa
                          "nor wrapped with fully_shard. Must be the wrapped model you train.")
     # children before parents (the order fully_shard is applied in), the root last
     wrapped.sort(key=lambda nm: (-nm[0].count(".") if nm[0] else 1, 0))
-    flags = {}
+    flags = {}  # module -> reshards after forward (FSDP2 internals, torch 2.13: set at lazy init)
     for name, m in wrapped:
         group = m._get_fsdp_state()._fsdp_param_group
         if group is not None:
