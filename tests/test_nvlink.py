@@ -49,7 +49,8 @@ def test_this_machine_reports_why_not():
 
 def test_report_renders_nvlink_one_line_or_table():
     from tests.test_report import example_report
-    from verify.report import format_markdown, format_table
+    from verify.report import format_markdown
+    from verify.report_terminal import format_table
 
     report = example_report()
     for run in report["runs"]:

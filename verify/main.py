@@ -22,6 +22,7 @@ from tqdm import tqdm
 from .data import global_batch_size
 from .runner import RunConfig, run_all, runnable_modes
 from .traffic import MODES
+from .usermodel import BUILTIN, skip_reasons
 
 #: Exit codes.
 EXIT_PASS, EXIT_MISMATCH = 0, 1
@@ -43,6 +44,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--global-batch", type=int, default=None,
                         help=f"sequences per step over all ranks, a multiple of W (default "
                              f"{RunConfig.batch_per_rank} per rank, so it follows the world size)")
+    parser.add_argument("--model", default=BUILTIN,
+                        help=f"'{BUILTIN}' (built in), a preset of verify.presets, or pkg.module:factory "
+                        "returning (model, loss_fn) (README: Verify your own model)")
+    parser.add_argument("--wide", action="store_true",
+                        help="print every column (default: a table that fits 120 columns)")
     args = parser.parse_args(argv)
     unknown = [m for m in args.modes.split(",") if m not in MODES]
     if unknown:
@@ -80,22 +86,27 @@ def main(argv: list[str] | None = None) -> int:
         profiler=not args.no_profiler,
         out_dir=args.out_dir,
         device="cuda" if use_cuda else "cpu",
+        model=args.model,
     )
     rank = dist.get_rank()
     modes = runnable_modes(config, dist.get_world_size())
     bar = None
     if rank == 0:
-        skipped = [m for m in config.modes if m not in modes]
-        if skipped:
-            print(f"skipping {skipped}: HSDP needs an even world size >= 4", flush=True)
+        for mode, why in skip_reasons(config.modes, dist.get_world_size()).items():
+            print(f"skipping {mode}: {why}", flush=True)
         bar = tqdm(total=len(modes) * (config.steps_warmup + config.steps_measured), desc="training steps", unit="step")
     try:
         report = run_all(config, progress=bar.update if bar else None)
+    except ValueError as exc:  # a user mistake (e.g. --model), raised alike on every rank
+        if rank == 0:
+            print(f"verify-traffic: {exc}", file=sys.stderr, flush=True)
+        dist.destroy_process_group()
+        return 2
     finally:
         if bar:
             bar.close()
     if rank == 0:
-        code = _finish(report, Path(args.out_dir))
+        code = _finish(report, Path(args.out_dir), wide=args.wide)
         # torchrun turns a worker's non-zero exit into a crash report; the verdict travels
         # through a file instead and verify.launch returns it as its exit code.
         (Path(args.out_dir) / VERDICT_FILE).write_text(f"{code}\n")
@@ -103,13 +114,14 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _finish(report: dict, out_dir: Path) -> int:
-    from .report import format_table, write_report
+def _finish(report: dict, out_dir: Path, wide: bool = False) -> int:
+    from .report import write_report
+    from .report_terminal import format_table
 
     report.setdefault("created_utc", datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
     report.setdefault("run_id", out_dir.name)
     paths = write_report(report, out_dir)
-    print(format_table(report), flush=True)
+    print(format_table(report, wide=wide), flush=True)
     print("wrote " + ", ".join(str(p) for p in paths.values()), flush=True)
     print("PASS" if report["pass"] else "FAIL: measured traffic differs from the model (see above)", flush=True)
     return EXIT_PASS if report["pass"] else EXIT_MISMATCH

@@ -23,6 +23,7 @@ from dmuon.plan import specs_from_named_parameters
 
 from .baselines import NaiveShardedMuon
 from .predict import RunLayout
+from .usermodel import block_names
 
 #: Hyper-parameters every mode uses (Muon's and AdamW's torch defaults except the lrs).
 MUON_LR = 0.02
@@ -80,15 +81,16 @@ def _mesh(mode: str, world: int, device: str):
 
 
 def _fsdp_wrap(model: nn.Module, mesh, reshard: bool, ignored: set, per_linear: list[str]) -> tuple[str, ...]:
-    """fully_shard: optionally each Muon Linear, then each block, then the root; wrap order."""
+    """fully_shard: optionally each Muon Linear, then each block (the elements of the model's
+    largest ModuleList, ``verify.usermodel.block_names``), then the root; wrap order."""
     order = []
     modules = dict(model.named_modules())
     for name in per_linear:
         fully_shard(modules[name], mesh=mesh, reshard_after_forward=reshard)
         order.append(name)
-    for i, block in enumerate(model.blocks):
-        fully_shard(block, mesh=mesh, reshard_after_forward=reshard, ignored_params=ignored or None)
-        order.append(f"blocks.{i}")
+    for name in block_names(model):
+        fully_shard(modules[name], mesh=mesh, reshard_after_forward=reshard, ignored_params=ignored or None)
+        order.append(name)
     # The root without reshard_after_forward: FSDP2's "auto" keeps it unsharded after forward.
     fully_shard(model, mesh=mesh, ignored_params=ignored or None)
     order.append("")

@@ -16,7 +16,7 @@ from matplotlib.patches import Patch
 
 from dmuon.annotate import Span
 from tracer.events import OPS, CollectiveEvent
-from verify.report import validate_report
+from .report_schema import validate_report
 
 #: Colour of each collective op (matplotlib's ``tab20`` by position in ``tracer.events.OPS``:
 #: one colour each for up to 20 ops).
@@ -36,8 +36,9 @@ def traffic_series(report: Mapping) -> list[dict]:
     """Per run, the ratios to P_M that :func:`plot_traffic` draws.
 
     Returns:
-        One dict per run, in report order: ``mode``, ``pass``, ``formula`` (the closed form)
-        and ``ratios``: ``{"measured", "predicted", "closed_form", "seed"}``, each the run's
+        One dict per run, in report order: ``mode``, ``pass``, ``formula`` (the closed form),
+        ``busiest`` (the busiest rank's received dedicated elements / P_M under NCCL's
+        algorithms, ``verify.wire``; None in reports without it) and ``ratios``: ``{"measured", "predicted", "closed_form", "seed"}``, each the run's
         ``*_avg_elems / p_m`` (``seed`` is None where the run has no seed reading).
 
     Raises:
@@ -52,6 +53,7 @@ def traffic_series(report: Mapping) -> list[dict]:
             "mode": run["mode"],
             "pass": run["pass"],
             "formula": run["closed_form"],
+            "busiest": run["max_rank_elems"] / p_m if "wire" in run else None,
             "ratios": {
                 "measured": run["measured_avg_elems"] / p_m,
                 "predicted": run["predicted_avg_elems"] / p_m,
@@ -84,6 +86,14 @@ def plot_traffic(report: Mapping, path: str | Path) -> Path:
         bars = ax.bar([x for x, _ in present], [v for _, v in present], width, label=label,
                       color=color, hatch=hatch, edgecolor="black", linewidth=0.4)
         ax.bar_label(bars, fmt="%.3g", fontsize=6, padding=1)
+    # the busiest rank beside the averages: a black tick over the measured bar
+    k_measured = next(k for k, (key, *_) in enumerate(_SERIES) if key == "measured")
+    peaks = [(i + (k_measured - (len(_SERIES) - 1) / 2) * width, s["busiest"])
+             for i, s in enumerate(series) if s["busiest"] is not None]
+    if peaks:
+        ax.scatter([x for x, _ in peaks], [v for _, v in peaks], marker="_", s=220,
+                   linewidths=2.0, color="black", zorder=3,
+                   label="busiest rank, NCCL ring/chain (verify/wire.py)")
     ax.set_xticks(range(len(series)))
     ax.set_xticklabels([f"{s['mode']}\n{s['formula']}" + ("" if s["pass"] else "\nFAIL")
                         for s in series], fontsize=7)

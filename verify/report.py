@@ -1,4 +1,5 @@
-"""Render a verify-traffic report: terminal table, report.json, report.md and traffic.png.
+"""Render a verify-traffic report: report.json, report.md and traffic.png, and the tables and
+formatters the terminal report (``verify.report_terminal``) shares.
 
 The ``report`` dict (built by the verify-traffic runner) *is* the content of report.json; every
 function here is a pure function of it. Units: all ``*_elems`` figures count elements of the
@@ -25,7 +26,20 @@ from tabulate import tabulate
 from dmuon.annotate import PHASES
 from tracer.events import SOURCES
 
+from .report_schema import (
+    COLLECTIVE_KEYS,
+    OVERLAP_KEYS,
+    PHASE_KEYS,
+    READING_REL_TOL,
+    RUN_KEYS,
+    SOURCE_KEYS,
+    TOP_KEYS,
+    validate_report,
+)
 from .traffic import MODES
+
+__all__ = ["MODES", "READING_REL_TOL", "validate_report", "format_markdown",
+           "report_json", "read_report", "write_report", "table_rows"]
 
 #: Phase rows in display order: DMuon's own phases.
 PHASE_ORDER: tuple[str, ...] = PHASES
@@ -39,176 +53,9 @@ SOURCE_LABELS: dict[str, str] = {
     "profiler": "prof",
 }
 
-#: Measured and predicted figures are sums of integers divided by W: equal up to float rounding.
-READING_REL_TOL = 1e-9
-
 #: How many missing / unexpected collectives and source mismatches a failure listing shows.
 MAX_LISTED = 20
 MAX_MISMATCHES = 5
-
-_NUM = (int, float)
-_OPT_NUM = (int, float, type(None))
-_OPT_STR = (str, type(None))
-_OPT_INT = (int, type(None))
-
-#: key -> allowed types, in report.json order.
-_TOP_KEYS: dict[str, tuple] = {
-    "pass": (bool,),
-    "created_utc": (str,),
-    "torch_version": (str,),
-    "backend": (str,),
-    "world_size": (int,),
-    "steps_warmup": (int,),
-    "steps_measured": (int,),
-    "run_id": (str,),
-    "runs": (list,),
-}
-_RUN_KEYS: dict[str, tuple] = {
-    "mode": (str,),
-    "world_size": (int,),
-    "shard_size": (int,),
-    "replicate_size": (int,),
-    "p_m": (int,),
-    "measured_avg_elems": _NUM,
-    "predicted_avg_elems": _NUM,
-    "closed_form": (str,),
-    "closed_form_avg_elems": _NUM,
-    "seed_avg_elems": _OPT_NUM,
-    "ratio_to_p_m": _NUM,
-    "ns_calls_per_step": _NUM,  # a mean over measured steps: may be fractional
-    "ns_calls_expected": _NUM,
-    "max_rank_elems": _NUM,
-    "total_measured_avg_elems": _NUM,
-    "total_predicted_avg_elems": _NUM,
-    "loss_first": _NUM,
-    "loss_last": _NUM,
-    "pass": (bool,),
-    "phases": (dict,),
-    "missing": (list,),
-    "unexpected": (list,),
-    "sources": (dict,),
-    "replicate_overlap": (list,),
-    "timeline": _OPT_STR,
-}
-_PHASE_KEYS: dict[str, tuple] = {
-    "measured_avg_elems": _NUM,
-    "predicted_avg_elems": _NUM,
-    "closed_form_avg_elems": _OPT_NUM,
-    "seed_avg_elems": _OPT_NUM,
-    "collectives_measured": _NUM,  # calls per step, all ranks (mean over measured steps)
-    "collectives_predicted": _NUM,
-    "pass": (bool,),
-}
-_COLLECTIVE_KEYS: dict[str, tuple] = {  # None where the source could not tell
-    "rank": _OPT_INT,
-    "phase": _OPT_STR,
-    "op": (str,),
-    "group_id": _OPT_STR,
-    "count": _OPT_INT,
-    "dtype": _OPT_STR,
-    "root": _OPT_INT,
-    "module": _OPT_STR,
-    "n": (int,),
-}
-_SOURCE_KEYS: dict[str, tuple] = {
-    "events": (int,),
-    "matched": (int,),
-    "unmatched": (int,),
-    "pass": (bool,),
-    "mismatches": (list,),
-}
-_OVERLAP_KEYS: dict[str, tuple] = {
-    "module": (str,),
-    "rank": (int,),
-    "issued_ns": (int,),
-    "waited_ns": (int,),
-    "wait_dur_ns": (int,),
-}
-
-
-# ----------------------------------------------------------------------------- validation
-
-
-def _check_keys(obj: object, spec: Mapping[str, tuple], where: str) -> None:
-    if not isinstance(obj, Mapping):
-        raise ValueError(f"Invalid {where}={obj!r}. Must be a dict with keys {list(spec)}.")
-    for key, types in spec.items():
-        if key not in obj:
-            raise ValueError(
-                f"Invalid {where}: missing key {key!r}. Must have keys {list(spec)} "
-                "(report.json data model, verify/report.py)."
-            )
-        value = obj[key]
-        # bool is an int subclass: only accept it where bool is the declared type.
-        bad_bool = isinstance(value, bool) and bool not in types
-        if bad_bool or not isinstance(value, types):
-            names = "/".join("None" if t is type(None) else t.__name__ for t in types)
-            raise ValueError(f"Invalid {where}[{key!r}]={value!r}. Must be of type {names}.")
-        if isinstance(value, float) and not math.isfinite(value):
-            raise ValueError(
-                f"Invalid {where}[{key!r}]={value!r}. Must be finite (JSON has no NaN/inf); "
-                "fix the runner that computed it."
-            )
-
-
-def validate_report(report: Mapping) -> None:
-    """Check ``report`` against the report.json data model.
-
-    Raises:
-        ValueError: a key is missing or has the wrong type, a float is NaN/inf, a mode or
-            source name is unknown, a phase name is not a str, ``ratio_to_p_m`` is not
-            ``measured_avg_elems / p_m``, a replicate broadcast is waited before it is
-            issued, or ``report["pass"]`` is true while a run failed.
-    """
-    _check_keys(report, _TOP_KEYS, "report")
-    if report["backend"] not in ("gloo", "nccl"):
-        raise ValueError(
-            f"Invalid report['backend']={report['backend']!r}. Must be 'gloo' or 'nccl'."
-        )
-    if not report["runs"]:
-        raise ValueError("Invalid report['runs']=[]. Must hold at least one run.")
-    for i, run in enumerate(report["runs"]):
-        where = f"report['runs'][{i}]"
-        _check_keys(run, _RUN_KEYS, where)
-        where = f"run {run['mode']!r}"
-        if run["mode"] not in MODES:
-            raise ValueError(f"Invalid {where} mode={run['mode']!r}. Must be one of {MODES}.")
-        if run["p_m"] <= 0:
-            raise ValueError(
-                f"Invalid {where} p_m={run['p_m']}. Must be > 0 (elements of dedicated params)."
-            )
-        ratio = run["measured_avg_elems"] / run["p_m"]
-        if not math.isclose(run["ratio_to_p_m"], ratio, rel_tol=READING_REL_TOL, abs_tol=1e-12):
-            raise ValueError(
-                f"Invalid {where} ratio_to_p_m={run['ratio_to_p_m']}. Must equal "
-                f"measured_avg_elems / p_m = {run['measured_avg_elems']} / {run['p_m']} = {ratio}."
-            )
-        for name, ph in run["phases"].items():
-            if not isinstance(name, str):
-                raise ValueError(f"Invalid {where} phase={name!r}. Must be a str (phase name).")
-            _check_keys(ph, _PHASE_KEYS, f"{where} phases[{name!r}]")
-        for kind in ("missing", "unexpected"):
-            for j, entry in enumerate(run[kind]):
-                _check_keys(entry, _COLLECTIVE_KEYS, f"{where} {kind}[{j}]")
-        for name, src in run["sources"].items():
-            if name not in SOURCES:
-                raise ValueError(f"Invalid {where} source={name!r}. Must be one of {SOURCES}.")
-            _check_keys(src, _SOURCE_KEYS, f"{where} sources[{name!r}]")
-        for j, entry in enumerate(run["replicate_overlap"]):
-            _check_keys(entry, _OVERLAP_KEYS, f"{where} replicate_overlap[{j}]")
-            if entry["waited_ns"] < entry["issued_ns"]:
-                raise ValueError(
-                    f"Invalid {where} replicate_overlap[{j}] waited_ns={entry['waited_ns']} < "
-                    f"issued_ns={entry['issued_ns']}. Must be measured from the same step start "
-                    "(the step that issued the broadcast), so that the wait comes after the issue."
-                )
-    failed = [run["mode"] for run in report["runs"] if not run["pass"]]
-    if report["pass"] and failed:
-        raise ValueError(
-            f"Invalid report['pass']=True while runs {failed} failed. Must be False when any "
-            "run fails (it is the CI gate)."
-        )
-
 
 # ----------------------------------------------------------------------------- formatting
 
@@ -231,6 +78,44 @@ def fmt_count(x: float) -> str:
 def fmt_ratio(x: float | None) -> str:
     """A ratio to P_M with 4 decimals (e.g. ``1.5000``); ``–`` for None."""
     return "–" if x is None else f"{x:.4f}"
+
+
+def fmt_bytes(b: float | None) -> str:
+    """Bytes in binary units to 3-4 significant digits (``589824`` -> ``576.0 KiB``); ``–``
+    for None."""
+    if b is None:
+        return "–"
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(b) >= scale:
+            return f"{b / scale:.1f} {unit}"
+    return f"{b:.0f} B"
+
+
+def _fmt_int_bytes(b: float | None) -> str:
+    return "–" if b is None else fmt_elems(b)
+
+
+def fmt_ms(timing: Mapping | None) -> str:
+    return "–" if timing is None else f"{timing['step_ms']:.1f}"
+
+
+def fmt_exposed(timing: Mapping | None, wide: bool = False) -> str:
+    if timing is None or timing["exposed_comm_frac"] is None:
+        return "–"
+    frac = timing["exposed_comm_frac"]
+    if wide:
+        return f"{100 * frac:.1f} (max {100 * timing['exposed_comm_frac_max']:.1f})"
+    return f"{100 * frac:.0f}%"
+
+
+def phase_bytes(run: Mapping, phase: str) -> dict[str, float]:
+    """Measured W-average dedicated bytes of ``phase`` (or ``"total"``) by dtype; {} without."""
+    return dict(run.get("bytes", {}).get("measured_avg_bytes", {}).get(phase, {}))
+
+
+def dtypes_of(report: Mapping) -> list[str]:
+    return sorted({d for run in report["runs"]
+                   for table in run.get("bytes", {}).values() for by in table.values() for d in by})
 
 
 def _us(ns: float) -> str:
@@ -256,11 +141,11 @@ def _phase_names(phases: Mapping[str, Mapping]) -> list[str]:
                                                             if n not in PHASE_ORDER)
 
 
-def _ordered_phases(phases: Mapping[str, Mapping]) -> list[tuple[str, Mapping]]:
+def ordered_phases(phases: Mapping[str, Mapping]) -> list[tuple[str, Mapping]]:
     return [(name, phases[name]) for name in _phase_names(phases)]
 
 
-def _verdict(ok: bool) -> str:
+def verdict(ok: bool) -> str:
     return "PASS" if ok else "FAIL"
 
 
@@ -280,7 +165,11 @@ def table_rows(report: Mapping) -> tuple[list[str], list[list[str]]]:
                "closed form avg [elem]", "formula"]
     if seed:
         headers.append("seed avg [elem]")
-    headers += ["ratio to P_M", "max rank [elem]", "collectives meas/pred",
+    dtypes = dtypes_of(report)
+    headers += ["ratio to P_M"]
+    headers += [f"measured avg [B {d}]" for d in dtypes]
+    headers += ["busiest rank", "busiest recv [elem]", "busiest sent [elem]",
+                "busiest recv [B]", "step [ms]", "exposed comm [%]", "collectives meas/pred",
                 "NS calls/step meas/exp"]
     headers += [f"{SOURCE_LABELS[s]} [matched/events]" for s in sources]
     headers.append("result")
@@ -288,17 +177,19 @@ def table_rows(report: Mapping) -> tuple[list[str], list[list[str]]]:
     rows: list[list[str]] = []
     for run in report["runs"]:
         p_m = run["p_m"]
-        phases = _ordered_phases(run["phases"])
+        phases = ordered_phases(run["phases"])
         for name, ph in phases:
             row = [run["mode"], name, fmt_elems(ph["measured_avg_elems"]),
                    fmt_elems(ph["predicted_avg_elems"]), fmt_elems(ph["closed_form_avg_elems"]), ""]
             if seed:
                 row.append(fmt_elems(ph["seed_avg_elems"]))
-            row += [fmt_ratio(ph["measured_avg_elems"] / p_m), "",
+            row += [fmt_ratio(ph["measured_avg_elems"] / p_m)]
+            row += [_fmt_int_bytes(phase_bytes(run, name).get(d)) for d in dtypes]
+            row += ["", "", "", "", "", "",
                     f"{fmt_count(ph['collectives_measured'])}/"
                     f"{fmt_count(ph['collectives_predicted'])}", ""]
             row += [""] * len(sources)
-            row.append(_verdict(ph["pass"]))
+            row.append(verdict(ph["pass"]))
             rows.append(row)
         n_meas = sum(ph["collectives_measured"] for _, ph in phases)
         n_pred = sum(ph["collectives_predicted"] for _, ph in phases)
@@ -307,7 +198,13 @@ def table_rows(report: Mapping) -> tuple[list[str], list[list[str]]]:
                run["closed_form"]]
         if seed:
             row.append(fmt_elems(run["seed_avg_elems"]))
-        row += [fmt_ratio(run["ratio_to_p_m"]), fmt_elems(run["max_rank_elems"]),
+        wire, timing = run.get("wire"), run.get("timing")
+        row += [fmt_ratio(run["ratio_to_p_m"])]
+        row += [_fmt_int_bytes(phase_bytes(run, "total").get(d)) for d in dtypes]
+        row += ["–" if wire is None else str(wire["busiest_rank"]), fmt_elems(run["max_rank_elems"]),
+                "–" if wire is None else fmt_elems(wire["max_sent_elems"]),
+                "–" if wire is None else _fmt_int_bytes(wire["max_recv_bytes"]),
+                fmt_ms(timing), fmt_exposed(timing, wide=True),
                 f"{fmt_count(n_meas)}/{fmt_count(n_pred)}",
                 f"{fmt_count(run['ns_calls_per_step'])}/{fmt_count(run['ns_calls_expected'])}"]
         for s in sources:
@@ -316,14 +213,17 @@ def table_rows(report: Mapping) -> tuple[list[str], list[list[str]]]:
                 row.append("–")
             else:
                 row.append(f"{src['matched']}/{src['events']}" + ("" if src["pass"] else " FAIL"))
-        row.append(_verdict(run["pass"]))
+        row.append(verdict(run["pass"]))
         rows.append(row)
     return headers, rows
 
 
-def _all_params_rows(report: Mapping) -> tuple[list[str], list[list[str]]]:
+def all_params_rows(report: Mapping, two_line: bool = False) -> tuple[list[str], list[list[str]]]:
     headers = ["mode", "W", "N", "R", "P_M [elem]", "all params measured avg [elem]",
                "all params predicted avg [elem]", "loss first", "loss last"]
+    if two_line:
+        headers = ["mode", "W", "N", "R", "P_M\n[elem]", "all params measured\navg [elem]",
+                   "all params predicted\navg [elem]", "loss\nfirst", "loss\nlast"]
     rows = [
         [run["mode"], run["world_size"], run["shard_size"], run["replicate_size"],
          fmt_elems(run["p_m"]), fmt_elems(run["total_measured_avg_elems"]),
@@ -360,7 +260,7 @@ def failure_sections(run: Mapping, tablefmt: str) -> list[tuple[str, str]]:
         f"{name}: measured {fmt_elems(ph['measured_avg_elems'])} vs predicted "
         f"{fmt_elems(ph['predicted_avg_elems'])} elem, collectives "
         f"{fmt_count(ph['collectives_measured'])}/{fmt_count(ph['collectives_predicted'])}"
-        for name, ph in _ordered_phases(run["phases"]) if not ph["pass"]
+        for name, ph in ordered_phases(run["phases"]) if not ph["pass"]
     ]
     if run["ns_calls_per_step"] != run["ns_calls_expected"]:
         bad_phases.append(
@@ -394,7 +294,7 @@ def failure_sections(run: Mapping, tablefmt: str) -> list[tuple[str, str]]:
     return out
 
 
-_LEGEND = (
+WIDE_LEGEND = (
     "avg [elem]: dedicated-param elements per rank per step, W-average of f(n)·S (SPEC §2); "
     "max rank [elem]: busiest rank, same unit; ratio to P_M: measured avg / P_M."
 )
@@ -417,64 +317,21 @@ def nvlink_lines(report: Mapping, tablefmt: str) -> list[str]:
             tabulate(rows, headers=headers, tablefmt=tablefmt, disable_numparse=True)]
 
 
-def format_table(report: Mapping) -> str:
-    """The terminal report: the per-mode, per-phase table, the all-params table, and for each
-    failed run the reasons (see :func:`failure_sections`).
-
-    Raises:
-        ValueError: ``report`` does not follow the data model (see :func:`validate_report`).
-    """
-    headers, rows = table_rows(report)
-    colalign = ("left", "left") + ("right",) * (len(headers) - 2)
-    parts = [
-        f"verify-traffic {report['run_id']}: backend={report['backend']} W={report['world_size']} "
-        f"torch {report['torch_version']}, {report['steps_measured']} measured steps after "
-        f"{report['steps_warmup']} warm-up -> {_verdict(report['pass'])}",
-        tabulate(rows, headers=[_two_line(h) for h in headers], tablefmt="simple",
-                 colalign=colalign, disable_numparse=True),
-        _LEGEND,
-        "",
-        _tab(_all_params_rows(report), "simple"),
-    ]
-    nvlink = nvlink_lines(report, "simple")
-    if nvlink:
-        parts += [""] + nvlink
-    for run in report["runs"]:
-        if run["pass"]:
-            continue
-        parts += ["", f"FAIL {run['mode']} (W={run['world_size']}, N={run['shard_size']}, "
-                      f"R={run['replicate_size']})"]
-        for title, body in failure_sections(run, "simple"):
-            parts += [f"  {title}:", _indent(body, "    ")]
-    return "\n".join(parts) + "\n"
-
-
-def _two_line(header: str) -> str:
-    """A terminal header on two lines: the unit (``[...]``) or the ``meas/...`` pair below."""
-    if " [" in header:
-        i = header.rindex(" [")
-    elif header.endswith((" meas/pred", " meas/exp")):
-        i = header.rindex(" ")
-    else:
-        return header
-    return header[:i] + "\n" + header[i + 1:]
-
-
-def _tab(headers_rows: tuple[list[str], list[list]], tablefmt: str) -> str:
+def tab(headers_rows: tuple[list[str], list[list]], tablefmt: str) -> str:
     headers, rows = headers_rows
     colalign = ("left",) + ("right",) * (len(headers) - 1)
     return tabulate(rows, headers=headers, tablefmt=tablefmt, colalign=colalign,
                     disable_numparse=True)
 
 
-def _indent(text: str, prefix: str) -> str:
+def indent(text: str, prefix: str) -> str:
     return "\n".join(prefix + line for line in text.splitlines())
 
 
 # ----------------------------------------------------------------------------- markdown
 
 
-def _close(a: float | None, b: float | None) -> bool:
+def readings_equal(a: float | None, b: float | None) -> bool:
     return a is not None and b is not None and math.isclose(a, b, rel_tol=READING_REL_TOL,
                                                             abs_tol=1e-6)
 
@@ -491,19 +348,19 @@ def hsdp_reading_rows(report: Mapping) -> tuple[list[str], list[list[str]]]:
     for run in report["runs"]:
         terms = [
             (name, ph["measured_avg_elems"], ph["closed_form_avg_elems"], ph["seed_avg_elems"])
-            for name, ph in _ordered_phases(run["phases"])
+            for name, ph in ordered_phases(run["phases"])
             if ph["seed_avg_elems"] is not None
-            and not _close(ph["seed_avg_elems"], ph["closed_form_avg_elems"])
+            and not readings_equal(ph["seed_avg_elems"], ph["closed_form_avg_elems"])
         ]
         if run["seed_avg_elems"] is not None:
             terms.append(("total", run["measured_avg_elems"], run["closed_form_avg_elems"],
                           run["seed_avg_elems"]))
         for term, measured, w_avg, seed in terms:
-            if _close(measured, w_avg) and not _close(measured, seed):
+            if readings_equal(measured, w_avg) and not readings_equal(measured, seed):
                 verdict = "W-average"
-            elif _close(measured, seed) and not _close(measured, w_avg):
+            elif readings_equal(measured, seed) and not readings_equal(measured, w_avg):
                 verdict = "seed"
-            elif _close(measured, seed):
+            elif readings_equal(measured, seed):
                 verdict = "both (equal here)"
             else:
                 verdict = "neither"
@@ -560,7 +417,7 @@ def format_markdown(report: Mapping) -> str:
     headers, rows = table_rows(report)
     colalign = ("left", "left") + ("right",) * (len(headers) - 2)
     md = [
-        f"# verify-traffic report `{report['run_id']}`: {_verdict(report['pass'])}",
+        f"# verify-traffic report `{report['run_id']}`: {verdict(report['pass'])}",
         "",
         "| run id | created (UTC) | torch | backend | W | warm-up steps | measured steps |",
         "|---|---|---|---|---|---|---|",
@@ -570,6 +427,8 @@ def format_markdown(report: Mapping) -> str:
         "",
         _ACCOUNTING,
         "",
+        f"Model: `{report.get('model', 'tinygpt')}`.",
+        "",
         "## Dedicated-param traffic per mode and phase",
         "",
         tabulate(rows, headers=headers, tablefmt="github", colalign=colalign,
@@ -577,10 +436,11 @@ def format_markdown(report: Mapping) -> str:
         "",
         "## All params (dedicated + AdamW-stepped) and loss",
         "",
-        _tab(_all_params_rows(report), "github"),
+        tab(all_params_rows(report), "github"),
         "",
         "![ratio to P_M per mode](traffic.png)",
     ]
+    md += _busiest_and_time_md(report)
     h_headers, h_rows = hsdp_reading_rows(report)
     if h_rows:
         md += [
@@ -604,7 +464,7 @@ def format_markdown(report: Mapping) -> str:
             "Issued after the optimizer step, waited in the owning layer's next forward "
             "pre-hook; times from step start.",
             "",
-            _tab((o_headers, o_rows), "github"),
+            tab((o_headers, o_rows), "github"),
         ]
     nvlink = nvlink_lines(report, "github")
     if nvlink:
@@ -624,6 +484,41 @@ def format_markdown(report: Mapping) -> str:
     return "\n".join(md) + "\n"
 
 
+def _busiest_and_time_md(report: Mapping) -> list[str]:
+    """Markdown sections: skipped modes, per-rank wire traffic, time per step."""
+    md: list[str] = []
+    if report.get("skipped"):
+        md += ["", "## Skipped modes", ""]
+        md += [f"- `{e['mode']}`: {e['reason']}" for e in report["skipped"]]
+    wired = [run for run in report["runs"] if "wire" in run]
+    if wired:
+        rows = [[run["mode"], e["rank"], fmt_elems(e["sent_elems"]), fmt_elems(e["recv_elems"]),
+                 fmt_elems(e["sent_bytes"]), fmt_elems(e["recv_bytes"]),
+                 "busiest" if e["rank"] == run["wire"]["busiest_rank"] else ""]
+                for run in wired for e in run["wire"]["per_rank"]]
+        md += ["", "## Busiest rank", "",
+               "Dedicated-param elements and bytes each rank sends and receives per step under "
+               "NCCL's algorithms (ring for all_reduce / all_gather / reduce_scatter, a pipelined "
+               "chain for broadcast / reduce; docs/traffic-model.md, verify/wire.py). The mean "
+               "of *recv* over the ranks is the W-average above; the busiest rank receives most.",
+               "", tab((["mode", "rank", "sent [elem]", "recv [elem]", "sent [B]", "recv [B]", ""],
+                         rows), "github")]
+    timed = [run for run in report["runs"] if "timing" in run]
+    if timed:
+        rows = [[run["mode"], fmt_ms(run["timing"]),
+                 " / ".join(f"{ms:.1f}" for ms in run["timing"]["step_ms_per_step"]),
+                 fmt_exposed(run["timing"], wide=True),
+                 run["timing"]["exposed_comm_reason"] or run["timing"]["exposed_comm_source"]]
+                for run in timed]
+        md += ["", "## Time per step", "",
+               "Median over the measured steps of the slowest rank's step; exposed communication "
+               "is the share of the step the training thread is blocked (mean over ranks, max in "
+               "brackets; verify/steptime.py). Timings on a shared CPU machine are noisy.", "",
+               tab((["mode", "step [ms]", "steps [ms]", "exposed comm [%]", "source"], rows),
+                    "github")]
+    return md
+
+
 # ----------------------------------------------------------------------------- files
 
 
@@ -637,17 +532,17 @@ def _ordered(obj: Mapping, spec: Mapping[str, tuple], order_rest: Sequence[str] 
 def canonical_report(report: Mapping) -> dict:
     """``report`` with keys in the data-model order (extra keys after, sorted): the stable
     key order of report.json. Values are not changed."""
-    top = _ordered(report, _TOP_KEYS)
+    top = _ordered(report, TOP_KEYS)
     runs = []
     for run in report["runs"]:
-        r = _ordered(run, _RUN_KEYS)
-        r["phases"] = {name: _ordered(ph, _PHASE_KEYS) for name, ph in
-                       _ordered_phases(run["phases"])}
-        r["missing"] = [_ordered(e, _COLLECTIVE_KEYS) for e in run["missing"]]
-        r["unexpected"] = [_ordered(e, _COLLECTIVE_KEYS) for e in run["unexpected"]]
-        r["sources"] = {name: _ordered(s, _SOURCE_KEYS)
+        r = _ordered(run, RUN_KEYS)
+        r["phases"] = {name: _ordered(ph, PHASE_KEYS) for name, ph in
+                       ordered_phases(run["phases"])}
+        r["missing"] = [_ordered(e, COLLECTIVE_KEYS) for e in run["missing"]]
+        r["unexpected"] = [_ordered(e, COLLECTIVE_KEYS) for e in run["unexpected"]]
+        r["sources"] = {name: _ordered(s, SOURCE_KEYS)
                         for name, s in _ordered(run["sources"], {}, SOURCES).items()}
-        r["replicate_overlap"] = [_ordered(e, _OVERLAP_KEYS) for e in run["replicate_overlap"]]
+        r["replicate_overlap"] = [_ordered(e, OVERLAP_KEYS) for e in run["replicate_overlap"]]
         runs.append(r)
     top["runs"] = runs
     return top

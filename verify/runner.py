@@ -36,13 +36,15 @@ from tracer.profiler import profiler_source_events, read_profiler_trace
 from tracer.timeline import write_chrome_trace
 
 from .compare import compare_run
-from .data import ByteCorpus, global_batch_size, local_slice
-from .model import GPTConfig, TinyGPT
+from .data import ByteCorpus, global_batch_size
 from .modes import build
 from .nccl_source import WindowMark, capture_active, nccl_source_report
 from .nvlink import nvlink_report
 from .plots import plot_timeline
+from .figures import add_figures, interposer_source
+from .steptime import StepTime, sample
 from .traffic import MODES
+from .usermodel import ModelSource, check_loss, resolve, skip_reasons, validate_source
 
 
 @dataclass(frozen=True)
@@ -59,6 +61,8 @@ class RunConfig:
             be a multiple of W (checked before training starts).
         seq_len: tokens per sequence.
         d_model, n_layers, n_heads: the TinyGPT size.
+        model: ``--model``: ``tinygpt`` (built in), a preset, or ``pkg.module:factory``
+            (``verify.usermodel``).
         seed: model init and data order.
         out_dir: where traces and reports go.
         device: "cpu" (gloo) or "cuda" (NCCL).
@@ -79,12 +83,30 @@ class RunConfig:
     out_dir: str = "traces/latest"
     device: str = "cpu"
     profiler: bool = True
+    model: str = "tinygpt"
 
 
 def runnable_modes(config: RunConfig, world_size: int) -> list[str]:
-    """The modes of ``config`` this world size can run (HSDP needs an even W >= 4)."""
-    ok_hsdp = world_size >= 4 and world_size % 2 == 0
-    return [m for m in config.modes if ok_hsdp or "hsdp" not in m]
+    """The modes of ``config`` this world size can run (``verify.usermodel.skip_reasons``)."""
+    skipped = skip_reasons(config.modes, world_size)
+    return [m for m in config.modes if m not in skipped]
+
+
+def loss_step(model: torch.nn.Module, optimizer, loss_fn, rank: int, step: int) -> float:
+    """One training step of a ``--model`` source (``verify.usermodel``) with DMuon's phase
+    tags: ``loss_fn(model, rank, step)`` (phase ``forward``), backward (``backward``),
+    ``optimizer.step()``, ``zero_grad()``. Returns the loss (a Python float).
+
+    Raises:
+        ValueError: the loss is not a 0-dim floating tensor that requires grad.
+    """
+    with dmuon.phase("forward"):
+        loss = check_loss(loss_fn(model, rank, step), "loss_fn")
+    with dmuon.phase("backward"):
+        loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss.item()
 
 
 def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor,
@@ -170,33 +192,44 @@ class _MeasuredWindow:
                 "nvlink": nvlink}
 
 
-def _train_mode(mode: str, config: RunConfig, corpus: ByteCorpus, progress) -> dict:
-    rank, world = dist.get_rank(), dist.get_world_size()
-    cfg = GPTConfig(seq_len=config.seq_len, d_model=config.d_model, n_layers=config.n_layers, n_heads=config.n_heads)
+def _source(config: RunConfig, corpus: ByteCorpus | None) -> ModelSource:
+    batch = global_batch_size(dist.get_world_size(), per_rank=config.batch_per_rank,
+                              global_batch=config.global_batch)
+    return resolve(config.model, corpus=corpus, global_batch=batch,
+                   seq_len=config.seq_len, d_model=config.d_model, n_layers=config.n_layers,
+                   n_heads=config.n_heads, seed=config.seed)
+
+
+def _train_mode(mode: str, config: RunConfig, corpus: ByteCorpus, progress,
+                source: ModelSource | None = None) -> dict:
+    rank = dist.get_rank()
+    source = source if source is not None else _source(config, corpus)
+    made: list = []
 
     def make_model():
         torch.manual_seed(config.seed)
-        return TinyGPT(cfg)
+        made.append(source.factory())
+        return made[-1][0]
 
-    batch = global_batch_size(world, per_rank=config.batch_per_rank, global_batch=config.global_batch)
     built = build(mode, make_model, config.device)
+    loss_fn = made[-1][1]
     model, opt = built.model, built.optimizer
     out = Path(config.out_dir) / mode
-    losses, step_starts = [], []
+    losses, step_bounds, step_times = [], [], []
     window = _MeasuredWindow(mode, out, config.device, config.profiler)
     ns_before = 0
     for step in range(config.steps_warmup + config.steps_measured):
         if step == config.steps_warmup:
             ns_before = opt.ns_calls
             window.open(drain=built.dedicated.wait_pending if built.dedicated is not None else None)
+        before = sample()
+        losses.append(loss_step(model, opt, loss_fn, rank, step))
         if step >= config.steps_warmup:
-            step_starts.append(dmuon.annotate.now_ns())
-        x, y = corpus.global_batch(step, batch, config.seq_len, seed=config.seed)
-        x, y = local_slice(x, rank, world), local_slice(y, rank, world)
-        losses.append(train_step(model, opt, x.to(config.device), y.to(config.device)))
+            after = sample()
+            step_times.append(StepTime.between(before, after))
+            step_bounds.append((before.wall_ns, after.wall_ns))  # the interposer's clock
         progress(1)
     recorded = window.close()
-    step_starts.append(dmuon.annotate.now_ns())
     if built.dedicated is not None:
         built.dedicated.wait_pending()
     events = window.interposer.events
@@ -207,7 +240,8 @@ def _train_mode(mode: str, config: RunConfig, corpus: ByteCorpus, progress) -> d
         "events": events,
         "spans": window.interposer.spans,
         "losses": losses,
-        "step_starts_ns": step_starts,
+        "step_bounds_ns": step_bounds,
+        "step_times": step_times,
         **recorded,
         "ns_calls": opt.ns_calls - ns_before,
         "layout": built.layout,
@@ -226,11 +260,12 @@ def run_all(config: RunConfig, progress=None) -> dict | None:
     ``progress(n)`` is called after every training step on rank 0 (e.g. ``tqdm.update``).
     """
     rank, world = dist.get_rank(), dist.get_world_size()
-    corpus = ByteCorpus.from_stdlib()
+    source = _source(config, None)
+    validate_source(source, config.seed)  # on every rank, before any training collective
     tick = progress if (progress is not None and rank == 0) else (lambda n: None)
     runs = []
     for mode in runnable_modes(config, world):
-        mine = _train_mode(mode, config, corpus, tick)
+        mine = _train_mode(mode, config, None, tick, source)
         gathered: list = [None] * world if rank == 0 else None
         dist.gather_object(mine, gathered, dst=0)
         if rank != 0:
@@ -252,14 +287,18 @@ def run_all(config: RunConfig, progress=None) -> dict | None:
         run["pass"] = run["pass"] and all(s["pass"] for s in run["sources"].values())
         run["replicate_overlap"] = _replicate_overlap(gathered)
         run["nvlink"] = nvlink_report([r["nvlink"] for r in gathered if r["nvlink"] is not None], events)
+        add_figures(run, gathered[0]["layout"], events, config.steps_measured,
+                    [r["step_times"] for r in gathered], config.device)
         per_rank = {i: (r["events"], r["spans"]) for i, r in enumerate(gathered)}
         timeline = Path(config.out_dir) / mode / "timeline.json"
         write_chrome_trace(timeline, per_rank, name=mode)
         run["timeline"] = str(timeline.relative_to(config.out_dir))
         if mode.startswith("dmuon-"):
-            starts = gathered[0]["step_starts_ns"]  # one host: one perf_counter clock
+            # one host, one perf_counter clock: the last measured step from its first start
+            # to its last end over all ranks (window close and dumps come after it)
+            last = [r["step_bounds_ns"][-1] for r in gathered]
             plot_timeline(timeline.with_suffix(".png"), per_rank, title=f"{mode}: last measured step",
-                          t0_ns=starts[-2], t1_ns=starts[-1])
+                          t0_ns=min(a for a, _ in last), t1_ns=max(b for _, b in last))
         runs.append(run)
     if rank != 0:
         return None
@@ -271,24 +310,15 @@ def run_all(config: RunConfig, progress=None) -> dict | None:
         "steps_warmup": config.steps_warmup,
         "steps_measured": config.steps_measured,
         "config": asdict(config),
+        "model": source.name,
+        "skipped": [{"mode": m, "reason": why} for m, why in skip_reasons(config.modes, world).items()],
         "runs": runs,
     }
 
 
 def _sources(run: dict, events: list, gathered: list[dict], steps: int) -> dict:
     """report.json ``sources``: the interposer against the prediction, the others against it."""
-    unexpected = sum(u["n"] for u in run["unexpected"])
-    missing = sum(m["n"] for m in run["missing"])
-    sources = {
-        "interposer": {
-            "events": len(events),
-            "matched": len(events) - unexpected,
-            "unmatched": unexpected + missing,
-            "pass": unexpected == 0 and missing == 0,
-            "mismatches": [f"missing {m}" for m in run["missing"][:10]]
-            + [f"unexpected {u}" for u in run["unexpected"][:10]],
-        }
-    }
+    sources = {"interposer": interposer_source(run, len(events))}
     if all(r["fr_events"] is not None for r in gathered):
         fr = [ev for r in gathered for ev in r["fr_events"]]
         check = crosscheck(events, fr, source="flight_recorder", backend=dist.get_backend())
