@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch.nn as nn
 
-from . import collectives
+from . import checkpoint, collectives
 from .dedicate import DedicatedParams
 from .plan import plan_ownership, specs_from_named_parameters
 from .select import Predicate, select_params
@@ -60,4 +60,4 @@ def dedicate_params(
     DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
         model, [n for n, _, _ in named]
     )
-    return DedicatedParams(model, named, topology, plan, reshard_after_forward)
+    return checkpoint.install(model, DedicatedParams(model, named, topology, plan, reshard_after_forward))
