@@ -7,7 +7,7 @@ on its owner. The standard calls (``model.state_dict()`` / ``load_state_dict``, 
 ``opt.state_dict()`` / ``load_state_dict``) work unchanged because of two decisions:
 
 **Model state dict: every rank holds the owner's current values of every dedicated param.**
-A ``state_dict`` pre-hook on the model calls :meth:`DedicatedParams.sync_params`: a
+A ``state_dict`` pre-hook on each module holding dedicated params calls :meth:`DedicatedParams.sync_params`: a
 collective (phase ``checkpoint``: one broadcast per stale bucket from its holder over the
 shard axis, after waiting for in-flight HSDP replicate broadcasts) when some copy is stale,
 and no collective when every copy is current. So ``model.state_dict()``, ``get_state_dict``
@@ -71,24 +71,30 @@ MOMENTUM_KEY = "momentum_buffer"
 
 # ---------------------------------------------------------------------------------- model side
 def install(model: nn.Module, dm: DedicatedParams) -> DedicatedParams:
-    """Register the model-side checkpoint hooks of ``dm`` on ``model`` (see the module docstring).
+    """Register the model-side checkpoint hooks of ``dm`` (see the module docstring).
 
-    Called by :func:`dmuon.dedicate_params` on the bare model: a ``state_dict`` pre-hook, a
-    ``load_state_dict`` pre-hook and post-hook. Their handles are kept in ``dm``, so
-    ``dm.remove()`` removes them.
+    Called by :func:`dmuon.dedicate_params` on the bare model. Each module that holds
+    dedicated params gets a ``state_dict`` pre-hook and ``load_state_dict`` pre- and
+    post-hooks, so the root's calls, a wrapper's (DDP: ``module.`` prefix) and a submodule's
+    own ``state_dict()`` / ``load_state_dict()`` are all covered (after the first module of a
+    call, the sync is a no-op). Their handles are kept in ``dm``, so ``dm.remove()`` removes them.
 
     Returns:
         ``dm``.
     """
-    handles = [
-        model.register_state_dict_pre_hook(lambda module, prefix, keep_vars: _sync_params(dm)),
-        model.register_load_state_dict_pre_hook(
-            lambda module, state_dict, prefix, local_metadata, *rest: _before_load(
-                dm, prefix, local_metadata
-            )
-        ),
-        model.register_load_state_dict_post_hook(lambda module, keys: _params_loaded(dm)),
-    ]
+    modules = dict(model.named_modules())
+    handles = []
+    for name in dict.fromkeys(n.rpartition(".")[0] for n in dm.names):
+        module = modules[name]
+        handles += [
+            module.register_state_dict_pre_hook(lambda module, prefix, keep_vars: _sync_params(dm)),
+            module.register_load_state_dict_pre_hook(
+                lambda module, state_dict, prefix, local_metadata, *rest: _before_load(
+                    dm, prefix, local_metadata
+                )
+            ),
+            module.register_load_state_dict_post_hook(lambda module, keys: _params_loaded(dm)),
+        ]
     dm._handles.extend(handles)
     return dm
 
@@ -96,15 +102,16 @@ def install(model: nn.Module, dm: DedicatedParams) -> DedicatedParams:
 def _before_load(dm: DedicatedParams, prefix: str, local_metadata: dict) -> None:
     if local_metadata.get("assign_to_params_buffers", False):
         raise ValueError(
-            "Invalid load_state_dict(assign=True) on a model with DMuon-dedicated params "
-            f"(e.g. {prefix}{dm.names[0]}): assign replaces the params, which are views into "
+            f"Invalid load_state_dict(assign=True) reaching module {prefix.rstrip('.')!r}, which "
+            "holds DMuon-dedicated params: assign replaces the params, which are views into "
             "DMuon's flat buffers. Must be assign=False (the default; values are copied in)."
         )
     if torch.__future__.get_swap_module_params_on_conversion():
         raise ValueError(
-            "Invalid torch.__future__.set_swap_module_params_on_conversion(True) while loading a "
-            f"model with DMuon-dedicated params (e.g. {prefix}{dm.names[0]}): swapping replaces "
-            "the params, which are views into DMuon's flat buffers. Must be False while loading."
+            "Invalid torch.__future__.set_swap_module_params_on_conversion(True) while loading "
+            f"module {prefix.rstrip('.')!r}, which holds DMuon-dedicated params: swapping "
+            "replaces the params, which are views into DMuon's flat buffers. Must be False "
+            "while loading."
         )
     _sync_params(dm)
 

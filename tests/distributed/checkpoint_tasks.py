@@ -131,7 +131,8 @@ def dcp_resume(mode: str, root: str) -> dict[str, list[str]]:
 
     Returns, per check, the names that are not bit-identical to the uninterrupted run:
     ``saving_run`` (the run that saved, continued), and ``resume_<ckpt>`` (a fresh model and
-    optimizer that loaded ``<ckpt>`` and trained the remaining steps).
+    optimizer that loaded ``<ckpt>`` and trained the remaining steps; of the two saves in a
+    row, the second, whose sync is a no-op, is resumed from).
     """
     ref = Run(mode)
     for s in range(STEPS):
@@ -146,7 +147,7 @@ def dcp_resume(mode: str, root: str) -> dict[str, list[str]]:
     saver.dcp_save(ckpt["twice_2"])
     saver.step(2)
     out = {"saving_run": _diff(saver.snapshot(), expected)}
-    for name, first_step in (("after_step", 1), ("mid", 1), ("twice_1", 2), ("twice_2", 2)):
+    for name, first_step in (("after_step", 1), ("mid", 1), ("twice_2", 2)):
         resumed = Run(mode)
         resumed.dcp_load(ckpt[name])
         for s in range(first_step, STEPS):
@@ -158,8 +159,11 @@ def dcp_resume(mode: str, root: str) -> dict[str, list[str]]:
 def plain_resume(mode: str, root: str) -> dict:
     """``torch.save(model.state_dict())`` and ``opt.state_dict()`` on every rank, load, resume.
 
-    Also returns the norms of every dedicated param read on this rank right after the save
-    (every rank must read the owner's values), and the diff of the resumed run.
+    Returns the diff of the resumed run against an uninterrupted one; the norms of every
+    dedicated param read on this rank right after the save (every rank must read the
+    owner's values); and, after one more step (Z3: non-holders freed), a submodule's own
+    ``state_dict()`` (must be the owner's values) and what a submodule's own
+    ``load_state_dict()`` of the saved file left in it (must be the saved values).
     """
     rank = dist.get_rank()
     ref = Run(mode)
@@ -180,7 +184,17 @@ def plain_resume(mode: str, root: str) -> dict:
     resumed.wrapped.load_state_dict(torch.load(paths[0], weights_only=False))
     resumed.opt.load_state_dict(torch.load(paths[1], weights_only=False))
     resumed.step(1)
-    return {"norms": norms, "diff": _diff(resumed.snapshot(), expected)}
+    diff = _diff(resumed.snapshot(), expected)
+
+    mlp, prefix = resumed.model.blocks[0].mlp, "blocks.0.mlp."
+    sub_state = {k: v.clone() for k, v in mlp.state_dict().items() if k.endswith("weight")}
+    resumed.step(2)
+    saved = torch.load(paths[0], weights_only=False)
+    mlp.load_state_dict({k[len(prefix):]: v for k, v in saved.items() if k.startswith(prefix)})
+    sub_loaded = {k: _local(p).detach().clone() for k, p in mlp.named_parameters() if k.endswith("weight")}
+    expected_loaded = {k[len(prefix):]: _local(v) for k, v in saved.items() if k.startswith(prefix)}
+    return {"norms": norms, "diff": diff, "sub_state": sub_state,
+            "sub_loaded_diff": _diff(sub_loaded, {k: expected_loaded[k] for k in sub_loaded})}
 
 
 def save_for_resize(mode: str, root: str) -> dict:
