@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
@@ -68,14 +68,15 @@ class Run:
             after()
         self.opt.zero_grad()
 
-    def dcp_save(self, path: str) -> None:
-        model_sd, optim_sd = get_state_dict(self.wrapped, self.opt)
+    def dcp_save(self, path: str, options: StateDictOptions | None = None) -> None:
+        model_sd, optim_sd = get_state_dict(self.wrapped, self.opt, options=options)
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
 
-    def dcp_load(self, path: str) -> None:
-        model_sd, optim_sd = get_state_dict(self.wrapped, self.opt)
+    def dcp_load(self, path: str, options: StateDictOptions | None = None) -> None:
+        model_sd, optim_sd = get_state_dict(self.wrapped, self.opt, options=options)
         dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
-        set_state_dict(self.wrapped, self.opt, model_state_dict=model_sd, optim_state_dict=optim_sd)
+        set_state_dict(self.wrapped, self.opt, model_state_dict=model_sd, optim_state_dict=optim_sd,
+                       options=options)
 
     def snapshot(self) -> dict[str, torch.Tensor]:
         """Clones of what this rank is authoritative for, by name."""
@@ -197,19 +198,24 @@ def plain_resume(mode: str, root: str) -> dict:
             "sub_loaded_diff": _diff(sub_loaded, {k: expected_loaded[k] for k in sub_loaded})}
 
 
-def save_for_resize(mode: str, root: str) -> dict:
-    """Train 2 steps, save with DCP; return the full view and this rank's owned names."""
+def _options(flatten: bool) -> StateDictOptions | None:
+    """Default options, or torchtitan's: a flat optimizer state dict."""
+    return StateDictOptions(flatten_optimizer_state_dict=True) if flatten else None
+
+
+def save_for_resize(mode: str, root: str, flatten: bool) -> dict:
+    """Train 2 steps, save with DCP; return the full view."""
     run = Run(mode)
     for s in range(2):
         run.step(s)
-    run.dcp_save(root)
+    run.dcp_save(root, _options(flatten))
     return run.full_view()
 
 
-def load_resized(mode: str, root: str) -> dict:
+def load_resized(mode: str, root: str, flatten: bool) -> dict:
     """Load a checkpoint saved at another world size; return the full view, then train a step."""
     run = Run(mode)
-    run.dcp_load(root)
+    run.dcp_load(root, _options(flatten))
     view = run.full_view()
     run.step(2)
     view["after_step_finite"] = all(torch.isfinite(p).all().item() for p in run.dm.owned())

@@ -42,9 +42,10 @@ def test_torch_save_of_state_dicts_on_every_rank_resumes_z3(pool4, tmp_path):
         assert r["sub_loaded_diff"] == []
 
 
-def test_resume_at_another_world_size_moves_momentum_to_new_owners(pool4, pool2, tmp_path):
-    saved = pool4.run_with_timeout(TASK_TIMEOUT_S, C.save_for_resize, "z3", str(tmp_path))
-    loaded = pool2.run_with_timeout(TASK_TIMEOUT_S, C.load_resized, "z3", str(tmp_path))
+@pytest.mark.parametrize("flatten", [False, True], ids=["default", "flat_optimizer_state"])
+def test_resume_at_another_world_size_moves_momentum_to_new_owners(pool4, pool2, tmp_path, flatten):
+    saved = pool4.run_with_timeout(TASK_TIMEOUT_S, C.save_for_resize, "z3", str(tmp_path), flatten)
+    loaded = pool2.run_with_timeout(TASK_TIMEOUT_S, C.load_resized, "z3", str(tmp_path), flatten)
     for key in ("owned", "momentum"):
         before = {n: t for r in saved for n, t in r[key].items()}
         after = {n: t for r in loaded for n, t in r[key].items()}
