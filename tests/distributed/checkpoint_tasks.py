@@ -22,6 +22,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import dmuon
 from tests.distributed import dmuon_tasks as T
+from tracer.interposer import Interposer
 from verify.data import local_slice
 
 README = Path(__file__).resolve().parents[2] / "README.md"
@@ -127,10 +128,12 @@ def _diff(a: dict, b: dict) -> list[str]:
 STEPS = 3
 
 
-def dcp_resume(mode: str, root: str) -> dict[str, list[str]]:
+def dcp_resume(mode: str, root: str) -> dict:
     """Checkpoints with DCP right after step(), between micro-batches and twice in a row.
 
-    Returns, per check, the names that are not bit-identical to the uninterrupted run:
+    Returns ``sync_elements``: per save, the elements of the collectives DMuon issued in
+    phase ``checkpoint`` on this rank (measured by the interposer), ``dedicated_elements``
+    (P_M), and, per check, the names that are not bit-identical to the uninterrupted run:
     ``saving_run`` (the run that saved, continued), and ``resume_<ckpt>`` (a fresh model and
     optimizer that loaded ``<ckpt>`` and trained the remaining steps; of the two saves in a
     row, the second, whose sync is a no-op, is resumed from).
@@ -142,12 +145,20 @@ def dcp_resume(mode: str, root: str) -> dict[str, list[str]]:
 
     saver = Run(mode)
     ckpt = {name: os.path.join(root, name) for name in ("after_step", "mid", "twice_1", "twice_2")}
-    saver.step(0, after=lambda: saver.dcp_save(ckpt["after_step"]))
-    saver.step(1, between=lambda: saver.dcp_save(ckpt["mid"]))
-    saver.dcp_save(ckpt["twice_1"])
-    saver.dcp_save(ckpt["twice_2"])
+    sync_elements = {}
+
+    def save(name: str) -> None:
+        with Interposer() as ip:
+            saver.dcp_save(ckpt[name])
+        sync_elements[name] = sum(e.count for e in ip.events if e.phase == "checkpoint")
+
+    saver.step(0, after=lambda: save("after_step"))
+    saver.step(1, between=lambda: save("mid"))
+    save("twice_1")
+    save("twice_2")
     saver.step(2)
-    out = {"saving_run": _diff(saver.snapshot(), expected)}
+    out = {"sync_elements": sync_elements, "dedicated_elements": sum(p.numel() for p in saver.dm.params),
+           "saving_run": _diff(saver.snapshot(), expected)}
     for name, first_step in (("after_step", 1), ("mid", 1), ("twice_2", 2)):
         resumed = Run(mode)
         resumed.dcp_load(ckpt[name])
