@@ -7,10 +7,10 @@ on its owner. The standard calls (``model.state_dict()`` / ``load_state_dict``, 
 ``opt.state_dict()`` / ``load_state_dict``) work unchanged because of two decisions:
 
 **Model state dict: every rank holds the owner's current values of every dedicated param.**
-A ``state_dict`` pre-hook on each module holding dedicated params calls :meth:`DedicatedParams.sync_params`: a
-collective (phase ``checkpoint``: one broadcast per stale bucket from its holder over the
-shard axis, after waiting for in-flight HSDP replicate broadcasts) when some copy is stale,
-and no collective when every copy is current. So ``model.state_dict()``, ``get_state_dict``
+A ``state_dict`` pre-hook on each module holding dedicated params calls
+:meth:`DedicatedParams.sync_params`: a collective (phase ``checkpoint``: one broadcast per
+stale bucket from its holder over the shard axis, after waiting for in-flight HSDP replicate
+broadcasts) when some copy is stale, and no collective when every copy is current. So ``model.state_dict()``, ``get_state_dict``
 and ``dcp.save`` must be called on **every rank**, as with FSDP. DCP writes a replicated
 tensor from one rank of its choosing (``dedup_save_plans``: the rank with the smallest plan
 so far); every rank holds the same values, so any choice is right. The returned tensors alias
@@ -46,8 +46,9 @@ and for every other param that requires grad: AdamW's ``{"step", "exp_avg", "exp
   owners (their templates list the momentum of the params they now own).
 - ``get_state_dict`` / ``set_state_dict`` call ``_init_optim_state``, which, on an optimizer
   whose ``state`` is empty, runs ``step()`` with zero grads and lr 0 to create the state. A
-  complete state from construction on means that step never runs (it would have run
-  Newton–Schulz and marked every copy stale). The state DCP's template asks for exists before
+  complete state from construction on means that step never runs (it would run
+  Newton–Schulz, mark every copy stale and, under HSDP, start replicate broadcasts: on the
+  ranks whose state is empty only). The state DCP's template asks for exists before
   the first step, so ``dcp.load`` fills it.
 - Loading checks the rule: an owned param whose entry has no ``momentum_buffer`` raises
   ``ValueError`` (a state dict from another rank or another ownership plan would otherwise
