@@ -60,4 +60,6 @@ def dedicate_params(
     DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
         model, [n for n, _, _ in named]
     )
-    return checkpoint.install(model, DedicatedParams(model, named, topology, plan, reshard_after_forward))
+    return checkpoint.install(
+        model, DedicatedParams(model, named, topology, plan, reshard_after_forward, mesh=mesh)
+    )

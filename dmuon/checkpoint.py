@@ -63,7 +63,6 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from . import annotate
 from .dedicate import DedicatedParams
 
 #: Optimizer state key of a dedicated param's momentum (``torch.optim.Muon``'s name).
@@ -88,13 +87,13 @@ def install(model: nn.Module, dm: DedicatedParams) -> DedicatedParams:
     for name in dict.fromkeys(n.rpartition(".")[0] for n in dm.names):
         module = modules[name]
         handles += [
-            module.register_state_dict_pre_hook(lambda module, prefix, keep_vars: _sync_params(dm)),
+            module.register_state_dict_pre_hook(lambda module, prefix, keep_vars: dm.sync_params()),
             module.register_load_state_dict_pre_hook(
                 lambda module, state_dict, prefix, local_metadata, *rest: _before_load(
                     dm, prefix, local_metadata
                 )
             ),
-            module.register_load_state_dict_post_hook(lambda module, keys: _params_loaded(dm)),
+            module.register_load_state_dict_post_hook(lambda module, keys: dm.params_loaded()),
         ]
     dm._handles.extend(handles)
     return dm
@@ -114,24 +113,7 @@ def _before_load(dm: DedicatedParams, prefix: str, local_metadata: dict) -> None
             "replaces the params, which are views into DMuon's flat buffers. Must be False "
             "while loading."
         )
-    _sync_params(dm)
-
-
-def _sync_params(dm: DedicatedParams) -> None:
-    """Stand-in for ``DedicatedParams.sync_params`` on today's runtime (same contract)."""
-    dm.wait_pending()
-    stale = [b for b in dm.buckets if not b.synced]
-    if stale:
-        with annotate.phase("checkpoint"):
-            for b in stale:
-                dm._broadcast(b, "checkpoint")
-
-
-def _params_loaded(dm: DedicatedParams) -> None:
-    """Stand-in for ``DedicatedParams.params_loaded`` on today's runtime (same contract)."""
-    dm.wait_pending()
-    for b in dm.buckets:
-        b.synced = True
+    dm.sync_params()
 
 
 # ------------------------------------------------------------------------------ optimizer side

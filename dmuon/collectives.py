@@ -1,15 +1,155 @@
-"""Every collective DMuon issues, in one place (the seam to audit for traffic).
+"""Every collective DMuon issues, in one place (the seam to audit for traffic), and the
+process groups and devices they use.
 
-Sizes in NCCL's convention: a broadcast or reduce of a tensor of ``numel`` elements has
-``count = numel`` on every member. Roots are *group* ranks (``group_src`` / ``group_dst``).
+Sizes in NCCL's convention: a broadcast, reduce or all_reduce of a tensor of ``numel``
+elements has ``count = numel`` on every member. Roots are *group* ranks (``group_src`` /
+``group_dst``).
+
+**DMuon's own process groups** (:class:`DMuonGroups`). DMuon does not issue collectives on
+the mesh's groups (which FSDP2 uses) or on the default group (which DDP uses): a
+communicator's calls pair up in issue order, so sharing one with another library would make
+the pairing depend on how the two interleave on each rank, which differs as soon as a module
+runs on some ranks only. Each channel below carries a call sequence that is fixed per step on
+every rank, independent of the other channels:
+
+- ``broadcast``: this rank's shard axis (N ranks): forward broadcasts, Z3 backward
+  re-broadcasts, checkpoint syncs;
+- ``reduce``: the shard axis again: backward reduces, and on a 1-D mesh the usage all_reduce;
+- ``replicate``: this rank's replicate axis (R ranks, HSDP only): replicate reduces and the
+  owner's replicate broadcasts;
+- ``world``: all W ranks (HSDP only; on a 1-D mesh ``reduce`` spans the world): the usage
+  all_reduce.
+
+Over the same ranks as the mesh's groups, so a trace names them the same way (sorted ranks).
+
+**Device.** Every tensor a collective sends lives on the device the group's backend needs:
+:func:`collective_device` (``cuda:<current>`` for NCCL, ``cpu`` for gloo).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from . import annotate
+
+#: Backends that take CPU tensors (a "cpu:gloo,cuda:nccl" backend takes both).
+_CPU_BACKENDS = ("gloo", "mpi", "ucc")
+#: Backends that take only accelerator tensors, and which accelerator.
+_ACCEL_BACKENDS = {"nccl": "cuda", "xccl": "xpu", "hccl": "hpu"}
+
+
+def device_for_backend(backend: str, accel_index: int | None = None) -> torch.device:
+    """The device for collective tensors of a process group with backend name ``backend``.
+
+    Args:
+        backend: ``dist.get_backend(group)``: ``"gloo"``, ``"nccl"``, or a per-device list
+            such as ``"cpu:gloo,cuda:nccl"`` (CPU wins when it is served: no copy needed).
+        accel_index: the current accelerator index (``torch.cuda.current_device()``).
+
+    Raises:
+        ValueError: the backend is unknown, or an accelerator backend without ``accel_index``.
+    """
+    parts = [p.strip() for p in str(backend).lower().split(",") if p.strip()]
+    names = []
+    for part in parts:
+        dev, _, name = part.rpartition(":")
+        if dev == "cpu":
+            return torch.device("cpu")
+        names.append(name)
+    if any(n in _CPU_BACKENDS for n in names):
+        return torch.device("cpu")
+    for n in names:
+        if n in _ACCEL_BACKENDS:
+            if accel_index is None:
+                raise ValueError(
+                    f"Invalid accel_index=None for backend={backend!r}. Must be the current "
+                    f"{_ACCEL_BACKENDS[n]} device index (call torch.{_ACCEL_BACKENDS[n]}."
+                    "set_device(local_rank) before dmuon.dedicate_params)."
+                )
+            return torch.device(_ACCEL_BACKENDS[n], accel_index)
+    raise ValueError(
+        f"Invalid backend={backend!r}. Must be one of {_CPU_BACKENDS + tuple(_ACCEL_BACKENDS)} "
+        "(or a 'cpu:gloo,cuda:nccl' list)."
+    )
+
+
+def collective_device(group: dist.ProcessGroup | None = None) -> torch.device:
+    """:func:`device_for_backend` of ``group`` (default: the default group) in this process."""
+    backend = dist.get_backend(group)
+    index = None
+    if any(n in str(backend).lower() for n in _ACCEL_BACKENDS):
+        mod = getattr(torch, _ACCEL_BACKENDS[next(n for n in _ACCEL_BACKENDS if n in str(backend).lower())])
+        index = mod.current_device() if mod.is_available() else None
+    return device_for_backend(backend, index)
+
+
+def served_device_types(backend: str) -> set[str]:
+    """Device types whose tensors a backend named ``backend`` takes (pure; see
+    :func:`device_for_backend` for the name forms)."""
+    out = set()
+    for part in str(backend).lower().split(","):
+        dev, _, name = part.strip().rpartition(":")
+        if dev:
+            out.add(dev)
+        elif name in _CPU_BACKENDS:
+            out.add("cpu")
+        elif name in _ACCEL_BACKENDS:
+            out.add(_ACCEL_BACKENDS[name])
+    return out
+
+
+def check_param_device(device: torch.device, group: dist.ProcessGroup, what: str) -> None:
+    """Raise if the backend of ``group`` cannot take tensors on ``device`` (before any call).
+
+    Raises:
+        ValueError: e.g. CPU params with an NCCL-only process group.
+    """
+    backend = str(dist.get_backend(group))
+    served = served_device_types(backend)
+    if device.type != "meta" and device.type not in served:
+        raise ValueError(
+            f"Invalid device {device} of {what} for the {backend!r} process group. Must be "
+            f"one of {sorted(served)}: move the model there (model.to(...)) before "
+            "dmuon.dedicate_params, or build it on the meta device and call to_empty (README, "
+            "'Meta-device init')."
+        )
+
+
+@dataclass(frozen=True)
+class DMuonGroups:
+    """DMuon's own process groups of this rank (module docstring: which call uses which)."""
+
+    broadcast: dist.ProcessGroup
+    reduce: dist.ProcessGroup
+    replicate: dist.ProcessGroup | None
+    world: dist.ProcessGroup
+
+
+def make_groups(rows: list[list[int]]) -> DMuonGroups:
+    """Create DMuon's groups from the mesh layout (a collective: every rank, same order).
+
+    Args:
+        rows: world ranks of every shard group, row ``r`` = replicate index ``r``
+            (``mesh.mesh.tolist()`` of a 2-D mesh, ``[mesh.mesh.tolist()]`` of a 1-D one).
+    """
+    me = dist.get_rank()
+    mine: dict[str, dist.ProcessGroup] = {}
+    for kind in ("broadcast", "reduce"):
+        for row in rows:
+            g = dist.new_group(row)
+            if me in row:
+                mine[kind] = g
+    replicate = world = None
+    if len(rows) > 1:
+        for col in zip(*rows):
+            g = dist.new_group(list(col))
+            if me in col:
+                replicate = g
+        world = dist.new_group(sorted(r for row in rows for r in row))
+    return DMuonGroups(mine["broadcast"], mine["reduce"], replicate, world or mine["reduce"])
 
 
 def broadcast_(buf: torch.Tensor, src: int, group: dist.ProcessGroup, *, async_op: bool = False):
@@ -21,17 +161,26 @@ def broadcast_(buf: torch.Tensor, src: int, group: dist.ProcessGroup, *, async_o
     return dist.broadcast(buf, group_src=src, group=group, async_op=async_op)
 
 
-def reduce_sum_(buf: torch.Tensor, dst: int, group: dist.ProcessGroup) -> None:
-    """Sum ``buf`` over ``group`` into group rank ``dst`` (others' ``buf`` is left undefined)."""
-    dist.reduce(buf, group_dst=dst, op=dist.ReduceOp.SUM, group=group)
+def reduce_sum_(buf: torch.Tensor, dst: int, group: dist.ProcessGroup, *, async_op: bool = False):
+    """Sum ``buf`` over ``group`` into group rank ``dst`` (others' ``buf`` is left undefined).
+
+    Returns the ``Work`` handle when ``async_op``, else ``None``.
+    """
+    return dist.reduce(buf, group_dst=dst, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+
+
+def all_reduce_sum_(buf: torch.Tensor, group: dist.ProcessGroup) -> None:
+    """Sum ``buf`` over ``group`` in place on every member."""
+    dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=group)
 
 
 def check_plan_agreement(digest: str, what: str) -> None:
     """Raise on every rank if the ranks' plan digests differ (before any DMuon collective).
 
-    One all_gather of 32 bytes per rank on the default group (phase ``"setup"``), so a plan
-    computed differently on some rank (different model shapes, predicate, or mesh) fails
-    here with a message instead of hanging later in mismatched collectives.
+    One all_gather of 32 bytes per rank on the default group (phase ``"setup"``), on the
+    device its backend needs (:func:`collective_device`), so a plan computed differently on
+    some rank (different model shapes, predicate, or mesh) fails here with a message instead
+    of hanging later in mismatched collectives.
 
     Args:
         digest: 64 hex characters (sha256) of this rank's plan.
@@ -47,11 +196,13 @@ def check_plan_agreement(digest: str, what: str) -> None:
         raw = b""
     if len(raw) != 32:
         raise ValueError(f"Invalid digest={digest!r}. Must be a sha256 hex digest (64 chars).")
-    mine = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    device = collective_device()
+    mine = torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(device)
     world = dist.get_world_size()
-    gathered = torch.empty(world * 32, dtype=torch.uint8)
+    gathered = torch.empty(world * 32, dtype=torch.uint8, device=device)
     with annotate.phase("setup"), annotate.span("dmuon.plan_agreement"):
         dist.all_gather_single(gathered, mine)
+    gathered = gathered.cpu()
     digests = [bytes(gathered[i * 32 : (i + 1) * 32].tolist()).hex() for i in range(world)]
     if len(set(digests)) != 1:
         by_digest: dict[str, list[int]] = {}

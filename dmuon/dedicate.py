@@ -1,31 +1,77 @@
 """Dedicated ownership at runtime: the hooks that move each Muon matrix to and from its owner.
 
+This docstring is the authoritative description of DMuon's protocol (the traffic predictor
+in ``verify/`` is derived from it independently).
+
 Glossary (see ``topology.py`` for the mesh terms):
 
 - **dedicated param**: a 2-D Muon target handled by DMuon instead of DDP / FSDP2.
 - **owner** (global owner): the one rank ``(r, s)`` that keeps momentum and runs
   Newton–Schulz for the param. **Holders**: the R ranks ``(*, s)`` of the owner's shard
   index; they keep the full param between steps (for 1-D meshes the holder is the owner).
-- **bucket**: the dedicated params of one module with the same owner and dtype. Their data
-  are views into one flat buffer (``flat``, shape ``(numel,)``), so one broadcast moves
-  them all and freeing the flat buffer's storage frees them all.
-- **synced**: non-holders' copies equal the owner's current values. Every rank tracks the
-  same flag for every bucket, so every rank takes the same collective decisions.
+- **bucket**: the dedicated params of one module with the same owner and dtype
+  (``buckets.bucket_layout``), numbered ``0 .. B-1`` in model order. Their data are views
+  into one flat buffer (``residency.py``), so one collective moves them all.
+- **valid**: the non-holders' copies equal the owner's current values and are allocated.
+  Every rank tracks the same flag for every bucket (it changes only at points every rank
+  passes: the end of a driver's forward, of the root's forward, of backward, ``step()``,
+  ``sync_params()``), so every rank takes the same collective decisions.
+- **driver**: a module whose subtree holds buckets (the bucket modules and their ancestors,
+  not the root). Its hooks cover the buckets of its whole subtree, a contiguous index range.
+- **state**: :class:`dmuon.state.TrainingState`, one per DedicatedParams.
+
+Channels (``collectives.DMuonGroups``, DMuon's own process groups): ``broadcast`` and
+``reduce`` over the shard axis (N ranks), ``replicate`` over the replicate axis (R ranks,
+HSDP), ``world`` (W ranks). On each channel the call sequence per step is fixed, the same on
+every rank whichever modules run (MoE experts that receive no tokens, a branch taken on some
+ranks only), so calls always pair up with the same bucket on every rank.
 
 Per step (SPEC §1):
 
-1. forward pre-hook: wait for a pending replicate broadcast (HSDP); if not synced,
-   broadcast the bucket from its holder over the shard axis (phase ``forward``).
-2. Z3 (``reshard_after_forward=True``): after forward non-holders free the flat storage
-   (resize to 0; autograd's saved tensors keep the same storage), and a hook on the
-   module's outputs broadcasts it again just before the module's backward.
-3. when every grad of a bucket is accumulated: reduce (sum) to the holder over the shard
-   axis, then (HSDP) to the owner over the replicate axis; the owner divides by W.
-   Buckets reduce in a fixed order (reverse module order) on every rank; buckets whose
-   grads never arrive (unused params) are reduced with zeros when backward ends, so the
-   ranks' collective sequences always match.
-4. ``optimizer.step()``: only owners update; then (HSDP) each owner broadcasts its buckets
-   to the holders over the replicate axis asynchronously; the wait is in step 1.
+1. **forward** (channel ``broadcast``, phase ``forward``): a forward cursor walks the buckets
+   in index order. A driver's pre-hook advances it to the driver's last bucket; the root's
+   post-hook advances it to the end (so buckets of modules that did not run on this rank are
+   still sent). Each bucket the cursor passes first waits for its pending replicate
+   broadcast (HSDP), then, if not valid, is broadcast from its holder (shard group rank
+   ``s``) and becomes valid. Exactly one broadcast per invalid bucket per forward.
+2. **after forward**, Z3 (``reshard_after_forward=True``): a driver's post-hook frees the
+   non-holders' storage of the buckets in its subtree that the cursor passed; the root's
+   post-hook frees the rest. Every bucket is then invalid on every rank. Running a module
+   again after its bucket was freed in the same forward raises (Z3 cannot refill it outside
+   the fixed schedule; use Z2 for weight reuse).
+3. **backward**, Z3 (channel ``broadcast``, phase ``backward``): a re-broadcast cursor walks
+   the buckets in reverse index order. A driver's pre-backward hook (its outputs' first
+   grad) advances it to the driver's first bucket; activation-checkpoint recompute (a
+   driver's forward while backward runs) does the same and neither frees nor broadcasts in
+   forward; the end of backward flushes the rest. Each bucket is re-broadcast exactly once.
+4. **backward reduces** (channel ``reduce``, phase ``backward``): buckets reduce (sum) to the
+   holder over the shard axis in reverse index order, asynchronously, each as soon as it and
+   every bucket before it in that order have all their grads; at the end of backward every
+   remaining bucket is reduced, a param without a local grad contributing zeros. Then all
+   reduces are waited on, and (HSDP) each holder reduces its buckets over the replicate axis
+   to the owner (channel ``replicate``, same order, phase ``backward``).
+5. **usage** (phase ``usage``, channel ``world``, once per backward that reduces): one
+   all_reduce (sum) of an ``int32`` vector with one element per dedicated param in bucket
+   order (params in bucket order within a bucket): 1 if this rank produced a grad for it
+   since the last reduce, else 0. Count = number of dedicated params, group = all W ranks.
+   The owner divides the reduced sum by W and sets ``.grad``, or ``None`` for a param with
+   usage 0 (unused on every rank: no update, as ``torch.optim.Muon``). Non-owners' grads
+   are ``None``. Z3 non-holders free every bucket (all invalid).
+6. **step** (``optimizer.step()``): only owners update; every bucket becomes invalid; then
+   (HSDP) each owner broadcasts its buckets to the holders over the replicate axis
+   (channel ``replicate``, phase ``replicate``) asynchronously; the wait is in step 1.
+
+Outside the step:
+
+- ``no_sync()``: backward passes inside skip steps 4-5 (grads accumulate locally); Z3 still
+  re-broadcasts and frees.
+- ``sync_params()`` (phase ``checkpoint``, channel ``broadcast``): every invalid bucket is
+  broadcast from its holder in index order (after its pending replicate broadcast) and
+  becomes valid; no call when all are valid. ``params_loaded()``: local, marks all valid.
+- An exception in forward or backward leaves the state FORWARD or BACKWARD; the next root
+  forward, ``zero_grad()`` or ``step()`` recovers: it waits for the reduces already issued,
+  drops the dedicated grads of an aborted backward, frees Z3 non-holders (invalid) and
+  starts over. Ranks must have raised at the same point (collectives issued identically).
 """
 
 from __future__ import annotations
@@ -40,13 +86,18 @@ import torch.nn as nn
 from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_leaves
 
-from . import annotate, collectives
+from . import annotate, collectives, residency
 from .buckets import bucket_layout
 from .plan import OwnershipPlan, specs_from_named_parameters
+from .state import StateMachine, TrainingState
 from .topology import Topology
+
+S = TrainingState
+
 
 @dataclass(eq=False)
 class _Bucket:
+    index: int
     module_name: str
     module: nn.Module
     owner: int  # global owner index g = r * N + s
@@ -57,24 +108,22 @@ class _Bucket:
     flat: torch.Tensor  # shape (numel,), params' data are views into it
     is_holder: bool
     is_owner: bool
-    synced: bool = False
-    reduced: bool = False
+    valid: bool = False
+    reduced: bool = False  # reduced to the owner since the last step / zero_grad
     ready: set[int] = field(default_factory=set)
-    pending: dist.Work | None = None
+    used: list[bool] = field(default_factory=list)
+    replicate_work: dist.Work | None = None
+    reduce_work: dist.Work | None = None
+    reduce_buf: torch.Tensor | None = None
 
     @property
     def numel(self) -> int:
         return self.flat.numel()
 
-    def free(self) -> None:
-        """Non-holders drop the storage (FSDP2's trick: resize the storage to 0)."""
-        self.flat.untyped_storage().resize_(0)
 
-    def alloc(self) -> None:
-        storage = self.flat.untyped_storage()
-        nbytes = self.numel * self.flat.element_size()
-        if storage.nbytes() != nbytes:
-            storage.resize_(nbytes)
+def _in_backward() -> bool:
+    """Whether the autograd engine is running a backward on this thread."""
+    return torch._C._current_graph_task_id() != -1
 
 
 class DedicatedParams:
@@ -82,12 +131,15 @@ class DedicatedParams:
 
     Built by :func:`dedicate_params`; pass it to :class:`dmuon.DMuon`. Iterating yields the
     dedicated ``nn.Parameter`` objects (pass them as ``ignored_params`` to ``fully_shard``).
+    The module docstring describes the protocol; call the model given to ``dedicate_params``
+    (its root hooks end the forward's fixed schedule).
 
     Attributes:
         names: fully qualified names of the dedicated params, in model order.
         plan: the :class:`~dmuon.plan.OwnershipPlan` every rank agreed on.
         topology: this rank's :class:`~dmuon.topology.Topology`.
         reshard_after_forward: ``True`` for Z3 (non-holders free after forward), ``False`` for Z2.
+        groups: DMuon's own process groups (:class:`~dmuon.collectives.DMuonGroups`).
     """
 
     def __init__(
@@ -97,6 +149,8 @@ class DedicatedParams:
         topology: Topology,
         plan: OwnershipPlan,
         reshard_after_forward: bool,
+        *,
+        mesh=None,
     ) -> None:
         self.names = [n for n, _, _ in named]
         self.plan = plan
@@ -104,16 +158,37 @@ class DedicatedParams:
         self.reshard_after_forward = reshard_after_forward
         self._params = [p for _, p, _ in named]
         self._param_ids = {id(p) for p in self._params}
+        self._state = StateMachine()
+        for p in self._params:
+            collectives.check_param_device(p.device, topology.shard_group, "the dedicated params")
+        rows = _mesh_rows(mesh, topology)
+        self.groups = collectives.make_groups(rows)
+        self._build_buckets(model, named)
+        self._root = model
+        self._fwd_cursor = 0  # next bucket index the forward cursor visits
+        self._rb_cursor = -1  # next bucket index the re-broadcast cursor visits (downwards)
+        self._reduce_cursor = 0  # position in reverse index order
+        self._no_sync = False
+        self._handles: list = []
+        self._install_hooks(model)
+        for b in self.buckets:
+            if reshard_after_forward and not b.is_holder:
+                self._free(b)
+
+    # ------------------------------------------------------------------ construction
+    def _build_buckets(self, model: nn.Module, named) -> None:
+        topology = self.topology
         modules = dict(model.named_modules())
         by_name = {n: p for n, p, _ in named}
         specs = specs_from_named_parameters((n, p) for n, p, _ in named)
         me = topology.global_index
         self.buckets: list[_Bucket] = []
-        for spec in bucket_layout(specs, plan):
+        for i, spec in enumerate(bucket_layout(specs, self.plan)):
             r, s = topology.coords(spec.owner)
             params = [by_name[n] for n in spec.names]
             self.buckets.append(
                 _Bucket(
+                    index=i,
                     module_name=spec.module,
                     module=modules[spec.module],
                     owner=spec.owner,
@@ -121,31 +196,36 @@ class DedicatedParams:
                     replicate_owner=r,
                     names=list(spec.names),
                     params=params,
-                    flat=_flatten_into_views(params),
+                    flat=residency.flatten_into_views(params),
                     is_holder=s == topology.shard_index,
                     is_owner=spec.owner == me,
+                    used=[False] * len(params),
                 )
             )
-        self._by_module: dict[nn.Module, list[_Bucket]] = {}
-        for b in self.buckets:
-            self._by_module.setdefault(b.module, []).append(b)
         self._owner_by_id = {id(p): b.owner for b in self.buckets for p in b.params}
-        self._reduce_order = list(reversed(self.buckets))
-        self._next_reduce = 0
-        self._callback_queued = False
-        self._no_sync = False
-        self._handles: list = []
-        for module in self._by_module:
-            self._handles.append(module.register_forward_pre_hook(self._pre_forward))
-            self._handles.append(module.register_forward_hook(self._post_forward))
+        self._name_by_id = {id(p): n for b in self.buckets for n, p in zip(b.names, b.params)}
+        # driver module -> (first, last) bucket index of its subtree, and its own buckets
+        self._span: dict[nn.Module, tuple[int, int]] = {}
+        self._own: dict[nn.Module, list[_Bucket]] = {}
+        for b in self.buckets:
+            self._own.setdefault(b.module, []).append(b)
+            parts = b.module_name.split(".") if b.module_name else []
+            for k in range(1, len(parts) + 1):
+                m = modules[".".join(parts[:k])]
+                lo, hi = self._span.get(m, (b.index, b.index))
+                self._span[m] = (min(lo, b.index), max(hi, b.index))
+
+    def _install_hooks(self, model: nn.Module) -> None:
+        h = self._handles
+        h.append(model.register_forward_pre_hook(self._root_pre_forward))
+        h.append(model.register_forward_hook(self._root_post_forward))
+        for m in self._span:
+            h.append(m.register_forward_pre_hook(self._pre_forward))
+            h.append(m.register_forward_hook(self._post_forward))
         for b in self.buckets:
             for i, p in enumerate(b.params):
-                self._handles.append(
-                    p.register_post_accumulate_grad_hook(self._grad_hook(b, i))
-                )
-            if reshard_after_forward and not b.is_holder:
-                b.free()
-        self._handles.append(model.register_state_dict_pre_hook(self._before_state_dict))
+                h.append(p.register_post_accumulate_grad_hook(self._grad_hook(b, i)))
+        h.append(model.register_state_dict_pre_hook(self._before_state_dict))
 
     # ------------------------------------------------------------------ public helpers
     def __iter__(self) -> Iterator[nn.Parameter]:
@@ -161,6 +241,11 @@ class DedicatedParams:
     def params(self) -> list[nn.Parameter]:
         """The dedicated params (plain tensors, never DTensors), in model order."""
         return list(self._params)
+
+    @property
+    def state(self) -> TrainingState:
+        """The current :class:`~dmuon.state.TrainingState`."""
+        return self._state.state
 
     def owned(self) -> list[nn.Parameter]:
         """Params whose global owner is this rank (the only ones this rank steps)."""
@@ -196,6 +281,48 @@ class DedicatedParams:
         for b in self.buckets:
             self._wait_replicate(b)
 
+    def sync_params(self) -> None:
+        """Make every rank's dedicated params hold the owner's current values (a collective).
+
+        Call it on every rank, between steps (like FSDP's full state dict). Afterwards every
+        copy is current and allocated, Z3 non-holders included; they stay so until the next
+        forward frees them as usual, and that forward does not broadcast them again. Issues
+        one broadcast per invalid bucket (phase ``checkpoint``, index order) and none when
+        every copy is already current. Waits for in-flight replicate broadcasts (HSDP).
+
+        Raises:
+            RuntimeError: called while a forward or backward is running.
+        """
+        if self.state in (S.FORWARD, S.BACKWARD) and not self._aborted_ok():
+            raise RuntimeError(
+                f"DMuon: sync_params() called in state {self.state.name}. Call it between "
+                "steps (after step() or before the forward), on every rank."
+            )
+        self._rebind_if_moved()
+        for b in self.buckets:
+            self._wait_replicate(b)
+            if not b.valid:
+                self._broadcast(b, "checkpoint")
+
+    def params_loaded(self) -> None:
+        """Mark every copy current after identical values were written into every rank's
+        dedicated params (a checkpoint load). Local: no collective.
+
+        Raises:
+            RuntimeError: a copy is freed on this rank (call :meth:`sync_params` before
+                loading, so that every copy is allocated and can be written).
+        """
+        self.wait_pending()
+        self._rebind_if_moved()
+        for b in self.buckets:
+            if not residency.is_allocated(b.flat) and b.flat.device.type != "meta":
+                raise RuntimeError(
+                    f"DMuon: params_loaded() but {b.names[0]} is freed on rank "
+                    f"{dist.get_rank()}, so the load could not write it. Call "
+                    "dm.sync_params() on every rank before loading."
+                )
+            b.valid = True
+
     def remove(self) -> None:
         """Remove every hook DMuon registered (the params stay where they are)."""
         self.wait_pending()
@@ -208,150 +335,317 @@ class DedicatedParams:
         """Called by the optimizer before updating: in-flight sends must not be modified.
 
         Raises:
-            RuntimeError: a backward pass has not finished reducing its grads.
+            RuntimeError: a backward pass has not finished (it raised, or step() was called
+                from inside it).
         """
+        if self.state == S.BACKWARD:
+            if _in_backward():
+                raise RuntimeError(
+                    "DMuon: optimizer.step() was called inside a backward pass. Call step() "
+                    "after loss.backward() returns."
+                )
+            self._recover()
         self.wait_pending()
-        if self._next_reduce != 0:
-            raise RuntimeError(
-                "DMuon: optimizer.step() was called while a backward pass had reduced only "
-                f"{self._next_reduce} of {len(self._reduce_order)} buckets. Call step() after "
-                "loss.backward() returns."
-            )
+        self._rebind_if_moved()
 
     def after_step(self) -> None:
-        """Mark non-holders stale; HSDP owners start the async replicate broadcasts."""
-        topo = self.topology
+        """Mark every bucket invalid; HSDP owners start the async replicate broadcasts."""
+        if self.state == S.FORWARD:
+            self._recover()
+        self._end_iteration()
         for b in self.buckets:
-            b.synced = False
-            b.reduced = False
-        if topo.replicate_group is None:
+            b.valid = False
+        if self.groups.replicate is None:
             return
         with annotate.phase("replicate"):
             for b in self.buckets:
                 if b.is_holder:
                     with annotate.span("dmuon.replicate_broadcast", module=b.module_name, owner=b.owner):
-                        b.pending = collectives.broadcast_(
-                            b.flat, b.replicate_owner, topo.replicate_group, async_op=True
+                        b.replicate_work = collectives.broadcast_(
+                            b.flat, b.replicate_owner, self.groups.replicate, async_op=True
                         )
 
     def after_zero_grad(self) -> None:
-        """Grads were cleared: a new accumulation may start."""
+        """Grads were cleared: a new accumulation may start (recovers an aborted step)."""
+        if self.state in (S.FORWARD, S.BACKWARD):
+            self._recover()
         for b in self.buckets:
             b.reduced = False
+            b.used = [False] * len(b.params)
+
+    # ------------------------------------------------------------------ state changes
+    def _aborted_ok(self) -> bool:
+        """Outside autograd, a FORWARD/BACKWARD state is a leftover of an exception."""
+        if _in_backward():
+            return False
+        self._recover()
+        return True
+
+    def _recover(self) -> None:
+        """Leave the state an exception left behind (module docstring, 'Outside the step')."""
+        old = self._state.recover()
+        for b in self.buckets:
+            if b.reduce_work is not None:
+                b.reduce_work.wait()
+            b.reduce_work = b.reduce_buf = None
+            if old == S.BACKWARD:
+                for p in b.params:
+                    p.grad = None
+                b.reduced = False
+                b.used = [False] * len(b.params)
+        self._end_iteration()
+
+    def _end_iteration(self) -> None:
+        """Cursors back to the start; Z3 non-holders free everything (all invalid)."""
+        for b in self.buckets:
+            b.ready.clear()
+            self._free_non_holder(b)
+        self._fwd_cursor = 0
+        self._rb_cursor = -1
+        self._reduce_cursor = 0
+        if self._state.state != S.IDLE:
+            self._state.to(S.IDLE)
+
+    def _begin_forward(self) -> None:
+        if self.state in (S.FORWARD, S.BACKWARD):
+            self._recover()  # the last forward or backward raised
+        self._rebind_if_moved()
+        self._state.to(S.FORWARD)
+        self._fwd_cursor = 0
+
+    def _end_forward(self) -> None:
+        self._advance_forward(len(self.buckets) - 1)
+        if self.reshard_after_forward:
+            for b in self.buckets:
+                self._free_non_holder(b)
+        self._state.to(S.FORWARD_DONE)
+
+    def _begin_backward(self) -> None:
+        if self.state == S.BACKWARD:
+            return
+        if self.state == S.FORWARD:
+            self._end_forward()
+        if self.state not in (S.FORWARD_DONE, S.BACKWARD_DONE):
+            raise RuntimeError(
+                f"DMuon: a backward started in state {self.state.name}, with no forward "
+                "through the model given to dedicate_params since the last step."
+            )
+        if not self._no_sync and any(b.reduced for b in self.buckets):
+            done = next(b for b in self.buckets if b.reduced)
+            raise RuntimeError(
+                f"DMuon: a second backward started before optimizer.step() or zero_grad(); "
+                f"grads (e.g. of {done.names[0]}) were already reduced to their owners. For "
+                "gradient accumulation wrap all but the last micro-batch in "
+                "`with dm.no_sync():`."
+            )
+        self._state.to(S.BACKWARD)
+        self._rb_cursor = len(self.buckets) - 1
+        self._reduce_cursor = 0
+        torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
 
     # ------------------------------------------------------------------ hooks
     def _before_state_dict(self, *args, **kwargs) -> None:
         self.wait_pending()
 
-    def _wait_replicate(self, b: _Bucket) -> None:
-        if b.pending is not None:
-            with annotate.span("dmuon.replicate_wait", module=b.module_name, owner=b.owner):
-                b.pending.wait()
-            b.pending = None
+    def _root_pre_forward(self, module: nn.Module, args) -> None:
+        if self.state == S.BACKWARD and _in_backward():
+            return  # recompute of a checkpointed root
+        self._begin_forward()
+        if module in self._own:  # buckets of the root module itself
+            self._advance_forward(max(b.index for b in self._own[module]))
 
-    def _broadcast(self, b: _Bucket, phase: str) -> None:
-        if not b.is_holder:
-            b.alloc()
-        with annotate.phase(phase), annotate.span(
-            "dmuon.broadcast" if phase == "forward" else "dmuon.rebroadcast",
-            module=b.module_name,
-            owner=b.owner,
-        ):
-            collectives.broadcast_(b.flat, b.shard_owner, self.topology.shard_group)
-        b.synced = True
+    def _root_post_forward(self, module: nn.Module, args, output) -> None:
+        if self.state != S.FORWARD:
+            return  # recompute
+        self._end_forward()
+        outputs = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if outputs and torch.is_grad_enabled():
+            register_multi_grad_hook(outputs, lambda grads: self._root_pre_backward(), mode="any")
+
+    def _root_pre_backward(self) -> None:
+        self._begin_backward()
+        if self.reshard_after_forward and self._root in self._own:
+            self._advance_rebroadcast(min(b.index for b in self._own[self._root]))
 
     def _pre_forward(self, module: nn.Module, args) -> None:
-        for b in self._by_module[module]:
-            self._wait_replicate(b)
-            if not b.synced:
-                self._broadcast(b, "forward")
+        lo, hi = self._span[module]
+        if self.state == S.BACKWARD and _in_backward():  # activation-checkpoint recompute
+            if self.reshard_after_forward:
+                self._advance_rebroadcast(lo)
+            return
+        if self.state != S.FORWARD:
+            self._begin_forward()  # a forward that did not enter through the root
+        self._advance_forward(hi)
+        for b in self._own.get(module, ()):
+            if not b.valid and self.reshard_after_forward and not b.is_holder:
+                raise RuntimeError(
+                    f"DMuon: module {b.module_name!r} ran again in the same forward after its "
+                    "dedicated params were freed (reshard_after_forward=True). Z3 refills a "
+                    "module once per forward; for modules called more than once per step use "
+                    "reshard_after_forward=False."
+                )
 
     def _post_forward(self, module: nn.Module, args, output) -> None:
-        if not self.reshard_after_forward:
-            return
-        buckets = self._by_module[module]
+        if self.state != S.FORWARD or not self.reshard_after_forward:
+            return  # recompute, or Z2 (keeps everything until the step)
+        lo, hi = self._span[module]
+        for b in self.buckets[lo : min(hi, self._fwd_cursor - 1) + 1]:
+            self._free_non_holder(b)
         outputs = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
-        if outputs:
-            register_multi_grad_hook(outputs, lambda grads: self._pre_backward(buckets), mode="any")
-        for b in buckets:
-            if not b.is_holder:
-                b.free()
-            b.synced = False
+        if outputs and torch.is_grad_enabled():
+            register_multi_grad_hook(outputs, lambda grads: self._pre_backward(lo), mode="any")
 
-    def _pre_backward(self, buckets: list[_Bucket]) -> None:
-        for b in buckets:
-            if not b.synced:
-                self._broadcast(b, "backward")
+    def _pre_backward(self, lo: int) -> None:
+        self._begin_backward()
+        self._advance_rebroadcast(lo)
 
     def _grad_hook(self, b: _Bucket, i: int):
         def hook(p: nn.Parameter) -> None:
+            self._begin_backward()
+            b.used[i] = True
             if self._no_sync:
                 return
-            if b.reduced:
-                raise RuntimeError(
-                    f"DMuon: a second backward reached {b.names[i]} before optimizer.step() "
-                    "or zero_grad(); its grad was already reduced to the owner. For gradient "
-                    "accumulation wrap all but the last micro-batch in `with dm.no_sync():`."
-                )
             b.ready.add(i)
-            if not self._callback_queued:
-                torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
-                self._callback_queued = True
-            self._reduce_ready()
+            self._advance_reduce(final=False)
 
         return hook
 
-    def _reduce_ready(self) -> None:
-        order = self._reduce_order
-        while self._next_reduce < len(order):
-            b = order[self._next_reduce]
-            if len(b.ready) < len(b.params):
-                return
-            self._reduce(b)
-            self._next_reduce += 1
-
     def _end_backward(self) -> None:
-        order = self._reduce_order
-        while self._next_reduce < len(order):
-            self._reduce(order[self._next_reduce])  # missing grads count as zeros
-            self._next_reduce += 1
-        self._next_reduce = 0
-        self._callback_queued = False
+        if self.reshard_after_forward:
+            self._advance_rebroadcast(0)
+        if not self._no_sync:
+            self._advance_reduce(final=True)
+            self._finish_reduces()
+        for b in self.buckets:
+            b.ready.clear()
+            self._free_non_holder(b)
+        self._state.to(S.BACKWARD_DONE)
 
-    def _reduce(self, b: _Bucket) -> None:
-        topo = self.topology
+    # ------------------------------------------------------------------ cursors
+    def _advance_forward(self, last: int) -> None:
+        while self._fwd_cursor <= last:
+            b = self.buckets[self._fwd_cursor]
+            self._wait_replicate(b)
+            if not b.valid:
+                self._broadcast(b, "forward")
+            self._fwd_cursor += 1
+
+    def _advance_rebroadcast(self, first: int) -> None:
+        while self._rb_cursor >= first:
+            b = self.buckets[self._rb_cursor]
+            if not b.valid:
+                self._broadcast(b, "backward")
+            self._rb_cursor -= 1
+
+    def _advance_reduce(self, final: bool) -> None:
+        order = self.buckets[::-1]
+        while self._reduce_cursor < len(order):
+            b = order[self._reduce_cursor]
+            if not final and len(b.ready) < len(b.params):
+                return
+            self._issue_reduce(b)
+            self._reduce_cursor += 1
+
+    # ------------------------------------------------------------------ collectives
+    def _wait_replicate(self, b: _Bucket) -> None:
+        if b.replicate_work is not None:
+            with annotate.span("dmuon.replicate_wait", module=b.module_name, owner=b.owner):
+                b.replicate_work.wait()
+            b.replicate_work = None
+
+    def _broadcast(self, b: _Bucket, phase: str) -> None:
+        if not b.is_holder:
+            self._alloc(b)
+        name = {"forward": "dmuon.broadcast", "backward": "dmuon.rebroadcast"}.get(phase, "dmuon.sync")
+        with annotate.phase(phase), annotate.span(name, module=b.module_name, owner=b.owner):
+            collectives.broadcast_(b.flat, b.shard_owner, self.groups.broadcast)
+        b.valid = True
+
+    def _issue_reduce(self, b: _Bucket) -> None:
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in b.params]
-        buf = grads[0].reshape(-1) if len(grads) == 1 else torch.cat([g.reshape(-1) for g in grads])
-        with annotate.phase("backward"), annotate.span("dmuon.reduce", module=b.module_name, owner=b.owner):
-            collectives.reduce_sum_(buf, b.shard_owner, topo.shard_group)
-            if topo.replicate_group is not None and b.is_holder:
-                collectives.reduce_sum_(buf, b.replicate_owner, topo.replicate_group)
-        if b.is_owner:
-            buf.div_(topo.world_size)
-            offset = 0
-            for p, g in zip(b.params, grads):
-                n = p.numel()
-                p.grad = buf[offset : offset + n].view_as(p) if len(grads) > 1 else g
-                offset += n
+        if len(grads) == 1:
+            buf = grads[0].reshape(-1)
         else:
+            buf = torch.cat([g.reshape(-1) for g in grads])
+        with annotate.phase("backward"), annotate.span("dmuon.reduce", module=b.module_name, owner=b.owner):
+            b.reduce_work = collectives.reduce_sum_(buf, b.shard_owner, self.groups.reduce, async_op=True)
+        b.reduce_buf = buf
+        b.reduced = True
+        if not b.is_owner:
             for p in b.params:
                 p.grad = None
-        b.ready.clear()
-        b.reduced = True
-        if self.reshard_after_forward and not b.is_holder:
-            b.free()
-            b.synced = False
+        self._free_non_holder(b)  # Z3: its module's backward is done (its grads arrived)
+
+    def _finish_reduces(self) -> None:
+        rep = self.groups.replicate
+        for b in self.buckets[::-1]:
+            b.reduce_work.wait()
+            b.reduce_work = None
+            if rep is not None and b.is_holder:
+                with annotate.phase("backward"), annotate.span(
+                    "dmuon.reduce", module=b.module_name, owner=b.owner
+                ):
+                    collectives.reduce_sum_(b.reduce_buf, b.replicate_owner, rep)
+        used = torch.tensor(
+            [int(u) for b in self.buckets for u in b.used],
+            dtype=torch.int32,
+            device=collectives.collective_device(self.groups.world),
+        )
+        with annotate.phase("usage"):
+            collectives.all_reduce_sum_(used, self.groups.world)
+        counts = used.tolist()
+        k = 0
+        for b in self.buckets:
+            buf, b.reduce_buf = b.reduce_buf, None
+            b.used = [False] * len(b.params)
+            if b.is_owner:
+                buf.div_(self.topology.world_size)
+                offset = 0
+                for p in b.params:
+                    n = p.numel()
+                    p.grad = buf[offset : offset + n].view_as(p) if counts[k] else None
+                    offset += n
+                    k += 1
+            else:
+                k += len(b.params)
+
+    # ------------------------------------------------------------------ residency
+    def _free(self, b: _Bucket) -> None:
+        residency.free_storage(b.flat)
+        for n, p in zip(b.names, b.params):
+            residency.mark_freed(p, f"{n} (owner rank {b.owner}) on rank {dist.get_rank()}")
+
+    def _alloc(self, b: _Bucket) -> None:
+        residency.alloc_storage(b.flat)
+        for p in b.params:
+            residency.mark_resident(p)
+
+    def _free_non_holder(self, b: _Bucket) -> None:
+        """Z3: non-holders free ``b``; every rank marks it invalid (a no-op under Z2)."""
+        if self.reshard_after_forward:
+            if not b.is_holder and residency.is_allocated(b.flat):
+                self._free(b)
+            b.valid = False
+
+    def _rebind_if_moved(self) -> None:
+        """Re-make the flat buffers of buckets whose params ``.to()`` / ``to_empty()`` /
+        ``p.data = ...`` disconnected; such buckets become invalid (re-sent from holders)."""
+        for b in self.buckets:
+            if residency.is_bound(b.params, b.flat):
+                continue
+            for p in b.params:
+                residency.mark_resident(p)
+            b.flat = residency.flatten_into_views(b.params)
+            collectives.check_param_device(b.flat.device, self.groups.broadcast, b.names[0])
+            b.valid = False
+            if self.reshard_after_forward and not b.is_holder:
+                self._free(b)
 
 
-def _flatten_into_views(params: list[nn.Parameter]) -> torch.Tensor:
-    """Copy ``params`` into one flat buffer and make their ``.data`` views into it."""
-    first = params[0]
-    flat = torch.empty(sum(p.numel() for p in params), dtype=first.dtype, device=first.device)
-    offset = 0
-    with torch.no_grad():
-        for p in params:
-            n = p.numel()
-            flat[offset : offset + n].copy_(p.data.reshape(-1))
-            p.data = flat[offset : offset + n].view_as(p)
-            offset += n
-    return flat
+def _mesh_rows(mesh, topology: Topology) -> list[list[int]]:
+    """World ranks of every shard group (one row per replicate index)."""
+    if mesh is None:
+        assert topology.replicate_size == 1, "HSDP needs the mesh to build DMuon's groups"
+        return [list(topology.shard_group_ranks)]
+    ranks = mesh.mesh.tolist()
+    return [ranks] if mesh.ndim == 1 else ranks

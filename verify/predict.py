@@ -191,6 +191,11 @@ def _dmuon_calls(layout: RunLayout, rank: int) -> list[Expected]:
         if r_size > 1 and s_me == s_own:
             add("backward", "reduce", rid, r_size, b, r_own)
             add("replicate", "broadcast", rid, r_size, b, r_own)
+    # DMuon's usage all_reduce (dmuon/dedicate.py step 5): one int32 per dedicated param, all W
+    # ranks, no dedicated payload.
+    wid = group_id_from_ranks(range(layout.world_size))
+    out.append(Expected(rank, "usage", "all_reduce", wid, layout.world_size, len(layout.muon_names),
+                        "int32", None, None, 0))
     return out
 
 

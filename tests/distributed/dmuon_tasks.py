@@ -213,20 +213,26 @@ class _SkipMLP(nn.Module):
 
 
 def unused_param() -> dict:
-    """`b` unused in the first step on every rank: its owner gets a zero gradient."""
+    """`b` unused in the first step on every rank: its owner gets grad None and no update
+    (like torch.optim.Muon), even with weight decay; the next step (b used) still runs."""
     rank = dist.get_rank()
     torch.manual_seed(0)
     model = _SkipMLP()
     dm = dmuon.dedicate_params(model, _mesh("flat"), params=[model.a.weight, model.b.weight], reshard_after_forward=False)
-    opt = dmuon.DMuon(model.parameters(), dedicated=dm, lr=MUON_LR, adamw_lr=ADAMW_LR)
+    opt = dmuon.DMuon(model.parameters(), dedicated=dm, lr=MUON_LR, weight_decay=0.1, adamw_lr=ADAMW_LR)
+    b_before = model.b.weight.detach().clone()
     x = torch.randn(4, 8)
     model(x, False).sum().backward()
-    b_grad = model.b.weight.grad.clone() if model.b.weight.grad is not None else None
+    b_grad = model.b.weight.grad
     opt.step()
+    b_after = model.b.weight.detach().clone()
     opt.zero_grad()
     model(x, True).sum().backward()  # the next step still runs (no hang, sequences aligned)
+    got_grad = model.b.weight.grad is not None
     opt.step()
-    return {"owns_b": dm.owner_of(model.b.weight) == rank, "b_grad": b_grad}
+    return {"owns_b": dm.owner_of(model.b.weight) == rank, "b_grad": b_grad,
+            "unchanged": torch.equal(b_before, b_after), "second_grad": got_grad,
+            "momentum": "momentum_buffer" in opt.state.get(model.b.weight, {})}
 
 
 def hsdp_replicate_waits() -> dict:
@@ -244,9 +250,9 @@ def hsdp_replicate_waits() -> dict:
     _loss(model, local_slice(x, rank, world), local_slice(y, rank, world)).backward()
     opt.step()
     holders = [b for b in dm.buckets if b.is_holder]
-    issued = sum(b.pending is not None for b in holders)
+    issued = sum(b.replicate_work is not None for b in holders)
     sd = model.state_dict()
-    after_state_dict = sum(b.pending is not None for b in dm.buckets)
+    after_state_dict = sum(b.replicate_work is not None for b in dm.buckets)
     at_state_dict = {b.module_name: torch.cat([sd[n].reshape(-1) for n in b.names]).clone() for b in holders}
     opt.step()  # same grads again, while this step's replicate broadcasts would be in flight
     dm.wait_pending()

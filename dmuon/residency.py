@@ -1,0 +1,164 @@
+"""Where a dedicated param's values live on this rank: one flat buffer per bucket, freed and
+refilled without breaking autograd, and a guard that turns a read of a freed copy into an error.
+
+- **flat buffer** (shape ``(numel,)``): the params of one bucket are views into it, so one
+  collective moves them all. Freeing resizes its storage to 0 bytes (FSDP2's trick): the
+  params and autograd's saved references keep their tensor objects, and refilling the storage
+  (resize back, then a broadcast writes it) makes them valid again.
+- **freed guard**: a read of a param whose storage has 0 bytes would read unmapped memory
+  (SIGSEGV). While freed, each param's class is switched to a subclass of its own class whose
+  ``__torch_function__`` raises a clear error for everything except metadata and hook
+  bookkeeping (``shape``, ``grad``, ``register_*_hook`` ...). Refilling switches it back, so
+  forward and backward run on the plain class (no overhead).
+- **binding**: ``.to()`` / ``to_empty()`` / ``p.data = ...`` replace a param's storage and so
+  disconnect it from the flat buffer. :func:`is_bound` detects that; the runtime then rebuilds
+  the flat buffer from the params' new data (:func:`flatten_into_views`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+#: Tensor attributes a freed param may still answer (metadata and autograd bookkeeping).
+_SAFE_ATTRS = frozenset({
+    "shape", "dtype", "device", "requires_grad", "grad", "is_leaf", "grad_fn", "ndim",
+    "layout", "is_cuda", "is_meta", "is_cpu", "is_sparse", "is_quantized", "is_nested",
+    "_backward_hooks", "_post_accumulate_grad_hooks", "retains_grad", "names", "output_nr",
+    "_version", "__dict__", "is_mkldnn", "is_xpu", "is_mps", "_base", "itemsize", "nbytes",
+})
+#: Tensor methods a freed param may still run.
+_SAFE_METHODS = frozenset({
+    "size", "dim", "numel", "nelement", "element_size", "is_floating_point", "is_complex",
+    "register_hook", "register_post_accumulate_grad_hook", "requires_grad_", "__hash__",
+    "_has_compatible_shallow_copy_type", "get_device", "is_contiguous", "stride",
+    "untyped_storage", "__format__",
+})
+
+#: Why a param is freed and how to get its values, filled by the runtime: name -> message.
+_WHY: dict[int, str] = {}
+_FREED_CLASSES: dict[type, type] = {}
+
+
+def _func_name(func) -> tuple[str, str]:
+    """``("attr", name)`` for a property access, else ``("call", name)``."""
+    owner = getattr(func, "__self__", None)
+    if type(owner).__name__ == "getset_descriptor":
+        return "attr", owner.__name__
+    return "call", getattr(func, "__name__", repr(func))
+
+
+def _freed_class(cls: type) -> type:
+    """The guard subclass of ``cls`` (cached; one per original param class)."""
+    if cls not in _FREED_CLASSES:
+
+        @classmethod
+        def __torch_function__(sub, func, types, args=(), kwargs=None):
+            kind, name = _func_name(func)
+            safe = (name in _SAFE_ATTRS) if kind == "attr" else (name in _SAFE_METHODS)
+            if kind == "attr" and name == "data":
+                safe = False
+            if not safe:
+                freed = [a for a in args if type(a) is sub]
+                what = _WHY.get(id(freed[0]), "a DMuon param freed on this rank") if freed else ""
+                raise RuntimeError(
+                    f"DMuon: cannot run {name} on {what}. Its storage on this rank is freed "
+                    "(a Z3 non-holder between steps), so it holds no values here. Read it on "
+                    "its owner (dm.owner_of(p)), or call dm.sync_params() on every rank "
+                    "first: every copy is then current and allocated until the next forward "
+                    "(state_dict, torch.save, .to() and dcp.save all work after it)."
+                )
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **(kwargs or {}))
+
+        _FREED_CLASSES[cls] = type(f"Freed{cls.__name__}", (cls,), {
+            "__torch_function__": __torch_function__,
+            "__module__": __name__,
+        })
+    return _FREED_CLASSES[cls]
+
+
+def mark_freed(p: nn.Parameter, why: str) -> None:
+    """Switch ``p`` to its guard class (``why`` names the param and rank in the error)."""
+    if p.device.type == "meta":
+        return  # meta tensors have no memory to misread: nothing to guard
+    cls = type(p)
+    if cls not in _FREED_CLASSES.values():
+        _WHY[id(p)] = why
+        p.__class__ = _freed_class(cls)
+
+
+def mark_resident(p: nn.Parameter) -> None:
+    """Undo :func:`mark_freed` (a no-op for a resident param)."""
+    cls = type(p)
+    if cls in _FREED_CLASSES.values():
+        p.__class__ = cls.__mro__[1]
+        _WHY.pop(id(p), None)
+
+
+def is_freed(p: torch.Tensor) -> bool:
+    """Whether ``p`` currently carries the freed guard."""
+    return type(p) in _FREED_CLASSES.values()
+
+
+def free_storage(flat: torch.Tensor) -> None:
+    """Drop ``flat``'s storage (resize to 0 bytes); views of it keep their shapes."""
+    flat.untyped_storage().resize_(0)
+
+
+def alloc_storage(flat: torch.Tensor) -> None:
+    """Give ``flat``'s storage its full size again (values undefined until written)."""
+    storage = flat.untyped_storage()
+    nbytes = flat.numel() * flat.element_size()
+    if storage.nbytes() != nbytes:
+        storage.resize_(nbytes)
+
+
+def is_allocated(flat: torch.Tensor) -> bool:
+    """Whether ``flat``'s storage holds its full size."""
+    return flat.untyped_storage().nbytes() == flat.numel() * flat.element_size()
+
+
+def flatten_into_views(params: list[nn.Parameter]) -> torch.Tensor:
+    """Copy ``params`` into one new flat buffer (their device and dtype) and make their
+    ``.data`` views into it. Returns the buffer, shape ``(sum of numel,)``.
+
+    Raises:
+        ValueError: the params differ in device or dtype.
+    """
+    first = params[0]
+    kinds = {(p.device, p.dtype) for p in params}
+    if len(kinds) != 1:
+        raise ValueError(
+            f"Invalid bucket: params on {sorted(map(str, kinds))}. Must share one device and "
+            "dtype: apply .to() to the whole model."
+        )
+    flat = torch.empty(sum(p.numel() for p in params), dtype=first.dtype, device=first.device)
+    offset = 0
+    with torch.no_grad():
+        for p in params:
+            n = p.numel()
+            flat[offset : offset + n].copy_(p.data.reshape(-1))
+            p.data = flat[offset : offset + n].view_as(p)
+            offset += n
+    return flat
+
+
+def is_bound(params: list[nn.Parameter], flat: torch.Tensor) -> bool:
+    """Whether every param is still the view of ``flat`` that :func:`flatten_into_views` made
+    (``.to()``, ``to_empty()`` or ``p.data = ...`` break this)."""
+    if any(p.device != flat.device or p.dtype != flat.dtype for p in params):
+        return False
+    if not is_allocated(flat):
+        return all(is_freed(p) or p.device.type == "meta" for p in params) and all(
+            p.untyped_storage().nbytes() == 0 for p in params
+        )
+    if flat.device.type == "meta":
+        return True
+    base = flat.data_ptr()
+    offset = 0
+    for p in params:
+        if p.data_ptr() != base + offset * flat.element_size() or not p.is_contiguous():
+            return False
+        offset += p.numel()
+    return True

@@ -1,0 +1,159 @@
+"""Rank-side tasks for the runtime tests (state, exceptions, sync, residency, AC, MoE)."""
+
+from __future__ import annotations
+
+import io
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.fsdp import fully_shard
+from torch.nn.parallel import DistributedDataParallel
+
+import dmuon
+from dmuon import annotate
+from tests.distributed.dmuon_tasks import ADAMW_LR, GLOBAL_BATCH, MUON_LR, SMALL, _loss, _mesh, corpus, make_model
+from verify.data import local_slice
+
+
+class Boom(Exception):
+    """The injected failure."""
+
+
+def build(mode: str, config=SMALL, wrap: bool = True, **dm_kw):
+    """(model to call, bare model, dm, optimizer) for mode ddp / z2 / z3 / hsdp-z2 / hsdp-z3."""
+    mesh = _mesh("hsdp" if mode.startswith("hsdp") else "flat")
+    model = make_model(config)
+    reshard = mode.endswith("z3")
+    dm = dmuon.dedicate_params(model, mesh, reshard_after_forward=reshard, **dm_kw)
+    if not wrap:
+        wrapped = model
+    elif mode == "ddp":
+        wrapped = DistributedDataParallel(model)
+    else:
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh, reshard_after_forward=reshard, ignored_params=set(dm))
+        fully_shard(model, mesh=mesh, ignored_params=set(dm))
+        wrapped = model
+    opt = dmuon.DMuon(wrapped.parameters(), dedicated=dm, lr=MUON_LR, adamw_lr=ADAMW_LR)
+    return wrapped, model, dm, opt
+
+
+def batch(step: int, config=SMALL):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    x, y = corpus().global_batch(step, GLOBAL_BATCH, config.seq_len)
+    return local_slice(x, rank, world), local_slice(y, rank, world)
+
+
+def owned_params(model, dm) -> dict[str, torch.Tensor]:
+    """Dedicated params this rank owns (authoritative values)."""
+    dm.wait_pending()
+    owned = {id(p) for p in dm.owned()}
+    return {n: p.detach().clone() for n, p in model.named_parameters() if id(p) in owned}
+
+
+def train_with_failure(mode: str, fail: str | None, wrap: bool, steps: int = 3) -> dict:
+    """Train ``steps`` steps; with ``fail``, an extra iteration before step 1 raises inside
+    forward ("forward") or inside backward ("backward") on every rank and is abandoned
+    (followed by zero_grad() for "backward", by nothing for "forward"). ``wrap=False`` leaves
+    the non-dedicated params unwrapped (neither DDP nor FSDP2 recovers from an exception
+    inside backward by itself: DDP raises at the next forward, FSDP2's results differ)."""
+    wrapped, model, dm, opt = build(mode, wrap=wrap)
+    for step in range(steps):
+        if step == 1 and fail is not None:
+            x, y = batch(step)
+            target = model.blocks[0].mlp
+            if fail == "forward":
+                h = target.register_forward_hook(lambda *a: (_ for _ in ()).throw(Boom()))
+                try:
+                    _loss(wrapped, x, y).backward()
+                except Boom:
+                    pass
+                h.remove()
+            else:
+                def bad(grad):
+                    raise Boom()
+                def arm(module, args, out):
+                    out.register_hook(bad)
+
+                h = target.fc1.register_forward_hook(arm)
+                try:
+                    _loss(wrapped, x, y).backward()
+                except Boom:
+                    pass
+                h.remove()
+                opt.zero_grad()
+        x, y = batch(step)
+        _loss(wrapped, x, y).backward()
+        opt.step()
+        opt.zero_grad()
+    return {"params": owned_params(model, dm), "state": dm.state.name}
+
+
+def sync_and_residency(mode: str) -> dict:
+    """After a step: a freed Z3 copy raises on read; sync_params makes every copy the owner's
+    (counting its broadcasts); a second sync and the next forward broadcast nothing."""
+    wrapped, model, dm, opt = build(mode)
+    spans = []
+    annotate.add_span_listener(spans.append)
+    try:
+        x, y = batch(0)
+        _loss(wrapped, x, y).backward()
+        opt.step()
+        opt.zero_grad()
+        errors = []
+        for p in dm.params:
+            if dm.reshard_after_forward and not any(p is q for b in dm.buckets if b.is_holder for q in b.params):
+                for name, fn in (("norm", lambda: p.norm()),
+                                 ("save", lambda: torch.save(model.state_dict(), io.BytesIO())),
+                                 ("save_param", lambda: torch.save(p, io.BytesIO()))):
+                    try:
+                        fn()
+                        errors.append((name, "no error"))
+                    except RuntimeError as exc:
+                        errors.append((name, str(exc)))
+                break
+        dm.wait_pending()
+        spans.clear()
+        dm.sync_params()
+        first = sum(s.name == "dmuon.sync" for s in spans)
+        values = {n: p.detach().clone() for n, p in zip(dm.names, dm.params)}
+        spans.clear()
+        dm.sync_params()
+        second = sum(s.name == "dmuon.sync" for s in spans)
+        spans.clear()
+        x, y = batch(1)
+        _loss(wrapped, x, y).backward()
+        forward_broadcasts = sum(s.name == "dmuon.broadcast" for s in spans)
+        opt.step()
+        opt.zero_grad()
+    finally:
+        annotate.remove_span_listener(spans.append)
+    return {"errors": errors, "first": first, "second": second, "values": values,
+            "forward_broadcasts": forward_broadcasts, "buckets": len(dm.buckets),
+            "owned": [n for n, p in zip(dm.names, dm.params) if any(p is q for q in dm.owned())]}
+
+
+def loaded_then_train(mode: str) -> dict:
+    """sync_params, write the same values (owner's + 0.25) on every rank, params_loaded:
+    no broadcast until the next step, and training continues from the written values."""
+    wrapped, model, dm, opt = build(mode)
+    x, y = batch(0)
+    _loss(wrapped, x, y).backward()
+    opt.step()
+    opt.zero_grad()
+    dm.sync_params()
+    with torch.no_grad():
+        for p in dm.params:
+            p.add_(0.25)
+    dm.params_loaded()
+    spans = []
+    annotate.add_span_listener(spans.append)
+    try:
+        x, y = batch(1)
+        loss = _loss(wrapped, x, y)
+        loss.backward()
+    finally:
+        annotate.remove_span_listener(spans.append)
+    return {"loss": loss.item(), "broadcasts": sum(s.name == "dmuon.broadcast" for s in spans),
+            "values": {n: p.detach().clone() for n, p in zip(dm.names, dm.params)} if not dm.reshard_after_forward else None}
