@@ -171,9 +171,9 @@ def dcp_resume(mode: str, root: str) -> dict:
 def plain_resume(mode: str, root: str) -> dict:
     """``torch.save(model.state_dict())`` and ``opt.state_dict()`` on every rank, load, resume.
 
-    Returns the diff of the resumed run against an uninterrupted one; the norms of every
-    dedicated param read on this rank right after the save (every rank must read the
-    owner's values); and, after one more step (Z3: non-holders freed), a submodule's own
+    Returns the diff of the resumed run against an uninterrupted one; ``p.norm()`` of every
+    dedicated param right after ``step()`` (a float, or the error a freed copy raises) and
+    right after the save (every rank must read the owner's values); and, after one more step (Z3: non-holders freed), a submodule's own
     ``state_dict()`` (must be the owner's values) and what a submodule's own
     ``load_state_dict()`` of the saved file left in it (must be the saved values).
     """
@@ -186,7 +186,14 @@ def plain_resume(mode: str, root: str) -> dict:
     saver = Run(mode)
     paths = (os.path.join(root, f"model{rank}.pt"), os.path.join(root, f"optim{rank}.pt"))
 
+    norm_before_sync = {}
+
     def save():
+        for n, p in zip(saver.dm.names, saver.dm.params):
+            try:
+                norm_before_sync[n] = p.norm().item()
+            except RuntimeError as exc:  # a Z3 non-holder's freed copy
+                norm_before_sync[n] = str(exc)
         torch.save(saver.wrapped.state_dict(), paths[0])
         torch.save(saver.opt.state_dict(), paths[1])
 
@@ -205,7 +212,7 @@ def plain_resume(mode: str, root: str) -> dict:
     mlp.load_state_dict({k[len(prefix):]: v for k, v in saved.items() if k.startswith(prefix)})
     sub_loaded = {k: _local(p).detach().clone() for k, p in mlp.named_parameters() if k.endswith("weight")}
     expected_loaded = {k[len(prefix):]: _local(v) for k, v in saved.items() if k.startswith(prefix)}
-    return {"norms": norms, "diff": diff, "sub_state": sub_state,
+    return {"norms": norms, "norm_before_sync": norm_before_sync, "diff": diff, "sub_state": sub_state,
             "sub_loaded_diff": _diff(sub_loaded, {k: expected_loaded[k] for k in sub_loaded})}
 
 

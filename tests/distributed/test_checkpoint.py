@@ -41,6 +41,12 @@ def test_torch_save_of_state_dicts_on_every_rank_resumes_z3(pool4, tmp_path):
     assert all(r["diff"] == [] for r in results)
     # After state_dict() every rank reads the owner's values (non-holders included): equal norms.
     assert all(r["norms"] == results[0]["norms"] for r in results)
+    # Before it, p.norm() on a Z3 non-holder raises a clear error (never SIGSEGV); holders
+    # (owners on a 1-D mesh) read the new values.
+    for name, norm in results[0]["norms"].items():
+        before = [r["norm_before_sync"][name] for r in results]
+        assert sum(b == norm for b in before) == 1, (name, before)
+        assert all(b == norm or "dm.sync_params()" in b for b in before), (name, before)
     # A submodule's own state_dict() / load_state_dict() right after step() (non-holders freed).
     for r in results:
         assert r["sub_state"].keys() == {"fc1.weight", "fc2.weight"}
