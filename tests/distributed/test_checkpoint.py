@@ -54,10 +54,16 @@ def test_torch_save_of_state_dicts_on_every_rank_resumes_z3(pool4, tmp_path):
         assert r["sub_loaded_diff"] == []
 
 
-@pytest.mark.parametrize("flatten", [False, True], ids=["default", "flat_optimizer_state"])
-def test_resume_at_another_world_size_moves_momentum_to_new_owners(pool4, pool2, tmp_path, flatten):
+@pytest.mark.parametrize(
+    ("load_mode", "flatten"),
+    [("z3", False), ("ddp", True)],
+    ids=["z3_default_options", "ddp_flat_optimizer_state"],
+)
+def test_resume_at_another_world_size_moves_momentum_to_new_owners(pool4, pool2, tmp_path, load_mode, flatten):
+    """Saved by Z3 at W=4; loaded at W=2 by Z3 (FSDP2 reshards 4 -> 2) or by DDP (the FSDP2
+    shards become plain tensors), with default options or torchtitan's flat optimizer state."""
     saved = pool4.run_with_timeout(TASK_TIMEOUT_S, C.save_for_resize, "z3", str(tmp_path), flatten)
-    loaded = pool2.run_with_timeout(TASK_TIMEOUT_S, C.load_resized, "z3", str(tmp_path), flatten)
+    loaded = pool2.run_with_timeout(TASK_TIMEOUT_S, C.load_resized, load_mode, str(tmp_path), flatten)
     for key in ("owned", "momentum"):
         before = {n: t for r in saved for n, t in r[key].items()}
         after = {n: t for r in loaded for n, t in r[key].items()}
@@ -65,7 +71,7 @@ def test_resume_at_another_world_size_moves_momentum_to_new_owners(pool4, pool2,
         assert all(torch.equal(before[n], after[n]) for n in before), key
     # The saving ranks 2 and 3 owned matrices: their momentum now lives on rank 0 or 1.
     assert any(saved[2]["momentum"]) or any(saved[3]["momentum"])
-    for r in loaded:  # AdamW params and moments, resharded from 4 to 2 FSDP2 shards
+    for r in loaded:  # AdamW params and moments
         assert r["adamw"].keys() == saved[0]["adamw"].keys()
         assert all(torch.equal(r["adamw"][k], saved[0]["adamw"][k]) for k in r["adamw"])
         assert r["after_step_finite"]
