@@ -260,6 +260,12 @@ def load_errors(case: str, root: str) -> str:
     try:
         if case == "assign":
             run.wrapped.load_state_dict(run.wrapped.state_dict(), assign=True)
+        elif case == "swap_tensors":
+            torch.__future__.set_swap_module_params_on_conversion(True)
+            try:
+                run.wrapped.load_state_dict(run.wrapped.state_dict())
+            finally:
+                torch.__future__.set_swap_module_params_on_conversion(False)
         elif case == "other_ranks_optimizer":
             torch.save(run.opt.state_dict(), os.path.join(root, f"optim{rank}.pt"))
             dist.barrier()

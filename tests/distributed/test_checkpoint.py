@@ -90,9 +90,14 @@ def test_get_state_dict_on_a_fresh_optimizer_does_not_step_it(pool4, mode):
     assert all(len(ranks) == 1 for ranks in owners.values()) and len(owners) == 4
 
 
-def test_load_with_assign_raises(pool2, tmp_path):
-    for message in pool2.run_with_timeout(TASK_TIMEOUT_S, C.load_errors, "assign", str(tmp_path)):
-        assert message.startswith("ValueError: Invalid load_state_dict(assign=True)"), message
+@pytest.mark.parametrize(
+    ("case", "start"),
+    [("assign", "ValueError: Invalid load_state_dict(assign=True)"),
+     ("swap_tensors", "ValueError: Invalid torch.__future__.set_swap_module_params_on_conversion(True)")],
+)
+def test_loads_that_would_replace_params_raise(pool2, tmp_path, case, start):
+    for message in pool2.run_with_timeout(TASK_TIMEOUT_S, C.load_errors, case, str(tmp_path)):
+        assert message.startswith(start) and "holds DMuon-dedicated params" in message, message
 
 
 def test_optimizer_state_dict_of_another_rank_raises(pool2, tmp_path):
