@@ -117,7 +117,8 @@ class DMuon(Optimizer):
     # ------------------------------------------------------------------ state and checkpoints
     @staticmethod
     def new_momentum(p: torch.Tensor) -> torch.Tensor:
-        """A fresh Muon momentum buffer for ``p``: zeros of ``p``'s shape and dtype (``torch.optim.Muon``'s)."""
+        """A fresh Muon momentum buffer for ``p``: zeros of ``p``'s shape and dtype, as
+        ``torch.optim.Muon`` creates at a param's first step."""
         return torch.zeros_like(p, memory_format=torch.preserve_format)
 
     @staticmethod
