@@ -246,7 +246,8 @@ def fresh_get_state_dict(mode: str) -> dict:
     run = Run(mode)
     before = run.snapshot()
     _, optim_sd = get_state_dict(run.wrapped, run.opt)
-    owned = {n for n, p in zip(run.dm.names, run.dm.params) if p in set(run.dm.owned())}
+    owned_ids = {id(p) for p in run.dm.owned()}
+    owned = {n for n, p in zip(run.dm.names, run.dm.params) if id(p) in owned_ids}
     entries = {n: sorted(optim_sd["state"][n]) for n in run.dm.names}
     return {"ns_calls": run.opt.ns_calls, "diff": _diff(run.snapshot(), before),
             "entries": entries, "owned": sorted(owned)}
