@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 TORCH_VERSION ?= 2.13.0
 STAMP := $(VENV)/.installed-$(TORCH_VERSION)
 
-.PHONY: install test test-all verify-traffic nsys-verify bench clean
+.PHONY: install test test-all verify-traffic nsys-verify gpu-check bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -30,6 +30,11 @@ verify-traffic: $(STAMP)
 
 nsys-verify: $(STAMP)
 	$(PY) -m verify.nsys_verify $(ARGS)
+
+# One CUDA GPU: every DMuon mode at W=1 on NCCL through the NCCL-log path + CUDA parity.
+# Exit 0 pass, 1 fail, 3 no usable GPU here (skipped; it prints what is missing).
+gpu-check: $(STAMP)
+	$(PY) -m verify.gpu_check $(ARGS)
 
 bench: $(STAMP)
 	$(PY) benchmarks/run_all.py

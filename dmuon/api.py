@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
+import warnings
+import weakref
+
+import torch
 import torch.nn as nn
 
 from . import checkpoint, collectives
 from .dedicate import DedicatedParams
-from .plan import plan_ownership, specs_from_named_parameters
+from .plan import OwnershipPlan, plan_ownership, specs_from_named_parameters
 from .select import Predicate, select_params
 from .topology import topology_from_mesh
 
@@ -38,10 +44,16 @@ def dedicate_params(
         The :class:`DedicatedParams` handle.
 
     Raises:
-        ValueError: ``model`` is already DDP- or FSDP2-wrapped, a dedicated param is not 2-D
-            or not in the model, or the mesh is invalid (see ``topology_from_mesh``).
-        RuntimeError: the ranks computed different plans (checked with one all_gather of the
-            plan digest before any other DMuon collective).
+        ValueError: ``model`` is already DDP- or FSDP2-wrapped, ``dedicate_params`` was already
+            called on it, a dedicated param is not 2-D, frozen or not in the model,
+            ``reshard_after_forward`` is not a bool, or the mesh is invalid (see
+            ``topology_from_mesh``). All checked locally, before any collective.
+        RuntimeError: the ranks computed different setups (plan, ``reshard_after_forward``,
+            mixed-precision policy, devices: :func:`setup_digest`), checked with one
+            all_gather of the digest before any other DMuon collective.
+
+    Warns:
+        UserWarning: nothing was selected (every param goes to AdamW).
     """
     from torch.nn.parallel import DistributedDataParallel
 
@@ -53,13 +65,97 @@ def dedicate_params(
             "Call dmuon.dedicate_params on the bare model first, then wrap it with "
             "DistributedDataParallel(model) or fully_shard(..., ignored_params=set(dm))."
         )
+    already = _already_dedicated(model)
+    if already:
+        raise ValueError(
+            f"Invalid model: dmuon.dedicate_params was already called on it ({len(already)} "
+            f"params already dedicated, e.g. {already[:3]}). Call it once per model, on every "
+            "rank, and keep the returned handle (pass it to DMuon and to fully_shard's "
+            "ignored_params); to start over, build a fresh model."
+        )
     topology = topology_from_mesh(mesh)
     named = select_params(model, params, predicate)
+    if not named:
+        warnings.warn(
+            f"dmuon.dedicate_params found no Muon target in {type(model).__name__}: nothing is "
+            "dedicated and DMuon will step every param with AdamW. The default predicate takes "
+            "trainable weights of hidden nn.Linear / Hugging Face Conv1D layers; pass params= "
+            "or predicate= to choose others.",
+            stacklevel=2,
+        )
     plan = plan_ownership(specs_from_named_parameters((n, p) for n, p, _ in named), topology.mesh_shape)
-    collectives.check_plan_agreement(plan.digest(), "ownership plan")
+    # The runtime branch adds an ``mp_policy`` keyword; read it only if it exists here.
+    digest = setup_digest(plan, named, reshard_after_forward, locals().get("mp_policy"))
+    collectives.check_plan_agreement(
+        digest, "setup (ownership plan, reshard_after_forward, mp_policy or device type)"
+    )
     DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
         model, [n for n, _, _ in named]
     )
-    return checkpoint.install(
-        model, DedicatedParams(model, named, topology, plan, reshard_after_forward, mesh=mesh)
-    )
+    dm = DedicatedParams(model, named, topology, plan, reshard_after_forward, mesh=mesh)
+    _mark_dedicated(p for _, p, _ in named)
+    return checkpoint.install(model, dm)  # state_dict / load_state_dict hooks
+
+
+#: id(param) -> weak reference to the param, for every param some dedicate_params call took.
+_DEDICATED: dict[int, weakref.ref] = {}
+
+
+def _mark_dedicated(params) -> None:
+    for p in params:
+        key = id(p)
+        _DEDICATED[key] = weakref.ref(p, lambda _ref, key=key: _DEDICATED.pop(key, None))
+
+
+def _already_dedicated(model: nn.Module) -> list[str]:
+    """Names of ``model``'s params that an earlier :func:`dedicate_params` took (local)."""
+    out = []
+    for name, p in model.named_parameters():
+        ref = _DEDICATED.get(id(p))
+        if ref is not None and ref() is p:
+            out.append(name)
+    return out
+
+
+def _policy_fields(mp_policy) -> dict | None:
+    """A mixed-precision policy as plain data (read defensively: FSDP2's
+    ``MixedPrecisionPolicy`` or any object with its attribute names)."""
+    if mp_policy is None:
+        return None
+    fields = {}
+    for key in ("param_dtype", "reduce_dtype", "output_dtype", "cast_forward_inputs"):
+        value = getattr(mp_policy, key, None)
+        fields[key] = str(value).removeprefix("torch.") if isinstance(value, torch.dtype) else value
+    fields["type"] = type(mp_policy).__name__
+    return fields
+
+
+def setup_digest(
+    plan: OwnershipPlan,
+    named: list[tuple[str, nn.Parameter, str]],
+    reshard_after_forward: bool,
+    mp_policy=None,
+) -> str:
+    """sha256 (64 hex chars) of everything the ranks' collective schedules depend on.
+
+    Covers the ownership plan (names, shapes, dtypes, mesh shape: :meth:`OwnershipPlan.digest`),
+    ``reshard_after_forward`` (Z2 on one rank and Z3 on another would pair a backward
+    re-broadcast with a reduce and hang), the mixed-precision policy (its dtypes set the
+    message sizes) and each dedicated param's device type.
+
+    Raises:
+        ValueError: ``reshard_after_forward`` is not a bool.
+    """
+    if not isinstance(reshard_after_forward, bool):
+        raise ValueError(
+            f"Invalid reshard_after_forward={reshard_after_forward!r}. Must be True (Z3: "
+            "non-holders free after forward) or False (Z2: keep until the next step)."
+        )
+    setup = {
+        "plan": plan.digest(),
+        "reshard_after_forward": reshard_after_forward,
+        "mp_policy": _policy_fields(mp_policy),
+        "devices": sorted({p.device.type for _, p, _ in named}),
+    }
+    text = json.dumps(setup, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(text.encode("ascii")).hexdigest()

@@ -20,6 +20,7 @@ from torch.optim.adam import adam as _adam_functional
 
 from . import annotate, checkpoint
 from .dedicate import DedicatedParams
+from .hparams import validate_adamw, validate_muon
 from .muon_math import MUON_DEFAULTS, muon_update_
 
 
@@ -45,7 +46,10 @@ class DMuon(Optimizer):
         ns_calls: Newton–Schulz invocations on this rank since construction.
 
     Raises:
-        ValueError: a dedicated param is missing from ``params`` or a hyper-parameter is invalid.
+        ValueError: ``dedicated`` is not a :class:`DedicatedParams`, a dedicated param is
+            missing from ``params``, or a hyper-parameter is invalid (rules in
+            ``dmuon/hparams.py``: ``torch.optim.Muon``'s and ``AdamW``'s, checked on every
+            rank here and again at each ``step()``, so a rank that owns nothing raises too).
     """
 
     def __init__(
@@ -66,14 +70,11 @@ class DMuon(Optimizer):
         adamw_eps: float = 1e-8,
         adamw_weight_decay: float = 1e-2,
     ) -> None:
-        if not lr >= 0.0:
-            raise ValueError(f"Invalid lr={lr}. Must be >= 0.")
-        if not 0.0 <= momentum < 1.0:
-            raise ValueError(f"Invalid momentum={momentum}. Must be in [0, 1).")
-        if adjust_lr_fn not in (None, "original", "match_rms_adamw"):
+        if not isinstance(dedicated, DedicatedParams):
             raise ValueError(
-                f"Invalid adjust_lr_fn={adjust_lr_fn!r}. Must be None, 'original' or "
-                "'match_rms_adamw'."
+                f"Invalid dedicated={dedicated!r} (type {type(dedicated).__name__}). Must be the "
+                "DedicatedParams handle returned by dmuon.dedicate_params(model, mesh), called on "
+                "every rank before wrapping: DMuon(model.parameters(), dedicated=dm, ...)."
             )
         all_params = list(params)
         given = {id(p) for p in all_params}
@@ -106,6 +107,8 @@ class DMuon(Optimizer):
                 weight_decay=adamw_weight_decay,
             ),
         ]
+        validate_muon(groups[0])
+        validate_adamw(groups[1])
         super().__init__(groups, defaults={})
         self.dedicated = dedicated
         self.ns_calls = 0
@@ -169,6 +172,8 @@ class DMuon(Optimizer):
         """Update owned dedicated params with Muon and all others with AdamW.
 
         Raises:
+            ValueError: a hyper-parameter in ``param_groups`` became invalid (checked on every
+                rank before anything else).
             RuntimeError: called in the middle of a backward pass (see
                 ``DedicatedParams.before_step``).
         """
@@ -176,6 +181,7 @@ class DMuon(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._validate_groups()
         self.dedicated.before_step()
         with annotate.phase("optimizer"):
             for group in self.param_groups:
@@ -185,6 +191,13 @@ class DMuon(Optimizer):
                     self._adamw_group(group)
         self.dedicated.after_step()
         return loss
+
+    def _validate_groups(self) -> None:
+        """Re-check every group's hyper-parameters on every rank (a scheduler or the user may
+        have changed them since ``__init__``): an owner-only check would hang the others."""
+        for i, group in enumerate(self.param_groups):
+            check = validate_muon if group["algorithm"] == "muon" else validate_adamw
+            check(group, f"param_groups[{i}].")
 
     def _muon_group(self, group: dict) -> None:
         for p in group["params"]:

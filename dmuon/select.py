@@ -10,22 +10,58 @@ from collections.abc import Callable
 
 import torch.nn as nn
 
-#: Names of modules treated as an output head by :func:`default_predicate`.
-HEAD_NAMES = frozenset({"head", "lm_head", "output", "classifier", "score"})
+#: Leaf names of modules treated as an output head by :func:`default_predicate` (the name of
+#: the Linear itself, e.g. ``lm_head`` in ``model.lm_head``): the usual names of the
+#: unembedding / classifier in torch, Hugging Face (``lm_head``, ``embed_out`` of GPT-NeoX,
+#: ``score``, ``classifier``), Megatron (``output_layer``), torchtitan (``output``) and
+#: TransformerLens-style code (``unembed``).
+HEAD_NAMES = frozenset({
+    "head", "lm_head", "output", "output_layer", "classifier", "score", "unembed",
+    "embed_out", "logits",
+})
+
+#: Class name of Hugging Face's GPT-2-style ``Conv1D`` (``transformers.pytorch_utils.Conv1D``):
+#: a Linear whose ``weight`` is stored as ``(in_features, out_features)`` = ``(nx, nf)``.
+HF_CONV1D = "Conv1D"
 
 Predicate = Callable[[str, nn.Parameter, nn.Module], bool]
 
 
-Predicate = Callable[[str, nn.Parameter, nn.Module], bool]
+def is_linear_weight(name: str, param: nn.Parameter, module: nn.Module) -> bool:
+    """Whether ``param`` is the 2-D weight of a Linear layer: an ``nn.Linear`` (``(out, in)``)
+    or, recognised by duck typing without importing ``transformers``, a Hugging Face
+    ``Conv1D`` (class name ``Conv1D``, ``weight`` of shape ``(nx, nf)`` with ``module.nf ==
+    weight.shape[1]``).
+
+    The ``(in, out)`` layout of ``Conv1D`` is fine for Muon: the orthogonalized update is
+    transpose-invariant (Newton–Schulz works on the wide orientation, so
+    ``NS(G^T) = NS(G)^T`` op for op), as are momentum and weight decay (element-wise). Only
+    ``adjust_lr_fn=None``/``"original"`` reads the stored orientation: its factor
+    ``sqrt(max(1, rows / cols))`` is ``sqrt(max(1, in / out))`` for a ``Conv1D`` where an
+    ``nn.Linear`` of the same layer gets ``sqrt(max(1, out / in))``; ``"match_rms_adamw"``
+    (``0.2 * sqrt(max(rows, cols))``) is symmetric. Either way DMuon equals
+    ``torch.optim.Muon`` given the same parameter.
+    """
+    if param.ndim != 2 or name.rpartition(".")[2] != "weight":
+        return False
+    if isinstance(module, nn.Linear):
+        return module.weight is param
+    if type(module).__name__ == HF_CONV1D and getattr(module, "weight", None) is param:
+        return getattr(module, "nf", None) == param.shape[1]
+    return False
 
 
 def default_predicate(name: str, param: nn.Parameter, module: nn.Module) -> bool:
-    """Muon targets by default: 2-D weights of hidden ``nn.Linear`` layers.
+    """Muon targets by default: trainable 2-D weights of hidden Linear layers.
 
-    Left to AdamW: embeddings, the output head (a Linear whose own name is one of
-    :data:`HEAD_NAMES`, or whose weight is tied to an embedding), norms, biases, 1-D params.
+    A Linear is an ``nn.Linear`` or a Hugging Face ``Conv1D`` (:func:`is_linear_weight`).
+    Left to AdamW: frozen params (``requires_grad=False``), embeddings, the output head (a
+    Linear whose own name is one of :data:`HEAD_NAMES`, or whose weight is tied to an
+    ``nn.Embedding``: checked by :func:`select_params`), norms, biases, 1-D params. Neither
+    position nor shape marks a head: a head under another name needs ``predicate=`` or
+    ``params=`` (see README "Which params").
     """
-    if param.ndim != 2 or not isinstance(module, nn.Linear):
+    if not param.requires_grad or not is_linear_weight(name, param, module):
         return False
     module_leaf = name.rpartition(".")[0].rpartition(".")[2]
     return module_leaf not in HEAD_NAMES

@@ -76,7 +76,8 @@ def topology_from_mesh(mesh: DeviceMesh) -> Topology:
     Raises:
         ValueError: not a DeviceMesh, a mesh of 3 or more dimensions, a 2-D mesh whose axes
             are not named ``("replicate", "shard")`` in that order, or a mesh whose size
-            W = R * N differs from the world size.
+            W = R * N differs from the world size or that does not hold this rank (checked
+            before any ``get_group``, so every rank raises the same error).
         RuntimeError: torch.distributed is not initialised.
     """
     if not isinstance(mesh, DeviceMesh):
@@ -90,13 +91,31 @@ def topology_from_mesh(mesh: DeviceMesh) -> Topology:
             "torch.distributed is not initialised: call dist.init_process_group (torchrun sets "
             "the environment) before dmuon.dedicate_params."
         )
+    if mesh.ndim not in (1, 2):
+        raise ValueError(
+            f"Invalid mesh with ndim={mesh.ndim} (shape {tuple(mesh.shape)}). Must be 1-D "
+            "(DDP, FSDP2) or 2-D ('replicate', 'shard') for HSDP; DMuon does not compose with "
+            "a third mesh axis (e.g. tensor parallel) yet: pass the data-parallel sub-mesh."
+        )
+    # Size and membership before any get_group(): a rank outside the mesh gets an IndexError
+    # from DeviceMesh.get_group, while the ranks inside would go on to the plan agreement.
+    world = dist.get_world_size()
+    if mesh.size() != world or mesh.get_coordinate() is None:
+        raise ValueError(
+            f"Invalid mesh of shape {tuple(mesh.shape)}: W = R * N = {mesh.size()} "
+            f"must equal the world size {world} (mesh ranks {mesh.mesh.flatten().tolist()[:8]}"
+            f"{'...' if mesh.size() > 8 else ''}; this rank {dist.get_rank()} is "
+            f"{'in' if mesh.get_coordinate() is not None else 'not in'} it). DMuon's owners "
+            "span the whole job; build the mesh over every rank, e.g. "
+            "init_device_mesh(device, (dist.get_world_size(),))."
+        )
     if mesh.ndim == 1:
         group = mesh.get_group()
         ranks = tuple(dist.get_process_group_ranks(group))
         n = len(ranks)
         r, s, rep_group, rep_ranks = 0, dist.get_group_rank(group, dist.get_rank()), None, ()
         replicate_size = 1
-    elif mesh.ndim == 2:
+    else:
         if tuple(mesh.mesh_dim_names or ()) != HSDP_AXES:
             raise ValueError(
                 f"Invalid mesh_dim_names={mesh.mesh_dim_names!r} of a 2-D mesh. Must be "
@@ -112,19 +131,6 @@ def topology_from_mesh(mesh: DeviceMesh) -> Topology:
         r = dist.get_group_rank(rep_group, dist.get_rank())
         if replicate_size == 1:
             rep_group, rep_ranks = None, ()
-    else:
-        raise ValueError(
-            f"Invalid mesh with ndim={mesh.ndim} (shape {tuple(mesh.shape)}). Must be 1-D "
-            "(DDP, FSDP2) or 2-D ('replicate', 'shard') for HSDP; DMuon does not compose with "
-            "a third mesh axis (e.g. tensor parallel) yet: pass the data-parallel sub-mesh."
-        )
-    world = dist.get_world_size()
-    if replicate_size * n != world:
-        raise ValueError(
-            f"Invalid mesh of shape {tuple(mesh.shape)}: W = R * N = {replicate_size * n} "
-            f"must equal the world size {world}. DMuon's owners span the whole job; build the "
-            "mesh over every rank."
-        )
     return Topology(
         replicate_size=replicate_size,
         shard_size=n,

@@ -31,6 +31,8 @@ VERDICT_FILE = "exit_code"
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="dmuon-verify-traffic", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out-dir", required=True, help="folder for report.* and per-mode traces")
+    parser.add_argument("--backend", default="auto", choices=("auto", "nccl", "gloo"),
+                        help="auto: NCCL where CUDA is available, else gloo")
     parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {','.join(MODES)}")
     parser.add_argument("--steps-warmup", type=int, default=RunConfig.steps_warmup)
     parser.add_argument("--steps-measured", type=int, default=RunConfig.steps_measured)
@@ -50,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     if "RANK" not in os.environ:
         print("dmuon-verify-traffic must run under torchrun; use `make verify-traffic`.", file=sys.stderr)
         return 2
-    use_cuda = torch.cuda.is_available()
+    use_cuda = args.backend == "nccl" or (args.backend == "auto" and torch.cuda.is_available())
     if use_cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group(

@@ -1,0 +1,57 @@
+"""``make gpu-check``'s W=1 paths run here on CPU/gloo, so the GPU run is not their first run:
+the parity part end to end, and verify-traffic's runner at W=1 for every DMuon mode."""
+
+from dataclasses import replace
+
+import pytest
+
+from tests.distributed.harness import DistributedPool
+from verify import gpu_check as G
+
+pytestmark = pytest.mark.distributed
+
+
+@pytest.fixture(scope="module")
+def pool1():
+    with DistributedPool(1, timeout_s=120) as pool:
+        yield pool
+
+
+def test_parity_part_at_w1_on_cpu_is_bit_identical(pool1):
+    (result,) = pool1.run(G.parity_in_group, "cpu")
+    assert sorted(result) == sorted(G.MODES)
+    for mode, r in result.items():
+        # W=1: the reduce is an identity and the division is by 1: the oracle's math op for op
+        assert r["pass"] and r["bit_identical"], (mode, r)
+
+
+def _w1_traffic(mode: str, out_dir: str) -> dict:
+    from verify.runner import RunConfig, run_all
+
+    config = replace(RunConfig(), modes=(mode,), steps_warmup=2, steps_measured=1, out_dir=out_dir,
+                     n_layers=1)
+    (run,) = run_all(config)["runs"]
+    return {"pass": run["pass"], "missing": run["missing"], "unexpected": run["unexpected"]}
+
+
+def test_traffic_at_w1_dmuon_ddp(pool1, tmp_path):
+    (run,) = pool1.run(_w1_traffic, "dmuon-ddp", str(tmp_path))
+    assert run["pass"], run
+
+
+#: Why dmuon-z2/z3 at W=1 fail today (imperative xfail below, only for exactly this gap).
+FSDP2_W1_GAP = (
+    "FSDP2 issues no all_gather / reduce_scatter when its shard group has one rank (measured; "
+    "torch 2.13 fsdp/_fully_shard: _fsdp_param_group.py unshard's world_size == 1 branch, "
+    "_fsdp_collectives.py foreach_reduce's world_size > 1 guard); verify.predict still "
+    "predicts them, so gpu-check's dmuon-z2/z3 pass only "
+    "once the predictor models W=1")
+
+
+@pytest.mark.parametrize("mode", ["dmuon-z2", "dmuon-z3"])
+def test_traffic_at_w1_fsdp2_modes(pool1, tmp_path, mode):
+    (run,) = pool1.run(_w1_traffic, mode, str(tmp_path))
+    if not run["pass"]:
+        assert not run["unexpected"], run
+        assert {m["op"] for m in run["missing"]} == {"all_gather", "reduce_scatter"}, run
+        pytest.xfail(FSDP2_W1_GAP)

@@ -1,0 +1,33 @@
+"""TOOL: list Dynamo's graph breaks in a TinyGPT block with DMuon's hooks (W=2, gloo, CPU).
+
+    PYTHONPATH=. python -m tests.tools.compile_graph_breaks
+
+Runs ``torch._dynamo.explain`` on ``model.blocks[0]`` under DMuon Z2 and Z3 + FSDP2 on two
+forked ranks (both must run it: the hooks issue collectives) and prints the graph count, the
+break count and each distinct reason with the frame that caused it. README "Activation
+checkpointing and torch.compile" quotes its output; rerun it after changing the hooks.
+"""
+
+from __future__ import annotations
+
+from tests.distributed import compile_tasks as C
+from tests.distributed.harness import DistributedPool, RankError
+
+
+def main() -> None:
+    with DistributedPool(2, timeout_s=300) as pool:
+        for mode in ("z2", "z3"):
+            try:
+                result = pool.run(C.graph_breaks, mode)[0]
+            except RankError as exc:  # Dynamo or the hooks raised: show the cause, go on
+                lines = exc.tracebacks[exc.rank].strip().splitlines()
+                last = next((ln for ln in reversed(lines) if "Error" in ln), lines[-1])
+                print(f"{mode}: failed on rank {exc.rank}: {last[:400]}")
+                continue
+            print(f"{mode}: {result['graphs']} graphs, {result['breaks']} graph breaks")
+            for reason in result["reasons"]:
+                print(f"  {reason}")
+
+
+if __name__ == "__main__":
+    main()
