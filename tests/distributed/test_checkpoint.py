@@ -94,6 +94,7 @@ def test_get_state_dict_on_a_fresh_optimizer_does_not_step_it(pool4, mode):
     ("case", "start"),
     [("assign", "ValueError: Invalid load_state_dict(assign=True)"),
      ("swap_tensors", "ValueError: Invalid torch.__future__.set_swap_module_params_on_conversion(True)")],
+    ids=["assign", "swap_tensors"],
 )
 def test_loads_that_would_replace_params_raise(pool2, tmp_path, case, start):
     for message in pool2.run_with_timeout(TASK_TIMEOUT_S, C.load_errors, case, str(tmp_path)):
