@@ -10,7 +10,7 @@ import weakref
 import torch
 import torch.nn as nn
 
-from . import collectives
+from . import checkpoint, collectives
 from .dedicate import DedicatedParams
 from .plan import OwnershipPlan, plan_ownership, specs_from_named_parameters
 from .select import Predicate, select_params
@@ -94,7 +94,7 @@ def dedicate_params(
     )
     dm = DedicatedParams(model, named, topology, plan, reshard_after_forward, mesh=mesh)
     _mark_dedicated(p for _, p, _ in named)
-    return dm
+    return checkpoint.install(model, dm)  # state_dict / load_state_dict hooks
 
 
 #: id(param) -> weak reference to the param, for every param some dedicate_params call took.

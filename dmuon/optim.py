@@ -18,7 +18,7 @@ import torch
 from torch.optim import Optimizer
 from torch.optim.adam import adam as _adam_functional
 
-from . import annotate
+from . import annotate, checkpoint
 from .dedicate import DedicatedParams
 from .hparams import validate_adamw, validate_muon
 from .muon_math import MUON_DEFAULTS, muon_update_
@@ -115,6 +115,53 @@ class DMuon(Optimizer):
         self._owned = {id(p) for p in dedicated.owned()}
         # Module of each dedicated matrix: its Newton–Schulz span names it, like the comm spans.
         self._module_of = {id(p): b.module_name for b in dedicated.buckets for p in b.params}
+        checkpoint.complete_state(self)  # the state DCP's templates need, before the first step
+
+    # ------------------------------------------------------------------ state and checkpoints
+    @staticmethod
+    def new_momentum(p: torch.Tensor) -> torch.Tensor:
+        """A fresh Muon momentum buffer for ``p``: zeros of ``p``'s shape and dtype, as
+        ``torch.optim.Muon`` creates at a param's first step."""
+        return torch.zeros_like(p, memory_format=torch.preserve_format)
+
+    @staticmethod
+    def new_adamw_state(p: torch.Tensor) -> dict[str, torch.Tensor]:
+        """A fresh AdamW state for ``p`` (``torch.optim.AdamW``'s, single-tensor path): step 0
+        (a 0-d tensor of the default dtype) and zero ``exp_avg`` / ``exp_avg_sq`` like ``p``."""
+        return {
+            "step": torch.tensor(0.0, dtype=torch.get_default_dtype()),
+            "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+            "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
+        }
+
+    def state_dict(self) -> dict:
+        """``torch.optim.Optimizer.state_dict()``, complete on every rank (DCP-ready).
+
+        What each rank's ``state`` holds (details in :mod:`dmuon.checkpoint`): for each
+        dedicated param that requires grad, ``{"momentum_buffer": tensor}`` (shape and dtype
+        of the param) on its owner and ``{}`` on every other rank; for every other param that
+        requires grad, AdamW's ``step`` / ``exp_avg`` / ``exp_avg_sq``. ``param_groups`` are
+        identical on every rank. Before the first step the tensors are the zeros the first
+        step would start from. Save it on every rank (momentum is on owners only), or use
+        DCP's ``get_state_dict`` + ``dcp.save``.
+        """
+        checkpoint.complete_state(self)
+        return super().state_dict()
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """``torch.optim.Optimizer.load_state_dict``, keeping momentum on owners only.
+
+        Accepts this rank's own ``state_dict()`` (same ownership plan) or DCP's
+        ``set_state_dict`` input at any world size. Momentum given for params this rank does
+        not own is dropped.
+
+        Raises:
+            ValueError: the param groups differ in number or size, or a dedicated param this
+                rank owns has no ``momentum_buffer`` of its shape (a state dict saved by
+                another rank or under another ownership plan).
+        """
+        super().load_state_dict(checkpoint.filter_loaded_state(self, state_dict))
+        checkpoint.complete_state(self)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none)
@@ -158,7 +205,7 @@ class DMuon(Optimizer):
                 continue
             state = self.state[p]
             if "momentum_buffer" not in state:
-                state["momentum_buffer"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
+                state["momentum_buffer"] = self.new_momentum(p)
             with annotate.span("dmuon.newton_schulz", module=self._module_of[id(p)],
                                owner=self.dedicated.owner_of(p)):
                 muon_update_(
@@ -183,9 +230,7 @@ class DMuon(Optimizer):
                 continue
             state = self.state[p]
             if not state:
-                state["step"] = torch.tensor(0.0, dtype=torch.get_default_dtype())
-                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state.update(self.new_adamw_state(p))
             params.append(p)
             grads.append(p.grad)
             exp_avgs.append(state["exp_avg"])

@@ -105,7 +105,6 @@ def sync_and_residency(mode: str) -> dict:
         for p in dm.params:
             if dm.reshard_after_forward and not any(p is q for b in dm.buckets if b.is_holder for q in b.params):
                 for name, fn in (("norm", lambda: p.norm()),
-                                 ("save", lambda: torch.save(model.state_dict(), io.BytesIO())),
                                  ("save_param", lambda: torch.save(p, io.BytesIO()))):
                     try:
                         fn()

@@ -1,0 +1,184 @@
+"""Checkpoints with the standard calls: what each rank saves and loads, and the hooks that make it so.
+
+DMuon keeps a dedicated matrix current only on its holders between ``step()`` and the next
+forward (non-holders keep a stale copy, or no storage at all under Z3), and its momentum only
+on its owner. The standard calls (``model.state_dict()`` / ``load_state_dict``, DCP's
+``get_state_dict`` / ``set_state_dict`` with default options, ``dcp.save`` / ``dcp.load``,
+``opt.state_dict()`` / ``load_state_dict``) work unchanged because of two decisions:
+
+**Model state dict: every rank holds the owner's current values of every dedicated param.**
+A ``state_dict`` pre-hook on each module holding dedicated params calls
+:meth:`DedicatedParams.sync_params`: a collective (phase ``checkpoint``: one broadcast per
+stale bucket from its holder over the shard axis, after waiting for in-flight HSDP replicate
+broadcasts) when some copy is stale, and no collective when every copy is current. So ``model.state_dict()``, ``get_state_dict``
+and ``dcp.save`` must be called on **every rank**, as with FSDP. DCP writes a replicated
+tensor from one rank of its choosing (``dedup_save_plans``: the rank with the smallest plan
+so far); every rank holds the same values, so any choice is right. The returned tensors alias
+the live params, as in plain torch: use (save or copy) them before the next forward, which
+frees Z3 non-holders' storage again.
+
+Loading (``model.load_state_dict``, hence ``set_state_dict``) is also called on every rank
+with the same values: a ``load_state_dict`` pre-hook calls ``sync_params`` (which allocates
+Z3 non-holders, so the copy never writes into freed storage; a no-op when every copy is
+current, e.g. right after ``get_state_dict`` built DCP's load template), the module copies the
+values in, and a post-hook calls :meth:`DedicatedParams.params_loaded` (local: every copy is
+current, no broadcast before the next forward). ``load_state_dict(assign=True)`` and the
+swap-tensors load path would replace the params that are views into DMuon's flat buffers:
+both raise ``ValueError``. ``dcp.load`` writes in place into the template's tensors, which are
+the live params: all ranks write the same values, so the copies stay current.
+
+**Optimizer state dict: momentum on owners only; every rank lists every dedicated param.**
+:class:`~dmuon.optim.DMuon` keeps a *complete* state from construction on (the tensors
+``torch.optim.Muon`` / ``AdamW`` would create lazily at the first step, with the same zero
+values): on each rank, for every dedicated param that requires grad,
+
+- its owner: ``{"momentum_buffer": <tensor, the param's shape and dtype>}``,
+- every other rank: ``{}`` (an explicit empty entry),
+
+and for every other param that requires grad: AdamW's ``{"step", "exp_avg", "exp_avg_sq"}``
+(DTensor shards under FSDP2). Why, against DCP 2.13 (``torch/distributed/checkpoint/state_dict.py``):
+
+- ``set_state_dict`` with ``strict=True`` requires a state entry for every param of every
+  param group (``_split_optim_state_dict``: "Missing optimizer state for parameter ...");
+  the empty entries satisfy it on non-owners. DCP flattens an empty dict to no key, so
+  ``dcp.save`` writes each momentum once, from its owner, and ``dcp.load`` reads it into the
+  owner only: at any world size, so a resume at another world size moves momentum to the new
+  owners (their templates list the momentum of the params they now own).
+- ``get_state_dict`` / ``set_state_dict`` call ``_init_optim_state``, which, on an optimizer
+  whose ``state`` is empty, runs ``step()`` with zero grads and lr 0 to create the state. A
+  complete state from construction on means that step never runs (it would run
+  Newton–Schulz, mark every copy stale and, under HSDP, start replicate broadcasts: on the
+  ranks whose state is empty only). The state DCP's template asks for exists before
+  the first step, so ``dcp.load`` fills it.
+- Loading checks the rule: an owned param whose entry has no ``momentum_buffer`` raises
+  ``ValueError`` (a state dict from another rank or another ownership plan would otherwise
+  reset its momentum silently); momentum given for a param this rank does not own is dropped
+  (its owner loads its own).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from .dedicate import DedicatedParams
+
+#: Optimizer state key of a dedicated param's momentum (``torch.optim.Muon``'s name).
+MOMENTUM_KEY = "momentum_buffer"
+
+
+# ---------------------------------------------------------------------------------- model side
+def install(model: nn.Module, dm: DedicatedParams) -> DedicatedParams:
+    """Register the model-side checkpoint hooks of ``dm`` (see the module docstring).
+
+    Called by :func:`dmuon.dedicate_params` on the bare model. Each module that holds
+    dedicated params gets a ``state_dict`` pre-hook and ``load_state_dict`` pre- and
+    post-hooks, so the root's calls, a wrapper's (DDP: ``module.`` prefix) and a submodule's
+    own ``state_dict()`` / ``load_state_dict()`` are all covered (after the first module of a
+    call, the sync is a no-op). Their handles are kept in ``dm``, so ``dm.remove()`` removes them.
+
+    Returns:
+        ``dm``.
+    """
+    modules = dict(model.named_modules())
+    handles = []
+    for name in dict.fromkeys(n.rpartition(".")[0] for n in dm.names):
+        module = modules[name]
+        handles += [
+            module.register_state_dict_pre_hook(lambda module, prefix, keep_vars: dm.sync_params()),
+            module.register_load_state_dict_pre_hook(
+                lambda module, state_dict, prefix, local_metadata, *rest: _before_load(
+                    dm, prefix, local_metadata
+                )
+            ),
+            module.register_load_state_dict_post_hook(lambda module, keys: dm.params_loaded()),
+        ]
+    dm._handles.extend(handles)
+    return dm
+
+
+def _before_load(dm: DedicatedParams, prefix: str, local_metadata: dict) -> None:
+    if local_metadata.get("assign_to_params_buffers", False):
+        raise ValueError(
+            f"Invalid load_state_dict(assign=True) reaching module {prefix.rstrip('.')!r}, which "
+            "holds DMuon-dedicated params: assign replaces the params, which are views into "
+            "DMuon's flat buffers. Must be assign=False (the default; values are copied in)."
+        )
+    if torch.__future__.get_swap_module_params_on_conversion():
+        raise ValueError(
+            "Invalid torch.__future__.set_swap_module_params_on_conversion(True) while loading "
+            f"module {prefix.rstrip('.')!r}, which holds DMuon-dedicated params: swapping "
+            "replaces the params, which are views into DMuon's flat buffers. Must be False "
+            "while loading."
+        )
+    dm.sync_params()
+
+
+# ------------------------------------------------------------------------------ optimizer side
+def complete_state(opt) -> None:
+    """Create every state entry a :class:`~dmuon.optim.DMuon` reports (see the module docstring).
+
+    Entries that exist are kept. New ones hold what the first ``step()`` would create: zero
+    momentum on owners, ``{}`` on non-owners, AdamW's zero moments and step 0.
+    """
+    owned = {id(p) for p in opt.dedicated.owned()}
+    for group in opt.param_groups:
+        for p in group["params"]:
+            if not p.requires_grad:
+                continue
+            state = opt.state[p]  # creates {} where missing
+            if group["algorithm"] == "muon":
+                if id(p) in owned and MOMENTUM_KEY not in state:
+                    state[MOMENTUM_KEY] = opt.new_momentum(p)
+            elif not state:
+                state.update(opt.new_adamw_state(p))
+
+
+def filter_loaded_state(opt, state_dict: dict[str, Any]) -> dict[str, Any]:
+    """The part of an optimizer ``state_dict`` this rank keeps; raise if momentum is missing.
+
+    Keys of ``state_dict["state"]`` are matched to params the way
+    ``torch.optim.Optimizer.load_state_dict`` does: by position in the saved param groups
+    (integer ids from ``opt.state_dict()``, FQNs from DCP's ``set_state_dict``).
+
+    Returns:
+        A shallow copy of ``state_dict`` without momentum for params this rank does not own.
+
+    Raises:
+        ValueError: the param groups do not match in number or size, or an owned dedicated
+            param that requires grad has no ``momentum_buffer`` of its shape.
+    """
+    saved_groups = state_dict["param_groups"]
+    if len(saved_groups) != len(opt.param_groups) or any(
+        len(s["params"]) != len(g["params"]) for s, g in zip(saved_groups, opt.param_groups)
+    ):
+        raise ValueError(
+            f"Invalid state_dict: param groups of sizes {[len(s['params']) for s in saved_groups]}. "
+            f"Must match this DMuon's {[len(g['params']) for g in opt.param_groups]} "
+            "(the Muon group, then the AdamW group)."
+        )
+    dm = opt.dedicated
+    owned = {id(p) for p in dm.owned()}
+    name_of = dict(zip(map(id, dm.params), dm.names))
+    state = dict(state_dict["state"])
+    muon = next(i for i, g in enumerate(opt.param_groups) if g["algorithm"] == "muon")
+    for key, p in zip(saved_groups[muon]["params"], opt.param_groups[muon]["params"]):
+        entry = state.get(key, {})
+        if id(p) not in owned:
+            if MOMENTUM_KEY in entry:
+                state[key] = {k: v for k, v in entry.items() if k != MOMENTUM_KEY}
+            continue
+        buf = entry.get(MOMENTUM_KEY)
+        if p.requires_grad and (not isinstance(buf, torch.Tensor) or buf.shape != p.shape):
+            got = "none" if buf is None else f"shape {tuple(getattr(buf, 'shape', ()))}"
+            raise ValueError(
+                f"Invalid state_dict: momentum_buffer of dedicated param {name_of[id(p)]!r} "
+                f"(owned by this rank, global owner index {dm.owner_of(p)}) is {got}. Must be a "
+                f"tensor of shape {tuple(p.shape)}. DMuon keeps momentum on owners only: load on "
+                "each rank the optimizer state dict that rank saved under the same ownership "
+                "plan, or use DCP (get_state_dict, dcp.save / dcp.load, set_state_dict), which "
+                "routes momentum to the new owners at any world size."
+            )
+    return {**state_dict, "state": state}
