@@ -157,3 +157,53 @@ def loaded_then_train(mode: str) -> dict:
         annotate.remove_span_listener(spans.append)
     return {"loss": loss.item(), "broadcasts": sum(s.name == "dmuon.broadcast" for s in spans),
             "values": {n: p.detach().clone() for n, p in zip(dm.names, dm.params)} if not dm.reshard_after_forward else None}
+
+
+def _apply_ac(model, variant: str) -> None:
+    """Activation checkpointing of every block: torch.utils.checkpoint reentrant,
+    non-reentrant (early stop on / off), or checkpoint_wrapper (non-reentrant)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
+
+    if variant == "wrapper":
+        for i in range(len(model.blocks)):
+            model.blocks[i] = checkpoint_wrapper(model.blocks[i])
+        return
+    for block in model.blocks:
+        inner = block.forward
+
+        def forward(x, inner=inner):
+            if variant == "reentrant":
+                return checkpoint(inner, x, use_reentrant=True)
+            with set_checkpoint_early_stop(variant == "early-stop"):
+                return checkpoint(inner, x, use_reentrant=False)
+
+        block.forward = forward
+
+
+def train_ac(mode: str, variant: str | None, steps: int = 3) -> dict:
+    """verify-traffic's model and mode, every block checkpointed (``variant``, None = no AC);
+    the interposer records steps 1.. ; returns events, layout and the owned params."""
+    from tracer.interposer import Interposer
+    from verify.modes import build as build_mode
+    from verify.runner import train_step
+
+    built = build_mode(mode, lambda: make_model(SMALL))
+    if variant is not None:
+        _apply_ac(built.model.module if mode == "dmuon-ddp" else built.model, variant)
+    fc1 = next(b.module for b in built.dedicated.buckets if b.module_name == "blocks.0.mlp.fc1")
+    calls = []
+    fc1.register_forward_pre_hook(lambda m, a: calls.append(1))
+    interposer = Interposer()
+    for step in range(steps):
+        if step == 1:
+            interposer.__enter__()
+        x, y = batch(step)
+        train_step(built.model, built.optimizer, x, y)
+    interposer.__exit__(None, None, None)
+    dm = built.dedicated
+    dm.wait_pending()
+    owned = {id(p) for p in dm.owned()}
+    params = {n: p.detach().clone() for n, p in zip(dm.names, dm.params) if id(p) in owned}
+    return {"events": interposer.events, "layout": built.layout, "params": params,
+            "ns_calls": built.optimizer.ns_calls, "fc1_calls": len(calls)}
