@@ -222,13 +222,23 @@ class DedicatedParams:
         for m in self._span:
             h.append(m.register_forward_pre_hook(self._pre_forward))
             h.append(m.register_forward_hook(self._post_forward))
+        self._grad_handles: dict[tuple[int, int], object] = {}
         for b in self.buckets:
-            for i, p in enumerate(b.params):
-                h.append(p.register_post_accumulate_grad_hook(self._grad_hook(b, i)))
+            for i in range(len(b.params)):
+                self._hook_grad(b, i)
         h.append(model.register_state_dict_pre_hook(self._before_state_dict))
+
+    def _hook_grad(self, b: _Bucket, i: int) -> None:
+        old = self._grad_handles.pop((b.index, i), None)
+        if old is not None:
+            old.remove()
+        self._grad_handles[(b.index, i)] = b.params[i].register_post_accumulate_grad_hook(
+            self._grad_hook(b, i)
+        )
 
     # ------------------------------------------------------------------ public helpers
     def __iter__(self) -> Iterator[nn.Parameter]:
+        self._rebind_if_moved()
         return iter(self._params)
 
     def __len__(self) -> int:
@@ -240,6 +250,7 @@ class DedicatedParams:
     @property
     def params(self) -> list[nn.Parameter]:
         """The dedicated params (plain tensors, never DTensors), in model order."""
+        self._rebind_if_moved()
         return list(self._params)
 
     @property
@@ -249,6 +260,7 @@ class DedicatedParams:
 
     def owned(self) -> list[nn.Parameter]:
         """Params whose global owner is this rank (the only ones this rank steps)."""
+        self._rebind_if_moved()
         return [p for b in self.buckets if b.is_owner for p in b.params]
 
     def owner_of(self, p: nn.Parameter) -> int:
@@ -628,18 +640,36 @@ class DedicatedParams:
             b.valid = False
 
     def _rebind_if_moved(self) -> None:
-        """Re-make the flat buffers of buckets whose params ``.to()`` / ``to_empty()`` /
-        ``p.data = ...`` disconnected; such buckets become invalid (re-sent from holders)."""
+        """Follow ``.to()`` / ``to_empty()`` / ``p.data = ...`` after ``dedicate_params``.
+
+        A module param replaced by a new object (``to_empty`` from meta does that) is
+        adopted (grad hook moved); a param whose storage no longer is its view of the flat
+        buffer gets a new flat buffer built from its current data (device and dtype follow).
+        Such buckets become invalid (re-sent from their holders at the next forward), and Z3
+        non-holders free them. Local: every rank must have applied the same call.
+        """
         for b in self.buckets:
-            if residency.is_bound(b.params, b.flat):
+            current = [b.module._parameters[n.rpartition(".")[2]] for n in b.names]
+            replaced = [i for i, (p, q) in enumerate(zip(b.params, current)) if p is not q]
+            for i in replaced:
+                old = b.params[i]
+                self._params[next(k for k, q in enumerate(self._params) if q is old)] = current[i]
+                b.params[i] = current[i]
+                self._hook_grad(b, i)
+            if replaced:
+                self._param_ids = {id(p) for p in self._params}
+                self._owner_by_id = {id(p): c.owner for c in self.buckets for p in c.params}
+                self._name_by_id = {id(p): n for c in self.buckets for n, p in zip(c.names, c.params)}
+            if not replaced and residency.is_bound(b.params, b.flat):
                 continue
-            for p in b.params:
-                residency.mark_resident(p)
             b.flat = residency.flatten_into_views(b.params)
             collectives.check_param_device(b.flat.device, self.groups.broadcast, b.names[0])
             b.valid = False
             if self.reshard_after_forward and not b.is_holder:
                 self._free(b)
+            else:
+                for p in b.params:
+                    residency.mark_resident(p)
 
 
 def _mesh_rows(mesh, topology: Topology) -> list[list[int]]:

@@ -207,3 +207,61 @@ def train_ac(mode: str, variant: str | None, steps: int = 3) -> dict:
     params = {n: p.detach().clone() for n, p in zip(dm.names, dm.params) if id(p) in owned}
     return {"events": interposer.events, "layout": built.layout, "params": params,
             "ns_calls": built.optimizer.ns_calls, "fc1_calls": len(calls)}
+
+
+def _train_steps(wrapped, model, dm, opt, steps: int) -> dict:
+    for step in range(steps):
+        x, y = batch(step)
+        _loss(wrapped, x, y).backward()
+        opt.step()
+        opt.zero_grad()
+    return owned_params(model, dm)
+
+
+def meta_init(mode: str, steps: int = 2) -> dict:
+    """The documented meta-device flow (README 'Meta-device init'): build on meta,
+    dedicate_params, to_empty, init the weights, wrap, optimizer; against the ordinary flow."""
+    from tests.distributed.dmuon_tasks import make_model as ordinary
+
+    reshard = mode.endswith("z3")
+    mesh = _mesh("flat")
+    with torch.device("meta"):
+        model = type(ordinary())(SMALL)
+    dm = dmuon.dedicate_params(model, mesh, reshard_after_forward=reshard)
+    model.to_empty(device="cpu")
+    with torch.no_grad():  # the init: here the ordinary model's seeded values
+        model.load_state_dict(ordinary().state_dict())
+    wrapped = DistributedDataParallel(model)
+    opt = dmuon.DMuon(wrapped.parameters(), dedicated=dm, lr=MUON_LR, adamw_lr=ADAMW_LR)
+    got = _train_steps(wrapped, model, dm, opt, steps)
+    wrapped, model, dm, opt = build("ddp" if mode == "ddp" else mode, wrap=False)
+    wrapped = DistributedDataParallel(model)
+    opt = dmuon.DMuon(wrapped.parameters(), dedicated=dm, lr=MUON_LR, adamw_lr=ADAMW_LR)
+    ref = _train_steps(wrapped, model, dm, opt, steps)
+    return {"got": got, "ref": ref}
+
+
+def to_after_dedicate(mode: str, steps: int = 2) -> dict:
+    """``.double()`` after dedicate_params re-binds the flat buffers: the same result as
+    converting first (Z3 non-holders' freed copies become freed float64 copies)."""
+    reshard = mode.endswith("z3")
+    mesh = _mesh("flat")
+    model = make_model().double()
+    dm = dmuon.dedicate_params(model, mesh, reshard_after_forward=reshard)
+    wrapped = DistributedDataParallel(model)
+    opt = dmuon.DMuon(wrapped.parameters(), dedicated=dm, lr=MUON_LR, adamw_lr=ADAMW_LR)
+    ref = _train_steps(wrapped, model, dm, opt, steps)
+    model = make_model()
+    dm = dmuon.dedicate_params(model, mesh, reshard_after_forward=reshard)
+    error = None
+    try:
+        model.double()
+    except RuntimeError as exc:
+        error = str(exc)
+        dm.sync_params()
+        model.double()
+    wrapped = DistributedDataParallel(model)
+    opt = dmuon.DMuon(wrapped.parameters(), dedicated=dm, lr=MUON_LR, adamw_lr=ADAMW_LR)
+    got = _train_steps(wrapped, model, dm, opt, steps)
+    return {"got": got, "ref": ref, "error": error,
+            "dtypes": sorted({str(b.flat.dtype) for b in dm.buckets})}

@@ -50,3 +50,18 @@ def test_params_loaded_marks_copies_current(pool4):
     z3 = pool4.run_with_timeout(TIMEOUT_S, T.loaded_then_train, "z3")
     assert all(r["broadcasts"] == 0 for r in z2 + z3)
     assert [r["loss"] for r in z2] == [r["loss"] for r in z3]
+
+
+@pytest.mark.parametrize("mode", ["z3", "ddp"])
+def test_meta_device_init_flow_trains_like_ordinary_init(pool2, mode):
+    for r in pool2.run_with_timeout(TIMEOUT_S, T.meta_init, mode):
+        assert r["got"].keys() == r["ref"].keys() and r["got"]
+        assert all(torch.equal(r["got"][n], r["ref"][n]) for n in r["ref"])
+
+
+@pytest.mark.parametrize("mode", ["z2", "z3"])
+def test_to_after_dedicate_rebinds_or_names_the_fix(pool2, mode):
+    for r in pool2.run_with_timeout(TIMEOUT_S, T.to_after_dedicate, mode):
+        assert r["dtypes"] == ["torch.float64"]
+        assert all(torch.equal(r["got"][n], r["ref"][n]) for n in r["ref"])
+        assert r["error"] is None  # Z3's freed copies convert to freed copies of the new dtype
