@@ -18,6 +18,7 @@ def dedicate_params(
     params=None,
     predicate: Predicate | None = None,
     reshard_after_forward: bool = True,
+    mp_policy=None,
 ) -> DedicatedParams:
     """Give every Muon-target matrix of ``model`` one owner rank and install DMuon's hooks.
 
@@ -33,6 +34,10 @@ def dedicate_params(
         predicate: ``f(name, param, module) -> bool``; default :func:`default_predicate`.
         reshard_after_forward: ``True`` = Z3 (non-holders free after forward and receive
             again before backward), ``False`` = Z2 (keep until the next step).
+        mp_policy: a ``torch.distributed.fsdp.MixedPrecisionPolicy`` (the object and keyword
+            ``fully_shard`` takes): forward runs on ``param_dtype`` copies, broadcasts send
+            them, reduces run in ``reduce_dtype``; owners keep fp32 master weights and
+            momentum (README, "Mixed precision"). ``None``: everything in the params' dtype.
 
     Returns:
         The :class:`DedicatedParams` handle.
@@ -60,4 +65,4 @@ def dedicate_params(
     DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
         model, [n for n, _, _ in named]
     )
-    return DedicatedParams(model, named, topology, plan, reshard_after_forward, mesh=mesh)
+    return DedicatedParams(model, named, topology, plan, reshard_after_forward, mesh=mesh, mp_policy=mp_policy)

@@ -105,10 +105,13 @@ class _Bucket:
     replicate_owner: int  # r: group rank of the owner in the replicate group
     names: list[str]
     params: list[nn.Parameter]
-    flat: torch.Tensor  # shape (numel,), params' data are views into it
+    flat: torch.Tensor  # shape (numel,), params' data are views into it (master dtype)
     is_holder: bool
     is_owner: bool
-    valid: bool = False
+    lp: torch.Tensor | None = None  # shape (numel,), param_dtype copy (mixed precision), else flat
+    compute: list[nn.Parameter] = field(default_factory=list)  # views of lp used in forward
+    valid: bool = False  # non-holders' compute copies (lp) are current and allocated
+    master_valid: bool = False  # mixed precision: non-holders' master (flat) copies too
     reduced: bool = False  # reduced to the owner since the last step / zero_grad
     ready: set[int] = field(default_factory=set)
     used: list[bool] = field(default_factory=list)
@@ -151,8 +154,13 @@ class DedicatedParams:
         reshard_after_forward: bool,
         *,
         mesh=None,
+        mp_policy=None,
     ) -> None:
         self.names = [n for n, _, _ in named]
+        self.mp_policy = mp_policy
+        pd = getattr(mp_policy, "param_dtype", None)
+        self._param_dtype = pd
+        self._reduce_dtype = getattr(mp_policy, "reduce_dtype", None) or pd
         self.plan = plan
         self.topology = topology
         self.reshard_after_forward = reshard_after_forward
@@ -172,6 +180,7 @@ class DedicatedParams:
         self._handles: list = []
         self._install_hooks(model)
         for b in self.buckets:
+            self._make_compute(b)
             if reshard_after_forward and not b.is_holder:
                 self._free(b)
 
@@ -232,7 +241,8 @@ class DedicatedParams:
         old = self._grad_handles.pop((b.index, i), None)
         if old is not None:
             old.remove()
-        self._grad_handles[(b.index, i)] = b.params[i].register_post_accumulate_grad_hook(
+        target = b.compute[i] if b.compute else b.params[i]
+        self._grad_handles[(b.index, i)] = target.register_post_accumulate_grad_hook(
             self._grad_hook(b, i)
         )
 
@@ -313,8 +323,11 @@ class DedicatedParams:
         self._rebind_if_moved()
         for b in self.buckets:
             self._wait_replicate(b)
-            if not b.valid:
+            if not (b.master_valid if self._mixed(b) else b.valid):
                 self._broadcast(b, "checkpoint")
+            elif not b.valid:  # mixed precision: master current, compute copy stale or freed
+                self._refresh_lp(b)
+                b.valid = True
 
     def params_loaded(self) -> None:
         """Mark every copy current after identical values were written into every rank's
@@ -333,7 +346,8 @@ class DedicatedParams:
                     f"{dist.get_rank()}, so the load could not write it. Call "
                     "dm.sync_params() on every rank before loading."
                 )
-            b.valid = True
+            self._refresh_lp(b)
+            b.valid = b.master_valid = True
 
     def remove(self) -> None:
         """Remove every hook DMuon registered (the params stay where they are)."""
@@ -366,7 +380,9 @@ class DedicatedParams:
             self._recover()
         self._end_iteration()
         for b in self.buckets:
-            b.valid = False
+            b.valid = b.master_valid = False
+            if b.is_owner:
+                self._refresh_lp(b)
         if self.groups.replicate is None:
             return
         with annotate.phase("replicate"):
@@ -400,8 +416,9 @@ class DedicatedParams:
             if b.reduce_work is not None:
                 b.reduce_work.wait()
             b.reduce_work = b.reduce_buf = None
+            self._swap(b, compute=False)
             if old == S.BACKWARD:
-                for p in b.params:
+                for p in b.params + b.compute:
                     p.grad = None
                 b.reduced = False
                 b.used = [False] * len(b.params)
@@ -424,6 +441,9 @@ class DedicatedParams:
         self._rebind_if_moved()
         self._state.to(S.FORWARD)
         self._fwd_cursor = 0
+        for b in self.buckets:  # mixed precision: master copies of non-holders (sync) go
+            if self._mixed(b) and not b.is_holder and residency.is_allocated(b.flat):
+                self._free_master(b)
 
     def _end_forward(self) -> None:
         self._advance_forward(len(self.buckets) - 1)
@@ -481,14 +501,19 @@ class DedicatedParams:
 
     def _pre_forward(self, module: nn.Module, args) -> None:
         lo, hi = self._span[module]
+        own = self._own.get(module, ())
         if self.state == S.BACKWARD and _in_backward():  # activation-checkpoint recompute
             if self.reshard_after_forward:
                 self._advance_rebroadcast(lo)
-            return
+            for b in own:
+                self._swap(b, compute=True)
+            return self._cast_inputs(args) if own else None
         if self.state != S.FORWARD:
             self._begin_forward()  # a forward that did not enter through the root
         self._advance_forward(hi)
-        for b in self._own.get(module, ()):
+        for b in own:
+            self._swap(b, compute=True)
+        for b in own:
             if not b.valid and self.reshard_after_forward and not b.is_holder:
                 raise RuntimeError(
                     f"DMuon: module {b.module_name!r} ran again in the same forward after its "
@@ -496,16 +521,21 @@ class DedicatedParams:
                     "module once per forward; for modules called more than once per step use "
                     "reshard_after_forward=False."
                 )
+        return self._cast_inputs(args) if own else None
 
-    def _post_forward(self, module: nn.Module, args, output) -> None:
+    def _post_forward(self, module: nn.Module, args, output):
+        own = self._own.get(module, ())
+        for b in own:
+            self._swap(b, compute=False)
         if self.state != S.FORWARD or not self.reshard_after_forward:
-            return  # recompute, or Z2 (keeps everything until the step)
+            return self._cast_output(output) if own else None  # recompute, or Z2
         lo, hi = self._span[module]
         for b in self.buckets[lo : min(hi, self._fwd_cursor - 1) + 1]:
             self._free_non_holder(b)
         outputs = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
         if outputs and torch.is_grad_enabled():
             register_multi_grad_hook(outputs, lambda grads: self._pre_backward(lo), mode="any")
+        return self._cast_output(output) if own else None
 
     def _pre_backward(self, lo: int) -> None:
         self._begin_backward()
@@ -530,6 +560,7 @@ class DedicatedParams:
             self._finish_reduces()
         for b in self.buckets:
             b.ready.clear()
+            self._swap(b, compute=False)
             self._free_non_holder(b)
         self._state.to(S.BACKWARD_DONE)
 
@@ -564,28 +595,40 @@ class DedicatedParams:
             with annotate.span("dmuon.replicate_wait", module=b.module_name, owner=b.owner):
                 b.replicate_work.wait()
             b.replicate_work = None
+            self._refresh_lp(b)  # mixed precision: the holder casts the received master
 
     def _broadcast(self, b: _Bucket, phase: str) -> None:
+        """Holder -> shard group: the compute copy (forward, backward) or, for ``checkpoint``,
+        the master copy (the compute copy is then cast locally)."""
+        master = phase == "checkpoint"
         if not b.is_holder:
-            self._alloc(b)
+            self._alloc_master(b) if master else self._alloc(b)
+        buf = b.flat if master else b.lp
         name = {"forward": "dmuon.broadcast", "backward": "dmuon.rebroadcast"}.get(phase, "dmuon.sync")
         with annotate.phase(phase), annotate.span(name, module=b.module_name, owner=b.owner):
-            collectives.broadcast_(b.flat, b.shard_owner, self.groups.broadcast)
+            collectives.broadcast_(buf, b.shard_owner, self.groups.broadcast)
+        if master:
+            b.master_valid = True
+            if self._mixed(b):
+                self._refresh_lp(b)
         b.valid = True
 
     def _issue_reduce(self, b: _Bucket) -> None:
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in b.params]
+        grads = [q.grad if q.grad is not None else torch.zeros_like(q) for q in b.compute]
         if len(grads) == 1:
             buf = grads[0].reshape(-1)
         else:
             buf = torch.cat([g.reshape(-1) for g in grads])
+        rd = self._reduce_dtype
+        if rd is not None and buf.dtype != rd:
+            buf = buf.to(rd)
         with annotate.phase("backward"), annotate.span("dmuon.reduce", module=b.module_name, owner=b.owner):
             b.reduce_work = collectives.reduce_sum_(buf, b.shard_owner, self.groups.reduce, async_op=True)
         b.reduce_buf = buf
         b.reduced = True
-        if not b.is_owner:
-            for p in b.params:
-                p.grad = None
+        if not b.is_owner or self._mixed(b):
+            for q in b.compute:
+                q.grad = None
         self._free_non_holder(b)  # Z3: its module's backward is done (its grads arrived)
 
     def _finish_reduces(self) -> None:
@@ -611,11 +654,16 @@ class DedicatedParams:
             buf, b.reduce_buf = b.reduce_buf, None
             b.used = [False] * len(b.params)
             if b.is_owner:
-                buf.div_(self.topology.world_size)
+                same = buf.dtype == b.flat.dtype
+                if same:
+                    buf.div_(self.topology.world_size)
                 offset = 0
                 for p in b.params:
                     n = p.numel()
-                    p.grad = buf[offset : offset + n].view_as(p) if counts[k] else None
+                    g = buf[offset : offset + n].view_as(p)
+                    if not same:  # mixed precision: the master grad, averaged in its dtype
+                        g = g.to(p.dtype).div_(self.topology.world_size)
+                    p.grad = g if counts[k] else None
                     offset += n
                     k += 1
             else:
@@ -623,21 +671,88 @@ class DedicatedParams:
 
     # ------------------------------------------------------------------ residency
     def _free(self, b: _Bucket) -> None:
-        residency.free_storage(b.flat)
-        for n, p in zip(b.names, b.params):
-            residency.mark_freed(p, f"{n} (owner rank {b.owner}) on rank {dist.get_rank()}")
+        """Drop the compute copy (Z3 non-holders); without mixed precision that is ``flat``."""
+        if self._mixed(b):
+            residency.free_storage(b.lp)
+        else:
+            self._free_master(b)
 
     def _alloc(self, b: _Bucket) -> None:
-        residency.alloc_storage(b.flat)
-        for p in b.params:
-            residency.mark_resident(p)
+        if self._mixed(b):
+            residency.alloc_storage(b.lp)
+        else:
+            self._alloc_master(b)
 
     def _free_non_holder(self, b: _Bucket) -> None:
         """Z3: non-holders free ``b``; every rank marks it invalid (a no-op under Z2)."""
         if self.reshard_after_forward:
-            if not b.is_holder and residency.is_allocated(b.flat):
+            if not b.is_holder and residency.is_allocated(b.lp):
                 self._free(b)
             b.valid = False
+
+    # ------------------------------------------------------------------ mixed precision
+    def _mixed(self, b: _Bucket) -> bool:
+        return b.lp is not b.flat
+
+    def _make_compute(self, b: _Bucket) -> None:
+        """The compute copy: ``flat`` itself, or (mixed precision) a ``param_dtype`` buffer
+        whose views are the leaf params forward runs on (swapped into the module)."""
+        pd = self._param_dtype
+        if pd is None or pd == b.flat.dtype:
+            b.lp, b.compute = b.flat, b.params
+            return
+        b.lp = torch.empty(b.numel, dtype=pd, device=b.flat.device)
+        with torch.no_grad():
+            b.lp.copy_(b.flat)
+        b.compute, offset = [], 0
+        for p in b.params:
+            n = p.numel()
+            b.compute.append(nn.Parameter(b.lp[offset : offset + n].view(p.shape)))
+            offset += n
+        for i in range(len(b.params)):
+            self._hook_grad(b, i)
+        if not b.is_holder:  # non-holders keep no master copy (sync_params brings it)
+            self._free_master(b)
+
+    def _refresh_lp(self, b: _Bucket) -> None:
+        """Cast the current master copy into the compute copy (mixed precision, local)."""
+        if self._mixed(b):
+            residency.alloc_storage(b.lp)
+            with torch.no_grad():
+                b.lp.copy_(b.flat)
+
+    def _swap(self, b: _Bucket, compute: bool) -> None:
+        """Put the compute params (or back the registered ones) into the module."""
+        if self._mixed(b):
+            for n, p, q in zip(b.names, b.params, b.compute):
+                b.module._parameters[n.rpartition(".")[2]] = q if compute else p
+
+    def _cast_inputs(self, args):
+        pd = self._param_dtype
+        if pd is None or not getattr(self.mp_policy, "cast_forward_inputs", True):
+            return None
+        return tuple(
+            a.to(pd) if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args
+        )
+
+    def _cast_output(self, output):
+        od = getattr(self.mp_policy, "output_dtype", None)
+        if od is None:
+            return None
+        return torch.utils._pytree.tree_map(
+            lambda t: t.to(od) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, output
+        )
+
+    def _free_master(self, b: _Bucket) -> None:
+        residency.free_storage(b.flat)
+        for n, p in zip(b.names, b.params):
+            residency.mark_freed(p, f"{n} (owner rank {b.owner}) on rank {dist.get_rank()}")
+        b.master_valid = False
+
+    def _alloc_master(self, b: _Bucket) -> None:
+        residency.alloc_storage(b.flat)
+        for p in b.params:
+            residency.mark_resident(p)
 
     def _rebind_if_moved(self) -> None:
         """Follow ``.to()`` / ``to_empty()`` / ``p.data = ...`` after ``dedicate_params``.
@@ -650,7 +765,10 @@ class DedicatedParams:
         """
         for b in self.buckets:
             current = [b.module._parameters[n.rpartition(".")[2]] for n in b.names]
-            replaced = [i for i, (p, q) in enumerate(zip(b.params, current)) if p is not q]
+            replaced = [
+                i for i, (p, q) in enumerate(zip(b.params, current))
+                if p is not q and not any(q is c for c in b.compute)  # not swapped in by us
+            ]
             for i in replaced:
                 old = b.params[i]
                 self._params[next(k for k, q in enumerate(self._params) if q is old)] = current[i]
@@ -664,10 +782,11 @@ class DedicatedParams:
                 continue
             b.flat = residency.flatten_into_views(b.params)
             collectives.check_param_device(b.flat.device, self.groups.broadcast, b.names[0])
-            b.valid = False
+            self._make_compute(b)
+            b.valid = b.master_valid = False
             if self.reshard_after_forward and not b.is_holder:
                 self._free(b)
-            else:
+            elif residency.is_allocated(b.flat):
                 for p in b.params:
                     residency.mark_resident(p)
 

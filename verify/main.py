@@ -35,6 +35,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps-warmup", type=int, default=RunConfig.steps_warmup)
     parser.add_argument("--steps-measured", type=int, default=RunConfig.steps_measured)
     parser.add_argument("--timeout-s", type=int, default=300, help="process-group timeout (s)")
+    parser.add_argument("--mixed-precision", choices=["bf16", "fp16"], default=None,
+                        help="MixedPrecisionPolicy(param_dtype=...) for DMuon and fully_shard")
     args = parser.parse_args(argv)
     unknown = [m for m in args.modes.split(",") if m not in MODES]
     if unknown:
@@ -64,6 +66,7 @@ def main(argv: list[str] | None = None) -> int:
         steps_measured=args.steps_measured,
         out_dir=args.out_dir,
         device="cuda" if use_cuda else "cpu",
+        mixed_precision=args.mixed_precision,
     )
     rank = dist.get_rank()
     modes = runnable_modes(config, dist.get_world_size())

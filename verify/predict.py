@@ -57,6 +57,9 @@ class RunLayout:
         ddp_bucket_cap_bytes: DDP's ``bucket_cap_mb`` in bytes.
         root_auto_reshard: the root was wrapped without ``reshard_after_forward`` (FSDP2 then
             keeps it unsharded after forward).
+        mp_param_dtype: mixed precision's ``param_dtype`` (torch name, e.g. ``"bfloat16"``)
+            for DMuon and FSDP2, ``None`` without mixed precision.
+        mp_reduce_dtype: its ``reduce_dtype`` (``None``: the param dtype, as FSDP2).
     """
 
     mode: str
@@ -68,6 +71,8 @@ class RunLayout:
     reshard_after_forward: bool = True
     ddp_bucket_cap_bytes: int = 25 * 1024 * 1024
     root_auto_reshard: bool = True
+    mp_param_dtype: str | None = None
+    mp_reduce_dtype: str | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -179,17 +184,21 @@ def _dmuon_calls(layout: RunLayout, rank: int) -> list[Expected]:
     sid, rid = group_id_from_ranks(shard), group_id_from_ranks(rep)
     out: list[Expected] = []
 
-    def add(phase, op, gid, gsize, b, root):
-        out.append(Expected(rank, phase, op, gid, gsize, b.numel, b.dtype, root, b.module, b.numel))
+    # mixed precision (dmuon/dedicate.py): broadcasts in forward / backward send param_dtype
+    # copies, reduces run in reduce_dtype, the replicate broadcast sends the master dtype.
+    pd, rd = layout.mp_param_dtype, layout.mp_reduce_dtype or layout.mp_param_dtype
+
+    def add(phase, op, gid, gsize, b, root, dtype=None):
+        out.append(Expected(rank, phase, op, gid, gsize, b.numel, dtype or b.dtype, root, b.module, b.numel))
 
     for b in bucket_layout(layout.muon_specs(), layout.plan()):
         r_own, s_own = divmod(b.owner, n)
-        add("forward", "broadcast", sid, n, b, s_own)
+        add("forward", "broadcast", sid, n, b, s_own, pd)
         if layout.reshard_after_forward:
-            add("backward", "broadcast", sid, n, b, s_own)
-        add("backward", "reduce", sid, n, b, s_own)
+            add("backward", "broadcast", sid, n, b, s_own, pd)
+        add("backward", "reduce", sid, n, b, s_own, rd)
         if r_size > 1 and s_me == s_own:
-            add("backward", "reduce", rid, r_size, b, r_own)
+            add("backward", "reduce", rid, r_size, b, r_own, rd)
             add("replicate", "broadcast", rid, r_size, b, r_own)
     # DMuon's usage all_reduce (dmuon/dedicate.py step 5): one int32 per dedicated param, all W
     # ranks, no dedicated payload.
@@ -217,15 +226,20 @@ def _fsdp_calls(layout: RunLayout, rank: int, ignored: set[str]) -> list[Expecte
         ded = sum(padded_shard_numel(p.shape, n) for p in managed if p.name in muon)
         keeps_unsharded = module == "" and layout.root_auto_reshard
 
-        def add(phase, op, gid, gsize):
-            out.append(Expected(rank, phase, op, gid, gsize, count, dtype, None, module, ded))
+        # FSDP2 mixed precision: all_gather in param_dtype, reduce_scatter / all_reduce in
+        # reduce_dtype (default param_dtype).
+        gather_dtype = layout.mp_param_dtype or dtype
+        reduce_dtype = layout.mp_reduce_dtype or gather_dtype
 
-        add("forward", "all_gather", sid, n)
+        def add(phase, op, gid, gsize, dt):
+            out.append(Expected(rank, phase, op, gid, gsize, count, dt, None, module, ded))
+
+        add("forward", "all_gather", sid, n, gather_dtype)
         if layout.reshard_after_forward and not keeps_unsharded:
-            add("backward", "all_gather", sid, n)
-        add("backward", "reduce_scatter", sid, n)
+            add("backward", "all_gather", sid, n, gather_dtype)
+        add("backward", "reduce_scatter", sid, n, reduce_dtype)
         if r_size > 1:
-            add("backward", "all_reduce", rid, r_size)
+            add("backward", "all_reduce", rid, r_size, reduce_dtype)
     return out
 
 

@@ -57,6 +57,7 @@ class RunConfig:
         seed: model init and data order.
         out_dir: where traces and reports go.
         device: "cpu" (gloo) or "cuda" (NCCL).
+        mixed_precision: ``None`` or a key of ``verify.modes.MIXED_PRECISION`` (``"bf16"``).
     """
 
     modes: tuple[str, ...] = MODES
@@ -70,6 +71,7 @@ class RunConfig:
     seed: int = 0
     out_dir: str = "traces/latest"
     device: str = "cpu"
+    mixed_precision: str | None = None
 
 
 def runnable_modes(config: RunConfig, world_size: int) -> list[str]:
@@ -147,7 +149,7 @@ def _train_mode(mode: str, config: RunConfig, corpus: ByteCorpus, progress) -> d
         torch.manual_seed(config.seed)
         return TinyGPT(cfg)
 
-    built = build(mode, make_model, config.device)
+    built = build(mode, make_model, config.device, config.mixed_precision)
     model, opt = built.model, built.optimizer
     out = Path(config.out_dir) / mode
     losses, step_starts = [], []

@@ -265,3 +265,42 @@ def to_after_dedicate(mode: str, steps: int = 2) -> dict:
     got = _train_steps(wrapped, model, dm, opt, steps)
     return {"got": got, "ref": ref, "error": error,
             "dtypes": sorted({str(b.flat.dtype) for b in dm.buckets})}
+
+
+def train_mp(mode: str, steps: int = 3, reduce_dtype=torch.float32, wrap: bool = True) -> dict:
+    """bf16 mixed precision (fully_shard's MixedPrecisionPolicy, also given to FSDP2 for the
+    rest); returns owned params, their momentum dtypes and what forward computed in."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype)
+    rank = dist.get_rank()
+    mesh = _mesh("hsdp" if mode.startswith("hsdp") else "flat")
+    model = make_model()
+    reshard = mode.endswith("z3")
+    dm = dmuon.dedicate_params(model, mesh, reshard_after_forward=reshard, mp_policy=policy)
+    if mode == "ddp":
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype,
+                                      output_dtype=torch.float32)
+        dm.mp_policy = policy  # DDP keeps the rest in fp32: cast dedicated outputs back
+        wrapped = DistributedDataParallel(model)
+    else:
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh, reshard_after_forward=reshard, ignored_params=set(dm), mp_policy=policy)
+        fully_shard(model, mesh=mesh, ignored_params=set(dm), mp_policy=policy)
+        wrapped = model
+    opt = dmuon.DMuon(wrapped.parameters(), dedicated=dm, lr=MUON_LR, adamw_lr=ADAMW_LR)
+    seen = []
+    fc1 = model.blocks[0].mlp.fc1
+    fc1.register_forward_hook(lambda m, a, out: seen.append((str(m.weight.dtype), str(out.dtype))))
+    losses = []
+    for step in range(steps):
+        x, y = batch(step)
+        loss = _loss(wrapped, x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    params = owned_params(model, dm)
+    momentum = sorted({str(opt.state[p]["momentum_buffer"].dtype) for p in dm.owned() if p in opt.state})
+    return {"params": params, "momentum": momentum, "seen": sorted(set(seen)), "losses": losses,
+            "registered": sorted({str(p.dtype) for p in dm.params}), "rank": rank}
