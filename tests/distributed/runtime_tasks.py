@@ -304,3 +304,26 @@ def train_mp(mode: str, steps: int = 3, reduce_dtype=torch.float32, wrap: bool =
     momentum = sorted({str(opt.state[p]["momentum_buffer"].dtype) for p in dm.owned() if p in opt.state})
     return {"params": params, "momentum": momentum, "seen": sorted(set(seen)), "losses": losses,
             "registered": sorted({str(p.dtype) for p in dm.params}), "rank": rank}
+
+
+def readme_snippet(name: str) -> dict:
+    """Run the README code block marked ``<!-- snippet: name -->`` on this rank, with
+    ``model`` (TinyGPT), ``mesh`` (1-D), ``config``, ``loader`` (2 batches) and ``loss_fn``."""
+    import pathlib
+    import re
+
+    import torch.nn.functional as F
+    from verify.model import TinyGPT
+
+    text = (pathlib.Path(__file__).parents[2] / "README.md").read_text()
+    match = re.search(rf"<!-- snippet: {re.escape(name)} -->\n```python\n(.*?)```", text, re.S)
+    assert match, name
+    ns = {
+        "torch": torch, "dmuon": dmuon, "mesh": _mesh("flat"), "model": make_model(),
+        "config": SMALL, "TinyGPT": TinyGPT, "DistributedDataParallel": DistributedDataParallel,
+        "loader": [batch(0), batch(1)],
+        "loss_fn": lambda logits, y: F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1)),
+    }
+    exec(compile(match.group(1), f"README.md:{name}", "exec"), ns)
+    dm, opt = ns["dm"], ns["opt"]
+    return {"state": dm.state.name, "stepped": sum(len(s) > 0 for s in opt.state.values())}

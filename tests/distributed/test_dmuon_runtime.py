@@ -65,3 +65,9 @@ def test_to_after_dedicate_rebinds_or_names_the_fix(pool2, mode):
         assert r["dtypes"] == ["torch.float64"]
         assert all(torch.equal(r["got"][n], r["ref"][n]) for n in r["ref"])
         assert r["error"] is None  # Z3's freed copies convert to freed copies of the new dtype
+
+
+@pytest.mark.parametrize("name", ["mixed-precision", "activation-checkpointing", "meta-device-init"])
+def test_readme_snippet_runs(pool2, name):
+    for r in pool2.run_with_timeout(TIMEOUT_S, T.readme_snippet, name):
+        assert r["state"] == "IDLE" and r["stepped"] > 0
