@@ -514,7 +514,7 @@ class DedicatedParams:
         for b in own:
             self._swap(b, compute=True)
         for b in own:
-            if not b.valid and self.reshard_after_forward and not b.is_holder:
+            if not b.valid and self.reshard_after_forward:  # same on every rank
                 raise RuntimeError(
                     f"DMuon: module {b.module_name!r} ran again in the same forward after its "
                     "dedicated params were freed (reshard_after_forward=True). Z3 refills a "

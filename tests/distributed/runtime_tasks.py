@@ -327,3 +327,42 @@ def readme_snippet(name: str) -> dict:
     exec(compile(match.group(1), f"README.md:{name}", "exec"), ns)
     dm, opt = ns["dm"], ns["opt"]
     return {"state": dm.state.name, "stepped": sum(len(s) > 0 for s in opt.state.values())}
+
+
+def train_accumulate(mode: str, accumulate: bool, steps: int = 2) -> dict:
+    """Gradient accumulation: the same micro-batch twice at half loss, the first inside
+    ``dm.no_sync()`` (exactly the grads of one full-loss backward: halving is exact)."""
+    wrapped, model, dm, opt = build(mode, wrap=False)
+    for step in range(steps):
+        x, y = batch(step)
+        if accumulate:
+            with dm.no_sync():
+                (0.5 * _loss(wrapped, x, y)).backward()
+            (0.5 * _loss(wrapped, x, y)).backward()
+        else:
+            _loss(wrapped, x, y).backward()
+        opt.step()
+        opt.zero_grad()
+    return {"params": owned_params(model, dm)}
+
+
+class _Reuse(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 8, bias=False)
+        self.out = nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.out(self.a(torch.relu(self.a(x))))
+
+
+def z3_module_reuse() -> str:
+    """A module called twice in one forward under Z3: every rank raises the same error."""
+    torch.manual_seed(0)
+    model = _Reuse()
+    dmuon.dedicate_params(model, _mesh("flat"), params=[model.a.weight], reshard_after_forward=True)
+    try:
+        model(torch.randn(2, 8))
+    except RuntimeError as exc:
+        return str(exc)
+    return "no error"

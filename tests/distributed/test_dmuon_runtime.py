@@ -71,3 +71,16 @@ def test_to_after_dedicate_rebinds_or_names_the_fix(pool2, mode):
 def test_readme_snippet_runs(pool2, name):
     for r in pool2.run_with_timeout(TIMEOUT_S, T.readme_snippet, name):
         assert r["state"] == "IDLE" and r["stepped"] > 0
+
+
+@pytest.mark.parametrize("mode", ["z3", "hsdp-z2"])
+def test_no_sync_accumulation_equals_one_backward(pool4, mode):
+    one = _merge(pool4.run_with_timeout(TIMEOUT_S, T.train_accumulate, mode, False))
+    acc = _merge(pool4.run_with_timeout(TIMEOUT_S, T.train_accumulate, mode, True))
+    assert acc.keys() == one.keys() and one
+    assert all(torch.equal(acc[n], one[n]) for n in one)
+
+
+def test_z3_module_called_twice_raises_on_every_rank(pool2):
+    for msg in pool2.run_with_timeout(TIMEOUT_S, T.z3_module_reuse):
+        assert "ran again in the same forward" in msg and "reshard_after_forward=False" in msg
