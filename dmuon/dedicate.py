@@ -61,6 +61,14 @@ Per step (SPEC §1):
    (HSDP) each owner broadcasts its buckets to the holders over the replicate axis
    (channel ``replicate``, phase ``replicate``) asynchronously; the wait is in step 1.
 
+Dtypes. Without ``mp_policy`` every call moves the params' dtype. With
+``mp_policy=MixedPrecisionPolicy(param_dtype=pd, reduce_dtype=rd)`` (``rd`` None: ``pd``):
+forward broadcasts and Z3 re-broadcasts send ``pd`` (the compute copy), shard and replicate
+reduces run in ``rd``, the replicate broadcast (step 6) and ``sync_params`` send the master
+dtype (fp32), the usage all_reduce stays ``int32``. Counts are unchanged. Holders keep the
+master and cast it to ``pd`` locally (owners after the step, other holders after the
+replicate wait); non-holders keep only the ``pd`` copy (master freed, until sync_params).
+
 Outside the step:
 
 - ``no_sync()``: backward passes inside skip steps 4-5 (grads accumulate locally); Z3 still
