@@ -80,6 +80,13 @@ Outside the step:
   forward, ``zero_grad()`` or ``step()`` recovers: it waits for the reduces already issued,
   drops the dedicated grads of an aborted backward, frees Z3 non-holders (invalid) and
   starts over. Ranks must have raised at the same point (collectives issued identically).
+
+Limit (blocking backends such as gloo): a module that runs on some ranks only is flushed by
+the next driver every rank runs (e.g. the MoE block around its experts) or by the root's
+end. If another library's blocking collective (an FSDP2 all_gather of a later block) comes
+before that point on the ranks that skipped the module, the ranks wait on each other: keep
+conditional modules inside a module that every rank runs. NCCL's asynchronous launches do
+not block the CPU there.
 """
 
 from __future__ import annotations
