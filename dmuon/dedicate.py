@@ -93,7 +93,6 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -101,42 +100,14 @@ import torch.nn as nn
 from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_leaves
 
-from . import annotate, collectives, residency
+from . import annotate, collectives, precision, residency
 from .buckets import bucket_layout
+from .copies import Bucket
 from .plan import OwnershipPlan, specs_from_named_parameters
 from .state import StateMachine, TrainingState
 from .topology import Topology
 
 S = TrainingState
-
-
-@dataclass(eq=False)
-class _Bucket:
-    index: int
-    module_name: str
-    module: nn.Module
-    owner: int  # global owner index g = r * N + s
-    shard_owner: int  # s: group rank of the holder in each shard group
-    replicate_owner: int  # r: group rank of the owner in the replicate group
-    names: list[str]
-    params: list[nn.Parameter]
-    flat: torch.Tensor  # shape (numel,), params' data are views into it (master dtype)
-    is_holder: bool
-    is_owner: bool
-    lp: torch.Tensor | None = None  # shape (numel,), param_dtype copy (mixed precision), else flat
-    compute: list[nn.Parameter] = field(default_factory=list)  # views of lp used in forward
-    valid: bool = False  # non-holders' compute copies (lp) are current and allocated
-    master_valid: bool = False  # mixed precision: non-holders' master (flat) copies too
-    reduced: bool = False  # reduced to the owner since the last step / zero_grad
-    ready: set[int] = field(default_factory=set)
-    used: list[bool] = field(default_factory=list)
-    replicate_work: dist.Work | None = None
-    reduce_work: dist.Work | None = None
-    reduce_buf: torch.Tensor | None = None
-
-    @property
-    def numel(self) -> int:
-        return self.flat.numel()
 
 
 def _in_backward() -> bool:
@@ -173,9 +144,7 @@ class DedicatedParams:
     ) -> None:
         self.names = [n for n, _, _ in named]
         self.mp_policy = mp_policy
-        pd = getattr(mp_policy, "param_dtype", None)
-        self._param_dtype = pd
-        self._reduce_dtype = getattr(mp_policy, "reduce_dtype", None) or pd
+        self._param_dtype, self._reduce_dtype = precision.dtypes(mp_policy)
         self.plan = plan
         self.topology = topology
         self.reshard_after_forward = reshard_after_forward
@@ -197,7 +166,7 @@ class DedicatedParams:
         for b in self.buckets:
             self._make_compute(b)
             if reshard_after_forward and not b.is_holder:
-                self._free(b)
+                b.free_compute()
 
     # ------------------------------------------------------------------ construction
     def _build_buckets(self, model: nn.Module, named) -> None:
@@ -206,12 +175,12 @@ class DedicatedParams:
         by_name = {n: p for n, p, _ in named}
         specs = specs_from_named_parameters((n, p) for n, p, _ in named)
         me = topology.global_index
-        self.buckets: list[_Bucket] = []
+        self.buckets: list[Bucket] = []
         for i, spec in enumerate(bucket_layout(specs, self.plan)):
             r, s = topology.coords(spec.owner)
             params = [by_name[n] for n in spec.names]
             self.buckets.append(
-                _Bucket(
+                Bucket(
                     index=i,
                     module_name=spec.module,
                     module=modules[spec.module],
@@ -230,7 +199,7 @@ class DedicatedParams:
         self._name_by_id = {id(p): n for b in self.buckets for n, p in zip(b.names, b.params)}
         # driver module -> (first, last) bucket index of its subtree, and its own buckets
         self._span: dict[nn.Module, tuple[int, int]] = {}
-        self._own: dict[nn.Module, list[_Bucket]] = {}
+        self._own: dict[nn.Module, list[Bucket]] = {}
         for b in self.buckets:
             self._own.setdefault(b.module, []).append(b)
             parts = b.module_name.split(".") if b.module_name else []
@@ -252,7 +221,7 @@ class DedicatedParams:
                 self._hook_grad(b, i)
         h.append(model.register_state_dict_pre_hook(self._before_state_dict))
 
-    def _hook_grad(self, b: _Bucket, i: int) -> None:
+    def _hook_grad(self, b: Bucket, i: int) -> None:
         old = self._grad_handles.pop((b.index, i), None)
         if old is not None:
             old.remove()
@@ -338,10 +307,10 @@ class DedicatedParams:
         self._rebind_if_moved()
         for b in self.buckets:
             self._wait_replicate(b)
-            if not (b.master_valid if self._mixed(b) else b.valid):
+            if not (b.master_valid if b.mixed else b.valid):
                 self._broadcast(b, "checkpoint")
             elif not b.valid:  # mixed precision: master current, compute copy stale or freed
-                self._refresh_lp(b)
+                b.refresh_compute()
                 b.valid = True
 
     def params_loaded(self) -> None:
@@ -361,7 +330,7 @@ class DedicatedParams:
                     f"{dist.get_rank()}, so the load could not write it. Call "
                     "dm.sync_params() on every rank before loading."
                 )
-            self._refresh_lp(b)
+            b.refresh_compute()
             b.valid = b.master_valid = True
 
     def remove(self) -> None:
@@ -397,7 +366,7 @@ class DedicatedParams:
         for b in self.buckets:
             b.valid = b.master_valid = False
             if b.is_owner:
-                self._refresh_lp(b)
+                b.refresh_compute()
         if self.groups.replicate is None:
             return
         with annotate.phase("replicate"):
@@ -431,7 +400,7 @@ class DedicatedParams:
             if b.reduce_work is not None:
                 b.reduce_work.wait()
             b.reduce_work = b.reduce_buf = None
-            self._swap(b, compute=False)
+            b.swap(False)
             if old == S.BACKWARD:
                 for p in b.params + b.compute:
                     p.grad = None
@@ -457,8 +426,8 @@ class DedicatedParams:
         self._state.to(S.FORWARD)
         self._fwd_cursor = 0
         for b in self.buckets:  # mixed precision: master copies of non-holders (sync) go
-            if self._mixed(b) and not b.is_holder and residency.is_allocated(b.flat):
-                self._free_master(b)
+            if b.mixed and not b.is_holder and residency.is_allocated(b.flat):
+                b.free_master()
 
     def _end_forward(self) -> None:
         self._advance_forward(len(self.buckets) - 1)
@@ -521,13 +490,13 @@ class DedicatedParams:
             if self.reshard_after_forward:
                 self._advance_rebroadcast(lo)
             for b in own:
-                self._swap(b, compute=True)
-            return self._cast_inputs(args) if own else None
+                b.swap(True)
+            return precision.cast_inputs(self.mp_policy, args) if own else None
         if self.state != S.FORWARD:
             self._begin_forward()  # a forward that did not enter through the root
         self._advance_forward(hi)
         for b in own:
-            self._swap(b, compute=True)
+            b.swap(True)
         for b in own:
             if not b.valid and self.reshard_after_forward:  # same on every rank
                 raise RuntimeError(
@@ -536,27 +505,27 @@ class DedicatedParams:
                     "module once per forward; for modules called more than once per step use "
                     "reshard_after_forward=False."
                 )
-        return self._cast_inputs(args) if own else None
+        return precision.cast_inputs(self.mp_policy, args) if own else None
 
     def _post_forward(self, module: nn.Module, args, output):
         own = self._own.get(module, ())
         for b in own:
-            self._swap(b, compute=False)
+            b.swap(False)
         if self.state != S.FORWARD or not self.reshard_after_forward:
-            return self._cast_output(output) if own else None  # recompute, or Z2
+            return precision.cast_output(self.mp_policy, output) if own else None  # recompute, or Z2
         lo, hi = self._span[module]
         for b in self.buckets[lo : min(hi, self._fwd_cursor - 1) + 1]:
             self._free_non_holder(b)
         outputs = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
         if outputs and torch.is_grad_enabled():
             register_multi_grad_hook(outputs, lambda grads: self._pre_backward(lo), mode="any")
-        return self._cast_output(output) if own else None
+        return precision.cast_output(self.mp_policy, output) if own else None
 
     def _pre_backward(self, lo: int) -> None:
         self._begin_backward()
         self._advance_rebroadcast(lo)
 
-    def _grad_hook(self, b: _Bucket, i: int):
+    def _grad_hook(self, b: Bucket, i: int):
         def hook(p: nn.Parameter) -> None:
             self._begin_backward()
             b.used[i] = True
@@ -575,7 +544,7 @@ class DedicatedParams:
             self._finish_reduces()
         for b in self.buckets:
             b.ready.clear()
-            self._swap(b, compute=False)
+            b.swap(False)
             self._free_non_holder(b)
         self._state.to(S.BACKWARD_DONE)
 
@@ -605,30 +574,30 @@ class DedicatedParams:
             self._reduce_cursor += 1
 
     # ------------------------------------------------------------------ collectives
-    def _wait_replicate(self, b: _Bucket) -> None:
+    def _wait_replicate(self, b: Bucket) -> None:
         if b.replicate_work is not None:
             with annotate.span("dmuon.replicate_wait", module=b.module_name, owner=b.owner):
                 b.replicate_work.wait()
             b.replicate_work = None
-            self._refresh_lp(b)  # mixed precision: the holder casts the received master
+            b.refresh_compute()  # mixed precision: the holder casts the received master
 
-    def _broadcast(self, b: _Bucket, phase: str) -> None:
+    def _broadcast(self, b: Bucket, phase: str) -> None:
         """Holder -> shard group: the compute copy (forward, backward) or, for ``checkpoint``,
         the master copy (the compute copy is then cast locally)."""
         master = phase == "checkpoint"
         if not b.is_holder:
-            self._alloc_master(b) if master else self._alloc(b)
+            b.alloc_master() if master else b.alloc_compute()
         buf = b.flat if master else b.lp
         name = {"forward": "dmuon.broadcast", "backward": "dmuon.rebroadcast"}.get(phase, "dmuon.sync")
         with annotate.phase(phase), annotate.span(name, module=b.module_name, owner=b.owner):
             collectives.broadcast_(buf, b.shard_owner, self.groups.broadcast)
         if master:
             b.master_valid = True
-            if self._mixed(b):
-                self._refresh_lp(b)
+            if b.mixed:
+                b.refresh_compute()
         b.valid = True
 
-    def _issue_reduce(self, b: _Bucket) -> None:
+    def _issue_reduce(self, b: Bucket) -> None:
         grads = [q.grad if q.grad is not None else torch.zeros_like(q) for q in b.compute]
         if len(grads) == 1:
             buf = grads[0].reshape(-1)
@@ -641,7 +610,7 @@ class DedicatedParams:
             b.reduce_work = collectives.reduce_sum_(buf, b.shard_owner, self.groups.reduce, async_op=True)
         b.reduce_buf = buf
         b.reduced = True
-        if not b.is_owner or self._mixed(b):
+        if not b.is_owner or b.mixed:
             for q in b.compute:
                 q.grad = None
         self._free_non_holder(b)  # Z3: its module's backward is done (its grads arrived)
@@ -685,89 +654,17 @@ class DedicatedParams:
                 k += len(b.params)
 
     # ------------------------------------------------------------------ residency
-    def _free(self, b: _Bucket) -> None:
-        """Drop the compute copy (Z3 non-holders); without mixed precision that is ``flat``."""
-        if self._mixed(b):
-            residency.free_storage(b.lp)
-        else:
-            self._free_master(b)
-
-    def _alloc(self, b: _Bucket) -> None:
-        if self._mixed(b):
-            residency.alloc_storage(b.lp)
-        else:
-            self._alloc_master(b)
-
-    def _free_non_holder(self, b: _Bucket) -> None:
+    def _free_non_holder(self, b: Bucket) -> None:
         """Z3: non-holders free ``b``; every rank marks it invalid (a no-op under Z2)."""
         if self.reshard_after_forward:
             if not b.is_holder and residency.is_allocated(b.lp):
-                self._free(b)
+                b.free_compute()
             b.valid = False
 
-    # ------------------------------------------------------------------ mixed precision
-    def _mixed(self, b: _Bucket) -> bool:
-        return b.lp is not b.flat
-
-    def _make_compute(self, b: _Bucket) -> None:
-        """The compute copy: ``flat`` itself, or (mixed precision) a ``param_dtype`` buffer
-        whose views are the leaf params forward runs on (swapped into the module)."""
-        pd = self._param_dtype
-        if pd is None or pd == b.flat.dtype:
-            b.lp, b.compute = b.flat, b.params
-            return
-        b.lp = torch.empty(b.numel, dtype=pd, device=b.flat.device)
-        with torch.no_grad():
-            b.lp.copy_(b.flat)
-        b.compute, offset = [], 0
-        for p in b.params:
-            n = p.numel()
-            b.compute.append(nn.Parameter(b.lp[offset : offset + n].view(p.shape)))
-            offset += n
-        for i in range(len(b.params)):
-            self._hook_grad(b, i)
-        if not b.is_holder:  # non-holders keep no master copy (sync_params brings it)
-            self._free_master(b)
-
-    def _refresh_lp(self, b: _Bucket) -> None:
-        """Cast the current master copy into the compute copy (mixed precision, local)."""
-        if self._mixed(b):
-            residency.alloc_storage(b.lp)
-            with torch.no_grad():
-                b.lp.copy_(b.flat)
-
-    def _swap(self, b: _Bucket, compute: bool) -> None:
-        """Put the compute params (or back the registered ones) into the module."""
-        if self._mixed(b):
-            for n, p, q in zip(b.names, b.params, b.compute):
-                b.module._parameters[n.rpartition(".")[2]] = q if compute else p
-
-    def _cast_inputs(self, args):
-        pd = self._param_dtype
-        if pd is None or not getattr(self.mp_policy, "cast_forward_inputs", True):
-            return None
-        return tuple(
-            a.to(pd) if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args
-        )
-
-    def _cast_output(self, output):
-        od = getattr(self.mp_policy, "output_dtype", None)
-        if od is None:
-            return None
-        return torch.utils._pytree.tree_map(
-            lambda t: t.to(od) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, output
-        )
-
-    def _free_master(self, b: _Bucket) -> None:
-        residency.free_storage(b.flat)
-        for n, p in zip(b.names, b.params):
-            residency.mark_freed(p, f"{n} (owner rank {b.owner}) on rank {dist.get_rank()}")
-        b.master_valid = False
-
-    def _alloc_master(self, b: _Bucket) -> None:
-        residency.alloc_storage(b.flat)
-        for p in b.params:
-            residency.mark_resident(p)
+    def _make_compute(self, b: Bucket) -> None:
+        if b.make_compute(self._param_dtype):
+            for i in range(len(b.params)):
+                self._hook_grad(b, i)
 
     def _rebind_if_moved(self) -> None:
         """Follow ``.to()`` / ``to_empty()`` / ``p.data = ...`` after ``dedicate_params``.
@@ -800,7 +697,7 @@ class DedicatedParams:
             self._make_compute(b)
             b.valid = b.master_valid = False
             if self.reshard_after_forward and not b.is_holder:
-                self._free(b)
+                b.free_compute()
             elif residency.is_allocated(b.flat):
                 for p in b.params:
                     residency.mark_resident(p)
