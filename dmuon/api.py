@@ -24,6 +24,7 @@ def dedicate_params(
     params=None,
     predicate: Predicate | None = None,
     reshard_after_forward: bool = True,
+    mp_policy=None,
 ) -> DedicatedParams:
     """Give every Muon-target matrix of ``model`` one owner rank and install DMuon's hooks.
 
@@ -39,6 +40,10 @@ def dedicate_params(
         predicate: ``f(name, param, module) -> bool``; default :func:`default_predicate`.
         reshard_after_forward: ``True`` = Z3 (non-holders free after forward and receive
             again before backward), ``False`` = Z2 (keep until the next step).
+        mp_policy: a ``torch.distributed.fsdp.MixedPrecisionPolicy`` (the object and keyword
+            ``fully_shard`` takes): forward runs on ``param_dtype`` copies, broadcasts send
+            them, reduces run in ``reduce_dtype``; owners keep fp32 master weights and
+            momentum (README, "Mixed precision"). ``None``: everything in the params' dtype.
 
     Returns:
         The :class:`DedicatedParams` handle.
@@ -84,15 +89,15 @@ def dedicate_params(
             stacklevel=2,
         )
     plan = plan_ownership(specs_from_named_parameters((n, p) for n, p, _ in named), topology.mesh_shape)
-    # The runtime branch adds an ``mp_policy`` keyword; read it only if it exists here.
-    digest = setup_digest(plan, named, reshard_after_forward, locals().get("mp_policy"))
+    digest = setup_digest(plan, named, reshard_after_forward, mp_policy)
     collectives.check_plan_agreement(
         digest, "setup (ownership plan, reshard_after_forward, mp_policy or device type)"
     )
     DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
         model, [n for n, _, _ in named]
     )
-    dm = DedicatedParams(model, named, topology, plan, reshard_after_forward, mesh=mesh)
+    dm = DedicatedParams(model, named, topology, plan, reshard_after_forward, mesh=mesh,
+                         mp_policy=mp_policy)
     _mark_dedicated(p for _, p, _ in named)
     return checkpoint.install(model, dm)  # state_dict / load_state_dict hooks
 

@@ -61,6 +61,14 @@ Per step (SPEC §1):
    (HSDP) each owner broadcasts its buckets to the holders over the replicate axis
    (channel ``replicate``, phase ``replicate``) asynchronously; the wait is in step 1.
 
+Dtypes. Without ``mp_policy`` every call moves the params' dtype. With
+``mp_policy=MixedPrecisionPolicy(param_dtype=pd, reduce_dtype=rd)`` (``rd`` None: ``pd``):
+forward broadcasts and Z3 re-broadcasts send ``pd`` (the compute copy), shard and replicate
+reduces run in ``rd``, the replicate broadcast (step 6) and ``sync_params`` send the master
+dtype (fp32), the usage all_reduce stays ``int32``. Counts are unchanged. Holders keep the
+master and cast it to ``pd`` locally (owners after the step, other holders after the
+replicate wait); non-holders keep only the ``pd`` copy (master freed, until sync_params).
+
 Outside the step:
 
 - ``no_sync()``: backward passes inside skip steps 4-5 (grads accumulate locally); Z3 still
@@ -72,13 +80,19 @@ Outside the step:
   forward, ``zero_grad()`` or ``step()`` recovers: it waits for the reduces already issued,
   drops the dedicated grads of an aborted backward, frees Z3 non-holders (invalid) and
   starts over. Ranks must have raised at the same point (collectives issued identically).
+
+Limit (blocking backends such as gloo): a module that runs on some ranks only is flushed by
+the next driver every rank runs (e.g. the MoE block around its experts) or by the root's
+end. If another library's blocking collective (an FSDP2 all_gather of a later block) comes
+before that point on the ranks that skipped the module, the ranks wait on each other: keep
+conditional modules inside a module that every rank runs. NCCL's asynchronous launches do
+not block the CPU there.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -86,39 +100,14 @@ import torch.nn as nn
 from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_leaves
 
-from . import annotate, collectives, residency
+from . import annotate, collectives, precision, residency
 from .buckets import bucket_layout
+from .copies import Bucket
 from .plan import OwnershipPlan, specs_from_named_parameters
 from .state import StateMachine, TrainingState
 from .topology import Topology
 
 S = TrainingState
-
-
-@dataclass(eq=False)
-class _Bucket:
-    index: int
-    module_name: str
-    module: nn.Module
-    owner: int  # global owner index g = r * N + s
-    shard_owner: int  # s: group rank of the holder in each shard group
-    replicate_owner: int  # r: group rank of the owner in the replicate group
-    names: list[str]
-    params: list[nn.Parameter]
-    flat: torch.Tensor  # shape (numel,), params' data are views into it
-    is_holder: bool
-    is_owner: bool
-    valid: bool = False
-    reduced: bool = False  # reduced to the owner since the last step / zero_grad
-    ready: set[int] = field(default_factory=set)
-    used: list[bool] = field(default_factory=list)
-    replicate_work: dist.Work | None = None
-    reduce_work: dist.Work | None = None
-    reduce_buf: torch.Tensor | None = None
-
-    @property
-    def numel(self) -> int:
-        return self.flat.numel()
 
 
 def _in_backward() -> bool:
@@ -151,8 +140,11 @@ class DedicatedParams:
         reshard_after_forward: bool,
         *,
         mesh=None,
+        mp_policy=None,
     ) -> None:
         self.names = [n for n, _, _ in named]
+        self.mp_policy = mp_policy
+        self._param_dtype, self._reduce_dtype = precision.dtypes(mp_policy)
         self.plan = plan
         self.topology = topology
         self.reshard_after_forward = reshard_after_forward
@@ -172,8 +164,9 @@ class DedicatedParams:
         self._handles: list = []
         self._install_hooks(model)
         for b in self.buckets:
+            self._make_compute(b)
             if reshard_after_forward and not b.is_holder:
-                self._free(b)
+                b.free_compute()
 
     # ------------------------------------------------------------------ construction
     def _build_buckets(self, model: nn.Module, named) -> None:
@@ -182,12 +175,12 @@ class DedicatedParams:
         by_name = {n: p for n, p, _ in named}
         specs = specs_from_named_parameters((n, p) for n, p, _ in named)
         me = topology.global_index
-        self.buckets: list[_Bucket] = []
+        self.buckets: list[Bucket] = []
         for i, spec in enumerate(bucket_layout(specs, self.plan)):
             r, s = topology.coords(spec.owner)
             params = [by_name[n] for n in spec.names]
             self.buckets.append(
-                _Bucket(
+                Bucket(
                     index=i,
                     module_name=spec.module,
                     module=modules[spec.module],
@@ -206,7 +199,7 @@ class DedicatedParams:
         self._name_by_id = {id(p): n for b in self.buckets for n, p in zip(b.names, b.params)}
         # driver module -> (first, last) bucket index of its subtree, and its own buckets
         self._span: dict[nn.Module, tuple[int, int]] = {}
-        self._own: dict[nn.Module, list[_Bucket]] = {}
+        self._own: dict[nn.Module, list[Bucket]] = {}
         for b in self.buckets:
             self._own.setdefault(b.module, []).append(b)
             parts = b.module_name.split(".") if b.module_name else []
@@ -222,13 +215,24 @@ class DedicatedParams:
         for m in self._span:
             h.append(m.register_forward_pre_hook(self._pre_forward))
             h.append(m.register_forward_hook(self._post_forward))
+        self._grad_handles: dict[tuple[int, int], object] = {}
         for b in self.buckets:
-            for i, p in enumerate(b.params):
-                h.append(p.register_post_accumulate_grad_hook(self._grad_hook(b, i)))
+            for i in range(len(b.params)):
+                self._hook_grad(b, i)
         h.append(model.register_state_dict_pre_hook(self._before_state_dict))
+
+    def _hook_grad(self, b: Bucket, i: int) -> None:
+        old = self._grad_handles.pop((b.index, i), None)
+        if old is not None:
+            old.remove()
+        target = b.compute[i] if b.compute else b.params[i]
+        self._grad_handles[(b.index, i)] = target.register_post_accumulate_grad_hook(
+            self._grad_hook(b, i)
+        )
 
     # ------------------------------------------------------------------ public helpers
     def __iter__(self) -> Iterator[nn.Parameter]:
+        self._rebind_if_moved()
         return iter(self._params)
 
     def __len__(self) -> int:
@@ -240,6 +244,7 @@ class DedicatedParams:
     @property
     def params(self) -> list[nn.Parameter]:
         """The dedicated params (plain tensors, never DTensors), in model order."""
+        self._rebind_if_moved()
         return list(self._params)
 
     @property
@@ -249,6 +254,7 @@ class DedicatedParams:
 
     def owned(self) -> list[nn.Parameter]:
         """Params whose global owner is this rank (the only ones this rank steps)."""
+        self._rebind_if_moved()
         return [p for b in self.buckets if b.is_owner for p in b.params]
 
     def owner_of(self, p: nn.Parameter) -> int:
@@ -301,8 +307,11 @@ class DedicatedParams:
         self._rebind_if_moved()
         for b in self.buckets:
             self._wait_replicate(b)
-            if not b.valid:
+            if not (b.master_valid if b.mixed else b.valid):
                 self._broadcast(b, "checkpoint")
+            elif not b.valid:  # mixed precision: master current, compute copy stale or freed
+                b.refresh_compute()
+                b.valid = True
 
     def params_loaded(self) -> None:
         """Mark every copy current after identical values were written into every rank's
@@ -321,7 +330,8 @@ class DedicatedParams:
                     f"{dist.get_rank()}, so the load could not write it. Call "
                     "dm.sync_params() on every rank before loading."
                 )
-            b.valid = True
+            b.refresh_compute()
+            b.valid = b.master_valid = True
 
     def remove(self) -> None:
         """Remove every hook DMuon registered (the params stay where they are)."""
@@ -354,7 +364,9 @@ class DedicatedParams:
             self._recover()
         self._end_iteration()
         for b in self.buckets:
-            b.valid = False
+            b.valid = b.master_valid = False
+            if b.is_owner:
+                b.refresh_compute()
         if self.groups.replicate is None:
             return
         with annotate.phase("replicate"):
@@ -388,8 +400,9 @@ class DedicatedParams:
             if b.reduce_work is not None:
                 b.reduce_work.wait()
             b.reduce_work = b.reduce_buf = None
+            b.swap(False)
             if old == S.BACKWARD:
-                for p in b.params:
+                for p in b.params + b.compute:
                     p.grad = None
                 b.reduced = False
                 b.used = [False] * len(b.params)
@@ -412,6 +425,9 @@ class DedicatedParams:
         self._rebind_if_moved()
         self._state.to(S.FORWARD)
         self._fwd_cursor = 0
+        for b in self.buckets:  # mixed precision: master copies of non-holders (sync) go
+            if b.mixed and not b.is_holder and residency.is_allocated(b.flat):
+                b.free_master()
 
     def _end_forward(self) -> None:
         self._advance_forward(len(self.buckets) - 1)
@@ -469,37 +485,47 @@ class DedicatedParams:
 
     def _pre_forward(self, module: nn.Module, args) -> None:
         lo, hi = self._span[module]
+        own = self._own.get(module, ())
         if self.state == S.BACKWARD and _in_backward():  # activation-checkpoint recompute
             if self.reshard_after_forward:
                 self._advance_rebroadcast(lo)
-            return
+            for b in own:
+                b.swap(True)
+            return precision.cast_inputs(self.mp_policy, args) if own else None
         if self.state != S.FORWARD:
             self._begin_forward()  # a forward that did not enter through the root
         self._advance_forward(hi)
-        for b in self._own.get(module, ()):
-            if not b.valid and self.reshard_after_forward and not b.is_holder:
+        for b in own:
+            b.swap(True)
+        for b in own:
+            if not b.valid and self.reshard_after_forward:  # same on every rank
                 raise RuntimeError(
                     f"DMuon: module {b.module_name!r} ran again in the same forward after its "
                     "dedicated params were freed (reshard_after_forward=True). Z3 refills a "
                     "module once per forward; for modules called more than once per step use "
                     "reshard_after_forward=False."
                 )
+        return precision.cast_inputs(self.mp_policy, args) if own else None
 
-    def _post_forward(self, module: nn.Module, args, output) -> None:
+    def _post_forward(self, module: nn.Module, args, output):
+        own = self._own.get(module, ())
+        for b in own:
+            b.swap(False)
         if self.state != S.FORWARD or not self.reshard_after_forward:
-            return  # recompute, or Z2 (keeps everything until the step)
+            return precision.cast_output(self.mp_policy, output) if own else None  # recompute, or Z2
         lo, hi = self._span[module]
         for b in self.buckets[lo : min(hi, self._fwd_cursor - 1) + 1]:
             self._free_non_holder(b)
         outputs = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
         if outputs and torch.is_grad_enabled():
             register_multi_grad_hook(outputs, lambda grads: self._pre_backward(lo), mode="any")
+        return precision.cast_output(self.mp_policy, output) if own else None
 
     def _pre_backward(self, lo: int) -> None:
         self._begin_backward()
         self._advance_rebroadcast(lo)
 
-    def _grad_hook(self, b: _Bucket, i: int):
+    def _grad_hook(self, b: Bucket, i: int):
         def hook(p: nn.Parameter) -> None:
             self._begin_backward()
             b.used[i] = True
@@ -518,6 +544,7 @@ class DedicatedParams:
             self._finish_reduces()
         for b in self.buckets:
             b.ready.clear()
+            b.swap(False)
             self._free_non_holder(b)
         self._state.to(S.BACKWARD_DONE)
 
@@ -547,33 +574,45 @@ class DedicatedParams:
             self._reduce_cursor += 1
 
     # ------------------------------------------------------------------ collectives
-    def _wait_replicate(self, b: _Bucket) -> None:
+    def _wait_replicate(self, b: Bucket) -> None:
         if b.replicate_work is not None:
             with annotate.span("dmuon.replicate_wait", module=b.module_name, owner=b.owner):
                 b.replicate_work.wait()
             b.replicate_work = None
+            b.refresh_compute()  # mixed precision: the holder casts the received master
 
-    def _broadcast(self, b: _Bucket, phase: str) -> None:
+    def _broadcast(self, b: Bucket, phase: str) -> None:
+        """Holder -> shard group: the compute copy (forward, backward) or, for ``checkpoint``,
+        the master copy (the compute copy is then cast locally)."""
+        master = phase == "checkpoint"
         if not b.is_holder:
-            self._alloc(b)
+            b.alloc_master() if master else b.alloc_compute()
+        buf = b.flat if master else b.lp
         name = {"forward": "dmuon.broadcast", "backward": "dmuon.rebroadcast"}.get(phase, "dmuon.sync")
         with annotate.phase(phase), annotate.span(name, module=b.module_name, owner=b.owner):
-            collectives.broadcast_(b.flat, b.shard_owner, self.groups.broadcast)
+            collectives.broadcast_(buf, b.shard_owner, self.groups.broadcast)
+        if master:
+            b.master_valid = True
+            if b.mixed:
+                b.refresh_compute()
         b.valid = True
 
-    def _issue_reduce(self, b: _Bucket) -> None:
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in b.params]
+    def _issue_reduce(self, b: Bucket) -> None:
+        grads = [q.grad if q.grad is not None else torch.zeros_like(q) for q in b.compute]
         if len(grads) == 1:
             buf = grads[0].reshape(-1)
         else:
             buf = torch.cat([g.reshape(-1) for g in grads])
+        rd = self._reduce_dtype
+        if rd is not None and buf.dtype != rd:
+            buf = buf.to(rd)
         with annotate.phase("backward"), annotate.span("dmuon.reduce", module=b.module_name, owner=b.owner):
             b.reduce_work = collectives.reduce_sum_(buf, b.shard_owner, self.groups.reduce, async_op=True)
         b.reduce_buf = buf
         b.reduced = True
-        if not b.is_owner:
-            for p in b.params:
-                p.grad = None
+        if not b.is_owner or b.mixed:
+            for q in b.compute:
+                q.grad = None
         self._free_non_holder(b)  # Z3: its module's backward is done (its grads arrived)
 
     def _finish_reduces(self) -> None:
@@ -599,47 +638,69 @@ class DedicatedParams:
             buf, b.reduce_buf = b.reduce_buf, None
             b.used = [False] * len(b.params)
             if b.is_owner:
-                buf.div_(self.topology.world_size)
+                same = buf.dtype == b.flat.dtype
+                if same:
+                    buf.div_(self.topology.world_size)
                 offset = 0
                 for p in b.params:
                     n = p.numel()
-                    p.grad = buf[offset : offset + n].view_as(p) if counts[k] else None
+                    g = buf[offset : offset + n].view_as(p)
+                    if not same:  # mixed precision: the master grad, averaged in its dtype
+                        g = g.to(p.dtype).div_(self.topology.world_size)
+                    p.grad = g if counts[k] else None
                     offset += n
                     k += 1
             else:
                 k += len(b.params)
 
     # ------------------------------------------------------------------ residency
-    def _free(self, b: _Bucket) -> None:
-        residency.free_storage(b.flat)
-        for n, p in zip(b.names, b.params):
-            residency.mark_freed(p, f"{n} (owner rank {b.owner}) on rank {dist.get_rank()}")
-
-    def _alloc(self, b: _Bucket) -> None:
-        residency.alloc_storage(b.flat)
-        for p in b.params:
-            residency.mark_resident(p)
-
-    def _free_non_holder(self, b: _Bucket) -> None:
+    def _free_non_holder(self, b: Bucket) -> None:
         """Z3: non-holders free ``b``; every rank marks it invalid (a no-op under Z2)."""
         if self.reshard_after_forward:
-            if not b.is_holder and residency.is_allocated(b.flat):
-                self._free(b)
+            if not b.is_holder and residency.is_allocated(b.lp):
+                b.free_compute()
             b.valid = False
 
+    def _make_compute(self, b: Bucket) -> None:
+        if b.make_compute(self._param_dtype):
+            for i in range(len(b.params)):
+                self._hook_grad(b, i)
+
     def _rebind_if_moved(self) -> None:
-        """Re-make the flat buffers of buckets whose params ``.to()`` / ``to_empty()`` /
-        ``p.data = ...`` disconnected; such buckets become invalid (re-sent from holders)."""
+        """Follow ``.to()`` / ``to_empty()`` / ``p.data = ...`` after ``dedicate_params``.
+
+        A module param replaced by a new object (``to_empty`` from meta does that) is
+        adopted (grad hook moved); a param whose storage no longer is its view of the flat
+        buffer gets a new flat buffer built from its current data (device and dtype follow).
+        Such buckets become invalid (re-sent from their holders at the next forward), and Z3
+        non-holders free them. Local: every rank must have applied the same call.
+        """
         for b in self.buckets:
-            if residency.is_bound(b.params, b.flat):
+            current = [b.module._parameters[n.rpartition(".")[2]] for n in b.names]
+            replaced = [
+                i for i, (p, q) in enumerate(zip(b.params, current))
+                if p is not q and not any(q is c for c in b.compute)  # not swapped in by us
+            ]
+            for i in replaced:
+                old = b.params[i]
+                self._params[next(k for k, q in enumerate(self._params) if q is old)] = current[i]
+                b.params[i] = current[i]
+                self._hook_grad(b, i)
+            if replaced:
+                self._param_ids = {id(p) for p in self._params}
+                self._owner_by_id = {id(p): c.owner for c in self.buckets for p in c.params}
+                self._name_by_id = {id(p): n for c in self.buckets for n, p in zip(c.names, c.params)}
+            if not replaced and residency.is_bound(b.params, b.flat):
                 continue
-            for p in b.params:
-                residency.mark_resident(p)
             b.flat = residency.flatten_into_views(b.params)
             collectives.check_param_device(b.flat.device, self.groups.broadcast, b.names[0])
-            b.valid = False
+            self._make_compute(b)
+            b.valid = b.master_valid = False
             if self.reshard_after_forward and not b.is_holder:
-                self._free(b)
+                b.free_compute()
+            elif residency.is_allocated(b.flat):
+                for p in b.params:
+                    residency.mark_resident(p)
 
 
 def _mesh_rows(mesh, topology: Topology) -> list[list[int]]:

@@ -35,6 +35,12 @@ _SAFE_METHODS = frozenset({
     "untyped_storage", "__format__",
 })
 
+#: Conversions ``.to()`` / ``to_empty()`` / ``.double()`` ... apply to a freed param: they give
+#: a freed result of the new dtype / device (its values are re-sent by the holder anyway).
+_CONVERSIONS = frozenset({
+    "to", "double", "float", "half", "bfloat16", "cuda", "cpu", "type", "empty_like", "_to_copy",
+})
+
 #: Why a param is freed and how to get its values, filled by the runtime: name -> message.
 _WHY: dict[int, str] = {}
 _FREED_CLASSES: dict[type, type] = {}
@@ -57,7 +63,9 @@ def _freed_class(cls: type) -> type:
             kind, name = _func_name(func)
             safe = (name in _SAFE_ATTRS) if kind == "attr" else (name in _SAFE_METHODS)
             if kind == "attr" and name == "data":
-                safe = False
+                safe = getattr(func, "__name__", "") == "__set__"  # .to() re-points .data
+            if kind == "call" and name in _CONVERSIONS:
+                return _convert_freed(sub, func, args, kwargs or {})
             if not safe:
                 freed = [a for a in args if type(a) is sub]
                 what = _WHY.get(id(freed[0]), "a DMuon param freed on this rank") if freed else ""
@@ -76,6 +84,21 @@ def _freed_class(cls: type) -> type:
             "__module__": __name__,
         })
     return _FREED_CLASSES[cls]
+
+
+def _convert_freed(sub: type, func, args, kwargs) -> torch.Tensor:
+    """Run a conversion on a stand-in that reads nothing (one element, expanded), then drop the
+    result's storage: the result is freed, with the dtype and device the conversion asked for."""
+    proxies = [
+        torch.zeros(1, dtype=a.dtype, device=a.device).expand(a.shape) if type(a) is sub else a
+        for a in args
+    ]
+    with torch._C.DisableTorchFunctionSubclass():
+        out = func(*proxies, **kwargs)
+        if isinstance(out, torch.Tensor):
+            out = out.contiguous() if not out.is_contiguous() else out
+            out.untyped_storage().resize_(0)
+    return out
 
 
 def mark_freed(p: nn.Parameter, why: str) -> None:
@@ -121,7 +144,8 @@ def is_allocated(flat: torch.Tensor) -> bool:
 
 def flatten_into_views(params: list[nn.Parameter]) -> torch.Tensor:
     """Copy ``params`` into one new flat buffer (their device and dtype) and make their
-    ``.data`` views into it. Returns the buffer, shape ``(sum of numel,)``.
+    ``.data`` views into it (a freed param's values are not copied: it has none). Returns the
+    buffer, shape ``(sum of numel,)``.
 
     Raises:
         ValueError: the params differ in device or dtype.
@@ -138,8 +162,10 @@ def flatten_into_views(params: list[nn.Parameter]) -> torch.Tensor:
     with torch.no_grad():
         for p in params:
             n = p.numel()
-            flat[offset : offset + n].copy_(p.data.reshape(-1))
-            p.data = flat[offset : offset + n].view_as(p)
+            view = flat[offset : offset + n].view(p.shape)
+            if not is_freed(p):  # a freed param has no values to keep
+                view.copy_(p.data)
+            p.data = view
             offset += n
     return flat
 

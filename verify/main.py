@@ -49,6 +49,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "returning (model, loss_fn) (README: Verify your own model)")
     parser.add_argument("--wide", action="store_true",
                         help="print every column (default: a table that fits 120 columns)")
+
+    parser.add_argument("--mixed-precision", choices=["bf16", "fp16"], default=None,
+                        help="MixedPrecisionPolicy(param_dtype=...) for DMuon and fully_shard")
     args = parser.parse_args(argv)
     unknown = [m for m in args.modes.split(",") if m not in MODES]
     if unknown:
@@ -87,6 +90,7 @@ def main(argv: list[str] | None = None) -> int:
         out_dir=args.out_dir,
         device="cuda" if use_cuda else "cpu",
         model=args.model,
+        mixed_precision=args.mixed_precision,
     )
     rank = dist.get_rank()
     modes = runnable_modes(config, dist.get_world_size())

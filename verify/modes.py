@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 import dmuon
@@ -80,25 +80,49 @@ def _mesh(mode: str, world: int, device: str):
     return init_device_mesh(device, (world,))
 
 
-def _fsdp_wrap(model: nn.Module, mesh, reshard: bool, ignored: set, per_linear: list[str]) -> tuple[str, ...]:
+#: ``--mixed-precision`` choices -> torch dtype of MixedPrecisionPolicy.param_dtype.
+MIXED_PRECISION = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def mp_policy(mixed_precision: str | None, **kw) -> MixedPrecisionPolicy | None:
+    """FSDP2's policy for ``--mixed-precision`` (reduce_dtype left None: param_dtype).
+
+    Raises:
+        ValueError: not a key of :data:`MIXED_PRECISION`.
+    """
+    if mixed_precision is None:
+        return None
+    if mixed_precision not in MIXED_PRECISION:
+        raise ValueError(f"Invalid mixed_precision={mixed_precision!r}. Must be one of {sorted(MIXED_PRECISION)}.")
+    return MixedPrecisionPolicy(param_dtype=MIXED_PRECISION[mixed_precision], **kw)
+
+
+def _fsdp_wrap(model: nn.Module, mesh, reshard: bool, ignored: set, per_linear: list[str],
+               mp: MixedPrecisionPolicy | None = None) -> tuple[str, ...]:
     """fully_shard: optionally each Muon Linear, then each block (the elements of the model's
     largest ModuleList, ``verify.usermodel.block_names``), then the root; wrap order."""
     order = []
     modules = dict(model.named_modules())
+    kw = {"mp_policy": mp} if mp is not None else {}
     for name in per_linear:
-        fully_shard(modules[name], mesh=mesh, reshard_after_forward=reshard)
+        fully_shard(modules[name], mesh=mesh, reshard_after_forward=reshard, **kw)
         order.append(name)
     for name in block_names(model):
-        fully_shard(modules[name], mesh=mesh, reshard_after_forward=reshard, ignored_params=ignored or None)
+        fully_shard(modules[name], mesh=mesh, reshard_after_forward=reshard, ignored_params=ignored or None, **kw)
         order.append(name)
     # The root without reshard_after_forward: FSDP2's "auto" keeps it unsharded after forward.
-    fully_shard(model, mesh=mesh, ignored_params=ignored or None)
+    fully_shard(model, mesh=mesh, ignored_params=ignored or None, **kw)
     order.append("")
     return tuple(order)
 
 
-def build(mode: str, make_model: Callable[[], nn.Module], device: str = "cpu") -> Built:
+def build(mode: str, make_model: Callable[[], nn.Module], device: str = "cpu",
+          mixed_precision: str | None = None) -> Built:
     """Build ``mode`` on this rank: wrap ``make_model()`` and create its optimizer.
+
+    ``mixed_precision`` (``"bf16"``, ``"fp16"``): DMuon modes get a ``MixedPrecisionPolicy``
+    (dmuon-ddp with ``output_dtype=float32``, since DDP keeps the rest in fp32) and every
+    ``fully_shard`` call the same policy; DDP and the baselines' DDP stay fp32.
 
     Raises:
         ValueError: unknown mode or a world size the mode cannot use.
@@ -121,15 +145,21 @@ def build(mode: str, make_model: Callable[[], nn.Module], device: str = "cpu") -
             fsdp_modules=fsdp_modules,
             reshard_after_forward=reshard_flag,
             ddp_bucket_cap_bytes=DDP_BUCKET_CAP_MB * 1024 * 1024,
+            mp_param_dtype=mp_name if (mode.startswith("dmuon-") or fsdp_modules) else None,
         )
 
+    mp = mp_policy(mixed_precision)
+    mp_name = str(mp.param_dtype).removeprefix("torch.") if mp is not None else None
+
     if mode.startswith("dmuon-"):
-        dm = dmuon.dedicate_params(model, mesh, params=list(targets), reshard_after_forward=reshard)
+        dm_mp = mp_policy(mixed_precision, output_dtype=torch.float32) if mode == "dmuon-ddp" else mp
+        dm = dmuon.dedicate_params(model, mesh, params=list(targets), reshard_after_forward=reshard,
+                                   mp_policy=dm_mp)
         if mode == "dmuon-ddp":
             model = DistributedDataParallel(model, bucket_cap_mb=DDP_BUCKET_CAP_MB)
             fsdp_modules = ()
         else:
-            fsdp_modules = _fsdp_wrap(model, mesh, reshard, set(dm), [])
+            fsdp_modules = _fsdp_wrap(model, mesh, reshard, set(dm), [], mp)
         opt = dmuon.DMuon(model.parameters(), dedicated=dm, lr=MUON_LR, adamw_lr=ADAMW_LR)
         return Built(model, opt, layout(fsdp_modules), dm)
 
@@ -143,7 +173,7 @@ def build(mode: str, make_model: Callable[[], nn.Module], device: str = "cpu") -
 
     if mode in ("naive-fsdp2-z2", "naive-fsdp2-z3", "naive-hsdp"):
         linear_modules = sorted({t.rpartition(".")[0] for t in targets}, key=[s.module for s in specs].index)
-        fsdp_modules = _fsdp_wrap(model, mesh, reshard, set(), linear_modules)
+        fsdp_modules = _fsdp_wrap(model, mesh, reshard, set(), linear_modules, mp)
         named = dict(model.named_parameters())
         muon = NaiveShardedMuon([named[t] for t in targets], lr=MUON_LR)
         adamw = torch.optim.AdamW([p for n_, p in named.items() if n_ not in targets], lr=ADAMW_LR)

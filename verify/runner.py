@@ -68,6 +68,7 @@ class RunConfig:
         device: "cpu" (gloo) or "cuda" (NCCL).
         profiler: record the measured steps with ``torch.profiler`` too (CPU activities,
             shapes), a third source matched one to one against the interposer.
+        mixed_precision: ``None`` or a key of ``verify.modes.MIXED_PRECISION`` (``"bf16"``).
     """
 
     modes: tuple[str, ...] = MODES
@@ -84,6 +85,7 @@ class RunConfig:
     device: str = "cpu"
     profiler: bool = True
     model: str = "tinygpt"
+    mixed_precision: str | None = None
 
 
 def runnable_modes(config: RunConfig, world_size: int) -> list[str]:
@@ -211,7 +213,7 @@ def _train_mode(mode: str, config: RunConfig, corpus: ByteCorpus, progress,
         made.append(source.factory())
         return made[-1][0]
 
-    built = build(mode, make_model, config.device)
+    built = build(mode, make_model, config.device, config.mixed_precision)
     loss_fn = made[-1][1]
     model, opt = built.model, built.optimizer
     out = Path(config.out_dir) / mode

@@ -156,3 +156,212 @@ def loaded_then_train(mode: str) -> dict:
         annotate.remove_span_listener(spans.append)
     return {"loss": loss.item(), "broadcasts": sum(s.name == "dmuon.broadcast" for s in spans),
             "values": {n: p.detach().clone() for n, p in zip(dm.names, dm.params)} if not dm.reshard_after_forward else None}
+
+
+def _apply_ac(model, variant: str) -> None:
+    """Activation checkpointing of every block: torch.utils.checkpoint reentrant,
+    non-reentrant (early stop on / off), or checkpoint_wrapper (non-reentrant)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
+
+    if variant == "wrapper":
+        for i in range(len(model.blocks)):
+            model.blocks[i] = checkpoint_wrapper(model.blocks[i])
+        return
+    for block in model.blocks:
+        inner = block.forward
+
+        def forward(x, inner=inner):
+            if variant == "reentrant":
+                return checkpoint(inner, x, use_reentrant=True)
+            with set_checkpoint_early_stop(variant == "early-stop"):
+                return checkpoint(inner, x, use_reentrant=False)
+
+        block.forward = forward
+
+
+def train_ac(mode: str, variant: str | None, steps: int = 3) -> dict:
+    """verify-traffic's model and mode, every block checkpointed (``variant``, None = no AC);
+    the interposer records steps 1.. ; returns events, layout and the owned params."""
+    from tracer.interposer import Interposer
+    from verify.modes import build as build_mode
+    from verify.runner import train_step
+
+    built = build_mode(mode, lambda: make_model(SMALL))
+    if variant is not None:
+        _apply_ac(built.model.module if mode == "dmuon-ddp" else built.model, variant)
+    fc1 = next(b.module for b in built.dedicated.buckets if b.module_name == "blocks.0.mlp.fc1")
+    calls = []
+    fc1.register_forward_pre_hook(lambda m, a: calls.append(1))
+    interposer = Interposer()
+    for step in range(steps):
+        if step == 1:
+            interposer.__enter__()
+        x, y = batch(step)
+        train_step(built.model, built.optimizer, x, y)
+    interposer.__exit__(None, None, None)
+    dm = built.dedicated
+    dm.wait_pending()
+    owned = {id(p) for p in dm.owned()}
+    params = {n: p.detach().clone() for n, p in zip(dm.names, dm.params) if id(p) in owned}
+    return {"events": interposer.events, "layout": built.layout, "params": params,
+            "ns_calls": built.optimizer.ns_calls, "fc1_calls": len(calls)}
+
+
+def _train_steps(wrapped, model, dm, opt, steps: int) -> dict:
+    for step in range(steps):
+        x, y = batch(step)
+        _loss(wrapped, x, y).backward()
+        opt.step()
+        opt.zero_grad()
+    return owned_params(model, dm)
+
+
+def meta_init(mode: str, steps: int = 2) -> dict:
+    """The documented meta-device flow (README 'Meta-device init'): build on meta,
+    dedicate_params, to_empty, init the weights, wrap, optimizer; against the ordinary flow."""
+    from tests.distributed.dmuon_tasks import make_model as ordinary
+
+    reshard = mode.endswith("z3")
+    mesh = _mesh("flat")
+    with torch.device("meta"):
+        model = type(ordinary())(SMALL)
+    dm = dmuon.dedicate_params(model, mesh, reshard_after_forward=reshard)
+    model.to_empty(device="cpu")
+    with torch.no_grad():  # the init: here the ordinary model's seeded values
+        model.load_state_dict(ordinary().state_dict())
+    wrapped = DistributedDataParallel(model)
+    opt = dmuon.DMuon(wrapped.parameters(), dedicated=dm, lr=MUON_LR, adamw_lr=ADAMW_LR)
+    got = _train_steps(wrapped, model, dm, opt, steps)
+    wrapped, model, dm, opt = build("ddp" if mode == "ddp" else mode, wrap=False)
+    wrapped = DistributedDataParallel(model)
+    opt = dmuon.DMuon(wrapped.parameters(), dedicated=dm, lr=MUON_LR, adamw_lr=ADAMW_LR)
+    ref = _train_steps(wrapped, model, dm, opt, steps)
+    return {"got": got, "ref": ref}
+
+
+def to_after_dedicate(mode: str, steps: int = 2) -> dict:
+    """``.double()`` after dedicate_params re-binds the flat buffers: the same result as
+    converting first (Z3 non-holders' freed copies become freed float64 copies)."""
+    reshard = mode.endswith("z3")
+    mesh = _mesh("flat")
+    model = make_model().double()
+    dm = dmuon.dedicate_params(model, mesh, reshard_after_forward=reshard)
+    wrapped = DistributedDataParallel(model)
+    opt = dmuon.DMuon(wrapped.parameters(), dedicated=dm, lr=MUON_LR, adamw_lr=ADAMW_LR)
+    ref = _train_steps(wrapped, model, dm, opt, steps)
+    model = make_model()
+    dm = dmuon.dedicate_params(model, mesh, reshard_after_forward=reshard)
+    error = None
+    try:
+        model.double()
+    except RuntimeError as exc:
+        error = str(exc)
+        dm.sync_params()
+        model.double()
+    wrapped = DistributedDataParallel(model)
+    opt = dmuon.DMuon(wrapped.parameters(), dedicated=dm, lr=MUON_LR, adamw_lr=ADAMW_LR)
+    got = _train_steps(wrapped, model, dm, opt, steps)
+    return {"got": got, "ref": ref, "error": error,
+            "dtypes": sorted({str(b.flat.dtype) for b in dm.buckets})}
+
+
+def train_mp(mode: str, steps: int = 3, reduce_dtype=torch.float32, wrap: bool = True) -> dict:
+    """bf16 mixed precision (fully_shard's MixedPrecisionPolicy, also given to FSDP2 for the
+    rest); returns owned params, their momentum dtypes and what forward computed in."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype)
+    rank = dist.get_rank()
+    mesh = _mesh("hsdp" if mode.startswith("hsdp") else "flat")
+    model = make_model()
+    reshard = mode.endswith("z3")
+    dm = dmuon.dedicate_params(model, mesh, reshard_after_forward=reshard, mp_policy=policy)
+    if mode == "ddp":
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype,
+                                      output_dtype=torch.float32)
+        dm.mp_policy = policy  # DDP keeps the rest in fp32: cast dedicated outputs back
+        wrapped = DistributedDataParallel(model)
+    else:
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh, reshard_after_forward=reshard, ignored_params=set(dm), mp_policy=policy)
+        fully_shard(model, mesh=mesh, ignored_params=set(dm), mp_policy=policy)
+        wrapped = model
+    opt = dmuon.DMuon(wrapped.parameters(), dedicated=dm, lr=MUON_LR, adamw_lr=ADAMW_LR)
+    seen = []
+    fc1 = model.blocks[0].mlp.fc1
+    fc1.register_forward_hook(lambda m, a, out: seen.append((str(m.weight.dtype), str(out.dtype))))
+    losses = []
+    for step in range(steps):
+        x, y = batch(step)
+        loss = _loss(wrapped, x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    params = owned_params(model, dm)
+    momentum = sorted({str(opt.state[p]["momentum_buffer"].dtype) for p in dm.owned() if p in opt.state})
+    return {"params": params, "momentum": momentum, "seen": sorted(set(seen)), "losses": losses,
+            "registered": sorted({str(p.dtype) for p in dm.params}), "rank": rank}
+
+
+def readme_snippet(name: str) -> dict:
+    """Run the README code block marked ``<!-- snippet: name -->`` on this rank, with
+    ``model`` (TinyGPT), ``mesh`` (1-D), ``config``, ``loader`` (2 batches) and ``loss_fn``."""
+    import pathlib
+    import re
+
+    import torch.nn.functional as F
+    from verify.model import TinyGPT
+
+    text = (pathlib.Path(__file__).parents[2] / "README.md").read_text()
+    match = re.search(rf"<!-- snippet: {re.escape(name)} -->\n```python\n(.*?)```", text, re.S)
+    assert match, name
+    ns = {
+        "torch": torch, "dmuon": dmuon, "mesh": _mesh("flat"), "model": make_model(),
+        "config": SMALL, "TinyGPT": TinyGPT, "DistributedDataParallel": DistributedDataParallel,
+        "loader": [batch(0), batch(1)],
+        "loss_fn": lambda logits, y: F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1)),
+    }
+    exec(compile(match.group(1), f"README.md:{name}", "exec"), ns)
+    dm, opt = ns["dm"], ns["opt"]
+    return {"state": dm.state.name, "stepped": sum(len(s) > 0 for s in opt.state.values())}
+
+
+def train_accumulate(mode: str, accumulate: bool, steps: int = 2) -> dict:
+    """Gradient accumulation: the same micro-batch twice at half loss, the first inside
+    ``dm.no_sync()`` (exactly the grads of one full-loss backward: halving is exact)."""
+    wrapped, model, dm, opt = build(mode, wrap=False)
+    for step in range(steps):
+        x, y = batch(step)
+        if accumulate:
+            with dm.no_sync():
+                (0.5 * _loss(wrapped, x, y)).backward()
+            (0.5 * _loss(wrapped, x, y)).backward()
+        else:
+            _loss(wrapped, x, y).backward()
+        opt.step()
+        opt.zero_grad()
+    return {"params": owned_params(model, dm)}
+
+
+class _Reuse(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 8, bias=False)
+        self.out = nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.out(self.a(torch.relu(self.a(x))))
+
+
+def z3_module_reuse() -> str:
+    """A module called twice in one forward under Z3: every rank raises the same error."""
+    torch.manual_seed(0)
+    model = _Reuse()
+    dmuon.dedicate_params(model, _mesh("flat"), params=[model.a.weight], reshard_after_forward=True)
+    try:
+        model(torch.randn(2, 8))
+    except RuntimeError as exc:
+        return str(exc)
+    return "no error"

@@ -50,3 +50,37 @@ def test_params_loaded_marks_copies_current(pool4):
     z3 = pool4.run_with_timeout(TIMEOUT_S, T.loaded_then_train, "z3")
     assert all(r["broadcasts"] == 0 for r in z2 + z3)
     assert [r["loss"] for r in z2] == [r["loss"] for r in z3]
+
+
+@pytest.mark.parametrize("mode", ["z3", "ddp"])
+def test_meta_device_init_flow_trains_like_ordinary_init(pool2, mode):
+    for r in pool2.run_with_timeout(TIMEOUT_S, T.meta_init, mode):
+        assert r["got"].keys() == r["ref"].keys() and r["got"]
+        assert all(torch.equal(r["got"][n], r["ref"][n]) for n in r["ref"])
+
+
+@pytest.mark.parametrize("mode", ["z2", "z3"])
+def test_to_after_dedicate_rebinds_or_names_the_fix(pool2, mode):
+    for r in pool2.run_with_timeout(TIMEOUT_S, T.to_after_dedicate, mode):
+        assert r["dtypes"] == ["torch.float64"]
+        assert all(torch.equal(r["got"][n], r["ref"][n]) for n in r["ref"])
+        assert r["error"] is None  # Z3's freed copies convert to freed copies of the new dtype
+
+
+@pytest.mark.parametrize("name", ["mixed-precision", "activation-checkpointing", "meta-device-init"])
+def test_readme_snippet_runs(pool2, name):
+    for r in pool2.run_with_timeout(TIMEOUT_S, T.readme_snippet, name):
+        assert r["state"] == "IDLE" and r["stepped"] > 0
+
+
+@pytest.mark.parametrize("mode", ["z3", "hsdp-z2"])
+def test_no_sync_accumulation_equals_one_backward(pool4, mode):
+    one = _merge(pool4.run_with_timeout(TIMEOUT_S, T.train_accumulate, mode, False))
+    acc = _merge(pool4.run_with_timeout(TIMEOUT_S, T.train_accumulate, mode, True))
+    assert acc.keys() == one.keys() and one
+    assert all(torch.equal(acc[n], one[n]) for n in one)
+
+
+def test_z3_module_called_twice_raises_on_every_rank(pool2):
+    for msg in pool2.run_with_timeout(TIMEOUT_S, T.z3_module_reuse):
+        assert "ran again in the same forward" in msg and "reshard_after_forward=False" in msg

@@ -1,0 +1,111 @@
+"""One bucket's copies on this rank: the master copy (``flat``, the registered params' views)
+and the compute copy (``lp``, what forward runs on and broadcasts carry).
+
+Without mixed precision both are the same buffer. With ``param_dtype`` set, ``lp`` is a
+``param_dtype`` buffer whose views are separate leaf params (``compute``) that the runtime
+swaps into the module during its forward, like FSDP2's unsharded params; the registered
+params keep the master dtype. Storage is freed and refilled with :mod:`dmuon.residency`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from . import residency
+
+
+@dataclass(eq=False)
+class Bucket:
+    """The runtime side of one :class:`dmuon.buckets.BucketSpec` on this rank."""
+
+    index: int
+    module_name: str
+    module: nn.Module
+    owner: int  # global owner index g = r * N + s
+    shard_owner: int  # s: group rank of the holder in each shard group
+    replicate_owner: int  # r: group rank of the owner in the replicate group
+    names: list[str]
+    params: list[nn.Parameter]
+    flat: torch.Tensor  # shape (numel,), params' data are views into it (master dtype)
+    is_holder: bool
+    is_owner: bool
+    lp: torch.Tensor | None = None  # shape (numel,), param_dtype copy (mixed precision), else flat
+    compute: list[nn.Parameter] = field(default_factory=list)  # views of lp used in forward
+    valid: bool = False  # non-holders' compute copies (lp) are current and allocated
+    master_valid: bool = False  # mixed precision: non-holders' master (flat) copies too
+    reduced: bool = False  # reduced to the owner since the last step / zero_grad
+    ready: set[int] = field(default_factory=set)
+    used: list[bool] = field(default_factory=list)
+    replicate_work: dist.Work | None = None
+    reduce_work: dist.Work | None = None
+    reduce_buf: torch.Tensor | None = None
+
+    @property
+    def numel(self) -> int:
+        return self.flat.numel()
+
+    @property
+    def mixed(self) -> bool:
+        """Whether the compute copy is a separate (``param_dtype``) buffer."""
+        return self.lp is not self.flat
+
+    def make_compute(self, param_dtype: torch.dtype | None) -> bool:
+        """Build the compute copy from ``flat``; returns True when new compute params were
+        made (the caller moves the grad hooks to them). Mixed-precision non-holders then
+        drop their master copy (``sync_params`` brings it back)."""
+        if param_dtype is None or param_dtype == self.flat.dtype:
+            self.lp, self.compute = self.flat, self.params
+            return False
+        self.lp = torch.empty(self.numel, dtype=param_dtype, device=self.flat.device)
+        with torch.no_grad():
+            self.lp.copy_(self.flat)
+        self.compute, offset = [], 0
+        for p in self.params:
+            n = p.numel()
+            self.compute.append(nn.Parameter(self.lp[offset : offset + n].view(p.shape)))
+            offset += n
+        if not self.is_holder:
+            self.free_master()
+        return True
+
+    def refresh_compute(self) -> None:
+        """Cast the master copy into the compute copy (mixed precision; local)."""
+        if self.mixed:
+            residency.alloc_storage(self.lp)
+            with torch.no_grad():
+                self.lp.copy_(self.flat)
+
+    def swap(self, compute: bool) -> None:
+        """Put the compute params (or back the registered ones) into the module."""
+        if self.mixed:
+            for n, p, q in zip(self.names, self.params, self.compute):
+                self.module._parameters[n.rpartition(".")[2]] = q if compute else p
+
+    def free_compute(self) -> None:
+        """Drop the compute copy's storage (without mixed precision: the master's)."""
+        if self.mixed:
+            residency.free_storage(self.lp)
+        else:
+            self.free_master()
+
+    def alloc_compute(self) -> None:
+        if self.mixed:
+            residency.alloc_storage(self.lp)
+        else:
+            self.alloc_master()
+
+    def free_master(self) -> None:
+        """Drop ``flat``'s storage; the registered params get the freed guard."""
+        residency.free_storage(self.flat)
+        for n, p in zip(self.names, self.params):
+            residency.mark_freed(p, f"{n} (owner rank {self.owner}) on rank {dist.get_rank()}")
+        self.master_valid = False
+
+    def alloc_master(self) -> None:
+        residency.alloc_storage(self.flat)
+        for p in self.params:
+            residency.mark_resident(p)
