@@ -212,9 +212,13 @@ class DedicatedParams:
         h = self._handles
         h.append(model.register_forward_pre_hook(self._root_pre_forward))
         h.append(model.register_forward_hook(self._root_post_forward))
+        # torch.compile: the hooks run eagerly (Dynamo must not trace into the schedule or
+        # inspect freed Z3 copies); the module's own forward is still compiled.
+        pre_forward = torch.compiler.disable(self._pre_forward)
+        post_forward = torch.compiler.disable(self._post_forward)
         for m in self._span:
-            h.append(m.register_forward_pre_hook(self._pre_forward))
-            h.append(m.register_forward_hook(self._post_forward))
+            h.append(m.register_forward_pre_hook(pre_forward))
+            h.append(m.register_forward_hook(post_forward))
         self._grad_handles: dict[tuple[int, int], object] = {}
         for b in self.buckets:
             for i in range(len(b.params)):

@@ -122,4 +122,7 @@ def train(mode: str) -> dict:
     idle_expert = model.moe.experts[N_EXPERTS - 1].weight
     return {"params": out, "experts_run": sorted(set(ran)),
             "idle_unchanged": torch.equal(idle_expert.detach(), before) if id(idle_expert) in owned else None,
-            "idle_momentum": "momentum_buffer" in opt.state.get(idle_expert, {})}
+            # DMuon creates momentum at construction (checkpointing needs complete state):
+            # an expert never routed to keeps it at zero, as it keeps its weight.
+            "idle_momentum": bool(opt.state.get(idle_expert, {}).get(
+                "momentum_buffer", torch.zeros(())).count_nonzero())}

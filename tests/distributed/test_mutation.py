@@ -1,7 +1,7 @@
 """Mutation test: a bucketing bug in the runtime is caught by the independent predictor.
 
-In a real 2-rank run the runtime's bucketing is patched so that two params of different size
-and owner swap buckets; training still runs, and the comparison fails, naming the collectives
+In a real 2-rank run the runtime's bucketing is patched so that two buckets of different size
+swap owners; training still runs, and the comparison fails, naming the collectives
 that are missing (the buckets as the documented protocol defines them) and unexpected (what
 the runtime issued instead)."""
 
@@ -21,8 +21,9 @@ def test_swapped_bucket_members_fail_naming_the_collectives(pool2):
     run = compare_run(layout, events, steps=2, ns_calls=sum(r["ns_calls"] for r in results))
     assert not run["pass"]
     buckets = dmuon_buckets(layout.muon_specs(), layout.plan())
-    a = buckets[0]
-    b = next(x for x in buckets if x.owner != a.owner and x.numel != a.numel)
+    mod_a, mod_b = results[0]["swapped_modules"]
+    a = next(x for x in buckets if x.module == mod_a)
+    b = next(x for x in buckets if x.module == mod_b and x.owner != a.owner)
     missing = {(m["op"], m["count"], m["root"]) for m in run["missing"]}
     unexpected = {(u["op"], u["count"], u["root"]) for u in run["unexpected"]}
     for op in ("broadcast", "reduce"):

@@ -22,28 +22,38 @@ def measure_mode(mode: str, **config) -> dict:
 
 
 def measure_with_swapped_params(mode: str, **config) -> dict:
-    """``measure_mode`` with the runtime's bucketing mutated: two params of different sizes and
-    owners swap buckets (a bucketing bug the independent predictor must catch). Patches the
+    """``measure_mode`` with the runtime's bucketing mutated: two buckets of different sizes
+    swap owners (a bucketing bug the independent predictor must catch). Patches the
     name the runtime resolves when ``DedicatedParams`` is built; fails loudly if the runtime
     no longer has it."""
     import dataclasses
+    from collections import Counter
 
     import dmuon.dedicate as runtime
 
     original = runtime.bucket_layout
 
+    chosen: list[tuple[str, str]] = []
+
     def swapped(specs, plan):
         buckets = list(original(specs, plan))
-        a = 0
-        b = next(i for i, x in enumerate(buckets)
-                 if x.owner != buckets[a].owner and x.numel != buckets[a].numel and x.dtype == buckets[a].dtype)
+        keys = Counter((x.numel, x.owner) for x in buckets)
+        # the first pair whose swap changes the multiset of (count, root): a swap between two
+        # pairs of equal sizes and owners would be invisible in any trace (no module names)
+        a, b = next((i, j) for i, x in enumerate(buckets) for j, y in enumerate(buckets)
+                    if x.owner != y.owner and x.numel != y.numel and x.dtype == y.dtype
+                    and keys - Counter([(x.numel, x.owner), (y.numel, y.owner)])
+                    + Counter([(y.numel, x.owner), (x.numel, y.owner)]) != keys)
         ba, bb = buckets[a], buckets[b]
-        buckets[a] = dataclasses.replace(ba, names=bb.names, numel=bb.numel)
-        buckets[b] = dataclasses.replace(bb, names=ba.names, numel=ba.numel)
+        # swap the owners (the runtime re-derives a bucket's params from its module on every
+        # rebind, so a names swap would be repaired; an owner swap is a plain bucketing bug)
+        buckets[a] = dataclasses.replace(ba, owner=bb.owner)
+        buckets[b] = dataclasses.replace(bb, owner=ba.owner)
+        chosen.append((ba.module, bb.module))
         return buckets
 
     runtime.bucket_layout = swapped
     try:
-        return measure_mode(mode, **config)
+        return {**measure_mode(mode, **config), "swapped_modules": chosen[0]}
     finally:
         runtime.bucket_layout = original
