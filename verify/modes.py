@@ -21,7 +21,7 @@ import dmuon
 from dmuon.select import default_predicate
 from dmuon.plan import specs_from_named_parameters
 
-from .baselines import NaiveShardedMuon
+from .baselines import NaiveShardedMuon, ZeroOneMuon
 from .predict import RunLayout
 from .usermodel import block_names
 
@@ -170,6 +170,14 @@ def build(mode: str, make_model: Callable[[], nn.Module], device: str = "cpu",
         adamw = torch.optim.AdamW([p for n_, p in named.items() if n_ not in targets], lr=ADAMW_LR)
         counter = _count_torch_muon_ns(muon)
         return Built(model, _Pair(muon, adamw, counter), layout())
+
+    if mode == "zero1-muon":
+        named = dict(model.named_parameters())
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, list(targets))
+        model = DistributedDataParallel(model, bucket_cap_mb=DDP_BUCKET_CAP_MB)
+        muon = ZeroOneMuon([(t, named[t]) for t in targets], lr=MUON_LR)
+        adamw = torch.optim.AdamW([p for n_, p in named.items() if n_ not in targets], lr=ADAMW_LR)
+        return Built(model, _Pair(muon, adamw, lambda: muon.ns_calls), layout())
 
     if mode in ("naive-fsdp2-z2", "naive-fsdp2-z3", "naive-hsdp"):
         linear_modules = sorted({t.rpartition(".")[0] for t in targets}, key=[s.module for s in specs].index)

@@ -360,6 +360,24 @@ def _naive_step_calls(layout: RunLayout, rank: int) -> list[Expected]:
     return out
 
 
+def zero1_chunk_elems(layout: RunLayout) -> int:
+    """ZeRO-1-style Muon's per-rank chunk C: the largest total of one owner's matrices."""
+    plan = layout.plan()
+    totals = [0] * layout.world_size
+    for p in layout.muon_specs():
+        totals[plan.owner[p.name]] += p.numel
+    return max(totals)
+
+
+def _zero1_step_calls(layout: RunLayout, rank: int) -> list[Expected]:
+    """reduce_scatter then all_gather of the owner-aligned flat buffer, C elements per rank."""
+    wid = group_id_from_ranks(range(layout.world_size))
+    c = zero1_chunk_elems(layout)
+    dtype = layout.muon_specs()[0].dtype
+    return [Expected(rank, "optimizer", op, wid, layout.world_size, c, dtype, None, None, c)
+            for op in ("reduce_scatter", "all_gather")]
+
+
 def predict_step(layout: RunLayout) -> list[Expected]:
     """Every call of one training step on every rank (forward, backward, optimizer[, replicate])."""
     out: list[Expected] = []
@@ -367,7 +385,10 @@ def predict_step(layout: RunLayout) -> list[Expected]:
     for rank in range(layout.world_size):
         if layout.is_dmuon:
             out += _dmuon_calls(layout, rank)
-        if layout.mode in ("ddp-muon", "dmuon-ddp"):
+        if layout.mode == "zero1-muon":
+            out += _ddp_calls(layout, rank, set(layout.muon_names))
+            out += _zero1_step_calls(layout, rank)
+        elif layout.mode in ("ddp-muon", "dmuon-ddp"):
             out += _ddp_calls(layout, rank, dedicated)
         else:
             out += _fsdp_calls(layout, rank, dedicated)
@@ -379,4 +400,5 @@ def predict_step(layout: RunLayout) -> list[Expected]:
 def ns_calls_per_step(layout: RunLayout) -> int:
     """Newton–Schulz invocations per step over all ranks: 1 per matrix for DMuon, W otherwise."""
     matrices = len(layout.muon_names)
-    return matrices if layout.is_dmuon else matrices * layout.world_size
+    owned_once = layout.is_dmuon or layout.mode == "zero1-muon"
+    return matrices if owned_once else matrices * layout.world_size

@@ -76,7 +76,7 @@ class ClosedForm:
 def closed_form(mode: str, shard_size: int, replicate_size: int = 1) -> ClosedForm:
     """The closed form of SPEC §2's table for ``mode`` at N = shard_size, R = replicate_size.
 
-    Modes: ddp-muon, dmuon-ddp, naive-fsdp2-z2, naive-fsdp2-z3, dmuon-z2, dmuon-z3,
+    Modes: ddp-muon, zero1-muon, dmuon-ddp, naive-fsdp2-z2, naive-fsdp2-z3, dmuon-z2, dmuon-z3,
     naive-hsdp, dmuon-hsdp-z2, dmuon-hsdp-z3.
 
     HSDP: the replicate-axis reduce and broadcast of each matrix run over one replicate group
@@ -95,6 +95,8 @@ def closed_form(mode: str, shard_size: int, replicate_size: int = 1) -> ClosedFo
     table: dict[str, ClosedForm] = {
         "ddp-muon": ClosedForm("2(N-1)/N", {"backward": 2 * a}),
         "dmuon-ddp": ClosedForm("2(N-1)/N", {"forward": a, "backward": a}),
+        # ZeRO-1-style Muon: reduce_scatter + all_gather of owner-aligned buffers in the step.
+        "zero1-muon": ClosedForm("2(N-1)/N", {"optimizer": 2 * a}),
         "naive-fsdp2-z2": ClosedForm("3(N-1)/N", {"forward": a, "backward": a, "optimizer": a}),
         "naive-fsdp2-z3": ClosedForm(
             "4(N-1)/N", {"forward": a, "backward": 2 * a, "optimizer": a}
@@ -163,6 +165,7 @@ def closed_form_p_m(mode: str, shapes: list[tuple[int, ...]], shard_size: int) -
 #: Every mode the harness knows, in report order.
 MODES = (
     "ddp-muon",
+    "zero1-muon",
     "dmuon-ddp",
     "naive-fsdp2-z2",
     "naive-fsdp2-z3",

@@ -1,0 +1,214 @@
+"""Step time of every Muon implementation of the harness, side by side (issue: DMuon's step time).
+
+One invocation, ``--world-size`` forked gloo ranks (``tests/distributed/harness.py``), two
+models:
+
+- ``mlp``: ``--mlp-layers`` x Linear(``--mlp-dim``, ``--mlp-dim``) + ReLU blocks and a 16-way
+  head, ``--mlp-batch`` random rows per rank (the model of the issue's table);
+- ``tinygpt``: the ``make verify-traffic`` model (``verify/model.py`` defaults, byte tokens of
+  the standard library, 2 sequences per rank).
+
+Every implementation is a mode of ``verify/modes.py`` (its own meshes and process groups),
+built once per model; after ``--warmup`` steps each, ``--rounds`` rounds time ``--steps``
+steps of every implementation, in order on even rounds and reversed on odd ones (the machine
+is shared and noisy: a drift hits every implementation alike). Step time is rank 0's wall
+clock over the block, after a barrier. Then one more step per implementation runs under the
+interposer (``tracer/interposer.py``) to count its collectives per rank-step and the time the
+training thread spends inside collective calls.
+
+Printed per model and implementation:
+
+- median ms/step over rounds, and the median over rounds of its ratio to the fastest
+  *baseline* (ddp-muon, zero1-muon, naive-*) of the same round and to zero1-muon;
+- collectives per rank-step (mean over ranks; asynchronous ones included and counted apart);
+- exposed communication: time inside collective calls on the training thread (interposer
+  timings of the instrumented step, mean over ranks) / median step time. Asynchronous calls
+  count only their issue time, so for them this is a lower bound; DDP's C++ reducer waits are
+  not visible to the interposer.
+
+Targets (issue 9, W=4, medians of the per-round ratios to zero1-muon): dmuon-ddp, dmuon-z2,
+dmuon-hsdp-z2 <= 1.0; dmuon-z3, dmuon-hsdp-z3 <= 1.15, with a PASS/FAIL column.
+
+Usage: ``python benchmarks/bench_step.py [--world-size 4] [--rounds 7] [--models mlp,tinygpt]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from tabulate import tabulate
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tests.distributed.harness import DistributedPool  # noqa: E402
+from tracer.interposer import Interposer  # noqa: E402
+from verify.data import ByteCorpus, local_slice  # noqa: E402
+from verify.model import GPTConfig, TinyGPT  # noqa: E402
+from verify.modes import build  # noqa: E402
+from verify.runner import train_step  # noqa: E402
+
+BASELINES = ("ddp-muon", "zero1-muon", "naive-fsdp2-z2", "naive-fsdp2-z3", "naive-hsdp")
+DMUON = ("dmuon-ddp", "dmuon-z2", "dmuon-z3", "dmuon-hsdp-z2", "dmuon-hsdp-z3")
+#: Issue 9's targets: median ratio to zero1-muon at W=4.
+TARGETS = {"dmuon-ddp": 1.0, "dmuon-z2": 1.0, "dmuon-hsdp-z2": 1.0, "dmuon-z3": 1.15,
+           "dmuon-hsdp-z3": 1.15}
+CORPUS_BYTES = 200_000
+MLP_CLASSES = 16
+
+
+class MLPBlock(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.fc(x))
+
+
+class MLP(nn.Module):
+    """``layers`` x (Linear(dim, dim) + ReLU) and a 16-way ``head``: 4 Muon matrices by default."""
+
+    def __init__(self, dim: int, layers: int) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(MLPBlock(dim) for _ in range(layers))
+        self.head = nn.Linear(dim, MLP_CLASSES)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def _implementations(world: int) -> list[str]:
+    hsdp = world >= 4 and world % 2 == 0
+    return [m for m in (*BASELINES, *DMUON) if hsdp or "hsdp" not in m]
+
+
+def _batches(model_name: str, args):
+    """``batch(step) -> (x, y)`` of this rank, identical for every implementation."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if model_name == "mlp":
+        def mlp_batch(step: int):
+            g = torch.Generator().manual_seed(1000 * step + rank)
+            x = torch.randn(args.mlp_batch, args.mlp_dim, generator=g)
+            return x, torch.randint(0, MLP_CLASSES, (args.mlp_batch,), generator=g)
+
+        return (lambda: MLP(args.mlp_dim, args.mlp_layers)), mlp_batch
+    cfg = GPTConfig()
+    corpus = ByteCorpus.from_stdlib(CORPUS_BYTES)
+
+    def gpt_batch(step: int):
+        x, y = corpus.global_batch(step, 2 * world, cfg.seq_len)
+        return local_slice(x, rank, world), local_slice(y, rank, world)
+
+    return (lambda: TinyGPT(cfg)), gpt_batch
+
+
+def _rank_task(model_name: str, args) -> dict:
+    world = dist.get_world_size()
+    make_model, batch = _batches(model_name, args)
+    impls = _implementations(world)
+    built = {}
+    for mode in impls:
+        torch.manual_seed(0)
+        built[mode] = build(mode, make_model)
+    step = 0
+    for mode in impls:
+        for _ in range(args.warmup):
+            train_step(built[mode].model, built[mode].optimizer, *batch(step))
+            step += 1
+    rounds: list[dict[str, float]] = []
+    for r in range(args.rounds):
+        times = {}
+        for mode in (impls if r % 2 == 0 else impls[::-1]):
+            b = built[mode]
+            dist.barrier()
+            t0 = time.perf_counter_ns()
+            for _ in range(args.steps):
+                train_step(b.model, b.optimizer, *batch(step))
+                step += 1
+            if b.dedicated is not None:
+                b.dedicated.wait_pending()
+            times[mode] = (time.perf_counter_ns() - t0) / args.steps
+        rounds.append(times)
+    counted = {}
+    for mode in impls:
+        b = built[mode]
+        dist.barrier()
+        with Interposer() as rec:
+            train_step(b.model, b.optimizer, *batch(step))
+            step += 1
+        if b.dedicated is not None:
+            b.dedicated.wait_pending()
+        events = rec.events
+        counted[mode] = {"collectives": len(events),
+                         "in_collectives_ns": sum(e.t_end_ns - e.t_start_ns for e in events
+                                                  if e.t_end_ns is not None)}
+    return {"rounds": rounds, "counted": counted}
+
+
+def _summarise(per_rank: list[dict]) -> list[dict]:
+    rounds = per_rank[0]["rounds"]  # rank 0's wall clock after a barrier
+    impls = list(rounds[0])
+    rows = []
+    for mode in impls:
+        ms = statistics.median(t[mode] for t in rounds) / 1e6
+        to_fastest = statistics.median(t[mode] / min(t[b] for b in BASELINES if b in t) for t in rounds)
+        to_zero1 = statistics.median(t[mode] / t["zero1-muon"] for t in rounds)
+        calls = statistics.mean(r["counted"][mode]["collectives"] for r in per_rank)
+        inside_ms = statistics.mean(r["counted"][mode]["in_collectives_ns"] for r in per_rank) / 1e6
+        target = TARGETS.get(mode)
+        rows.append({"implementation": mode, "ms_per_step": ms, "x_fastest_baseline": to_fastest,
+                     "x_zero1": to_zero1, "collectives_per_rank_step": calls,
+                     "exposed_comm_fraction": min(inside_ms / ms, 1.0), "target_x_zero1": target,
+                     "verdict": None if target is None else ("PASS" if to_zero1 <= target else "FAIL")})
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--world-size", type=int, default=4)
+    parser.add_argument("--models", default="mlp,tinygpt", help="comma-separated: mlp, tinygpt")
+    parser.add_argument("--rounds", type=int, default=7, help="interleaved rounds (>= 5 for a median)")
+    parser.add_argument("--steps", type=int, default=3, help="steps per implementation per round")
+    parser.add_argument("--warmup", type=int, default=3, help="steps per implementation before timing")
+    parser.add_argument("--mlp-dim", type=int, default=256)
+    parser.add_argument("--mlp-layers", type=int, default=4)
+    parser.add_argument("--mlp-batch", type=int, default=32, help="rows per rank")
+    parser.add_argument("--json", type=Path, help="also write the rows as JSON here")
+    args = parser.parse_args(argv)
+    models = args.models.split(",")
+    if unknown := [m for m in models if m not in ("mlp", "tinygpt")]:
+        parser.error(f"Invalid --models entries {unknown}. Must be among mlp, tinygpt.")
+    if min(args.rounds, args.steps, args.world_size - 1) < 1 or args.warmup < 2:
+        parser.error(f"Invalid {args.rounds=}, {args.steps=}, {args.world_size=} or {args.warmup=}. "
+                     "Must be rounds, steps >= 1, world size >= 2, warmup >= 2.")
+    out = {}
+    with DistributedPool(args.world_size, timeout_s=1800) as pool:
+        for model_name in models:
+            rows = _summarise(pool.run(_rank_task, model_name, args))
+            out[model_name] = rows
+            print(f"\n{model_name}: W={args.world_size} gloo, {args.rounds} interleaved rounds x "
+                  f"{args.steps} steps, torch {torch.__version__}")
+            print(tabulate(
+                [[r["implementation"], r["ms_per_step"], r["x_fastest_baseline"], r["x_zero1"],
+                  r["collectives_per_rank_step"], r["exposed_comm_fraction"],
+                  "" if r["target_x_zero1"] is None else f"<= {r['target_x_zero1']:.2f}",
+                  r["verdict"] or ""] for r in rows],
+                headers=["implementation", "ms/step", "x fastest baseline", "x zero1",
+                         "collectives/rank-step", "exposed comm", "target", "verdict"],
+                floatfmt=".2f"))
+    if args.json:
+        args.json.write_text(json.dumps(out, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
