@@ -84,7 +84,13 @@ def compare_run(
     phases: dict[str, dict] = {}
     form = closed_form(layout.mode, layout.shard_size, layout.replicate_size)
     p_m = layout.p_m()
-    cf_p_m = closed_form_p_m(layout.mode, [s.shape for s in layout.muon_specs()], layout.shard_size)
+    owner_numels = None
+    if layout.mode == "zero1-muon":
+        plan, owner_numels = layout.plan(), [0] * layout.world_size
+        for s in layout.muon_specs():
+            owner_numels[plan.owner[s.name]] += s.numel
+    cf_p_m = closed_form_p_m(layout.mode, [s.shape for s in layout.muon_specs()], layout.shard_size,
+                             owner_numels)
     padded = layout.mode in PADDED_MODES and cf_p_m != p_m
     per_rank = defaultdict(float)
     total_measured = 0.0

@@ -128,7 +128,14 @@ def closed_form(mode: str, shard_size: int, replicate_size: int = 1) -> ClosedFo
 #: Modes whose Muon params are FSDP2-sharded on dim 0 (the naive baselines): their traffic
 #: follows the padded sizes, so their closed form is evaluated at P_M^pad (docs/traffic-model.md).
 #: DMuon modes move whole matrices and never pad; DDP does not shard.
-PADDED_MODES = frozenset({"naive-fsdp2-z2", "naive-fsdp2-z3", "naive-hsdp"})
+PADDED_MODES = frozenset({"naive-fsdp2-z2", "naive-fsdp2-z3", "naive-hsdp", "zero1-muon"})
+
+
+def owner_aligned_p_m(owner_numels: list[int]) -> int:
+    """P_M^pad of ZeRO-1-style Muon: W·C, C = the largest owner's total (``owner_numels[g]``
+    is owner g's elements). Each rank's chunk of the owner-aligned flat buffer holds whole
+    matrices and is padded to C, so both collectives move W·C elements in all."""
+    return len(owner_numels) * max(owner_numels)
 
 
 def padded_numel(shape: tuple[int, ...], shard_size: int) -> int:
@@ -148,9 +155,19 @@ def padded_numel(shape: tuple[int, ...], shard_size: int) -> int:
     return -(-shape[0] // shard_size) * shard_size * rest
 
 
-def closed_form_p_m(mode: str, shapes: list[tuple[int, ...]], shard_size: int) -> int:
+def closed_form_p_m(mode: str, shapes: list[tuple[int, ...]], shard_size: int,
+                    owner_numels: list[int] | None = None) -> int:
     """The P_M a mode's closed form is evaluated at: the Muon params' elements, padded to a
-    multiple of N on dim 0 for :data:`PADDED_MODES` (P_M^pad), as they are otherwise."""
+    multiple of N on dim 0 for the FSDP2-sharded :data:`PADDED_MODES` (P_M^pad), to W·C for
+    ``zero1-muon`` (:func:`owner_aligned_p_m`, needs ``owner_numels``), as they are otherwise.
+
+    Raises:
+        ValueError: ``zero1-muon`` without ``owner_numels``.
+    """
+    if mode == "zero1-muon":
+        if not owner_numels:
+            raise ValueError("Invalid owner_numels=None for zero1-muon. Must list each owner's elements.")
+        return owner_aligned_p_m(owner_numels)
     if mode in PADDED_MODES:
         return sum(padded_numel(s, shard_size) for s in shapes)
     total = 0
