@@ -88,11 +88,11 @@ class ZeroOneMuon(Optimizer):
     one flat buffer laid out owner by owner so that every matrix lies whole in its owner's
     chunk:
 
-    1. ``reduce_scatter_tensor`` (sum) of the flat gradient buffer, shape ``(W * C,)``: each
+    1. ``reduce_scatter`` (sum) of the flat gradient buffer, shape ``(W * C,)``: each
        rank receives its chunk of ``C`` elements, its owned matrices' summed gradients, and
        divides by W (the same sum-then-divide as DMuon, so results are comparable);
     2. each owner runs Muon (momentum, Newton–Schulz, update) on its owned matrices;
-    3. ``all_gather_into_tensor`` of the updated chunks, copied back into every param.
+    3. ``all_gather`` of the updated chunks, copied back into every param.
 
     ``C`` is the largest per-owner total (the plan balances NS cost, not bytes), so owners
     with fewer elements pad their chunk: :attr:`padding_elems` reports it. Per step and rank
@@ -155,8 +155,11 @@ class ZeroOneMuon(Optimizer):
         flat, chunk = self._flat, self._chunk
         for p, off in self._slots:
             view = flat[off : off + p.numel()]
-            view.copy_(p.grad.reshape(-1)) if p.grad is not None else view.zero_()
-        dist.reduce_scatter_tensor(chunk, flat, op=dist.ReduceOp.SUM, group=self.group)
+            if p.grad is None:
+                view.zero_()
+            else:
+                view.copy_(p.grad.reshape(-1))
+        dist.reduce_scatter_single(chunk, flat, op=dist.ReduceOp.SUM, group=self.group)
         chunk.div_(self._world)
         group = self.param_groups[0]
         for p, off in self._owned:
@@ -164,22 +167,11 @@ class ZeroOneMuon(Optimizer):
             if "momentum_buffer" not in state:
                 state["momentum_buffer"] = torch.zeros_like(p)
             with annotate.span("zero1.newton_schulz"):
-                muon_update_(
-                    p,
-                    chunk[off : off + p.numel()].view_as(p),
-                    state["momentum_buffer"],
-                    lr=group["lr"],
-                    weight_decay=group["weight_decay"],
-                    momentum=group["momentum"],
-                    nesterov=group["nesterov"],
-                    ns_coefficients=group["ns_coefficients"],
-                    ns_steps=group["ns_steps"],
-                    eps=group["eps"],
-                    adjust_lr_fn=group["adjust_lr_fn"],
-                )
+                muon_update_(p, chunk[off : off + p.numel()].view_as(p), state["momentum_buffer"],
+                             **{k: group[k] for k in MUON_DEFAULTS})
             self.ns_calls += 1
             chunk[off : off + p.numel()].copy_(p.reshape(-1))
-        dist.all_gather_into_tensor(flat, chunk, group=self.group)
+        dist.all_gather_single(flat, chunk, group=self.group)
         for p, off in self._slots:
             p.copy_(flat[off : off + p.numel()].view_as(p))
         return None
