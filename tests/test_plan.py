@@ -15,6 +15,7 @@ import torch
 
 from dmuon.muon_math import ns_cost, ns_flops
 from dmuon.plan import (
+    _lpt,
     OwnershipPlan,
     ParamSpec,
     makespan_lower_bound,
@@ -123,13 +124,16 @@ def test_lpt_guarantee_against_brute_force_optimum():
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
-def test_lpt_bound_is_reached_on_grahams_tight_instance(world):
+def test_lpt_bound_is_reached_on_grahams_tight_instance_and_multifit_repairs_it(world):
     # Costs 2W-1, 2W-1, 2W-2, 2W-2, ..., W+1, W+1, W, W, W: LPT gives 4W-1, the optimum 3W.
     costs = [c for c in range(2 * world - 1, world, -1) for _ in range(2)] + [world] * 3
     specs = [ParamSpec(f"p{i:02d}", (1, c), "float32", "m") for i, c in enumerate(costs)]
-    plan = plan_ownership(specs, (1, world), cost_table={(1, c): c for c in costs})
-    assert max(plan.ns_load) == 4 * world - 1
-    assert _optimal_makespan(costs, world) == 3 * world
+    table = {(1, c): c for c in costs}
+    ordered = sorted(specs, key=lambda sp: (-sp.shape[1], sp.name))
+    _, lpt_max = _lpt(ordered, {sp.name: sp.shape[1] for sp in specs}, world)
+    assert lpt_max == 4 * world - 1
+    plan = plan_ownership(specs, (1, world), cost_table=table)  # 4W-1 > 1.05 x bound: MULTIFIT
+    assert max(plan.ns_load) == _optimal_makespan(costs, world) == 3 * world
 
 
 def test_hsdp_2x2_uses_all_four_owners_and_coordinates():
@@ -345,3 +349,15 @@ def test_makespan_lower_bound_when_large_matrices_must_sit_alone():
         cost_table={(1, c): c for c in set(costs)},
     ).ns_load)
     assert plan_load <= 1.05 * makespan_lower_bound(costs, 256)
+
+
+def test_multifit_step_fixes_lpt_where_grouping_equal_sizes_wins():
+    # GPT-2 small's matrices at W=16 in units of 768**3 per iteration: 24 x 9 (fc1, fc2),
+    # 12 x 7 (qkv), 12 x 3 (proj); total 336 = 16 x 21. LPT reaches 23; {9, 9, 3} x 12 and
+    # {7, 7, 7} x 4 reach 21, which MULTIFIT's first-fit decreasing finds.
+    specs = gpt_specs(n_layers=12, d=768)
+    table = {sp.shape: ns_cost(*sp.shape) // 768**3 for sp in specs}
+    assert sorted(set(table.values())) == [3, 7, 9]
+    plan = plan_ownership(specs, (1, 16), cost_table=table)
+    assert max(plan.ns_load) == 21 == makespan_lower_bound(list(plan.ns_cost.values()), 16)
+    assert sorted(plan.ns_load) == [21] * 16
