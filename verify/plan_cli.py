@@ -167,8 +167,9 @@ def format_report(rep: dict, cm: CostModel) -> str:
     ]
     if "split_ns" in ns:
         sp = ns["split_ns"]
+        verb = "cut it to" if sp["critical_path_s"] < ns["critical_path_s"] else "lengthen it to"
         lines.append(
-            f"  split NS (model): teams of {sp['team']} ranks per matrix would cut it to "
+            f"  split NS (model): teams of {sp['team']} ranks per matrix would {verb} "
             f"{_ms(sp['critical_path_s'])} ms (not implemented: see docs/scaling.md)"
         )
     headers = [
