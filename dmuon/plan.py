@@ -135,7 +135,13 @@ def _validate_mesh_shape(mesh_shape) -> tuple[int, int]:
     return int(mesh_shape[0]), int(mesh_shape[1])
 
 
+class _ValidSpecs(tuple):
+    """A tuple of specs that :func:`_validate_specs` checked and sorted (checked once only)."""
+
+
 def _validate_specs(specs: Sequence[ParamSpec]) -> tuple[ParamSpec, ...]:
+    if type(specs) is _ValidSpecs:
+        return specs
     seen: set[str] = set()
     for spec in specs:
         if not isinstance(spec, ParamSpec):
@@ -149,7 +155,11 @@ def _validate_specs(specs: Sequence[ParamSpec]) -> tuple[ParamSpec, ...]:
             )
         seen.add(spec.name)
         shape = spec.shape
-        if (
+        if type(shape) is tuple and len(shape) == 2 and type(shape[0]) is int and type(shape[1]) is int:
+            ok_shape = shape[0] >= 1 and shape[1] >= 1  # the common case, without ABC checks
+        else:
+            ok_shape = False
+        if not ok_shape and (
             not isinstance(shape, tuple)
             or len(shape) != 2
             or not all(_is_int_at_least(d, 1) for d in shape)
@@ -161,8 +171,9 @@ def _validate_specs(specs: Sequence[ParamSpec]) -> tuple[ParamSpec, ...]:
             )
         if not isinstance(spec.module, str):
             raise ValueError(f"Invalid module={spec.module!r} for {spec.name!r}. Must be a str.")
-        _dtype_bytes(spec.dtype, f"param {spec.name!r}")
-    return tuple(sorted(specs, key=lambda sp: sp.name))
+        if spec.dtype not in _DTYPE_BYTES:
+            _dtype_bytes(spec.dtype, f"param {spec.name!r}")
+    return _ValidSpecs(sorted(specs, key=lambda sp: sp.name))
 
 
 @dataclass(frozen=True)
@@ -410,9 +421,10 @@ def plan_ownership(
     replicate_size, shard_size = _validate_mesh_shape(mesh_shape)
     valid = _validate_specs(specs)
     cost = _cost_model(valid, ns_steps, cost_table)
-    ordered = sorted(valid, key=lambda sp: (-cost[sp.name], -sp.nbytes, sp.name))
+    nbytes = {sp.name: sp.numel * _DTYPE_BYTES[sp.dtype] for sp in valid}
+    ordered = sorted(valid, key=lambda sp: (-cost[sp.name], -nbytes[sp.name], sp.name))
     world = replicate_size * shard_size
-    owner, worst = _lpt(ordered, cost, world)
+    owner, worst = _lpt(ordered, cost, nbytes, world)
     if (
         0 < len(ordered) <= MULTIFIT_MAX_MATRICES
         and worst > MULTIFIT_TRIGGER * makespan_lower_bound(list(cost.values()), world)
@@ -437,14 +449,18 @@ MULTIFIT_MAX_MATRICES = 4096
 MULTIFIT_STEPS = 25
 
 
-def _lpt(ordered: Sequence[ParamSpec], cost: Mapping[str, float], world: int) -> tuple[dict[str, int], float]:
+def _lpt(
+    ordered: Sequence[ParamSpec], cost: Mapping[str, float], nbytes: Mapping[str, int], world: int
+) -> tuple[dict[str, int], float]:
     """LPT on a heap of (NS load, bytes, g): (owner map, maximum load)."""
     heap = [(0, 0, g) for g in range(world)]  # already a valid heap
     owner: dict[str, int] = {}
+    replace = heapq.heapreplace
     for sp in ordered:
-        load, nbytes, g = heap[0]
-        owner[sp.name] = g
-        heapq.heapreplace(heap, (load + cost[sp.name], nbytes + sp.nbytes, g))
+        name = sp.name
+        load, held, g = heap[0]
+        owner[name] = g
+        replace(heap, (load + cost[name], held + nbytes[name], g))
     return owner, max(load for load, _, _ in heap)
 
 

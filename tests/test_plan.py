@@ -130,7 +130,7 @@ def test_lpt_bound_is_reached_on_grahams_tight_instance_and_multifit_repairs_it(
     specs = [ParamSpec(f"p{i:02d}", (1, c), "float32", "m") for i, c in enumerate(costs)]
     table = {(1, c): c for c in costs}
     ordered = sorted(specs, key=lambda sp: (-sp.shape[1], sp.name))
-    _, lpt_max = _lpt(ordered, {sp.name: sp.shape[1] for sp in specs}, world)
+    _, lpt_max = _lpt(ordered, {sp.name: sp.shape[1] for sp in specs}, {sp.name: sp.nbytes for sp in specs}, world)
     assert lpt_max == 4 * world - 1
     plan = plan_ownership(specs, (1, world), cost_table=table)  # 4W-1 > 1.05 x bound: MULTIFIT
     assert max(plan.ns_load) == _optimal_makespan(costs, world) == 3 * world
