@@ -48,6 +48,8 @@ class ModelLayout:
             params = [dataclasses.replace(p, dtype=dtype) for p in params]
         self.params = tuple(params)
         self.muon_names = tuple(n for n, _, _ in select_params(model, None, None))
+        muon = set(self.muon_names)
+        self.muon_specs = tuple(p for p in self.params if p.name in muon)
         blocks = [
             f"{child}.{i}"
             for child, mod in model.named_children()
@@ -113,7 +115,7 @@ def report(ml: ModelLayout, mesh: tuple[int, int], cm: CostModel) -> dict:
     """The JSON-able report of one mesh: NS balance and one row per applicable mode."""
     r, n = mesh
     t0 = time.perf_counter()
-    plan = plan_ownership([p for p in ml.params if p.name in set(ml.muon_names)], mesh)
+    plan = plan_ownership(ml.muon_specs, mesh)
     plan_s = time.perf_counter() - t0
     rows = []
     for mode in layout_modes(r):
@@ -139,7 +141,7 @@ def report(ml: ModelLayout, mesh: tuple[int, int], cm: CostModel) -> dict:
         })
     return {
         "model": ml.name, "params": ml.n_params, "muon_matrices": len(ml.muon_names),
-        "p_m": sum(p.numel for p in ml.params if p.name in set(ml.muon_names)),
+        "p_m": sum(p.numel for p in ml.muon_specs),
         "mesh": [r, n], "world_size": r * n, "plan_s": plan_s,
         "ns": _ns_report(plan, cm), "modes": rows,
     }

@@ -179,7 +179,14 @@ class StepTraffic:
 
 # ----- per-mode builders ------------------------------------------------------------------------
 def _nbytes(spec: ParamSpec) -> int:
-    return spec.nbytes // spec.numel
+    """Bytes per element of ``spec``'s dtype."""
+    size = _ELEMENT_BYTES.get(spec.dtype)
+    if size is None:
+        size = _ELEMENT_BYTES[spec.dtype] = spec.nbytes // spec.numel
+    return size
+
+
+_ELEMENT_BYTES: dict[str, int] = {}
 
 
 def fsdp_groups(layout: RunLayout, ignored: set[str]) -> list[tuple[str, list[ParamSpec]]]:
