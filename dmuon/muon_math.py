@@ -33,6 +33,7 @@ __all__ = [
     "adjust_lr",
     "muon_update_",
     "ns_cost",
+    "ns_flops",
     "polar_express_coefficients",
     "zeropower_via_newtonschulz",
 ]
@@ -288,19 +289,53 @@ def muon_update_(
     param.add_(update, alpha=-adjusted_lr)
 
 
-def ns_cost(rows: int, cols: int) -> int:
-    """Multiply-adds of one NS iteration on a ``(rows, cols)`` matrix, up to a constant.
+def _check_dims(rows, cols) -> tuple[int, int]:
+    for name, dim in (("rows", rows), ("cols", cols)):
+        if isinstance(dim, bool) or not isinstance(dim, numbers.Integral) or dim < 1:
+            raise ValueError(f"Invalid {name}={dim!r}. Must be a positive int.")
+    return int(rows), int(cols)
 
-    With ``m = min(rows, cols)`` and ``n = max(rows, cols)`` one iteration does ``X X^T``
-    (m*m*n), ``A A`` (m*m*m) and ``B X`` (m*m*n): ``m*m*(2n + m)``, which is within a factor
-    [2, 3] of ``rows * cols * min(rows, cols) = m*m*n``. The planner balances this rather than
-    ``numel`` because NS cost grows with the *smaller* dimension too: a (4096, 4096) matrix has
-    the numel of a (1024, 16384) one but 4x its NS cost.
+
+def ns_cost(rows: int, cols: int) -> int:
+    """Multiply-adds of the matrix products of one NS iteration on a ``(rows, cols)`` matrix.
+
+    With ``m = min(rows, cols)``, ``n = max(rows, cols)`` (the iteration works on the wide
+    orientation, see :func:`zeropower_via_newtonschulz`), one iteration multiplies
+    ``X X^T`` ((m, n) @ (n, m): m*m*n), ``A A`` (m*m*m) and ``B X`` ((m, m) @ (m, n): m*m*n):
+    ``m*m*(2n + m)``. A (4096, 4096) matrix costs 3 * 4096**3, a (1024, 16384) one of the same
+    numel 33 * 1024**3, 5.8x less: NS cost grows with the smaller dimension squared.
 
     Raises:
         ValueError: a dim that is not a positive int.
     """
-    for name, dim in (("rows", rows), ("cols", cols)):
-        if isinstance(dim, bool) or not isinstance(dim, numbers.Integral) or dim < 1:
-            raise ValueError(f"Invalid {name}={dim!r}. Must be a positive int.")
-    return int(rows) * int(cols) * min(int(rows), int(cols))
+    rows, cols = _check_dims(rows, cols)
+    m, n = min(rows, cols), max(rows, cols)
+    return m * m * (2 * n + m)
+
+
+def ns_flops(rows: int, cols: int, ns_steps: int = 5) -> int:
+    """Floating-point operations of one :func:`zeropower_via_newtonschulz` call, exactly.
+
+    Counted from the arithmetic of that function (m = min(rows, cols), n = max(rows, cols);
+    one multiply-add = 2 FLOPs; the bfloat16 cast and transposes are copies, not FLOPs):
+
+    - prologue: Frobenius norm (m*n squares + m*n - 1 adds + 1 square root), the clamp (1),
+      the division (m*n): ``3*m*n + 1``;
+    - per iteration (all iterations are quintic: 3 coefficients, whether one triple is reused
+      or ``ns_steps`` per-step triples are given, so the cost does not depend on which):
+      ``X X^T`` 2*m*m*n; ``addmm(A, A, A, beta=b, alpha=c)`` 2*m**3 for the product plus
+      3*m*m for ``c*(AA) + b*A``; ``addmm(X, B, X, beta=a)`` 2*m*m*n plus 3*m*n for
+      ``a*X + 1*(BX)`` (torch's addmm scales by alpha even when it is 1; counted);
+      i.e. ``2*ns_cost(rows, cols) + 3*m*m + 3*m*n``.
+
+    The planner balances this figure (per matrix) unless a measured per-shape table is given.
+
+    Raises:
+        ValueError: a dim that is not a positive int, ``ns_steps`` not an int in [0, 100).
+    """
+    rows, cols = _check_dims(rows, cols)
+    if isinstance(ns_steps, bool) or not isinstance(ns_steps, int) or not 0 <= ns_steps < 100:
+        raise ValueError(f"Invalid {ns_steps=}. Must be an int in [0, 100).")
+    m, n = min(rows, cols), max(rows, cols)
+    per_step = 2 * ns_cost(rows, cols) + 3 * m * m + 3 * m * n
+    return 3 * m * n + 1 + ns_steps * per_step

@@ -14,6 +14,7 @@ FSDP2 (1-D meshes) use ``(1, N)`` so that ``g == s``.
 from __future__ import annotations
 
 import hashlib
+import heapq
 import json
 import math
 import numbers
@@ -25,22 +26,39 @@ from types import MappingProxyType
 import torch
 from tabulate import tabulate
 
-from dmuon.muon_math import ns_cost
+from dmuon.muon_math import ns_flops
 
-__all__ = ["OwnershipPlan", "ParamSpec", "plan_ownership", "specs_from_named_parameters"]
+__all__ = [
+    "OwnershipPlan",
+    "ParamSpec",
+    "makespan_lower_bound",
+    "plan_ownership",
+    "specs_from_named_parameters",
+]
 
-#: Bumped whenever the algorithm or the digest's JSON layout changes.
-PLAN_VERSION = 1
+#: Bumped whenever the algorithm or the digest's JSON layout changes. 2: NS cost = the FLOPs
+#: of the configured iteration (was rows*cols*min), LPT on a heap keyed (load, bytes, g).
+PLAN_VERSION = 2
+
+#: NS iterations the default cost model assumes (``torch.optim.Muon``'s default ``ns_steps``).
+DEFAULT_NS_STEPS = 5
 
 
 def _dtype_bytes(dtype: str, where: str) -> int:
+    size = _DTYPE_BYTES.get(dtype) if isinstance(dtype, str) else None
+    if size is not None:
+        return size
     torch_dtype = getattr(torch, dtype, None) if isinstance(dtype, str) else None
     if not isinstance(torch_dtype, torch.dtype):
         raise ValueError(
             f"Invalid {dtype=} for {where}. Must be a torch dtype name such as 'float32' or "
             "'bfloat16' (str(tensor.dtype) without the 'torch.' prefix)."
         )
+    _DTYPE_BYTES[dtype] = torch_dtype.itemsize
     return torch_dtype.itemsize
+
+
+_DTYPE_BYTES: dict[str, int] = {}
 
 
 @dataclass(frozen=True)
@@ -74,8 +92,8 @@ class ParamSpec:
 
     @property
     def ns_cost(self) -> int:
-        """:func:`dmuon.muon_math.ns_cost` of the matrix (per NS iteration, up to a constant)."""
-        return ns_cost(self.shape[0], self.shape[1])
+        """:func:`dmuon.muon_math.ns_flops` of the matrix at ``DEFAULT_NS_STEPS`` (FLOPs)."""
+        return ns_flops(self.shape[0], self.shape[1], DEFAULT_NS_STEPS)
 
 
 def specs_from_named_parameters(
@@ -98,6 +116,8 @@ def specs_from_named_parameters(
 
 
 def _is_int_at_least(x, low: int) -> bool:
+    if type(x) is int:  # the common case, without the ABC check below
+        return x >= low
     return isinstance(x, numbers.Integral) and not isinstance(x, bool) and x >= low
 
 
@@ -115,7 +135,13 @@ def _validate_mesh_shape(mesh_shape) -> tuple[int, int]:
     return int(mesh_shape[0]), int(mesh_shape[1])
 
 
+class _ValidSpecs(tuple):
+    """A tuple of specs that :func:`_validate_specs` checked and sorted (checked once only)."""
+
+
 def _validate_specs(specs: Sequence[ParamSpec]) -> tuple[ParamSpec, ...]:
+    if type(specs) is _ValidSpecs:
+        return specs
     seen: set[str] = set()
     for spec in specs:
         if not isinstance(spec, ParamSpec):
@@ -129,7 +155,11 @@ def _validate_specs(specs: Sequence[ParamSpec]) -> tuple[ParamSpec, ...]:
             )
         seen.add(spec.name)
         shape = spec.shape
-        if (
+        if type(shape) is tuple and len(shape) == 2 and type(shape[0]) is int and type(shape[1]) is int:
+            ok_shape = shape[0] >= 1 and shape[1] >= 1  # the common case, without ABC checks
+        else:
+            ok_shape = False
+        if not ok_shape and (
             not isinstance(shape, tuple)
             or len(shape) != 2
             or not all(_is_int_at_least(d, 1) for d in shape)
@@ -141,8 +171,9 @@ def _validate_specs(specs: Sequence[ParamSpec]) -> tuple[ParamSpec, ...]:
             )
         if not isinstance(spec.module, str):
             raise ValueError(f"Invalid module={spec.module!r} for {spec.name!r}. Must be a str.")
-        _dtype_bytes(spec.dtype, f"param {spec.name!r}")
-    return tuple(sorted(specs, key=lambda sp: sp.name))
+        if spec.dtype not in _DTYPE_BYTES:
+            _dtype_bytes(spec.dtype, f"param {spec.name!r}")
+    return _ValidSpecs(sorted(specs, key=lambda sp: sp.name))
 
 
 @dataclass(frozen=True)
@@ -153,11 +184,15 @@ class OwnershipPlan:
         mesh_shape: ``(R, N)``.
         specs: the planned params, sorted by name.
         owner: param name -> global owner index ``g`` in [0, R * N).
+        ns_cost: param name -> the NS cost the planner balanced (FLOPs, or the unit of a
+            measured table); default :attr:`ParamSpec.ns_cost`. Not part of the digest (the
+            owners it produced are).
     """
 
     mesh_shape: tuple[int, int]
     specs: tuple[ParamSpec, ...]
     owner: Mapping[str, int] = field(repr=False)
+    ns_cost: Mapping[str, float] | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         mesh_shape = _validate_mesh_shape(self.mesh_shape)
@@ -179,6 +214,12 @@ class OwnershipPlan:
         object.__setattr__(self, "mesh_shape", mesh_shape)
         object.__setattr__(self, "specs", specs)
         object.__setattr__(self, "owner", MappingProxyType({n: int(owner[n]) for n in names}))
+        cost = self.ns_cost
+        if cost is None:
+            cost = {sp.name: sp.ns_cost for sp in specs}
+        elif sorted(cost) != names:
+            raise ValueError("Invalid ns_cost keys. Must be exactly the spec names.")
+        object.__setattr__(self, "ns_cost", MappingProxyType(dict(cost)))
 
     def __hash__(self) -> int:
         return hash(self.digest())
@@ -210,15 +251,22 @@ class OwnershipPlan:
         """Names owned by global owner ``g``, sorted by name. ``ValueError`` if g not in [0, W)."""
         if not _is_int_at_least(g, 0) or g >= self.world_size:
             raise ValueError(f"Invalid {g=}. Must be an int in [0, {self.world_size}).")
-        return [sp.name for sp in self.specs if self.owner[sp.name] == g]
+        return list(self._names_by_owner.get(g, ()))
+
+    @cached_property
+    def _names_by_owner(self) -> dict[int, list[str]]:
+        out: dict[int, list[str]] = {}
+        for sp in self.specs:
+            out.setdefault(self.owner[sp.name], []).append(sp.name)
+        return out
 
     # ----- load -----------------------------------------------------------------------------
     @cached_property
     def ns_load(self) -> tuple[int, ...]:
-        """Per global owner g: sum of :func:`ns_cost` of the params it owns. Length W."""
+        """Per global owner g: sum of :attr:`ns_cost` of the params it owns. Length W."""
         load = [0] * self.world_size
         for sp in self.specs:
-            load[self.owner[sp.name]] += sp.ns_cost
+            load[self.owner[sp.name]] += self.ns_cost[sp.name]
         return tuple(load)
 
     @cached_property
@@ -244,6 +292,15 @@ class OwnershipPlan:
     def ns_max_over_mean(self) -> float:
         """max / mean of :attr:`ns_load` over all W owners (1.0 is perfect; 1.0 if no params)."""
         return _max_over_mean(self.ns_load)
+
+    @property
+    def idle_owners(self) -> int:
+        """Owners with no param (W minus the distinct owners); > 0 whenever W > matrices."""
+        return self.world_size - len(set(self.owner.values()))
+
+    def ns_lower_bound(self) -> float:
+        """:func:`makespan_lower_bound` of this plan's costs on its W owners."""
+        return makespan_lower_bound(list(self.ns_cost.values()), self.world_size)
 
     @property
     def bytes_max_over_mean(self) -> float:
@@ -299,48 +356,212 @@ def _max_over_mean(load: Sequence[int]) -> float:
     return 1.0 if total == 0 else max(load) * len(load) / total
 
 
-def plan_ownership(specs: Sequence[ParamSpec], mesh_shape: tuple[int, int]) -> OwnershipPlan:
+def _cost_model(
+    specs: Sequence[ParamSpec], ns_steps: int, cost_table: Mapping[tuple[int, int], float] | None
+) -> dict[str, float]:
+    if cost_table is None:
+        by_shape: dict[tuple[int, ...], int] = {}
+        for sp in specs:
+            if sp.shape not in by_shape:
+                by_shape[sp.shape] = ns_flops(sp.shape[0], sp.shape[1], ns_steps)
+        return {sp.name: by_shape[sp.shape] for sp in specs}
+    out = {}
+    for sp in specs:
+        cost = cost_table.get(tuple(sp.shape))
+        if not isinstance(cost, numbers.Real) or isinstance(cost, bool) or not 0 < cost < math.inf:
+            raise ValueError(
+                f"Invalid cost_table[{tuple(sp.shape)}]={cost!r} for param {sp.name!r}. Must be "
+                "a positive finite number (e.g. measured seconds) for every planned shape."
+            )
+        out[sp.name] = cost
+    return out
+
+
+def plan_ownership(
+    specs: Sequence[ParamSpec],
+    mesh_shape: tuple[int, int],
+    *,
+    ns_steps: int = DEFAULT_NS_STEPS,
+    cost_table: Mapping[tuple[int, int], float] | None = None,
+) -> OwnershipPlan:
     """Assign each 2-D param one global owner on a ``(R, N)`` mesh; deterministic everywhere.
 
-    Algorithm (greedy longest-processing-time first, Graham 1969):
+    Cost of a matrix: :func:`dmuon.muon_math.ns_flops` with ``ns_steps`` (the FLOPs of the
+    NS call the owner runs, derived there from the iteration's arithmetic), or
+    ``cost_table[shape]`` when a measured per-shape table is given (any positive unit, e.g.
+    seconds; every planned shape must be in it). All ranks must pass the same arguments: the
+    plan digest check of :func:`dmuon.dedicate_params` catches a mismatch.
 
-    1. Order params by decreasing NS cost (:func:`dmuon.muon_math.ns_cost`), then decreasing
-       bytes, then name: never by input order or hash order, so every rank agrees.
-    2. Give each, in turn, to the owner g minimising, lexicographically: the owner's NS load
-       after adding it; the bytes of its shard index s = g % N after adding it (balances the
-       forward broadcasts, which every (r, s) sends to its shard group); the owner's bytes;
-       g itself.
+    Algorithm (greedy longest-processing-time first, Graham 1969), O(M log M + M log W):
 
-    Guarantee: step 2's first key is plain LPT, so the maximum NS load over owners is at most
-    (4/3 - 1/(3W)) times the optimum (Graham, "Bounds on multiprocessing timing anomalies",
-    SIAM J. Appl. Math. 17(2), 1969). Bytes balance is best effort (second key).
+    1. Order params by decreasing cost, then decreasing bytes, then name: never by input
+       order or hash order, so every rank agrees.
+    2. Give each, in turn, to the owner with the least ``(NS load, param bytes, g)`` (a heap
+       of W entries; ties on load go to the owner with fewer bytes, then the lowest g, which
+       walks the shard indices s = g % N first and so spreads the forward broadcasts).
+    3. If the maximum load exceeds :data:`MULTIFIT_TRIGGER` times
+       :func:`makespan_lower_bound` and there are at most :data:`MULTIFIT_MAX_MATRICES`
+       matrices, also run MULTIFIT (first-fit decreasing at a bisected
+       capacity, O(25 M log W)) and keep its plan if its maximum load is lower. LPT misses
+       by up to 10% on sets of few distinct sizes where the optimum groups matrices of one
+       size together (GPT-2 small at W=16: {9, 9, 3} and {7, 7, 7}); MULTIFIT finds those.
+
+    Guarantee: the maximum NS load is at most (4/3 - 1/(3W)) times the optimum (Graham,
+    "Bounds on multiprocessing timing anomalies", SIAM J. Appl. Math. 17(2), 1969; step 3
+    only lowers it);
+    :meth:`OwnershipPlan.ns_lower_bound` gives a bound on the optimum to compare with.
 
     Fewer params than owners is fine (some owners idle); an empty ``specs`` gives an empty plan.
 
     Raises:
         ValueError: a non-2-D shape or non-positive dim, a duplicate name, an unknown dtype
-            name, or a ``mesh_shape`` that is not two positive ints.
+            name, a ``mesh_shape`` that is not two positive ints, a bad ``ns_steps``, or a
+            ``cost_table`` without a positive finite entry for a planned shape.
     """
     replicate_size, shard_size = _validate_mesh_shape(mesh_shape)
-    ordered = sorted(_validate_specs(specs), key=lambda sp: (-sp.ns_cost, -sp.nbytes, sp.name))
+    valid = _validate_specs(specs)
+    cost = _cost_model(valid, ns_steps, cost_table)
+    nbytes = {sp.name: sp.numel * _DTYPE_BYTES[sp.dtype] for sp in valid}
+    ordered = sorted(valid, key=lambda sp: (-cost[sp.name], -nbytes[sp.name], sp.name))
     world = replicate_size * shard_size
-    ns_load = [0] * world
-    bytes_load = [0] * world
-    shard_bytes = [0] * shard_size
+    owner, worst = _lpt(ordered, cost, nbytes, world)
+    if (
+        0 < len(ordered) <= MULTIFIT_MAX_MATRICES
+        and worst > MULTIFIT_TRIGGER * makespan_lower_bound(list(cost.values()), world)
+    ):
+        packed = _multifit(ordered, cost, world, worst)
+        if packed is not None and packed[1] < worst:
+            owner = packed[0]
+    return OwnershipPlan(
+        mesh_shape=(replicate_size, shard_size), specs=valid, owner=owner, ns_cost=cost
+    )
+
+
+#: LPT's maximum load above this multiple of :func:`makespan_lower_bound` makes
+#: :func:`plan_ownership` try MULTIFIT as well (GPT-2 small at W=16: LPT 1.095x, MULTIFIT 1.0x).
+MULTIFIT_TRIGGER = 1.05
+
+#: ... on at most this many matrices (25 first-fit passes; beyond, many matrices per owner
+#: keep LPT within a few percent: Qwen3-30B-A3B's 18,576 at W=1024 within 1.023x).
+MULTIFIT_MAX_MATRICES = 4096
+
+#: Bisection steps of MULTIFIT's capacity search.
+MULTIFIT_STEPS = 25
+
+
+def _lpt(
+    ordered: Sequence[ParamSpec], cost: Mapping[str, float], nbytes: Mapping[str, int], world: int
+) -> tuple[dict[str, int], float]:
+    """LPT on a heap of (NS load, bytes, g): (owner map, maximum load)."""
+    heap = [(0, 0, g) for g in range(world)]  # already a valid heap
+    owner: dict[str, int] = {}
+    replace = heapq.heapreplace
+    for sp in ordered:
+        name = sp.name
+        load, held, g = heap[0]
+        owner[name] = g
+        replace(heap, (load + cost[name], held + nbytes[name], g))
+    return owner, max(load for load, _, _ in heap)
+
+
+def _first_fit_decreasing(ordered, cost, world: int, cap: float) -> dict[str, int] | None:
+    """First-fit into ``world`` bins of capacity ``cap`` (items already in decreasing order):
+    each item goes to the lowest-index bin with room, found in a max-segment tree over the
+    bins' free room, O(log W) per item. ``None`` if an item fits nowhere."""
+    size = 1
+    while size < world:
+        size *= 2
+    room = [-1.0] * (2 * size)
+    room[size:size + world] = [cap] * world
+    for i in range(size - 1, 0, -1):
+        room[i] = max(room[2 * i], room[2 * i + 1])
     owner: dict[str, int] = {}
     for sp in ordered:
-        cost, nbytes = sp.ns_cost, sp.nbytes
-        g = min(
-            range(world),
-            key=lambda o: (
-                ns_load[o] + cost,
-                shard_bytes[o % shard_size] + nbytes,
-                bytes_load[o] + nbytes,
-                o,
-            ),
-        )
-        owner[sp.name] = g
-        ns_load[g] += cost
-        bytes_load[g] += nbytes
-        shard_bytes[g % shard_size] += nbytes
-    return OwnershipPlan(mesh_shape=(replicate_size, shard_size), specs=tuple(specs), owner=owner)
+        c = cost[sp.name]
+        if room[1] < c:
+            return None
+        i = 1
+        while i < size:
+            i = 2 * i if room[2 * i] >= c else 2 * i + 1
+        owner[sp.name] = i - size
+        room[i] -= c
+        i //= 2
+        while i:
+            room[i] = max(room[2 * i], room[2 * i + 1])
+            i //= 2
+    return owner
+
+
+def _multifit(ordered, cost, world: int, upper: float) -> tuple[dict[str, int], float] | None:
+    """MULTIFIT (Coffman, Garey and Johnson, SIAM J. Comput. 7(1), 1978): the smallest
+    capacity, by bisection between the lower bound and ``upper``, at which first-fit
+    decreasing packs every matrix into W owners; (owner map, maximum load) or ``None``."""
+    lo, hi = makespan_lower_bound([cost[sp.name] for sp in ordered], world), upper
+    best = None
+    for _ in range(MULTIFIT_STEPS):
+        cap = (lo + hi) / 2
+        packed = _first_fit_decreasing(ordered, cost, world, cap)
+        if packed is None:
+            lo = cap
+        else:
+            hi, best = cap, packed
+    if best is None:
+        return None
+    load: dict[int, float] = {}
+    for sp in ordered:
+        load[best[sp.name]] = load.get(best[sp.name], 0) + cost[sp.name]
+    return best, max(load.values())
+
+
+def makespan_lower_bound(costs: Sequence[float], world: int) -> float:
+    """A lower bound on the optimal maximum load of ``costs`` over ``world`` owners.
+
+    The maximum of the trivial bound ``max(largest cost, total / world)`` and the bin-packing
+    bound L2 of Martello and Toth ("Lower bounds and reduction procedures for the bin packing
+    problem", Discrete Appl. Math. 28(1), 1990) used as an infeasibility test: a capacity C is
+    impossible when, for some alpha in [0, C/2], the items above C - alpha (one owner each),
+    plus those in (C/2, C - alpha] (one owner each), plus the volume of the items in
+    [alpha, C/2] that does not fit beside the latter, need more than ``world`` owners. The
+    bound is the largest C that test rejects (bisection on C, 40 steps), or the trivial bound.
+    It exceeds the trivial bound when few large matrices must each sit alone (Llama-3-70B at
+    W=256: 240 MLP matrices, 16 owners for the rest). Cost O(distinct costs^2 * 40).
+
+    Raises:
+        ValueError: ``world`` not a positive int or a negative cost.
+    """
+    if not _is_int_at_least(world, 1):
+        raise ValueError(f"Invalid {world=}. Must be a positive int.")
+    if any(c < 0 for c in costs):
+        raise ValueError("Invalid costs. Must be >= 0.")
+    if not costs:
+        return 0.0
+    counts: dict[float, int] = {}
+    for c in costs:
+        counts[c] = counts.get(c, 0) + 1
+    values = sorted(counts, reverse=True)
+    trivial = max(values[0], sum(costs) / world)
+
+    def infeasible(cap: float) -> bool:
+        if values[0] > cap:
+            return True
+        for alpha in [0.0] + [v for v in values if v <= cap / 2]:
+            big = sum(counts[v] for v in values if v > cap - alpha)
+            mid = [v for v in values if cap / 2 < v <= cap - alpha]
+            n_mid = sum(counts[v] for v in mid)
+            room = n_mid * cap - sum(v * counts[v] for v in mid)
+            small = sum(v * counts[v] for v in values if alpha <= v <= cap / 2 and v > 0)
+            # the 1e-9 keeps float round-off from rejecting a capacity that fits exactly
+            if big + n_mid + max(0, math.ceil((small - room) / cap - 1e-9)) > world:
+                return True
+        return False
+
+    lo, hi = trivial, 2 * trivial  # LPT's 4/3 guarantee keeps the optimum below hi
+    if not infeasible(lo):
+        return trivial
+    for _ in range(40):
+        mid = (lo + hi) / 2
+        if infeasible(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo

@@ -16,6 +16,7 @@ from dmuon.muon_math import (
     adjust_lr,
     muon_update_,
     ns_cost,
+    ns_flops,
     polar_express_coefficients,
     zeropower_via_newtonschulz,
 )
@@ -172,11 +173,31 @@ def test_muon_update_errors():
 
 
 def test_ns_cost():
-    assert ns_cost(4096, 4096) == 4 * ns_cost(1024, 16384)
-    assert ns_cost(3, 5) == ns_cost(5, 3) == 45
+    # m*m*(2n + m): the square matrix costs 5.8x the wide one of the same numel
+    assert ns_cost(4096, 4096) == 3 * 4096**3
+    assert ns_cost(1024, 16384) == 33 * 1024**3
+    assert ns_cost(3, 5) == ns_cost(5, 3) == 9 * 13
     for bad in (0, -1, 2.5, True):
         with pytest.raises(ValueError, match="Must be a positive int"):
             ns_cost(bad, 3)
+
+
+@pytest.mark.parametrize("shape, steps", [((24, 40), 5), ((40, 24), 5), ((17, 17), 3), ((5, 64), 1)])
+def test_ns_flops_matmul_part_matches_torch_flop_counter(shape, steps):
+    # torch's FlopCounterMode counts the matrix products (2 FLOPs per multiply-add) of the
+    # real call; ns_flops adds the elementwise terms derived in its docstring.
+    from torch.utils.flop_counter import FlopCounterMode
+
+    m, n = min(shape), max(shape)
+    grad = torch.randn(shape)
+    with FlopCounterMode(display=False) as counter:
+        zeropower_via_newtonschulz(grad, MUON_DEFAULTS["ns_coefficients"], steps, 1e-7)
+    elementwise = 3 * m * n + 1 + steps * (3 * m * m + 3 * m * n)
+    assert counter.get_total_flops() == 2 * steps * ns_cost(*shape)
+    assert ns_flops(*shape, steps) == counter.get_total_flops() + elementwise
+    assert ns_flops(*shape, 0) == 3 * m * n + 1
+    with pytest.raises(ValueError, match="ns_steps"):
+        ns_flops(*shape, 100)
 
 
 def test_bf16_params_nesterov_bitwise_equal_to_torch_muon():

@@ -1,0 +1,134 @@
+"""verify.scale: the aggregated step equals the sum over verify.predict's exact call list."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter, defaultdict
+
+import pytest
+
+from dmuon.plan import specs_from_named_parameters
+from dmuon.select import select_params
+from verify.predict import RunLayout, predict_step
+from verify.presets import build_preset
+from verify.scale import SCALE_MODES, ZERO1, CostModel, Tally, step_traffic, split_ns_s
+from verify.traffic import MODES, avg_elems
+
+#: Sums of a few hundred floats in another order: equal up to round-off.
+REL = 1e-12
+
+
+def _layout(mode: str, r: int, n: int, model_name: str = "llama-tiny") -> RunLayout:
+    model = build_preset(model_name)
+    muon = tuple(name for name, _, _ in select_params(model, None, None))
+    blocks = tuple(f"layers.{i}" for i in range(len(model.layers)))
+    per_linear = tuple(sorted({m.rpartition(".")[0] for m in muon})) if mode.startswith("naive") else ()
+    return RunLayout(
+        mode=mode, replicate_size=r, shard_size=n,
+        params=tuple(specs_from_named_parameters(model.named_parameters())), muon_names=muon,
+        fsdp_modules=() if "ddp" in mode else per_linear + blocks + ("",),
+        reshard_after_forward=mode.endswith("z3") or mode == "naive-hsdp",
+        ddp_bucket_cap_bytes=1 << 20,
+    )
+
+
+def _from_exact_list(layout: RunLayout) -> dict:
+    calls = predict_step(layout)
+    w = layout.world_size
+    ded_rank, calls_rank, phase = defaultdict(float), Counter(), defaultdict(float)
+    total = 0.0
+    for e in calls:
+        elems = avg_elems(e.op, e.count, e.group_size)
+        ded = elems * e.dedicated_count / e.count
+        ded_rank[e.rank] += ded
+        calls_rank[e.rank] += 1
+        phase[e.phase] += ded / w
+        total += elems
+    return dict(
+        ded_avg=sum(ded_rank.values()) / w, ded_max=max(ded_rank.values()), total_avg=total / w,
+        calls_avg=len(calls) / w, calls_max=max(calls_rank.values()), phases=dict(phase),
+    )
+
+
+MESHES = {mode: [(1, 3), (1, 4)] for mode in MODES if "hsdp" not in mode}
+MESHES.update({mode: [(2, 3), (3, 2), (4, 2)] for mode in MODES if "hsdp" in mode})
+
+
+@pytest.mark.parametrize("mode, mesh", [(m, mesh) for m in MODES for mesh in MESHES[m]])
+def test_aggregate_equals_sum_over_exact_call_list(mode, mesh):
+    layout = _layout(mode, *mesh)
+    exact = _from_exact_list(layout)
+    agg = step_traffic(layout)
+    assert agg.ded_avg_elems == pytest.approx(exact["ded_avg"], rel=REL)
+    assert agg.ded_max_elems == pytest.approx(exact["ded_max"], rel=REL)
+    assert agg.total_avg_elems == pytest.approx(exact["total_avg"], rel=REL)
+    assert agg.calls_avg == pytest.approx(exact["calls_avg"], rel=REL)
+    assert agg.calls_max == exact["calls_max"]
+    got = agg.ded_avg_by_phase()
+    assert set(got) == set(exact["phases"])
+    for ph, v in exact["phases"].items():
+        assert got[ph] == pytest.approx(v, rel=REL, abs=1e-9)
+
+
+@pytest.mark.parametrize("mode", [m for m in SCALE_MODES if "hsdp" not in m])
+def test_closed_form_holds_without_padding(mode):
+    # N = 2 divides every Muon dim of llama-tiny on dim 0 (even sizes), so no FSDP2 padding.
+    layout = _layout("dmuon-z2" if mode == ZERO1 else mode, 1, 2)
+    agg = step_traffic(layout, mode=mode)
+    assert agg.ded_avg_elems == pytest.approx(agg.closed_form_elems(), rel=REL)
+
+
+def test_hsdp_busiest_rank_carries_the_replicate_calls():
+    layout = _layout("dmuon-hsdp-z2", 4, 2)
+    agg = step_traffic(layout)
+    assert set(agg.extra) <= {0, 1} and agg.extra
+    assert agg.ded_max_elems > agg.ded_avg_elems
+    # the W-average is one global all-reduce of P_M: 2(W-1)/W (the SPEC §2 correction)
+    assert agg.ded_avg_elems == pytest.approx(2 * 7 / 8 * agg.p_m, rel=REL)
+
+
+def test_zero1_counts_and_memory():
+    layout = _layout("ddp-muon", 1, 4)
+    agg = step_traffic(layout, mode=ZERO1)
+    m = len(layout.muon_names)
+    assert agg.ns_calls == 4 * m
+    assert agg.momentum_bytes_max == sum(-(-p.numel // 4) * 4 for p in layout.muon_specs())
+    assert agg.common.by_axis["world"][0] == agg.calls_max >= 3 * m
+
+
+def test_memory_per_rank_z2_keeps_a_full_copy_z3_does_not():
+    z2 = step_traffic(_layout("dmuon-z2", 1, 4))
+    z3 = step_traffic(_layout("dmuon-z3", 1, 4))
+    full = sum(p.nbytes for p in _layout("dmuon-z2", 1, 4).muon_specs())
+    assert z2.param_bytes_max == full
+    assert full / 4 <= z3.param_bytes_max < full / 2
+
+
+def test_cost_model_locality_and_errors():
+    cm = CostModel()
+    assert cm.on_one_node("shard", 128, 8) and not cm.on_one_node("replicate", 128, 8)
+    assert not cm.on_one_node("shard", 1, 16) and cm.on_one_node("replicate", 2, 4)
+    assert not cm.on_one_node("shard", 3, 6)  # rows 6..11 straddle nodes 0 and 1
+    t = Tally()
+    t.add("forward", "broadcast", "shard", 8, 1000, 2, 1000)
+    expect = 10e-6 + 7 / 8 * 1000 * 2 / 360e9
+    assert cm.comm_s(t, 1, 8) == pytest.approx(expect)
+    with pytest.raises(ValueError, match="intra_gbps"):
+        CostModel(intra_gbps=0)
+    with pytest.raises(ValueError, match="mode='x'"):
+        step_traffic(_layout("dmuon-z2", 1, 2), mode="x")
+
+
+def test_split_ns_model():
+    cm = CostModel()
+    single = split_ns_s(14336, 4096, 1, cm)
+    assert single == pytest.approx(5 * 2 * 4096**2 * (2 * 14336 + 4096) / 600e12)
+    assert split_ns_s(14336, 4096, 8, cm) < single / 2
+    # a square matrix gains less: A·A (m³) is not split
+    assert split_ns_s(4096, 4096, 8, cm) / split_ns_s(4096, 4096, 1, cm) > 0.4
+
+
+def test_plan_for_another_mesh_is_rejected():
+    layout = _layout("dmuon-z2", 1, 2)
+    with pytest.raises(ValueError, match="Must be planned on"):
+        step_traffic(layout, plan=dataclasses.replace(layout, shard_size=3).plan())
