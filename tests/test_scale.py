@@ -26,7 +26,7 @@ def _layout(mode: str, r: int, n: int, model_name: str = "llama-tiny") -> RunLay
     return RunLayout(
         mode=mode, replicate_size=r, shard_size=n,
         params=tuple(specs_from_named_parameters(model.named_parameters())), muon_names=muon,
-        fsdp_modules=() if "ddp" in mode else per_linear + blocks + ("",),
+        fsdp_modules=() if "ddp" in mode or mode == ZERO1 else per_linear + blocks + ("",),
         reshard_after_forward=mode.endswith("z3") or mode == "naive-hsdp",
         ddp_bucket_cap_bytes=1 << 20,
     )
@@ -88,12 +88,18 @@ def test_hsdp_busiest_rank_carries_the_replicate_calls():
 
 
 def test_zero1_counts_and_memory():
-    layout = _layout("ddp-muon", 1, 4)
-    agg = step_traffic(layout, mode=ZERO1)
+    layout = _layout("zero1-muon", 1, 4)
+    agg = step_traffic(layout)
     m = len(layout.muon_names)
-    assert agg.ns_calls == 4 * m
-    assert agg.momentum_bytes_max == sum(-(-p.numel // 4) * 4 for p in layout.muon_specs())
-    assert agg.common.by_axis["world"][0] == agg.calls_max >= 3 * m
+    plan, totals = layout.plan(), [0] * 4
+    for p in layout.muon_specs():
+        totals[plan.owner[p.name]] += p.numel
+    assert agg.ns_calls == m  # one NS per matrix, on its owner
+    assert agg.p_m_pad == 4 * max(totals)
+    assert agg.momentum_bytes_max == max(totals) * 4  # float32
+    phases = agg.ded_avg_by_phase()
+    assert phases.get("backward", 0.0) == 0.0  # DDP all-reduces only the other params
+    assert phases["optimizer"] == pytest.approx(2 * 3 / 4 * agg.p_m_pad, rel=REL)
 
 
 def test_memory_per_rank_z2_keeps_a_full_copy_z3_does_not():

@@ -13,12 +13,10 @@ Accounting: :mod:`verify.traffic` (nccl-tests' S and the W-average f(n)·S per c
 ``*_avg_*`` are W-averages, ``*_max_*`` the busiest rank's own sum, never mixed. "Dedicated"
 is the Muon-target part (a call's f·S times dedicated_count / count, as :mod:`verify.compare`).
 
-One mode beyond the harness's: ``zero1-muon``, Muon on ZeRO-1 (Moonlight's "Distributed
-Muon", Liu et al., arXiv:2502.16982, Section 2.2): per Muon matrix a reduce_scatter of the
-gradient, an all_gather of it for NS on every rank, an all_gather of the updated param, over
-the world with flat per-rank count ceil(numel / W); the other params in DDP's buckets, each a
-reduce_scatter plus an all_gather of ceil(bucket / W) (ZeRO-1's own two collectives). Modelled
-per matrix, not per fused bucket: its call count is an upper bound.
+``zero1-muon`` is the harness's ZeRO-1-style baseline (``verify.baselines.ZeroOneMuon``): one
+reduce_scatter and one all_gather over the world of an owner-aligned flat buffer (whole
+matrices per owner, padded to the largest owner's total C), DDP for the other params. On an
+HSDP mesh it still runs over the whole world, with a (1, W) plan.
 """
 
 from __future__ import annotations
@@ -29,14 +27,16 @@ from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from dmuon.plan import OwnershipPlan, ParamSpec
+import torch
+
+from dmuon.plan import OwnershipPlan, ParamSpec, plan_ownership
 
 from .predict import RunLayout, ddp_buckets, padded_shard_numel
 from .traffic import MODES, avg_elems, closed_form
 
-#: Every mode :func:`step_traffic` knows: the harness's plus ZeRO-1-style Muon.
+#: Every mode :func:`step_traffic` knows: the harness's (``zero1-muon`` included).
 ZERO1 = "zero1-muon"
-SCALE_MODES = MODES + (ZERO1,)
+SCALE_MODES = MODES
 
 #: The axes a call runs on: the shard group (a row of the (R, N) mesh), the replicate group
 #: (a column), or the whole world (DDP, ZeRO-1).
@@ -107,6 +107,8 @@ class StepTraffic:
     """Bytes of dedicated params resident on the fullest rank between steps."""
     momentum_bytes_max: int
     """Bytes of Muon momentum on the fullest rank."""
+    p_m_pad: int | None = None
+    """``zero1-muon``: W·C, the owner-aligned buffer its closed form is evaluated at."""
 
     @property
     def world_size(self) -> int:
@@ -166,14 +168,14 @@ class StepTraffic:
         return dict(out)
 
     def closed_form_elems(self) -> float:
-        """SPEC §2's closed form × P_M (``zero1-muon``: 3(W-1)/W, its three world collectives)."""
+        """SPEC §2's closed form × P_M (``zero1-muon``: 2(W-1)/W at P_M^pad = W·C)."""
         if self.mode == ZERO1:
-            return 3 * (self.world_size - 1) / self.world_size * self.p_m
+            return 2 * (self.world_size - 1) / self.world_size * self.p_m_pad
         return closed_form(self.mode, self.shard_size, self.replicate_size).total * self.p_m
 
     def closed_form_text(self) -> str:
         if self.mode == ZERO1:
-            return "3(W-1)/W"
+            return "2(W-1)/W at P_M^pad"
         return closed_form(self.mode, self.shard_size, self.replicate_size).text
 
 
@@ -244,25 +246,34 @@ def _add_ddp(t: Tally, layout: RunLayout, ignored: set[str]) -> None:
 
 
 def _dmuon(layout: RunLayout, plan: OwnershipPlan) -> tuple[Tally, dict[int, Tally]]:
-    """DMuon's buckets: the dedicated params of one module with one owner and dtype."""
+    """DMuon's buckets (the dedicated params of one module with one owner and dtype), in the
+    dtypes of the protocol (mixed precision: broadcasts in param_dtype, reduces in
+    reduce_dtype, the replicate broadcast in the master dtype), and the usage all_reduce."""
     n, r = layout.shard_size, layout.replicate_size
     common, extra = Tally(), defaultdict(Tally)
     buckets: dict[tuple[str, int, str], int] = defaultdict(int)
-    size_of: dict[str, int] = {}
     for p in layout.muon_specs():
         buckets[(p.module, plan.owner[p.name], p.dtype)] += p.numel
-        size_of[p.dtype] = _nbytes(p)
     for (_, g, dtype), numel in buckets.items():
-        size = size_of[dtype]
-        common.add("forward", "broadcast", "shard", n, numel, size, numel)
+        cast, red = _dtype_bytes(layout.cast_dtype(dtype)), _dtype_bytes(layout.reduce_dtype(dtype))
+        common.add("forward", "broadcast", "shard", n, numel, cast, numel)
         if layout.reshard_after_forward:
-            common.add("backward", "broadcast", "shard", n, numel, size, numel)
-        common.add("backward", "reduce", "shard", n, numel, size, numel)
+            common.add("backward", "broadcast", "shard", n, numel, cast, numel)
+        common.add("backward", "reduce", "shard", n, numel, red, numel)
         if r > 1:
             col = extra[g % n]
-            col.add("backward", "reduce", "replicate", r, numel, size, numel)
-            col.add("replicate", "broadcast", "replicate", r, numel, size, numel)
+            col.add("backward", "reduce", "replicate", r, numel, red, numel)
+            col.add("replicate", "broadcast", "replicate", r, numel, _dtype_bytes(dtype), numel)
+    # one int32 per dedicated param over the world, once per step (dmuon/dedicate.py: usage)
+    common.add("usage", "all_reduce", "world", layout.world_size, len(layout.muon_names), 4, 0)
     return common, dict(extra)
+
+
+def _dtype_bytes(name: str) -> int:
+    """Bytes per element of the torch dtype ``name`` (e.g. ``"bfloat16"``: 2)."""
+    if name not in _ELEMENT_BYTES:
+        _ELEMENT_BYTES[name] = getattr(torch, name).itemsize
+    return _ELEMENT_BYTES[name]
 
 
 def _muon_bytes(layout: RunLayout) -> int:
@@ -305,19 +316,24 @@ def _build_naive(layout: RunLayout, plan: OwnershipPlan) -> StepTraffic:
 
 
 def _build_zero1(layout: RunLayout, plan: OwnershipPlan) -> StepTraffic:
+    """The harness's ZeRO-1-style Muon (``verify.baselines.ZeroOneMuon``, SPEC §7): DDP
+    all-reduces the other params; the step runs one reduce_scatter and one all_gather over the
+    world of the owner-aligned flat buffer, C = the largest owner's total on a (1, W) plan."""
     common = Tally()
+    _add_ddp(common, layout, set(layout.muon_names))
     w = layout.world_size
-    for bucket in _ddp_bucket_lists(layout, set(layout.muon_names)):
-        c = -(-sum(p.numel for p in bucket) // w)
-        for phase, op in (("backward", "reduce_scatter"), ("optimizer", "all_gather")):
-            common.add(phase, op, "world", w, c, _nbytes(bucket[0]), 0)
-    momentum = 0
-    for p in layout.muon_specs():
-        c = -(-p.numel // w)
-        for phase, op in (("backward", "reduce_scatter"), ("optimizer", "all_gather"), ("optimizer", "all_gather")):
-            common.add(phase, op, "world", w, c, _nbytes(p), c)
-        momentum += c * _nbytes(p)
-    return _result(layout, common, {}, len(layout.muon_names) * w, _muon_bytes(layout), momentum)
+    specs = layout.muon_specs()
+    if plan.mesh_shape != (1, w):
+        plan = plan_ownership(specs, (1, w))
+    totals = [0] * w
+    for p in specs:
+        totals[plan.owner[p.name]] += p.numel
+    c, elem_bytes = max(totals), _nbytes(specs[0])
+    for op in ("reduce_scatter", "all_gather"):
+        common.add("optimizer", op, "world", w, c, elem_bytes, c)
+    out = _result(layout, common, {}, len(specs), _muon_bytes(layout), c * elem_bytes)
+    out.p_m_pad = w * c
+    return out
 
 
 def _result(layout, common, extra, ns_calls, param_bytes, momentum_bytes) -> StepTraffic:
@@ -330,6 +346,7 @@ def _result(layout, common, extra, ns_calls, param_bytes, momentum_bytes) -> Ste
 
 _BUILDERS: dict[str, Callable[[RunLayout, OwnershipPlan], StepTraffic]] = {
     "ddp-muon": _build_ddp_muon,
+    "zero1-muon": _build_zero1,
     "dmuon-ddp": _build_dmuon,
     "naive-fsdp2-z2": _build_naive,
     "naive-fsdp2-z3": _build_naive,
@@ -362,10 +379,6 @@ def step_traffic(layout: RunLayout, plan: OwnershipPlan | None = None, mode: str
         plan = layout.plan()
     elif plan.mesh_shape != mesh:
         raise ValueError(f"Invalid plan for mesh_shape={plan.mesh_shape}. Must be planned on {mesh}.")
-    if mode == ZERO1:
-        out = _build_zero1(dataclasses.replace(layout, mode="ddp-muon"), plan)
-        out.mode = ZERO1
-        return out
     if mode != layout.mode:
         layout = dataclasses.replace(layout, mode=mode)
     return _BUILDERS[mode](layout, plan)
