@@ -447,8 +447,13 @@ class CostModel:
 
 
 def ns_flops_busiest(st: StepTraffic, plan: OwnershipPlan) -> float:
-    """NS FLOPs on the busiest rank: the fullest owner for DMuon, every matrix otherwise."""
+    """NS FLOPs on the busiest rank: the fullest owner for DMuon, every matrix otherwise;
+    ZeRO-1-style Muon's owners on its (1, W) plan."""
     if st.mode.startswith("dmuon-"):
+        return max(plan.ns_load, default=0)
+    if st.mode == ZERO1:
+        if plan.mesh_shape != (1, st.world_size):
+            plan = plan_ownership(list(plan.specs), (1, st.world_size))
         return max(plan.ns_load, default=0)
     return float(sum(plan.ns_cost.values()))
 
