@@ -26,10 +26,13 @@ import dataclasses
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
+
+if TYPE_CHECKING:  # pandas is imported by to_frame only: parsers start without it
+    import pandas as pd
 
 #: Canonical op names (snake case, torch.distributed's vocabulary).
 OPS: tuple[str, ...] = (
@@ -180,6 +183,8 @@ def to_table(events: Iterable[CollectiveEvent]) -> pa.Table:
 
 def to_frame(events: Iterable[CollectiveEvent]) -> pd.DataFrame:
     """Events as a pandas DataFrame (nullable integer columns, one row per event)."""
+    import pandas as pd
+
     return to_table(events).to_pandas(types_mapper=pd.ArrowDtype)
 
 
@@ -191,21 +196,54 @@ def write_parquet(events: Iterable[CollectiveEvent], path: str | Path) -> Path:
     return path
 
 
+def _type_family(t: pa.DataType) -> str:
+    if pa.types.is_integer(t):
+        return "integer"
+    if pa.types.is_string(t) or pa.types.is_large_string(t):
+        return "string"
+    if pa.types.is_null(t):
+        return "null"
+    return str(t)
+
+
 def read_parquet(path: str | Path) -> list[CollectiveEvent]:
     """Read events written by :func:`write_parquet`.
 
+    Every column of :data:`EVENT_SCHEMA` must be there with an integer type where the schema
+    has one and a string type where it has a string (an all-null column may have Arrow's null
+    type); ``source``, ``op`` and ``source_ref`` must have no nulls.
+
     Raises:
-        ValueError: the file lacks a column of :data:`EVENT_SCHEMA`.
+        ValueError: the file is not Parquet, lacks a column, has a column of another type
+            (e.g. a float ``count`` or a string ``rank``), a null in a required column, or a
+            row that is not a valid :class:`CollectiveEvent`; the message names the file, the
+            column and (for rows) the ``source_ref``.
     """
-    table = pq.read_table(path)
+    try:
+        table = pq.read_table(path)
+    except (pa.ArrowException, OSError) as exc:
+        raise ValueError(f"Invalid events file {str(path)!r}: not readable as Parquet ({exc}). "
+                         "Must be written by tracer.events.write_parquet (dmuon-trace ... --out).") from None
     missing = [f.name for f in EVENT_SCHEMA if f.name not in table.column_names]
     if missing:
         raise ValueError(
             f"Invalid events file {str(path)!r}: missing columns {missing}. Must be written "
             "by tracer.events.write_parquet (dmuon-trace ... --out)."
         )
+    for f in EVENT_SCHEMA:
+        col = table.column(f.name)
+        found, want = _type_family(col.type), _type_family(f.type)
+        if found != want and found != "null":
+            raise ValueError(f"Invalid events file {str(path)!r}: column {f.name!r} has type "
+                             f"{col.type}. Must be {want} ({f.type}).")
+        if not f.nullable and col.null_count:
+            raise ValueError(f"Invalid events file {str(path)!r}: column {f.name!r} has "
+                             f"{col.null_count} null(s). Must be set on every row.")
     rows = table.select([f.name for f in EVENT_SCHEMA]).to_pylist()
-    return [CollectiveEvent(**row) for row in rows]
+    try:
+        return [CollectiveEvent(**row) for row in rows]
+    except ValueError as exc:
+        raise ValueError(f"Invalid events file {str(path)!r}: {exc}") from None
 
 
 def group_id_from_ranks(ranks: Sequence[int]) -> str:
