@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from numbers import Integral
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -71,6 +72,13 @@ DTYPE_BYTES: dict[str, int] = {
 SOURCES: tuple[str, ...] = ("interposer", "flight_recorder", "nccl_log", "nsys")
 
 
+#: Integer fields and their width in :data:`EVENT_SCHEMA` (bits, signed).
+_INT_BITS: dict[str, int] = {
+    "rank": 32, "group_size": 32, "group_rank": 32, "seq": 64, "count": 64, "dtype_bytes": 32,
+    "msg_bytes": 64, "root": 32, "t_start_ns": 64, "t_end_ns": 64, "pid": 64, "cuda_dev": 32,
+}
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class CollectiveEvent:
     """One collective (or point-to-point) call as seen by one rank through one source.
@@ -81,7 +89,9 @@ class CollectiveEvent:
 
     Raises:
         ValueError: ``op`` is not one of :data:`OPS`, ``source`` not one of :data:`SOURCES`,
-            a size is negative, or ``msg_bytes`` disagrees with ``count * dtype_bytes``.
+            an integer field is not an int or does not fit its :data:`EVENT_SCHEMA` column
+            (int32 / int64), a size is negative, or ``msg_bytes`` disagrees with
+            ``count * dtype_bytes``.
     """
 
     source: str
@@ -107,6 +117,12 @@ class CollectiveEvent:
     comm: str | None = None
 
     def __post_init__(self) -> None:
+        for name, bits in _INT_BITS.items():
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, Integral)
+                                      or not -(1 << (bits - 1)) <= value < 1 << (bits - 1)):
+                raise ValueError(f"Invalid CollectiveEvent {name}={value!r}. Must be an int "
+                                 f"that fits int{bits} ({self.source_ref}).")
         if self.op not in OPS:
             raise ValueError(f"Invalid CollectiveEvent op={self.op!r}. Must be one of {OPS}.")
         if self.source not in SOURCES:
@@ -123,6 +139,10 @@ class CollectiveEvent:
             expected = self.count * self.dtype_bytes
             if self.msg_bytes is None:
                 object.__setattr__(self, "msg_bytes", expected)
+                if expected >= 1 << 63:
+                    raise ValueError(
+                        f"Invalid CollectiveEvent count={self.count}. Must give msg_bytes = count "
+                        f"* dtype_bytes that fits int64, not {expected} ({self.source_ref}).")
             elif self.msg_bytes != expected:
                 raise ValueError(
                     f"Invalid CollectiveEvent msg_bytes={self.msg_bytes}. Must equal "
@@ -170,6 +190,7 @@ EVENT_SCHEMA = pa.schema(
 )
 
 assert [f.name for f in EVENT_SCHEMA] == [f.name for f in dataclasses.fields(CollectiveEvent)]
+assert _INT_BITS == {f.name: f.type.bit_width for f in EVENT_SCHEMA if pa.types.is_integer(f.type)}
 
 
 def to_table(events: Iterable[CollectiveEvent]) -> pa.Table:
