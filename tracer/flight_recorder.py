@@ -60,6 +60,7 @@ import json
 import os
 import pickle
 import re
+import reprlib
 import socket
 import sys
 from collections.abc import Iterable, Mapping, Sequence
@@ -263,7 +264,25 @@ class PickleRefused(ValueError):
     """A pickled dump names a global outside :data:`PICKLE_ALLOWED_GLOBALS` (nothing was run)."""
 
 
-class _RestrictedUnpickler(pickle.Unpickler):
+class _Short(reprlib.Repr):
+    """Bounded reprs for messages about hostile values (a pickle can share one list so often
+    that a full ``repr`` would never end; ints past 4,300 digits have no ``repr`` at all)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.maxlevel, self.maxlist, self.maxdict, self.maxtuple = 2, 4, 4, 4
+        self.maxstring, self.maxother, self.maxlong = 60, 60, 40
+
+    def repr_int(self, x, level):
+        return super().repr_int(x, level) if x.bit_length() < 128 else f"<int of {x.bit_length()} bits>"
+
+
+_short = _Short().repr
+
+
+class _RestrictedUnpickler(pickle._Unpickler):
+    # The pure-Python unpickler on purpose: its memo is a dict, where the C one allocates an
+    # array up to the largest memo index a file names (a damaged LONG_BINPUT asked for 8 GB).
     def find_class(self, module: str, name: str):
         if (module, name) in PICKLE_ALLOWED_GLOBALS:
             return super().find_class(module, name)
@@ -271,7 +290,7 @@ class _RestrictedUnpickler(pickle.Unpickler):
                             "dump never contains")
 
     def persistent_load(self, pid):
-        raise PickleRefused(f"the pickle holds a persistent id {str(pid)[:80]!r}, which a Flight "
+        raise PickleRefused(f"the pickle holds a persistent id {_short(pid)}, which a Flight "
                             "Recorder dump never contains")
 
 
@@ -322,12 +341,12 @@ def _is_int(value) -> bool:
 def _check_text(value, what: str) -> str:
     """``value`` as a string that UTF-8 can encode (no lone surrogates from invalid bytes)."""
     if not isinstance(value, str | int) or isinstance(value, bool):
-        raise _EntryError(f"{what}={value!r} is not a string")
+        raise _EntryError(f"{what}={_short(value)} is not a string")
     text = str(value)
     try:
         text.encode("utf-8")
     except UnicodeEncodeError:
-        raise _EntryError(f"{what}={text!r} holds invalid UTF-8") from None
+        raise _EntryError(f"{what}={_short(text)} holds invalid UTF-8") from None
     return text
 
 
@@ -335,7 +354,8 @@ def load_dump(path: str | Path, *, allow_pickle: bool = False) -> dict:
     """Load one FR dump: JSON, pickle (``_dump_fr_trace``), or a pickle re-serialised as JSON.
 
     A file whose first byte is 0x80 is read as a pickle, through an unpickler that refuses
-    every global outside :data:`PICKLE_ALLOWED_GLOBALS`, so a crafted file runs nothing (with
+    every global outside :data:`PICKLE_ALLOWED_GLOBALS` (pure Python, so a damaged memo index
+cannot make it allocate gigabytes), so a crafted file runs nothing (with
     ``allow_pickle`` it goes to :func:`pickle.loads` unrestricted, after a ``UserWarning``:
     only for files you trust). JSON is decoded as UTF-8; invalid bytes inside strings are kept
     as lone surrogates so that only the entries holding them are lost (reported per entry by
@@ -369,7 +389,8 @@ def load_dump(path: str | Path, *, allow_pickle: bool = False) -> dict:
     except Exception as exc:  # noqa: BLE001 - any decoder failure: re-raised with the file named
         raise ValueError(
             f"Invalid Flight Recorder dump {str(path)!r}: not JSON or pickle "
-            f"({type(exc).__name__}: {str(exc)[:200]}). Must be written by "
+            f"({type(exc).__name__}: {', '.join(_short(x) for x in exc.args[:2])}). Must be "
+            "written by "
             "_dump_fr_trace_json(), _dump_fr_trace() or dump_flight_recorder()."
         ) from None
     if not isinstance(dump, dict) or "pg_status" not in dump or "version" not in dump:
@@ -380,7 +401,7 @@ def load_dump(path: str | Path, *, allow_pickle: bool = False) -> dict:
     if not isinstance(dump.get("entries", []), list):
         raise ValueError(
             f"Invalid Flight Recorder dump {str(path)!r}: entries="
-            f"{str(dump['entries'])[:80]!r} ({type(dump['entries']).__name__}). Must be a list "
+            f"{_short(dump['entries'])} ({type(dump['entries']).__name__}). Must be a list "
             "of entries (absent when dumped without collectives).")
     return dump
 
@@ -388,7 +409,7 @@ def load_dump(path: str | Path, *, allow_pickle: bool = False) -> dict:
 def _names(entry: dict, key: str) -> list[str]:
     value = entry.get(key) or []
     if not isinstance(value, list) or not all(isinstance(n, str) for n in value):
-        raise _EntryError(f"{key}={str(value)[:80]!r} is not a list of names")
+        raise _EntryError(f"{key}={_short(value)} is not a list of names")
     return value
 
 
@@ -400,7 +421,7 @@ def _dtype(fr_names: list[str]) -> str | None:
         raise _EntryError(f"mixed dtypes {sorted(names)} in one entry")
     (name,) = names
     if name not in FR_DTYPES:
-        raise _EntryError(f"unknown FR dtype {name!r} (known: {sorted(FR_DTYPES)})")
+        raise _EntryError(f"unknown FR dtype {_short(name)} (known: {sorted(FR_DTYPES)})")
     return FR_DTYPES[name]
 
 
@@ -409,9 +430,9 @@ def _sizes(entry: dict, key: str) -> list[list[int]]:
     value = entry.get(key) or []
     if not isinstance(value, list) or not all(
             isinstance(s, list) and all(_is_int(d) and d >= 0 for d in s) for s in value):
-        raise _EntryError(f"{key}={str(value)[:80]} is not a list of shapes of ints >= 0")
+        raise _EntryError(f"{key}={_short(value)} is not a list of shapes of ints >= 0")
     if any(prod(s) > _INT64_MAX for s in value):
-        raise _EntryError(f"{key}={str(value)[:80]} has more than 2^63-1 elements in a tensor")
+        raise _EntryError(f"{key}={_short(value)} has more than 2^63-1 elements in a tensor")
     return value
 
 
@@ -425,17 +446,17 @@ def _parse_ranks(value) -> list[int]:
         try:
             value = json.loads(value) if value.strip() else []
         except json.JSONDecodeError:
-            raise ValueError(f"ranks {value[:80]!r} are not a JSON list") from None
+            raise ValueError(f"ranks {_short(value)} are not a JSON list") from None
     if not isinstance(value, list | tuple) or not all(
             _is_int(r) and 0 <= r <= _INT32_MAX for r in value):
-        raise ValueError(f"ranks {str(value)[:80]} are not a list of ints in [0, 2^31)")
+        raise ValueError(f"ranks {_short(value)} are not a list of ints in [0, 2^31)")
     return list(value)
 
 
 def _pg_name(entry: dict) -> str:
     group = entry.get("process_group")
     if not isinstance(group, list | tuple) or not group:
-        raise _EntryError(f"process_group={group!r} is not a non-empty [name, desc] list")
+        raise _EntryError(f"process_group={_short(group)} is not a non-empty [name, desc] list")
     return _check_text(group[0], "process_group[0]")
 
 
@@ -453,7 +474,7 @@ def _context_of(dump: dict, where: str, warnings: list[str]) -> dict:
                     ("host", lambda v: isinstance(v, str) and _encodable(v)),
                     ("pg_ranks", lambda v: isinstance(v, dict))):
         if out.get(key) is not None and not ok(out[key]):
-            warnings.append(f"{where}: {CONTEXT_KEY}.{key}={str(out[key])[:80]!r} is malformed; "
+            warnings.append(f"{where}: {CONTEXT_KEY}.{key}={_short(out[key])} is malformed; "
                             "ignored")
             out[key] = None
     return out
@@ -483,7 +504,7 @@ def _group_ranks(dump: dict, names: set[str], context: dict,
                 raise ValueError(f"value is a {type(cfg).__name__}, not a dict")
             parsed[str(name)] = _parse_ranks(cfg.get("ranks", []))
         except ValueError as exc:
-            warnings.append(f"{where}: pg_config[{str(name)[:40]!r}]: {exc}; ignored")
+            warnings.append(f"{where}: pg_config[{_short(name)}]: {exc}; ignored")
     for name, ranks in parsed.items():
         if ranks and name in names:
             found[name] = ranks
@@ -494,7 +515,7 @@ def _group_ranks(dump: dict, names: set[str], context: dict,
         try:
             found[str(name)] = _parse_ranks(ranks)
         except ValueError as exc:
-            warnings.append(f"{where}: {CONTEXT_KEY}.pg_ranks[{str(name)[:40]!r}]: {exc}; ignored")
+            warnings.append(f"{where}: {CONTEXT_KEY}.pg_ranks[{_short(name)}]: {exc}; ignored")
     for name, ranks in (pg_ranks or {}).items():
         found[str(name)] = sorted(int(r) for r in ranks)
     return found
@@ -550,7 +571,7 @@ def _time_ns(entry: dict, key: str, where: str, warnings: list[str]) -> int | No
         return None
     if _is_int(value) and 0 < value <= _INT64_MAX:
         return value
-    warnings.append(f"{where}: {key}={str(value)[:40]} is not an int ns in [1, 2^63); left empty")
+    warnings.append(f"{where}: {key}={_short(value)} is not an int ns in [1, 2^63); left empty")
     return None
 
 
@@ -560,15 +581,15 @@ def _entry_events(entry: dict, *, ref: str, where: str, rank: int | None,
     """The events of one FR entry: one, or one per tensor for a coalesced entry."""
     name = entry.get("profiling_name") or ""
     if not isinstance(name, str):
-        raise _EntryError(f"profiling_name={name!r} is not a string")
+        raise _EntryError(f"profiling_name={_short(name)} is not a string")
     _check_text(name, "profiling_name")
     backend, _, rest = name.partition(":")
     if not rest:
-        raise _EntryError(f"profiling_name {name!r} is not '<backend>:<op>'")
+        raise _EntryError(f"profiling_name {_short(name)} is not '<backend>:<op>'")
     fr_op, _, meta = rest.partition(" ")
     if fr_op not in FR_OPS:
-        raise _EntryError(f"unsupported op {name!r}: no canonical op (tracer.events.OPS) for "
-                          f"{fr_op!r}; see FR_OPS")
+        raise _EntryError(f"unsupported op {_short(name)}: no canonical op (tracer.events.OPS) for "
+                          f"{_short(fr_op)}; see FR_OPS")
     op = FR_OPS[fr_op]
     comm = _pg_name(entry)
     group_size = len(ranks) if ranks else None
@@ -586,7 +607,7 @@ def _entry_events(entry: dict, *, ref: str, where: str, rank: int | None,
     is_p2p = bool(entry.get("is_p2p")) or op in ("send", "recv")
     seq_id = entry.get("collective_seq_id")
     if not is_p2p and seq_id is not None and not (_is_int(seq_id) and 0 <= seq_id <= _INT64_MAX):
-        raise _EntryError(f"collective_seq_id={repr(seq_id)[:40]} is not an int in [0, 2^63)")
+        raise _EntryError(f"collective_seq_id={_short(seq_id)} is not an int in [0, 2^63)")
     common = dict(
         source="flight_recorder",
         op=op,
@@ -666,9 +687,9 @@ def read_flight_recorder(
         try:
             if not isinstance(entry, dict):
                 raise _EntryError(f"entry is a {type(entry).__name__}, not a dict")
-            result.states[str(entry.get("state"))[:40]] += 1
+            result.states[_short(entry.get("state")).strip("'")] += 1
             if rid < 0:
-                raise _EntryError(f"record_id={repr(entry.get('record_id'))[:40]} is not an "
+                raise _EntryError(f"record_id={_short(entry.get('record_id'))} is not an "
                                   "int in [0, 2^63)")
             events = _entry_events(entry, ref=ref, where=where, rank=rank,
                                    ranks=groups.get(_pg_name(entry)), context=context,
