@@ -78,6 +78,9 @@ _INT_BITS: dict[str, int] = {
     "msg_bytes": 64, "root": 32, "t_start_ns": 64, "t_end_ns": 64, "pid": 64, "cuda_dev": 32,
 }
 
+#: Optional string fields (``source``, ``op`` are checked against their vocabularies).
+_STR_FIELDS = ("group_id", "dtype", "phase", "module", "source_ref", "host", "comm")
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class CollectiveEvent:
@@ -90,7 +93,7 @@ class CollectiveEvent:
     Raises:
         ValueError: ``op`` is not one of :data:`OPS`, ``source`` not one of :data:`SOURCES`,
             an integer field is not an int or does not fit its :data:`EVENT_SCHEMA` column
-            (int32 / int64), a size is negative, or ``msg_bytes`` disagrees with
+            (int32 / int64), a string field is not a str, a size is negative, or ``msg_bytes`` disagrees with
             ``count * dtype_bytes``.
     """
 
@@ -123,6 +126,11 @@ class CollectiveEvent:
                                       or not -(1 << (bits - 1)) <= value < 1 << (bits - 1)):
                 raise ValueError(f"Invalid CollectiveEvent {name}={value!r}. Must be an int "
                                  f"that fits int{bits} ({self.source_ref}).")
+        for name in _STR_FIELDS:
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, str):
+                raise ValueError(f"Invalid CollectiveEvent {name}={value!r}. Must be a str or "
+                                 f"None ({self.source_ref!r}).")
         if self.op not in OPS:
             raise ValueError(f"Invalid CollectiveEvent op={self.op!r}. Must be one of {OPS}.")
         if self.source not in SOURCES:
@@ -191,6 +199,7 @@ EVENT_SCHEMA = pa.schema(
 
 assert [f.name for f in EVENT_SCHEMA] == [f.name for f in dataclasses.fields(CollectiveEvent)]
 assert _INT_BITS == {f.name: f.type.bit_width for f in EVENT_SCHEMA if pa.types.is_integer(f.type)}
+assert set(_STR_FIELDS) == {f.name for f in EVENT_SCHEMA if f.type == pa.string()} - {"source", "op"}
 
 
 def to_table(events: Iterable[CollectiveEvent]) -> pa.Table:

@@ -286,6 +286,8 @@ def _bad_rows(frame: pd.DataFrame, table: str, checks: dict[str, tuple[str, ...]
     bad = pd.Series(False, index=frame.index)
     for column, allowed in checks.items():
         wrong = ~frame[f"typeof_{column}"].isin(allowed)
+        if not wrong.any():
+            continue
         for row in frame[wrong & ~bad].itertuples():
             value = getattr(row, f"value_{column}") if f"value_{column}" in frame else None
             kind = getattr(row, f"typeof_{column}")
