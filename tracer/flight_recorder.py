@@ -841,8 +841,9 @@ def _cli(args: argparse.Namespace) -> int:
     if not read.events:
         readable = len(read.files)
         print(f"{prog}: error: no Flight Recorder events in {len(_expand(args.paths))} file(s) "
-              f"({readable} readable dump(s); unreadable: {len(read.unreadable)}); nothing "
-              "written. Are these dumps of torch.distributed's Flight Recorder "
+              f"({readable} readable dump(s); {len(read.unreadable)} unreadable entries or "
+              "files" + (f", first: {read.unreadable[0]}" if read.unreadable else "") + "); "
+              "nothing written. Are these dumps of torch.distributed's Flight Recorder "
               "(dump_flight_recorder, _dump_fr_trace_json)?", file=sys.stderr)
         return EXIT_NOTHING_FOUND
     if read.unreadable:
