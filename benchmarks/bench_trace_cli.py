@@ -15,7 +15,8 @@ round (this, baseline, this, baseline, ...):
   ``benchmarks/bench_nccl_parser.py``'s ``generate``), once per tree (it is long).
 
 Per command it reports the child's CPU seconds (user + system, ``resource.RUSAGE_CHILDREN``),
-wall seconds and peak RSS (``ru_maxrss`` of the child, MiB), medians over the rounds; for
+wall seconds and peak RSS (``ru_maxrss`` of the child, MiB, measured from a stdlib-only
+interpreter because Linux carries ``ru_maxrss`` across fork + exec), medians over the rounds; for
 ``nccl big``, the single run. The machine may be shared: read the medians and the ratios.
 """
 
@@ -30,12 +31,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from tabulate import tabulate  # noqa: E402
-
-from benchmarks.bench_nccl_parser import generate  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -69,6 +64,14 @@ def probe(tree: Path, args: list[str]) -> dict:
 
 
 def main(argv=None) -> int:
+    # Imported here, not at the top: probe() imports this module in the interpreter that forks
+    # each measured command, and Linux carries ru_maxrss across fork + exec, so that
+    # interpreter must stay small (stdlib only) or its size would be the child's peak.
+    sys.path.insert(0, str(REPO))
+    from tabulate import tabulate
+
+    from benchmarks.bench_nccl_parser import generate
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--lines", type=int, default=5_000_000)
     parser.add_argument("--ranks", type=int, default=8)
