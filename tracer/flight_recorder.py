@@ -189,7 +189,7 @@ def _process_group_context(rank: int) -> dict:
         "rank": rank,
         "world_size": dist.get_world_size(),
         "backend": str(dist.get_backend()),
-        "torch_version": torch.__version__,
+        "torch_version": str(torch.__version__),  # TorchVersion would pickle as a class
         "pid": os.getpid(),
         "host": socket.gethostname().split(".")[0],
         "pg_ranks": pg_ranks,
