@@ -16,17 +16,27 @@ to keep DMuon's ranges out of a profile: set the environment variable ``DMUON_NV
 :func:`span` skip the NVTX calls and the message formatting (one boolean check each); the phase
 tags and the span listeners work either way. On is the default.
 
-Nothing here issues a collective or imports the tracer: listeners are registered from outside.
+Nothing here issues a collective. The phase stack, span stack, :class:`Span` and the listener
+registry live in :mod:`tracer.context` (torch-free, so the tracers read them without importing
+``dmuon``); this module adds the NVTX ranges and re-exports that API.
 """
 
 from __future__ import annotations
 
 import os
-import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+
+from tracer import context as _context
+from tracer.context import (  # noqa: F401 - re-exported: DMuon's public phase/span API
+    PHASES,
+    Span,
+    SpanListener,
+    _listeners,
+    add_span_listener,
+    now_ns,
+    remove_span_listener,
+)
 
 try:  # nvtx is a dependency; keep DMuon importable where its native part is missing.
     import nvtx as _nvtx
@@ -35,9 +45,6 @@ try:  # nvtx is a dependency; keep DMuon importable where its native part is mis
 except Exception:  # pragma: no cover - depends on the platform
     _nvtx = None
     _NVTX_DOMAIN = None
-
-#: Phase names DMuon itself uses; a training loop may add its own.
-PHASES = ("setup", "forward", "backward", "optimizer", "replicate")
 
 #: Environment variable read once at import: ``0``/``false``/``off``/``no`` turn NVTX off.
 NVTX_ENV = "DMUON_NVTX"
@@ -82,20 +89,14 @@ def set_nvtx_enabled(enabled: bool) -> bool:
     previous, _nvtx_on = _nvtx_on, bool(enabled)
     return previous
 
-_phase_stack: list[str] = []
-_lock = threading.Lock()
-_active = threading.local()  # per thread: stack of (span name, module) currently open
-
-
 def current_span() -> tuple[str, str | None] | None:
     """``(name, module)`` of the innermost open :func:`span` on this thread, or ``None``."""
-    stack = getattr(_active, "stack", None)
-    return stack[-1] if stack else None
+    return _context.current_span()
 
 
 def current_phase() -> str | None:
     """The innermost active phase, or ``None`` outside any :func:`phase` block."""
-    return _phase_stack[-1] if _phase_stack else None
+    return _context.current_phase()
 
 
 @contextmanager
@@ -106,18 +107,8 @@ def phase(name: str) -> Iterator[None]:
     :func:`set_nvtx_enabled`), so Nsight Systems (and ``tracer.nsys``) can attribute NCCL
     ranges to phases.
     """
-    with _lock:
-        _phase_stack.append(name)
-    try:
-        with _nvtx_range("dmuon.phase", name):
-            yield
-    finally:
-        with _lock:
-            # Remove the innermost occurrence: blocks may exit out of order across threads.
-            for i in range(len(_phase_stack) - 1, -1, -1):
-                if _phase_stack[i] == name:
-                    del _phase_stack[i]
-                    break
+    with _context.phase_tag(name), _nvtx_range("dmuon.phase", name):
+        yield
 
 
 @contextmanager
@@ -145,45 +136,13 @@ def _nvtx_range(kind: str, name: str) -> Iterator[None]:
             _NVTX_DOMAIN.pop_range()
 
 
-@dataclass(frozen=True, slots=True)
-class Span:
-    """A finished timeline range: ``t_start_ns``/``t_end_ns`` from ``time.perf_counter_ns``."""
-
-    name: str
-    module: str | None
-    owner: int | None
-    phase: str | None
-    t_start_ns: int
-    t_end_ns: int
-    thread_id: int
-
-
-SpanListener = Callable[[Span], None]
-_listeners: list[SpanListener] = []
-
-
-def add_span_listener(fn: SpanListener) -> None:
-    """Call ``fn(span)`` for every span that ends from now on."""
-    _listeners.append(fn)
-
-
-def remove_span_listener(fn: SpanListener) -> None:
-    """Stop calling ``fn``; a listener that is not registered is ignored."""
-    if fn in _listeners:
-        _listeners.remove(fn)
-
-
-def now_ns() -> int:
-    """The clock every DMuon / tracer timestamp uses (``time.perf_counter_ns``)."""
-    return time.perf_counter_ns()
-
-
 @contextmanager
 def span(name: str, *, module: str | None = None, owner: int | None = None) -> Iterator[None]:
     """Mark a timeline range; shows in Nsight Systems (NVTX domain ``DMuon``) and listeners.
 
     The NVTX message (unless switched off, :func:`set_nvtx_enabled`) is ``name`` followed by
     ``module`` and ``owner`` when given, e.g. ``dmuon.broadcast blocks.0.mlp.fc1 owner=2``.
+    The span itself (stack, timing, listeners) is :func:`tracer.context.span_scope`.
     """
     emit = _nvtx_on
     if emit:
@@ -193,19 +152,9 @@ def span(name: str, *, module: str | None = None, owner: int | None = None) -> I
         if owner is not None:
             message += f" owner={owner}"
         _NVTX_DOMAIN.push_range(_NVTX_DOMAIN.get_event_attributes(message=message))
-    stack = getattr(_active, "stack", None)
-    if stack is None:
-        stack = _active.stack = []
-    stack.append((name, module))
-    t0 = now_ns()
     try:
-        yield
+        with _context.span_scope(name, module=module, owner=owner):
+            yield
     finally:
-        t1 = now_ns()
-        stack.pop()
         if emit:
             _NVTX_DOMAIN.pop_range()
-        if _listeners:
-            s = Span(name, module, owner, current_phase(), t0, t1, threading.get_ident())
-            for fn in list(_listeners):
-                fn(s)

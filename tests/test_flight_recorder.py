@@ -103,9 +103,9 @@ def _with_unknown_op(shared_fixtures, tmp_path) -> Path:
 def test_unsupported_entry_is_unreadable_and_strict_raises(shared_fixtures, tmp_path):
     path = _with_unknown_op(shared_fixtures, tmp_path)
     read = read_flight_recorder(path)
-    assert len(read.unreadable) == 1 and "#4: unsupported op" in read.unreadable[0]
+    assert len(read.unreadable) == 1 and "#4 (entry 4): unsupported op" in read.unreadable[0]
     assert "gloo:allgather_future_op" in read.unreadable[0]
-    with pytest.raises(ValueError, match=r"Invalid Flight Recorder entry .*#4: unsupported op"):
+    with pytest.raises(ValueError, match=r"Invalid Flight Recorder entry .*#4 \(entry 4\): unsupported op"):
         read_flight_recorder(path, strict=True)
 
 
@@ -176,9 +176,9 @@ def test_cli_fr_writes_parquet_and_summary(shared_fixtures, tmp_path, capsys):
     assert "0,1,2,3" in printed
     unknown = _with_unknown_op(shared_fixtures, tmp_path)
     rc = cli_main(["fr", str(unknown), "--out", str(out), "--strict"])
-    assert rc == 2 and "unsupported op" in capsys.readouterr().out
+    assert rc == 2 and "unsupported op" in capsys.readouterr().err
     rc = cli_main(["fr", str(shared_fixtures / JSON_DUMP), "--out", str(out), "--pg-ranks", "x"])
-    assert rc == 2 and "Invalid --pg-ranks 'x'" in capsys.readouterr().out
+    assert rc == 2 and "Invalid --pg-ranks 'x'" in capsys.readouterr().err
 
 
 def test_cli_fr_help_explains_inputs_outputs_columns(capsys):

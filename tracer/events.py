@@ -25,11 +25,15 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from numbers import Integral
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
+
+if TYPE_CHECKING:  # pandas is imported by to_frame only: parsers start without it
+    import pandas as pd
 
 #: Canonical op names (snake case, torch.distributed's vocabulary).
 OPS: tuple[str, ...] = (
@@ -68,6 +72,16 @@ DTYPE_BYTES: dict[str, int] = {
 SOURCES: tuple[str, ...] = ("interposer", "flight_recorder", "nccl_log", "nsys", "profiler")
 
 
+#: Integer fields and their width in :data:`EVENT_SCHEMA` (bits, signed).
+_INT_BITS: dict[str, int] = {
+    "rank": 32, "group_size": 32, "group_rank": 32, "seq": 64, "count": 64, "dtype_bytes": 32,
+    "msg_bytes": 64, "root": 32, "t_start_ns": 64, "t_end_ns": 64, "pid": 64, "cuda_dev": 32,
+}
+
+#: Optional string fields (``source``, ``op`` are checked against their vocabularies).
+_STR_FIELDS = ("group_id", "dtype", "phase", "module", "source_ref", "host", "comm")
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class CollectiveEvent:
     """One collective (or point-to-point) call as seen by one rank through one source.
@@ -78,7 +92,9 @@ class CollectiveEvent:
 
     Raises:
         ValueError: ``op`` is not one of :data:`OPS`, ``source`` not one of :data:`SOURCES`,
-            a size is negative, or ``msg_bytes`` disagrees with ``count * dtype_bytes``.
+            an integer field is not an int or does not fit its :data:`EVENT_SCHEMA` column
+            (int32 / int64), a string field is not a str, a size is negative, or ``msg_bytes`` disagrees with
+            ``count * dtype_bytes``.
     """
 
     source: str
@@ -104,6 +120,17 @@ class CollectiveEvent:
     comm: str | None = None
 
     def __post_init__(self) -> None:
+        for name, bits in _INT_BITS.items():
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, Integral)
+                                      or not -(1 << (bits - 1)) <= value < 1 << (bits - 1)):
+                raise ValueError(f"Invalid CollectiveEvent {name}={value!r}. Must be an int "
+                                 f"that fits int{bits} ({self.source_ref}).")
+        for name in _STR_FIELDS:
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, str):
+                raise ValueError(f"Invalid CollectiveEvent {name}={value!r}. Must be a str or "
+                                 f"None ({self.source_ref!r}).")
         if self.op not in OPS:
             raise ValueError(f"Invalid CollectiveEvent op={self.op!r}. Must be one of {OPS}.")
         if self.source not in SOURCES:
@@ -120,6 +147,10 @@ class CollectiveEvent:
             expected = self.count * self.dtype_bytes
             if self.msg_bytes is None:
                 object.__setattr__(self, "msg_bytes", expected)
+                if expected >= 1 << 63:
+                    raise ValueError(
+                        f"Invalid CollectiveEvent count={self.count}. Must give msg_bytes = count "
+                        f"* dtype_bytes that fits int64, not {expected} ({self.source_ref}).")
             elif self.msg_bytes != expected:
                 raise ValueError(
                     f"Invalid CollectiveEvent msg_bytes={self.msg_bytes}. Must equal "
@@ -167,6 +198,8 @@ EVENT_SCHEMA = pa.schema(
 )
 
 assert [f.name for f in EVENT_SCHEMA] == [f.name for f in dataclasses.fields(CollectiveEvent)]
+assert _INT_BITS == {f.name: f.type.bit_width for f in EVENT_SCHEMA if pa.types.is_integer(f.type)}
+assert set(_STR_FIELDS) == {f.name for f in EVENT_SCHEMA if f.type == pa.string()} - {"source", "op"}
 
 
 def to_table(events: Iterable[CollectiveEvent]) -> pa.Table:
@@ -180,6 +213,8 @@ def to_table(events: Iterable[CollectiveEvent]) -> pa.Table:
 
 def to_frame(events: Iterable[CollectiveEvent]) -> pd.DataFrame:
     """Events as a pandas DataFrame (nullable integer columns, one row per event)."""
+    import pandas as pd
+
     return to_table(events).to_pandas(types_mapper=pd.ArrowDtype)
 
 
@@ -191,21 +226,54 @@ def write_parquet(events: Iterable[CollectiveEvent], path: str | Path) -> Path:
     return path
 
 
+def _type_family(t: pa.DataType) -> str:
+    if pa.types.is_integer(t):
+        return "integer"
+    if pa.types.is_string(t) or pa.types.is_large_string(t):
+        return "string"
+    if pa.types.is_null(t):
+        return "null"
+    return str(t)
+
+
 def read_parquet(path: str | Path) -> list[CollectiveEvent]:
     """Read events written by :func:`write_parquet`.
 
+    Every column of :data:`EVENT_SCHEMA` must be there with an integer type where the schema
+    has one and a string type where it has a string (an all-null column may have Arrow's null
+    type); ``source``, ``op`` and ``source_ref`` must have no nulls.
+
     Raises:
-        ValueError: the file lacks a column of :data:`EVENT_SCHEMA`.
+        ValueError: the file is not Parquet, lacks a column, has a column of another type
+            (e.g. a float ``count`` or a string ``rank``), a null in a required column, or a
+            row that is not a valid :class:`CollectiveEvent`; the message names the file, the
+            column and (for rows) the ``source_ref``.
     """
-    table = pq.read_table(path)
+    try:
+        table = pq.read_table(path)
+    except (pa.ArrowException, OSError) as exc:
+        raise ValueError(f"Invalid events file {str(path)!r}: not readable as Parquet ({exc}). "
+                         "Must be written by tracer.events.write_parquet (dmuon-trace ... --out).") from None
     missing = [f.name for f in EVENT_SCHEMA if f.name not in table.column_names]
     if missing:
         raise ValueError(
             f"Invalid events file {str(path)!r}: missing columns {missing}. Must be written "
             "by tracer.events.write_parquet (dmuon-trace ... --out)."
         )
+    for f in EVENT_SCHEMA:
+        col = table.column(f.name)
+        found, want = _type_family(col.type), _type_family(f.type)
+        if found != want and found != "null":
+            raise ValueError(f"Invalid events file {str(path)!r}: column {f.name!r} has type "
+                             f"{col.type}. Must be {want} ({f.type}).")
+        if not f.nullable and col.null_count:
+            raise ValueError(f"Invalid events file {str(path)!r}: column {f.name!r} has "
+                             f"{col.null_count} null(s). Must be set on every row.")
     rows = table.select([f.name for f in EVENT_SCHEMA]).to_pylist()
-    return [CollectiveEvent(**row) for row in rows]
+    try:
+        return [CollectiveEvent(**row) for row in rows]
+    except ValueError as exc:
+        raise ValueError(f"Invalid events file {str(path)!r}: {exc}") from None
 
 
 def group_id_from_ranks(ranks: Sequence[int]) -> str:

@@ -55,19 +55,21 @@ from __future__ import annotations
 
 import argparse
 import collections
+import io
 import json
 import os
 import pickle
 import re
+import reprlib
 import socket
+import sys
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from math import prod
 from pathlib import Path
 
-from tqdm import tqdm
-
 from tracer.events import DTYPE_BYTES, CollectiveEvent, group_id_from_ranks, write_parquet
+from tracer.progress import byte_progress
 
 #: Environment variable holding the number of FR entries kept per process (0 disables FR).
 ENV_BUFFER_SIZE = "TORCH_FR_BUFFER_SIZE"
@@ -187,7 +189,7 @@ def _process_group_context(rank: int) -> dict:
         "rank": rank,
         "world_size": dist.get_world_size(),
         "backend": str(dist.get_backend()),
-        "torch_version": torch.__version__,
+        "torch_version": str(torch.__version__),  # TorchVersion would pickle as a class
         "pid": os.getpid(),
         "host": socket.gethostname().split(".")[0],
         "pg_ranks": pg_ranks,
@@ -248,21 +250,71 @@ def dump_flight_recorder(
 
 
 # ------------------------------------------------------------------------------- parsing
+#: Globals a pickled dump may name. torch 2.13's ``_dump_fr_trace()`` pickle and
+#: :func:`dump_flight_recorder`'s re-pickled dump name none at all (dicts, lists, strings,
+#: numbers, None, booleans have their own opcodes); sets are the only builtin a Python pickle of
+#: plain data may reach through ``builtins``. Anything else (``os.system``, ``builtins.eval``,
+#: any class) is refused.
+PICKLE_ALLOWED_GLOBALS: frozenset[tuple[str, str]] = frozenset(
+    {("builtins", "set"), ("builtins", "frozenset"), ("__builtin__", "set"),
+     ("__builtin__", "frozenset")})
+
+
+class PickleRefused(ValueError):
+    """A pickled dump names a global outside :data:`PICKLE_ALLOWED_GLOBALS` (nothing was run)."""
+
+
+class _Short(reprlib.Repr):
+    """Bounded reprs for messages about hostile values (a pickle can share one list so often
+    that a full ``repr`` would never end; ints past 4,300 digits have no ``repr`` at all)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.maxlevel, self.maxlist, self.maxdict, self.maxtuple = 2, 4, 4, 4
+        self.maxstring, self.maxother, self.maxlong = 60, 60, 40
+
+    def repr_int(self, x, level):
+        return super().repr_int(x, level) if x.bit_length() < 128 else f"<int of {x.bit_length()} bits>"
+
+
+_short = _Short().repr
+
+
+class _RestrictedUnpickler(pickle._Unpickler):
+    # The pure-Python unpickler on purpose: its memo is a dict, where the C one allocates an
+    # array up to the largest memo index a file names (a damaged LONG_BINPUT asked for 8 GB).
+    def find_class(self, module: str, name: str):
+        if (module, name) in PICKLE_ALLOWED_GLOBALS:
+            return super().find_class(module, name)
+        raise PickleRefused(f"the pickle references {module}.{name}, which a Flight Recorder "
+                            "dump never contains")
+
+    def persistent_load(self, pid):
+        raise PickleRefused(f"the pickle holds a persistent id {_short(pid)}, which a Flight "
+                            "Recorder dump never contains")
+
+
 @dataclass
 class FlightRecorderRead:
     """What :func:`read_flight_recorder` found in one or more dumps.
 
     Attributes:
         events: canonical events, in file order then ``record_id`` order.
-        unreadable: ``"<file>#<record_id>: <reason>"`` for every entry (or whole file) that
-            could not become an event (an op not in FR_OPS, inconsistent
-            sizes, mixed dtypes); nothing is dropped silently.
+        unreadable: ``"<file>#<record_id> (entry <i>): <reason>"`` for every entry that could
+            not become an event (an op not in FR_OPS, inconsistent or out-of-range sizes, mixed
+            dtypes, a missing ``process_group``, invalid UTF-8, ...), and ``"<file>: <reason>"``
+            for every file that is not a readable dump; nothing is dropped silently.
+        warnings: ``"<file>...: <reason>"`` for damaged values that were left out while the
+            entry (or file) was kept: a ``time_created_ns`` that is not an int ns (``t_start_ns``
+            empty), a ``pg_config`` / ``"dmuon"`` block of the wrong shape (group ranks then
+            come from elsewhere or stay unknown), a pickle loaded with ``allow_pickle``.
         states: number of entries per FR ``state`` (gloo: all ``"scheduled"``).
         files: the dump files read.
     """
 
     events: list[CollectiveEvent] = field(default_factory=list)
     unreadable: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
     states: collections.Counter = field(default_factory=collections.Counter)
     files: list[Path] = field(default_factory=list)
 
@@ -270,6 +322,7 @@ class FlightRecorderRead:
         """Append ``other``'s results to this one."""
         self.events += other.events
         self.unreadable += other.unreadable
+        self.warnings += other.warnings
         self.states.update(other.states)
         self.files += other.files
 
@@ -278,30 +331,89 @@ class _EntryError(Exception):
     """An FR entry that cannot become an event (collected, not raised to the caller)."""
 
 
-def load_dump(path: str | Path) -> dict:
+_INT32_MAX, _INT64_MAX = (1 << 31) - 1, (1 << 63) - 1
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_text(value, what: str) -> str:
+    """``value`` as a string that UTF-8 can encode (no lone surrogates from invalid bytes)."""
+    if not isinstance(value, str | int) or isinstance(value, bool):
+        raise _EntryError(f"{what}={_short(value)} is not a string")
+    text = str(value)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise _EntryError(f"{what}={_short(text)} holds invalid UTF-8") from None
+    return text
+
+
+def load_dump(path: str | Path, *, allow_pickle: bool = False) -> dict:
     """Load one FR dump: JSON, pickle (``_dump_fr_trace``), or a pickle re-serialised as JSON.
 
+    A file whose first byte is 0x80 is read as a pickle, through an unpickler that refuses
+    every global outside :data:`PICKLE_ALLOWED_GLOBALS` (pure Python, so a damaged memo index
+cannot make it allocate gigabytes), so a crafted file runs nothing (with
+    ``allow_pickle`` it goes to :func:`pickle.loads` unrestricted, after a ``UserWarning``:
+    only for files you trust). JSON is decoded as UTF-8; invalid bytes inside strings are kept
+    as lone surrogates so that only the entries holding them are lost (reported per entry by
+    :func:`read_flight_recorder`).
+
     Raises:
-        ValueError: the file is neither, or lacks the ``entries``/``pg_status`` keys of a dump.
+        PickleRefused: (a ``ValueError``) the pickle names a refused global; nothing ran.
+        ValueError: the file is neither JSON nor pickle, or is not a dict with the
+            ``version`` / ``pg_status`` keys of a dump, or its ``entries`` is not a list.
     """
     path = Path(path)
     raw = path.read_bytes()
     try:
-        dump = pickle.loads(raw) if raw[:1] == b"\x80" else json.loads(raw)
-    except Exception as exc:  # noqa: BLE001 - re-raised with the file named
+        if raw[:1] == b"\x80":
+            if allow_pickle:
+                import warnings
+
+                warnings.warn(f"Loading pickle {str(path)!r} without restrictions "
+                              "(allow_pickle=True): it can run any code.", stacklevel=2)
+                dump = pickle.loads(raw)
+            else:
+                dump = _RestrictedUnpickler(io.BytesIO(raw)).load()
+        else:
+            dump = json.loads(raw.decode("utf-8", errors="surrogateescape"))
+    except PickleRefused as exc:
+        raise PickleRefused(
+            f"Invalid Flight Recorder dump {str(path)!r}: refused to unpickle it ({exc}); "
+            "nothing was run. Must be a dump written by _dump_fr_trace() or "
+            "dump_flight_recorder(); pass --allow-pickle (allow_pickle=True) only for a file "
+            "you trust.") from None
+    except Exception as exc:  # noqa: BLE001 - any decoder failure: re-raised with the file named
         raise ValueError(
-            f"Invalid Flight Recorder dump {str(path)!r}: not JSON or pickle ({exc}). Must be "
-            "written by _dump_fr_trace_json(), _dump_fr_trace() or dump_flight_recorder()."
-        ) from exc
+            f"Invalid Flight Recorder dump {str(path)!r}: not JSON or pickle "
+            f"({type(exc).__name__}: {', '.join(_short(x) for x in exc.args[:2])}). Must be "
+            "written by "
+            "_dump_fr_trace_json(), _dump_fr_trace() or dump_flight_recorder()."
+        ) from None
     if not isinstance(dump, dict) or "pg_status" not in dump or "version" not in dump:
         raise ValueError(
             f"Invalid Flight Recorder dump {str(path)!r}: missing keys 'version'/'pg_status'. "
             "Must be a dump of torch.distributed's Flight Recorder."
         )
+    if not isinstance(dump.get("entries", []), list):
+        raise ValueError(
+            f"Invalid Flight Recorder dump {str(path)!r}: entries="
+            f"{_short(dump['entries'])} ({type(dump['entries']).__name__}). Must be a list "
+            "of entries (absent when dumped without collectives).")
     return dump
 
 
-def _dtype(fr_names: Sequence[str]) -> str | None:
+def _names(entry: dict, key: str) -> list[str]:
+    value = entry.get(key) or []
+    if not isinstance(value, list) or not all(isinstance(n, str) for n in value):
+        raise _EntryError(f"{key}={_short(value)} is not a list of names")
+    return value
+
+
+def _dtype(fr_names: list[str]) -> str | None:
     names = set(fr_names)
     if not names:
         return None
@@ -309,8 +421,19 @@ def _dtype(fr_names: Sequence[str]) -> str | None:
         raise _EntryError(f"mixed dtypes {sorted(names)} in one entry")
     (name,) = names
     if name not in FR_DTYPES:
-        raise _EntryError(f"unknown FR dtype {name!r} (known: {sorted(FR_DTYPES)})")
+        raise _EntryError(f"unknown FR dtype {_short(name)} (known: {sorted(FR_DTYPES)})")
     return FR_DTYPES[name]
+
+
+def _sizes(entry: dict, key: str) -> list[list[int]]:
+    """``entry[key]`` as a list of shapes of non-negative ints, each with <= int64 elements."""
+    value = entry.get(key) or []
+    if not isinstance(value, list) or not all(
+            isinstance(s, list) and all(_is_int(d) and d >= 0 for d in s) for s in value):
+        raise _EntryError(f"{key}={_short(value)} is not a list of shapes of ints >= 0")
+    if any(prod(s) > _INT64_MAX for s in value):
+        raise _EntryError(f"{key}={_short(value)} has more than 2^63-1 elements in a tensor")
+    return value
 
 
 def _numel(sizes: Sequence[Sequence[int]]) -> int:
@@ -318,40 +441,93 @@ def _numel(sizes: Sequence[Sequence[int]]) -> int:
 
 
 def _parse_ranks(value) -> list[int]:
+    """World ranks from a list or its JSON text; raises ``ValueError`` naming the value."""
     if isinstance(value, str):
-        value = json.loads(value) if value.strip() else []
-    return [int(r) for r in value]
+        try:
+            value = json.loads(value) if value.strip() else []
+        except json.JSONDecodeError:
+            raise ValueError(f"ranks {_short(value)} are not a JSON list") from None
+    if not isinstance(value, list | tuple) or not all(
+            _is_int(r) and 0 <= r <= _INT32_MAX for r in value):
+        raise ValueError(f"ranks {_short(value)} are not a list of ints in [0, 2^31)")
+    return list(value)
 
 
-def _group_ranks(dump: dict, pg_ranks: Mapping[str, Sequence[int]] | None) -> dict[str, list[int]]:
+def _pg_name(entry: dict) -> str:
+    group = entry.get("process_group")
+    if not isinstance(group, list | tuple) or not group:
+        raise _EntryError(f"process_group={_short(group)} is not a non-empty [name, desc] list")
+    return _check_text(group[0], "process_group[0]")
+
+
+def _context_of(dump: dict, where: str, warnings: list[str]) -> dict:
+    context = dump.get(CONTEXT_KEY)
+    if context is None:
+        return {}
+    if not isinstance(context, dict):
+        warnings.append(f"{where}: {CONTEXT_KEY!r} block is a {type(context).__name__}, not a "
+                        "dict; ignored (rank and group ranks come from elsewhere)")
+        return {}
+    out = dict(context)
+    for key, ok in (("rank", lambda v: _is_int(v) and 0 <= v <= _INT32_MAX),
+                    ("pid", lambda v: _is_int(v) and 0 <= v <= _INT64_MAX),
+                    ("host", lambda v: isinstance(v, str) and _encodable(v)),
+                    ("pg_ranks", lambda v: isinstance(v, dict))):
+        if out.get(key) is not None and not ok(out[key]):
+            warnings.append(f"{where}: {CONTEXT_KEY}.{key}={_short(out[key])} is malformed; "
+                            "ignored")
+            out[key] = None
+    return out
+
+
+def _encodable(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _group_ranks(dump: dict, names: set[str], context: dict,
+                 pg_ranks: Mapping[str, Sequence[int]] | None, where: str,
+                 warnings: list[str]) -> dict[str, list[int]]:
     """pg name -> world ranks, from the sources listed in the module docstring."""
-    names = {str(e["process_group"][0]) for e in dump.get("entries", [])}
     found: dict[str, list[int]] = {}
     config = dump.get("pg_config") or {}
+    if not isinstance(config, dict):
+        warnings.append(f"{where}: pg_config is a {type(config).__name__}, not a dict; ignored")
+        config = {}
+    parsed: dict[str, list[int]] = {}
     for name, cfg in config.items():
-        ranks = _parse_ranks(cfg.get("ranks", []))
+        try:
+            if not isinstance(cfg, dict):
+                raise ValueError(f"value is a {type(cfg).__name__}, not a dict")
+            parsed[str(name)] = _parse_ranks(cfg.get("ranks", []))
+        except ValueError as exc:
+            warnings.append(f"{where}: pg_config[{_short(name)}]: {exc}; ignored")
+    for name, ranks in parsed.items():
         if ranks and name in names:
             found[name] = ranks
-    nonempty = [_parse_ranks(c.get("ranks", [])) for c in config.values()]
-    nonempty = [r for r in nonempty if r]
+    nonempty = [r for r in parsed.values() if r]
     if len(names) == 1 and len(config) == 1 and len(nonempty) == 1:
         found.setdefault(next(iter(names)), nonempty[0])
-    context = dump.get(CONTEXT_KEY) or {}
     for name, ranks in (context.get("pg_ranks") or {}).items():
-        found[str(name)] = [int(r) for r in ranks]
+        try:
+            found[str(name)] = _parse_ranks(ranks)
+        except ValueError as exc:
+            warnings.append(f"{where}: {CONTEXT_KEY}.pg_ranks[{_short(name)}]: {exc}; ignored")
     for name, ranks in (pg_ranks or {}).items():
         found[str(name)] = sorted(int(r) for r in ranks)
     return found
 
 
-def _rank_of(path: Path, dump: dict, rank: int | None) -> int | None:
+def _rank_of(path: Path, context: dict, rank: int | None) -> int | None:
     if rank is not None:
         return rank
-    context = dump.get(CONTEXT_KEY) or {}
     if context.get("rank") is not None:
-        return int(context["rank"])
-    matches = _RANK_IN_NAME.findall(path.name)
-    return int(matches[-1]) if matches else None
+        return context["rank"]
+    matches = [int(m) for m in _RANK_IN_NAME.findall(path.name) if int(m) <= _INT32_MAX]
+    return matches[-1] if matches else None
 
 
 def _counts(op: str, in_sizes: list, out_sizes: list, group_size: int | None) -> list[int | None]:
@@ -388,32 +564,50 @@ def _counts(op: str, in_sizes: list, out_sizes: list, group_size: int | None) ->
     return [n_in // group_size]
 
 
-def _entry_events(entry: dict, *, ref: str, rank: int | None,
-                  ranks: list[int] | None, context: dict) -> list[CollectiveEvent]:
+def _time_ns(entry: dict, key: str, where: str, warnings: list[str]) -> int | None:
+    """``entry[key]`` as ns (0 / absent: None); a damaged value is warned about and left out."""
+    value = entry.get(key)
+    if not value:
+        return None
+    if _is_int(value) and 0 < value <= _INT64_MAX:
+        return value
+    warnings.append(f"{where}: {key}={_short(value)} is not an int ns in [1, 2^63); left empty")
+    return None
+
+
+def _entry_events(entry: dict, *, ref: str, where: str, rank: int | None,
+                  ranks: list[int] | None, context: dict,
+                  warnings: list[str]) -> list[CollectiveEvent]:
     """The events of one FR entry: one, or one per tensor for a coalesced entry."""
     name = entry.get("profiling_name") or ""
+    if not isinstance(name, str):
+        raise _EntryError(f"profiling_name={_short(name)} is not a string")
+    _check_text(name, "profiling_name")
     backend, _, rest = name.partition(":")
     if not rest:
-        raise _EntryError(f"profiling_name {name!r} is not '<backend>:<op>'")
+        raise _EntryError(f"profiling_name {_short(name)} is not '<backend>:<op>'")
     fr_op, _, meta = rest.partition(" ")
     if fr_op not in FR_OPS:
-        raise _EntryError(f"unsupported op {name!r}: no canonical op (tracer.events.OPS) for "
-                          f"{fr_op!r}; see FR_OPS")
+        raise _EntryError(f"unsupported op {_short(name)}: no canonical op (tracer.events.OPS) for "
+                          f"{_short(fr_op)}; see FR_OPS")
     op = FR_OPS[fr_op]
+    comm = _pg_name(entry)
     group_size = len(ranks) if ranks else None
     root, dtype, counts = None, None, [None]
     if op != "barrier":
-        dtype = _dtype((entry.get("input_dtypes") or []) + (entry.get("output_dtypes") or []))
-        counts = _counts(op, entry.get("input_sizes") or [], entry.get("output_sizes") or [],
+        dtype = _dtype([*_names(entry, "input_dtypes"), *_names(entry, "output_dtypes")])
+        counts = _counts(op, _sizes(entry, "input_sizes"), _sizes(entry, "output_sizes"),
                          group_size)
         if not counts:
             raise _EntryError(f"{name} entry without tensors")
     if op in ("send", "recv"):
         m = _P2P_META.match(meta.strip())
-        if m:  # "send <me>-><peer>", "recv <me><-<peer>", group ranks
+        if m and int(m.group(3)) <= _INT32_MAX:  # "send <me>-><peer>", "recv <me><-<peer>"
             root = int(m.group(3))
     is_p2p = bool(entry.get("is_p2p")) or op in ("send", "recv")
     seq_id = entry.get("collective_seq_id")
+    if not is_p2p and seq_id is not None and not (_is_int(seq_id) and 0 <= seq_id <= _INT64_MAX):
+        raise _EntryError(f"collective_seq_id={_short(seq_id)} is not an int in [0, 2^63)")
     common = dict(
         source="flight_recorder",
         op=op,
@@ -421,20 +615,28 @@ def _entry_events(entry: dict, *, ref: str, rank: int | None,
         group_id=group_id_from_ranks(ranks) if ranks else None,
         group_size=group_size,
         group_rank=ranks.index(rank) if ranks and rank in ranks else None,
-        seq=None if is_p2p or seq_id is None else int(seq_id) - 1,
+        seq=None if is_p2p or not seq_id else seq_id - 1,
         dtype=dtype,
         dtype_bytes=_EXTRA_DTYPE_BYTES.get(dtype) if dtype not in DTYPE_BYTES else None,
         root=root,
-        t_start_ns=entry.get("time_created_ns") or None,
-        t_end_ns=entry.get("time_discovered_completed_ns") or None,
+        t_start_ns=_time_ns(entry, "time_created_ns", where, warnings),
+        t_end_ns=_time_ns(entry, "time_discovered_completed_ns", where, warnings),
         pid=context.get("pid"),
         host=context.get("host"),
-        comm=str(entry["process_group"][0]),
+        comm=comm,
     )
-    if len(counts) == 1:
-        return [CollectiveEvent(count=counts[0], source_ref=ref, **common)]
-    return [CollectiveEvent(count=c, source_ref=f"{ref}.{i}", **common)
-            for i, c in enumerate(counts)]
+    try:
+        if len(counts) == 1:
+            return [CollectiveEvent(count=counts[0], source_ref=ref, **common)]
+        return [CollectiveEvent(count=c, source_ref=f"{ref}.{i}", **common)
+                for i, c in enumerate(counts)]
+    except ValueError as exc:  # a value that does not fit the event schema (e.g. 2^80 bytes)
+        raise _EntryError(str(exc)) from None
+
+
+def _record_id(entry: dict):
+    rid = entry.get("record_id")
+    return rid if _is_int(rid) and 0 <= rid <= _INT64_MAX else None
 
 
 def read_flight_recorder(
@@ -443,8 +645,14 @@ def read_flight_recorder(
     rank: int | None = None,
     pg_ranks: Mapping[str, Sequence[int]] | None = None,
     strict: bool = False,
+    allow_pickle: bool = False,
 ) -> FlightRecorderRead:
     """Parse one FR dump file into events (``source="flight_recorder"``).
+
+    Every entry either becomes events or is listed in ``unreadable`` as
+    ``"<file>#<record_id> (entry <i>): <reason>"`` with the rest parsed (see
+    :class:`FlightRecorderRead`); a damaged value outside the fields an event needs is left
+    out with a line in ``warnings``.
 
     Args:
         path: a JSON dump, a pickle dump, or a pickle dump re-serialised as JSON.
@@ -452,28 +660,45 @@ def read_flight_recorder(
             file name (``fr_rank3.json``, ``nccl_trace_rank_3``), else ``None``.
         pg_ranks: pg name (``process_group[0]``) -> world ranks, overriding the dump.
         strict: raise on the first entry that cannot become an event instead of listing it.
+        allow_pickle: load a pickle without restrictions (:func:`load_dump`).
 
     Raises:
-        ValueError: the file is not an FR dump, or (``strict``) an entry is unreadable.
+        ValueError: the file is not an FR dump (:func:`load_dump`), or (``strict``) an entry
+            is unreadable.
     """
     path = Path(path)
-    dump = load_dump(path)
+    dump = load_dump(path, allow_pickle=allow_pickle)
     result = FlightRecorderRead(files=[path])
-    rank = _rank_of(path, dump, rank)
-    groups = _group_ranks(dump, pg_ranks)
-    context = dump.get(CONTEXT_KEY) or {}
-    for entry in sorted(dump.get("entries", []), key=lambda e: e.get("record_id", 0)):
-        ref = f"{path}#{entry.get('record_id')}"
-        result.states[str(entry.get("state"))] += 1
+    context = _context_of(dump, str(path), result.warnings)
+    rank = _rank_of(path, context, rank)
+    entries, names = [], set()
+    for i, entry in enumerate(dump.get("entries", [])):
+        rid = _record_id(entry) if isinstance(entry, dict) else None
+        entries.append((rid if rid is not None else -1, i, entry))
+        if isinstance(entry, dict):
+            try:
+                names.add(_pg_name(entry))
+            except _EntryError:
+                pass  # reported with the entry below
+    groups = _group_ranks(dump, names, context, pg_ranks, str(path), result.warnings)
+    for rid, i, entry in sorted(entries, key=lambda t: t[:2]):
+        ref = f"{path}#{rid if rid >= 0 else f'entry{i}'}"
+        where = f"{ref} (entry {i})"
         try:
-            pg_name = str(entry["process_group"][0])
-            events = _entry_events(entry, ref=ref, rank=rank, ranks=groups.get(pg_name),
-                                   context=context)
-        except (_EntryError, KeyError, TypeError, ValueError) as exc:
-            reason = f"{ref}: {exc}"
+            if not isinstance(entry, dict):
+                raise _EntryError(f"entry is a {type(entry).__name__}, not a dict")
+            result.states[_short(entry.get("state")).strip("'")] += 1
+            if rid < 0:
+                raise _EntryError(f"record_id={_short(entry.get('record_id'))} is not an "
+                                  "int in [0, 2^63)")
+            events = _entry_events(entry, ref=ref, where=where, rank=rank,
+                                   ranks=groups.get(_pg_name(entry)), context=context,
+                                   warnings=result.warnings)
+        except (_EntryError, KeyError, TypeError, ValueError, OverflowError) as exc:
+            reason = f"{where}: {exc}"
             if strict:
                 raise ValueError(f"Invalid Flight Recorder entry {reason}. Must be a "
-                                 "supported collective with consistent sizes.") from exc
+                                 "supported collective with consistent sizes.") from None
             result.unreadable.append(reason)
             continue
         result.events += events
@@ -500,22 +725,33 @@ def read_flight_recorder_paths(
     pg_ranks: Mapping[str, Sequence[int]] | None = None,
     strict: bool = False,
     progress: bool = False,
+    allow_pickle: bool = False,
 ) -> FlightRecorderRead:
     """:func:`read_flight_recorder` over files and folders (every file of a folder).
 
-    Files that are not FR dumps are listed in ``unreadable`` (raised with ``strict``).
+    Files that are not FR dumps (including refused pickles) are listed in ``unreadable``
+    (raised with ``strict``). ``progress`` shows a bar on stderr, by bytes, when the inputs
+    exceed :data:`tracer.progress.PROGRESS_MIN_BYTES` and stderr is a terminal.
 
     Raises:
         ValueError: a path does not exist, or (``strict``) anything is unreadable.
     """
+    files = _expand(paths)
     total = FlightRecorderRead()
-    for f in tqdm(_expand(paths), desc="fr dumps", disable=not progress):
-        try:
-            total.extend(read_flight_recorder(f, pg_ranks=pg_ranks, strict=strict))
-        except ValueError as exc:
-            if strict:
-                raise
-            total.unreadable.append(f"{f}: {exc}")
+    with byte_progress(files, desc="fr dumps", enabled=progress) as bar:
+        for f in files:
+            try:
+                total.extend(read_flight_recorder(f, pg_ranks=pg_ranks, strict=strict,
+                                                  allow_pickle=allow_pickle))
+            except ValueError as exc:
+                if strict:
+                    raise
+                total.unreadable.append(f"{f}: {exc}")
+            except OSError as exc:  # unreadable file (permissions, vanished): one issue
+                if strict:
+                    raise ValueError(f"Invalid Flight Recorder dump {str(f)!r}: {exc}") from None
+                total.unreadable.append(f"{f}: cannot read ({exc})")
+            bar.update(f)
     return total
 
 
@@ -562,7 +798,8 @@ def _parse_pg_ranks(items: Sequence[str]) -> dict[str, list[int]]:
 
 
 def summary_lines(read: FlightRecorderRead) -> list[str]:
-    """Human-readable summary: events per op, groups, ranks, states, unreadable entries."""
+    """Human-readable summary: events per op, groups, ranks, states, unreadable entries and
+    warnings."""
     from tabulate import tabulate
 
     ops = collections.Counter(e.op for e in read.events)
@@ -574,22 +811,47 @@ def summary_lines(read: FlightRecorderRead) -> list[str]:
              f"FR states {dict(read.states)}"]
     lines.append(tabulate(sorted(ops.items()), headers=["op", "events"]))
     lines.append(tabulate(sorted(groups.items()), headers=["group (world ranks)", "events"]))
-    lines.append(f"{len(read.unreadable)} unreadable entries")
+    lines.append(f"{len(read.unreadable)} unreadable entries or files")
     lines += [f"  {u}" for u in read.unreadable]
+    if read.warnings:
+        lines.append(f"{len(read.warnings)} warnings (values left out, entries kept)")
+        lines += [f"  {w}" for w in read.warnings]
     return lines
 
 
 def _cli(args: argparse.Namespace) -> int:
+    from tracer.cli import EXIT_BAD_INPUT, EXIT_NOTHING_FOUND, EXIT_OK
+
+    prog = "dmuon-trace fr"
+    if args.allow_pickle:
+        print(f"{prog}: warning: --allow-pickle: pickled dumps are loaded without restrictions "
+              "and can run any code; use it only for files you trust", file=sys.stderr)
     try:
-        read = read_flight_recorder_paths(args.paths, pg_ranks=_parse_pg_ranks(args.pg_ranks),
-                                          strict=args.strict, progress=True)
+        import warnings
+
+        with warnings.catch_warnings():  # the CLI warned once above, not once per file
+            warnings.simplefilter("ignore")
+            read = read_flight_recorder_paths(
+                args.paths, pg_ranks=_parse_pg_ranks(args.pg_ranks), strict=args.strict,
+                progress=True, allow_pickle=args.allow_pickle)
     except ValueError as exc:
-        print(f"error: {exc}")
-        return 2
-    out = write_parquet(read.events, args.out)
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
     print("\n".join(summary_lines(read)))
+    if not read.events:
+        readable = len(read.files)
+        print(f"{prog}: error: no Flight Recorder events in {len(_expand(args.paths))} file(s) "
+              f"({readable} readable dump(s); {len(read.unreadable)} unreadable entries or "
+              "files" + (f", first: {read.unreadable[0]}" if read.unreadable else "") + "); "
+              "nothing written. Are these dumps of torch.distributed's Flight Recorder "
+              "(dump_flight_recorder, _dump_fr_trace_json)?", file=sys.stderr)
+        return EXIT_NOTHING_FOUND
+    if read.unreadable:
+        print(f"{prog}: warning: {len(read.unreadable)} unreadable entries or files (listed "
+              f"above); first: {read.unreadable[0]}", file=sys.stderr)
+    out = write_parquet(read.events, args.out)
     print(f"wrote {len(read.events)} events to {out}")
-    return 1 if (args.strict and read.unreadable) else 0
+    return EXIT_OK
 
 
 def register_cli(subparsers) -> None:
@@ -614,7 +876,14 @@ def register_cli(subparsers) -> None:
             "msg_bytes, t_start_ns (FR time_created_ns, epoch clock), comm (FR pg name),\n"
             "source_ref (file#record_id). Note: gloo records reduce_scatter_tensor as an\n"
             "all_reduce of the full input and does not record send/recv.\n\n"
-            "Prints events per op, per group, ranks, FR states and unreadable entries."
+            "Prints events per op, per group, ranks, FR states and unreadable entries.\n\n"
+            "Pickles: a file starting with byte 0x80 is unpickled by a restricted unpickler\n"
+            "that refuses every global (os.system, eval, any class): a crafted pickle runs\n"
+            "nothing and is listed as unreadable, naming the file. --allow-pickle lifts\n"
+            "this, with a warning.\n\n"
+            "Exit status: 0 events written; 2 bad arguments, a missing path, --out a folder or\n"
+            "unwritable, or --strict and an unreadable entry; 3 no events found (nothing\n"
+            "written)."
         ),
     )
     p.add_argument("paths", nargs="+", metavar="PATH", help="FR dump files or folders")
@@ -622,5 +891,10 @@ def register_cli(subparsers) -> None:
     p.add_argument("--pg-ranks", action="append", default=[], metavar="NAME=R0,R1,...",
                    help="world ranks of FR process group NAME (repeatable); overrides the dump")
     p.add_argument("--strict", action="store_true",
-                   help="fail on the first unreadable entry instead of listing it")
+                   help="fail (exit 2) on the first unreadable entry or file instead of "
+                        "listing it")
+    p.add_argument("--allow-pickle", action="store_true",
+                   help="load pickled dumps without restrictions (they can run code: only for "
+                        "files you trust); by default a pickle naming anything but plain data "
+                        "is refused")
     p.set_defaults(func=_cli)

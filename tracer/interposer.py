@@ -42,7 +42,7 @@ reduce_scatter; the per-peer count for all_to_all.
   count (scatter's output), ``root`` the root's group rank, as NCCL 2.28+ logs
   ``ncclGather`` / ``ncclScatter``.
 
-Times: ``t_start_ns`` / ``t_end_ns`` are :func:`dmuon.annotate.now_ns` just before and after
+Times: ``t_start_ns`` / ``t_end_ns`` are :func:`tracer.context.now_ns` just before and after
 the op call. For asynchronous ops (``async_op=True``, functional collectives, everything on
 NCCL) the end is the return of the *issue*, not completion of the transfer.
 
@@ -69,7 +69,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from dmuon import annotate
+from tracer import context
 from tracer.events import CollectiveEvent, group_id_from_ranks
 
 #: Namespaces of collective ops the interposer inspects; every other op passes straight through.
@@ -227,12 +227,12 @@ class Interposer(TorchDispatchMode):
         with Interposer() as ip:
             train_step()
         ip.events  # list[CollectiveEvent], source="interposer", in issue order
-        ip.spans   # list[dmuon.annotate.Span] ended while active
+        ip.spans   # list[tracer.context.Span] ended while active
 
     Attributes:
         events: recorded :class:`~tracer.events.CollectiveEvent` (``rank`` = world rank;
-            ``phase`` = :func:`dmuon.annotate.current_phase` and ``module`` = module of
-            :func:`dmuon.annotate.current_span` at issue time; ``pid`` / ``host`` of this
+            ``phase`` = :func:`tracer.context.current_phase` and ``module`` = module of
+            :func:`tracer.context.current_span` at issue time; ``pid`` / ``host`` of this
             process).
         spans: DMuon spans that ended while active (from every thread of this process).
         unrecorded: ``(op name, reason)`` of collectives seen but not representable.
@@ -244,7 +244,7 @@ class Interposer(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.events: list[CollectiveEvent] = []
-        self.spans: list[annotate.Span] = []
+        self.spans: list[context.Span] = []
         self.unrecorded: list[tuple[str, str]] = []
         self._lock = threading.Lock()
         self._seq: dict[str | None, int] = {}
@@ -264,20 +264,20 @@ class Interposer(TorchDispatchMode):
                 "new Interposer() for each recording."
             )
         self._used = True
-        annotate.add_span_listener(self._on_span)
+        context.add_span_listener(self._on_span)
         try:
             return super().__enter__()
         except BaseException:
-            annotate.remove_span_listener(self._on_span)
+            context.remove_span_listener(self._on_span)
             raise
 
     def __exit__(self, exc_type, exc, tb) -> None:
         try:
             super().__exit__(exc_type, exc, tb)
         finally:
-            annotate.remove_span_listener(self._on_span)
+            context.remove_span_listener(self._on_span)
 
-    def _on_span(self, span: annotate.Span) -> None:
+    def _on_span(self, span: context.Span) -> None:
         with self._lock:
             self.spans.append(span)
 
@@ -293,11 +293,11 @@ class Interposer(TorchDispatchMode):
             self._note_unrecorded(func._schema.name)
             return func(*args, **kwargs)
         bound = self._bind(func, args, kwargs)
-        phase = annotate.current_phase()
-        span = annotate.current_span()
-        t_start_ns = annotate.now_ns()
+        phase = context.current_phase()
+        span = context.current_span()
+        t_start_ns = context.now_ns()
         out = func(*args, **kwargs)
-        t_end_ns = annotate.now_ns()
+        t_end_ns = context.now_ns()
         group = self._group(bound.get("process_group", bound.get("group_name")))
         calls = route(bound, group.group_size)
         self._record(calls, group, phase, span[1] if span else None, t_start_ns, t_end_ns)

@@ -45,6 +45,7 @@ import re
 import sqlite3
 import sys
 from collections import Counter, defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -145,6 +146,9 @@ class NsysResult:
         payload_fields: :func:`tracer.nsys_payload.locate_payload_fields`.
         warnings: non-fatal findings (unvalidated schema version, inferred domains, ...).
         windows: DMuon's ``dmuon.window <name>`` ranges (measured windows), by start.
+        issues: ``"<file>#<table>.<rowid>: column <c>=<value> is <type>; must be ..."`` for
+            every row skipped because a value the parser needs is damaged (text in ``start``,
+            NULL ``globalTid`` / ``globalPid``, invalid UTF-8 in a name, ...).
     """
 
     info: ExportInfo
@@ -158,6 +162,7 @@ class NsysResult:
     n_dmuon_ranges: int = 0
     warnings: list[str] = field(default_factory=list)
     windows: list[NsysWindow] = field(default_factory=list)
+    issues: list[str] = field(default_factory=list)
 
     def summary(self) -> str:
         """Human-readable summary: events per op, processes / threads, kernels, sizes."""
@@ -189,11 +194,20 @@ class NsysResult:
                      f"with phase: {phased}")
         lines.append(f"sizes unavailable: {self.sizes_unavailable_reason}")
         lines.extend(f"warning: {w}" for w in self.warnings)
+        if self.issues:
+            lines.append(f"{len(self.issues)} damaged row(s) skipped:")
+            lines.extend(f"  {i}" for i in self.issues[:20])
+            if len(self.issues) > 20:
+                lines.append(f"  ... and {len(self.issues) - 20} more")
         return "\n".join(lines)
 
 
 def _connect(path: Path) -> sqlite3.Connection:
-    return sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True)
+    conn = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True)
+    # Invalid UTF-8 must not abort a whole query: undecodable bytes become lone surrogates,
+    # and the rows holding them are reported as issues (_load_ranges).
+    conn.text_factory = lambda b: b.decode("utf-8", errors="surrogateescape")
+    return conn
 
 
 def probe_export(path: str | Path) -> ExportInfo:
@@ -207,12 +221,17 @@ def probe_export(path: str | Path) -> ExportInfo:
     if not path.is_file():
         raise ValueError(f"Invalid nsys export path={str(path)!r}. Must be an existing file "
                          "written by `nsys export --type sqlite`.")
-    conn = _connect(path)
+    try:
+        conn = _connect(path)
+    except sqlite3.Error as exc:
+        raise ValueError(f"Invalid nsys export path={str(path)!r}: SQLite cannot open it "
+                         f"({exc}). Must be a readable file written by `nsys export --type "
+                         "sqlite`.") from None
     try:
         names = [r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")]
         tables = {n: tuple(r[1] for r in conn.execute(f'PRAGMA table_info("{n}")')) for n in names}
-        meta = dict(conn.execute("SELECT name, value FROM META_DATA_EXPORT")) if (
-            "META_DATA_EXPORT" in tables) else {}
+        meta = {str(k): str(v) for k, v in conn.execute(
+            "SELECT name, value FROM META_DATA_EXPORT")} if "META_DATA_EXPORT" in tables else {}
     except sqlite3.DatabaseError as exc:
         raise ValueError(f"Invalid nsys export path={str(path)!r}: not an SQLite file ({exc}). "
                          "Must be written by `nsys export --type sqlite`.") from None
@@ -260,19 +279,70 @@ def _name_sql(info: ExportInfo) -> tuple[str, str]:
     return "e.text", ""
 
 
-def _load_ranges(conn: sqlite3.Connection, info: ExportInfo) -> pd.DataFrame:
-    """All non-default-domain ranges plus domain-create rows, with pid/tid and blob flags."""
+def _bad_rows(frame: pd.DataFrame, table: str, checks: dict[str, tuple[str, ...]], ref,
+              issues: list[str]) -> pd.DataFrame:
+    """``frame`` without the rows whose SQLite value types (``typeof_<column>`` columns) are
+    not among ``checks[column]``; each dropped row is an issue naming table, column, rowid."""
+    bad = pd.Series(False, index=frame.index)
+    for column, allowed in checks.items():
+        wrong = ~frame[f"typeof_{column}"].isin(allowed)
+        if not wrong.any():
+            continue
+        for row in frame[wrong & ~bad].itertuples():
+            value = getattr(row, f"value_{column}") if f"value_{column}" in frame else None
+            kind = getattr(row, f"typeof_{column}")
+            issues.append(f"{ref(table, row.rowid)}: column {column}={str(value)[:40]!r} is "
+                          f"{kind}; must be {' or '.join(allowed)} (row skipped)")
+        bad |= wrong
+    return frame[~bad].drop(columns=[c for c in frame.columns
+                                     if c.startswith(("typeof_", "value_"))])
+
+
+def _undecodable(text) -> bool:
+    """Whether ``text`` holds lone surrogates (invalid UTF-8 read with surrogateescape)."""
+    if not isinstance(text, str):
+        return False
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
+
+
+def _load_ranges(conn: sqlite3.Connection, info: ExportInfo, ref, issues: list[str]) -> pd.DataFrame:
+    """All non-default-domain ranges plus domain-create rows, with pid/tid and blob flags.
+
+    Rows whose ``start`` / ``end`` / ``globalTid`` / ``domainId`` are not integers (text,
+    NULL where required) or whose name is not text (or holds invalid UTF-8) are skipped with
+    an issue each.
+    """
     name, join = _name_sql(info)
     cols = info.tables["NVTX_EVENTS"]
     blob = "e.binaryData IS NOT NULL" if "binaryData" in cols else "0"
-    sql = (f"SELECT e.rowid, e.start, e.end, e.eventType, e.globalTid, e.domainId, {name}, {blob} "
-           f"FROM NVTX_EVENTS e {join} WHERE e.domainId != 0 AND e.eventType IN (?, ?, ?)")
+    checked = {"start": "e.start", "end": "e.end", "globalTid": "e.globalTid",
+               "domainId": "e.domainId", "name": name}
+    sql = (f"SELECT e.rowid, e.start, e.end, e.eventType, e.globalTid, e.domainId, {name}, {blob}, "
+           + ", ".join(f"typeof({v})" for v in checked.values()) + ", "
+           + ", ".join(checked.values())
+           + f" FROM NVTX_EVENTS e {join} WHERE e.domainId != 0 AND e.eventType IN (?, ?, ?)")
+    rows = []
+    for row in conn.execute(sql, (EVENT_TYPE_PUSH_POP, EVENT_TYPE_START_END,
+                                  EVENT_TYPE_DOMAIN_CREATE)):
+        if _undecodable(row[6]):
+            issues.append(f"{ref('NVTX_EVENTS', row[0])}: column text holds invalid UTF-8 "
+                          f"({row[6].encode('utf-8', 'backslashreplace')[:60]!r}) (row skipped)")
+        else:
+            rows.append(row)
     frame = pd.DataFrame(
-        conn.execute(sql, (EVENT_TYPE_PUSH_POP, EVENT_TYPE_START_END, EVENT_TYPE_DOMAIN_CREATE))
-        .fetchall(),
-        columns=["rowid", "start", "end", "event_type", "global_tid", "domain_id", "name_", "has_blob"],
+        rows,
+        columns=["rowid", "start", "end", "event_type", "global_tid", "domain_id", "name_", "has_blob"]
+        + [f"typeof_{c}" for c in checked] + [f"value_{c}" for c in checked],
     )
-    frame = frame.dropna(subset=["global_tid"]).astype({"global_tid": "int64"})
+    frame = _bad_rows(frame, "NVTX_EVENTS", {
+        "start": ("integer",), "end": ("integer", "null"), "globalTid": ("integer",),
+        "domainId": ("integer",), "name": ("text", "null")}, ref, issues)
+    frame = frame.astype({"rowid": "int64", "start": "int64", "global_tid": "int64",
+                          "domain_id": "int64", "event_type": "int64"})
     gtid = frame["global_tid"].to_numpy()
     frame["pid"] = (gtid >> 24) & 0xFFFFFF
     frame["tid"] = gtid & 0xFFFFFF
@@ -285,7 +355,7 @@ def _domain_keys(ranges: pd.DataFrame, domain: str, name_test) -> tuple[set, str
     if len(created):
         return set(zip(created["pid"], created["domain_id"])), "from NvtxDomainCreate rows"
     spans = ranges[ranges["event_type"] != EVENT_TYPE_DOMAIN_CREATE]
-    hits = spans[spans["name_"].fillna("").map(name_test)]
+    hits = spans[spans["name_"].fillna("").map(name_test).astype(bool)]
     keys = set(zip(hits["pid"], hits["domain_id"]))
     return keys, f"inferred from range names (no NvtxDomainCreate row names {domain!r})"
 
@@ -341,35 +411,59 @@ def _group_blocks(nccl: pd.DataFrame) -> tuple[dict[int, int], dict[int, list[in
     return member_of, members_by_end
 
 
-def _load_kernels(conn: sqlite3.Connection, info: ExportInfo) -> tuple[pd.DataFrame, str | None]:
-    """NCCL kernels with their launch call (same process, same correlationId)."""
-    empty = pd.DataFrame(columns=["rowid", "start", "end", "device_id", "stream_id",
-                                  "correlation_id", "global_pid", "kernel_name"])
+def _load_kernels(conn: sqlite3.Connection, info: ExportInfo, ref,
+                  issues: list[str]) -> tuple[pd.DataFrame, str | None]:
+    """NCCL kernels with their launch call (same process, same correlationId); rows whose
+    times, ids or device are not integers are skipped with an issue each."""
+    columns = ["rowid", "start", "end", "device_id", "stream_id", "correlation_id",
+               "global_pid", "kernel_name"]
+    empty = pd.DataFrame(columns=columns)
     kcols = info.tables.get("CUPTI_ACTIVITY_KIND_KERNEL")
     if kcols is None or "StringIds" not in info.tables:
         return empty, "no CUPTI_ACTIVITY_KIND_KERNEL table (captured without `-t cuda`?)"
     name_col = "shortName" if "shortName" in kcols else "demangledName"
-    kernels = pd.DataFrame(conn.execute(
+    checked = ("start", "end", "deviceId", "streamId", "correlationId", "globalPid")
+    rows = []
+    for row in conn.execute(
         f"SELECT k.rowid, k.start, k.end, k.deviceId, k.streamId, k.correlationId, k.globalPid, "
-        f"s.value FROM CUPTI_ACTIVITY_KIND_KERNEL k JOIN StringIds s ON s.id = k.{name_col} "
-        "WHERE s.value LIKE 'ncclKernel%' OR s.value LIKE 'ncclDevKernel%' ORDER BY k.start")
-        .fetchall(),
-        columns=empty.columns)
-    return kernels, None
+        f"s.value, " + ", ".join(f"typeof(k.{c})" for c in checked) + ", "
+        + ", ".join(f"k.{c}" for c in checked)
+        + f" FROM CUPTI_ACTIVITY_KIND_KERNEL k JOIN StringIds s ON s.id = k.{name_col} "
+        "WHERE s.value LIKE 'ncclKernel%' OR s.value LIKE 'ncclDevKernel%' ORDER BY k.rowid"):
+        if _undecodable(row[7]):
+            issues.append(f"{ref('CUPTI_ACTIVITY_KIND_KERNEL', row[0])}: kernel name holds "
+                          "invalid UTF-8 (row skipped)")
+        else:
+            rows.append(row)
+    kernels = pd.DataFrame(
+        rows, columns=columns + [f"typeof_{c}" for c in checked] + [f"value_{c}" for c in checked])
+    kernels = _bad_rows(kernels, "CUPTI_ACTIVITY_KIND_KERNEL",
+                        {c: ("integer",) for c in checked}, ref, issues)
+    kernels = kernels.astype({c: "int64" for c in columns[:-1]}).sort_values(["start", "rowid"])
+    return kernels.reset_index(drop=True), None
 
 
-def _load_launches(conn: sqlite3.Connection, info: ExportInfo, ids: list[int]) -> pd.DataFrame:
+def _load_launches(conn: sqlite3.Connection, info: ExportInfo, ids: list[int], ref,
+                   issues: list[str]) -> pd.DataFrame:
     cols = ["correlation_id", "launch_gtid", "launch_start_ns", "launch_api"]
     if "CUPTI_ACTIVITY_KIND_RUNTIME" not in info.tables or not ids:
         return pd.DataFrame(columns=cols)
+    checked = ("globalTid", "start")
     rows = []
     for i in range(0, len(ids), 500):
         chunk = ids[i:i + 500]
         rows += conn.execute(
-            "SELECT r.correlationId, r.globalTid, r.start, s.value FROM CUPTI_ACTIVITY_KIND_RUNTIME r "
-            "LEFT JOIN StringIds s ON s.id = r.nameId "
+            "SELECT r.correlationId, r.globalTid, r.start, s.value, r.rowid, "
+            + ", ".join(f"typeof(r.{c})" for c in checked) + ", "
+            + ", ".join(f"r.{c}" for c in checked)
+            + " FROM CUPTI_ACTIVITY_KIND_RUNTIME r LEFT JOIN StringIds s ON s.id = r.nameId "
             f"WHERE r.correlationId IN ({','.join('?' * len(chunk))})", chunk).fetchall()
-    return pd.DataFrame(rows, columns=cols)
+    frame = pd.DataFrame(rows, columns=cols + ["rowid"] + [f"typeof_{c}" for c in checked]
+                         + [f"value_{c}" for c in checked])
+    frame = _bad_rows(frame, "CUPTI_ACTIVITY_KIND_RUNTIME", {c: ("integer",) for c in checked},
+                      ref, issues)
+    return frame.drop(columns=["rowid"]).astype(
+        {"correlation_id": "int64", "launch_gtid": "int64", "launch_start_ns": "int64"})
 
 
 def _link_kernels(kernels: pd.DataFrame, launches: pd.DataFrame, nccl: pd.DataFrame,
@@ -420,46 +514,72 @@ def _link_kernels(kernels: pd.DataFrame, launches: pd.DataFrame, nccl: pd.DataFr
     return table, per_event
 
 
-def parse_nsys(path: str | Path, *, allow_unknown_schema: bool = False) -> NsysResult:
+def parse_nsys(path: str | Path, *, allow_unknown_schema: bool = False,
+               progress: Callable[[str], None] | None = None) -> NsysResult:
     """Parse an nsys SQLite export into NCCL collective events, kernel links and attribution.
 
     Args:
         path: ``.sqlite`` written by ``nsys export --type sqlite``.
         allow_unknown_schema: parse an export whose ``EXPORT_SCHEMA_VERSION`` is missing or not
             3.x by its probed columns instead of raising.
+        progress: called with the name of each stage as it starts (for a progress bar).
 
     Returns:
-        :class:`NsysResult`. An export without NCCL ranges gives no events and a warning.
+        :class:`NsysResult`. An export without NCCL ranges (or with an empty ``NVTX_EVENTS``)
+        gives no events and a warning; rows with damaged values are skipped, each listed in
+        ``NsysResult.issues`` with table, column and rowid.
 
     Raises:
         ValueError: missing / non-SQLite / non-nsys file, schema version not 3.x (unless
-            allowed), no ``NVTX_EVENTS`` table, or ``NVTX_EVENTS`` lacking required columns.
+            allowed), no ``NVTX_EVENTS`` table, ``NVTX_EVENTS`` lacking required columns, or
+            SQLite failing on a damaged file (corrupt pages, truncation); the message names
+            the file.
     """
     info = probe_export(path)
     warnings = _check_schema(info, allow_unknown_schema)
-    conn = _connect(info.path)
+    issues: list[str] = []
+
+    def ref(table: str, rowid: int) -> str:
+        return f"{info.path.name}#{table}.{rowid}"
+
+    stage = progress or (lambda name: None)
     try:
-        ranges = _load_ranges(conn, info)
+        conn = _connect(info.path)
+        stage("NVTX ranges")
+        ranges = _load_ranges(conn, info, ref, issues)
         nccl_keys, nccl_source = _domain_keys(ranges, NCCL_DOMAIN, lambda n: n.startswith("nccl"))
         dmuon_keys, _ = _domain_keys(ranges, DMUON_DOMAIN, lambda n: n.startswith("dmuon."))
         spans = ranges[ranges["event_type"] != EVENT_TYPE_DOMAIN_CREATE]
         key = list(zip(spans["pid"], spans["domain_id"]))
-        nccl = spans[[k in nccl_keys for k in key]]
-        dmuon = spans[[k in dmuon_keys for k in key]]
-        kernels, kernel_problem = _load_kernels(conn, info)
-        launches = _load_launches(conn, info, sorted(set(int(c) for c in kernels["correlation_id"])))
+        nccl = spans.iloc[[i for i, k in enumerate(key) if k in nccl_keys]]
+        dmuon = spans.iloc[[i for i, k in enumerate(key) if k in dmuon_keys]]
+        stage("kernels")
+        kernels, kernel_problem = _load_kernels(conn, info, ref, issues)
+        stage("launches")
+        launches = _load_launches(conn, info, sorted(set(int(c) for c in kernels["correlation_id"])),
+                                  ref, issues)
         fields = locate_payload_fields(conn, info.tables, {int(d) for _, d in nccl_keys})
+    except sqlite3.Error as exc:  # corrupt pages, truncated file, a table of another shape
+        raise ValueError(
+            f"Invalid nsys export {str(info.path)!r}: SQLite failed while reading it "
+            f"({type(exc).__name__}: {exc}); the file is damaged or truncated. Must be a "
+            "complete export: re-run `nsys export --type sqlite REPORT.nsys-rep`.") from None
     finally:
-        conn.close()
+        if "conn" in locals():
+            conn.close()
+    stage("events")
+    if ranges.empty:
+        warnings.append("no NVTX ranges outside the default domain (NVTX_EVENTS is empty or "
+                        "holds only default-domain rows): no events")
     if nccl_source.startswith("inferred"):
         warnings.append(f"NCCL domain {nccl_source}")
     if kernel_problem:
         warnings.append(f"GPU kernels unavailable: {kernel_problem}")
     if nccl.empty:
         warnings.append("no NCCL-domain NVTX ranges: was NCCL >= 2.16 used, and NVTX traced?")
-
-    def ref(table: str, rowid: int) -> str:
-        return f"{info.path.name}#{table}.{rowid}"
+    if issues:
+        warnings.append(f"{len(issues)} damaged row(s) skipped (NsysResult.issues); first: "
+                        f"{issues[0]}")
 
     member_of, members_by_end = _group_blocks(nccl)
     kernel_table, kernels_by_event = _link_kernels(kernels, launches, nccl, members_by_end, ref)
@@ -473,7 +593,7 @@ def parse_nsys(path: str | Path, *, allow_unknown_schema: bool = False) -> NsysR
     if not fields.empty and COMM_ENTRY_NAME not in set(fields["entry_name"]):
         warnings.append("no 'NCCL communicator ID' payload entry (NCCL < 2.25)")
     return NsysResult(info, events, details, kernel_table, dict(other), reason, fields,
-                      nccl_source, len(dmuon), warnings, _windows(dmuon, ref))
+                      nccl_source, len(dmuon), warnings, _windows(dmuon, ref), issues)
 
 
 def _windows(dmuon: pd.DataFrame, ref) -> list[NsysWindow]:
@@ -546,12 +666,34 @@ def _build_events(nccl, dmuon, member_of, kernels_by_event, ref):
     return events, details
 
 
+#: Stages reported to ``parse_nsys(progress=...)``.
+_STAGES = ("NVTX ranges", "kernels", "launches", "events")
+
+
 def _run_cli(args) -> int:
+    from tracer.cli import EXIT_BAD_INPUT, EXIT_NOTHING_FOUND, EXIT_OK
+    from tracer.progress import wants_progress
+
+    prog = "dmuon-trace nsys"
+    bar = None
+    if args.report.is_file() and wants_progress(args.report.stat().st_size):
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(_STAGES), desc="nsys export", unit="stage", file=sys.stderr)
     try:
-        result = parse_nsys(args.report, allow_unknown_schema=args.allow_unknown_schema)
+        result = parse_nsys(args.report, allow_unknown_schema=args.allow_unknown_schema,
+                            progress=bar and (lambda name: (bar.set_postfix_str(name), bar.update())))
     except ValueError as exc:
-        print(f"dmuon-trace nsys: {exc}", file=sys.stderr)
-        return 2
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    finally:
+        if bar is not None:
+            bar.close()
+    print(result.summary())
+    if not result.events:
+        print(f"{prog}: error: no NCCL collective ranges in {args.report} (see the warnings "
+              "above); nothing written", file=sys.stderr)
+        return EXIT_NOTHING_FOUND
     write_parquet(result.events, args.out)
     if args.details_out:
         Path(args.details_out).parent.mkdir(parents=True, exist_ok=True)
@@ -559,9 +701,8 @@ def _run_cli(args) -> int:
     if args.kernels_out:
         Path(args.kernels_out).parent.mkdir(parents=True, exist_ok=True)
         result.kernels.to_parquet(args.kernels_out)
-    print(result.summary())
     print(f"wrote {len(result.events)} events to {args.out}")
-    return 0
+    return EXIT_OK
 
 
 def register_cli(subparsers) -> None:
@@ -578,7 +719,10 @@ def register_cli(subparsers) -> None:
             "DMuon's NVTX ranges by time containment), source_ref '<file>#NVTX_EVENTS.<rowid>'. "
             "rank, group, count and msg_bytes stay empty: they are only in the undecoded payload "
             "blob (the summary says why). ncclGroupStart/End and other API ranges are counted, "
-            "not turned into events. Exit codes: 0 ok, 2 unreadable or unsupported export."),
+            "not turned into events. Rows with damaged values (text in start, NULL globalTid, invalid "
+            "UTF-8) are skipped and listed by table, column and rowid. Exit codes: 0 events "
+            "written; 2 unreadable, damaged or unsupported export, or bad arguments; 3 no NCCL "
+            "collective ranges (nothing written)."),
         formatter_class=lambda prog: argparse.HelpFormatter(prog, width=100))
     p.add_argument("report", type=Path, help="the .sqlite export")
     p.add_argument("--out", type=Path, required=True, help="events Parquet to write")

@@ -6,7 +6,7 @@ complete event (``"ph": "X"``) with ``ts`` / ``dur`` in **microseconds** (floats
 resolution survives); ``pid`` is the rank, named ``"rank N"`` by a ``process_name`` metadata
 event; ``tid`` :data:`TID_COLLECTIVES` holds collectives and :data:`TID_SPANS` DMuon spans,
 named by ``thread_name`` metadata events. Times are shifted so the earliest event starts at 0;
-the shift (ns on the :func:`dmuon.annotate.now_ns` clock) is ``otherData.origin_ns``.
+the shift (ns on the :func:`tracer.context.now_ns` clock) is ``otherData.origin_ns``.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from dmuon.annotate import Span
+from tracer.context import Span
 from tracer.events import CollectiveEvent
 
 #: Track (``tid``) of collectives within a rank's process.
@@ -52,7 +52,7 @@ def write_chrome_trace(
     Args:
         path: output file (parent folders are created).
         per_rank: ``{rank: (collective events, DMuon spans)}``; times in ns on one clock per
-            host (:func:`dmuon.annotate.now_ns`, i.e. ``time.perf_counter_ns``).
+            host (:func:`tracer.context.now_ns`, i.e. ``time.perf_counter_ns``).
         name: run name stored in ``otherData.name``.
 
     Raises:

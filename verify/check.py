@@ -1,21 +1,33 @@
-"""``dmuon-trace check EVENTS... --against RUN``: compare parsed events with a predicted run.
+"""``dmuon-verify check EVENTS... --against RUN``: compare parsed events with a predicted run.
 
 ``RUN`` is a mode folder written by ``make verify-traffic`` (``traces/<run-id>/<mode>/``,
 holding ``layout.json``) or that ``layout.json`` itself. The prediction is
-:func:`verify.predict.predict_step` times the number of steps, which is inferred from the
-event count (or given with ``--steps``).
+:func:`verify.predict.predict_step` repeated for the number of steps.
+
+The comparison is per rank: each rank's events against that rank's predicted calls, so a
+dropped, duplicated or altered row is named individually (``missing``: the predicted call with
+its module; ``unexpected``: the measured event with its ``source_ref``). The number of steps is
+``--steps``, or inferred per rank (events of the rank / its predicted calls per step, rounded;
+the median over the ranks given), so a damaged file does not stop the comparison. Ranks of the
+layout without any event make a *partial rank set*: flagged and failed, with the given ranks
+still compared.
 
 Sources differ in what they know, so the comparison key adapts to the events given:
-``(rank, op, count, dtype, group_size, root)`` always; ``phase`` only when every event has
-one (interposer); ``group_id`` only when every event's group id is a rank list (interposer,
-Flight Recorder; NCCL logs name communicators by commId instead).
+``(rank, op, count, dtype, group_size, root)`` always; ``phase`` when the events have one
+(interposer); ``group_id`` when every event's group id is a rank list (interposer, Flight
+Recorder; NCCL logs name communicators by commId instead). Those two are all or nothing: a
+file where some events have a phase and others not is rejected up front, never compared on a
+weaker key. Column types and required values are checked up front too
+(:func:`tracer.events.read_parquet`, :func:`validate_events`).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-from collections import Counter
+import statistics
+import sys
+from collections import Counter, defaultdict
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -24,6 +36,11 @@ from tracer.events import CollectiveEvent, read_parquet
 from .predict import Expected, RunLayout, predict_step
 
 EXIT_OK, EXIT_MISMATCH, EXIT_BAD_INPUT = 0, 1, 2
+#: Fields every event needs for a comparison; ``count`` / ``dtype`` may be null on barriers.
+REQUIRED_FIELDS = ("rank", "op")
+SIZE_FIELDS = ("count", "dtype")
+#: Optional key fields: used when every event has them, rejected when only some do.
+ALL_OR_NONE_FIELDS = ("phase", "group_id")
 
 
 def load_layout(path: str | Path) -> RunLayout:
@@ -40,7 +57,43 @@ def load_layout(path: str | Path) -> RunLayout:
             f"Invalid --against {str(path)!r}: no layout.json. Must be a mode folder of a "
             "verify-traffic run (traces/<run-id>/<mode>/) or its layout.json."
         )
-    return RunLayout.from_dict(json.loads(path.read_text()))
+    try:
+        return RunLayout.from_dict(json.loads(path.read_text()))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"Invalid --against {str(path)!r}: not JSON ({exc}). Must be the "
+                         "layout.json written by verify-traffic.") from None
+
+
+def validate_events(events: Sequence[CollectiveEvent]) -> None:
+    """Reject events a comparison would silently misread.
+
+    Raises:
+        ValueError: no events; a null ``rank`` (or a non-int one); a null ``count`` or
+            ``dtype`` on anything but a barrier; ``phase`` or ``group_id`` set on some events
+            and null on others. The message names how many rows and the first one's
+            ``source_ref``.
+    """
+    if not events:
+        raise ValueError("Invalid events: none given. Must be the events of at least one rank "
+                         "(dmuon-trace ... --out, or a run's events_rank*.parquet).")
+    for name in REQUIRED_FIELDS + SIZE_FIELDS:
+        bad = [ev for ev in events if getattr(ev, name) is None
+               and not (name in SIZE_FIELDS and ev.op == "barrier")]
+        if bad:
+            raise ValueError(f"Invalid events: {len(bad)} event(s) with {name}=None (first: "
+                             f"{bad[0].source_ref}). Must be set on every event"
+                             f"{' but barriers' if name in SIZE_FIELDS else ''} for a check.")
+    bad = [ev for ev in events if type(ev.rank) is not int or ev.rank < 0]
+    if bad:
+        raise ValueError(f"Invalid events: rank={bad[0].rank!r} at {bad[0].source_ref}. Must "
+                         "be an int >= 0.")
+    for name in ALL_OR_NONE_FIELDS:
+        unset = [ev for ev in events if not getattr(ev, name)]
+        if unset and len(unset) < len(events):
+            raise ValueError(
+                f"Invalid events: {len(unset)} of {len(events)} event(s) have no {name} (first: "
+                f"{unset[0].source_ref}). Must be set on every event or on none (a partly "
+                f"missing {name} would weaken the comparison key unnoticed).")
 
 
 def _key_fields(events: Sequence[CollectiveEvent]) -> tuple[str, ...]:
@@ -52,42 +105,111 @@ def _key_fields(events: Sequence[CollectiveEvent]) -> tuple[str, ...]:
     return tuple(fields)
 
 
+def _infer_steps(meas: dict[int, list], pred: dict[int, list]) -> tuple[int, dict[int, int]]:
+    """Steps per given rank (rounded ratio, >= 1) and their median (low), >= 1."""
+    per_rank = {r: max(1, round(len(evs) / len(pred[r]))) for r, evs in meas.items() if pred.get(r)}
+    return (statistics.median_low(per_rank.values()) if per_rank else 1), per_rank
+
+
 def check_events(
     events: Sequence[CollectiveEvent], layout: RunLayout, steps: int | None = None
 ) -> dict:
-    """Multiset comparison of ``events`` with ``steps`` predicted steps.
+    """Per-rank multiset comparison of ``events`` with ``steps`` predicted steps.
 
     Returns:
-        ``{"pass", "steps", "key", "events", "predicted", "missing", "unexpected"}`` with
-        missing / unexpected as lists of ``(key dict, n)``.
+        ``{"pass", "steps", "steps_by_rank", "key", "events", "predicted", "ranks",
+        "absent_ranks", "partial", "missing", "unexpected", "missing_calls",
+        "unexpected_calls"}``: ``missing`` / ``unexpected`` are lists of ``(key dict, n)``;
+        ``missing_calls`` has one dict per missing key (``n`` and the predicted ``modules``),
+        ``unexpected_calls`` one per surplus key (``n`` and the surplus events'
+        ``source_refs``); ``predicted`` counts the given ranks' calls.
 
     Raises:
-        ValueError: ``steps`` cannot be inferred (event count not a multiple of a step).
+        ValueError: ``steps`` is not an int >= 1, or the events fail :func:`validate_events`.
     """
-    predicted: list[Expected] = predict_step(layout)
-    if steps is None:
-        if not predicted or len(events) % len(predicted):
-            raise ValueError(
-                f"Invalid events: {len(events)} events is not a whole number of predicted "
-                f"steps of {len(predicted)} calls. Pass --steps, or give the events of whole steps."
-            )
-        steps = len(events) // len(predicted)
+    if steps is not None and (type(steps) is not int or steps < 1):
+        raise ValueError(f"Invalid {steps=}. Must be an int >= 1 (or None to infer it).")
+    validate_events(events)
     fields = _key_fields(events)
-    meas = Counter(tuple(getattr(ev, f) for f in fields) for ev in events)
-    pred = Counter()
-    for e in predicted:
-        pred[tuple(getattr(e, f) for f in fields)] += steps
-    missing, unexpected = pred - meas, meas - pred
-    as_rows = lambda c: [(dict(zip(fields, k)), n) for k, n in sorted(c.items(), key=str)]
+    key = lambda x: tuple(getattr(x, f) for f in fields)  # noqa: E731
+    pred: dict[int, list[Expected]] = defaultdict(list)
+    for e in predict_step(layout):
+        pred[e.rank].append(e)
+    meas: dict[int, list[CollectiveEvent]] = defaultdict(list)
+    for ev in events:
+        meas[ev.rank].append(ev)
+    inferred, steps_by_rank = _infer_steps(meas, pred)
+    steps = steps or inferred
+    missing, unexpected, missing_calls, unexpected_calls = Counter(), Counter(), [], []
+    for rank in sorted(meas):
+        want = Counter()
+        modules: dict[tuple, set] = defaultdict(set)
+        for e in pred.get(rank, []):
+            want[key(e)] += steps
+            modules[key(e)].add(e.module or "")
+        seen: dict[tuple, list[CollectiveEvent]] = defaultdict(list)
+        for ev in meas[rank]:
+            seen[key(ev)].append(ev)
+        for k in sorted(set(want) | set(seen), key=str):
+            n = want[k] - len(seen.get(k, ()))
+            if n > 0:
+                missing[k] += n
+                missing_calls.append({**dict(zip(fields, k)), "n": n,
+                                      "modules": sorted(m for m in modules[k] if m)})
+            elif n < 0:
+                unexpected[k] += -n
+                unexpected_calls.append({**dict(zip(fields, k)), "n": -n,
+                                         "source_refs": [ev.source_ref for ev in seen[k][n:]]})
+    as_rows = lambda c: [(dict(zip(fields, k)), n) for k, n in sorted(c.items(), key=str)]  # noqa: E731
+    absent = [r for r in range(layout.world_size) if r not in meas]
     return {
-        "pass": not missing and not unexpected,
+        "pass": not missing and not unexpected and not absent,
         "steps": steps,
+        "steps_by_rank": steps_by_rank,
         "key": list(fields),
         "events": len(events),
-        "predicted": sum(pred.values()),
+        "predicted": steps * sum(len(pred.get(r, [])) for r in meas),
+        "ranks": sorted(meas),
+        "absent_ranks": absent,
+        "partial": bool(absent),
         "missing": as_rows(missing),
         "unexpected": as_rows(unexpected),
+        "missing_calls": missing_calls,
+        "unexpected_calls": unexpected_calls,
     }
+
+
+def _describe(call: dict, fields: Sequence[str]) -> str:
+    rank = call["rank"]
+    what = " ".join(f"{f}={call[f]}" for f in fields if f not in ("rank", "op") and call[f] is not None)
+    return f"rank {rank}: {call['n']} x {call['op']} {what}"
+
+
+def report_lines(result: dict, mode: str, limit: int = 20) -> list[str]:
+    """The human-readable verdict of :func:`check_events` (named calls, capped at ``limit``)."""
+    fields = result["key"]
+    lines = [f"{mode}: {result['events']} events vs {result['predicted']} predicted over "
+             f"{result['steps']} step(s) on ranks {result['ranks']}, key {fields}"]
+    if len(set(result["steps_by_rank"].values())) > 1:
+        lines.append(f"ranks disagree on the step count (events / predicted per step): "
+                     f"{result['steps_by_rank']}")
+    if result["partial"]:
+        lines.append(f"partial rank set: no events for ranks {result['absent_ranks']} of the "
+                     f"layout's {len(result['ranks']) + len(result['absent_ranks'])}; pass every "
+                     "rank's events file")
+    for name, extra in (("missing_calls", "modules"), ("unexpected_calls", "source_refs")):
+        calls = result[name]
+        if not calls:
+            continue
+        lines.append(f"{name.split('_')[0]} ({sum(c['n'] for c in calls)}):")
+        for call in calls[:limit]:
+            refs = call[extra]
+            shown = ", ".join(refs[:3]) + (f", ... ({len(refs)} in all)" if len(refs) > 3 else "")
+            lines.append(f"  {_describe(call, fields)}" + (f" [{extra[:-1]}: {shown}]" if refs else ""))
+        if len(calls) > limit:
+            lines.append(f"  ... and {len(calls) - limit} more kinds")
+    lines.append("PASS" if result["pass"] else "FAIL")
+    return lines
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -96,33 +218,33 @@ def _run(args: argparse.Namespace) -> int:
         events = [ev for path in args.events for ev in read_parquet(path)]
         result = check_events(events, layout, args.steps)
     except (ValueError, OSError) as exc:
-        print(f"dmuon-trace check: {exc}")
+        print(f"dmuon-verify check: error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    print(
-        f"{layout.mode}: {result['events']} events vs {result['predicted']} predicted over "
-        f"{result['steps']} step(s), key {result['key']}"
-    )
-    for name in ("missing", "unexpected"):
-        rows = result[name]
-        if rows:
-            print(f"{name} ({sum(n for _, n in rows)}):")
-            for key, n in rows[:20]:
-                print(f"  {n} x {key}")
-            if len(rows) > 20:
-                print(f"  ... and {len(rows) - 20} more kinds")
-    print("PASS" if result["pass"] else "FAIL")
+    print("\n".join(report_lines(result, layout.mode)))
     return EXIT_OK if result["pass"] else EXIT_MISMATCH
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"invalid value {text!r}: must be an int >= 1")
+    return value
+
+
 def register_cli(subparsers) -> None:
-    """Add ``check`` to ``dmuon-trace``."""
+    """Add ``check`` to ``dmuon-verify``."""
     p = subparsers.add_parser(
         "check",
         help="compare events (Parquet) with a predicted run; exit 1 on mismatch",
         description=__doc__,
+        epilog="exit status: 0 pass; 1 mismatch or partial rank set; 2 bad input or arguments",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("events", nargs="+", help="events Parquet files (from dmuon-trace nccl/fr/nsys or a run's events_rank*.parquet)")
     p.add_argument("--against", required=True, help="a mode folder of a verify-traffic run, or its layout.json")
-    p.add_argument("--steps", type=int, default=None, help="steps the events cover (default: inferred)")
+    p.add_argument("--steps", type=_positive_int, default=None,
+                   help="steps the events cover, >= 1 (default: inferred per rank)")
     p.set_defaults(func=_run)

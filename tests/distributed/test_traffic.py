@@ -79,19 +79,19 @@ def test_w2_exact(pool2, mode):
     assert run["ratio_to_p_m"] == pytest.approx(expected)
 
 
-def test_dmuon_trace_check_passes_on_a_run_and_names_a_dropped_call(pool2, tmp_path, capsys):
-    from tracer.cli import main as dmuon_trace
+def test_dmuon_verify_check_passes_on_a_run_and_names_a_dropped_call(pool2, tmp_path, capsys):
+    from verify.cli import main as dmuon_verify
     from tracer.events import read_parquet, write_parquet
 
     results = pool2.run(traffic_tasks.measure_mode, "dmuon-z3")
     run_dir = f"{results[0]['out_dir']}/dmuon-z3"
     files = [f"{r['out_dir']}/dmuon-z3/events_rank{rank}.parquet" for rank, r in enumerate(results)]
-    assert dmuon_trace(["check", *files, "--against", run_dir, "--steps", "2"]) == 0
+    assert dmuon_verify(["check", *files, "--against", run_dir, "--steps", "2"]) == 0
     assert "PASS" in capsys.readouterr().out
 
     events = read_parquet(files[1])
     dropped = next(ev for ev in events if ev.op == "reduce")
     write_parquet([ev for ev in events if ev is not dropped], tmp_path / "rank1.parquet")
-    assert dmuon_trace(["check", files[0], str(tmp_path / "rank1.parquet"), "--against", run_dir, "--steps", "2"]) == 1
+    assert dmuon_verify(["check", files[0], str(tmp_path / "rank1.parquet"), "--against", run_dir]) == 1
     out = capsys.readouterr().out
-    assert "missing (1)" in out and "'op': 'reduce'" in out and "FAIL" in out
+    assert "missing (1)" in out and "rank 1: 1 x reduce" in out and "FAIL" in out

@@ -1,0 +1,90 @@
+"""``dmuon-trace``'s shared conventions (issue 11, item 6): one exit-code convention for every
+subcommand, errors on stderr, ``--out`` checked before parsing, subcommands from one table."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from tracer import cli, progress
+from tracer.cli import EXIT_BAD_INPUT, EXIT_NOTHING_FOUND, EXIT_OK, SUBCOMMANDS, main
+
+NCCL_LOG = "nccl/nccl_coll_allreduce_tf_2gpu__nccl_issue203.log"
+FR_DIR = "flight_recorder"
+NSYS = "nsys/nsys2026.2_h100_2gpu_nccl_sendrecv__nsys-ai_mfu_2gpu_after.sqlite"
+INPUTS = {"nccl": NCCL_LOG, "fr": FR_DIR, "nsys": NSYS}
+
+
+def test_help_lists_every_subcommand_and_the_exit_codes(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["--help"])
+    text = capsys.readouterr().out
+    assert exc.value.code == 0
+    for name in SUBCOMMANDS:
+        assert name in text
+    assert "0 events written" in text and "3 nothing found" in text and "dmuon-verify check" in text
+    assert "check" not in SUBCOMMANDS  # moved to dmuon-verify
+
+
+@pytest.mark.parametrize("command", sorted(INPUTS))
+def test_each_subcommand_writes_events_and_exits_0(shared_fixtures, tmp_path, capsys, command):
+    out = tmp_path / "deep" / "events.parquet"
+    assert main([command, str(shared_fixtures / INPUTS[command]), "--out", str(out)]) == EXIT_OK
+    assert out.is_file() and "wrote" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("command", sorted(INPUTS))
+def test_out_a_folder_is_a_clear_error_before_parsing(shared_fixtures, tmp_path, capsys, command):
+    assert main([command, str(shared_fixtures / INPUTS[command]), "--out", str(tmp_path)]) == EXIT_BAD_INPUT
+    captured = capsys.readouterr()
+    assert f"Invalid --out {str(tmp_path)!r}: it is a folder" in captured.err and not captured.out
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes anywhere: permissions cannot fail")
+def test_out_unwritable_is_a_clear_error(shared_fixtures, tmp_path, capsys):
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o500)
+    assert main(["fr", str(shared_fixtures / FR_DIR), "--out", str(locked / "e.parquet")]) == 2
+    assert "is not writable" in capsys.readouterr().err
+
+
+def test_output_path_problems(tmp_path):
+    assert cli.output_path_problem(tmp_path / "a" / "b" / "e.parquet") is None
+    assert "is a folder" in cli.output_path_problem(tmp_path)
+    (tmp_path / "file").write_text("x")
+    assert "is not a folder" in cli.output_path_problem(tmp_path / "file" / "e.parquet")
+    (tmp_path / "ro").mkdir()
+    os.chmod(tmp_path / "ro", 0o500)
+    problem = cli.output_path_problem(tmp_path / "ro" / "e.parquet")
+    assert problem is None if os.geteuid() == 0 else "not writable" in problem
+
+
+@pytest.mark.parametrize("command, name", [("fr", NCCL_LOG), ("nsys", NCCL_LOG), ("fr", NSYS)])
+def test_wrong_kind_of_input(shared_fixtures, tmp_path, capsys, command, name):
+    rc = main([command, str(shared_fixtures / name), "--out", str(tmp_path / "e.parquet")])
+    err = capsys.readouterr().err
+    # fr: every file unreadable -> nothing found; nsys: not an SQLite export -> bad input
+    assert rc == (EXIT_NOTHING_FOUND if command == "fr" else EXIT_BAD_INPUT)
+    assert err.startswith(f"dmuon-trace {command}: error:") and name.split("/")[-1] in err
+    assert not (tmp_path / "e.parquet").exists()
+
+
+def test_missing_path_and_bad_arguments_exit_2(tmp_path, capsys):
+    assert main(["fr", str(tmp_path / "absent"), "--out", str(tmp_path / "e.parquet")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:
+        main(["bogus"])
+    assert exc.value.code == 2
+
+
+def test_progress_only_for_big_inputs_on_a_terminal(monkeypatch):
+    class Tty:
+        def isatty(self):
+            return True
+
+    big = progress.PROGRESS_MIN_BYTES
+    assert not progress.wants_progress(big)  # pytest captures stderr: not a terminal
+    monkeypatch.setattr(progress.sys, "stderr", Tty())
+    assert progress.wants_progress(big) and not progress.wants_progress(big - 1)
+    assert not progress.wants_progress(big, enabled=False)
