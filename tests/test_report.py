@@ -38,6 +38,7 @@ MIN_PNG_BYTES = 10_000
 #          NS calls per dedicated param per step)
 _MODEL = {
     "ddp-muon": (4, 1, {"backward": (1.5, None)}, "2(N-1)/N", 4),
+    "zero1-muon": (4, 1, {"backward": (0.0, None), "optimizer": (1.5, None)}, "2(N-1)/N", 1),
     "dmuon-ddp": (4, 1, {"forward": (0.75, None), "backward": (0.75, None),
                          "optimizer": (0.0, None)}, "2(N-1)/N", 1),
     "naive-fsdp2-z2": (4, 1, {"forward": (0.75, None), "backward": (0.75, None),
@@ -262,9 +263,9 @@ def test_fmt_elems():
         (lambda r: r["runs"][2]["phases"].update({None: r["runs"][2]["phases"]["forward"]}),
          "phase=None"),
         (lambda r: r["runs"][2]["sources"].update(perfetto={}), "source='perfetto'"),
-        (lambda r: r["runs"][5]["missing"][0].pop("dtype"), "missing\\[0\\]: missing key 'dtype'"),
+        (lambda r: r["runs"][MODES.index("dmuon-z3")]["missing"][0].pop("dtype"), "missing\\[0\\]: missing key 'dtype'"),
         (lambda r: r.update(runs=[]), "Must hold at least one run"),
-        (lambda r: r["runs"][7]["replicate_overlap"][0].update(waited_ns=0),
+        (lambda r: r["runs"][MODES.index("dmuon-hsdp-z2")]["replicate_overlap"][0].update(waited_ns=0),
          "waited_ns=0 < issued_ns=9000000"),
         (lambda r: r.update({"pass": True}), "runs \\['dmuon-z3'\\] failed"),
     ],
