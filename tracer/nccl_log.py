@@ -314,7 +314,7 @@ def write_nccl_parquet(paths, out: str | os.PathLike, *, strict: bool = False,
             for batch, epoch in parser.batches(paths):
                 group.append(batch)
                 epoch.astype(np.int64).tofile(ef)
-                seen.update(np.flatnonzero(np.bincount(epoch)).tolist())
+                seen.update(np.flatnonzero(np.bincount(epoch[epoch >= 0])).tolist())
                 rows += batch.num_rows
                 if sum(b.num_rows for b in group) >= ROW_GROUP_ROWS:
                     _write_group(writer, group, ops, ranks)
