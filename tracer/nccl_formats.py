@@ -241,13 +241,30 @@ INIT_MARKERS = ("- Init START", "- Init COMPLETE", "Init START", "Init COMPLETE"
 #: optional ``[cudaDev] ``, anchored at the marker. Host is ``[^\s\[\]]`` characters; when
 #: another rank's line ends without a newline right before it (interleaved output), the host
 #: may carry that line's last characters (e.g. ``0x55f1ubuntu``): NCCL writes no separator.
-#: The host starts where its run of such characters starts (the lookbehind): that is where
-#: the leftmost match starts anyway, and it keeps ``search`` linear on a long run of
-#: non-space characters (each start inside a run fails at once instead of scanning the run).
+#: This regex is the *definition* (its leftmost ``search`` match); :func:`match_prefix` gives
+#: the same groups in linear time (a ``search`` visits every start of a long blob before the
+#: marker, and with a lazy host that is quadratic).
 PREFIX_RE = re.compile(
     r"(?:\[(\d{4}-\d\d-\d\d[ T]\d\d:\d\d:\d\d(?:[.,]\d+)?)\] )?"
-    r"(?:(?<![^\s\[\]])([^\s\[\]]+?):(\d+):(\d+) ?)?(?:\[(-?\d+)\] ?)?\Z", re.ASCII
+    r"(?:([^\s\[\]]+?):(\d+):(\d+) ?)?(?:\[(-?\d+)\] ?)?\Z", re.ASCII
 )
+#: :data:`PREFIX_RE` read backwards from the marker (matched at the start of the reversed
+#: text): ``[dev] ?``, then ``host:pid:tid ?`` (the greedy host run reaches where the leftmost
+#: match's lazy host starts: the start of its run), then ``[timestamp] ``. Groups reversed.
+_PREFIX_REV_RE = re.compile(
+    r"(?: ?\](\d+-?)\[)?"
+    r"(?: ?(\d+):(\d+):([^\s\[\]]+))?"
+    r"(?: \]((?:\d+[.,])?\d\d:\d\d:\d\d[ T]\d\d-\d\d-\d{4})\[)?", re.ASCII
+)
+
+
+def match_prefix(text: str) -> tuple:
+    """``(timestamp, host, pid, tid, cuda_dev)`` texts (or ``None``) of :data:`PREFIX_RE`'s
+    leftmost match in ``text``, in linear time: one anchored match of the reversed text."""
+    dev, tid, pid, host, ts = _PREFIX_REV_RE.match(text[::-1]).groups()
+    rev = (lambda g: g[::-1] if g is not None else None)
+    return rev(ts), rev(host), rev(pid), rev(tid), rev(dev)
+
 
 #: PyTorch ProcessGroupNCCL (glog) line naming a comm pointer, for example
 #: ``I0527 15:16:57.738664 58629 ProcessGroupNCCL.cpp:2183] [PG 0 (default_pg) Rank 5]

@@ -128,9 +128,8 @@ _PREFIX_CACHE_TEXT_MAX = 256
 
 def parse_prefix(text: str) -> tuple:
     """``(t_start_ns, host, pid, tid, cuda_dev)`` of the text before ``NCCL INFO`` (linear
-    time in ``len(text)``, see :data:`tracer.nccl_formats.PREFIX_RE`)."""
-    m = fmt.PREFIX_RE.search(text)
-    ts, host, pid, tid, dev = m.groups()  # PREFIX_RE matches the empty string at the end
+    time in ``len(text)``, see :func:`tracer.nccl_formats.match_prefix`)."""
+    ts, host, pid, tid, dev = fmt.match_prefix(text)
     try:
         t_ns = fmt.timestamp_ns(ts) if ts else None
     except ValueError:  # a bracketed date that is not a calendar date: not a timestamp
@@ -147,11 +146,11 @@ def invalid_utf8_issue(file: str, line_no: int, line: str) -> ParseIssue | None:
         line.encode("utf-8")
         return None
     except UnicodeEncodeError as exc:
-        ch = ord(line[exc.start])
-        what = (f"byte 0x{ch - 0xDC00:02x}" if 0xDC80 <= ch <= 0xDCFF
-                else f"lone surrogate U+{ch:04X}")
-    return ParseIssue(file, line_no, f"invalid UTF-8 ({what} at column {exc.start + 1}); "
-                      "line not parsed", line.encode("utf-8", "backslashreplace").decode())
+        col = exc.start
+    ch = ord(line[col])
+    what = f"byte 0x{ch - 0xDC00:02x}" if 0xDC80 <= ch <= 0xDCFF else f"lone surrogate U+{ch:04X}"
+    return ParseIssue(file, line_no, f"invalid UTF-8 ({what} at column {col + 1}); line not "
+                      "parsed", line.encode("utf-8", "backslashreplace").decode())
 
 
 class LineParser:
