@@ -446,7 +446,7 @@ def test_lost_prefix_edge_cases():
         (1, "COLL line without its prefix whose op name is glued to the text before it"),
         (4, "truncated or malformed COLL line after joining 0 following line(s) (no 'stream' "
             "field; NCCL prints it last)")]
-    assert "'fAllGather' may end in AllGather or Gather" in res.issues[0].reason
+    assert "('fAllGather': the op is AllGather or Gather)" in res.issues[0].reason
 
 
 def test_prefix_stripped_but_marker_kept_is_the_file_process_not_unattributed(shared_fixtures):

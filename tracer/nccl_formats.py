@@ -12,7 +12,15 @@ Line anatomy::
 
 Anything before the timestamp / host (Ray's ``(RayTrainWorker pid=…)``, mpirun's ``[0] ``,
 another rank's unterminated line) is ignored: records are found by searching for
-``NCCL INFO `` anywhere in a physical line, never anchored at column 0.
+``NCCL INFO `` anywhere in a physical line, never anchored at column 0. A COLL message whose
+prefix was lost is found by its ``<Op>: opCount`` (:func:`coll_heads`).
+
+Every pattern here runs in linear time on any line: searches start at a literal or a
+bounded class, and the three whose plain ``search`` backtracks quadratically on long runs
+(the prefix, the INIT line, the PyTorch comm line) are read by :func:`match_prefix`,
+:func:`match_init` and a name class that stops at brackets. Fields are ASCII
+(``re.ASCII``): NCCL prints ASCII digits, and numbers too long for ``int`` read as
+:data:`OVERSIZED` (:func:`decimal`).
 """
 
 from __future__ import annotations

@@ -368,8 +368,8 @@ def _coll_records(m, file: str, line_no: int, prefix: tuple,
         name, names = fmt.lost_op_name(nccl_op)
         if name is None:
             yield ParseIssue(file, line_no, "COLL line without its prefix whose op name is "
-                             f"glued to the text before it: {nccl_op!r} may end in "
-                             f"{' or '.join(names)}; no event", m.group(0))
+                             f"glued to the text before it ({nccl_op!r}: the op is "
+                             f"{' or '.join(names)}); no event", m.group(0))
             return
         nccl_op = name
     op = fmt.NCCL_OP_NAMES.get(nccl_op)
