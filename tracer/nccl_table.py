@@ -7,7 +7,9 @@ order, which keeps its state (wrapped lines) across fast lines exactly as line-b
 reading would. The COLL rows of both are merged in stream order and resolved by
 :class:`tracer.nccl_resolve.Resolver` segment by segment (INIT / PyTorch records end a
 segment). Rows carry the resolution known at their line (what streaming gives) and their
-communicator epoch, so :func:`apply_final_fixes` can correct them at the end.
+communicator epoch, so :func:`apply_final_fixes` can correct them at the end. Rows of records
+that lost their prefix (unattributed) skip resolution: rank, group_rank, group_id, seq and
+epoch null, group_size as logged.
 
 Memory: one block, the communicator state, and the issues kept (all, or a bounded number).
 """
