@@ -246,18 +246,19 @@ class EventBatches:
         cuts = [0, *(np.searchsorted(rows.pos, at).tolist() if nrows else [0] * len(at)), nrows]
         for j in range(len(barriers) + 1):
             a, b = cuts[j], cuts[j + 1]
-            idx = np.arange(a, b)
-            if b > a and rows.una[a:b].any():  # unattributed rows are not resolved
-                idx = idx[~rows.una[a:b]]
-            if len(idx):
-                segs.append((idx, self._segment(file, rows, idx)))
+            if b > a:
+                idx = slice(a, b)  # a view, unless unattributed rows (not resolved) are out
+                if rows.una[a:b].any():
+                    idx = np.arange(a, b)[~rows.una[a:b]]
+                if len(rows.pos[idx]):
+                    segs.append((idx, self._segment(file, rows, idx)))
             if j < len(barriers):
                 rec = barriers[j][2]
                 (r.init if type(rec) is InitRecord else r.torch)(rec)
         bad = np.zeros(nrows, bool)
         for idx, seg in segs:
             bad[idx] = seg.bad
-            issues.extend((*divmod(int(rows.pos[idx[k]]), stride), iss)
+            issues.extend((*divmod(int(rows.pos[idx][k]), stride), iss)
                           for k, iss in zip(np.flatnonzero(seg.bad).tolist(), seg.issues))
         issues.sort(key=lambda t: (t[0], t[1]))
         limit = nrows
@@ -271,8 +272,8 @@ class EventBatches:
         self._emit([t[2] for t in issues])
         return out, None
 
-    def _segment(self, file, rows: _Rows, idx: np.ndarray):
-        """Resolution of rows ``idx`` (int64, ascending) of ``rows``."""
+    def _segment(self, file, rows: _Rows, idx: slice | np.ndarray):
+        """Resolution of rows ``idx`` (a slice, or int64 ascending) of ``rows``."""
         procs = [proc_key(h, p, file) for h, p, _ in self._procs]
         proc_id = {p: i for i, p in enumerate(dict.fromkeys(procs))}
         same_proc = np.array([proc_id[p] for p in procs], np.int64)  # ignores cuda_dev
@@ -280,7 +281,7 @@ class EventBatches:
         proc, comm = rows.proc[idx], rows.comm[idx]
         kk = same_proc[proc] * ncomm + comm
         if kk.min() == kk.max():
-            firsts, key = np.array([0]), np.zeros(len(idx), np.int64)
+            firsts, key = np.array([0]), np.zeros(len(proc), np.int64)
         else:
             _, firsts, inv = np.unique(kk, return_index=True, return_inverse=True)
             order = np.argsort(firsts)
