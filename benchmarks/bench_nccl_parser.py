@@ -3,6 +3,7 @@
 A script, not a test::
 
     python benchmarks/bench_nccl_parser.py [--lines 2000000] [--ranks 8] [--repeats 5]
+        [--passes read,regex,table,parquet] [--no-memory] [--logs DIR]
 
 Generates one log per rank in a temp dir (an INIT line, then COLL lines rendered by the test
 tool tests/tools/nccl_render.py in NCCL 2.21 format), in two cases: ``plain`` (``host:pid:tid
@@ -17,6 +18,11 @@ thread. Per case it times, in this process, ``--repeats`` rounds of (after one w
   ``dmuon-trace nccl PATH... --out`` runs);
 - with ``--layers``: :func:`~tracer.nccl_log.iter_nccl_records` and
   :func:`~tracer.nccl_log.iter_nccl_events` (Python objects per line; slower).
+
+``--passes`` times a subset (``read`` always: the ratios need it), ``--no-memory`` skips the
+memory section, ``--logs DIR`` generates the logs there and reuses them in later runs with the
+same ``--lines`` / ``--ranks`` (each pass checks the line count it reads), for a loaded
+machine where generating 5M lines takes minutes.
 
 It prints COLL lines per second of CPU time (``time.process_time``: all threads of this
 process) and of wall time, median and best of the rounds, and each path's ratio to ``read``
@@ -138,12 +144,13 @@ def events_pass(paths, out):
     return sum(1 for _ in iter_nccl_events(paths))
 
 
-def time_case(paths: list[Path], out: Path, repeats: int, layers: bool) -> dict:
+PASSES = {"read": read_pass, "regex": regex_pass, "table": table_pass, "parquet": parquet_pass,
+          "records": records_pass, "events": events_pass}
+
+
+def time_case(paths: list[Path], out: Path, repeats: int, names: list[str]) -> dict:
     """``{name: [(lines, cpu_s, wall_s) per round]}``; one warm-up round first."""
-    passes = {"read": read_pass, "regex": regex_pass, "table": table_pass,
-              "parquet": parquet_pass}
-    if layers:
-        passes |= {"records": records_pass, "events": events_pass}
+    passes = {name: PASSES[name] for name in names}
     times: dict[str, list] = {name: [] for name in passes}
     for rnd in range(repeats + 1):
         for name, fn in passes.items():
@@ -159,11 +166,12 @@ def report(case: str, times: dict, coll_lines: int) -> list[list]:
     for name, rounds in times.items():
         cpu = [coll_lines / c for _, c, _ in rounds]
         wall = [coll_lines / w for _, _, w in rounds]
-        vs_read = [c_read / c for (_, c, _), (_, c_read, _) in zip(rounds, times["read"])]
-        vs_regex = [c_re / c for (_, c, _), (_, c_re, _) in zip(rounds, times["regex"])]
-        rows.append([case, name, f"{statistics.median(cpu):,.0f}", f"{max(cpu):,.0f}",
-                     f"{statistics.median(wall):,.0f}", f"{statistics.median(vs_read):.3f}",
-                     f"{statistics.median(vs_regex):.3f}"])
+        ratios = []
+        for base in ("read", "regex"):
+            vs = [c_b / c for (_, c, _), (_, c_b, _) in zip(rounds, times.get(base, []))]
+            ratios.append(f"{statistics.median(vs):.3f}" if vs else "n/a")
+        rows.append([case, name, f"{statistics.median(cpu):,.0f}", f"{min(cpu):,.0f}",
+                     f"{max(cpu):,.0f}", f"{statistics.median(wall):,.0f}", *ratios])
     return rows
 
 
@@ -220,8 +228,17 @@ def main(argv=None) -> int:
                     "this process may use)")
     ap.add_argument("--layers", action="store_true", help="also time iter_nccl_records and "
                     "iter_nccl_events")
+    ap.add_argument("--passes", default="read,regex,table,parquet",
+                    help="comma-separated passes to time (read is always timed)")
+    ap.add_argument("--no-memory", action="store_true", help="skip the memory section")
+    ap.add_argument("--logs", default=None, help="folder to generate the logs in and reuse "
+                    "them from (default: a temporary folder)")
     ap.add_argument("--probe", nargs="+", help=argparse.SUPPRESS)  # internal: memory_probe
     args = ap.parse_args(argv)
+    names = ["read"] + [n for n in args.passes.split(",") if n and n != "read"]
+    names += ["records", "events"] if args.layers else []
+    if any(n not in PASSES for n in names):
+        ap.error(f"Invalid --passes {args.passes!r}. Must name passes of {sorted(PASSES)}.")
     if args.probe:
         out, warm, *paths = args.probe
         print(json.dumps(memory_probe(paths, out, [warm])))
@@ -232,24 +249,36 @@ def main(argv=None) -> int:
     coll = args.lines // args.ranks * args.ranks
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
+        where = Path(args.logs) if args.logs else tmp
         logs = {}
         for case in ("plain", "timestamps"):
             t0 = time.perf_counter()
-            logs[case] = generate(tmp / case, args.lines, args.ranks, case == "timestamps")
+            logs[case] = _logs(where / case, args.lines, args.ranks, case == "timestamps")
             size = sum(p.stat().st_size for p in logs[case])
             print(f"{case}: {len(logs[case])} files, {coll:,d} COLL lines, {size / 2**20:.0f} "
-                  f"MiB, generated in {time.perf_counter() - t0:.1f} s", flush=True)
-        # first, while this process is small: a child inherits its ru_maxrss
-        print(memory_section(logs["plain"], tmp, args.lines, args.ranks, cpu), flush=True)
+                  f"MiB, ready in {time.perf_counter() - t0:.1f} s", flush=True)
+        if not args.no_memory:  # first, while this process is small: a child inherits its
+            print(memory_section(logs["plain"], tmp, args.lines, args.ranks, cpu), flush=True)
         for case, paths in logs.items():
-            times = time_case(paths, tmp / "events.parquet", args.repeats, args.layers)
+            times = time_case(paths, tmp / "events.parquet", args.repeats, names)
             for name, rounds in times.items():
                 assert all(n in (coll, coll + args.ranks) for n, _, _ in rounds), (name, rounds)
             rows += report(case, times, coll)
-        print(tabulate(rows, headers=["case", "path", "COLL lines/s (CPU, median)",
+        print(tabulate(rows, headers=["case", "path", "COLL lines/s (CPU, median)", "worst",
                                       "best", "lines/s (wall, median)", "x read", "x regex"],
                        disable_numparse=True))
     return 0
+
+
+def _logs(folder: Path, n_lines: int, ranks: int, timestamps: bool) -> list[Path]:
+    """The logs of :func:`generate` in ``folder``, generated unless all of them are there
+    (their line counts are checked by every timed pass)."""
+    expected = [folder / f"nccl.node{rank // 8}.{10_000 + rank}" for rank in range(ranks)]
+    if all(p.is_file() for p in expected):
+        return expected
+    paths = generate(folder, n_lines, ranks, timestamps)
+    assert paths == expected, (paths, expected)
+    return paths
 
 
 def memory_section(paths: list[Path], tmp: Path, n_lines: int, ranks: int, cpu: int) -> str:

@@ -362,7 +362,7 @@ def test_cli_exit_codes(tmp_path, capsys):
     out = str(tmp_path / "e.parquet")
     assert cli_main(["nccl", str(bad), "--out", out]) == 0
     assert "bad.log:2: truncated" in capsys.readouterr().out
-    assert cli_main(["nccl", str(bad), "--out", out, "--strict"]) == 1
+    assert cli_main(["nccl", str(bad), "--out", out, "--strict"]) == 2
     assert "bad.log:2" in capsys.readouterr().err
     empty = tmp_path / "empty.log"
     empty.write_text("hello\n")
@@ -390,3 +390,106 @@ def test_rccl_trailing_fields_and_crlf_line_ends():
 def test_impossible_timestamp_is_not_a_crash():
     res = parse_nccl_logs(_lines("[2026-13-45 99:99:99] " + P + COLL))
     assert [(e.t_start_ns, e.count) for e in res.events] == [(None, 8)] and res.issues == []
+
+
+# ------------------------------------------------------------------ lost prefixes (item 7)
+
+TT = "nccl_coll_tp_allgather_reducescatter__torchtitan_issue1369.log"
+
+
+def _fixture_lines(shared_fixtures, name: str) -> list[str]:
+    with open(shared_fixtures / "nccl" / name) as f:
+        return [ln.rstrip("\n") for ln in f]
+
+
+def _cut(line: str) -> str:
+    """The message of a real line, its 'host:pid:tid [dev] NCCL INFO ' prefix lost."""
+    return line.split("NCCL INFO ", 1)[1]
+
+
+def test_lost_prefix_lines_cut_from_real_logs_are_unattributed_events(shared_fixtures):
+    tt = _fixture_lines(shared_fixtures, TT)
+    send = _fixture_lines(shared_fixtures, "nccl_coll_sendrecv_oldformat__nccl_issue584.log")
+    lines = [tt[0], _cut(tt[1]),  # alone on its line
+             "step 3 loss 2.5 " + _cut(tt[2]),  # after another process's text
+             tt[3] + _cut(send[0]),  # glued to a complete record
+             _cut(tt[4]) + tt[5],  # a prefixed record glued after it
+             "x" + _cut(send[1])]  # letters glued to the op name: one op name fits
+    res = parse_nccl_logs([("mixed", [ln + "\n" for ln in lines])])
+    assert res.issues == []
+    got = [(e.source_ref, e.op, e.count, e.host, e.pid, e.rank, e.group_id, e.seq,
+            e.group_size) for e in res.events]
+    una = [g for g in got if g[3] is None]
+    assert [(g[0], g[1]) for g in una] == [("mixed:2", "reduce_scatter"), ("mixed:3", "all_gather"),
+                                          ("mixed:4", "send"), ("mixed:5", "all_gather"),
+                                          ("mixed:6", "send")]
+    assert all(g[4:8] == (None, None, None, None) and g[8] == 2 for g in una)
+    assert [g[3] for g in got if g[3] is not None] == ["hopper01"] * 3  # not "0x…hopper01"
+    assert res.stats.unattributed == 5 and res.stats.plain_lines == 0
+    assert "5 unattributed COLL" in res.summary()
+    # the prefixed calls keep their own numbering (lines 1 and 4: pid 191370, line 5: pid
+    # 191369, whose earlier calls lost their prefix): unattributed rows count in no seq
+    assert [(g[0], g[4], g[7]) for g in got if g[3] is not None] == [
+        ("mixed:1", 191370, 0), ("mixed:4", 191370, 1), ("mixed:5", 191369, 0)]
+    parse_nccl_logs([("mixed", lines)], strict=True)  # not an issue
+
+
+def test_lost_prefix_edge_cases():
+    lost = COLL.replace("AllReduce", "AllGather")
+    res = parse_nccl_logs(_lines(
+        P + COLL + " 0x1f" + lost,  # stream hex glued: "fAllGather" is AllGather or Gather
+        lost[:40], lost[40:],  # a lost-prefix record wrapped: joined like any other
+        P + COLL[:40], lost))  # a wrapped record is not continued by another record
+    assert [(e.source_ref, e.host) for e in res.events] == [
+        ("mem:1", "node-01"), ("mem:2", None), ("mem:5", None)]
+    assert [(i.line_no, i.reason.split(" (")[0]) for i in res.issues] == [
+        (1, "COLL line without its prefix whose op name is glued to the text before it"),
+        (4, "truncated or malformed COLL line after joining 0 following line(s)")]
+    assert "('fAllGather': the op is AllGather or Gather)" in res.issues[0].reason
+
+
+def test_prefix_stripped_but_marker_kept_is_the_file_process_not_unattributed(shared_fixtures):
+    res = _parse(shared_fixtures, "nccl_coll_send_nilsendbuff_v2.14.3__nccl_issue734.log")
+    (ev,) = res.events
+    assert (ev.seq, ev.group_id.startswith("local:"), res.stats.unattributed) == (0, True, 0)
+
+
+# ------------------------------------------------------------------ damaged bytes and numbers
+
+
+def test_invalid_utf8_line_is_an_issue_with_file_and_line_and_the_rest_parses(tmp_path):
+    path = tmp_path / "bad.log"
+    path.write_bytes((P + COLL + "\n").encode() + b"host\xff:1:1 [0] NCCL INFO " + COLL.encode()
+                     + b"\nplain \xc3\x28 text\n" + (P + COLL + "\n").encode())
+    res = parse_nccl_logs(path)
+    assert [e.source_ref for e in res.events] == [f"{path}:1", f"{path}:4"]
+    assert [(i.file, i.line_no, i.reason) for i in res.issues] == [
+        (str(path), 2, "invalid UTF-8 (byte 0xff at column 5); line not parsed"),
+        (str(path), 3, "invalid UTF-8 (byte 0xc3 at column 7); line not parsed")]
+    assert "host\\udcff:1:1" in res.issues[0].text  # shown escaped, printable
+    assert [e.seq for e in res.events] == [0, 1]
+
+
+@pytest.mark.parametrize("line, reason", [
+    (P + COLL.replace("count 8", "count " + "9" * 5000), "count <more than 40 digits> out of"),
+    ("h:" + "1" * 5000 + ":1 [0] NCCL INFO " + COLL, "pid <more than 40 digits> out of"),
+    (P + COLL.replace("root 0", "root -" + "1" * 99).replace("AllReduce", "Broadcast"),
+     "root -<more than 40 digits> out of"),
+])
+def test_numbers_int_refuses_are_issues_not_tracebacks(line, reason):
+    """int() raises beyond 4300 digits; such numbers are out of every column's range."""
+    res = parse_nccl_logs(_lines(line, P + COLL))
+    assert len(res.events) == 1 and res.issues[0].reason.startswith(reason)
+
+
+def test_non_ascii_digits_are_not_numbers():
+    """'²'.isdigit() is True but int('²') raises; NCCL and PyTorch print ASCII digits."""
+    res = parse_nccl_logs(_lines(
+        P + "comm 0xc0 rank 1 nranks 2 cudaDev 0 color \u00b2 key \u0663 - Init COMPLETE",
+        "[PG 0 (default_pg) Rank 1] ProcessGroupNCCL created ncclComm_ 0xd0 on CUDA device: "
+        "\u00b2", P + COLL.replace("count 8", "count \u0663")))
+    assert res.events == [] and res.stats.init_lines == 1 and res.stats.torch_lines == 1
+    (issue,) = res.issues
+    assert issue.line_no == 3 and "truncated or malformed COLL line" in issue.reason
+    comms = {c.comm: c for c in res.comms}
+    assert comms["0xd0"].cuda_dev is None

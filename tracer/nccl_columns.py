@@ -58,10 +58,13 @@ class LineBlock:
         return len(self.starts) - 1
 
     def text(self, i: int) -> str:
-        """Line ``i`` as the general path reads it (files: decoded with errors="replace")."""
+        """Line ``i`` as the general path reads it (files: decoded with
+        ``errors="surrogateescape"``, so an invalid byte reaches it as a lone surrogate and the
+        line becomes an issue, see :func:`tracer.nccl_records.invalid_utf8_issue`)."""
         if self.lines is not None:
             return self.lines[i]
-        return self.data[self.starts[i]:self.starts[i + 1] - 1].decode("utf-8", "replace")
+        return self.data[self.starts[i]:self.starts[i + 1] - 1].decode("utf-8",
+                                                                      "surrogateescape")
 
 
 def expand_paths(paths: Sequence[str | os.PathLike], *, glob: str | None = None) -> list[Path]:
@@ -152,7 +155,8 @@ def file_blocks(path: str | Path, chunk_bytes: int | None = None) -> Iterator[Li
 def line_blocks(lines: Iterable[str], block_lines: int | None = None) -> Iterator[LineBlock]:
     """Blocks of ``block_lines`` (default :data:`BLOCK_LINES`) lines of an in-memory stream;
     each element of ``lines`` is one physical line. Lone surrogates (``errors=
-    "surrogateescape"`` text), which Arrow cannot hold, are replaced by U+FFFD."""
+    "surrogateescape"`` text), which Arrow cannot hold, are replaced by U+FFFD in the block's
+    buffer (so such a line is never fast); the general path reads the original strings."""
     it = iter(lines)
     line_no = 1
     while batch := list(itertools.islice(it, block_lines or BLOCK_LINES)):
@@ -160,13 +164,12 @@ def line_blocks(lines: Iterable[str], block_lines: int | None = None) -> Iterato
         try:
             data = text.encode("utf-8")
         except UnicodeEncodeError:
-            batch = [s.encode("utf-8", "surrogatepass").decode("utf-8", "replace")
-                     for s in batch]
-            text = "".join(batch)
+            text = text.encode("utf-8", "surrogatepass").decode("utf-8", "replace")
             data = text.encode("utf-8")
         if not (text.count("\n") == len(batch) and "\r" not in text
                 and all(map(str.endswith, batch, itertools.repeat("\n")))):
-            data = "".join(map(_one_line, batch)).encode("utf-8")
+            data = "".join(map(_one_line, batch)).encode("utf-8", "surrogatepass")
+            data = data.decode("utf-8", "replace").encode("utf-8")
         yield _block(data, line_no, batch)
         line_no += len(batch)
 

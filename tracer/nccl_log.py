@@ -59,13 +59,35 @@ Defined outcomes (each tested):
   send count of gather, the receive count of scatter), ``root`` kept. AllToAllv: issue
   ``unsupported op``, no event (not in ``OPS``).
 - COLL line without its ``stream`` field: joined with up to 3 following non-NCCL lines
-  (copy/paste wraps); still incomplete, or the last line of the input: issue, no event.
+  (copy/paste wraps; a line holding another ``<Op>: opCount`` is never joined); still
+  incomplete, or the last line of the input: issue, no event.
+- COLL record whose ``[timestamp] host:pid:tid [dev] NCCL INFO`` prefix was lost (found by
+  ``<Op>: opCount`` anywhere a record's text does not cover: a line without ``NCCL INFO``,
+  after another record, after foreign text): an *unattributed* event. Its ``source_ref``,
+  op, count, dtype, root, comm and ``[nranks=]`` (as ``group_size``) are kept; ``host``,
+  ``pid``, ``cuda_dev``, ``t_start_ns`` are null, and it is **not resolved**: ``rank``,
+  ``group_rank``, ``group_id`` and ``seq`` are null, and it neither counts in any
+  communicator's ``seq`` nor is checked against its size. A comm pointer is a per-process
+  address (equal values in two processes are common), so it cannot say whose call it was;
+  the prefixed calls of that process keep their numbering (one call short). Counted as
+  "unattributed" in the summary (``ParseStats.unattributed``), not as a COLL or non-NCCL line.
+  Text glued before the op name is read from its end when one op name fits
+  (``"doneSend"``: Send); when two fit (``"0x1fAllGather"``: AllGather or Gather after
+  ``"…All"``) it is an issue, no event. INIT lines that lost their prefix are plain text.
+- a line with invalid UTF-8 (files are decoded with ``errors="surrogateescape"``; in-memory
+  lines holding lone surrogates): issue naming the byte and column, the line is not parsed;
+  the other lines are.
 - a number that its event column cannot hold (count or count x dtype bytes >= 2**63; root,
-  nranks, cudaDev, INIT rank / nranks, PyTorch Rank outside int32): issue, record skipped.
+  nranks, cudaDev, INIT rank / nranks, PyTorch Rank outside int32; any number of more than
+  40 digits): issue, record skipped.
   A timestamp outside 1677-2262 (int64 ns) reads as no timestamp.
 - NCCL lines of other subsystems (TUNING, P2P, NET, ...), WARN, CALL: counted as ignored.
   Lines without ``NCCL``: plain program output, counted, never issues.
 - ``strict=True``: :class:`NcclLogError` (a ValueError) on the first issue.
+
+Time: linear in the input on any line (no regex search backtracks over a long run; the
+formerly quadratic prefix, INIT and PyTorch patterns are read by anchored or bounded
+matches, see :mod:`tracer.nccl_formats`; ``tests/test_nccl_linear.py``).
 """
 
 from __future__ import annotations
@@ -147,6 +169,7 @@ def _summary(files: list[str], stats: ParseStats, n_events: int, ops: Counter, r
 
     st = stats
     out = [f"NCCL logs: {len(files)} file(s), {st.lines} lines: {st.coll_lines} COLL, "
+           f"{st.unattributed} unattributed COLL, "
            f"{st.init_lines} INIT, {st.torch_lines} PyTorch comm, {st.continuation_lines} "
            f"continuation, {sum(st.ignored.values())} other NCCL (ignored: "
            f"{dict(st.ignored) or 'none'}), {st.plain_lines} non-NCCL",
@@ -165,6 +188,10 @@ def _summary(files: list[str], stats: ParseStats, n_events: int, ops: Counter, r
     if no_init:
         out.append(f"{len(no_init)} communicator(s) with COLL lines but no INIT line: rank "
                    "unknown, group_id process-local (capture with NCCL_DEBUG_SUBSYS=INIT,COLL)")
+    if st.unattributed:
+        out.append(f"{st.unattributed} unattributed COLL record(s): their 'host:pid:tid [dev] "
+                   "NCCL INFO' prefix was lost (interleaved output); events with host, pid, "
+                   "rank, group_id and seq unknown (null), found by source_ref")
     out.append(f"unreadable lines: {issue_count}")
     shown = issues[:max_issues]
     out.extend(f"  {issue}" for issue in shown)
@@ -314,7 +341,7 @@ def write_nccl_parquet(paths, out: str | os.PathLike, *, strict: bool = False,
             for batch, epoch in parser.batches(paths):
                 group.append(batch)
                 epoch.astype(np.int64).tofile(ef)
-                seen.update(np.flatnonzero(np.bincount(epoch)).tolist())
+                seen.update(np.flatnonzero(np.bincount(epoch[epoch >= 0])).tolist())
                 rows += batch.num_rows
                 if sum(b.num_rows for b in group) >= ROW_GROUP_ROWS:
                     _write_group(writer, group, ops, ranks)
@@ -390,10 +417,12 @@ output (--out, Parquet, tracer.events.EVENT_SCHEMA), one row per COLL line:
   root        root (broadcast, reduce, gather, scatter) or peer (send, recv); else empty
   comm, pid, host, cuda_dev (the bracketed CUDA device, not the rank), source_ref (file:line),
   t_start_ns  from the NCCL 2.26+ [timestamp] prefix, read as UTC; empty without it
+  A COLL line whose "host:pid:tid [dev] NCCL INFO" prefix was lost (interleaved stdout) is
+  an unattributed event: host, pid, rank, group_id and seq empty (see tracer.nccl_log).
 
 exit status:
-  0 events written; 1 --strict and an unreadable line (nothing written); 2 bad arguments or
-  path; 3 no COLL lines found (nothing written).
+  0 events written; 2 bad arguments or path, or --strict and an unreadable line (nothing
+  written); 3 no COLL lines found (nothing written).
 """
 
 
@@ -407,7 +436,7 @@ def register_cli(subparsers) -> argparse.ArgumentParser:
     p.add_argument("paths", nargs="+", metavar="PATH", help="log files or directories")
     p.add_argument("--out", required=True, help="output Parquet file (events)")
     p.add_argument("--strict", action="store_true",
-                   help="stop with exit status 1 at the first unreadable line")
+                   help="stop with exit status 2 at the first unreadable line")
     p.add_argument("--glob", default=None, help="only files matching this pattern in "
                    "directories (e.g. '*.log'); default: every text file")
     p.add_argument("--max-issues", type=int, default=10,
@@ -423,10 +452,7 @@ def _cli_main(args) -> int:
         files = expand_paths(args.paths, glob=args.glob)
         result = write_nccl_parquet(files, args.out, strict=args.strict,
                                     max_issues=max(args.max_issues, 0))
-    except NcclLogError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-    except ValueError as exc:
+    except ValueError as exc:  # NcclLogError (--strict) included
         print(f"error: {exc}", file=sys.stderr)
         return 2
     print(result.summary(max_issues=args.max_issues))

@@ -44,7 +44,11 @@ class NcclLogError(ValueError):
 
 class CollRecord(NamedTuple):
     """One complete COLL line. ``count`` is per rank as logged; ``dtype`` is ``None`` for an
-    unknown ``datatype`` number; ``t_start_ns`` from a 2.26+ timestamp prefix, else ``None``."""
+    unknown ``datatype`` number; ``t_start_ns`` from a 2.26+ timestamp prefix, else ``None``.
+    A number of more than :data:`tracer.nccl_formats.MAX_DIGITS` digits reads as
+    ``±OVERSIZED`` (the event layer turns it into an issue). ``unattributed``: the record's
+    ``host:pid:tid [dev] NCCL INFO`` prefix was lost (``host``, ``pid``, ``tid``,
+    ``cuda_dev``, ``t_start_ns`` are ``None``; see :mod:`tracer.nccl_log`)."""
 
     file: str
     line_no: int
@@ -63,6 +67,7 @@ class CollRecord(NamedTuple):
     tid: int | None
     cuda_dev: int | None
     t_start_ns: int | None
+    unattributed: bool = False
 
 
 class InitRecord(NamedTuple):
@@ -112,19 +117,40 @@ class ParseStats:
     torch_lines: int = 0
     continuation_lines: int = 0
     plain_lines: int = 0
+    unattributed: int = 0  # COLL records without their host:pid:tid [dev] NCCL INFO prefix
     ignored: Counter = field(default_factory=Counter)  # NCCL lines not parsed, by kind
 
 
+_NO_PREFIX = (None, None, None, None, None)
+#: Prefix texts longer than this are parsed but not cached (the cache stays small).
+_PREFIX_CACHE_TEXT_MAX = 256
+
+
 def parse_prefix(text: str) -> tuple:
-    """``(t_start_ns, host, pid, tid, cuda_dev)`` of the text before ``NCCL INFO``."""
-    m = fmt.PREFIX_RE.search(text)
-    ts, host, pid, tid, dev = m.groups()  # PREFIX_RE matches the empty string at the end
+    """``(t_start_ns, host, pid, tid, cuda_dev)`` of the text before ``NCCL INFO`` (linear
+    time in ``len(text)``, see :func:`tracer.nccl_formats.match_prefix`)."""
+    ts, host, pid, tid, dev = fmt.match_prefix(text)
     try:
         t_ns = fmt.timestamp_ns(ts) if ts else None
     except ValueError:  # a bracketed date that is not a calendar date: not a timestamp
         t_ns = None
-    return (t_ns, host, int(pid) if pid else None, int(tid) if tid else None,
-            int(dev) if dev else None)
+    dec = fmt.decimal
+    return (t_ns, host, dec(pid) if pid else None, dec(tid) if tid else None,
+            dec(dev) if dev else None)
+
+
+def invalid_utf8_issue(file: str, line_no: int, line: str) -> ParseIssue | None:
+    """An issue when ``line`` holds a lone surrogate: an invalid UTF-8 byte decoded with
+    ``errors="surrogateescape"`` (how files are read) or one put there by the caller."""
+    try:
+        line.encode("utf-8")
+        return None
+    except UnicodeEncodeError as exc:
+        col = exc.start
+    ch = ord(line[col])
+    what = f"byte 0x{ch - 0xDC00:02x}" if 0xDC80 <= ch <= 0xDCFF else f"lone surrogate U+{ch:04X}"
+    return ParseIssue(file, line_no, f"invalid UTF-8 ({what} at column {col + 1}); line not "
+                      "parsed", line.encode("utf-8", "backslashreplace").decode())
 
 
 class LineParser:
@@ -133,6 +159,11 @@ class LineParser:
     State: one pending wrapped COLL line (joined with up to 3 following non-NCCL lines), a
     flag for a stream pointer expected on the next line, and a bounded prefix cache.
     Counts lines into ``stats`` (not ``stats.lines``: the caller counts physical lines).
+
+    Records in a line start at *anchors*: each ``NCCL INFO `` marker (its message follows,
+    its prefix precedes it), and each ``<Op>: opCount`` that does not follow a marker (a COLL
+    record whose prefix was lost: unattributed). A record's text ends at the next anchor.
+    Every step is linear in the length of the line.
     """
 
     __slots__ = ("file", "stats", "cache", "pending", "expect_tail")
@@ -141,7 +172,7 @@ class LineParser:
         self.file = file
         self.stats = stats
         self.cache: dict[str, tuple] = {}
-        self.pending: list | None = None  # [line_no, text, prefix tuple, joins]
+        self.pending: list | None = None  # [line_no, text, prefix tuple, joins, unattributed]
         self.expect_tail = False
 
     def interrupt(self) -> ParseIssue | None:
@@ -162,6 +193,17 @@ class LineParser:
         self.pending = None
         return issue
 
+    def _prefix(self, ptext: str) -> tuple:
+        if len(ptext) > _PREFIX_CACHE_TEXT_MAX:
+            return parse_prefix(ptext)
+        cache = self.cache
+        prefix = cache.get(ptext)
+        if prefix is None:
+            if len(cache) >= _PREFIX_CACHE_MAX:
+                cache.clear()
+            prefix = cache[ptext] = parse_prefix(ptext)
+        return prefix
+
     def feed(self, line_no: int, line: str) -> list[Record]:
         """Records of physical line ``line_no`` (``line`` with or without its line end)."""
         out: list[Record] = []
@@ -170,16 +212,25 @@ class LineParser:
             line = line[:-1]
             if line.endswith("\r"):
                 line = line[:-1]
+        if not line.isascii():
+            bad = invalid_utf8_issue(file, line_no, line)
+            if bad is not None:
+                out.extend(self._drop_pending())
+                self.expect_tail = False
+                out.append(bad)
+                return out
+        heads = fmt.coll_heads(line) if fmt.OPCOUNT_MARK in line else ()
         pending = self.pending
         if pending is not None:
-            if "NCCL" not in line and line.strip():  # a continuation never holds a prefix
+            # a continuation holds neither a prefix nor another record's "<Op>: opCount"
+            if "NCCL" not in line and not heads and line.strip():
                 pending[1] += line
                 pending[3] += 1
                 st.continuation_lines += 1
                 m = fmt.COLL_RE.match(pending[1])
                 if m is not None and m.group(9) is not None:
-                    st.coll_lines += 1
-                    out.extend(_coll_records(m, file, pending[0], pending[2]))
+                    self._count(pending[4])
+                    out.extend(_coll_records(m, file, pending[0], pending[2], pending[4]))
                     self.expect_tail = (m.group(9) == " stream"
                                         and m.end() == len(pending[1].rstrip()))
                     self.pending = None
@@ -187,9 +238,8 @@ class LineParser:
                     out.append(_incomplete(file, pending))
                     self.pending = None
                 return out
-            out.append(_incomplete(file, pending))
-            self.pending = None
-        if "NCCL" not in line:
+            out.extend(self._drop_pending())
+        if "NCCL" not in line and not heads:
             if self.expect_tail and fmt.STREAM_TAIL_RE.match(line):
                 st.continuation_lines += 1
             else:
@@ -197,32 +247,43 @@ class LineParser:
             self.expect_tail = False
             return out
         self.expect_tail = False
-        mark = fmt.INFO_MARK
+        mark, n_mark = fmt.INFO_MARK, len(fmt.INFO_MARK)
+        marks = []
         pos = line.find(mark)
-        if pos < 0:
+        while pos >= 0:
+            marks.append(pos)
+            pos = line.find(mark, pos + n_mark)
+        anchors = [(p, True) for p in marks]
+        if heads:
+            owned = {fmt.op_run_end(line, p + n_mark) for p in marks}
+            lost = [(s, False) for s, colon in heads if colon not in owned]
+            if lost:
+                anchors = sorted(anchors + lost)
+        if not anchors:
             out.extend(_non_info_line(line, file, line_no, st))
             return out
-        cache, coll_match = self.cache, fmt.COLL_RE.match
+        if not marks and "NCCL" in line[:anchors[0][0]]:  # e.g. a WARN line, then the record
+            out.extend(_non_info_line(line[:anchors[0][0]], file, line_no, st,
+                                      count_plain=False))
+        coll_match, head_match = fmt.COLL_RE.match, fmt.COLL_HEAD_RE.match
         lo = 0
-        while pos >= 0:
-            start = pos + len(mark)
-            nxt = line.find(mark, start)
-            end = nxt if nxt >= 0 else len(line)
-            ptext = line[lo:pos]
-            prefix = cache.get(ptext)
-            if prefix is None:
-                if len(cache) >= _PREFIX_CACHE_MAX:
-                    cache.clear()
-                prefix = cache[ptext] = parse_prefix(ptext)
+        last = len(anchors) - 1
+        for k, (at, is_mark) in enumerate(anchors):
+            end = anchors[k + 1][0] if k < last else len(line)
+            if is_mark:
+                start = at + n_mark
+                prefix = self._prefix(line[lo:at])
+            else:
+                start, prefix = at, _NO_PREFIX
             m = coll_match(line, start, end)
             if m is not None and m.group(9) is not None:
-                st.coll_lines += 1
-                out.extend(_coll_records(m, file, line_no, prefix))
+                self._count(not is_mark)
+                out.extend(_coll_records(m, file, line_no, prefix, not is_mark))
                 lo = m.end()
-                self.expect_tail = nxt < 0 and m.group(9) == " stream"
-            elif m is not None or fmt.COLL_HEAD_RE.match(line, start, end):
-                if nxt < 0:
-                    self.pending = [line_no, line[start:], prefix, 0]
+                self.expect_tail = k == last and m.group(9) == " stream"
+            elif m is not None or not is_mark or head_match(line, start, end):
+                if k == last:
+                    self.pending = [line_no, line[start:], prefix, 0, not is_mark]
                 else:
                     out.append(ParseIssue(file, line_no, "incomplete COLL line (another "
                                           "record starts before its 'stream' field)",
@@ -231,8 +292,20 @@ class LineParser:
             else:
                 lo = start
                 out.extend(_other_info(line[start:end], file, line_no, prefix, st))
-            pos = nxt
         return out
+
+    def _count(self, unattributed: bool) -> None:
+        if unattributed:
+            self.stats.unattributed += 1
+        else:
+            self.stats.coll_lines += 1
+
+    def _drop_pending(self) -> list[ParseIssue]:
+        if self.pending is None:
+            return []
+        issue = _incomplete(self.file, self.pending)
+        self.pending = None
+        return [issue]
 
 
 def iter_nccl_records(
@@ -251,11 +324,11 @@ def iter_nccl_records(
     parser = LineParser(file, st)
     fast = fmt.FAST_COLL_LINE_RE.match
     new = tuple.__new__
-    tails: dict[str, tuple] = {}  # fast-path prefix -> (host, pid, tid, cuda_dev, None)
+    tails: dict[str, tuple] = {}  # prefix -> (host, pid, tid, cuda_dev, None, False)
     op_names, dtypes = fmt.NCCL_OP_NAMES, fmt.NCCL_DATATYPES_BY_TEXT
     line_no = 0
     for line_no, line in enumerate(lines, 1):
-        if parser.pending is None:
+        if parser.pending is None and line.isascii():  # other lines: checked for UTF-8
             m = fast(line)
             if m is not None:
                 ptext, nccl_op, opc, count, dt, redop, root, comm, nranks = m.groups()
@@ -266,7 +339,7 @@ def iter_nccl_records(
                     if tail is None:
                         if len(tails) >= _PREFIX_CACHE_MAX:
                             tails.clear()
-                        tail = tails[ptext] = parse_prefix(ptext)[1:] + (None,)
+                        tail = tails[ptext] = parse_prefix(ptext)[1:] + (None, False)
                     parser.expect_tail = False
                     st.coll_lines += 1
                     yield new(CollRecord, (
@@ -288,54 +361,64 @@ def _incomplete(file: str, pending: list, at_end: bool = False) -> ParseIssue:
                       "'stream' field; NCCL prints it last)", pending[1])
 
 
-def _coll_records(m, file: str, line_no: int, prefix: tuple) -> Iterator[Record]:
+def _coll_records(m, file: str, line_no: int, prefix: tuple,
+                  unattributed: bool = False) -> Iterator[Record]:
     nccl_op, opc, count, dt, redop, root, comm, nranks, _ = m.groups()
+    if unattributed:
+        name, names = fmt.lost_op_name(nccl_op)
+        if name is None:
+            yield ParseIssue(file, line_no, "COLL line without its prefix whose op name is "
+                             f"glued to the text before it ({nccl_op!r}: the op is "
+                             f"{' or '.join(names)}); no event", m.group(0))
+            return
+        nccl_op = name
     op = fmt.NCCL_OP_NAMES.get(nccl_op)
     if op is None:
         what = "unsupported op" if nccl_op in fmt.UNSUPPORTED_OP_NAMES else "unknown op"
         yield ParseIssue(file, line_no, f"{what} {nccl_op!r} (no canonical op in "
                          "tracer.events.OPS)", m.group(0))
         return
-    datatype = int(dt)
+    dec = fmt.decimal
+    datatype = dec(dt)
     dtype = fmt.NCCL_DATATYPES.get(datatype)
     if dtype is None:
-        yield ParseIssue(file, line_no, f"unknown datatype {datatype} (NCCL enum 0-11); "
-                         "event kept with dtype=None", m.group(0))
+        yield ParseIssue(file, line_no, f"unknown datatype {fmt.show_int(datatype)} (NCCL "
+                         "enum 0-11); event kept with dtype=None", m.group(0))
     t_ns, host, pid, tid, dev = prefix
-    yield CollRecord(file, line_no, op, nccl_op, int(opc, 16), int(count), datatype, dtype,
-                     int(redop), int(root), comm, int(nranks) if nranks else None, host, pid,
-                     tid, dev, t_ns)
+    yield CollRecord(file, line_no, op, nccl_op, int(opc, 16), dec(count), datatype, dtype,
+                     dec(redop), dec(root), comm, dec(nranks) if nranks else None, host, pid,
+                     tid, dev, t_ns, unattributed)
 
 
 def _other_info(body: str, file: str, line_no: int, prefix: tuple, st: ParseStats):
     if any(marker in body for marker in fmt.INIT_MARKERS):
-        m = fmt.INIT_RE.search(body)
-        if m is None:
+        groups = fmt.match_init(body)
+        if groups is None:
             yield ParseIssue(file, line_no, "unreadable INIT/DESTROY line (expected 'comm %p "
                              "rank %d nranks %d cudaDev %d ... - Init COMPLETE')", body)
             return
-        func, comm, rank, nranks, dev, rest, what, state = m.groups()
+        func, comm, rank, nranks, dev, rest, what, state = groups
         f = dict(fmt.INIT_FIELD_RE.findall(rest))
         split = f.get("splitCount", f.get("childCount"))
         st.init_lines += 1
         _, host, pid, tid, _ = prefix
+        dec = fmt.decimal
         yield InitRecord(
-            file, line_no, state if what == "Init" else "DESTROY", func, comm, int(rank),
-            int(nranks), int(dev), f.get("commId"), f.get("parent"),
-            int(split) if split and split.lstrip("-").isdigit() else None,
-            _int_or_none(f.get("color")), _int_or_none(f.get("key")), host, pid, tid)
+            file, line_no, state if what == "Init" else "DESTROY", func, comm, dec(rank),
+            dec(nranks), dec(dev), f.get("commId"), f.get("parent"),
+            fmt.decimal_or_none(split), _int_or_none(f.get("color")),
+            _int_or_none(f.get("key")), host, pid, tid)
         return
     st.ignored["INFO (other subsystems)"] += 1
 
 
 def _int_or_none(text: str | None) -> int | None:
-    if text is None:
-        return None
-    text = text.rstrip("-")
-    return int(text) if text.lstrip("-").isdigit() else None
+    """``color`` / ``key`` value: ``-?[0-9]+`` with trailing dashes dropped, else ``None``."""
+    return None if text is None else fmt.decimal_or_none(text.rstrip("-"))
 
 
-def _non_info_line(line: str, file: str, line_no: int, st: ParseStats):
+def _non_info_line(line: str, file: str, line_no: int, st: ParseStats,
+                   count_plain: bool = True):
     if "created ncclComm_" in line:
         m = fmt.TORCH_COMM_RE.search(line)
         if m is None:
@@ -346,12 +429,13 @@ def _non_info_line(line: str, file: str, line_no: int, st: ParseStats):
         pg, _guid, name, rank, comm = m.groups()
         g = fmt.GLOG_RE.search(line, 0, m.start())
         st.torch_lines += 1
-        yield TorchCommRecord(file, line_no, pg, name, int(rank), comm,
+        yield TorchCommRecord(file, line_no, pg, name, fmt.decimal(rank), comm,
                               fmt.decode_torch_device(line[m.end():]),
-                              int(g.group(1)) if g else None)
+                              fmt.decimal(g.group(1)) if g else None)
         return
     for level in ("WARN", "CALL", "TRACE", "ABORT"):
         if f"NCCL {level}" in line:
             st.ignored[level] += 1
             return
-    st.plain_lines += 1
+    if count_plain:
+        st.plain_lines += 1

@@ -7,7 +7,9 @@ order, which keeps its state (wrapped lines) across fast lines exactly as line-b
 reading would. The COLL rows of both are merged in stream order and resolved by
 :class:`tracer.nccl_resolve.Resolver` segment by segment (INIT / PyTorch records end a
 segment). Rows carry the resolution known at their line (what streaming gives) and their
-communicator epoch, so :func:`apply_final_fixes` can correct them at the end.
+communicator epoch, so :func:`apply_final_fixes` can correct them at the end. Rows of records
+that lost their prefix (unattributed) skip resolution: rank, group_rank, group_id, seq and
+epoch null, group_size as logged.
 
 Memory: one block, the communicator state, and the issues kept (all, or a bounded number).
 """
@@ -73,7 +75,8 @@ def _range_issue(rec, file: str) -> ParseIssue | None:
     for name, value, (lo, hi) in checks:
         if value is not None and not lo <= value < hi:
             kind = "int32" if hi == _I32[1] else "int64"
-            return ParseIssue(file, rec.line_no, f"{name} {value} out of range (the event "
+            return ParseIssue(file, rec.line_no, f"{name} {fmt.show_int(value)} out of range "
+                              f"(the event "
                               f"schema stores it as {kind}); record skipped",
                               type(rec).__name__)
     return None
@@ -82,10 +85,11 @@ def _range_issue(rec, file: str) -> ParseIssue | None:
 class _Rows:
     """COLL rows of one block before resolution: numpy columns in stream order. ``pos``:
     where the record was read (line index in the block * stride + record index in the line);
-    ``line_no``: the line it starts on (a wrapped record is read on a later line)."""
+    ``line_no``: the line it starts on (a wrapped record is read on a later line); ``una``:
+    the record lost its prefix (not resolved, see :mod:`tracer.nccl_log`)."""
 
     __slots__ = ("pos", "line_no", "op", "count", "dt", "root", "comm", "nranks", "proc",
-                 "t_ns", "t_valid")
+                 "t_ns", "t_valid", "una")
 
     def __init__(self, **cols):
         for k in self.__slots__:
@@ -197,7 +201,8 @@ class EventBatches:
                          nranks=fast.nranks, proc=proc_idx[fast.prefix],
                          t_ns=fast.t_ns if fast.t_ns is not None else np.zeros(m, np.int64),
                          t_valid=(fast.t_valid if fast.t_valid is not None
-                                  else np.zeros(m, bool)))
+                                  else np.zeros(m, bool)),
+                         una=np.zeros(m, bool))
         if colls:
             comm_index = {c: i for i, c in enumerate(self._comms)}
             for _, _, r in colls:
@@ -219,7 +224,8 @@ class EventBatches:
                 proc=np.array([self._proc(procs, (None, r.host, r.pid, None, r.cuda_dev))
                                for r in recs], np.int64),
                 t_ns=np.array([r.t_start_ns or 0 for r in recs], np.int64),
-                t_valid=np.array([r.t_start_ns is not None for r in recs], bool))
+                t_valid=np.array([r.t_start_ns is not None for r in recs], bool),
+                una=np.array([r.unattributed for r in recs], bool))
             rows = slow if rows is None else _Rows.concat(rows, slow)
         return rows
 
@@ -241,14 +247,18 @@ class EventBatches:
         for j in range(len(barriers) + 1):
             a, b = cuts[j], cuts[j + 1]
             if b > a:
-                segs.append((a, b, self._segment(file, block, rows, a, b)))
+                idx = slice(a, b)  # a view, unless unattributed rows (not resolved) are out
+                if rows.una[a:b].any():
+                    idx = np.arange(a, b)[~rows.una[a:b]]
+                if len(rows.pos[idx]):
+                    segs.append((idx, self._segment(file, rows, idx)))
             if j < len(barriers):
                 rec = barriers[j][2]
                 (r.init if type(rec) is InitRecord else r.torch)(rec)
         bad = np.zeros(nrows, bool)
-        for a, b, seg in segs:
-            bad[a:b] = seg.bad
-            issues.extend((*divmod(int(rows.pos[a + k]), stride), iss)
+        for idx, seg in segs:
+            bad[idx] = seg.bad
+            issues.extend((*divmod(int(rows.pos[idx][k]), stride), iss)
                           for k, iss in zip(np.flatnonzero(seg.bad).tolist(), seg.issues))
         issues.sort(key=lambda t: (t[0], t[1]))
         limit = nrows
@@ -262,35 +272,38 @@ class EventBatches:
         self._emit([t[2] for t in issues])
         return out, None
 
-    def _segment(self, file, block, rows: _Rows, a: int, b: int):
+    def _segment(self, file, rows: _Rows, idx: slice | np.ndarray):
+        """Resolution of rows ``idx`` (a slice, or int64 ascending) of ``rows``."""
         procs = [proc_key(h, p, file) for h, p, _ in self._procs]
         proc_id = {p: i for i, p in enumerate(dict.fromkeys(procs))}
         same_proc = np.array([proc_id[p] for p in procs], np.int64)  # ignores cuda_dev
         ncomm = max(len(self._comms), 1)
-        kk = same_proc[rows.proc[a:b]] * ncomm + rows.comm[a:b]
+        proc, comm = rows.proc[idx], rows.comm[idx]
+        kk = same_proc[proc] * ncomm + comm
         if kk.min() == kk.max():
-            firsts, key = np.array([0]), np.zeros(b - a, np.int64)
+            firsts, key = np.array([0]), np.zeros(len(proc), np.int64)
         else:
             _, firsts, inv = np.unique(kk, return_index=True, return_inverse=True)
             order = np.argsort(firsts)
             rank_of = np.empty(len(order), np.int64)
             rank_of[order] = np.arange(len(order))
             key, firsts = rank_of[inv.ravel()], firsts[order]
-        keys = [(procs[rows.proc[a + f]], self._comms[rows.comm[a + f]],
-                 self._procs[rows.proc[a + f]][2]) for f in firsts.tolist()]
-        return self.resolver.resolve_segment(file, keys, key, rows.nranks[a:b],
-                                             rows.line_no[a:b])
+        keys = [(procs[proc[f]], self._comms[comm[f]], self._procs[proc[f]][2])
+                for f in firsts.tolist()]
+        return self.resolver.resolve_segment(file, keys, key, rows.nranks[idx],
+                                             rows.line_no[idx])
 
     def _batch(self, file, block, rows: _Rows, segs, keep: np.ndarray):
         nrows = len(rows.pos)
         res = {k: np.full(nrows, NULL) for k in ("rank", "group_rank", "group_size", "seq",
                                                  "epoch", "gid")}
         gids: list[str] = []
-        for a, b, seg in segs:
+        for idx, seg in segs:
             for k in ("rank", "group_rank", "group_size", "seq", "epoch"):
-                res[k][a:b] = getattr(seg, k)
-            res["gid"][a:b] = seg.key + len(gids)
+                res[k][idx] = getattr(seg, k)
+            res["gid"][idx] = seg.key + len(gids)
             gids.extend(seg.group_id)
+        res["group_size"][rows.una] = rows.nranks[rows.una]  # as logged, or null
         if not keep.all():
             rows = rows.take(keep)
             res = {k: v[keep] for k, v in res.items()}
@@ -308,10 +321,11 @@ class EventBatches:
             "source": _dictionary(np.zeros(m, np.int32), _SOURCE),
             "op": _dictionary(rows.op, _OPS),
             "rank": _int32(res["rank"]),
-            "group_id": _dictionary(res["gid"], pa.array(gids, pa.string())),
+            "group_id": _dictionary(res["gid"], pa.array(gids, pa.string()),
+                                    res["gid"] == NULL),
             "group_size": _int32(res["group_size"]),
             "group_rank": _int32(res["group_rank"]),
-            "seq": pa.array(res["seq"]),
+            "seq": _nullable(res["seq"], pa.int64()),
             "count": pa.array(rows.count),
             "dtype": _dictionary(dt, _DTYPES, ~dt_ok),
             "dtype_bytes": pa.array(dt_bytes.astype(np.int32), mask=~dt_ok),
