@@ -67,6 +67,9 @@ class RunLayout:
         fsdp_modules: modules wrapped with ``fully_shard`` in wrap order ("" = root, last).
         reshard_after_forward: FSDP2's and DMuon's Z3 flag.
         ddp_bucket_cap_bytes: DDP's ``bucket_cap_mb`` in bytes.
+        ddp_first_bucket_cap_bytes: DDP's first-bucket cap in bytes; ``None`` when
+            ``bucket_cap_mb`` was given explicitly (torch 2.13 then uses the same cap),
+            1 MiB for DDP's defaults (:func:`ddp_buckets`).
         root_auto_reshard: the root was wrapped without ``reshard_after_forward`` (FSDP2 then
             keeps it unsharded after forward).
         mp_param_dtype: mixed precision's param dtype (torch name, e.g. ``"bfloat16"``) or
@@ -84,6 +87,7 @@ class RunLayout:
     fsdp_modules: tuple[str, ...] = ()
     reshard_after_forward: bool = True
     ddp_bucket_cap_bytes: int = 25 * 1024 * 1024
+    ddp_first_bucket_cap_bytes: int | None = None
     root_auto_reshard: bool = True
     mp_param_dtype: str | None = None
     mp_reduce_dtype: str | None = None
@@ -301,17 +305,27 @@ def _fsdp_calls(layout: RunLayout, rank: int, ignored: set[str]) -> list[Expecte
         def add(phase, op, gid, gsize, dt):
             out.append(Expected(rank, phase, op, gid, gsize, count, dt, None, module, ded))
 
-        add("forward", "all_gather", sid, n, dtype)
-        if layout.reshard_after_forward and not keeps_unsharded:
-            add("backward", "all_gather", sid, n, dtype)
-        add("backward", "reduce_scatter", sid, n, red)
+        # FSDP2 skips the all_gather and reduce_scatter of a one-rank shard group (torch 2.13
+        # _fsdp_param_group.py unshard: world_size == 1; _fsdp_collectives.py foreach_reduce:
+        # world_size > 1), but still all-reduces over the replicate axis (HSDP).
+        if n > 1:
+            add("forward", "all_gather", sid, n, dtype)
+            if layout.reshard_after_forward and not keeps_unsharded:
+                add("backward", "all_gather", sid, n, dtype)
+            add("backward", "reduce_scatter", sid, n, red)
         if r_size > 1:
             add("backward", "all_reduce", rid, r_size, red)
     return out
 
 
-def ddp_buckets(params: Sequence[ParamSpec], cap_bytes: int) -> list[list[ParamSpec]]:
+def ddp_buckets(params: Sequence[ParamSpec], cap_bytes: int,
+                first_cap_bytes: int | None = None) -> list[list[ParamSpec]]:
     """DDP's gradient buckets, from DDP's own assignment function (torch 2.13).
+
+    ``first_cap_bytes``: the first bucket's cap. torch 2.13 (``BucketCapacityConfig`` in
+    torch/nn/parallel/distributed.py) uses ``dist._DEFAULT_FIRST_BUCKET_BYTES`` (1 MiB) only when
+    ``bucket_cap_mb`` is left at its default; an explicit ``bucket_cap_mb`` makes the first
+    bucket as large as the others. ``None``: the explicit case (first = ``cap_bytes``).
 
     Raises:
         RuntimeError: torch's private ``_compute_bucket_assignment_by_size`` is missing.
@@ -319,10 +333,11 @@ def ddp_buckets(params: Sequence[ParamSpec], cap_bytes: int) -> list[list[ParamS
     if not params:
         return []
     tensors = [torch.empty(p.shape, dtype=getattr(torch, p.dtype), device="meta") for p in params]
+    first = cap_bytes if first_cap_bytes is None else first_cap_bytes
     # DDP assigns over params in model order with [first bucket cap, bucket_cap].
     indices, _ = dist._compute_bucket_assignment_by_size(
         tensors,
-        [dist._DEFAULT_FIRST_BUCKET_BYTES, cap_bytes],
+        [first, cap_bytes] if first < cap_bytes else [cap_bytes],
         [False] * len(tensors),
     )
     return [[params[i] for i in bucket] for bucket in indices]
@@ -332,7 +347,8 @@ def _ddp_calls(layout: RunLayout, rank: int, ignored: set[str]) -> list[Expected
     wid = group_id_from_ranks(range(layout.world_size))
     muon = set(layout.muon_names)
     out = []
-    for bucket in ddp_buckets([p for p in layout.params if p.name not in ignored], layout.ddp_bucket_cap_bytes):
+    for bucket in ddp_buckets([p for p in layout.params if p.name not in ignored],
+                              layout.ddp_bucket_cap_bytes, layout.ddp_first_bucket_cap_bytes):
         out.append(
             Expected(
                 rank,

@@ -85,7 +85,8 @@ def layout_from_job(model: nn.Module, dedicated: dmuon.DedicatedParams) -> RunLa
                              "Must be a 1-D mesh (HSDP uses fully_shard).")
         specs = tuple(specs_from_named_parameters(model.module.named_parameters()))
         return RunLayout(mode="dmuon-ddp", params=specs, reshard_after_forward=z3,
-                         ddp_bucket_cap_bytes=int(model.bucket_bytes_cap), **common)
+                         ddp_bucket_cap_bytes=int(model.bucket_bytes_cap),
+                         ddp_first_bucket_cap_bytes=_ddp_first_bucket_cap(model), **common)
     from torch.distributed.fsdp import FSDPModule
 
     wrapped = [(name, m) for name, m in model.named_modules() if isinstance(m, FSDPModule)]
@@ -252,3 +253,13 @@ class TrafficWindow:
                 self._interposer = None
             return
         self.finish()
+
+
+def _ddp_first_bucket_cap(model) -> int | None:
+    """The live DDP object's first-bucket cap (torch 2.13 ``BucketCapacityConfig``), or
+    ``None`` when it equals the other buckets' cap (an explicit ``bucket_cap_mb``)."""
+    config = getattr(model, "_bucket_config", None)
+    first = getattr(config, "first_bucket_bytes_cap", None)
+    if first is None or first >= int(model.bucket_bytes_cap):
+        return None
+    return int(first)

@@ -212,28 +212,34 @@ def fsdp_groups(layout: RunLayout, ignored: set[str]) -> list[tuple[str, list[Pa
 
 
 def _add_fsdp(t: Tally, layout: RunLayout, ignored: set[str]) -> None:
+    """FSDP2's calls per group, in the mixed-precision dtypes (all_gather in param_dtype,
+    reduce_scatter / all_reduce in reduce_dtype); no all_gather / reduce_scatter on a one-rank
+    shard group (:func:`verify.predict` documents the torch 2.13 source)."""
     n, r = layout.shard_size, layout.replicate_size
     muon = set(layout.muon_names)
     for module, managed in fsdp_groups(layout, ignored):
-        dtypes = {p.dtype for p in managed}
+        dtypes = {layout.cast_dtype(p.dtype) for p in managed}
         if len(dtypes) != 1:
             raise ValueError(
                 f"Invalid FSDP group {module or '<root>'}: mixed dtypes {sorted(dtypes)}; the "
                 "model covers one dtype per fully_shard group."
             )
-        size = _nbytes(managed[0])
+        size = _dtype_bytes(dtypes.pop())
+        red = _dtype_bytes(layout.reduce_dtype(managed[0].dtype))
         count = sum(padded_shard_numel(p.shape, n) for p in managed)
         ded = sum(padded_shard_numel(p.shape, n) for p in managed if p.name in muon)
-        t.add("forward", "all_gather", "shard", n, count, size, ded)
-        if layout.reshard_after_forward and not (module == "" and layout.root_auto_reshard):
-            t.add("backward", "all_gather", "shard", n, count, size, ded)
-        t.add("backward", "reduce_scatter", "shard", n, count, size, ded)
+        if n > 1:
+            t.add("forward", "all_gather", "shard", n, count, size, ded)
+            if layout.reshard_after_forward and not (module == "" and layout.root_auto_reshard):
+                t.add("backward", "all_gather", "shard", n, count, size, ded)
+            t.add("backward", "reduce_scatter", "shard", n, count, red, ded)
         if r > 1:
-            t.add("backward", "all_reduce", "replicate", r, count, size, ded)
+            t.add("backward", "all_reduce", "replicate", r, count, red, ded)
 
 
 def _ddp_bucket_lists(layout: RunLayout, ignored: set[str]) -> list[list[ParamSpec]]:
-    return ddp_buckets([p for p in layout.params if p.name not in ignored], layout.ddp_bucket_cap_bytes)
+    return ddp_buckets([p for p in layout.params if p.name not in ignored],
+                       layout.ddp_bucket_cap_bytes, layout.ddp_first_bucket_cap_bytes)
 
 
 def _add_ddp(t: Tally, layout: RunLayout, ignored: set[str]) -> None:

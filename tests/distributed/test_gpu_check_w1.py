@@ -39,19 +39,9 @@ def test_traffic_at_w1_dmuon_ddp(pool1, tmp_path):
     assert run["pass"], run
 
 
-#: Why dmuon-z2/z3 at W=1 fail today (imperative xfail below, only for exactly this gap).
-FSDP2_W1_GAP = (
-    "FSDP2 issues no all_gather / reduce_scatter when its shard group has one rank (measured; "
-    "torch 2.13 fsdp/_fully_shard: _fsdp_param_group.py unshard's world_size == 1 branch, "
-    "_fsdp_collectives.py foreach_reduce's world_size > 1 guard); verify.predict still "
-    "predicts them, so gpu-check's dmuon-z2/z3 pass only "
-    "once the predictor models W=1")
-
-
 @pytest.mark.parametrize("mode", ["dmuon-z2", "dmuon-z3"])
 def test_traffic_at_w1_fsdp2_modes(pool1, tmp_path, mode):
+    # FSDP2 issues no all_gather / reduce_scatter on a one-rank shard group; the predictor
+    # models that (verify/predict.py, _fsdp_calls)
     (run,) = pool1.run(_w1_traffic, mode, str(tmp_path))
-    if not run["pass"]:
-        assert not run["unexpected"], run
-        assert {m["op"] for m in run["missing"]} == {"all_gather", "reduce_scatter"}, run
-        pytest.xfail(FSDP2_W1_GAP)
+    assert run["pass"], run

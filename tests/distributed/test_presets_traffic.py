@@ -11,17 +11,7 @@ from verify.traffic import MODES
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow, pytest.mark.timeout(300)]
 
-#: ddp-muon: torch 2.13's DDP makes the first bucket as large as an explicit ``bucket_cap_mb``
-#: (``BucketCapacityConfig``, torch/nn/parallel/distributed.py), so llama-tiny's 7.1 MB of
-#: gradients go in one all_reduce; verify.predict.ddp_buckets still caps the first bucket at
-#: 1 MiB and predicts two. Owned by the predictor; strict, so the fix shows up here.
-_KNOWN = {"ddp-muon": "predictor's DDP first-bucket cap (see module comment)"}
-
-
-@pytest.mark.parametrize("mode", [
-    pytest.param(m, marks=pytest.mark.xfail(strict=True, reason=_KNOWN[m])) if m in _KNOWN else m
-    for m in MODES
-])
+@pytest.mark.parametrize("mode", MODES)
 def test_llama_tiny_w4(pool4, tmp_path, mode):
     report = pool4.run(record_tasks.run_user_model, str(tmp_path), (mode,), "llama-tiny")[0]
     run = report["runs"][0]
