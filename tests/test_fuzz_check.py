@@ -18,7 +18,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tests.fuzz_support import EDITS, fast, mutate, slow, time_limit
+from tests.fuzzing import apply, fast, mutations, slow, time_limit
 from tests.test_check import LAYOUT, measured
 from tracer.events import to_table, write_parquet
 from verify.check import check_events
@@ -29,9 +29,10 @@ EVENTS = measured(STEPS)
 FIELDS = ("rank", "op", "count", "dtype", "group_size", "root", "phase", "group_id")
 
 
-def _run_cli(args: list[str]) -> tuple[int, str, str]:
+def _run_cli(args: list[str], what: str) -> tuple[int, str, str]:
     out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), time_limit(20):
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), \
+            time_limit(20, what):
         try:
             rc = dmuon_verify(args)
         except SystemExit as exc:  # argparse
@@ -50,7 +51,7 @@ def row_edits(draw):
 def _multiset_property(drop, dup):
     events = [ev for i, ev in enumerate(EVENTS) if i not in drop]
     events += [EVENTS[i].replace(source_ref=f"dup#{k}") for k, i in enumerate(dup)]
-    with time_limit(20):
+    with time_limit(20, f"events with rows {drop} dropped and {dup} duplicated"):
         result = check_events(events, LAYOUT, STEPS)
     missing = sum(n for _, n in result["missing"])
     unexpected = sum(n for _, n in result["unexpected"])
@@ -104,10 +105,12 @@ def _cli_case(column_mutation, row_changes, steps, byte_edits):
         path = Path(tmp) / "events.parquet"
         pq.write_table(table, path)
         if byte_edits:
-            path.write_bytes(mutate(path.read_bytes(), byte_edits))
+            path.write_bytes(apply(path.read_bytes(), byte_edits))
         (Path(tmp) / "layout.json").write_text(json.dumps(LAYOUT.to_dict()))
         args = ["check", str(path), "--against", tmp] + ([] if steps is None else ["--steps", str(steps)])
-        rc, out, err = _run_cli(args)
+        what = (f"table with column {column_mutation[0] if column_mutation else None!r} mutated, "
+                f"row changes {row_changes!r}, byte edits {byte_edits!r}, steps {steps}")
+        rc, out, err = _run_cli(args, what)
     assert rc in (0, 1, 2), (rc, out, err)
     if rc == 2:
         assert err.strip() and not out.strip()
@@ -117,7 +120,7 @@ def _cli_case(column_mutation, row_changes, steps, byte_edits):
 
 @fast(40)
 @given(column_mutation=st.none() | COLUMN_MUTATIONS, row_changes=ROW_CHANGES,
-       steps=st.none() | st.integers(-1, 3), byte_edits=st.just([]) | st.lists(EDITS, max_size=2))
+       steps=st.none() | st.integers(-1, 3), byte_edits=st.just([]) | mutations(max_edits=2))
 def test_mutated_tables_exit_0_1_or_2_without_traceback(column_mutation, row_changes, steps, byte_edits):
     _cli_case(column_mutation, row_changes, steps, byte_edits)
 
@@ -125,7 +128,7 @@ def test_mutated_tables_exit_0_1_or_2_without_traceback(column_mutation, row_cha
 @pytest.mark.slow
 @slow(2000)
 @given(column_mutation=st.none() | COLUMN_MUTATIONS, row_changes=ROW_CHANGES,
-       steps=st.none() | st.integers(-1, 3), byte_edits=st.just([]) | st.lists(EDITS, max_size=4))
+       steps=st.none() | st.integers(-1, 3), byte_edits=st.just([]) | mutations(max_edits=4))
 def test_mutated_tables_long(column_mutation, row_changes, steps, byte_edits):
     _cli_case(column_mutation, row_changes, steps, byte_edits)
 
@@ -140,4 +143,5 @@ def test_dropped_and_duplicated_rows_long(edits):
 def test_unmutated_table_passes(tmp_path):
     write_parquet(EVENTS, tmp_path / "e.parquet")
     (tmp_path / "layout.json").write_text(json.dumps(LAYOUT.to_dict()))
-    assert _run_cli(["check", str(tmp_path / "e.parquet"), "--against", str(tmp_path)])[0] == 0
+    assert _run_cli(["check", str(tmp_path / "e.parquet"), "--against", str(tmp_path)],
+                    "the unmutated table")[0] == 0

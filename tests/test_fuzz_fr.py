@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tests.fuzz_support import EDITS, fast, mutate, slow, time_limit
+from tests.fuzzing import apply, fast, mutations, slow, time_limit
 from tracer.events import write_parquet
 from tracer.flight_recorder import FR_DTYPES, FR_OPS, read_flight_recorder, summary_lines
 
@@ -35,12 +35,12 @@ def seeds(shared_fixtures) -> list[bytes]:
     return out
 
 
-def _parse_and_write(raw: bytes) -> None:
+def _parse_and_write(raw: bytes, what: str) -> None:
     """The property every input must satisfy (see the module docstring)."""
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "fr_rank1.json"
         path.write_bytes(raw)
-        with time_limit(LIMIT_S):
+        with time_limit(LIMIT_S, what):
             try:
                 read = read_flight_recorder(path)
             except ValueError as exc:
@@ -53,18 +53,20 @@ def _parse_and_write(raw: bytes) -> None:
 
 
 def _check(seeds, seed_index, edits):
-    _parse_and_write(mutate(seeds[seed_index % len(seeds)], edits))
+    seed = seed_index % len(seeds)
+    _parse_and_write(apply(seeds[seed], edits),
+                     f"seed {seed} (of {len(seeds)}) mutated by {edits!r}")
 
 
 @fast(60)
-@given(seed_index=st.integers(0, 5), edits=st.lists(EDITS, min_size=1, max_size=4))
+@given(seed_index=st.integers(0, 5), edits=mutations(max_edits=4))
 def test_byte_mutations_of_real_dumps(seeds, seed_index, edits):
     _check(seeds, seed_index, edits)
 
 
 @pytest.mark.slow
 @slow(3000)
-@given(seed_index=st.integers(0, 5), edits=st.lists(EDITS, min_size=1, max_size=12))
+@given(seed_index=st.integers(0, 5), edits=mutations(max_edits=12))
 def test_byte_mutations_of_real_dumps_long(seeds, seed_index, edits):
     _check(seeds, seed_index, edits)
 
@@ -135,7 +137,7 @@ def _serialise(dump: dict, as_pickle: bool) -> bytes:
 
 def _grammar(dump, as_pickle):
     raw = _serialise(dump, as_pickle)
-    _parse_and_write(raw)
+    _parse_and_write(raw, f"generated dump ({'pickle' if as_pickle else 'JSON'}) {dump!r:.300}")
     with tempfile.TemporaryDirectory() as tmp:  # nothing dropped silently: exact accounting
         path = Path(tmp) / "fr.json"
         path.write_bytes(raw)

@@ -5,10 +5,11 @@ the same way, and lines of repeated format words (long-line shapes).
 
 Every input must give a defined outcome: events and issues, never an exception (strict mode:
 only :class:`tracer.nccl_log.NcclLogError`, carrying the first issue); no hang (each input has
-a time limit, tests/fuzzing.py); and the columnar reader (RE2 + numpy fast path, in-memory
+a CPU-time limit, tests/fuzzing.py); and the columnar reader (RE2 + numpy fast path, in-memory
 blocks, Parquet writer) equals the line-by-line reference, as files read in small chunks and
-as in-memory lines. The default run (300 inputs) takes about 10 s on an idle machine (40 s at
-load 15); the ``slow`` variants (``make test-all``, 3,000 inputs) about ten times that.
+as in-memory lines. The default run (300 derandomized inputs) takes about 10 s on an idle
+machine (40 s at load 15); the ``slow`` variants (``make test-all``, 3,000 random inputs)
+about ten times that.
 """
 
 from __future__ import annotations
@@ -19,17 +20,17 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from tests.conftest import SHARED_FIXTURES
-from tests.fuzzing import apply, mutations, time_limit
+from tests.fuzzing import apply, fast, mutations, slow, time_limit
 from tests.tools.nccl_reference import assert_same, jobs, text_lines
 from tracer import nccl_columns
 from tracer.nccl_log import NcclLogError, nccl_logs_to_table
 
-#: Per input. Inputs are at most a few hundred KB: a linear parse takes milliseconds to a
-#: second on a loaded machine; a super-linear one takes far longer.
+#: Per input, in CPU seconds. Inputs are at most a few hundred KB: a linear parse takes
+#: milliseconds to a second; a super-linear one takes far longer.
 LIMIT_S = 60
 
 FIXTURES = (sorted(p.name for p in (SHARED_FIXTURES / "nccl").iterdir())
@@ -44,10 +45,6 @@ TOKENS = [t.encode() for t in (
     "[2026-05-05 06:16:47.123456] ", "[9999-99-99 99:99:99] ", "h:1:2 [0] ", "[3] ",
     "ProcessGroupNCCL created ncclComm_ 0x1 on CUDA device: \x03", "[PG 0 (default_pg) Rank 1] ",
     "I0527 15:16:57.738664 58629 ", "(nil)", "\r\n", "\r", "\n", "\u00b2", "\ufffd")]
-
-QUICK = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow,
-                                                   HealthCheck.data_too_large])
-
 
 @contextmanager
 def _chunk_bytes(n: int | None):
@@ -105,14 +102,14 @@ def _need_fixtures():
                     "DMUON_SHARED_FIXTURES)")
 
 
-@settings(max_examples=160, **QUICK)
+@fast(160)
 @given(FIXTURE_NAMES, mutations(TOKENS), CHUNKS)
 def test_mutated_fixtures(name, edits, chunk):
     _need_fixtures()
     _fixture_case(name, edits, chunk)
 
 
-@settings(max_examples=80, **QUICK)
+@fast(80)
 @given(jobs(), mutations(TOKENS, max_edits=4), CHUNKS)
 def test_mutated_generated_logs(job, edits, chunk):
     _job_case(job, edits, chunk)
@@ -133,14 +130,14 @@ def _long_lines(draw) -> list[str]:
     return lines
 
 
-@settings(max_examples=60, **QUICK)
+@fast(60)
 @given(_long_lines())
 def test_lines_of_repeated_format_words(lines):
     _check_bytes([("long.log", "".join(lines).encode())], None, f"{lines!r:.300}")
 
 
 @pytest.mark.slow
-@settings(max_examples=1600, **QUICK)
+@slow(1600)
 @given(FIXTURE_NAMES, mutations(TOKENS, max_edits=16), CHUNKS)
 def test_mutated_fixtures_long(name, edits, chunk):
     _need_fixtures()
@@ -148,14 +145,14 @@ def test_mutated_fixtures_long(name, edits, chunk):
 
 
 @pytest.mark.slow
-@settings(max_examples=800, **QUICK)
+@slow(800)
 @given(jobs(), mutations(TOKENS, max_edits=8), CHUNKS)
 def test_mutated_generated_logs_long(job, edits, chunk):
     _job_case(job, edits, chunk)
 
 
 @pytest.mark.slow
-@settings(max_examples=600, **QUICK)
+@slow(600)
 @given(_long_lines())
 def test_lines_of_repeated_format_words_long(lines):
     _check_bytes([("long.log", "".join(lines).encode())], None, f"{lines!r:.300}")

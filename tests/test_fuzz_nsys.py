@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tests.fuzz_support import EDITS, fast, mutate, slow, time_limit
+from tests.fuzzing import apply, fast, mutations, slow, time_limit
 from tests.test_nsys import REAL, _ddl, _gtid
 from tracer.events import write_parquet
 from tracer.nsys import NCCL_API_TO_OP, parse_nsys
@@ -31,8 +31,8 @@ def ddl(shared_fixtures) -> dict[str, str]:
     return _ddl(shared_fixtures)
 
 
-def _parse_and_write(path: Path) -> None:
-    with time_limit(LIMIT_S):
+def _parse_and_write(path: Path, what: str) -> None:
+    with time_limit(LIMIT_S, what):
         try:
             res = parse_nsys(path)
         except ValueError as exc:
@@ -49,23 +49,24 @@ def _parse_and_write(path: Path) -> None:
 def _mutated(real_bytes, edits):
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "mutated.sqlite"
-        path.write_bytes(mutate(real_bytes, edits))
-        _parse_and_write(path)
+        path.write_bytes(apply(real_bytes, edits))
+        _parse_and_write(path, f"{REAL} mutated by {edits!r}")
 
 
-# The header and schema pages come first: aim a third of the edits there.
-PAGE_EDITS = st.tuples(st.sampled_from(["flip", "set"]), st.floats(0, 0.02), st.binary(min_size=1, max_size=8))
+# The header and schema pages come first: aim some of the edits (flips, byte replacements)
+# at the first 2 % of the file.
+NEAR_START = 0.02
 
 
 @fast(5)
-@given(edits=st.lists(EDITS | PAGE_EDITS, min_size=1, max_size=3))
+@given(edits=mutations(max_edits=3, near_start=NEAR_START))
 def test_byte_mutations_of_the_real_export(real_bytes, edits):
     _mutated(real_bytes, edits)
 
 
 @pytest.mark.slow
 @slow(300)
-@given(edits=st.lists(EDITS | PAGE_EDITS, min_size=1, max_size=8))
+@given(edits=mutations(max_edits=8, near_start=NEAR_START))
 def test_byte_mutations_of_the_real_export_long(real_bytes, edits):
     _mutated(real_bytes, edits)
 
@@ -120,7 +121,7 @@ def _generated(ddl, export):
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "generated.sqlite"
         _build(path, ddl, *export)
-        with time_limit(LIMIT_S):
+        with time_limit(LIMIT_S, f"generated export {export!r:.300}"):
             res = parse_nsys(path)  # a well-formed file: no error at all, whatever the rows
         write_parquet(res.events, path.with_suffix(".parquet"))
         res.details.to_parquet(path.with_suffix(".details.parquet"))
