@@ -71,6 +71,7 @@ def test_uneven_shapes_padding_predicted_exactly(pool4, mode):
     assert run["pass"]
 
 
+@pytest.mark.slow  # W=4, W=3 (slow) and the uneven-shape runs cover the same paths in make test
 @pytest.mark.parametrize("mode", ["dmuon-ddp", "dmuon-z2", "dmuon-z3", "naive-fsdp2-z2"])
 def test_w2_exact(pool2, mode):
     run, _ = _compare(pool2, mode)
