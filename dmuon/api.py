@@ -25,6 +25,7 @@ def dedicate_params(
     predicate: Predicate | None = None,
     reshard_after_forward: bool = True,
     mp_policy=None,
+    prefetch_depth: int = 1,
 ) -> DedicatedParams:
     """Give every Muon-target matrix of ``model`` one owner rank and install DMuon's hooks.
 
@@ -44,6 +45,10 @@ def dedicate_params(
             ``fully_shard`` takes): forward runs on ``param_dtype`` copies, broadcasts send
             them, reduces run in ``reduce_dtype``; owners keep fp32 master weights and
             momentum (README, "Mixed precision"). ``None``: everything in the params' dtype.
+        prefetch_depth: how many buckets ahead of the one a module needs the forward
+            broadcasts (and Z3's backward re-broadcasts, in backward order) are issued,
+            asynchronously; ``0`` issues each when it is needed. Changes when calls are
+            issued, never which (README, "Overlap").
 
     Returns:
         The :class:`DedicatedParams` handle.
@@ -51,7 +56,8 @@ def dedicate_params(
     Raises:
         ValueError: ``model`` is already DDP- or FSDP2-wrapped, ``dedicate_params`` was already
             called on it, a dedicated param is not 2-D, frozen or not in the model,
-            ``reshard_after_forward`` is not a bool, or the mesh is invalid (see
+            ``reshard_after_forward`` is not a bool, ``prefetch_depth`` is not an int
+            >= 0, or the mesh is invalid (see
             ``topology_from_mesh``). All checked locally, before any collective.
         RuntimeError: the ranks computed different setups (plan, ``reshard_after_forward``,
             mixed-precision policy, devices: :func:`setup_digest`), checked with one
@@ -78,6 +84,11 @@ def dedicate_params(
             "rank, and keep the returned handle (pass it to DMuon and to fully_shard's "
             "ignored_params); to start over, build a fresh model."
         )
+    if isinstance(prefetch_depth, bool) or not isinstance(prefetch_depth, int) or prefetch_depth < 0:
+        raise ValueError(
+            f"Invalid prefetch_depth={prefetch_depth!r}. Must be an int >= 0 (buckets whose "
+            "broadcast is issued ahead of the module that needs them; 1 is the default)."
+        )
     topology = topology_from_mesh(mesh)
     named = select_params(model, params, predicate)
     if not named:
@@ -97,7 +108,7 @@ def dedicate_params(
         model, [n for n, _, _ in named]
     )
     dm = DedicatedParams(model, named, topology, plan, reshard_after_forward, mesh=mesh,
-                         mp_policy=mp_policy)
+                         mp_policy=mp_policy, prefetch_depth=prefetch_depth)
     _mark_dedicated(p for _, p, _ in named)
     return checkpoint.install(model, dm)  # state_dict / load_state_dict hooks
 

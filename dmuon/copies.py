@@ -41,6 +41,7 @@ class Bucket:
     ready: set[int] = field(default_factory=set)
     used: list[bool] = field(default_factory=list)
     replicate_work: dist.Work | None = None
+    broadcast_work: dist.Work | None = None  # in-flight forward / backward broadcast into lp
     reduce_work: dist.Work | None = None
     reduce_buf: torch.Tensor | None = None
 

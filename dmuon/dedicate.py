@@ -29,11 +29,15 @@ ranks only), so calls always pair up with the same bucket on every rank.
 Per step (SPEC §1):
 
 1. **forward** (channel ``broadcast``, phase ``forward``): a forward cursor walks the buckets
-   in index order. A driver's pre-hook advances it to the driver's last bucket; the root's
-   post-hook advances it to the end (so buckets of modules that did not run on this rank are
-   still sent). Each bucket the cursor passes first waits for its pending replicate
-   broadcast (HSDP), then, if not valid, is broadcast from its holder (shard group rank
-   ``s``) and becomes valid. Exactly one broadcast per invalid bucket per forward.
+   in index order. A driver's pre-hook advances it to the driver's last bucket ``hi``; the
+   root's post-hook advances it to the end (so buckets of modules that did not run on this
+   rank are still sent). Advancing to ``hi`` first *issues* every bucket up to
+   ``hi + prefetch_depth`` not issued yet (each waits for its pending replicate broadcast
+   (HSDP), then, if not valid, is broadcast from its holder, shard group rank ``s``,
+   asynchronously), then *waits* for every bucket up to ``hi``, which become valid. So while
+   a module computes, the broadcasts of the next ``prefetch_depth`` buckets are in flight.
+   Exactly one broadcast per invalid bucket per forward, issued in index order on every
+   rank (``prefetch_depth`` moves when a call is issued, never which or in what order).
 2. **after forward**, Z3 (``reshard_after_forward=True``): a driver's post-hook frees the
    non-holders' storage of the buckets in its subtree that the cursor passed; the root's
    post-hook frees the rest. Every bucket is then invalid on every rank. Running a module
@@ -43,7 +47,10 @@ Per step (SPEC §1):
    the buckets in reverse index order. A driver's pre-backward hook (its outputs' first
    grad) advances it to the driver's first bucket; activation-checkpoint recompute (a
    driver's forward while backward runs) does the same and neither frees nor broadcasts in
-   forward; the end of backward flushes the rest. Each bucket is re-broadcast exactly once.
+   forward; the end of backward flushes the rest. Each bucket is re-broadcast exactly once,
+   issued ``prefetch_depth`` buckets ahead in that reverse order (asynchronous, waited when
+   the cursor reaches it). A bucket's storage is never freed while a broadcast into it is
+   in flight (the free waits for it first).
 4. **backward reduces** (channel ``reduce``, phase ``backward``): buckets reduce (sum) to the
    holder over the shard axis in reverse index order, asynchronously, each as soon as it and
    every bucket before it in that order have all their grads; at the end of backward every
@@ -141,7 +148,9 @@ class DedicatedParams:
         *,
         mesh=None,
         mp_policy=None,
+        prefetch_depth: int = 1,
     ) -> None:
+        self.prefetch_depth = prefetch_depth
         self.names = [n for n, _, _ in named]
         self.mp_policy = mp_policy
         self._param_dtype, self._reduce_dtype = precision.dtypes(mp_policy)
@@ -157,8 +166,10 @@ class DedicatedParams:
         self.groups = collectives.make_groups(rows)
         self._build_buckets(model, named)
         self._root = model
-        self._fwd_cursor = 0  # next bucket index the forward cursor visits
-        self._rb_cursor = -1  # next bucket index the re-broadcast cursor visits (downwards)
+        self._fwd_cursor = 0  # next bucket index the forward cursor waits for
+        self._fwd_issued = 0  # next bucket index the forward cursor issues (prefetch)
+        self._rb_cursor = -1  # next bucket index the re-broadcast cursor waits for (downwards)
+        self._rb_issued = -1  # next bucket index the re-broadcast cursor issues (downwards)
         self._reduce_cursor = 0  # position in reverse index order
         self._no_sync = False
         self._handles: list = []
@@ -401,6 +412,7 @@ class DedicatedParams:
         """Leave the state an exception left behind (module docstring, 'Outside the step')."""
         old = self._state.recover()
         for b in self.buckets:
+            self._wait_broadcast(b)
             if b.reduce_work is not None:
                 b.reduce_work.wait()
             b.reduce_work = b.reduce_buf = None
@@ -417,8 +429,8 @@ class DedicatedParams:
         for b in self.buckets:
             b.ready.clear()
             self._free_non_holder(b)
-        self._fwd_cursor = 0
-        self._rb_cursor = -1
+        self._fwd_cursor = self._fwd_issued = 0
+        self._rb_cursor = self._rb_issued = -1
         self._reduce_cursor = 0
         if self._state.state != S.IDLE:
             self._state.to(S.IDLE)
@@ -428,7 +440,7 @@ class DedicatedParams:
             self._recover()  # the last forward or backward raised
         self._rebind_if_moved()
         self._state.to(S.FORWARD)
-        self._fwd_cursor = 0
+        self._fwd_cursor = self._fwd_issued = 0
         for b in self.buckets:  # mixed precision: master copies of non-holders (sync) go
             if b.mixed and not b.is_holder and residency.is_allocated(b.flat):
                 b.free_master()
@@ -459,7 +471,7 @@ class DedicatedParams:
                 "`with dm.no_sync():`."
             )
         self._state.to(S.BACKWARD)
-        self._rb_cursor = len(self.buckets) - 1
+        self._rb_cursor = self._rb_issued = len(self.buckets) - 1
         self._reduce_cursor = 0
         torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
 
@@ -554,18 +566,30 @@ class DedicatedParams:
 
     # ------------------------------------------------------------------ cursors
     def _advance_forward(self, last: int) -> None:
-        while self._fwd_cursor <= last:
-            b = self.buckets[self._fwd_cursor]
+        """Wait for every bucket up to ``last``, after issuing up to ``prefetch_depth``
+        buckets beyond it (module docstring, step 1)."""
+        end = min(last + self.prefetch_depth, len(self.buckets) - 1)
+        while self._fwd_issued <= end:
+            b = self.buckets[self._fwd_issued]
             self._wait_replicate(b)
-            if not b.valid:
+            if not b.valid and b.broadcast_work is None:
                 self._broadcast(b, "forward")
+            self._fwd_issued += 1
+        while self._fwd_cursor <= last:
+            self._wait_broadcast(self.buckets[self._fwd_cursor])
             self._fwd_cursor += 1
 
     def _advance_rebroadcast(self, first: int) -> None:
-        while self._rb_cursor >= first:
-            b = self.buckets[self._rb_cursor]
-            if not b.valid:
+        """Wait for every bucket down to ``first``, after issuing up to ``prefetch_depth``
+        buckets below it (module docstring, step 3)."""
+        end = max(first - self.prefetch_depth, 0)
+        while self._rb_issued >= end:
+            b = self.buckets[self._rb_issued]
+            if not b.valid and b.broadcast_work is None:
                 self._broadcast(b, "backward")
+            self._rb_issued -= 1
+        while self._rb_cursor >= first:
+            self._wait_broadcast(self.buckets[self._rb_cursor])
             self._rb_cursor -= 1
 
     def _advance_reduce(self, final: bool) -> None:
@@ -586,20 +610,30 @@ class DedicatedParams:
             b.refresh_compute()  # mixed precision: the holder casts the received master
 
     def _broadcast(self, b: Bucket, phase: str) -> None:
-        """Holder -> shard group: the compute copy (forward, backward) or, for ``checkpoint``,
-        the master copy (the compute copy is then cast locally)."""
+        """Holder -> shard group: the compute copy (forward, backward: asynchronous, waited
+        by :meth:`_wait_broadcast`) or, for ``checkpoint``, the master copy (synchronous;
+        the compute copy is then cast locally)."""
         master = phase == "checkpoint"
         if not b.is_holder:
             b.alloc_master() if master else b.alloc_compute()
         buf = b.flat if master else b.lp
         name = {"forward": "dmuon.broadcast", "backward": "dmuon.rebroadcast"}.get(phase, "dmuon.sync")
         with annotate.phase(phase), annotate.span(name, module=b.module_name, owner=b.owner):
-            collectives.broadcast_(buf, b.shard_owner, self.groups.broadcast)
-        if master:
-            b.master_valid = True
-            if b.mixed:
-                b.refresh_compute()
+            work = collectives.broadcast_(buf, b.shard_owner, self.groups.broadcast, async_op=not master)
+        if not master:
+            b.broadcast_work = work  # valid once waited
+            return
+        b.master_valid = True
+        if b.mixed:
+            b.refresh_compute()
         b.valid = True
+
+    def _wait_broadcast(self, b: Bucket) -> None:
+        """Wait for ``b``'s in-flight broadcast, if any; ``b`` is then valid."""
+        if b.broadcast_work is not None:
+            b.broadcast_work.wait()
+            b.broadcast_work = None
+            b.valid = True
 
     def _issue_reduce(self, b: Bucket) -> None:
         grads = [q.grad if q.grad is not None else torch.zeros_like(q) for q in b.compute]
@@ -660,6 +694,7 @@ class DedicatedParams:
     # ------------------------------------------------------------------ residency
     def _free_non_holder(self, b: Bucket) -> None:
         """Z3: non-holders free ``b``; every rank marks it invalid (a no-op under Z2)."""
+        self._wait_broadcast(b)  # never free a buffer a broadcast is writing
         if self.reshard_after_forward:
             if not b.is_holder and residency.is_allocated(b.lp):
                 b.free_compute()
