@@ -9,15 +9,21 @@ Glossary (see ``topology.py`` for the mesh terms):
 - **owner** (global owner): the one rank ``(r, s)`` that keeps momentum and runs
   Newton–Schulz for the param. **Holders**: the R ranks ``(*, s)`` of the owner's shard
   index; they keep the full param between steps (for 1-D meshes the holder is the owner).
-- **bucket**: the dedicated params of one module with the same owner and dtype
-  (``buckets.bucket_layout``), numbered ``0 .. B-1`` in model order. Their data are views
-  into one flat buffer (``residency.py``), so one collective moves them all.
+- **block**: the longest prefix of a param's module name ending in an integer component (a
+  ``ModuleList`` element such as ``blocks.3``), else the module itself (``buckets.block_of``).
+- **bucket**: the dedicated params of one block with the same owner and dtype, cut into runs
+  of at most ``bucket_cap_mb`` (``buckets.bucket_layout``), numbered ``0 .. B-1`` in model
+  order. Their data are views into one flat buffer (``residency.py``), so one collective
+  moves them all. A bucket's ``module`` is its block.
 - **valid**: the non-holders' copies equal the owner's current values and are allocated.
   Every rank tracks the same flag for every bucket (it changes only at points every rank
   passes: the end of a driver's forward, of the root's forward, of backward, ``step()``,
   ``sync_params()``), so every rank takes the same collective decisions.
-- **driver**: a module whose subtree holds buckets (the bucket modules and their ancestors,
-  not the root). Its hooks cover the buckets of its whole subtree, a contiguous index range.
+- **driver**: a module whose subtree holds buckets (the blocks and their ancestors, not the
+  root). Its hooks cover the buckets of its whole subtree, a contiguous index range. With
+  ``mp_policy``, the modules that hold dedicated params also get hooks that swap their
+  compute params in for their forward and cast its inputs and output (in any state,
+  activation-checkpoint recompute included).
 - **state**: :class:`dmuon.state.TrainingState`, one per DedicatedParams.
 
 Channels (``collectives.DMuonGroups``, DMuon's own process groups): ``broadcast`` and
@@ -108,7 +114,7 @@ from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_leaves
 
 from . import annotate, collectives, precision, residency
-from .buckets import bucket_layout
+from .buckets import DEFAULT_BUCKET_CAP_MB, bucket_layout
 from .copies import Bucket
 from .plan import OwnershipPlan, specs_from_named_parameters
 from .state import StateMachine, TrainingState
@@ -148,8 +154,10 @@ class DedicatedParams:
         *,
         mesh=None,
         mp_policy=None,
+        bucket_cap_bytes: int = DEFAULT_BUCKET_CAP_MB * 1024 * 1024,
         prefetch_depth: int = 1,
     ) -> None:
+        self.bucket_cap_bytes = bucket_cap_bytes
         self.prefetch_depth = prefetch_depth
         self.names = [n for n, _, _ in named]
         self.mp_policy = mp_policy
@@ -187,7 +195,7 @@ class DedicatedParams:
         specs = specs_from_named_parameters((n, p) for n, p, _ in named)
         me = topology.global_index
         self.buckets: list[Bucket] = []
-        for i, spec in enumerate(bucket_layout(specs, self.plan)):
+        for i, spec in enumerate(bucket_layout(specs, self.plan, self.bucket_cap_bytes)):
             r, s = topology.coords(spec.owner)
             params = [by_name[n] for n in spec.names]
             self.buckets.append(
@@ -200,6 +208,7 @@ class DedicatedParams:
                     replicate_owner=r,
                     names=list(spec.names),
                     params=params,
+                    param_modules=[modules[n.rpartition(".")[0]] for n in spec.names],
                     flat=residency.flatten_into_views(params),
                     is_holder=s == topology.shard_index,
                     is_owner=spec.owner == me,
@@ -211,8 +220,13 @@ class DedicatedParams:
         # driver module -> (first, last) bucket index of its subtree, and its own buckets
         self._span: dict[nn.Module, tuple[int, int]] = {}
         self._own: dict[nn.Module, list[Bucket]] = {}
+        # module holding dedicated params (not the root) -> buckets with params in it
+        self._leaf: dict[nn.Module, list[Bucket]] = {}
         for b in self.buckets:
             self._own.setdefault(b.module, []).append(b)
+            for m in dict.fromkeys(b.param_modules):
+                if m is not model:
+                    self._leaf.setdefault(m, []).append(b)
             parts = b.module_name.split(".") if b.module_name else []
             for k in range(1, len(parts) + 1):
                 m = modules[".".join(parts[:k])]
@@ -225,6 +239,12 @@ class DedicatedParams:
         h.append(model.register_forward_hook(self._root_post_forward))
         # torch.compile: the hooks run eagerly (Dynamo must not trace into the schedule or
         # inspect freed Z3 copies); the module's own forward is still compiled.
+        if self.mp_policy is not None:  # first: post-hooks swap back before a block frees
+            leaf_pre = torch.compiler.disable(self._leaf_pre_forward)
+            leaf_post = torch.compiler.disable(self._leaf_post_forward)
+            for m in self._leaf:
+                h.append(m.register_forward_pre_hook(leaf_pre))
+                h.append(m.register_forward_hook(leaf_post))
         pre_forward = torch.compiler.disable(self._pre_forward)
         post_forward = torch.compiler.disable(self._post_forward)
         for m in self._span:
@@ -505,37 +525,41 @@ class DedicatedParams:
         if self.state == S.BACKWARD and _in_backward():  # activation-checkpoint recompute
             if self.reshard_after_forward:
                 self._advance_rebroadcast(lo)
-            for b in own:
-                b.swap(True)
-            return precision.cast_inputs(self.mp_policy, args) if own else None
+            return None
         if self.state != S.FORWARD:
             self._begin_forward()  # a forward that did not enter through the root
         self._advance_forward(hi)
-        for b in own:
-            b.swap(True)
         for b in own:
             if not b.valid and self.reshard_after_forward:  # same on every rank
                 raise RuntimeError(
                     f"DMuon: module {b.module_name!r} ran again in the same forward after its "
                     "dedicated params were freed (reshard_after_forward=True). Z3 refills a "
-                    "module once per forward; for modules called more than once per step use "
+                    "block once per forward; for modules called more than once per step use "
                     "reshard_after_forward=False."
                 )
-        return precision.cast_inputs(self.mp_policy, args) if own else None
+        return None
+
+    def _leaf_pre_forward(self, module: nn.Module, args):
+        """Mixed precision: the module's compute params in, its inputs cast (any state)."""
+        for b in self._leaf[module]:
+            b.swap(True, module)
+        return precision.cast_inputs(self.mp_policy, args)
+
+    def _leaf_post_forward(self, module: nn.Module, args, output):
+        for b in self._leaf[module]:
+            b.swap(False, module)
+        return precision.cast_output(self.mp_policy, output)
 
     def _post_forward(self, module: nn.Module, args, output):
-        own = self._own.get(module, ())
-        for b in own:
-            b.swap(False)
         if self.state != S.FORWARD or not self.reshard_after_forward:
-            return precision.cast_output(self.mp_policy, output) if own else None  # recompute, or Z2
+            return None  # recompute, or Z2
         lo, hi = self._span[module]
         for b in self.buckets[lo : min(hi, self._fwd_cursor - 1) + 1]:
             self._free_non_holder(b)
         outputs = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
         if outputs and torch.is_grad_enabled():
             register_multi_grad_hook(outputs, lambda grads: self._pre_backward(lo), mode="any")
-        return precision.cast_output(self.mp_policy, output) if own else None
+        return None
 
     def _pre_backward(self, lo: int) -> None:
         self._begin_backward()
@@ -715,7 +739,7 @@ class DedicatedParams:
         non-holders free them. Local: every rank must have applied the same call.
         """
         for b in self.buckets:
-            current = [b.module._parameters[n.rpartition(".")[2]] for n in b.names]
+            current = [m._parameters[n.rpartition(".")[2]] for m, n in zip(b.param_modules, b.names)]
             replaced = [
                 i for i, (p, q) in enumerate(zip(b.params, current))
                 if p is not q and not any(q is c for c in b.compute)  # not swapped in by us

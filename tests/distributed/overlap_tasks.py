@@ -9,7 +9,7 @@ from tests.distributed.dmuon_tasks import SMALL, _loss
 from tests.distributed.runtime_tasks import batch, build
 from tracer.interposer import Interposer
 
-#: Three blocks: each block is the outermost driver of its buckets (dmuon/dedicate.py).
+#: Three blocks: each block is the bucket module of its buckets (dmuon/buckets.py).
 THREE_BLOCKS = dataclasses.replace(SMALL, n_layers=3)
 
 
@@ -29,7 +29,7 @@ def broadcast_positions(mode: str, prefetch_depth: int) -> dict:
     opt.step()
     opt.zero_grad()
     blocks = len(model.blocks)
-    spans = [[b.index for b in dm.buckets if b.module_name.startswith(f"blocks.{j}.")]
+    spans = [[b.index for b in dm.buckets if b.module_name == f"blocks.{j}"]
              for j in range(blocks)]
     ip = Interposer()
     returned, first_grad = [None] * blocks, [None] * blocks
