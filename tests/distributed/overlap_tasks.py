@@ -57,3 +57,42 @@ def broadcast_positions(mode: str, prefetch_depth: int) -> dict:
     return {"first_fwd": [forward[s[0]] for s in spans],
             "last_rb": [backward[s[-1]] for s in spans] if backward else None,
             "returned": returned, "first_grad": first_grad}
+
+
+def reduce_issue_and_wait_order(mode: str) -> list[tuple[str, int]]:
+    """One step after a warm-up step with DMuon's reduce seam wrapped: the ordered list of
+    ``("issue", k)`` / ``("wait", k)`` of its asynchronous shard-axis reduces (k = issue
+    number; the synchronous HSDP replicate reduces are not listed)."""
+    import dmuon.collectives as seam
+
+    wrapped, model, dm, opt = build(mode, config=THREE_BLOCKS)
+    log: list[tuple[str, int]] = []
+    original = seam.reduce_sum_
+
+    class Logged:
+        def __init__(self, work, k):
+            self.work, self.k = work, k
+
+        def wait(self):
+            log.append(("wait", self.k))
+            return self.work.wait()
+
+    def logged(buf, dst, group, *, async_op=False):
+        work = original(buf, dst, group, async_op=async_op)
+        if not async_op:
+            return work
+        k = sum(kind == "issue" for kind, _ in log)
+        log.append(("issue", k))
+        return Logged(work, k)
+
+    for step in range(2):
+        if step == 1:
+            seam.reduce_sum_ = logged
+        try:
+            x, y = batch(step, THREE_BLOCKS)
+            _loss(wrapped, x, y).backward()
+            opt.step()
+            opt.zero_grad()
+        finally:
+            seam.reduce_sum_ = original
+    return log

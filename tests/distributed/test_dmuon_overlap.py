@@ -34,3 +34,12 @@ def test_next_bucket_broadcast_is_in_flight_while_a_module_computes(pool4, mode)
 def test_without_prefetch_each_broadcast_waits_for_its_module(pool4):
     for r in pool4.run_with_timeout(TIMEOUT_S, T.broadcast_positions, "z3", 0):
         assert not _forward_prefetched(r) and not _backward_prefetched(r), r
+
+
+@pytest.mark.parametrize("mode", ["z3", "hsdp-z2"])
+def test_no_reduce_is_waited_on_before_the_last_one_is_issued(pool4, mode):
+    for log in pool4.run_with_timeout(TIMEOUT_S, T.reduce_issue_and_wait_order, mode):
+        issues = [k for kind, k in log if kind == "issue"]
+        waits = [k for kind, k in log if kind == "wait"]
+        assert len(issues) > 1 and sorted(waits) == issues, log  # each waited once
+        assert log.index(("wait", waits[0])) > log.index(("issue", issues[-1])), log
