@@ -68,7 +68,9 @@ Per step (SPEC §1):
    order (params in bucket order within a bucket): 1 if this rank produced a grad for it
    since the last reduce, else 0. Count = number of dedicated params, group = all W ranks.
    The owner divides the reduced sum by W and sets ``.grad``, or ``None`` for a param with
-   usage 0 (unused on every rank: no update, as ``torch.optim.Muon``). Non-owners' grads
+   usage 0 (unused on every rank: no update, as ``torch.optim.Muon``). It is issued
+   asynchronously right after the last shard reduce and waited after the reduces (and HSDP
+   replicate reduces), so the step has one wait point. Non-owners' grads
    are ``None``. Z3 non-holders free every bucket (all invalid).
 6. **step** (``optimizer.step()``): only owners update; every bucket becomes invalid; then
    (HSDP) each owner broadcasts its buckets to the holders over the replicate axis
@@ -679,6 +681,15 @@ class DedicatedParams:
 
     def _finish_reduces(self) -> None:
         rep = self.groups.replicate
+        # every grad hook has run: the usage all_reduce goes out now, behind the reduces on
+        # its channel (1-D meshes) or beside them (HSDP's world group), and is waited last
+        used = torch.tensor(
+            [int(u) for b in self.buckets for u in b.used],
+            dtype=torch.int32,
+            device=collectives.collective_device(self.groups.world),
+        )
+        with annotate.phase("usage"):
+            usage_work = collectives.all_reduce_sum_(used, self.groups.world, async_op=True)
         for b in self.buckets[::-1]:
             b.reduce_work.wait()
             b.reduce_work = None
@@ -687,13 +698,7 @@ class DedicatedParams:
                     "dmuon.reduce", module=b.module_name, owner=b.owner
                 ):
                     collectives.reduce_sum_(b.reduce_buf, b.replicate_owner, rep)
-        used = torch.tensor(
-            [int(u) for b in self.buckets for u in b.used],
-            dtype=torch.int32,
-            device=collectives.collective_device(self.groups.world),
-        )
-        with annotate.phase("usage"):
-            collectives.all_reduce_sum_(used, self.groups.world)
+        usage_work.wait()
         counts = used.tolist()
         k = 0
         for b in self.buckets:
