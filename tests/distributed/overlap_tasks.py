@@ -96,3 +96,11 @@ def reduce_issue_and_wait_order(mode: str) -> list[tuple[str, int]]:
         finally:
             seam.reduce_sum_ = original
     return log
+
+
+def train_with_depth(mode: str, prefetch_depth: int, steps: int = 2) -> dict:
+    """Owned params after ``steps`` steps with the given ``prefetch_depth``."""
+    from tests.distributed.runtime_tasks import _train_steps
+
+    wrapped, model, dm, opt = build(mode, config=THREE_BLOCKS, prefetch_depth=prefetch_depth)
+    return _train_steps(wrapped, model, dm, opt, steps)

@@ -7,6 +7,7 @@ first grad arrives.
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tests.distributed import overlap_tasks as T
 
@@ -43,3 +44,13 @@ def test_no_reduce_is_waited_on_before_the_last_one_is_issued(pool4, mode):
         waits = [k for kind, k in log if kind == "wait"]
         assert len(issues) > 1 and sorted(waits) == issues, log  # each waited once
         assert log.index(("wait", waits[0])) > log.index(("issue", issues[-1])), log
+
+
+@pytest.mark.parametrize("mode", ["z3", "hsdp-z3"])
+def test_prefetch_depth_changes_no_bits(pool4, mode):
+    ref = pool4.run_with_timeout(TIMEOUT_S, T.train_with_depth, mode, 0)
+    for depth in (1, 3):
+        got = pool4.run_with_timeout(TIMEOUT_S, T.train_with_depth, mode, depth)
+        for a, b in zip(ref, got):
+            assert a.keys() == b.keys() and a
+            assert all(torch.equal(a[n], b[n]) for n in a), (mode, depth)
