@@ -11,6 +11,7 @@ import torch
 import torch.nn as nn
 
 from . import checkpoint, collectives
+from .buckets import DEFAULT_BUCKET_CAP_MB
 from .dedicate import DedicatedParams
 from .plan import OwnershipPlan, plan_ownership, specs_from_named_parameters
 from .select import Predicate, select_params
@@ -25,6 +26,8 @@ def dedicate_params(
     predicate: Predicate | None = None,
     reshard_after_forward: bool = True,
     mp_policy=None,
+    bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
+    prefetch_depth: int = 1,
 ) -> DedicatedParams:
     """Give every Muon-target matrix of ``model`` one owner rank and install DMuon's hooks.
 
@@ -44,6 +47,13 @@ def dedicate_params(
             ``fully_shard`` takes): forward runs on ``param_dtype`` copies, broadcasts send
             them, reduces run in ``reduce_dtype``; owners keep fp32 master weights and
             momentum (README, "Mixed precision"). ``None``: everything in the params' dtype.
+        bucket_cap_mb: cap of one bucket in MiB (default 25, DDP's): a block's dedicated
+            params with the same owner and dtype share one collective per phase, cut into
+            runs of at most this many bytes (``dmuon/buckets.py``: the rule and "block").
+        prefetch_depth: how many buckets ahead of the one a module needs the forward
+            broadcasts (and Z3's backward re-broadcasts, in backward order) are issued,
+            asynchronously; ``0`` issues each when it is needed. Changes when calls are
+            issued, never which (README, "Overlap").
 
     Returns:
         The :class:`DedicatedParams` handle.
@@ -51,10 +61,11 @@ def dedicate_params(
     Raises:
         ValueError: ``model`` is already DDP- or FSDP2-wrapped, ``dedicate_params`` was already
             called on it, a dedicated param is not 2-D, frozen or not in the model,
-            ``reshard_after_forward`` is not a bool, or the mesh is invalid (see
+            ``reshard_after_forward`` is not a bool, ``bucket_cap_mb`` is not a positive
+            number, ``prefetch_depth`` is not an int >= 0, or the mesh is invalid (see
             ``topology_from_mesh``). All checked locally, before any collective.
         RuntimeError: the ranks computed different setups (plan, ``reshard_after_forward``,
-            mixed-precision policy, devices: :func:`setup_digest`), checked with one
+            mixed-precision policy, bucket cap, devices: :func:`setup_digest`), checked with one
             all_gather of the digest before any other DMuon collective.
 
     Warns:
@@ -78,6 +89,12 @@ def dedicate_params(
             "rank, and keep the returned handle (pass it to DMuon and to fully_shard's "
             "ignored_params); to start over, build a fresh model."
         )
+    if isinstance(prefetch_depth, bool) or not isinstance(prefetch_depth, int) or prefetch_depth < 0:
+        raise ValueError(
+            f"Invalid prefetch_depth={prefetch_depth!r}. Must be an int >= 0 (buckets whose "
+            "broadcast is issued ahead of the module that needs them; 1 is the default)."
+        )
+    cap_bytes = _bucket_cap_bytes(bucket_cap_mb)
     topology = topology_from_mesh(mesh)
     named = select_params(model, params, predicate)
     if not named:
@@ -89,17 +106,35 @@ def dedicate_params(
             stacklevel=2,
         )
     plan = plan_ownership(specs_from_named_parameters((n, p) for n, p, _ in named), topology.mesh_shape)
-    digest = setup_digest(plan, named, reshard_after_forward, mp_policy)
+    digest = setup_digest(plan, named, reshard_after_forward, mp_policy, cap_bytes)
     collectives.check_plan_agreement(
-        digest, "setup (ownership plan, reshard_after_forward, mp_policy or device type)"
+        digest, "setup (ownership plan, reshard_after_forward, mp_policy, bucket_cap_mb or device type)"
     )
     DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
         model, [n for n, _, _ in named]
     )
     dm = DedicatedParams(model, named, topology, plan, reshard_after_forward, mesh=mesh,
-                         mp_policy=mp_policy)
+                         mp_policy=mp_policy, bucket_cap_bytes=cap_bytes,
+                         prefetch_depth=prefetch_depth)
     _mark_dedicated(p for _, p, _ in named)
     return checkpoint.install(model, dm)  # state_dict / load_state_dict hooks
+
+
+def _bucket_cap_bytes(bucket_cap_mb) -> int:
+    """``bucket_cap_mb`` in bytes (at least 1).
+
+    Raises:
+        ValueError: not a positive finite number.
+    """
+    if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) or not (
+        0 < bucket_cap_mb < float("inf")
+    ):
+        raise ValueError(
+            f"Invalid bucket_cap_mb={bucket_cap_mb!r}. Must be a positive number of MiB (a "
+            f"block's params per owner share one collective up to this size; default "
+            f"{DEFAULT_BUCKET_CAP_MB})."
+        )
+    return max(1, int(bucket_cap_mb * 1024 * 1024))
 
 
 #: id(param) -> weak reference to the param, for every param some dedicate_params call took.
@@ -140,13 +175,15 @@ def setup_digest(
     named: list[tuple[str, nn.Parameter, str]],
     reshard_after_forward: bool,
     mp_policy=None,
+    bucket_cap_bytes: int = DEFAULT_BUCKET_CAP_MB * 1024 * 1024,
 ) -> str:
     """sha256 (64 hex chars) of everything the ranks' collective schedules depend on.
 
     Covers the ownership plan (names, shapes, dtypes, mesh shape: :meth:`OwnershipPlan.digest`),
     ``reshard_after_forward`` (Z2 on one rank and Z3 on another would pair a backward
     re-broadcast with a reduce and hang), the mixed-precision policy (its dtypes set the
-    message sizes) and each dedicated param's device type.
+    message sizes), the bucket cap (it sets the buckets) and each dedicated param's device
+    type.
 
     Raises:
         ValueError: ``reshard_after_forward`` is not a bool.
@@ -160,6 +197,7 @@ def setup_digest(
         "plan": plan.digest(),
         "reshard_after_forward": reshard_after_forward,
         "mp_policy": _policy_fields(mp_policy),
+        "bucket_cap_bytes": bucket_cap_bytes,
         "devices": sorted({p.device.type for _, p, _ in named}),
     }
     text = json.dumps(setup, sort_keys=True, separators=(",", ":"), default=str)

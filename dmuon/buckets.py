@@ -1,8 +1,17 @@
 """Bucket layout: which dedicated params travel together in one collective (pure).
 
-A bucket is the dedicated params of one module with the same global owner and dtype, in
-model order. DMuon's runtime (``dedicate.py``) and the traffic predictor (``verify/``) both
-use :func:`bucket_layout`, so the predicted collective list and the issued one cannot drift.
+A **block** is the part of the model whose dedicated params share collectives: for a param
+of module ``m``, the longest prefix of ``m``'s dotted name whose last component is an
+integer (an element of a ``ModuleList`` / ``Sequential``: ``blocks.3`` for
+``blocks.3.attn.qkv``, ``layers.0.experts.5`` for ``layers.0.experts.5.w1``); a module with
+no such prefix (``head``, the root ``""``) is its own block (:func:`block_of`).
+
+A **bucket** is the dedicated params of one block with the same global owner and dtype, in
+model order, cut into consecutive runs of at most ``cap_bytes`` (bytes of the params' own
+dtype; a param larger than the cap is a bucket of its own). Buckets are numbered in model
+order (first appearance), so the buckets of a block, and of any module's subtree, are a
+contiguous index range. DMuon's runtime (``dedicate.py``) uses :func:`bucket_layout`; the
+traffic predictor (``verify/predict.py``) implements the same documented rule on its own.
 """
 
 from __future__ import annotations
@@ -12,10 +21,14 @@ from dataclasses import dataclass
 
 from .plan import OwnershipPlan, ParamSpec
 
+#: Default bucket cap, in MiB (DDP's ``bucket_cap_mb`` default).
+DEFAULT_BUCKET_CAP_MB = 25
+
 
 @dataclass(frozen=True)
 class BucketSpec:
-    """One bucket: ``numel`` elements of ``dtype`` (torch name) owned by global index ``owner``."""
+    """One bucket: ``numel`` elements of ``dtype`` (torch name) owned by global index ``owner``;
+    ``module`` is the block (see the module docstring)."""
 
     module: str
     owner: int
@@ -24,22 +37,36 @@ class BucketSpec:
     numel: int
 
 
-def bucket_layout(specs: Sequence[ParamSpec], plan: OwnershipPlan) -> list[BucketSpec]:
-    """Buckets in model order (order of first appearance of each (module, owner, dtype)).
+def block_of(module: str) -> str:
+    """The block of a param of ``module`` (dotted name, ``""`` = root): module docstring."""
+    parts = module.split(".") if module else []
+    for k in range(len(parts), 0, -1):
+        if parts[k - 1].isdigit():
+            return ".".join(parts[:k])
+    return module
+
+
+def bucket_layout(specs: Sequence[ParamSpec], plan: OwnershipPlan, cap_bytes: int) -> list[BucketSpec]:
+    """Buckets in model order (module docstring).
 
     Args:
         specs: the dedicated params in model order (``model.named_parameters()`` order).
         plan: the ownership plan computed from the same specs.
+        cap_bytes: bucket cap in bytes of the params' dtype (> 0).
 
     Raises:
         KeyError: a spec is not in the plan.
     """
-    members: dict[tuple[str, int, str], list[ParamSpec]] = {}
+    assert cap_bytes > 0, cap_bytes
+    members: dict[tuple[str, int, str], list[list[ParamSpec]]] = {}
     for spec in specs:
-        key = (spec.module, plan.owner[spec.name], spec.dtype)
-        members.setdefault(key, []).append(spec)
-    out = []
-    for (module, owner, dtype), group in members.items():
-        numel = sum(spec.numel for spec in group)
-        out.append(BucketSpec(module, owner, dtype, tuple(s.name for s in group), numel))
-    return out
+        runs = members.setdefault((block_of(spec.module), plan.owner[spec.name], spec.dtype), [[]])
+        run = runs[-1]
+        if run and (sum(s.nbytes for s in run) + spec.nbytes) > cap_bytes:
+            runs.append(run := [])
+        run.append(spec)
+    return [
+        BucketSpec(block, owner, dtype, tuple(s.name for s in run), sum(s.numel for s in run))
+        for (block, owner, dtype), runs in members.items()
+        for run in runs
+    ]

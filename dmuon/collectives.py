@@ -169,9 +169,12 @@ def reduce_sum_(buf: torch.Tensor, dst: int, group: dist.ProcessGroup, *, async_
     return dist.reduce(buf, group_dst=dst, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
 
 
-def all_reduce_sum_(buf: torch.Tensor, group: dist.ProcessGroup) -> None:
-    """Sum ``buf`` over ``group`` in place on every member."""
-    dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=group)
+def all_reduce_sum_(buf: torch.Tensor, group: dist.ProcessGroup, *, async_op: bool = False):
+    """Sum ``buf`` over ``group`` in place on every member.
+
+    Returns the ``Work`` handle when ``async_op``, else ``None``.
+    """
+    return dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
 
 
 def check_plan_agreement(digest: str, what: str) -> None:

@@ -30,6 +30,7 @@ class Bucket:
     replicate_owner: int  # r: group rank of the owner in the replicate group
     names: list[str]
     params: list[nn.Parameter]
+    param_modules: list[nn.Module]  # the module each param is registered in (in its block)
     flat: torch.Tensor  # shape (numel,), params' data are views into it (master dtype)
     is_holder: bool
     is_owner: bool
@@ -41,6 +42,7 @@ class Bucket:
     ready: set[int] = field(default_factory=set)
     used: list[bool] = field(default_factory=list)
     replicate_work: dist.Work | None = None
+    broadcast_work: dist.Work | None = None  # in-flight forward / backward broadcast into lp
     reduce_work: dist.Work | None = None
     reduce_buf: torch.Tensor | None = None
 
@@ -79,11 +81,13 @@ class Bucket:
             with torch.no_grad():
                 self.lp.copy_(self.flat)
 
-    def swap(self, compute: bool) -> None:
-        """Put the compute params (or back the registered ones) into the module."""
+    def swap(self, compute: bool, module: nn.Module | None = None) -> None:
+        """Put the compute params (or back the registered ones) into their modules (only
+        into ``module`` when given)."""
         if self.mixed:
-            for n, p, q in zip(self.names, self.params, self.compute):
-                self.module._parameters[n.rpartition(".")[2]] = q if compute else p
+            for m, n, p, q in zip(self.param_modules, self.names, self.params, self.compute):
+                if module is None or m is module:
+                    m._parameters[n.rpartition(".")[2]] = q if compute else p
 
     def free_compute(self) -> None:
         """Drop the compute copy's storage (without mixed precision: the master's)."""

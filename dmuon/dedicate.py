@@ -9,15 +9,21 @@ Glossary (see ``topology.py`` for the mesh terms):
 - **owner** (global owner): the one rank ``(r, s)`` that keeps momentum and runs
   Newton–Schulz for the param. **Holders**: the R ranks ``(*, s)`` of the owner's shard
   index; they keep the full param between steps (for 1-D meshes the holder is the owner).
-- **bucket**: the dedicated params of one module with the same owner and dtype
-  (``buckets.bucket_layout``), numbered ``0 .. B-1`` in model order. Their data are views
-  into one flat buffer (``residency.py``), so one collective moves them all.
+- **block**: the longest prefix of a param's module name ending in an integer component (a
+  ``ModuleList`` element such as ``blocks.3``), else the module itself (``buckets.block_of``).
+- **bucket**: the dedicated params of one block with the same owner and dtype, cut into runs
+  of at most ``bucket_cap_mb`` (``buckets.bucket_layout``), numbered ``0 .. B-1`` in model
+  order. Their data are views into one flat buffer (``residency.py``), so one collective
+  moves them all. A bucket's ``module`` is its block.
 - **valid**: the non-holders' copies equal the owner's current values and are allocated.
   Every rank tracks the same flag for every bucket (it changes only at points every rank
   passes: the end of a driver's forward, of the root's forward, of backward, ``step()``,
   ``sync_params()``), so every rank takes the same collective decisions.
-- **driver**: a module whose subtree holds buckets (the bucket modules and their ancestors,
-  not the root). Its hooks cover the buckets of its whole subtree, a contiguous index range.
+- **driver**: a module whose subtree holds buckets (the blocks and their ancestors, not the
+  root). Its hooks cover the buckets of its whole subtree, a contiguous index range. With
+  ``mp_policy``, the modules that hold dedicated params also get hooks that swap their
+  compute params in for their forward and cast its inputs and output (in any state,
+  activation-checkpoint recompute included).
 - **state**: :class:`dmuon.state.TrainingState`, one per DedicatedParams.
 
 Channels (``collectives.DMuonGroups``, DMuon's own process groups): ``broadcast`` and
@@ -29,11 +35,15 @@ ranks only), so calls always pair up with the same bucket on every rank.
 Per step (SPEC §1):
 
 1. **forward** (channel ``broadcast``, phase ``forward``): a forward cursor walks the buckets
-   in index order. A driver's pre-hook advances it to the driver's last bucket; the root's
-   post-hook advances it to the end (so buckets of modules that did not run on this rank are
-   still sent). Each bucket the cursor passes first waits for its pending replicate
-   broadcast (HSDP), then, if not valid, is broadcast from its holder (shard group rank
-   ``s``) and becomes valid. Exactly one broadcast per invalid bucket per forward.
+   in index order. A driver's pre-hook advances it to the driver's last bucket ``hi``; the
+   root's post-hook advances it to the end (so buckets of modules that did not run on this
+   rank are still sent). Advancing to ``hi`` first *issues* every bucket up to
+   ``hi + prefetch_depth`` not issued yet (each waits for its pending replicate broadcast
+   (HSDP), then, if not valid, is broadcast from its holder, shard group rank ``s``,
+   asynchronously), then *waits* for every bucket up to ``hi``, which become valid. So while
+   a module computes, the broadcasts of the next ``prefetch_depth`` buckets are in flight.
+   Exactly one broadcast per invalid bucket per forward, issued in index order on every
+   rank (``prefetch_depth`` moves when a call is issued, never which or in what order).
 2. **after forward**, Z3 (``reshard_after_forward=True``): a driver's post-hook frees the
    non-holders' storage of the buckets in its subtree that the cursor passed; the root's
    post-hook frees the rest. Every bucket is then invalid on every rank. Running a module
@@ -43,7 +53,10 @@ Per step (SPEC §1):
    the buckets in reverse index order. A driver's pre-backward hook (its outputs' first
    grad) advances it to the driver's first bucket; activation-checkpoint recompute (a
    driver's forward while backward runs) does the same and neither frees nor broadcasts in
-   forward; the end of backward flushes the rest. Each bucket is re-broadcast exactly once.
+   forward; the end of backward flushes the rest. Each bucket is re-broadcast exactly once,
+   issued ``prefetch_depth`` buckets ahead in that reverse order (asynchronous, waited when
+   the cursor reaches it). A bucket's storage is never freed while a broadcast into it is
+   in flight (the free waits for it first).
 4. **backward reduces** (channel ``reduce``, phase ``backward``): buckets reduce (sum) to the
    holder over the shard axis in reverse index order, asynchronously, each as soon as it and
    every bucket before it in that order have all their grads; at the end of backward every
@@ -55,7 +68,9 @@ Per step (SPEC §1):
    order (params in bucket order within a bucket): 1 if this rank produced a grad for it
    since the last reduce, else 0. Count = number of dedicated params, group = all W ranks.
    The owner divides the reduced sum by W and sets ``.grad``, or ``None`` for a param with
-   usage 0 (unused on every rank: no update, as ``torch.optim.Muon``). Non-owners' grads
+   usage 0 (unused on every rank: no update, as ``torch.optim.Muon``). It is issued
+   asynchronously right after the last shard reduce and waited after the reduces (and HSDP
+   replicate reduces), so the step has one wait point. Non-owners' grads
    are ``None``. Z3 non-holders free every bucket (all invalid).
 6. **step** (``optimizer.step()``): only owners update; every bucket becomes invalid; then
    (HSDP) each owner broadcasts its buckets to the holders over the replicate axis
@@ -101,7 +116,7 @@ from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_leaves
 
 from . import annotate, collectives, precision, residency
-from .buckets import bucket_layout
+from .buckets import DEFAULT_BUCKET_CAP_MB, bucket_layout
 from .copies import Bucket
 from .plan import OwnershipPlan, specs_from_named_parameters
 from .state import StateMachine, TrainingState
@@ -141,7 +156,11 @@ class DedicatedParams:
         *,
         mesh=None,
         mp_policy=None,
+        bucket_cap_bytes: int = DEFAULT_BUCKET_CAP_MB * 1024 * 1024,
+        prefetch_depth: int = 1,
     ) -> None:
+        self.bucket_cap_bytes = bucket_cap_bytes
+        self.prefetch_depth = prefetch_depth
         self.names = [n for n, _, _ in named]
         self.mp_policy = mp_policy
         self._param_dtype, self._reduce_dtype = precision.dtypes(mp_policy)
@@ -157,8 +176,10 @@ class DedicatedParams:
         self.groups = collectives.make_groups(rows)
         self._build_buckets(model, named)
         self._root = model
-        self._fwd_cursor = 0  # next bucket index the forward cursor visits
-        self._rb_cursor = -1  # next bucket index the re-broadcast cursor visits (downwards)
+        self._fwd_cursor = 0  # next bucket index the forward cursor waits for
+        self._fwd_issued = 0  # next bucket index the forward cursor issues (prefetch)
+        self._rb_cursor = -1  # next bucket index the re-broadcast cursor waits for (downwards)
+        self._rb_issued = -1  # next bucket index the re-broadcast cursor issues (downwards)
         self._reduce_cursor = 0  # position in reverse index order
         self._no_sync = False
         self._handles: list = []
@@ -176,7 +197,7 @@ class DedicatedParams:
         specs = specs_from_named_parameters((n, p) for n, p, _ in named)
         me = topology.global_index
         self.buckets: list[Bucket] = []
-        for i, spec in enumerate(bucket_layout(specs, self.plan)):
+        for i, spec in enumerate(bucket_layout(specs, self.plan, self.bucket_cap_bytes)):
             r, s = topology.coords(spec.owner)
             params = [by_name[n] for n in spec.names]
             self.buckets.append(
@@ -189,6 +210,7 @@ class DedicatedParams:
                     replicate_owner=r,
                     names=list(spec.names),
                     params=params,
+                    param_modules=[modules[n.rpartition(".")[0]] for n in spec.names],
                     flat=residency.flatten_into_views(params),
                     is_holder=s == topology.shard_index,
                     is_owner=spec.owner == me,
@@ -200,8 +222,13 @@ class DedicatedParams:
         # driver module -> (first, last) bucket index of its subtree, and its own buckets
         self._span: dict[nn.Module, tuple[int, int]] = {}
         self._own: dict[nn.Module, list[Bucket]] = {}
+        # module holding dedicated params (not the root) -> buckets with params in it
+        self._leaf: dict[nn.Module, list[Bucket]] = {}
         for b in self.buckets:
             self._own.setdefault(b.module, []).append(b)
+            for m in dict.fromkeys(b.param_modules):
+                if m is not model:
+                    self._leaf.setdefault(m, []).append(b)
             parts = b.module_name.split(".") if b.module_name else []
             for k in range(1, len(parts) + 1):
                 m = modules[".".join(parts[:k])]
@@ -214,6 +241,12 @@ class DedicatedParams:
         h.append(model.register_forward_hook(self._root_post_forward))
         # torch.compile: the hooks run eagerly (Dynamo must not trace into the schedule or
         # inspect freed Z3 copies); the module's own forward is still compiled.
+        if self.mp_policy is not None:  # first: post-hooks swap back before a block frees
+            leaf_pre = torch.compiler.disable(self._leaf_pre_forward)
+            leaf_post = torch.compiler.disable(self._leaf_post_forward)
+            for m in self._leaf:
+                h.append(m.register_forward_pre_hook(leaf_pre))
+                h.append(m.register_forward_hook(leaf_post))
         pre_forward = torch.compiler.disable(self._pre_forward)
         post_forward = torch.compiler.disable(self._post_forward)
         for m in self._span:
@@ -401,6 +434,7 @@ class DedicatedParams:
         """Leave the state an exception left behind (module docstring, 'Outside the step')."""
         old = self._state.recover()
         for b in self.buckets:
+            self._wait_broadcast(b)
             if b.reduce_work is not None:
                 b.reduce_work.wait()
             b.reduce_work = b.reduce_buf = None
@@ -417,8 +451,8 @@ class DedicatedParams:
         for b in self.buckets:
             b.ready.clear()
             self._free_non_holder(b)
-        self._fwd_cursor = 0
-        self._rb_cursor = -1
+        self._fwd_cursor = self._fwd_issued = 0
+        self._rb_cursor = self._rb_issued = -1
         self._reduce_cursor = 0
         if self._state.state != S.IDLE:
             self._state.to(S.IDLE)
@@ -428,7 +462,7 @@ class DedicatedParams:
             self._recover()  # the last forward or backward raised
         self._rebind_if_moved()
         self._state.to(S.FORWARD)
-        self._fwd_cursor = 0
+        self._fwd_cursor = self._fwd_issued = 0
         for b in self.buckets:  # mixed precision: master copies of non-holders (sync) go
             if b.mixed and not b.is_holder and residency.is_allocated(b.flat):
                 b.free_master()
@@ -459,7 +493,7 @@ class DedicatedParams:
                 "`with dm.no_sync():`."
             )
         self._state.to(S.BACKWARD)
-        self._rb_cursor = len(self.buckets) - 1
+        self._rb_cursor = self._rb_issued = len(self.buckets) - 1
         self._reduce_cursor = 0
         torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
 
@@ -493,37 +527,41 @@ class DedicatedParams:
         if self.state == S.BACKWARD and _in_backward():  # activation-checkpoint recompute
             if self.reshard_after_forward:
                 self._advance_rebroadcast(lo)
-            for b in own:
-                b.swap(True)
-            return precision.cast_inputs(self.mp_policy, args) if own else None
+            return None
         if self.state != S.FORWARD:
             self._begin_forward()  # a forward that did not enter through the root
         self._advance_forward(hi)
-        for b in own:
-            b.swap(True)
         for b in own:
             if not b.valid and self.reshard_after_forward:  # same on every rank
                 raise RuntimeError(
                     f"DMuon: module {b.module_name!r} ran again in the same forward after its "
                     "dedicated params were freed (reshard_after_forward=True). Z3 refills a "
-                    "module once per forward; for modules called more than once per step use "
+                    "block once per forward; for modules called more than once per step use "
                     "reshard_after_forward=False."
                 )
-        return precision.cast_inputs(self.mp_policy, args) if own else None
+        return None
+
+    def _leaf_pre_forward(self, module: nn.Module, args):
+        """Mixed precision: the module's compute params in, its inputs cast (any state)."""
+        for b in self._leaf[module]:
+            b.swap(True, module)
+        return precision.cast_inputs(self.mp_policy, args)
+
+    def _leaf_post_forward(self, module: nn.Module, args, output):
+        for b in self._leaf[module]:
+            b.swap(False, module)
+        return precision.cast_output(self.mp_policy, output)
 
     def _post_forward(self, module: nn.Module, args, output):
-        own = self._own.get(module, ())
-        for b in own:
-            b.swap(False)
         if self.state != S.FORWARD or not self.reshard_after_forward:
-            return precision.cast_output(self.mp_policy, output) if own else None  # recompute, or Z2
+            return None  # recompute, or Z2
         lo, hi = self._span[module]
         for b in self.buckets[lo : min(hi, self._fwd_cursor - 1) + 1]:
             self._free_non_holder(b)
         outputs = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
         if outputs and torch.is_grad_enabled():
             register_multi_grad_hook(outputs, lambda grads: self._pre_backward(lo), mode="any")
-        return precision.cast_output(self.mp_policy, output) if own else None
+        return None
 
     def _pre_backward(self, lo: int) -> None:
         self._begin_backward()
@@ -554,18 +592,30 @@ class DedicatedParams:
 
     # ------------------------------------------------------------------ cursors
     def _advance_forward(self, last: int) -> None:
-        while self._fwd_cursor <= last:
-            b = self.buckets[self._fwd_cursor]
+        """Wait for every bucket up to ``last``, after issuing up to ``prefetch_depth``
+        buckets beyond it (module docstring, step 1)."""
+        end = min(last + self.prefetch_depth, len(self.buckets) - 1)
+        while self._fwd_issued <= end:
+            b = self.buckets[self._fwd_issued]
             self._wait_replicate(b)
-            if not b.valid:
+            if not b.valid and b.broadcast_work is None:
                 self._broadcast(b, "forward")
+            self._fwd_issued += 1
+        while self._fwd_cursor <= last:
+            self._wait_broadcast(self.buckets[self._fwd_cursor])
             self._fwd_cursor += 1
 
     def _advance_rebroadcast(self, first: int) -> None:
-        while self._rb_cursor >= first:
-            b = self.buckets[self._rb_cursor]
-            if not b.valid:
+        """Wait for every bucket down to ``first``, after issuing up to ``prefetch_depth``
+        buckets below it (module docstring, step 3)."""
+        end = max(first - self.prefetch_depth, 0)
+        while self._rb_issued >= end:
+            b = self.buckets[self._rb_issued]
+            if not b.valid and b.broadcast_work is None:
                 self._broadcast(b, "backward")
+            self._rb_issued -= 1
+        while self._rb_cursor >= first:
+            self._wait_broadcast(self.buckets[self._rb_cursor])
             self._rb_cursor -= 1
 
     def _advance_reduce(self, final: bool) -> None:
@@ -586,20 +636,30 @@ class DedicatedParams:
             b.refresh_compute()  # mixed precision: the holder casts the received master
 
     def _broadcast(self, b: Bucket, phase: str) -> None:
-        """Holder -> shard group: the compute copy (forward, backward) or, for ``checkpoint``,
-        the master copy (the compute copy is then cast locally)."""
+        """Holder -> shard group: the compute copy (forward, backward: asynchronous, waited
+        by :meth:`_wait_broadcast`) or, for ``checkpoint``, the master copy (synchronous;
+        the compute copy is then cast locally)."""
         master = phase == "checkpoint"
         if not b.is_holder:
             b.alloc_master() if master else b.alloc_compute()
         buf = b.flat if master else b.lp
         name = {"forward": "dmuon.broadcast", "backward": "dmuon.rebroadcast"}.get(phase, "dmuon.sync")
         with annotate.phase(phase), annotate.span(name, module=b.module_name, owner=b.owner):
-            collectives.broadcast_(buf, b.shard_owner, self.groups.broadcast)
-        if master:
-            b.master_valid = True
-            if b.mixed:
-                b.refresh_compute()
+            work = collectives.broadcast_(buf, b.shard_owner, self.groups.broadcast, async_op=not master)
+        if not master:
+            b.broadcast_work = work  # valid once waited
+            return
+        b.master_valid = True
+        if b.mixed:
+            b.refresh_compute()
         b.valid = True
+
+    def _wait_broadcast(self, b: Bucket) -> None:
+        """Wait for ``b``'s in-flight broadcast, if any; ``b`` is then valid."""
+        if b.broadcast_work is not None:
+            b.broadcast_work.wait()
+            b.broadcast_work = None
+            b.valid = True
 
     def _issue_reduce(self, b: Bucket) -> None:
         grads = [q.grad if q.grad is not None else torch.zeros_like(q) for q in b.compute]
@@ -621,6 +681,15 @@ class DedicatedParams:
 
     def _finish_reduces(self) -> None:
         rep = self.groups.replicate
+        # every grad hook has run: the usage all_reduce goes out now, behind the reduces on
+        # its channel (1-D meshes) or beside them (HSDP's world group), and is waited last
+        used = torch.tensor(
+            [int(u) for b in self.buckets for u in b.used],
+            dtype=torch.int32,
+            device=collectives.collective_device(self.groups.world),
+        )
+        with annotate.phase("usage"):
+            usage_work = collectives.all_reduce_sum_(used, self.groups.world, async_op=True)
         for b in self.buckets[::-1]:
             b.reduce_work.wait()
             b.reduce_work = None
@@ -629,13 +698,7 @@ class DedicatedParams:
                     "dmuon.reduce", module=b.module_name, owner=b.owner
                 ):
                     collectives.reduce_sum_(b.reduce_buf, b.replicate_owner, rep)
-        used = torch.tensor(
-            [int(u) for b in self.buckets for u in b.used],
-            dtype=torch.int32,
-            device=collectives.collective_device(self.groups.world),
-        )
-        with annotate.phase("usage"):
-            collectives.all_reduce_sum_(used, self.groups.world)
+        usage_work.wait()
         counts = used.tolist()
         k = 0
         for b in self.buckets:
@@ -660,6 +723,7 @@ class DedicatedParams:
     # ------------------------------------------------------------------ residency
     def _free_non_holder(self, b: Bucket) -> None:
         """Z3: non-holders free ``b``; every rank marks it invalid (a no-op under Z2)."""
+        self._wait_broadcast(b)  # never free a buffer a broadcast is writing
         if self.reshard_after_forward:
             if not b.is_holder and residency.is_allocated(b.lp):
                 b.free_compute()
@@ -680,7 +744,7 @@ class DedicatedParams:
         non-holders free them. Local: every rank must have applied the same call.
         """
         for b in self.buckets:
-            current = [b.module._parameters[n.rpartition(".")[2]] for n in b.names]
+            current = [m._parameters[n.rpartition(".")[2]] for m, n in zip(b.param_modules, b.names)]
             replaced = [
                 i for i, (p, q) in enumerate(zip(b.params, current))
                 if p is not q and not any(q is c for c in b.compute)  # not swapped in by us

@@ -175,32 +175,85 @@ def zeropower_via_newtonschulz(
         ValueError: ``grad`` not 2-D, ``ns_steps`` outside [0, 100), ``eps`` not a positive
             finite number, malformed ``ns_coefficients``.
     """
-    if isinstance(ns_steps, bool) or not isinstance(ns_steps, int) or not 0 <= ns_steps < 100:
-        raise ValueError(
-            f"Invalid {ns_steps=}. Must be an int in [0, 100) (fewer than 100 steps for "
-            "computational efficiency, as torch.optim.Muon requires)."
-        )
     if not isinstance(grad, Tensor) or grad.ndim != 2:
         shape = tuple(grad.shape) if isinstance(grad, Tensor) else type(grad).__name__
         raise ValueError(
             f"Invalid grad shape={shape}. Must be a 2-D matrix (rows, cols); Muon only "
             "orthogonalizes 2-D weights, optimize other params with AdamW."
         )
-    if not _is_real(eps) or eps <= 0:
-        raise ValueError(f"Invalid {eps=}. Must be a positive finite float (default 1e-7).")
-    steps = _per_step_coefficients(ns_coefficients, ns_steps)
-
+    steps = _checked_steps(ns_coefficients, ns_steps, eps)
     tall = grad.size(0) > grad.size(1)
     ortho = grad.to(dtype=torch.bfloat16, copy=True)
     if tall:
         ortho = ortho.T
     ortho.div_(ortho.norm().clamp(min=eps))  # spectral norm <= Frobenius norm <= 1
-    for a, b, c in steps:
-        gram = ortho @ ortho.T
-        poly = torch.addmm(gram, gram, gram, beta=b, alpha=c)  # b A + c A A
-        ortho = torch.addmm(ortho, poly, ortho, beta=a)  # a X + (b A + c A A) X
+    ortho = _ns_iterations(ortho, steps)
     if tall:
         ortho = ortho.T
+    return ortho
+
+
+def zeropower_via_newtonschulz_batched(
+    grads: Tensor,
+    ns_coefficients: Sequence[float] | Sequence[Sequence[float]],
+    ns_steps: int,
+    eps: float,
+) -> Tensor:
+    """:func:`zeropower_via_newtonschulz` of ``k`` same-shape matrices at once (one ``bmm``
+    chain: ``baddbmm`` where the 2-D form uses ``addmm``, a per-matrix Frobenius norm).
+
+    Same arithmetic per matrix, with the 2-D form's norm reduction. Tolerance against the
+    per-matrix loop: each bfloat16 element equal or one ulp apart (relative 2**-7); on CPU
+    torch 2.13 about 1 batch in 20 of small matrices has such an element, because ``bmm``
+    and ``mm`` take different GEMM paths (``tests/test_muon_batched.py``).
+
+    Args:
+        grads: ``(k, rows, cols)`` tensor, any floating dtype; not modified.
+        ns_coefficients, ns_steps, eps: as :func:`zeropower_via_newtonschulz`.
+
+    Returns:
+        ``(k, rows, cols)`` bfloat16 tensor on ``grads``' device.
+
+    Raises:
+        ValueError: ``grads`` not 3-D, and what :func:`zeropower_via_newtonschulz` rejects.
+    """
+    if not isinstance(grads, Tensor) or grads.ndim != 3:
+        shape = tuple(grads.shape) if isinstance(grads, Tensor) else type(grads).__name__
+        raise ValueError(
+            f"Invalid grads shape={shape}. Must be 3-D (k, rows, cols): k same-shape matrices."
+        )
+    steps = _checked_steps(ns_coefficients, ns_steps, eps)
+    tall = grads.size(1) > grads.size(2)
+    ortho = grads.to(dtype=torch.bfloat16, copy=True)
+    if tall:
+        ortho = ortho.mT
+    norms = torch.stack([x.norm() for x in ortho]).view(-1, 1, 1)  # the 2-D form's reduction
+    ortho.div_(norms.clamp(min=eps))
+    ortho = _ns_iterations(ortho, steps)
+    if tall:
+        ortho = ortho.mT
+    return ortho
+
+
+def _checked_steps(ns_coefficients, ns_steps, eps) -> list[tuple[float, float, float]]:
+    """Validate ``ns_steps`` and ``eps``; the per-step ``(a, b, c)`` triples."""
+    if isinstance(ns_steps, bool) or not isinstance(ns_steps, int) or not 0 <= ns_steps < 100:
+        raise ValueError(
+            f"Invalid {ns_steps=}. Must be an int in [0, 100) (fewer than 100 steps for "
+            "computational efficiency, as torch.optim.Muon requires)."
+        )
+    if not _is_real(eps) or eps <= 0:
+        raise ValueError(f"Invalid {eps=}. Must be a positive finite float (default 1e-7).")
+    return _per_step_coefficients(ns_coefficients, ns_steps)
+
+
+def _ns_iterations(ortho: Tensor, steps) -> Tensor:
+    """The Newton–Schulz iterations on a normalized wide ``(r, c)`` or ``(k, r, c)`` tensor."""
+    mm = torch.addmm if ortho.ndim == 2 else torch.baddbmm
+    for a, b, c in steps:
+        gram = ortho @ ortho.mT
+        poly = mm(gram, gram, gram, beta=b, alpha=c)  # b A + c A A
+        ortho = mm(ortho, poly, ortho, beta=a)  # a X + (b A + c A A) X
     return ortho
 
 
@@ -264,6 +317,60 @@ def muon_update_(
         ValueError: non-2-D or mismatched shapes, negative or non-finite hyperparameters, and
             anything :func:`zeropower_via_newtonschulz` / :func:`adjust_lr` reject.
     """
+    _check_update(param, grad, momentum_buffer, lr, weight_decay, momentum, adjust_lr_fn)
+    update = _momentum_update(grad, momentum_buffer, momentum, nesterov)
+    update = zeropower_via_newtonschulz(update, ns_coefficients, ns_steps, eps)
+    _apply_update(param, update, lr, weight_decay, adjust_lr_fn)
+
+
+@torch.no_grad()
+def muon_update_batched_(
+    params: Sequence[Tensor],
+    grads: Sequence[Tensor],
+    momentum_buffers: Sequence[Tensor],
+    *,
+    lr: float,
+    weight_decay: float,
+    momentum: float,
+    nesterov: bool,
+    ns_coefficients: Sequence[float] | Sequence[Sequence[float]],
+    ns_steps: int,
+    eps: float,
+    adjust_lr_fn: str | None,
+) -> None:
+    """:func:`muon_update_` of ``k`` same-shape params at once: the per-param momentum
+    update, one :func:`zeropower_via_newtonschulz_batched` over the stacked updates (one
+    extra copy of ``k`` updates), then the per-param weight decay and update.
+
+    Args:
+        params, grads, momentum_buffers: ``k >= 1`` tensors each, all of one shape.
+        lr, weight_decay, momentum, nesterov, ns_coefficients, ns_steps, eps, adjust_lr_fn:
+            as :func:`muon_update_`.
+
+    Raises:
+        ValueError: the lists differ in length, are empty, or hold different shapes, and
+            what :func:`muon_update_` rejects.
+    """
+    if not params or not len(params) == len(grads) == len(momentum_buffers):
+        raise ValueError(
+            f"Invalid lengths {len(params)=}, {len(grads)=}, {len(momentum_buffers)=}. Must "
+            "be equal and >= 1 (one grad and momentum buffer per param)."
+        )
+    shapes = {tuple(p.shape) for p in params}
+    if len(shapes) != 1:
+        raise ValueError(f"Invalid param shapes {sorted(shapes)}. Must all be equal to batch.")
+    for p, g, m in zip(params, grads, momentum_buffers):
+        _check_update(p, g, m, lr, weight_decay, momentum, adjust_lr_fn)
+    updates = torch.stack(
+        [_momentum_update(g, m, momentum, nesterov) for g, m in zip(grads, momentum_buffers)]
+    )
+    ortho = zeropower_via_newtonschulz_batched(updates, ns_coefficients, ns_steps, eps)
+    for p, u in zip(params, ortho):
+        _apply_update(p, u, lr, weight_decay, adjust_lr_fn)
+
+
+def _check_update(param, grad, momentum_buffer, lr, weight_decay, momentum, adjust_lr_fn) -> None:
+    """Raise ``ValueError`` for what :func:`muon_update_` rejects before touching anything."""
     if param.ndim != 2:
         raise ValueError(
             f"Invalid param shape={tuple(param.shape)}. Must be 2-D; Muon only supports 2-D "
@@ -281,12 +388,17 @@ def muon_update_(
     if adjust_lr_fn not in ADJUST_LR_FNS:
         raise ValueError(f"Invalid {adjust_lr_fn=}. Must be one of {ADJUST_LR_FNS}.")
 
+
+def _momentum_update(grad: Tensor, momentum_buffer: Tensor, momentum: float, nesterov: bool) -> Tensor:
+    """``B = m B + (1 - m) g`` in place; the update (Nesterov: ``g`` lerped towards ``B``)."""
     momentum_buffer.lerp_(grad, 1 - momentum)
-    update = grad.lerp(momentum_buffer, momentum) if nesterov else momentum_buffer
-    update = zeropower_via_newtonschulz(update, ns_coefficients, ns_steps, eps)
-    adjusted_lr = adjust_lr(lr, adjust_lr_fn, param.shape)
+    return grad.lerp(momentum_buffer, momentum) if nesterov else momentum_buffer
+
+
+def _apply_update(param: Tensor, update: Tensor, lr: float, weight_decay: float, adjust_lr_fn) -> None:
+    """Decoupled weight decay with the raw ``lr``, then ``param -= adjusted lr * update``."""
     param.mul_(1 - lr * weight_decay)
-    param.add_(update, alpha=-adjusted_lr)
+    param.add_(update, alpha=-adjust_lr(lr, adjust_lr_fn, param.shape))
 
 
 def _check_dims(rows, cols) -> tuple[int, int]:

@@ -6,8 +6,10 @@ replicate broadcast starts as ``step()`` returns (phase ``replicate``); its wait
 module's next forward pre-hook.
 
 The Muon math is ``torch.optim.Muon``'s (same argument names and defaults, see
-``muon_math.py``); the AdamW math is ``torch.optim.AdamW``'s (its functional form,
-single-tensor path).
+``muon_math.py``); owned matrices of one shape are orthogonalized in one batch
+(``muon_update_batched_``: within one bfloat16 ulp of the per-matrix path). The AdamW math
+is ``torch.optim.AdamW``'s (its functional form, ``foreach=True``: one multi-tensor kernel
+per op over the group instead of one kernel per param).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from torch.optim.adam import adam as _adam_functional
 from . import annotate, checkpoint
 from .dedicate import DedicatedParams
 from .hparams import validate_adamw, validate_muon
-from .muon_math import MUON_DEFAULTS, muon_update_
+from .muon_math import MUON_DEFAULTS, muon_update_, muon_update_batched_
 
 
 class DMuon(Optimizer):
@@ -126,7 +128,7 @@ class DMuon(Optimizer):
 
     @staticmethod
     def new_adamw_state(p: torch.Tensor) -> dict[str, torch.Tensor]:
-        """A fresh AdamW state for ``p`` (``torch.optim.AdamW``'s, single-tensor path): step 0
+        """A fresh AdamW state for ``p`` (``torch.optim.AdamW``'s, CPU ``step`` tensor): step 0
         (a 0-d tensor of the default dtype) and zero ``exp_avg`` / ``exp_avg_sq`` like ``p``."""
         return {
             "step": torch.tensor(0.0, dtype=torch.get_default_dtype()),
@@ -200,28 +202,31 @@ class DMuon(Optimizer):
             check(group, f"param_groups[{i}].")
 
     def _muon_group(self, group: dict) -> None:
+        """Owned params with a grad, batched by (shape, dtype, device): one Newton–Schulz
+        ``bmm`` chain per batch of two or more (tolerance: see
+        :func:`~dmuon.muon_math.zeropower_via_newtonschulz_batched`); a single matrix takes
+        the per-matrix path (torch.optim.Muon's arithmetic). One span per batch, named after
+        its first matrix's module."""
+        batches: dict[tuple, list[torch.Tensor]] = {}
         for p in group["params"]:
             if id(p) not in self._owned or p.grad is None:
                 continue
             state = self.state[p]
             if "momentum_buffer" not in state:
                 state["momentum_buffer"] = self.new_momentum(p)
-            with annotate.span("dmuon.newton_schulz", module=self._module_of[id(p)],
-                               owner=self.dedicated.owner_of(p)):
-                muon_update_(
-                    p,
-                    p.grad,
-                    state["momentum_buffer"],
-                    lr=group["lr"],
-                    weight_decay=group["weight_decay"],
-                    momentum=group["momentum"],
-                    nesterov=group["nesterov"],
-                    ns_coefficients=group["ns_coefficients"],
-                    ns_steps=group["ns_steps"],
-                    eps=group["eps"],
-                    adjust_lr_fn=group["adjust_lr_fn"],
-                )
-            self.ns_calls += 1
+            batches.setdefault((tuple(p.shape), p.dtype, p.device), []).append(p)
+        hparams = {k: group[k] for k in ("lr", "weight_decay", "momentum", "nesterov",
+                                         "ns_coefficients", "ns_steps", "eps", "adjust_lr_fn")}
+        for params in batches.values():
+            grads = [p.grad for p in params]
+            bufs = [self.state[p]["momentum_buffer"] for p in params]
+            with annotate.span("dmuon.newton_schulz", module=self._module_of[id(params[0])],
+                               owner=self.dedicated.owner_of(params[0])):
+                if len(params) == 1:
+                    muon_update_(params[0], grads[0], bufs[0], **hparams)
+                else:
+                    muon_update_batched_(params, grads, bufs, **hparams)
+            self.ns_calls += len(params)
 
     def _adamw_group(self, group: dict) -> None:
         params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
@@ -246,7 +251,7 @@ class DMuon(Optimizer):
             exp_avg_sqs,
             [],
             steps,
-            foreach=False,
+            foreach=True,
             decoupled_weight_decay=True,
             amsgrad=False,
             beta1=beta1,

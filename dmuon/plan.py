@@ -72,7 +72,7 @@ class ParamSpec:
             ``(rows, cols)`` with positive dims (the predictor also describes 1-D params).
         dtype: torch dtype name, e.g. ``"float32"``.
         module: fully qualified name of the module holding the param (``"blocks.0.attn.qkv"``);
-            the runtime packs same-owner params of one module into one broadcast.
+            the runtime packs same-owner params of one block (``dmuon.buckets``) into one broadcast.
     """
 
     name: str

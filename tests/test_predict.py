@@ -16,7 +16,7 @@ from tracer.events import CollectiveEvent
 from verify.compare import compare_run
 from verify.model import GPTConfig, TinyGPT
 from verify.modes import muon_names
-from verify.predict import RunLayout, dmuon_buckets, predict_step
+from verify.predict import RunLayout, dmuon_block, dmuon_buckets, predict_step
 from verify.traffic import avg_elems, closed_form, padded_numel
 
 from dmuon.plan import specs_from_named_parameters
@@ -122,14 +122,33 @@ def test_buckets_follow_the_documented_rule():
     layout = _layout("dmuon-z3", 3)
     plan = layout.plan()
     buckets = dmuon_buckets(layout.muon_specs(), plan)
-    # one bucket per (module, owner, dtype); together they hold every Muon param once
+    # under the default cap: one bucket per (block, owner, dtype); every Muon param once
     keys = [(b.module, b.owner, b.dtype) for b in buckets]
     assert len(keys) == len(set(keys))
     names = [n for b in buckets for n in b.names]
     assert sorted(names) == sorted(layout.muon_names)
     for b in buckets:
         assert {plan.owner[n] for n in b.names} == {b.owner}
+        assert {dmuon_block(s.module) for s in layout.muon_specs() if s.name in b.names} == {b.module}
         assert b.numel == sum(s.numel for s in layout.muon_specs() if s.name in b.names)
+    # a block's matrices share buckets: fewer buckets than modules with a Muon param
+    assert len(buckets) < len({s.module for s in layout.muon_specs()})
+
+
+def test_block_rule_and_cap():
+    assert dmuon_block("blocks.3.attn.qkv") == "blocks.3"
+    assert dmuon_block("layers.0.experts.5.w1") == "layers.0.experts.5"
+    assert dmuon_block("head") == "head" and dmuon_block("") == ""
+    layout = _layout("dmuon-z3", 3)
+    specs, plan = layout.muon_specs(), layout.plan()
+    biggest = max(s.numel * 4 for s in specs)
+    capped = dmuon_buckets(specs, plan, cap_bytes=biggest)
+    one_each = dmuon_buckets(specs, plan, cap_bytes=1)  # every param alone
+    assert len(one_each) == len(specs) and all(len(b.names) == 1 for b in one_each)
+    assert all(b.numel * 4 <= biggest for b in capped)
+    assert len(dmuon_buckets(specs, plan)) <= len(capped) <= len(one_each)
+    with pytest.raises(ValueError, match="cap_bytes"):
+        dmuon_buckets(specs, plan, cap_bytes=0)
 
 
 # --------------------------------------------------------------------------- closed forms

@@ -9,7 +9,8 @@ What is modelled (torch 2.13, measured on gloo by the harness):
 
 - DMuon, derived here from the documented protocol (SPEC §1 and the glossary of
   ``dmuon/dedicate.py``) and the planner's output alone: a *bucket* is the dedicated params
-  of one module with the same global owner and dtype (:func:`dmuon_buckets`); per bucket a
+  of one block (a ``ModuleList`` element) with the same global owner and dtype, cut at
+  ``bucket_cap_mb`` (:func:`dmuon_buckets`); per bucket a
   forward broadcast over the shard axis from its holder; Z3 re-broadcast in backward; reduce
   to the holder over the shard axis, then (HSDP) to the owner over the replicate axis; (HSDP)
   the owner's replicate broadcast after the step. Independence: this module imports
@@ -70,6 +71,7 @@ class RunLayout:
         ddp_first_bucket_cap_bytes: DDP's first-bucket cap in bytes; ``None`` when
             ``bucket_cap_mb`` was given explicitly (torch 2.13 then uses the same cap),
             1 MiB for DDP's defaults (:func:`ddp_buckets`).
+        dmuon_bucket_cap_bytes: DMuon's ``bucket_cap_mb`` in bytes (``dmuon_buckets``).
         root_auto_reshard: the root was wrapped without ``reshard_after_forward`` (FSDP2 then
             keeps it unsharded after forward).
         mp_param_dtype: mixed precision's param dtype (torch name, e.g. ``"bfloat16"``) or
@@ -88,6 +90,7 @@ class RunLayout:
     reshard_after_forward: bool = True
     ddp_bucket_cap_bytes: int = 25 * 1024 * 1024
     ddp_first_bucket_cap_bytes: int | None = None
+    dmuon_bucket_cap_bytes: int = 25 * 1024 * 1024
     root_auto_reshard: bool = True
     mp_param_dtype: str | None = None
     mp_reduce_dtype: str | None = None
@@ -214,7 +217,7 @@ class DMuonBucket:
     """One predicted DMuon bucket: what one broadcast / reduce of the protocol moves.
 
     Attributes:
-        module: the module holding the params ("" for the root module).
+        module: the block holding the params (:func:`dmuon_block`; "" for the root).
         owner: global owner index g = r * N + s (``OwnershipPlan.owner``).
         dtype: the params' own dtype (torch name).
         names: member params in model order.
@@ -228,18 +231,31 @@ class DMuonBucket:
     numel: int
 
 
-def dmuon_buckets(specs: Sequence[ParamSpec], plan: OwnershipPlan) -> list[DMuonBucket]:
-    """DMuon's buckets from the documented rule (SPEC §1, ``dmuon/dedicate.py`` glossary).
+def dmuon_block(module: str) -> str:
+    """The block of a dedicated param of ``module`` (``dmuon/buckets.py``'s rule, written
+    here independently): the longest prefix of the dotted name ending in an integer
+    component (a ``ModuleList`` element), else the module itself (``""`` = root)."""
+    parts = module.split(".") if module else []
+    ends = [k for k in range(1, len(parts) + 1) if parts[k - 1].isdigit()]
+    return ".".join(parts[: ends[-1]]) if ends else module
 
-    A bucket is the dedicated params of one module with the same global owner and the same
-    dtype; one collective per bucket and phase. Written independently of the runtime's own
-    bucketing code, which is what this prediction checks. The order (first appearance in
-    ``specs``) does not matter to the comparison, which is a multiset.
+
+def dmuon_buckets(specs: Sequence[ParamSpec], plan: OwnershipPlan,
+                  cap_bytes: int = 25 * 1024 * 1024) -> list[DMuonBucket]:
+    """DMuon's buckets from the documented rule (SPEC §1, ``dmuon/buckets.py`` docstring).
+
+    A bucket is the dedicated params of one block (:func:`dmuon_block`) with the same global
+    owner and dtype, in model order, cut into runs of at most ``cap_bytes`` bytes (a param
+    larger than the cap alone); one collective per bucket and phase. Written independently
+    of the runtime's own bucketing code, which is what this prediction checks. The order
+    does not matter to the comparison, which is a multiset.
 
     Raises:
-        ValueError: a spec has no owner in ``plan``.
+        ValueError: a spec has no owner in ``plan``, or ``cap_bytes`` < 1.
     """
-    members: dict[tuple[str, int, str], list[ParamSpec]] = {}
+    if cap_bytes < 1:
+        raise ValueError(f"Invalid {cap_bytes=}. Must be >= 1 (DMuon's bucket_cap_mb in bytes).")
+    members: dict[tuple[str, int, str], list[list[ParamSpec]]] = {}
     for spec in specs:
         if spec.name not in plan.owner:
             raise ValueError(
@@ -247,10 +263,16 @@ def dmuon_buckets(specs: Sequence[ParamSpec], plan: OwnershipPlan) -> list[DMuon
                 f"planned params {list(plan.owner)[:3]}...; plan and specs must come from the "
                 "same layout."
             )
-        members.setdefault((spec.module, plan.owner[spec.name], spec.dtype), []).append(spec)
+        key = (dmuon_block(spec.module), plan.owner[spec.name], spec.dtype)
+        runs = members.setdefault(key, [[]])
+        size = spec.numel * DTYPE_BYTES[spec.dtype]
+        if runs[-1] and sum(p.numel * DTYPE_BYTES[p.dtype] for p in runs[-1]) + size > cap_bytes:
+            runs.append([])
+        runs[-1].append(spec)
     return [
-        DMuonBucket(module, owner, dtype, tuple(p.name for p in ps), sum(p.numel for p in ps))
-        for (module, owner, dtype), ps in members.items()
+        DMuonBucket(block, owner, dtype, tuple(p.name for p in ps), sum(p.numel for p in ps))
+        for (block, owner, dtype), runs in members.items()
+        for ps in runs
     ]
 
 
@@ -264,7 +286,7 @@ def _dmuon_calls(layout: RunLayout, rank: int) -> list[Expected]:
     def add(phase, op, gid, gsize, b, dtype, root):
         out.append(Expected(rank, phase, op, gid, gsize, b.numel, dtype, root, b.module, b.numel))
 
-    for b in dmuon_buckets(layout.muon_specs(), layout.plan()):
+    for b in dmuon_buckets(layout.muon_specs(), layout.plan(), layout.dmuon_bucket_cap_bytes):
         r_own, s_own = divmod(b.owner, n)
         cast, red = layout.cast_dtype(b.dtype), layout.reduce_dtype(b.dtype)
         add("forward", "broadcast", sid, n, b, cast, s_own)

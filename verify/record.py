@@ -78,7 +78,8 @@ def layout_from_job(model: nn.Module, dedicated: dmuon.DedicatedParams) -> RunLa
         raise ValueError(f"Invalid dedicated: reshard_after_forward={z3!r}. Must be the bool "
                          "given to dmuon.dedicate_params (Z3: True, Z2: False).")
     common = dict(replicate_size=topo.replicate_size, shard_size=topo.shard_size,
-                  muon_names=tuple(dedicated.names))
+                  muon_names=tuple(dedicated.names),
+                  dmuon_bucket_cap_bytes=int(dedicated.bucket_cap_bytes))
     if isinstance(model, DistributedDataParallel):
         if topo.replicate_size != 1:
             raise ValueError("Invalid wrapping: DistributedDataParallel with a 2-D DMuon mesh. "

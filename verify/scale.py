@@ -31,7 +31,7 @@ import torch
 
 from dmuon.plan import OwnershipPlan, ParamSpec, plan_ownership
 
-from .predict import RunLayout, ddp_buckets, padded_shard_numel
+from .predict import RunLayout, ddp_buckets, dmuon_buckets, padded_shard_numel
 from .traffic import MODES, avg_elems, closed_form
 
 #: Every mode :func:`step_traffic` knows: the harness's (``zero1-muon`` included).
@@ -252,15 +252,14 @@ def _add_ddp(t: Tally, layout: RunLayout, ignored: set[str]) -> None:
 
 
 def _dmuon(layout: RunLayout, plan: OwnershipPlan) -> tuple[Tally, dict[int, Tally]]:
-    """DMuon's buckets (the dedicated params of one module with one owner and dtype), in the
+    """DMuon's buckets (:func:`verify.predict.dmuon_buckets`: per block, owner and dtype, cut
+    at the bucket cap), in the
     dtypes of the protocol (mixed precision: broadcasts in param_dtype, reduces in
     reduce_dtype, the replicate broadcast in the master dtype), and the usage all_reduce."""
     n, r = layout.shard_size, layout.replicate_size
     common, extra = Tally(), defaultdict(Tally)
-    buckets: dict[tuple[str, int, str], int] = defaultdict(int)
-    for p in layout.muon_specs():
-        buckets[(p.module, plan.owner[p.name], p.dtype)] += p.numel
-    for (_, g, dtype), numel in buckets.items():
+    for b in dmuon_buckets(layout.muon_specs(), plan, layout.dmuon_bucket_cap_bytes):
+        g, dtype, numel = b.owner, b.dtype, b.numel
         cast, red = _dtype_bytes(layout.cast_dtype(dtype)), _dtype_bytes(layout.reduce_dtype(dtype))
         common.add("forward", "broadcast", "shard", n, numel, cast, numel)
         if layout.reshard_after_forward:

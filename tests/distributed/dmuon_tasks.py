@@ -168,6 +168,8 @@ def expect_error(case: str) -> str:
             if rank == 1:
                 model = make_model(GPTConfig(seq_len=16, d_model=48, n_layers=1, n_heads=2))
             dmuon.dedicate_params(model, _mesh("flat"))
+        elif case == "bucket_cap_mismatch":  # the same model, rank 1 another bucket cap
+            dmuon.dedicate_params(model, _mesh("flat"), bucket_cap_mb=25 if rank != 1 else 1)
         elif case == "already_ddp":
             dmuon.dedicate_params(DistributedDataParallel(model), _mesh("flat"))
         elif case == "optimizer_missing_params":
@@ -253,9 +255,9 @@ def hsdp_replicate_waits() -> dict:
     issued = sum(b.replicate_work is not None for b in holders)
     sd = model.state_dict()
     after_state_dict = sum(b.replicate_work is not None for b in dm.buckets)
-    at_state_dict = {b.module_name: torch.cat([sd[n].reshape(-1) for n in b.names]).clone() for b in holders}
+    at_state_dict = {b.names[0]: torch.cat([sd[n].reshape(-1) for n in b.names]).clone() for b in holders}
     opt.step()  # same grads again, while this step's replicate broadcasts would be in flight
     dm.wait_pending()
     return {"issued": issued, "holders": len(holders), "after_state_dict": after_state_dict,
             "at_state_dict": at_state_dict,
-            "after_second_step": {b.module_name: b.flat.clone() for b in holders}}
+            "after_second_step": {b.names[0]: b.flat.clone() for b in holders}}

@@ -190,7 +190,7 @@ def train_ac(mode: str, variant: str | None, steps: int = 3) -> dict:
     built = build_mode(mode, lambda: make_model(SMALL))
     if variant is not None:
         _apply_ac(built.model.module if mode == "dmuon-ddp" else built.model, variant)
-    fc1 = next(b.module for b in built.dedicated.buckets if b.module_name == "blocks.0.mlp.fc1")
+    fc1 = (built.model.module if mode == "dmuon-ddp" else built.model).get_submodule("blocks.0.mlp.fc1")
     calls = []
     fc1.register_forward_pre_hook(lambda m, a: calls.append(1))
     interposer = Interposer()

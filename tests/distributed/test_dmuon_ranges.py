@@ -46,7 +46,8 @@ def _ranges_of_last_step(mode: str, steps: int) -> dict:
     return {"spans": [(s.name, s.module, s.owner) for s in spans],
             "pushed": [m for kind, m in fake.calls if kind == "push"],
             "pops": sum(kind == "pop" for kind, _ in fake.calls),
-            "module_names": sorted({b.module_name for b in built.dedicated.buckets})}
+            "module_names": sorted({b.module_name for b in built.dedicated.buckets}),
+            "matrices": len(built.dedicated.names)}
 
 
 def test_hsdp_z3_step_emits_every_issue_range_with_module_and_owner(pool4):
@@ -63,8 +64,11 @@ def test_hsdp_z3_step_emits_every_issue_range_with_module_and_owner(pool4):
         for message in spans_pushed:  # what nsys will show, read back by tracer.nsys
             match = _SPAN_RE.match(message)
             assert match and match["module"] in out["module_names"] and match["owner"], message
-    # Newton–Schulz: one range per dedicated matrix (one per module here), on its owner only.
+    # Newton–Schulz: one range per owner and matrix shape (same-shape matrices of one owner
+    # are one batch; here every matrix of the block has its own shape), on its owner only,
+    # named after the block.
     ns = [(rank, module, owner) for rank, out in enumerate(results)
           for name, module, owner in out["spans"] if name == "dmuon.newton_schulz"]
-    assert sorted(module for _, module, _ in ns) == results[0]["module_names"]
+    assert sorted({module for _, module, _ in ns}) == results[0]["module_names"]
+    assert len(ns) == results[0]["matrices"]
     assert all(rank == owner for rank, _, owner in ns)  # 2 x 2 mesh: owner index = world rank
