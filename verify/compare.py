@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from dmuon.annotate import PHASES
 from tracer.events import CollectiveEvent
 
-from .predict import Expected, RunLayout, ns_calls_per_step, predict_step
+from .predict import Expected, RunLayout, ns_calls_per_step, owner_numels, predict_step
 from .traffic import PADDED_MODES, avg_elems, closed_form, closed_form_p_m
 
 
@@ -84,13 +84,9 @@ def compare_run(
     phases: dict[str, dict] = {}
     form = closed_form(layout.mode, layout.shard_size, layout.replicate_size)
     p_m = layout.p_m()
-    owner_numels = None
-    if layout.mode == "zero1-muon":
-        plan, owner_numels = layout.plan(), [0] * layout.world_size
-        for s in layout.muon_specs():
-            owner_numels[plan.owner[s.name]] += s.numel
+    numels = owner_numels(layout.muon_specs(), layout.plan()) if layout.mode == "zero1-muon" else None
     cf_p_m = closed_form_p_m(layout.mode, [s.shape for s in layout.muon_specs()], layout.shard_size,
-                             owner_numels)
+                             numels)
     padded = layout.mode in PADDED_MODES and cf_p_m != p_m
     per_rank = defaultdict(float)
     total_measured = 0.0

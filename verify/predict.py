@@ -398,13 +398,17 @@ def _naive_step_calls(layout: RunLayout, rank: int) -> list[Expected]:
     return out
 
 
+def owner_numels(specs: Sequence[ParamSpec], plan: OwnershipPlan) -> list[int]:
+    """Elements of the matrices each global owner g holds under ``plan`` (index g)."""
+    totals = [0] * plan.world_size
+    for p in specs:
+        totals[plan.owner[p.name]] += p.numel
+    return totals
+
+
 def zero1_chunk_elems(layout: RunLayout) -> int:
     """ZeRO-1-style Muon's per-rank chunk C: the largest total of one owner's matrices."""
-    plan = layout.plan()
-    totals = [0] * layout.world_size
-    for p in layout.muon_specs():
-        totals[plan.owner[p.name]] += p.numel
-    return max(totals)
+    return max(owner_numels(layout.muon_specs(), layout.plan()))
 
 
 def _zero1_step_calls(layout: RunLayout, rank: int) -> list[Expected]:

@@ -31,7 +31,7 @@ import torch
 
 from dmuon.plan import OwnershipPlan, ParamSpec, plan_ownership
 
-from .predict import RunLayout, ddp_buckets, dmuon_buckets, padded_shard_numel
+from .predict import RunLayout, ddp_buckets, dmuon_buckets, owner_numels, padded_shard_numel
 from .traffic import MODES, avg_elems, closed_form
 
 #: Every mode :func:`step_traffic` knows: the harness's (``zero1-muon`` included).
@@ -182,10 +182,7 @@ class StepTraffic:
 # ----- per-mode builders ------------------------------------------------------------------------
 def _nbytes(spec: ParamSpec) -> int:
     """Bytes per element of ``spec``'s dtype."""
-    size = _ELEMENT_BYTES.get(spec.dtype)
-    if size is None:
-        size = _ELEMENT_BYTES[spec.dtype] = spec.nbytes // spec.numel
-    return size
+    return _dtype_bytes(spec.dtype)
 
 
 _ELEMENT_BYTES: dict[str, int] = {}
@@ -330,10 +327,7 @@ def _build_zero1(layout: RunLayout, plan: OwnershipPlan) -> StepTraffic:
     specs = layout.muon_specs()
     if plan.mesh_shape != (1, w):
         plan = plan_ownership(specs, (1, w))
-    totals = [0] * w
-    for p in specs:
-        totals[plan.owner[p.name]] += p.numel
-    c, elem_bytes = max(totals), _nbytes(specs[0])
+    c, elem_bytes = max(owner_numels(specs, plan)), _nbytes(specs[0])
     for op in ("reduce_scatter", "all_gather"):
         common.add("optimizer", op, "world", w, c, elem_bytes, c)
     out = _result(layout, common, {}, len(specs), _muon_bytes(layout), c * elem_bytes)
