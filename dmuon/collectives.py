@@ -24,11 +24,37 @@ Over the same ranks as the mesh's groups, so a trace names them the same way (so
 
 **Device.** Every tensor a collective sends lives on the device the group's backend needs:
 :func:`collective_device` (``cuda:<current>`` for NCCL, ``cpu`` for gloo).
+
+**Asynchrony** (:class:`Launcher`, one per DedicatedParams). Forward broadcasts, Z3
+re-broadcasts, backward reduces, the usage all_reduce and the HSDP replicate calls are issued
+without blocking the training thread and waited where their result is needed:
+
+- CPU tensors (gloo): ``async_op=True``; :meth:`Pending.wait` is ``Work.wait()`` (blocks the
+  calling thread until the transfer is done).
+- CUDA tensors (NCCL): the FSDP2 scheme (``torch/distributed/fsdp/_fully_shard/
+  _fsdp_param_group.py``: all_gather / reduce_scatter streams and events). Each channel kind
+  (``broadcast``, ``reduce``, ``replicate``) has its own high-priority side stream. Issuing
+  makes the side stream wait for the current (compute) stream, so the data the call reads
+  (the step's update, the backward's grads) are written, then runs the collective inside the
+  side stream with ``async_op=False`` (NCCL enqueues it and orders the side stream after it;
+  the CPU does not block) and records an event on the side stream. :meth:`Pending.wait` makes
+  the *current stream* wait for that event, again without blocking the CPU. Memory: no
+  ``record_stream``. Every buffer a call touches was allocated on the compute stream and is
+  freed or reused only by the compute stream after it waited the call's event (DMuon frees
+  at known points: a Z3 copy after its block's forward/backward, a non-holder's grad buffer
+  after the reduce wait), so the caching allocator never hands out memory a collective is
+  still using; the :class:`Pending` keeps its tensors alive until it is waited.
+
+The choice is made by the tensors' device (:meth:`Launcher.for_device`); the CUDA branch
+cannot run on the project's CPU machines, so its order of stream operations is tested with
+stand-in stream objects (``tests/test_collectives_streams.py``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -175,6 +201,95 @@ def all_reduce_sum_(buf: torch.Tensor, group: dist.ProcessGroup, *, async_op: bo
     Returns the ``Work`` handle when ``async_op``, else ``None``.
     """
     return dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+
+
+class Pending:
+    """One issued asynchronous collective (module docstring, "Asynchrony").
+
+    ``wait()`` makes its result usable by the training thread (gloo) or the current stream
+    (CUDA); calling it again is a no-op.
+    """
+
+    __slots__ = ("_work", "_event", "_wait_stream", "_keep")
+
+    def __init__(self, work=None, event=None, wait_stream: Callable[[], Any] | None = None,
+                 keep: tuple[torch.Tensor, ...] = ()) -> None:
+        self._work, self._event, self._wait_stream, self._keep = work, event, wait_stream, keep
+
+    def wait(self) -> None:
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+        if self._event is not None:
+            self._wait_stream().wait_event(self._event)
+            self._event = None
+        self._keep = ()
+
+
+class Launcher:
+    """Issues DMuon's asynchronous collectives on one device (module docstring, "Asynchrony").
+
+    Args:
+        device: the device of the tensors the calls move (:func:`collective_device`).
+        accel: the accelerator module whose streams to use (``torch.cuda``) or ``None`` for
+            work handles; default: ``torch.cuda`` for a CUDA device. Tests pass a stand-in.
+
+    Raises:
+        ValueError: ``accel`` given for a CPU device.
+    """
+
+    #: Side-stream priority (FSDP2 gives its all_gather stream high priority too).
+    STREAM_PRIORITY = -1
+
+    def __init__(self, device: torch.device, accel: Any = None) -> None:
+        device = torch.device(device)
+        if accel is None and device.type == "cuda":
+            accel = torch.cuda
+        if accel is not None and device.type == "cpu":
+            raise ValueError(f"Invalid accel={accel!r} for device {device}. Must be None for CPU tensors.")
+        self.device = device
+        self._accel = accel
+        self._streams: dict[str, Any] = {}
+
+    @property
+    def uses_streams(self) -> bool:
+        """Whether calls run on side streams (CUDA) rather than async work handles."""
+        return self._accel is not None
+
+    def stream(self, channel: str):
+        """The side stream of ``channel`` (created on first use); CUDA only."""
+        assert self._accel is not None, "work handles have no streams"
+        s = self._streams.get(channel)
+        if s is None:
+            s = self._streams[channel] = self._accel.Stream(device=self.device, priority=self.STREAM_PRIORITY)
+        return s
+
+    def _current(self):
+        return self._accel.current_stream(self.device)
+
+    def launch(self, channel: str, call: Callable[..., Any], *tensors: torch.Tensor) -> Pending:
+        """Issue ``call(async_op=...)`` (one of this module's collective functions bound to
+        its tensors) on ``channel``; ``tensors`` are kept alive until the wait."""
+        if self._accel is None:
+            return Pending(work=call(async_op=True))
+        side = self.stream(channel)
+        side.wait_stream(self._current())
+        with self._accel.stream(side):
+            call(async_op=False)
+            event = side.record_event()
+        return Pending(event=event, wait_stream=self._current, keep=tensors)
+
+    def broadcast(self, buf: torch.Tensor, src: int, group: dist.ProcessGroup, channel: str = "broadcast") -> Pending:
+        """:func:`broadcast_` issued asynchronously."""
+        return self.launch(channel, lambda async_op: broadcast_(buf, src, group, async_op=async_op), buf)
+
+    def reduce(self, buf: torch.Tensor, dst: int, group: dist.ProcessGroup, channel: str = "reduce") -> Pending:
+        """:func:`reduce_sum_` issued asynchronously."""
+        return self.launch(channel, lambda async_op: reduce_sum_(buf, dst, group, async_op=async_op), buf)
+
+    def all_reduce(self, buf: torch.Tensor, group: dist.ProcessGroup, channel: str = "reduce") -> Pending:
+        """:func:`all_reduce_sum_` issued asynchronously."""
+        return self.launch(channel, lambda async_op: all_reduce_sum_(buf, group, async_op=async_op), buf)
 
 
 def check_plan_agreement(digest: str, what: str) -> None:

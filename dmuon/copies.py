@@ -16,6 +16,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from . import residency
+from .collectives import Pending
 
 
 @dataclass(eq=False)
@@ -41,10 +42,12 @@ class Bucket:
     reduced: bool = False  # reduced to the owner since the last step / zero_grad
     ready: set[int] = field(default_factory=set)
     used: list[bool] = field(default_factory=list)
-    replicate_work: dist.Work | None = None
-    broadcast_work: dist.Work | None = None  # in-flight forward / backward broadcast into lp
-    reduce_work: dist.Work | None = None
+    replicate_work: Pending | None = None  # in-flight replicate broadcast into flat (HSDP)
+    broadcast_work: Pending | None = None  # in-flight forward / backward broadcast into lp
+    reduce_work: Pending | None = None
     reduce_buf: torch.Tensor | None = None
+    grad_flat: torch.Tensor | None = None  # shape (numel,), lp's dtype: the compute grads' home
+    grad_views: list[torch.Tensor] = field(default_factory=list)  # views of grad_flat, per param
 
     @property
     def numel(self) -> int:
@@ -102,6 +105,49 @@ class Bucket:
         else:
             self.alloc_master()
 
+    def grad_buffer(self) -> torch.Tensor:
+        """The bucket's flat grad buffer: shape (numel,), the compute copy's dtype and device,
+        with one view per param in ``grad_views``. Created on first use (again after
+        ``.to()`` moved the params), its storage re-grown after :meth:`free_grad_buffer`; the
+        views stay the same objects, so a ``.grad`` set to one follows the storage."""
+        g = self.grad_flat
+        if g is None or g.dtype != self.lp.dtype or g.device != self.lp.device:
+            g = self.grad_flat = torch.empty(self.numel, dtype=self.lp.dtype, device=self.lp.device)
+            self.grad_views, offset = [], 0
+            for p in self.params:
+                self.grad_views.append(g[offset : offset + p.numel()].view(p.shape))
+                offset += p.numel()
+        else:
+            residency.alloc_storage(g)
+        return g
+
+    def grad_into_buffer(self, i: int, q: torch.Tensor) -> None:
+        """Make ``q.grad`` (the compute param ``i``) a view of the flat grad buffer: copy it in
+        unless it already is one (then autograd accumulates into the buffer in place)."""
+        self.grad_buffer()
+        view, g = self.grad_views[i], q.grad
+        if g is not None and not _is_view(g, view):
+            with torch.no_grad():
+                view.copy_(g)
+            q.grad = view
+
+    def fill_grad_buffer(self) -> torch.Tensor:
+        """The flat grad buffer holding every compute param's local grad, zeros for a param
+        without one (no ``torch.cat``: grads already live there, see :meth:`grad_into_buffer`)."""
+        buf = self.grad_buffer()
+        with torch.no_grad():
+            for q, view in zip(self.compute, self.grad_views):
+                if q.grad is None:
+                    view.zero_()
+                elif not _is_view(q.grad, view):
+                    view.copy_(q.grad)
+        return buf
+
+    def free_grad_buffer(self) -> None:
+        """Drop the flat grad buffer's storage (a non-holder after its reduce was waited)."""
+        if self.grad_flat is not None and residency.is_allocated(self.grad_flat):
+            residency.free_storage(self.grad_flat)
+
     def free_master(self) -> None:
         """Drop ``flat``'s storage; the registered params get the freed guard."""
         residency.free_storage(self.flat)
@@ -113,3 +159,8 @@ class Bucket:
         residency.alloc_storage(self.flat)
         for p in self.params:
             residency.mark_resident(p)
+
+
+def _is_view(g: torch.Tensor, view: torch.Tensor) -> bool:
+    """Whether ``g`` is ``view`` (same memory, shape and dtype)."""
+    return g.data_ptr() == view.data_ptr() and g.shape == view.shape and g.dtype == view.dtype

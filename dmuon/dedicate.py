@@ -26,6 +26,9 @@ Glossary (see ``topology.py`` for the mesh terms):
   activation-checkpoint recompute included).
 - **state**: :class:`dmuon.state.TrainingState`, one per DedicatedParams.
 
+Every asynchronous call goes through ``collectives.Launcher`` (work handles on gloo, side
+streams and events on CUDA; ``collectives`` docstring, "Asynchrony").
+
 Channels (``collectives.DMuonGroups``, DMuon's own process groups): ``broadcast`` and
 ``reduce`` over the shard axis (N ranks), ``replicate`` over the replicate axis (R ranks,
 HSDP), ``world`` (W ranks). On each channel the call sequence per step is fixed, the same on
@@ -62,7 +65,13 @@ Per step (SPEC §1):
    every bucket before it in that order have all their grads; at the end of backward every
    remaining bucket is reduced, a param without a local grad contributing zeros. Then all
    reduces are waited on, and (HSDP) each holder reduces its buckets over the replicate axis
-   to the owner (channel ``replicate``, same order, phase ``backward``).
+   to the owner (channel ``replicate``, same order, phase ``backward``; each issued
+   asynchronously once its shard reduce is waited, all waited before the usage result).
+   A bucket's grads live in one flat grad buffer (``Bucket.grad_buffer``, the compute
+   dtype): a param's grad hook copies a fresh ``.grad`` into its view and makes ``.grad``
+   that view, so later accumulations (``no_sync`` micro-batches) land there in place and the
+   reduce sends the buffer itself (no ``torch.cat``). Holders keep it between steps (the
+   owner's ``.grad`` are its views); non-holders free its storage after the reduce wait.
 5. **usage** (phase ``usage``, channel ``world``, once per backward that reduces): one
    all_reduce (sum) of an ``int32`` vector with one element per dedicated param in bucket
    order (params in bucket order within a bucket): 1 if this rank produced a grad for it
@@ -182,6 +191,7 @@ class DedicatedParams:
         self._rb_issued = -1  # next bucket index the re-broadcast cursor issues (downwards)
         self._reduce_cursor = 0  # position in reverse index order
         self._no_sync = False
+        self._launchers: dict[torch.device, collectives.Launcher] = {}
         self._handles: list = []
         self._install_hooks(model)
         for b in self.buckets:
@@ -410,8 +420,8 @@ class DedicatedParams:
             for b in self.buckets:
                 if b.is_holder:
                     with annotate.span("dmuon.replicate_broadcast", module=b.module_name, owner=b.owner):
-                        b.replicate_work = collectives.broadcast_(
-                            b.flat, b.replicate_owner, self.groups.replicate, async_op=True
+                        b.replicate_work = self._launcher(b.flat).broadcast(
+                            b.flat, b.replicate_owner, self.groups.replicate, channel="replicate"
                         )
 
     def after_zero_grad(self) -> None:
@@ -438,6 +448,8 @@ class DedicatedParams:
             if b.reduce_work is not None:
                 b.reduce_work.wait()
             b.reduce_work = b.reduce_buf = None
+            if not b.is_holder:
+                b.free_grad_buffer()
             b.swap(False)
             if old == S.BACKWARD:
                 for p in b.params + b.compute:
@@ -571,6 +583,7 @@ class DedicatedParams:
         def hook(p: nn.Parameter) -> None:
             self._begin_backward()
             b.used[i] = True
+            b.grad_into_buffer(i, p)
             if self._no_sync:
                 return
             b.ready.add(i)
@@ -628,6 +641,13 @@ class DedicatedParams:
             self._reduce_cursor += 1
 
     # ------------------------------------------------------------------ collectives
+    def _launcher(self, t: torch.Tensor) -> collectives.Launcher:
+        """The :class:`~dmuon.collectives.Launcher` for ``t``'s device (streams on CUDA)."""
+        launcher = self._launchers.get(t.device)
+        if launcher is None:
+            launcher = self._launchers[t.device] = collectives.Launcher(t.device)
+        return launcher
+
     def _wait_replicate(self, b: Bucket) -> None:
         if b.replicate_work is not None:
             with annotate.span("dmuon.replicate_wait", module=b.module_name, owner=b.owner):
@@ -645,10 +665,10 @@ class DedicatedParams:
         buf = b.flat if master else b.lp
         name = {"forward": "dmuon.broadcast", "backward": "dmuon.rebroadcast"}.get(phase, "dmuon.sync")
         with annotate.phase(phase), annotate.span(name, module=b.module_name, owner=b.owner):
-            work = collectives.broadcast_(buf, b.shard_owner, self.groups.broadcast, async_op=not master)
-        if not master:
-            b.broadcast_work = work  # valid once waited
-            return
+            if not master:
+                b.broadcast_work = self._launcher(buf).broadcast(buf, b.shard_owner, self.groups.broadcast)
+                return  # valid once waited
+            collectives.broadcast_(buf, b.shard_owner, self.groups.broadcast)
         b.master_valid = True
         if b.mixed:
             b.refresh_compute()
@@ -662,16 +682,12 @@ class DedicatedParams:
             b.valid = True
 
     def _issue_reduce(self, b: Bucket) -> None:
-        grads = [q.grad if q.grad is not None else torch.zeros_like(q) for q in b.compute]
-        if len(grads) == 1:
-            buf = grads[0].reshape(-1)
-        else:
-            buf = torch.cat([g.reshape(-1) for g in grads])
+        buf = b.fill_grad_buffer()
         rd = self._reduce_dtype
         if rd is not None and buf.dtype != rd:
             buf = buf.to(rd)
         with annotate.phase("backward"), annotate.span("dmuon.reduce", module=b.module_name, owner=b.owner):
-            b.reduce_work = collectives.reduce_sum_(buf, b.shard_owner, self.groups.reduce, async_op=True)
+            b.reduce_work = self._launcher(buf).reduce(buf, b.shard_owner, self.groups.reduce)
         b.reduce_buf = buf
         b.reduced = True
         if not b.is_owner or b.mixed:
@@ -689,7 +705,8 @@ class DedicatedParams:
             device=collectives.collective_device(self.groups.world),
         )
         with annotate.phase("usage"):
-            usage_work = collectives.all_reduce_sum_(used, self.groups.world, async_op=True)
+            usage_work = self._launcher(used).all_reduce(used, self.groups.world)
+        replicate_works = []
         for b in self.buckets[::-1]:
             b.reduce_work.wait()
             b.reduce_work = None
@@ -697,13 +714,19 @@ class DedicatedParams:
                 with annotate.phase("backward"), annotate.span(
                     "dmuon.reduce", module=b.module_name, owner=b.owner
                 ):
-                    collectives.reduce_sum_(b.reduce_buf, b.replicate_owner, rep)
+                    replicate_works.append(
+                        self._launcher(b.reduce_buf).reduce(b.reduce_buf, b.replicate_owner, rep, channel="replicate")
+                    )
+        for work in replicate_works:
+            work.wait()
         usage_work.wait()
         counts = used.tolist()
         k = 0
         for b in self.buckets:
             buf, b.reduce_buf = b.reduce_buf, None
             b.used = [False] * len(b.params)
+            if not b.is_holder:  # every wait on its buffer is done: a known point to free
+                b.free_grad_buffer()
             if b.is_owner:
                 same = buf.dtype == b.flat.dtype
                 if same:

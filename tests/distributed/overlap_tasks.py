@@ -62,7 +62,8 @@ def broadcast_positions(mode: str, prefetch_depth: int) -> dict:
 def reduce_issue_and_wait_order(mode: str) -> list[tuple[str, int]]:
     """One step after a warm-up step with DMuon's reduce seam wrapped: the ordered list of
     ``("issue", k)`` / ``("wait", k)`` of its asynchronous shard-axis reduces (k = issue
-    number; the synchronous HSDP replicate reduces are not listed)."""
+    number; the HSDP replicate reduces, which need their shard reduce's result, are not
+    listed)."""
     import dmuon.collectives as seam
 
     wrapped, model, dm, opt = build(mode, config=THREE_BLOCKS)
@@ -79,7 +80,7 @@ def reduce_issue_and_wait_order(mode: str) -> list[tuple[str, int]]:
 
     def logged(buf, dst, group, *, async_op=False):
         work = original(buf, dst, group, async_op=async_op)
-        if not async_op:
+        if not async_op or group is not dm.groups.reduce:
             return work
         k = sum(kind == "issue" for kind, _ in log)
         log.append(("issue", k))
@@ -104,3 +105,43 @@ def train_with_depth(mode: str, prefetch_depth: int, steps: int = 2) -> dict:
 
     wrapped, model, dm, opt = build(mode, config=THREE_BLOCKS, prefetch_depth=prefetch_depth)
     return _train_steps(wrapped, model, dm, opt, steps)
+
+
+def grad_buffer_layout(mode: str) -> dict:
+    """Two steps, the second with two micro-batches (the first under ``no_sync``), recording
+    where each dedicated param's ``.grad`` lives: after the ``no_sync`` backward (every
+    local grad must be a view of its bucket's flat grad buffer) and after the reducing
+    backward (owners: views of the buffer, holding the average; non-holders: no grads and
+    the buffer's storage freed). Returns the checks and the owned params after step 2."""
+    import torch
+
+    wrapped, model, dm, opt = build(mode, config=THREE_BLOCKS)
+
+    def inside(g, flat) -> bool:
+        lo = flat.data_ptr()
+        return g is not None and lo <= g.data_ptr() < lo + flat.numel() * flat.element_size()
+
+    out = {"accumulated_in_buffer": [], "owner_grad_in_buffer": [], "non_holder_freed": []}
+    for step in range(2):
+        if step == 1:
+            x, y = batch(10, THREE_BLOCKS)
+            with dm.no_sync():
+                _loss(wrapped, x, y).backward()
+            out["accumulated_in_buffer"] = [inside(q.grad, b.grad_flat) for b in dm.buckets
+                                            for q in b.compute]
+        x, y = batch(step, THREE_BLOCKS)
+        _loss(wrapped, x, y).backward()
+        if step == 1:
+            for b in dm.buckets:
+                if b.is_owner and not b.mixed:
+                    out["owner_grad_in_buffer"] += [inside(p.grad, b.grad_flat) for p in b.params]
+                if not b.is_holder:
+                    out["non_holder_freed"].append(
+                        b.grad_flat.untyped_storage().nbytes() == 0
+                        and all(q.grad is None for q in b.compute))
+        opt.step()
+        opt.zero_grad()
+    out["owned"] = {n: p.detach().clone() for b in dm.buckets if b.is_owner
+                    for n, p in zip(b.names, b.params)}
+    out["torch"] = torch.__version__
+    return out

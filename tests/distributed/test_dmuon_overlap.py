@@ -54,3 +54,14 @@ def test_prefetch_depth_changes_no_bits(pool4, mode):
         for a, b in zip(ref, got):
             assert a.keys() == b.keys() and a
             assert all(torch.equal(a[n], b[n]) for n in a), (mode, depth)
+
+
+@pytest.mark.parametrize("mode", ["z3", "hsdp-z2"])
+def test_grads_live_in_one_flat_buffer_per_bucket(pool4, mode):
+    """Issue 9, backward: a bucket's grads are views of one persistent flat buffer (no
+    torch.cat per step); no_sync micro-batches accumulate into it in place; owners read the
+    reduced average there; non-holders free it at a known point (after the reduce wait)."""
+    for r in pool4.run_with_timeout(TIMEOUT_S, T.grad_buffer_layout, mode):
+        assert r["accumulated_in_buffer"] and all(r["accumulated_in_buffer"]), r
+        assert r["owner_grad_in_buffer"] and all(r["owner_grad_in_buffer"]), r
+        assert r["non_holder_freed"] and all(r["non_holder_freed"]), r
