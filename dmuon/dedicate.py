@@ -38,8 +38,10 @@ ranks only), so calls always pair up with the same bucket on every rank.
 Per step (SPEC §1):
 
 1. **forward** (channel ``broadcast``, phase ``forward``): a forward cursor walks the buckets
-   in index order. A driver's pre-hook advances it to the driver's last bucket ``hi``; the
-   root's post-hook advances it to the end (so buckets of modules that did not run on this
+   in index order. The root's pre-hook issues the first ``prefetch_depth`` buckets (no
+   wait: they fly during the root's prologue, an embedding, FSDP2's root all_gather). A
+   driver's pre-hook advances it to the driver's last bucket ``hi``; the root's post-hook
+   advances it to the end (so buckets of modules that did not run on this
    rank are still sent). Advancing to ``hi`` first *issues* every bucket up to
    ``hi + prefetch_depth`` not issued yet (each waits for its pending replicate broadcast
    (HSDP), then, if not valid, is broadcast from its holder, shard group rank ``s``,
@@ -519,6 +521,8 @@ class DedicatedParams:
         self._begin_forward()
         if module in self._own:  # buckets of the root module itself
             self._advance_forward(max(b.index for b in self._own[module]))
+        else:  # nothing needed yet: the first buckets fly during the root's own prologue
+            self._issue_forward(self.prefetch_depth - 1)
 
     def _root_post_forward(self, module: nn.Module, args, output) -> None:
         if self.state != S.FORWARD:
@@ -607,16 +611,20 @@ class DedicatedParams:
     def _advance_forward(self, last: int) -> None:
         """Wait for every bucket up to ``last``, after issuing up to ``prefetch_depth``
         buckets beyond it (module docstring, step 1)."""
-        end = min(last + self.prefetch_depth, len(self.buckets) - 1)
+        self._issue_forward(last + self.prefetch_depth)
+        while self._fwd_cursor <= last:
+            self._wait_broadcast(self.buckets[self._fwd_cursor])
+            self._fwd_cursor += 1
+
+    def _issue_forward(self, end: int) -> None:
+        """Issue the forward broadcast of every bucket up to index ``end`` not issued yet."""
+        end = min(end, len(self.buckets) - 1)
         while self._fwd_issued <= end:
             b = self.buckets[self._fwd_issued]
             self._wait_replicate(b)
             if not b.valid and b.broadcast_work is None:
                 self._broadcast(b, "forward")
             self._fwd_issued += 1
-        while self._fwd_cursor <= last:
-            self._wait_broadcast(self.buckets[self._fwd_cursor])
-            self._fwd_cursor += 1
 
     def _advance_rebroadcast(self, first: int) -> None:
         """Wait for every bucket down to ``first``, after issuing up to ``prefetch_depth``
