@@ -14,11 +14,11 @@ every rank, independent of the other channels:
 
 - ``broadcast``: this rank's shard axis (N ranks): forward broadcasts, Z3 backward
   re-broadcasts, checkpoint syncs;
-- ``reduce``: the shard axis again: backward reduces, and on a 1-D mesh the usage all_reduce;
+- ``reduce``: the shard axis again: backward reduces (grads and usage elements);
 - ``replicate``: this rank's replicate axis (R ranks, HSDP only): replicate reduces and the
   owner's replicate broadcasts;
-- ``world``: all W ranks (HSDP only; on a 1-D mesh ``reduce`` spans the world): the usage
-  all_reduce.
+- ``world``: all W ranks (HSDP only; on a 1-D mesh ``reduce`` spans the world): calls every
+  rank must agree on, outside the per-step schedule.
 
 Over the same ranks as the mesh's groups, so a trace names them the same way (sorted ranks).
 
@@ -26,7 +26,7 @@ Over the same ranks as the mesh's groups, so a trace names them the same way (so
 :func:`collective_device` (``cuda:<current>`` for NCCL, ``cpu`` for gloo).
 
 **Asynchrony** (:class:`Launcher`, one per DedicatedParams). Forward broadcasts, Z3
-re-broadcasts, backward reduces, the usage all_reduce and the HSDP replicate calls are issued
+re-broadcasts, backward reduces and the HSDP replicate calls are issued
 without blocking the training thread and waited where their result is needed:
 
 - CPU tensors (gloo): ``async_op=True``; :meth:`Pending.wait` is ``Work.wait()`` (blocks the

@@ -46,7 +46,7 @@ class Bucket:
     broadcast_work: Pending | None = None  # in-flight forward / backward broadcast into lp
     reduce_work: Pending | None = None
     reduce_buf: torch.Tensor | None = None
-    grad_flat: torch.Tensor | None = None  # shape (numel,), lp's dtype: the compute grads' home
+    grad_flat: torch.Tensor | None = None  # (numel + len(params),), lp's dtype: grads + usage
     grad_views: list[torch.Tensor] = field(default_factory=list)  # views of grad_flat, per param
 
     @property
@@ -106,13 +106,16 @@ class Bucket:
             self.alloc_master()
 
     def grad_buffer(self) -> torch.Tensor:
-        """The bucket's flat grad buffer: shape (numel,), the compute copy's dtype and device,
-        with one view per param in ``grad_views``. Created on first use (again after
+        """The bucket's flat grad buffer: shape (numel + len(params),), the compute copy's
+        dtype and device: the params' grads (one view per param in ``grad_views``), then one
+        usage element per param (the protocol's step 4). Created on first use (again after
         ``.to()`` moved the params), its storage re-grown after :meth:`free_grad_buffer`; the
         views stay the same objects, so a ``.grad`` set to one follows the storage."""
         g = self.grad_flat
         if g is None or g.dtype != self.lp.dtype or g.device != self.lp.device:
-            g = self.grad_flat = torch.empty(self.numel, dtype=self.lp.dtype, device=self.lp.device)
+            g = self.grad_flat = torch.empty(
+                self.numel + len(self.params), dtype=self.lp.dtype, device=self.lp.device
+            )
             self.grad_views, offset = [], 0
             for p in self.params:
                 self.grad_views.append(g[offset : offset + p.numel()].view(p.shape))
@@ -132,15 +135,24 @@ class Bucket:
             q.grad = view
 
     def fill_grad_buffer(self) -> torch.Tensor:
-        """The flat grad buffer holding every compute param's local grad, zeros for a param
-        without one (no ``torch.cat``: grads already live there, see :meth:`grad_into_buffer`)."""
+        """The flat grad buffer ready to reduce: every compute param's local grad, zeros for a
+        param without one (no ``torch.cat``: grads already live there, see
+        :meth:`grad_into_buffer`), then the usage elements: 1 for a param that got a grad
+        since the last reduce (``used``), else 0."""
         buf = self.grad_buffer()
+        usage = buf[self.numel :]
         with torch.no_grad():
             for q, view in zip(self.compute, self.grad_views):
                 if q.grad is None:
                     view.zero_()
                 elif not _is_view(q.grad, view):
                     view.copy_(q.grad)
+            if all(self.used):
+                usage.fill_(1)
+            elif not any(self.used):
+                usage.zero_()
+            else:
+                usage.copy_(torch.tensor(self.used, dtype=usage.dtype))
         return buf
 
     def free_grad_buffer(self) -> None:

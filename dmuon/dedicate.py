@@ -65,24 +65,24 @@ Per step (SPEC §1):
 4. **backward reduces** (channel ``reduce``, phase ``backward``): buckets reduce (sum) to the
    holder over the shard axis in reverse index order, asynchronously, each as soon as it and
    every bucket before it in that order have all their grads; at the end of backward every
-   remaining bucket is reduced, a param without a local grad contributing zeros. Then all
-   reduces are waited on, and (HSDP) each holder reduces its buckets over the replicate axis
-   to the owner (channel ``replicate``, same order, phase ``backward``; each issued
-   asynchronously once its shard reduce is waited, all waited before the usage result).
+   remaining bucket is reduced, a param without a local grad contributing zeros. A bucket's
+   reduce carries ``numel + len(params)`` elements of the reduce dtype: the grads (params
+   in bucket order), then one **usage** element per param, 1 if this rank produced a grad
+   for it since the last reduce, else 0. Then all reduces are waited on, and (HSDP) each
+   holder reduces its buckets over the replicate axis to the owner (channel ``replicate``,
+   same order, phase ``backward``, the same ``numel + len(params)`` elements; each issued
+   asynchronously once its shard reduce is waited, all waited before the results are read).
    A bucket's grads live in one flat grad buffer (``Bucket.grad_buffer``, the compute
    dtype): a param's grad hook copies a fresh ``.grad`` into its view and makes ``.grad``
    that view, so later accumulations (``no_sync`` micro-batches) land there in place and the
    reduce sends the buffer itself (no ``torch.cat``). Holders keep it between steps (the
    owner's ``.grad`` are its views); non-holders free its storage after the reduce wait.
-5. **usage** (phase ``usage``, channel ``world``, once per backward that reduces): one
-   all_reduce (sum) of an ``int32`` vector with one element per dedicated param in bucket
-   order (params in bucket order within a bucket): 1 if this rank produced a grad for it
-   since the last reduce, else 0. Count = number of dedicated params, group = all W ranks.
-   The owner divides the reduced sum by W and sets ``.grad``, or ``None`` for a param with
-   usage 0 (unused on every rank: no update, as ``torch.optim.Muon``). It is issued
-   asynchronously right after the last shard reduce and waited after the reduces (and HSDP
-   replicate reduces), so the step has one wait point. Non-owners' grads
-   are ``None``. Z3 non-holders free every bucket (all invalid).
+5. **after the reduces** (local): the owner divides the reduced grads by W and sets
+   ``.grad``, or ``None`` for a param whose reduced usage is 0 (unused on every rank: no
+   update, as ``torch.optim.Muon``; any positive sum of 0/1 values stays positive in every
+   reduce dtype, so this holds in bf16 too). Non-owners' grads are ``None``. Z3 non-holders
+   free every bucket (all invalid). (The usage elements replaced a separate all_reduce over
+   the world, a latency-bound call and a world-wide sync point every step.)
 6. **step** (``optimizer.step()``): only owners update; every bucket becomes invalid; then
    (HSDP) each owner broadcasts its buckets to the holders over the replicate axis
    (channel ``replicate``, phase ``replicate``) asynchronously; the wait is in step 1.
@@ -91,7 +91,7 @@ Dtypes. Without ``mp_policy`` every call moves the params' dtype. With
 ``mp_policy=MixedPrecisionPolicy(param_dtype=pd, reduce_dtype=rd)`` (``rd`` None: ``pd``):
 forward broadcasts and Z3 re-broadcasts send ``pd`` (the compute copy), shard and replicate
 reduces run in ``rd``, the replicate broadcast (step 6) and ``sync_params`` send the master
-dtype (fp32), the usage all_reduce stays ``int32``. Counts are unchanged. Holders keep the
+dtype (fp32); the usage elements travel in ``rd``. Counts are unchanged. Holders keep the
 master and cast it to ``pd`` locally (owners after the step, other holders after the
 replicate wait); non-holders keep only the ``pd`` copy (master freed, until sync_params).
 
@@ -705,15 +705,6 @@ class DedicatedParams:
 
     def _finish_reduces(self) -> None:
         rep = self.groups.replicate
-        # every grad hook has run: the usage all_reduce goes out now, behind the reduces on
-        # its channel (1-D meshes) or beside them (HSDP's world group), and is waited last
-        used = torch.tensor(
-            [int(u) for b in self.buckets for u in b.used],
-            dtype=torch.int32,
-            device=collectives.collective_device(self.groups.world),
-        )
-        with annotate.phase("usage"):
-            usage_work = self._launcher(used).all_reduce(used, self.groups.world)
         replicate_works = []
         for b in self.buckets[::-1]:
             b.reduce_work.wait()
@@ -727,8 +718,9 @@ class DedicatedParams:
                     )
         for work in replicate_works:
             work.wait()
-        usage_work.wait()
-        counts = used.tolist()
+        owned = [b for b in self.buckets if b.is_owner]
+        # the usage sums of every owned param, read in one device-to-host copy
+        counts = torch.cat([b.reduce_buf[b.numel :] for b in owned]).tolist() if owned else []
         k = 0
         for b in self.buckets:
             buf, b.reduce_buf = b.reduce_buf, None
@@ -745,11 +737,9 @@ class DedicatedParams:
                     g = buf[offset : offset + n].view_as(p)
                     if not same:  # mixed precision: the master grad, averaged in its dtype
                         g = g.to(p.dtype).div_(self.topology.world_size)
-                    p.grad = g if counts[k] else None
+                    p.grad = g if counts[k] > 0 else None
                     offset += n
                     k += 1
-            else:
-                k += len(b.params)
 
     # ------------------------------------------------------------------ residency
     def _free_non_holder(self, b: Bucket) -> None:

@@ -210,14 +210,14 @@ def test_closed_form_gates_a_predictor_that_drifts(monkeypatch):
 def test_mixed_precision_dtypes_per_collective():
     layout = _layout("dmuon-hsdp-z3", 4, mp_param_dtype="bfloat16", mp_reduce_dtype="float32")
     by = Counter((e.op, e.phase, e.group_size, e.dtype) for e in predict_step(layout)
-                 if e.dedicated_count == e.count and e.op in ("broadcast", "reduce"))
+                 if e.dedicated_count > 0 and e.op in ("broadcast", "reduce"))
     dtypes = {(op, phase): dt for (op, phase, _, dt) in by}
     assert dtypes[("broadcast", "forward")] == "bfloat16"
     assert dtypes[("broadcast", "backward")] == "bfloat16"
     assert dtypes[("reduce", "backward")] == "float32"
     assert dtypes[("broadcast", "replicate")] == "float32"  # the fp32 master copy
     fsdp = {(e.op, e.phase): e.dtype for e in predict_step(layout)
-            if e.op in ("all_gather", "reduce_scatter", "all_reduce") and e.phase != "usage"}
+            if e.op in ("all_gather", "reduce_scatter", "all_reduce")}
     assert fsdp == {("all_gather", "forward"): "bfloat16", ("all_gather", "backward"): "bfloat16",
                     ("reduce_scatter", "backward"): "float32", ("all_reduce", "backward"): "float32"}
 

@@ -23,8 +23,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 #: Phase names DMuon itself uses, in report order; a training loop may add its own.
-#: ``usage``: the per-step usage all_reduce; ``checkpoint``: ``sync_params()`` broadcasts.
-PHASES = ("setup", "forward", "backward", "optimizer", "replicate", "usage", "checkpoint")
+#: ``checkpoint``: ``sync_params()`` broadcasts.
+PHASES = ("setup", "forward", "backward", "optimizer", "replicate", "checkpoint")
 
 _phase_stack: list[str] = []
 _lock = threading.Lock()

@@ -283,8 +283,8 @@ def _dmuon_calls(layout: RunLayout, rank: int) -> list[Expected]:
     rid = group_id_from_ranks(replicate_ranks(rank, n, r_size))
     out: list[Expected] = []
 
-    def add(phase, op, gid, gsize, b, dtype, root):
-        out.append(Expected(rank, phase, op, gid, gsize, b.numel, dtype, root, b.module, b.numel))
+    def add(phase, op, gid, gsize, b, dtype, root, extra=0):
+        out.append(Expected(rank, phase, op, gid, gsize, b.numel + extra, dtype, root, b.module, b.numel))
 
     for b in dmuon_buckets(layout.muon_specs(), layout.plan(), layout.dmuon_bucket_cap_bytes):
         r_own, s_own = divmod(b.owner, n)
@@ -292,15 +292,13 @@ def _dmuon_calls(layout: RunLayout, rank: int) -> list[Expected]:
         add("forward", "broadcast", sid, n, b, cast, s_own)
         if layout.reshard_after_forward:
             add("backward", "broadcast", sid, n, b, cast, s_own)
-        add("backward", "reduce", sid, n, b, red, s_own)
+        # a reduce carries the grads, then one usage element per param (dmuon/dedicate.py
+        # step 4): count numel + params, dedicated payload numel
+        usage = len(b.names)
+        add("backward", "reduce", sid, n, b, red, s_own, usage)
         if r_size > 1 and s_me == s_own:
-            add("backward", "reduce", rid, r_size, b, red, r_own)
+            add("backward", "reduce", rid, r_size, b, red, r_own, usage)
             add("replicate", "broadcast", rid, r_size, b, b.dtype, r_own)
-    # DMuon's usage all_reduce (dmuon/dedicate.py step 5): one int32 per dedicated param, all W
-    # ranks, no dedicated payload.
-    wid = group_id_from_ranks(range(layout.world_size))
-    out.append(Expected(rank, "usage", "all_reduce", wid, layout.world_size, len(layout.muon_names),
-                        "int32", None, None, 0))
     return out
 
 

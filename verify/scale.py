@@ -252,7 +252,8 @@ def _dmuon(layout: RunLayout, plan: OwnershipPlan) -> tuple[Tally, dict[int, Tal
     """DMuon's buckets (:func:`verify.predict.dmuon_buckets`: per block, owner and dtype, cut
     at the bucket cap), in the
     dtypes of the protocol (mixed precision: broadcasts in param_dtype, reduces in
-    reduce_dtype, the replicate broadcast in the master dtype), and the usage all_reduce."""
+    reduce_dtype, the replicate broadcast in the master dtype); each reduce also carries one
+    usage element per param (no dedicated payload)."""
     n, r = layout.shard_size, layout.replicate_size
     common, extra = Tally(), defaultdict(Tally)
     for b in dmuon_buckets(layout.muon_specs(), plan, layout.dmuon_bucket_cap_bytes):
@@ -261,13 +262,12 @@ def _dmuon(layout: RunLayout, plan: OwnershipPlan) -> tuple[Tally, dict[int, Tal
         common.add("forward", "broadcast", "shard", n, numel, cast, numel)
         if layout.reshard_after_forward:
             common.add("backward", "broadcast", "shard", n, numel, cast, numel)
-        common.add("backward", "reduce", "shard", n, numel, red, numel)
+        usage = len(b.names)
+        common.add("backward", "reduce", "shard", n, numel + usage, red, numel)
         if r > 1:
             col = extra[g % n]
-            col.add("backward", "reduce", "replicate", r, numel, red, numel)
+            col.add("backward", "reduce", "replicate", r, numel + usage, red, numel)
             col.add("replicate", "broadcast", "replicate", r, numel, _dtype_bytes(dtype), numel)
-    # one int32 per dedicated param over the world, once per step (dmuon/dedicate.py: usage)
-    common.add("usage", "all_reduce", "world", layout.world_size, len(layout.muon_names), 4, 0)
     return common, dict(extra)
 
 
