@@ -1,4 +1,7 @@
-"""PyTorch Flight Recorder (FR): enable it, dump it, parse dumps into :class:`CollectiveEvent`.
+"""PyTorch Flight Recorder (FR): parse dumps into :class:`CollectiveEvent`.
+
+Enabling and dumping: :mod:`tracer.fr_dump`; loading a file safely: :mod:`tracer.fr_load`
+(both re-exported here).
 
 FR is a ring buffer in c10d's C++ layer that records every collective a process group issues
 (gloo and NCCL). On torch 2.13 (measured on the CPU build, gloo) a dump is a dict::
@@ -55,13 +58,8 @@ from __future__ import annotations
 
 import argparse
 import collections
-import io
 import json
-import os
-import pickle
 import re
-import reprlib
-import socket
 import sys
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -69,16 +67,25 @@ from math import prod
 from pathlib import Path
 
 from tracer.events import DTYPE_BYTES, CollectiveEvent, group_id_from_ranks, write_parquet
+from tracer.fr_dump import (  # enabling and dumping live there; re-exported (__all__)
+    CONTEXT_KEY,
+    DEFAULT_BUFFER_ENTRIES,
+    ENV_BUFFER_SIZE,
+    ENV_BUFFER_SIZE_LEGACY,
+    dump_flight_recorder,
+    flight_recorder_enabled,
+    flight_recorder_env,
+)
+from tracer.fr_load import PICKLE_ALLOWED_GLOBALS, PickleRefused, _short, load_dump
 from tracer.progress import byte_progress
 
-#: Environment variable holding the number of FR entries kept per process (0 disables FR).
-ENV_BUFFER_SIZE = "TORCH_FR_BUFFER_SIZE"
-#: Older name that torch still reads when ``TORCH_FR_BUFFER_SIZE`` is unset.
-ENV_BUFFER_SIZE_LEGACY = "TORCH_NCCL_TRACE_BUFFER_SIZE"
-#: Default ring-buffer size: enough for many training steps of a small model.
-DEFAULT_BUFFER_ENTRIES = 20_000
-#: Key of the block :func:`dump_flight_recorder` adds to the dump (rank, groups' ranks, ...).
-CONTEXT_KEY = "dmuon"
+__all__ = [
+    "CONTEXT_KEY", "DEFAULT_BUFFER_ENTRIES", "ENV_BUFFER_SIZE", "ENV_BUFFER_SIZE_LEGACY",
+    "FR_DTYPES", "FR_OPS", "PICKLE_ALLOWED_GLOBALS", "FlightRecorderRead", "PickleRefused",
+    "dump_flight_recorder", "flight_recorder_enabled", "flight_recorder_env", "fr_window",
+    "load_dump", "read_flight_recorder", "read_flight_recorder_paths", "register_cli",
+    "summary_lines",
+]
 
 #: c10 ScalarType names (what FR writes in ``input_dtypes``) -> torch dtype names.
 FR_DTYPES: dict[str, str] = {
@@ -142,158 +149,7 @@ _RANK_IN_NAME = re.compile(r"rank[_-]?(\d+)", re.IGNORECASE)
 _P2P_META = re.compile(r"^(\d+)\s*(->|<-)\s*(\d+)$")
 
 
-# ------------------------------------------------------------------------------- enabling
-def flight_recorder_env(buffer_entries: int = DEFAULT_BUFFER_ENTRIES) -> dict[str, str]:
-    """Environment to set (before ``init_process_group``) so FR keeps ``buffer_entries``.
-
-    Raises:
-        ValueError: ``buffer_entries`` is not an int >= 1.
-    """
-    if type(buffer_entries) is not int or buffer_entries < 1:
-        raise ValueError(f"Invalid {buffer_entries=}. Must be an int >= 1 (entries per process).")
-    return {ENV_BUFFER_SIZE: str(buffer_entries)}
-
-
-def _dump_json_raw(include_collectives: bool = True) -> dict:
-    from torch._C._distributed_c10d import _dump_fr_trace_json
-
-    return json.loads(_dump_fr_trace_json(includeCollectives=include_collectives))
-
-
-def flight_recorder_enabled() -> bool:
-    """Whether FR records in this process.
-
-    With a live process group the recorder itself is asked (an enabled recorder registers each
-    group in ``pg_config``; a disabled one dumps ``pg_config: {}``). Without one, the answer
-    comes from the environment: ``TORCH_FR_BUFFER_SIZE`` (else ``TORCH_NCCL_TRACE_BUFFER_SIZE``)
-    other than ``"0"``; unset counts as on (torch 2.13's default, measured on gloo).
-    """
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return bool(_dump_json_raw(include_collectives=False).get("pg_config"))
-    value = os.environ.get(ENV_BUFFER_SIZE, os.environ.get(ENV_BUFFER_SIZE_LEGACY))
-    return value is None or value.strip() != "0"
-
-
-def _process_group_context(rank: int) -> dict:
-    """Rank, host, pid and every known group's ranks, keyed by the pg name FR records."""
-    import torch
-    import torch.distributed as dist
-    from torch.distributed import distributed_c10d as c10d
-
-    pg_ranks = {}
-    for pg, name in c10d._world.pg_names.items():  # private, but the only full registry
-        pg_ranks[name] = sorted(dist.get_process_group_ranks(pg))
-    return {
-        "rank": rank,
-        "world_size": dist.get_world_size(),
-        "backend": str(dist.get_backend()),
-        "torch_version": str(torch.__version__),  # TorchVersion would pickle as a class
-        "pid": os.getpid(),
-        "host": socket.gethostname().split(".")[0],
-        "pg_ranks": pg_ranks,
-    }
-
-
-def dump_flight_recorder(
-    out_dir: str | Path, rank: int, *, fmt: str = "json", include_stack_traces: bool = False
-) -> Path:
-    """Write this rank's FR dump to ``out_dir/fr_rank<rank>.json`` (or ``.pkl``).
-
-    The file is FR's own dump (``_dump_fr_trace_json()`` for ``fmt="json"``, which has no stack
-    frames; the unpickled ``_dump_fr_trace()`` for ``fmt="pickle"``, with Python ``frames`` per
-    entry only if ``include_stack_traces``: symbolising them took ~10 s per rank on the first
-    dump, measured on torch 2.13 CPU with 4 ranks on 2 cores) plus one extra top-level
-    key, ``"dmuon"``: ``{rank, world_size, backend, torch_version, pid, host, pg_ranks}`` where
-    ``pg_ranks`` maps every process group's name (as FR records it in ``process_group[0]``) to
-    its sorted world ranks, because gloo's ``pg_config`` cannot be trusted for that (see the
-    module docstring).
-
-    Raises:
-        ValueError: no default process group, ``rank`` is not this process's rank, ``fmt`` is
-            unknown, or FR is disabled (``TORCH_FR_BUFFER_SIZE=0`` when the group was made).
-    """
-    import torch.distributed as dist
-
-    if fmt not in ("json", "pickle"):
-        raise ValueError(f"Invalid {fmt=}. Must be 'json' or 'pickle'.")
-    if not (dist.is_available() and dist.is_initialized()):
-        raise ValueError(
-            "Invalid call dump_flight_recorder() without a process group. Must be called after "
-            "torch.distributed.init_process_group()."
-        )
-    if rank != dist.get_rank():
-        raise ValueError(f"Invalid {rank=}. Must be this process's rank {dist.get_rank()}.")
-    if not flight_recorder_enabled():
-        raise ValueError(
-            f"Invalid Flight Recorder state: disabled in this process "
-            f"({ENV_BUFFER_SIZE}={os.environ.get(ENV_BUFFER_SIZE)!r}). Must be enabled before "
-            f"init_process_group: set os.environ.update(flight_recorder_env()) first."
-        )
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    context = _process_group_context(rank)
-    if fmt == "json":
-        dump = _dump_json_raw()
-        dump[CONTEXT_KEY] = context
-        path = out_dir / f"fr_rank{rank}.json"
-        path.write_text(json.dumps(dump))
-    else:
-        from torch._C._distributed_c10d import _dump_fr_trace
-
-        dump = pickle.loads(_dump_fr_trace(includeStackTraces=include_stack_traces))
-        dump[CONTEXT_KEY] = context
-        path = out_dir / f"fr_rank{rank}.pkl"
-        path.write_bytes(pickle.dumps(dump))
-    return path
-
-
 # ------------------------------------------------------------------------------- parsing
-#: Globals a pickled dump may name. torch 2.13's ``_dump_fr_trace()`` pickle and
-#: :func:`dump_flight_recorder`'s re-pickled dump name none at all (dicts, lists, strings,
-#: numbers, None, booleans have their own opcodes); sets are the only builtin a Python pickle of
-#: plain data may reach through ``builtins``. Anything else (``os.system``, ``builtins.eval``,
-#: any class) is refused.
-PICKLE_ALLOWED_GLOBALS: frozenset[tuple[str, str]] = frozenset(
-    {("builtins", "set"), ("builtins", "frozenset"), ("__builtin__", "set"),
-     ("__builtin__", "frozenset")})
-
-
-class PickleRefused(ValueError):
-    """A pickled dump names a global outside :data:`PICKLE_ALLOWED_GLOBALS` (nothing was run)."""
-
-
-class _Short(reprlib.Repr):
-    """Bounded reprs for messages about hostile values (a pickle can share one list so often
-    that a full ``repr`` would never end; ints past 4,300 digits have no ``repr`` at all)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.maxlevel, self.maxlist, self.maxdict, self.maxtuple = 2, 4, 4, 4
-        self.maxstring, self.maxother, self.maxlong = 60, 60, 40
-
-    def repr_int(self, x, level):
-        return super().repr_int(x, level) if x.bit_length() < 128 else f"<int of {x.bit_length()} bits>"
-
-
-_short = _Short().repr
-
-
-class _RestrictedUnpickler(pickle._Unpickler):
-    # The pure-Python unpickler on purpose: its memo is a dict, where the C one allocates an
-    # array up to the largest memo index a file names (a damaged LONG_BINPUT asked for 8 GB).
-    def find_class(self, module: str, name: str):
-        if (module, name) in PICKLE_ALLOWED_GLOBALS:
-            return super().find_class(module, name)
-        raise PickleRefused(f"the pickle references {module}.{name}, which a Flight Recorder "
-                            "dump never contains")
-
-    def persistent_load(self, pid):
-        raise PickleRefused(f"the pickle holds a persistent id {_short(pid)}, which a Flight "
-                            "Recorder dump never contains")
-
-
 @dataclass
 class FlightRecorderRead:
     """What :func:`read_flight_recorder` found in one or more dumps.
@@ -348,62 +204,6 @@ def _check_text(value, what: str) -> str:
     except UnicodeEncodeError:
         raise _EntryError(f"{what}={_short(text)} holds invalid UTF-8") from None
     return text
-
-
-def load_dump(path: str | Path, *, allow_pickle: bool = False) -> dict:
-    """Load one FR dump: JSON, pickle (``_dump_fr_trace``), or a pickle re-serialised as JSON.
-
-    A file whose first byte is 0x80 is read as a pickle, through an unpickler that refuses
-    every global outside :data:`PICKLE_ALLOWED_GLOBALS` (pure Python, so a damaged memo index
-cannot make it allocate gigabytes), so a crafted file runs nothing (with
-    ``allow_pickle`` it goes to :func:`pickle.loads` unrestricted, after a ``UserWarning``:
-    only for files you trust). JSON is decoded as UTF-8; invalid bytes inside strings are kept
-    as lone surrogates so that only the entries holding them are lost (reported per entry by
-    :func:`read_flight_recorder`).
-
-    Raises:
-        PickleRefused: (a ``ValueError``) the pickle names a refused global; nothing ran.
-        ValueError: the file is neither JSON nor pickle, or is not a dict with the
-            ``version`` / ``pg_status`` keys of a dump, or its ``entries`` is not a list.
-    """
-    path = Path(path)
-    raw = path.read_bytes()
-    try:
-        if raw[:1] == b"\x80":
-            if allow_pickle:
-                import warnings
-
-                warnings.warn(f"Loading pickle {str(path)!r} without restrictions "
-                              "(allow_pickle=True): it can run any code.", stacklevel=2)
-                dump = pickle.loads(raw)
-            else:
-                dump = _RestrictedUnpickler(io.BytesIO(raw)).load()
-        else:
-            dump = json.loads(raw.decode("utf-8", errors="surrogateescape"))
-    except PickleRefused as exc:
-        raise PickleRefused(
-            f"Invalid Flight Recorder dump {str(path)!r}: refused to unpickle it ({exc}); "
-            "nothing was run. Must be a dump written by _dump_fr_trace() or "
-            "dump_flight_recorder(); pass --allow-pickle (allow_pickle=True) only for a file "
-            "you trust.") from None
-    except Exception as exc:  # noqa: BLE001 - any decoder failure: re-raised with the file named
-        raise ValueError(
-            f"Invalid Flight Recorder dump {str(path)!r}: not JSON or pickle "
-            f"({type(exc).__name__}: {', '.join(_short(x) for x in exc.args[:2])}). Must be "
-            "written by "
-            "_dump_fr_trace_json(), _dump_fr_trace() or dump_flight_recorder()."
-        ) from None
-    if not isinstance(dump, dict) or "pg_status" not in dump or "version" not in dump:
-        raise ValueError(
-            f"Invalid Flight Recorder dump {str(path)!r}: missing keys 'version'/'pg_status'. "
-            "Must be a dump of torch.distributed's Flight Recorder."
-        )
-    if not isinstance(dump.get("entries", []), list):
-        raise ValueError(
-            f"Invalid Flight Recorder dump {str(path)!r}: entries="
-            f"{_short(dump['entries'])} ({type(dump['entries']).__name__}). Must be a list "
-            "of entries (absent when dumped without collectives).")
-    return dump
 
 
 def _names(entry: dict, key: str) -> list[str]:
