@@ -560,10 +560,12 @@ def test_timeline_in_flight_bars_beside_compute():
         50 * us, 50 * us, 80 * us)
 
 
-def test_plot_timeline_png(tmp_path):
+def test_plot_timeline_png_with_in_flight_bars(tmp_path):
     h, w = _png_ok(plot_timeline(tmp_path / "o.png", {r: _overlap_step(r) for r in range(2)},
                                  title="dmuon-z3 forward"))
     assert w > 1000 and h > 300
+
+
 def test_plot_timeline_png(tmp_path):
     per_rank = {r: _hsdp_step(r) for r in range(4)}
     path = plot_timeline(tmp_path / "t" / "timeline.png", per_rank,
