@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 TORCH_VERSION ?= 2.13.0
 STAMP := $(VENV)/.installed-$(TORCH_VERSION)
 
-.PHONY: install test test-all verify-traffic nsys-verify gpu-check bench clean
+.PHONY: install test test-all verify-traffic nsys-verify gpu-check bench timeline-png clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -38,6 +38,13 @@ gpu-check: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) benchmarks/run_all.py
+
+# README "Overlap": one measured step of dmuon-z3 on TinyGPT, W=4 gloo, drawn per rank
+# (compute, and each collective from issue to wait return) into docs/timeline-dmuon-z3.png.
+TIMELINE_OUT ?= traces/timeline-dmuon-z3
+timeline-png: $(STAMP)
+	$(PY) -m verify.launch --nproc 4 --backend gloo --out-dir $(TIMELINE_OUT) --modes dmuon-z3 --steps-measured 1 $(ARGS)
+	cp $(TIMELINE_OUT)/dmuon-z3/timeline.png docs/timeline-dmuon-z3.png
 
 clean:
 	rm -rf $(VENV) traces/*/ .pytest_cache

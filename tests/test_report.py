@@ -17,7 +17,8 @@ import pytest
 
 from dmuon.annotate import Span
 from tracer.events import CollectiveEvent
-from verify.plots import plot_timeline, plot_traffic, timeline_bars, traffic_series
+from verify.compute_spans import BACKWARD, FORWARD
+from verify.plots import _pieces, plot_timeline, plot_traffic, timeline_bars, traffic_series
 from verify.report import (
     MODES,
     fmt_elems,
@@ -456,9 +457,9 @@ def test_plot_traffic_png(report, tmp_path):
 
 
 def _ev(rank, op, phase, t0, t1, **kw):
-    return CollectiveEvent(source="interposer", op=op, rank=rank, group_id="0,1,2,3",
-                           group_size=4, count=16_384, dtype="float32", phase=phase,
-                           t_start_ns=t0, t_end_ns=t1, source_ref="test", **kw)
+    kw = {"group_id": "0,1,2,3", "group_size": 4, **kw}
+    return CollectiveEvent(source="interposer", op=op, rank=rank, count=16_384, dtype="float32",
+                           phase=phase, t_start_ns=t0, t_end_ns=t1, source_ref="test", **kw)
 
 
 def _hsdp_step(rank: int) -> tuple[list[CollectiveEvent], list[Span]]:
@@ -493,8 +494,9 @@ def test_timeline_layout():
     assert (rep.t_start_ns, rep.lane) == (0, 0)
     assert {b.lane for b in coll if b.label == "forward"} == {1}
     assert {b.lane for b in coll if b.label == "backward"} == {0}
-    spans = {b.key: b for b in rank0 if b.kind == "span"}
-    assert spans["dmuon.forward_pre_hook"].lane == 0 and spans["dmuon.broadcast"].lane == 1
+    # spans that issue a collective are drawn by its row; the others keep theirs
+    spans = {b.key: b.lane for b in rank0 if b.kind == "span"}
+    assert spans == {"dmuon.replicate_wait": 0, "dmuon.newton_schulz": 0}
     # a narrower window drops what lies outside it
     bars, *_ = timeline_bars(per_rank, t0_ns=550_000, t1_ns=1_000_000)
     assert {b.label for b in bars if b.kind == "collective"} == {"backward"}
@@ -509,6 +511,59 @@ def test_timeline_rejects_bad_input():
         timeline_bars({0: _hsdp_step(0)}, t0_ns=10**12, t1_ns=10**12 + 1)
     with pytest.raises(ValueError, match="t1_ns > t0_ns"):
         timeline_bars({0: ([], [])})
+
+
+def _overlap_step(rank: int) -> tuple[list[CollectiveEvent], list[Span]]:
+    """One DMuon forward on ``rank``: block 1's broadcast issued at 10 µs and waited on at
+    80..90 µs while block 0 computes (20..70 µs), a second one on another group overlapping
+    it, and a synchronous reduce."""
+    us = 1_000
+    events = [
+        _ev(rank, "broadcast", "forward", 10 * us, 12 * us, module="blocks.1",
+            t_wait_start_ns=80 * us, t_waited_ns=90 * us),
+        _ev(rank, "broadcast", "forward", 14 * us, 15 * us, module="blocks.1",
+            t_wait_start_ns=85 * us, t_waited_ns=86 * us),
+        _ev(rank, "broadcast", "forward", 95 * us, 97 * us, group_id="0,1", group_size=2),
+        _ev(rank, "reduce", "backward", 100 * us, 110 * us),
+    ]
+    spans = [Span(FORWARD, "blocks.0", None, "forward", 20 * us, 70 * us, 1),
+             Span(FORWARD, "blocks.1", None, "forward", 91 * us, 99 * us, 1),
+             Span(BACKWARD, "blocks.1", None, "backward", 99 * us, 100 * us, 1),
+             Span("dmuon.broadcast", "blocks.1", 1, "forward", 9 * us, 13 * us, 1)]
+    return events, spans
+
+
+def test_timeline_in_flight_bars_beside_compute():
+    us = 1_000
+    bars, *_ = timeline_bars({0: _overlap_step(0)}, t0_ns=0, t1_ns=200 * us)
+    rows = {}
+    for b in bars:
+        rows.setdefault(b.row, []).append(b)
+    # dmuon.broadcast issued a collective: its row shows it, no DMuon spans row is left
+    assert list(rows) == ["compute", "broadcast [0,1,2,3]", "broadcast [0,1]", "reduce"]
+    first, second = rows["broadcast [0,1,2,3]"]
+    assert (first.in_flight, first.t_start_ns, first.t_issued_ns, first.t_wait_start_ns,
+            first.t_end_ns, first.lane, first.label) == (True, 10 * us, 12 * us, 80 * us,
+                                                          90 * us, 0, "blocks.1")
+    assert (second.t_end_ns, second.lane) == (86 * us, 1)  # in flight beside the first
+    block0 = next(b for b in rows["compute"] if b.label == "blocks.0")
+    assert first.t_issued_ns <= block0.t_start_ns < block0.t_end_ns <= first.t_wait_start_ns
+    [sync] = rows["reduce"]
+    assert (sync.in_flight, sync.t_end_ns, sync.lane) == (False, 110 * us, 0)
+    assert _pieces(first) == [(10 * us, 12 * us, 1.0), (12 * us, 80 * us, 0.3),
+                              (80 * us, 90 * us, 1.0)]
+    assert _pieces(sync) == [(100 * us, 110 * us, 1.0)]
+    # clipped to a window that starts while the first broadcast is in flight
+    bars, *_ = timeline_bars({0: _overlap_step(0)}, t0_ns=50 * us, t1_ns=200 * us)
+    clipped = next(b for b in bars if b.row.startswith("broadcast") and b.lane == 0)
+    assert (clipped.t_start_ns, clipped.t_issued_ns, clipped.t_wait_start_ns) == (
+        50 * us, 50 * us, 80 * us)
+
+
+def test_plot_timeline_png_with_in_flight_bars(tmp_path):
+    h, w = _png_ok(plot_timeline(tmp_path / "o.png", {r: _overlap_step(r) for r in range(2)},
+                                 title="dmuon-z3 forward"))
+    assert w > 1000 and h > 300
 
 
 def test_plot_timeline_png(tmp_path):

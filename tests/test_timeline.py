@@ -8,7 +8,7 @@ import pytest
 
 from dmuon.annotate import Span
 from tracer.events import CollectiveEvent
-from tracer.timeline import TID_COLLECTIVES, TID_SPANS, write_chrome_trace
+from tracer.timeline import TID_COLLECTIVES, TID_IN_FLIGHT, TID_SPANS, write_chrome_trace
 
 
 def _ev(rank, seq, t0, t1, **kw):
@@ -23,7 +23,9 @@ def _ev(rank, seq, t0, t1, **kw):
 def _per_rank():
     return {
         0: ([_ev(0, 0, 1_000_000, 1_002_500), _ev(0, 1, 1_003_000, 1_003_000, op="broadcast",
-                                                      root=1, phase="backward")],
+                                                      root=1, phase="backward",
+                                                      t_wait_start_ns=1_005_000,
+                                                      t_waited_ns=1_006_000)],
             [Span("dmuon.broadcast", "blocks.0.attn", 1, "forward", 999_000, 1_004_000, 7)]),
         1: ([_ev(1, 0, 1_000_100, 1_002_000), _ev(1, 1, 1_003_100, 1_004_100, op="broadcast",
                                                       root=1, phase="backward")],
@@ -66,6 +68,10 @@ def test_structure_and_every_collective_present(tmp_path):
         0, TID_SPANS, "dmuon.broadcast", 0.0, 5.0)
     assert span["args"] == {"module": "blocks.0.attn", "owner": 1, "phase": "forward",
                             "thread_id": 7}
+    [flight] = [e for e in complete if e["cat"] == "in_flight"]  # the one waited async call
+    assert (flight["pid"], flight["tid"], flight["name"], flight["ts"], flight["dur"]) == (
+        0, TID_IN_FLIGHT, "broadcast in flight", 4.0, 3.0)
+    assert flight["args"]["blocked_ns"] == 1_000
 
 
 def test_event_without_times_is_rejected(tmp_path):

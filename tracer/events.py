@@ -15,6 +15,11 @@ Glossary (one size convention everywhere, NCCL's):
 - ``group_rank``: this rank's index inside the group; ``root`` is the root's (or, for
   send / recv, the peer's) group rank.
 - ``seq``: 0-based index of the call among this rank's calls on this group.
+- ``t_wait_start_ns`` / ``t_waited_ns``: for an *asynchronous* call whose work handle the
+  training thread waited on, when that ``wait()`` was called and when it returned (the
+  interposer's clock; ``None`` for synchronous calls, handles never waited on, and every
+  other source). ``[t_start_ns, t_waited_ns]`` is the call's in-flight interval as the
+  training thread sees it; ``[t_wait_start_ns, t_waited_ns]`` the time it blocked on it.
 
 Derived quantities (the nccl-tests array size S, bus factors) live in one table in
 ``verify/traffic.py``; this module only stores what a source observed.
@@ -75,7 +80,8 @@ SOURCES: tuple[str, ...] = ("interposer", "flight_recorder", "nccl_log", "nsys",
 #: Integer fields and their width in :data:`EVENT_SCHEMA` (bits, signed).
 _INT_BITS: dict[str, int] = {
     "rank": 32, "group_size": 32, "group_rank": 32, "seq": 64, "count": 64, "dtype_bytes": 32,
-    "msg_bytes": 64, "root": 32, "t_start_ns": 64, "t_end_ns": 64, "pid": 64, "cuda_dev": 32,
+    "msg_bytes": 64, "root": 32, "t_start_ns": 64, "t_end_ns": 64, "pid": 64, "cuda_dev": 32, "t_wait_start_ns": 64,
+    "t_waited_ns": 64,
 }
 
 #: Optional string fields (``source``, ``op`` are checked against their vocabularies).
@@ -93,8 +99,9 @@ class CollectiveEvent:
     Raises:
         ValueError: ``op`` is not one of :data:`OPS`, ``source`` not one of :data:`SOURCES`,
             an integer field is not an int or does not fit its :data:`EVENT_SCHEMA` column
-            (int32 / int64), a string field is not a str, a size is negative, or ``msg_bytes`` disagrees with
-            ``count * dtype_bytes``.
+            (int32 / int64), a string field is not a str, a size is negative, ``msg_bytes`` disagrees with
+            ``count * dtype_bytes``, or the wait times are out of order (``t_end_ns <=
+            t_wait_start_ns <= t_waited_ns``, or ``t_wait_start_ns`` without ``t_waited_ns``).
     """
 
     source: str
@@ -118,6 +125,8 @@ class CollectiveEvent:
     host: str | None = None
     cuda_dev: int | None = None
     comm: str | None = None
+    t_wait_start_ns: int | None = None
+    t_waited_ns: int | None = None
 
     def __post_init__(self) -> None:
         for name, bits in _INT_BITS.items():
@@ -131,6 +140,7 @@ class CollectiveEvent:
             if value is not None and not isinstance(value, str):
                 raise ValueError(f"Invalid CollectiveEvent {name}={value!r}. Must be a str or "
                                  f"None ({self.source_ref!r}).")
+        self._check_wait_times()
         if self.op not in OPS:
             raise ValueError(f"Invalid CollectiveEvent op={self.op!r}. Must be one of {OPS}.")
         if self.source not in SOURCES:
@@ -157,6 +167,26 @@ class CollectiveEvent:
                     f"count * dtype_bytes = {self.count} * {self.dtype_bytes} = {expected} "
                     f"({self.source_ref})."
                 )
+
+    def _check_wait_times(self) -> None:
+        if self.t_wait_start_ns is None and self.t_waited_ns is None:
+            return
+        if self.t_waited_ns is None:
+            raise ValueError(f"Invalid CollectiveEvent t_wait_start_ns={self.t_wait_start_ns} "
+                             f"with t_waited_ns=None. Must give both or neither ({self.source_ref}).")
+        times = [t for t in (self.t_end_ns, self.t_wait_start_ns, self.t_waited_ns) if t is not None]
+        if times != sorted(times):
+            raise ValueError(
+                f"Invalid CollectiveEvent wait times t_end_ns={self.t_end_ns}, "
+                f"t_wait_start_ns={self.t_wait_start_ns}, t_waited_ns={self.t_waited_ns}. Must "
+                f"be in that order: a handle is waited on after its issue returns ({self.source_ref}).")
+
+    @property
+    def in_flight_ns(self) -> int | None:
+        """``t_waited_ns - t_start_ns``: issue to wait return, for waited asynchronous calls."""
+        if self.t_start_ns is None or self.t_waited_ns is None:
+            return None
+        return self.t_waited_ns - self.t_start_ns
 
     @property
     def dur_ns(self) -> int | None:
@@ -194,8 +224,13 @@ EVENT_SCHEMA = pa.schema(
         pa.field("host", pa.string()),
         pa.field("cuda_dev", pa.int32()),
         pa.field("comm", pa.string()),
+        pa.field("t_wait_start_ns", pa.int64()),
+        pa.field("t_waited_ns", pa.int64()),
     ]
 )
+
+#: Columns added after the first release: a file without them reads back with them all null.
+LATER_COLUMNS = ("t_wait_start_ns", "t_waited_ns")
 
 assert [f.name for f in EVENT_SCHEMA] == [f.name for f in dataclasses.fields(CollectiveEvent)]
 assert _INT_BITS == {f.name: f.type.bit_width for f in EVENT_SCHEMA if pa.types.is_integer(f.type)}
@@ -239,7 +274,7 @@ def _type_family(t: pa.DataType) -> str:
 def read_parquet(path: str | Path) -> list[CollectiveEvent]:
     """Read events written by :func:`write_parquet`.
 
-    Every column of :data:`EVENT_SCHEMA` must be there with an integer type where the schema
+    Every column of :data:`EVENT_SCHEMA` but :data:`LATER_COLUMNS` (null when absent) must be there with an integer type where the schema
     has one and a string type where it has a string (an all-null column may have Arrow's null
     type); ``source``, ``op`` and ``source_ref`` must have no nulls.
 
@@ -254,6 +289,9 @@ def read_parquet(path: str | Path) -> list[CollectiveEvent]:
     except (pa.ArrowException, OSError) as exc:
         raise ValueError(f"Invalid events file {str(path)!r}: not readable as Parquet ({exc}). "
                          "Must be written by tracer.events.write_parquet (dmuon-trace ... --out).") from None
+    for name in LATER_COLUMNS:  # files written before these columns existed
+        if name not in table.column_names:
+            table = table.append_column(name, pa.nulls(table.num_rows, pa.int64()))
     missing = [f.name for f in EVENT_SCHEMA if f.name not in table.column_names]
     if missing:
         raise ValueError(

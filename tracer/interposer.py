@@ -46,6 +46,19 @@ Times: ``t_start_ns`` / ``t_end_ns`` are :func:`tracer.context.now_ns` just befo
 the op call. For asynchronous ops (``async_op=True``, functional collectives, everything on
 NCCL) the end is the return of the *issue*, not completion of the transfer.
 
+Waits: for an asynchronous c10d call (``async_op=True``: DMuon's broadcasts and reduces,
+FSDP2's all-gathers) the interposer keeps the returned ``Work`` until its ``wait()`` is
+called from Python and writes ``t_wait_start_ns`` / ``t_waited_ns`` (when ``wait()`` was
+called and returned) on the call's events: ``[t_start_ns, t_waited_ns]`` is the call's
+in-flight interval from the training thread's view. While any interposer is active,
+``torch.distributed.Work.wait`` is replaced by a timing wrapper that calls the original
+unchanged (results, errors, ``timeout`` and the other methods are untouched); it is restored
+when the last one exits. Only the first ``wait()`` of a handle counts. Left without wait
+times: synchronous calls (``async_op=False``: the wait ``torch.distributed`` makes itself,
+recognised by its caller being ``torch/distributed/distributed_c10d.py``), handles never
+waited on or waited from C++ (DDP's reducer), and functional collectives (whose
+``wait_tensor`` is not tracked).
+
 Process: every event carries ``pid`` (``os.getpid()``) and ``host`` (``socket.gethostname()``),
 read once at the first recorded call, so that sources which only know the process (an nsys
 report) can be mapped to ranks (:func:`verify.nsys_verify.assign_ranks`).
@@ -59,6 +72,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 import threading
 import warnings
 from collections.abc import Callable, Sequence
@@ -203,6 +217,63 @@ _PASS = object()  # route: not a collective
 _UNRECORDED = object()  # route: a collective the interposer cannot represent
 
 
+# ------------------------------------------------------------------------------ wait timing
+#: ``fn(work, t_wait_start_ns, t_waited_ns, sync)`` of each active interposer.
+_WaitListener = Callable[[Any, int, int, bool], None]
+_wait_listeners: list[_WaitListener] = []
+_wait_lock = threading.Lock()
+_ORIGINAL_WAIT = dist.Work.wait
+_C10D_FILE = dist.distributed_c10d.__file__
+
+
+def _waited_by_c10d(frame) -> bool:
+    """Whether the ``wait()`` whose caller is ``frame`` is the one ``torch.distributed`` makes
+    itself for an ``async_op=False`` call (its ``_CoalescingManager.wait`` passed through)."""
+    while frame is not None and frame.f_code.co_filename == _C10D_FILE and frame.f_code.co_name == "wait":
+        frame = frame.f_back
+    return frame is not None and frame.f_code.co_filename == _C10D_FILE
+
+
+def _timed_wait(self, *args, **kwargs):
+    """``torch.distributed.Work.wait`` while an interposer is active: the original, timed."""
+    t_wait_start_ns = context.now_ns()
+    out = _ORIGINAL_WAIT(self, *args, **kwargs)
+    t_waited_ns = context.now_ns()
+    listeners = list(_wait_listeners)
+    if listeners:
+        sync = _waited_by_c10d(sys._getframe(1))
+        for fn in listeners:
+            fn(self, t_wait_start_ns, t_waited_ns, sync)
+    return out
+
+
+def _add_wait_listener(fn: _WaitListener) -> None:
+    with _wait_lock:
+        if not _wait_listeners:
+            dist.Work.wait = _timed_wait
+        _wait_listeners.append(fn)
+
+
+def _remove_wait_listener(fn: _WaitListener) -> None:
+    with _wait_lock:
+        if fn in _wait_listeners:
+            _wait_listeners.remove(fn)
+        if not _wait_listeners:
+            dist.Work.wait = _ORIGINAL_WAIT
+
+
+def _work_of(out: Any) -> dist.Work | None:
+    """The ``Work`` a c10d op returned (alone or last in its result tuple), or ``None``."""
+    if isinstance(out, (tuple, list)) and out:
+        out = out[-1]
+    if not isinstance(out, torch.ScriptObject):
+        return None
+    try:
+        return dist.Work.unbox(out)
+    except (RuntimeError, TypeError):  # another TorchScript class
+        return None
+
+
 @dataclass(frozen=True, slots=True)
 class _Group:
     group_id: str | None
@@ -235,10 +306,13 @@ class Interposer(TorchDispatchMode):
             :func:`tracer.context.current_span` at issue time; ``pid`` / ``host`` of this
             process).
         spans: DMuon spans that ended while active (from every thread of this process).
+            Asynchronous calls get ``t_wait_start_ns`` / ``t_waited_ns`` when their handle's
+            ``wait()`` returns (module docstring, "Waits").
         unrecorded: ``(op name, reason)`` of collectives seen but not representable.
 
-    Entering adds one dispatch mode and one span listener; exiting removes both (no global
-    state remains). An instance records one session: entering it again raises ``ValueError``.
+    Entering adds one dispatch mode, one span listener and one wait listener (the first active
+    interposer patches ``torch.distributed.Work.wait``); exiting removes them (no global state
+    remains, pending handles are dropped). An instance records one session: entering it again raises ``ValueError``.
     """
 
     def __init__(self) -> None:
@@ -255,6 +329,7 @@ class Interposer(TorchDispatchMode):
         self._rank: int | None = None
         self._pid: int | None = None
         self._host: str | None = None
+        self._pending: dict[int, tuple[dist.Work, list[int]]] = {}  # id(work) -> (work, events)
 
     # ----------------------------------------------------------------------- mode lifecycle
     def __enter__(self) -> Interposer:
@@ -265,17 +340,36 @@ class Interposer(TorchDispatchMode):
             )
         self._used = True
         context.add_span_listener(self._on_span)
+        _add_wait_listener(self._on_wait)
         try:
             return super().__enter__()
         except BaseException:
-            context.remove_span_listener(self._on_span)
+            self._detach()
             raise
 
     def __exit__(self, exc_type, exc, tb) -> None:
         try:
             super().__exit__(exc_type, exc, tb)
         finally:
-            context.remove_span_listener(self._on_span)
+            self._detach()
+
+    def _detach(self) -> None:
+        context.remove_span_listener(self._on_span)
+        _remove_wait_listener(self._on_wait)
+        with self._lock:
+            self._pending.clear()
+
+    def _on_wait(self, work: dist.Work, t_wait_start_ns: int, t_waited_ns: int, sync: bool) -> None:
+        with self._lock:
+            entry = self._pending.get(id(work))
+            if entry is None or entry[0] is not work:
+                return  # not issued while recording, or already waited on once
+            del self._pending[id(work)]
+            if sync:
+                return
+            for i in entry[1]:
+                self.events[i] = self.events[i].replace(
+                    t_wait_start_ns=t_wait_start_ns, t_waited_ns=t_waited_ns)
 
     def _on_span(self, span: context.Span) -> None:
         with self._lock:
@@ -300,7 +394,11 @@ class Interposer(TorchDispatchMode):
         t_end_ns = context.now_ns()
         group = self._group(bound.get("process_group", bound.get("group_name")))
         calls = route(bound, group.group_size)
-        self._record(calls, group, phase, span[1] if span else None, t_start_ns, t_end_ns)
+        indices = self._record(calls, group, phase, span[1] if span else None, t_start_ns, t_end_ns)
+        work = _work_of(out) if func.namespace == "c10d" else None
+        if work is not None and indices:
+            with self._lock:
+                self._pending[id(work)] = (work, indices)
         return out
 
     @staticmethod
@@ -338,11 +436,13 @@ class Interposer(TorchDispatchMode):
             group = self._groups[key] = _Group(group_id, pg.size(), pg.rank())
         return group
 
-    def _record(self, calls, group, phase, module, t_start_ns, t_end_ns) -> None:
+    def _record(self, calls, group, phase, module, t_start_ns, t_end_ns) -> list[int]:
+        """Append one event per call; returns their indices in :attr:`events`."""
         if self._rank is None:  # at the first call, in the process that records
             self._rank = dist.get_rank()
             self._pid, self._host = os.getpid(), socket.gethostname()
         with self._lock:
+            first = len(self.events)
             for call in calls:
                 seq = self._seq.get(group.group_id, 0)
                 self._seq[group.group_id] = seq + 1
@@ -368,6 +468,7 @@ class Interposer(TorchDispatchMode):
                         host=self._host,
                     )
                 )
+            return list(range(first, len(self.events)))
 
     def _note_unrecorded(self, name: str) -> None:
         reason = "unknown collective op (not in tracer.interposer's table)"

@@ -341,6 +341,8 @@ class EventBatches:
                                 no_host),
             "cuda_dev": _int32(dev[rows.proc]),
             "comm": _dictionary(rows.comm, pa.array(self._comms, pa.string())),
+            "t_wait_start_ns": pa.nulls(m, pa.int64()),
+            "t_waited_ns": pa.nulls(m, pa.int64()),
         }
         batch = pa.RecordBatch.from_arrays(list(cols.values()), schema=BATCH_SCHEMA)
         return batch, res["epoch"]

@@ -5,7 +5,9 @@ Format: the Trace Event Format (the JSON object form, ``{"traceEvents": [...]}``
 complete event (``"ph": "X"``) with ``ts`` / ``dur`` in **microseconds** (floats, so ns
 resolution survives); ``pid`` is the rank, named ``"rank N"`` by a ``process_name`` metadata
 event; ``tid`` :data:`TID_COLLECTIVES` holds collectives and :data:`TID_SPANS` DMuon spans,
-named by ``thread_name`` metadata events. Times are shifted so the earliest event starts at 0;
+named by ``thread_name`` metadata events; :data:`TID_IN_FLIGHT` holds, for each asynchronous
+collective whose handle was waited on (``t_waited_ns``), its in-flight interval from issue to
+the wait's return (category ``in_flight``). Times are shifted so the earliest event starts at 0;
 the shift (ns on the :func:`tracer.context.now_ns` clock) is ``otherData.origin_ns``.
 """
 
@@ -23,10 +25,13 @@ TID_COLLECTIVES = 0
 #: Track (``tid``) of DMuon spans within a rank's process.
 TID_SPANS = 1
 
+#: Track (``tid``) of the in-flight intervals of waited asynchronous collectives.
+TID_IN_FLIGHT = 2
+
 #: CollectiveEvent fields copied into each collective's ``args``.
 COLLECTIVE_ARGS = (
     "op", "count", "msg_bytes", "dtype", "group_id", "group_size", "group_rank", "seq", "root",
-    "phase", "module", "source", "source_ref",
+    "phase", "module", "source", "source_ref", "t_wait_start_ns", "t_waited_ns",
 )
 
 
@@ -79,7 +84,8 @@ def write_chrome_trace(
                       "args": {"name": f"rank {rank}"}})
         trace.append({"ph": "M", "name": "process_sort_index", "pid": rank,
                       "args": {"sort_index": rank}})
-        for tid, label in ((TID_COLLECTIVES, "collectives"), (TID_SPANS, "DMuon spans")):
+        for tid, label in ((TID_COLLECTIVES, "collectives"), (TID_SPANS, "DMuon spans"),
+                           (TID_IN_FLIGHT, "in flight (issue to wait return)")):
             trace.append({"ph": "M", "name": "thread_name", "pid": rank, "tid": tid,
                           "args": {"name": label}})
         for ev in events:
@@ -89,6 +95,15 @@ def write_chrome_trace(
                 "dur": (ev.t_end_ns - ev.t_start_ns) / 1e3,
                 "args": {k: getattr(ev, k) for k in COLLECTIVE_ARGS},
             })
+            if ev.t_waited_ns is not None:
+                trace.append({
+                    "ph": "X", "name": f"{ev.op} in flight", "cat": "in_flight", "pid": rank,
+                    "tid": TID_IN_FLIGHT, "ts": (ev.t_start_ns - origin_ns) / 1e3,
+                    "dur": ev.in_flight_ns / 1e3,
+                    "args": {"source_ref": ev.source_ref, "phase": ev.phase, "module": ev.module,
+                             "blocked_ns": ev.t_waited_ns - ev.t_wait_start_ns
+                             if ev.t_wait_start_ns is not None else None},
+                })
         for sp in spans:
             trace.append({
                 "ph": "X", "name": sp.name, "cat": "dmuon", "pid": rank, "tid": TID_SPANS,

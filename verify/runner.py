@@ -36,6 +36,7 @@ from tracer.profiler import profiler_source_events, read_profiler_trace
 from tracer.timeline import write_chrome_trace
 
 from .compare import compare_run
+from .compute_spans import BlockCompute
 from .data import ByteCorpus, global_batch_size
 from .modes import build
 from .nccl_source import WindowMark, capture_active, nccl_source_report
@@ -136,13 +137,15 @@ class _MeasuredWindow:
     """Every recorder of the measured steps, opened after the warm-up and closed after the last
     step: the interposer, ``torch.profiler`` (CPU activities with shapes; its Chrome trace goes
     to ``<mode>/profiler_rank<r>.json``), the Flight Recorder dumps, this rank's NCCL log window,
-    the NVLink counters (local rank 0 samples its node) and the ``dmuon.window <mode>`` NVTX
-    range."""
+    the NVLink counters (local rank 0 samples its node), the ``dmuon.window <mode>`` NVTX
+    range and the blocks' forward / backward spans (``verify.compute_spans``)."""
 
-    def __init__(self, mode: str, out: Path, device: str, profiler: bool = True) -> None:
+    def __init__(self, mode: str, out: Path, device: str, model: torch.nn.Module,
+                 profiler: bool = True) -> None:
         self.mode, self.out, self.device = mode, out, device
         self.rank = dist.get_rank()
         self.interposer = Interposer()
+        self.compute = BlockCompute(model)
         self._fr_on = flight_recorder_enabled()
         self._nccl_on = capture_active(dist.get_backend())
         local_rank = int(os.environ.get("LOCAL_RANK", self.rank))
@@ -168,6 +171,7 @@ class _MeasuredWindow:
             if drain is not None:
                 self._stack.callback(drain)
         self._stack.enter_context(dmuon.annotate.window(self.mode))
+        self._stack.enter_context(self.compute)
         self._stack.enter_context(self.interposer)
 
     def close(self) -> dict:
@@ -218,7 +222,7 @@ def _train_mode(mode: str, config: RunConfig, corpus: ByteCorpus, progress,
     model, opt = built.model, built.optimizer
     out = Path(config.out_dir) / mode
     losses, step_bounds, step_times = [], [], []
-    window = _MeasuredWindow(mode, out, config.device, config.profiler)
+    window = _MeasuredWindow(mode, out, config.device, model, config.profiler)
     ns_before = 0
     for step in range(config.steps_warmup + config.steps_measured):
         if step == config.steps_warmup:
@@ -240,7 +244,7 @@ def _train_mode(mode: str, config: RunConfig, corpus: ByteCorpus, progress,
         (out / "layout.json").write_text(json.dumps(built.layout.to_dict(), indent=1))
     return {
         "events": events,
-        "spans": window.interposer.spans,
+        "spans": window.interposer.spans + window.compute.spans,
         "losses": losses,
         "step_bounds_ns": step_bounds,
         "step_times": step_times,
@@ -299,7 +303,8 @@ def run_all(config: RunConfig, progress=None) -> dict | None:
             # one host, one perf_counter clock: the last measured step from its first start
             # to its last end over all ranks (window close and dumps come after it)
             last = [r["step_bounds_ns"][-1] for r in gathered]
-            plot_timeline(timeline.with_suffix(".png"), per_rank, title=f"{mode}: last measured step",
+            title = f"{mode} ({source.name}, W={world}, {dist.get_backend()}): last measured step"
+            plot_timeline(timeline.with_suffix(".png"), per_rank, title=title,
                           t0_ns=min(a for a, _ in last), t1_ns=max(b for _, b in last))
         runs.append(run)
     if rank != 0:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 import warnings
 from collections import Counter
 
@@ -384,6 +385,43 @@ def test_real_events_and_spans_on_a_chrome_timeline(pool2, tmp_path):
         (r, ev.source_ref) for r, out in enumerate(results) for ev in out["events"])
     assert [(e["pid"], e["name"]) for e in complete if e["cat"] == "dmuon"] == [
         (0, "dmuon.reduce"), (1, "dmuon.reduce")]
+
+
+# ------------------------------------------------------------------- waits of async handles
+def _wait_task():
+    rank = dist.get_rank()
+    original_wait = dist.Work.wait
+    with Interposer() as ip:
+        late = torch.full((4,), float(rank))
+        if rank == 1:
+            time.sleep(0.1)  # rank 0 is blocked in wait() until rank 1 sends
+        work = dist.broadcast(late, src=1, async_op=True)
+        work.wait()
+        first = ip.events[-1]
+        work.wait()  # a second wait keeps the first one's times
+        dist.broadcast(torch.ones(4), src=0)  # synchronous: no wait times
+        polled = dist.all_reduce(torch.ones(2), async_op=True)  # never wait()ed
+        fut = polled.get_future()
+        fut.wait()
+        while not polled.is_completed():
+            time.sleep(0.001)
+        patched = dist.Work.wait is not original_wait
+    return dict(events=ip.events, first=first, late=late.tolist(), patched=patched,
+                restored=dist.Work.wait is original_wait, reduced=fut.value()[0].tolist())
+
+
+def test_async_wait_times_recorded_sync_and_unwaited_left_empty(pool2):
+    for rank, out in enumerate(pool2.run(_wait_task)):
+        bcast, sync, polled = out["events"]
+        assert out["late"] == [1.0] * 4 and out["reduced"] == [2.0, 2.0]
+        assert out["patched"] and out["restored"]
+        assert bcast.t_end_ns <= bcast.t_wait_start_ns <= bcast.t_waited_ns
+        assert bcast == out["first"]  # the second wait changed nothing
+        if rank == 0:  # blocked on rank 1's 0.1 s sleep: the interval is the transfer's
+            assert bcast.t_waited_ns - bcast.t_wait_start_ns > 50e6
+            assert bcast.in_flight_ns > 50e6
+        assert (sync.op, sync.t_wait_start_ns, sync.t_waited_ns) == ("broadcast", None, None)
+        assert (polled.op, polled.t_waited_ns) == ("all_reduce", None)
 
 
 def _gather_scatter_task():
