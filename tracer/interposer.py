@@ -46,18 +46,19 @@ Times: ``t_start_ns`` / ``t_end_ns`` are :func:`tracer.context.now_ns` just befo
 the op call. For asynchronous ops (``async_op=True``, functional collectives, everything on
 NCCL) the end is the return of the *issue*, not completion of the transfer.
 
-Waits: for an asynchronous c10d call (``async_op=True``: DMuon's broadcasts and reduces,
-FSDP2's all-gathers) the interposer keeps the returned ``Work`` until its ``wait()`` is
+Waits: for a c10d call (``async_op=True``: DMuon's broadcasts and reduces, FSDP2's
+all-gathers; see below for ``async_op=False``) the interposer keeps the returned ``Work`` until its ``wait()`` is
 called from Python and writes ``t_wait_start_ns`` / ``t_waited_ns`` (when ``wait()`` was
 called and returned) on the call's events: ``[t_start_ns, t_waited_ns]`` is the call's
 in-flight interval from the training thread's view. While any interposer is active,
 ``torch.distributed.Work.wait`` is replaced by a timing wrapper that calls the original
 unchanged (results, errors, ``timeout`` and the other methods are untouched); it is restored
-when the last one exits. Only the first ``wait()`` of a handle counts. Left without wait
-times: synchronous calls (``async_op=False``: the wait ``torch.distributed`` makes itself,
-recognised by its caller being ``torch/distributed/distributed_c10d.py``), handles never
-waited on or waited from C++ (DDP's reducer), and functional collectives (whose
-``wait_tensor`` is not tracked).
+when the last one exits. Only the first ``wait()`` of a handle counts. Synchronous calls
+(``async_op=False``) get them too: on gloo the c10d op returns before the transfer ends and
+``torch/distributed/distributed_c10d.py`` waits right after (a sync broadcast whose peer was
+200 ms late returned from the op in 0.48 ms), so that wait is where the training thread is
+blocked. Left without wait times: handles never waited on or waited from C++ (DDP's
+reducer), and functional collectives (whose ``wait_tensor`` is not tracked).
 
 Process: every event carries ``pid`` (``os.getpid()``) and ``host`` (``socket.gethostname()``),
 read once at the first recorded call, so that sources which only know the process (an nsys
@@ -72,7 +73,6 @@ from __future__ import annotations
 
 import os
 import socket
-import sys
 import threading
 import warnings
 from collections.abc import Callable, Sequence
@@ -218,20 +218,11 @@ _UNRECORDED = object()  # route: a collective the interposer cannot represent
 
 
 # ------------------------------------------------------------------------------ wait timing
-#: ``fn(work, t_wait_start_ns, t_waited_ns, sync)`` of each active interposer.
-_WaitListener = Callable[[Any, int, int, bool], None]
+#: ``fn(work, t_wait_start_ns, t_waited_ns)`` of each active interposer.
+_WaitListener = Callable[[Any, int, int], None]
 _wait_listeners: list[_WaitListener] = []
 _wait_lock = threading.Lock()
 _ORIGINAL_WAIT = dist.Work.wait
-_C10D_FILE = dist.distributed_c10d.__file__
-
-
-def _waited_by_c10d(frame) -> bool:
-    """Whether the ``wait()`` whose caller is ``frame`` is the one ``torch.distributed`` makes
-    itself for an ``async_op=False`` call (its ``_CoalescingManager.wait`` passed through)."""
-    while frame is not None and frame.f_code.co_filename == _C10D_FILE and frame.f_code.co_name == "wait":
-        frame = frame.f_back
-    return frame is not None and frame.f_code.co_filename == _C10D_FILE
 
 
 def _timed_wait(self, *args, **kwargs):
@@ -239,11 +230,8 @@ def _timed_wait(self, *args, **kwargs):
     t_wait_start_ns = context.now_ns()
     out = _ORIGINAL_WAIT(self, *args, **kwargs)
     t_waited_ns = context.now_ns()
-    listeners = list(_wait_listeners)
-    if listeners:
-        sync = _waited_by_c10d(sys._getframe(1))
-        for fn in listeners:
-            fn(self, t_wait_start_ns, t_waited_ns, sync)
+    for fn in list(_wait_listeners):
+        fn(self, t_wait_start_ns, t_waited_ns)
     return out
 
 
@@ -306,8 +294,8 @@ class Interposer(TorchDispatchMode):
             :func:`tracer.context.current_span` at issue time; ``pid`` / ``host`` of this
             process).
         spans: DMuon spans that ended while active (from every thread of this process).
-            Asynchronous calls get ``t_wait_start_ns`` / ``t_waited_ns`` when their handle's
-            ``wait()`` returns (module docstring, "Waits").
+            Calls get ``t_wait_start_ns`` / ``t_waited_ns`` when their handle's ``wait()``
+            returns (module docstring, "Waits").
         unrecorded: ``(op name, reason)`` of collectives seen but not representable.
 
     Entering adds one dispatch mode, one span listener and one wait listener (the first active
@@ -359,14 +347,12 @@ class Interposer(TorchDispatchMode):
         with self._lock:
             self._pending.clear()
 
-    def _on_wait(self, work: dist.Work, t_wait_start_ns: int, t_waited_ns: int, sync: bool) -> None:
+    def _on_wait(self, work: dist.Work, t_wait_start_ns: int, t_waited_ns: int) -> None:
         with self._lock:
             entry = self._pending.get(id(work))
             if entry is None or entry[0] is not work:
                 return  # not issued while recording, or already waited on once
             del self._pending[id(work)]
-            if sync:
-                return
             for i in entry[1]:
                 self.events[i] = self.events[i].replace(
                     t_wait_start_ns=t_wait_start_ns, t_waited_ns=t_waited_ns)
