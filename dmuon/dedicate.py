@@ -37,9 +37,10 @@ ranks only), so calls always pair up with the same bucket on every rank.
 Per step (SPEC §1):
 
 1. **forward** (channel ``broadcast``, phase ``forward``): a forward cursor walks the buckets
-   in index order. A driver's pre-hook advances it to the driver's last bucket ``hi``; the
-   root's post-hook advances it to the end (so buckets of modules that did not run on this
-   rank are still sent). Advancing to ``hi`` first *issues* every bucket up to
+   in index order (from the second step on, the blocks' execution order: step 7). A
+   driver's pre-hook advances it to the driver's last bucket ``hi``; the root's post-hook
+   advances it to the end (so buckets of modules that did not run on this rank are still
+   sent). Advancing to ``hi`` first *issues* every bucket up to
    ``hi + prefetch_depth`` not issued yet (each waits for its pending replicate broadcast
    (HSDP), then, if not valid, is broadcast from its holder, shard group rank ``s``,
    asynchronously), then *waits* for every bucket up to ``hi``, which become valid. So while
