@@ -50,8 +50,10 @@ def _batch(step: int) -> torch.Tensor:
     return torch.randn(8, D, generator=g)
 
 
-def _build(z3: bool):
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+def _build(z3: bool, hsdp: bool = False):
+    world = dist.get_world_size()
+    mesh = (init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard")) if hsdp
+            else init_device_mesh("cpu", (world,)))
     model = Permuted()
     dm = dmuon.dedicate_params(model, mesh, reshard_after_forward=z3)
     opt = dmuon.DMuon(model.parameters(), dedicated=dm, lr=0.02, adamw_lr=3e-3)
@@ -72,11 +74,12 @@ def _params(model, dm) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def reordered_step(z3: bool, model_order: bool = False) -> dict:
+def reordered_step(z3: bool, model_order: bool = False, hsdp: bool = False) -> dict:
     """Step 1 (records and agrees), step 2 under the interposer with a forward hook per block,
     step 3; returns the block order, the positions in step 2's ordered events, the layout the
     harness derives (its own recording) and the params after step 3. ``model_order``: the
-    runtime's order rule is replaced by model order (the reference without reordering)."""
+    runtime's order rule is replaced by model order (the reference without reordering);
+    ``hsdp``: a (2, W/2) mesh."""
     from dmuon import order
     from dmuon.plan import specs_from_named_parameters
     from verify.block_order import BlockOrderRecorder, blocks_of
@@ -86,7 +89,7 @@ def reordered_step(z3: bool, model_order: bool = False) -> dict:
     if model_order:
         order.execution_block_order = lambda model_blocks, recorded: tuple(model_blocks)
     try:
-        model, dm, opt = _build(z3)
+        model, dm, opt = _build(z3, hsdp)
         recorder = BlockOrderRecorder(model, blocks_of(dm.names))
         before = dm.block_order
         _step(model, opt, 0)
@@ -101,13 +104,15 @@ def reordered_step(z3: bool, model_order: bool = False) -> dict:
         ns_before = opt.ns_calls
         with ip:
             _step(model, opt, 1)
+            dm.wait_pending()  # HSDP: the step's replicate broadcasts, as the harness's window
         ns_calls = opt.ns_calls - ns_before
         _step(model, opt, 2)
     finally:
         order.execution_block_order = original
     fwd = [(k, e.module) for k, e in enumerate(ip.events) if e.op == "broadcast" and e.phase == "forward"]
-    layout = RunLayout(mode="dmuon-z3" if z3 else "dmuon-z2", replicate_size=1,
-                       shard_size=dist.get_world_size(),
+    r_size = 2 if hsdp else 1
+    layout = RunLayout(mode=f"dmuon-{'hsdp-' if hsdp else ''}z{3 if z3 else 2}", replicate_size=r_size,
+                       shard_size=dist.get_world_size() // r_size,
                        params=tuple(specs_from_named_parameters(model.named_parameters())),
                        muon_names=tuple(dm.names), reshard_after_forward=z3,
                        dmuon_block_order=recorder.agreed())

@@ -39,10 +39,12 @@ def _only_next_block_ahead(r, order) -> bool:
                for j in range(len(order)))
 
 
-@pytest.mark.parametrize("z3", [True, False], ids=["z3", "z2"])
-def test_buckets_follow_the_recorded_execution_order(pool2, z3):
-    got = pool2.run_with_timeout(TIMEOUT_S, T.reordered_step, z3)
-    ref = pool2.run_with_timeout(TIMEOUT_S, T.reordered_step, z3, True)  # model order kept
+@pytest.mark.parametrize("z3,hsdp", [(True, False), (False, False), (True, True)],
+                         ids=["z3", "z2", "hsdp-z3"])
+def test_buckets_follow_the_recorded_execution_order(request, z3, hsdp):
+    pool = request.getfixturevalue("pool4" if hsdp else "pool2")
+    got = pool.run_with_timeout(TIMEOUT_S, T.reordered_step, z3, False, hsdp)
+    ref = pool.run_with_timeout(TIMEOUT_S, T.reordered_step, z3, True, hsdp)  # model order kept
     for r, q in zip(got, ref):
         assert r["before"] == MODEL and r["after"] == EXECUTION, r["after"]
         assert tuple(r["recorded"]) == EXECUTION
