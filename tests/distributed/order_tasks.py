@@ -92,7 +92,8 @@ def reordered_step(z3: bool, model_order: bool = False, hsdp: bool = False) -> d
         model, dm, opt = _build(z3, hsdp)
         recorder = BlockOrderRecorder(model, blocks_of(dm.names))
         before = dm.block_order
-        _step(model, opt, 0)
+        with Interposer() as first:
+            _step(model, opt, 0)
         ip = Interposer()
         returned: dict[str, int] = {}
 
@@ -116,7 +117,8 @@ def reordered_step(z3: bool, model_order: bool = False, hsdp: bool = False) -> d
                        params=tuple(specs_from_named_parameters(model.named_parameters())),
                        muon_names=tuple(dm.names), reshard_after_forward=z3,
                        dmuon_block_order=recorder.agreed())
-    return {"before": before, "after": dm.block_order, "recorded": recorder.recorded,
+    setup = [(e.op, e.count, e.dtype, e.group_size) for e in first.events if e.phase == "setup"]
+    return {"before": before, "setup": setup, "after": dm.block_order, "recorded": recorder.recorded,
             "forward": fwd, "returned": returned, "events": ip.events, "layout": layout,
             "ns_calls": ns_calls, "bucket_names": [tuple(b.names) for b in dm.buckets],
             "params": _params(model, dm)}

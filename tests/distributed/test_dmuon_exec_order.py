@@ -47,6 +47,8 @@ def test_buckets_follow_the_recorded_execution_order(request, z3, hsdp):
     ref = pool.run_with_timeout(TIMEOUT_S, T.reordered_step, z3, True, hsdp)  # model order kept
     for r, q in zip(got, ref):
         assert r["before"] == MODEL and r["after"] == EXECUTION, r["after"]
+        # the agreement: one all_gather of 32 bytes per rank over all W ranks, in step 1 only
+        assert r["setup"] == q["setup"] == [("all_gather", 32, "uint8", len(got))], r["setup"]
         assert tuple(r["recorded"]) == EXECUTION
         assert _blocks_in_forward_order(r) == EXECUTION, r["forward"]
         assert _prefetched(r, EXECUTION), (r["forward"], r["returned"])
