@@ -8,10 +8,12 @@ no such prefix (``head``, the root ``""``) is its own block (:func:`block_of`).
 
 A **bucket** is the dedicated params of one block with the same global owner and dtype, in
 model order, cut into consecutive runs of at most ``cap_bytes`` (bytes of the params' own
-dtype; a param larger than the cap is a bucket of its own). Buckets are numbered in model
-order (first appearance), so the buckets of a block, and of any module's subtree, are a
-contiguous index range. DMuon's runtime (``dedicate.py``) uses :func:`bucket_layout`; the
-traffic predictor (``verify/predict.py``) implements the same documented rule on its own.
+dtype; a param larger than the cap is a bucket of its own). :func:`bucket_layout` lists them
+in model order (first appearance), so the buckets of any module's subtree are a contiguous
+range; after the first step DMuon renumbers them block by block in the blocks' execution
+order (``order.py``, ``dedicate.py`` step 7). DMuon's runtime (``dedicate.py``) uses
+:func:`bucket_layout`; the traffic predictor (``verify/predict.py``) implements the same
+documented rule on its own.
 """
 
 from __future__ import annotations

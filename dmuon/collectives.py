@@ -17,8 +17,8 @@ every rank, independent of the other channels:
 - ``reduce``: the shard axis again: backward reduces (grads and usage elements);
 - ``replicate``: this rank's replicate axis (R ranks, HSDP only): replicate reduces and the
   owner's replicate broadcasts;
-- ``world``: all W ranks (HSDP only; on a 1-D mesh ``reduce`` spans the world): calls every
-  rank must agree on, outside the per-step schedule.
+- ``world``: all W ranks (HSDP only; on a 1-D mesh ``reduce`` spans the world): once, at
+  the end of the first step, the block-order agreement (:func:`all_gather_order_digests`).
 
 Over the same ranks as the mesh's groups, so a trace names them the same way (sorted ranks).
 
@@ -292,11 +292,44 @@ class Launcher:
         return self.launch(channel, lambda async_op: all_reduce_sum_(buf, group, async_op=async_op), buf)
 
 
+def all_gather_digests(digest: str, group: dist.ProcessGroup | None, span: str) -> list[str]:
+    """Every member's sha256 digest, in group-rank order: one all_gather of 32 bytes per rank
+    on ``group`` (``None``: the default group), phase ``"setup"``, span ``span``, on the
+    device its backend needs (:func:`collective_device`).
+
+    Raises:
+        ValueError: ``digest`` is not 64 hex characters (before the collective).
+    """
+    try:
+        raw = bytes.fromhex(digest)
+    except ValueError:
+        raw = b""
+    if len(raw) != 32:
+        raise ValueError(f"Invalid digest={digest!r}. Must be a sha256 hex digest (64 chars).")
+    device = collective_device(group)
+    mine = torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(device)
+    size = dist.get_world_size(group)
+    gathered = torch.empty(size * 32, dtype=torch.uint8, device=device)
+    with annotate.phase("setup"), annotate.span(span):
+        dist.all_gather_single(gathered, mine, group=group)
+    gathered = gathered.cpu()
+    return [bytes(gathered[i * 32 : (i + 1) * 32].tolist()).hex() for i in range(size)]
+
+
+def ranks_by_digest(digests: list[str], ranks: list[int] | None = None) -> str:
+    """``"ranks [0, 2]: 1a2b3c4d5e6f…; ranks [1]: …"`` for a message; ``ranks[i]`` names the
+    member whose digest is ``digests[i]`` (default: ``i``)."""
+    by_digest: dict[str, list[int]] = {}
+    for i, d in enumerate(digests):
+        by_digest.setdefault(d, []).append(i if ranks is None else ranks[i])
+    return "; ".join(f"ranks {ranks}: {d[:12]}…" for d, ranks in by_digest.items())
+
+
 def check_plan_agreement(digest: str, what: str) -> None:
     """Raise on every rank if the ranks' plan digests differ (before any DMuon collective).
 
-    One all_gather of 32 bytes per rank on the default group (phase ``"setup"``), on the
-    device its backend needs (:func:`collective_device`), so a plan computed differently on
+    One all_gather of 32 bytes per rank on the default group (phase ``"setup"``, span
+    ``dmuon.plan_agreement``: :func:`all_gather_digests`), so a plan computed differently on
     some rank (different model shapes, predicate, or mesh) fails here with a message instead
     of hanging later in mismatched collectives.
 
@@ -308,27 +341,22 @@ def check_plan_agreement(digest: str, what: str) -> None:
         ValueError: ``digest`` is not 64 hex characters.
         RuntimeError: the digests differ; lists which ranks hold which digest.
     """
-    try:
-        raw = bytes.fromhex(digest)
-    except ValueError:
-        raw = b""
-    if len(raw) != 32:
-        raise ValueError(f"Invalid digest={digest!r}. Must be a sha256 hex digest (64 chars).")
-    device = collective_device()
-    mine = torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(device)
-    world = dist.get_world_size()
-    gathered = torch.empty(world * 32, dtype=torch.uint8, device=device)
-    with annotate.phase("setup"), annotate.span("dmuon.plan_agreement"):
-        dist.all_gather_single(gathered, mine)
-    gathered = gathered.cpu()
-    digests = [bytes(gathered[i * 32 : (i + 1) * 32].tolist()).hex() for i in range(world)]
+    digests = all_gather_digests(digest, None, "dmuon.plan_agreement")
     if len(set(digests)) != 1:
-        by_digest: dict[str, list[int]] = {}
-        for rank, d in enumerate(digests):
-            by_digest.setdefault(d, []).append(rank)
-        detail = "; ".join(f"ranks {ranks}: {d[:12]}…" for d, ranks in by_digest.items())
         raise RuntimeError(
-            f"DMuon {what} differs across ranks ({detail}). Every rank must build the same "
-            "model (same parameter names, shapes and dtypes), use the same predicate and the "
-            "same mesh before dmuon.dedicate_params."
+            f"DMuon {what} differs across ranks ({ranks_by_digest(digests)}). Every rank must "
+            "build the same model (same parameter names, shapes and dtypes), use the same "
+            "predicate and the same mesh before dmuon.dedicate_params."
         )
+
+
+def all_gather_order_digests(digest: str, world: dist.ProcessGroup) -> list[str]:
+    """The block-order agreement (``dedicate.py``, "Per step", step 6 of the first step):
+    every rank's digest of its proposed bucket order, one all_gather of 32 bytes per rank on
+    DMuon's ``world`` channel (phase ``"setup"``, span ``dmuon.order_agreement``), once per
+    :class:`~dmuon.dedicate.DedicatedParams`.
+
+    Raises:
+        ValueError: ``digest`` is not 64 hex characters.
+    """
+    return all_gather_digests(digest, world, "dmuon.order_agreement")

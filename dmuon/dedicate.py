@@ -12,9 +12,11 @@ Glossary (see ``topology.py`` for the mesh terms):
 - **block**: the longest prefix of a param's module name ending in an integer component (a
   ``ModuleList`` element such as ``blocks.3``), else the module itself (``buckets.block_of``).
 - **bucket**: the dedicated params of one block with the same owner and dtype, cut into runs
-  of at most ``bucket_cap_mb`` (``buckets.bucket_layout``), numbered ``0 .. B-1`` in model
-  order. Their data are views into one flat buffer (``residency.py``), so one collective
-  moves them all. A bucket's ``module`` is its block.
+  of at most ``bucket_cap_mb`` (``buckets.bucket_layout``), numbered ``0 .. B-1`` block by
+  block in the **block order**: model order until the end of the first ``step()``, then the
+  order in which the blocks' forwards first ran, agreed across ranks (step 7, rule in
+  ``order.py``); within a block, model order. Their data are views into one flat buffer
+  (``residency.py``), so one collective moves them all. A bucket's ``module`` is its block.
 - **valid**: the non-holders' copies equal the owner's current values and are allocated.
   Every rank tracks the same flag for every bucket (it changes only at points every rank
   passes: the end of a driver's forward, of the root's forward, of backward, ``step()``,
@@ -38,11 +40,12 @@ ranks only), so calls always pair up with the same bucket on every rank.
 Per step (SPEC §1):
 
 1. **forward** (channel ``broadcast``, phase ``forward``): a forward cursor walks the buckets
-   in index order. The root's pre-hook issues the first ``prefetch_depth`` buckets (no
-   wait: they fly during the root's prologue, an embedding, FSDP2's root all_gather). A
-   driver's pre-hook advances it to the driver's last bucket ``hi``; the root's post-hook
-   advances it to the end (so buckets of modules that did not run on this
-   rank are still sent). Advancing to ``hi`` first *issues* every bucket up to
+   in index order (from the second step on, the blocks' execution order: step 7). The
+   root's pre-hook issues the first ``prefetch_depth`` buckets (no wait: they fly during
+   the root's prologue, an embedding, FSDP2's root all_gather). A driver's pre-hook
+   advances it to the driver's last bucket ``hi``; the root's post-hook advances it to the
+   end (so buckets of modules that did not run on this rank are still sent). Advancing to
+   ``hi`` first *issues* every bucket up to
    ``hi + prefetch_depth`` not issued yet (each waits for its pending replicate broadcast
    (HSDP), then, if not valid, is broadcast from its holder, shard group rank ``s``,
    asynchronously), then *waits* for every bucket up to ``hi``, which become valid. So while
@@ -85,7 +88,26 @@ Per step (SPEC §1):
    the world, a latency-bound call and a world-wide sync point every step.)
 6. **step** (``optimizer.step()``): only owners update; every bucket becomes invalid; then
    (HSDP) each owner broadcasts its buckets to the holders over the replicate axis
-   (channel ``replicate``, phase ``replicate``) asynchronously; the wait is in step 1.
+   (channel ``replicate``, phase ``replicate``) asynchronously, in index order; the wait is
+   in step 1.
+7. **block order** (first ``step()`` only; channel ``world``, phase ``setup``, span
+   ``dmuon.order_agreement``). During the first forward after ``dedicate_params`` (state
+   FORWARD; activation-checkpoint recompute and later forwards are not recorded, a forward
+   that raised is recorded again) each block records its name when its forward pre-hook
+   first runs (the root block: the root's pre-hook). In the first ``step()``, after the
+   update and before step 6's replicate broadcasts (every call of the step has then been
+   waited on, so no call in flight can pair with a renumbered bucket; every rank reaches
+   this point at the same place of its call sequence; the next forward is the first to use
+   the order), every rank derives a block order from its record (``order.py``: model order
+   if the record already follows it, else the blocks that ran in that order then the others
+   in model order, and model order when some driver's buckets would not be contiguous)
+   and all_gathers its sha256 (32 bytes per rank, all W ranks). If every digest is the same,
+   the buckets are renumbered in that order (block by block, model order within a block);
+   every later call sequence (steps 1-6, ``sync_params``) follows the new indices. If they
+   differ (e.g. a module ran on some ranks only, out of model order), every rank warns once
+   with the same text (the ranks holding each digest) and keeps model order. No other call:
+   one per ``DedicatedParams``, none in later steps. A first ``step()`` with no forward
+   before it agrees on model order.
 
 Dtypes. Without ``mp_policy`` every call moves the params' dtype. With
 ``mp_policy=MixedPrecisionPolicy(param_dtype=pd, reduce_dtype=rd)`` (``rd`` None: ``pd``):
@@ -117,6 +139,7 @@ not block the CPU there.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -126,7 +149,7 @@ import torch.nn as nn
 from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_leaves
 
-from . import annotate, collectives, precision, residency
+from . import annotate, collectives, order, precision, residency
 from .buckets import DEFAULT_BUCKET_CAP_MB, bucket_layout
 from .copies import Bucket
 from .plan import OwnershipPlan, specs_from_named_parameters
@@ -186,6 +209,9 @@ class DedicatedParams:
         rows = _mesh_rows(mesh, topology)
         self.groups = collectives.make_groups(rows)
         self._build_buckets(model, named)
+        self._model_blocks = self.block_order  # model order (module docstring, step 7)
+        self._order = order.OrderRecorder()
+        self._order_agreed = False
         self._root = model
         self._fwd_cursor = 0  # next bucket index the forward cursor waits for
         self._fwd_issued = 0  # next bucket index the forward cursor issues (prefetch)
@@ -231,21 +257,32 @@ class DedicatedParams:
             )
         self._owner_by_id = {id(p): b.owner for b in self.buckets for p in b.params}
         self._name_by_id = {id(p): n for b in self.buckets for n, p in zip(b.names, b.params)}
+        self._modules = modules
+        self._index_buckets(model)
+
+    def _index_buckets(self, model: nn.Module) -> None:
+        """Everything that depends on bucket indices, from the order of ``self.buckets``."""
+        modules = self._modules
+        for i, b in enumerate(self.buckets):
+            b.index = i
         # driver module -> (first, last) bucket index of its subtree, and its own buckets
         self._span: dict[nn.Module, tuple[int, int]] = {}
         self._own: dict[nn.Module, list[Bucket]] = {}
         # module holding dedicated params (not the root) -> buckets with params in it
         self._leaf: dict[nn.Module, list[Bucket]] = {}
+        count: dict[nn.Module, int] = {}
         for b in self.buckets:
             self._own.setdefault(b.module, []).append(b)
             for m in dict.fromkeys(b.param_modules):
                 if m is not model:
                     self._leaf.setdefault(m, []).append(b)
-            parts = b.module_name.split(".") if b.module_name else []
-            for k in range(1, len(parts) + 1):
-                m = modules[".".join(parts[:k])]
+            for driver in order.drivers_of(b.module_name):
+                m = modules[driver]
                 lo, hi = self._span.get(m, (b.index, b.index))
                 self._span[m] = (min(lo, b.index), max(hi, b.index))
+                count[m] = count.get(m, 0) + 1
+        # a driver's hooks cover one index range: order.py keeps every driver contiguous
+        assert all(hi - lo + 1 == count[m] for m, (lo, hi) in self._span.items())
 
     def _install_hooks(self, model: nn.Module) -> None:
         h = self._handles
@@ -300,6 +337,12 @@ class DedicatedParams:
     def state(self) -> TrainingState:
         """The current :class:`~dmuon.state.TrainingState`."""
         return self._state.state
+
+    @property
+    def block_order(self) -> tuple[str, ...]:
+        """The blocks (dotted module names, ``""`` = root) in bucket-index order: model order
+        until the first ``step()``, then the agreed execution order (module docstring, step 7)."""
+        return tuple(dict.fromkeys(b.module_name for b in self.buckets))
 
     def owned(self) -> list[nn.Parameter]:
         """Params whose global owner is this rank (the only ones this rank steps)."""
@@ -412,6 +455,8 @@ class DedicatedParams:
         if self.state == S.FORWARD:
             self._recover()
         self._end_iteration()
+        if not self._order_agreed:
+            self._agree_order()
         for b in self.buckets:
             b.valid = b.master_valid = False
             if b.is_owner:
@@ -433,6 +478,38 @@ class DedicatedParams:
         for b in self.buckets:
             b.reduced = False
             b.used = [False] * len(b.params)
+
+    # ------------------------------------------------------------------ block order
+    def _agree_order(self) -> None:
+        """Agree on the first forward's block order and renumber (module docstring, step 7)."""
+        assert all(b.broadcast_work is None and b.reduce_work is None and b.replicate_work is None
+                   for b in self.buckets), "a call is in flight while renumbering"
+        self._order_agreed = True
+        proposal = order.execution_block_order(self._model_blocks, self._order.recorded)
+        world = self.groups.world
+        digests = collectives.all_gather_order_digests(order.order_digest(proposal), world)
+        if len(set(digests)) != 1:
+            ranks = [dist.get_global_rank(world, i) for i in range(len(digests))]
+            warnings.warn(
+                "DMuon: the blocks ran in different orders on different ranks in the first "
+                f"forward (digests of the derived block order: {collectives.ranks_by_digest(digests, ranks)}"
+                "), so the buckets keep model order and prefetch follows model order. Run the "
+                "same blocks in the same order on every rank in the first step to get buckets "
+                "in execution order (README, 'Overlap').",
+                stacklevel=3,
+            )
+            return
+        if proposal != self._model_blocks:
+            self._renumber(proposal)
+
+    def _renumber(self, blocks: tuple[str, ...]) -> None:
+        """Buckets block by block in ``blocks`` order (stable: model order within a block)."""
+        position = {name: i for i, name in enumerate(blocks)}
+        old_index = {id(b): b.index for b in self.buckets}
+        self.buckets.sort(key=lambda b: position[b.module_name])
+        self._index_buckets(self._root)
+        new_index = {old_index[id(b)]: b.index for b in self.buckets}
+        self._grad_handles = {(new_index[k], i): h for (k, i), h in self._grad_handles.items()}
 
     # ------------------------------------------------------------------ state changes
     def _aborted_ok(self) -> bool:
@@ -476,12 +553,14 @@ class DedicatedParams:
             self._recover()  # the last forward or backward raised
         self._rebind_if_moved()
         self._state.to(S.FORWARD)
+        self._order.begin()
         self._fwd_cursor = self._fwd_issued = 0
         for b in self.buckets:  # mixed precision: master copies of non-holders (sync) go
             if b.mixed and not b.is_holder and residency.is_allocated(b.flat):
                 b.free_master()
 
     def _end_forward(self) -> None:
+        self._order.end()
         self._advance_forward(len(self.buckets) - 1)
         if self.reshard_after_forward:
             for b in self.buckets:
@@ -520,6 +599,7 @@ class DedicatedParams:
             return  # recompute of a checkpointed root
         self._begin_forward()
         if module in self._own:  # buckets of the root module itself
+            self._order.note("")
             self._advance_forward(max(b.index for b in self._own[module]))
         else:  # nothing needed yet: the first buckets fly during the root's own prologue
             self._issue_forward(self.prefetch_depth - 1)
@@ -546,6 +626,8 @@ class DedicatedParams:
             return None
         if self.state != S.FORWARD:
             self._begin_forward()  # a forward that did not enter through the root
+        if own:
+            self._order.note(own[0].module_name)
         self._advance_forward(hi)
         for b in own:
             if not b.valid and self.reshard_after_forward:  # same on every rank

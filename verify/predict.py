@@ -10,7 +10,8 @@ What is modelled (torch 2.13, measured on gloo by the harness):
 - DMuon, derived here from the documented protocol (SPEC §1 and the glossary of
   ``dmuon/dedicate.py``) and the planner's output alone: a *bucket* is the dedicated params
   of one block (a ``ModuleList`` element) with the same global owner and dtype, cut at
-  ``bucket_cap_mb`` (:func:`dmuon_buckets`); per bucket a
+  ``bucket_cap_mb`` and ordered block by block in the recorded execution order
+  (:func:`dmuon_buckets`, :func:`dmuon_block_sequence`); per bucket a
   forward broadcast over the shard axis from its holder; Z3 re-broadcast in backward; reduce
   to the holder over the shard axis, then (HSDP) to the owner over the replicate axis; (HSDP)
   the owner's replicate broadcast after the step. Independence: this module imports
@@ -79,6 +80,11 @@ class RunLayout:
             all_gathers (module docstring).
         mp_reduce_dtype: the dtype of gradient reductions; ``None`` means ``mp_param_dtype``
             (FSDP2's default), or the params' own dtype when that is ``None`` too.
+        dmuon_block_order: DMuon's blocks in the order their forward first ran in the first
+            step, as the harness recorded it with its own hooks (``verify.block_order``);
+            ``()`` = model order (also when the ranks' orders disagree). DMuon numbers its
+            buckets by it (:func:`dmuon_block_sequence`); the calls of a step, a multiset,
+            do not depend on it.
     """
 
     mode: str
@@ -94,6 +100,7 @@ class RunLayout:
     root_auto_reshard: bool = True
     mp_param_dtype: str | None = None
     mp_reduce_dtype: str | None = None
+    dmuon_block_order: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -146,6 +153,7 @@ class RunLayout:
             raise ValueError(f"Invalid layout: missing or malformed {exc}. Must come from RunLayout.to_dict.") from exc
         kwargs["muon_names"] = tuple(kwargs.get("muon_names", ()))
         kwargs["fsdp_modules"] = tuple(kwargs.get("fsdp_modules", ()))
+        kwargs["dmuon_block_order"] = tuple(kwargs.get("dmuon_block_order", ()))
         return cls(params=params, **kwargs)
 
     def muon_specs(self) -> list[ParamSpec]:
@@ -240,15 +248,60 @@ def dmuon_block(module: str) -> str:
     return ".".join(parts[: ends[-1]]) if ends else module
 
 
+def dmuon_block_sequence(model_blocks: Sequence[str], recorded: Sequence[str]) -> tuple[str, ...]:
+    """The block order DMuon's buckets follow after the first step (``dmuon/dedicate.py``,
+    step 7; ``dmuon/order.py``'s rule, written here independently).
+
+    ``model_blocks``: the blocks in model order; ``recorded``: blocks in the order their
+    forward first ran (repeats and non-blocks ignored). Model order when the recorded blocks
+    already follow it; else the recorded blocks, then the others in model order, unless some
+    driver (a dotted prefix of a block name, the block included, not the root) would not
+    cover a contiguous run of blocks, in which case model order again.
+    """
+    model = list(model_blocks)
+    ran: list[str] = []
+    for b in recorded:
+        if b in model and b not in ran:
+            ran.append(b)
+    positions = [model.index(b) for b in ran]
+    if positions == sorted(positions):
+        return tuple(model)
+    candidate = ran + [b for b in model if b not in ran]
+    drivers = {".".join(b.split(".")[:k]) for b in model if b for k in range(1, b.count(".") + 2)}
+    for d in drivers:
+        covered = [i for i, b in enumerate(candidate) if b == d or b.startswith(d + ".")]
+        if covered != list(range(covered[0], covered[0] + len(covered))):
+            return tuple(model)
+    return tuple(candidate)
+
+
+def agreed_block_order(recorded_per_rank: Sequence[Sequence[str]],
+                       model_blocks: Sequence[str]) -> tuple[str, ...]:
+    """``RunLayout.dmuon_block_order`` from every rank's recording: rank 0's when every rank
+    derives the same order (:func:`dmuon_block_sequence`), else ``()`` (DMuon's ranks
+    disagree and keep model order)."""
+    derived = {dmuon_block_sequence(model_blocks, r) for r in recorded_per_rank}
+    return tuple(recorded_per_rank[0]) if len(derived) == 1 else ()
+
+
+def dmuon_model_blocks(specs: Sequence[ParamSpec]) -> tuple[str, ...]:
+    """The blocks (:func:`dmuon_block`) of the dedicated params ``specs``, in model order."""
+    return tuple(dict.fromkeys(dmuon_block(s.module) for s in specs))
+
+
 def dmuon_buckets(specs: Sequence[ParamSpec], plan: OwnershipPlan,
-                  cap_bytes: int = 25 * 1024 * 1024) -> list[DMuonBucket]:
+                  cap_bytes: int = 25 * 1024 * 1024,
+                  block_order: Sequence[str] = ()) -> list[DMuonBucket]:
     """DMuon's buckets from the documented rule (SPEC §1, ``dmuon/buckets.py`` docstring).
 
     A bucket is the dedicated params of one block (:func:`dmuon_block`) with the same global
     owner and dtype, in model order, cut into runs of at most ``cap_bytes`` bytes (a param
     larger than the cap alone); one collective per bucket and phase. Written independently
-    of the runtime's own bucketing code, which is what this prediction checks. The order
-    does not matter to the comparison, which is a multiset.
+    of the runtime's own bucketing code, which is what this prediction checks. Returned in
+    DMuon's index order: model order, or, when ``block_order`` (the recorded execution
+    order, ``RunLayout.dmuon_block_order``) yields another block sequence
+    (:func:`dmuon_block_sequence`), block by block in that sequence, model order within a
+    block. The order does not matter to the comparison, which is a multiset.
 
     Raises:
         ValueError: a spec has no owner in ``plan``, or ``cap_bytes`` < 1.
@@ -269,11 +322,16 @@ def dmuon_buckets(specs: Sequence[ParamSpec], plan: OwnershipPlan,
         if runs[-1] and sum(p.numel * DTYPE_BYTES[p.dtype] for p in runs[-1]) + size > cap_bytes:
             runs.append([])
         runs[-1].append(spec)
-    return [
+    buckets = [
         DMuonBucket(block, owner, dtype, tuple(p.name for p in ps), sum(p.numel for p in ps))
         for (block, owner, dtype), runs in members.items()
         for ps in runs
     ]
+    model = dmuon_model_blocks(specs)
+    sequence = dmuon_block_sequence(model, block_order)
+    if sequence != model:
+        buckets.sort(key=lambda b: sequence.index(b.module))
+    return buckets
 
 
 def _dmuon_calls(layout: RunLayout, rank: int) -> list[Expected]:
@@ -286,7 +344,8 @@ def _dmuon_calls(layout: RunLayout, rank: int) -> list[Expected]:
     def add(phase, op, gid, gsize, b, dtype, root, extra=0):
         out.append(Expected(rank, phase, op, gid, gsize, b.numel + extra, dtype, root, b.module, b.numel))
 
-    for b in dmuon_buckets(layout.muon_specs(), layout.plan(), layout.dmuon_bucket_cap_bytes):
+    for b in dmuon_buckets(layout.muon_specs(), layout.plan(), layout.dmuon_bucket_cap_bytes,
+                           layout.dmuon_block_order):
         r_own, s_own = divmod(b.owner, n)
         cast, red = layout.cast_dtype(b.dtype), layout.reduce_dtype(b.dtype)
         add("forward", "broadcast", sid, n, b, cast, s_own)

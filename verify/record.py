@@ -30,6 +30,12 @@ wrapping: ``DistributedDataParallel`` and its bucket cap, or the modules wrapped
 form, and Newton–Schulz calls. Rank 0 writes ``report.json``, ``report.md`` and
 ``traffic.png`` to ``out_dir`` (``verify.report``), the same files as ``make verify-traffic``.
 
+Create the window before the first training step: it records the order in which DMuon's
+blocks first run in the first forward it sees (``verify.block_order``; DMuon numbers its
+buckets by the first step's order, ``dmuon/dedicate.py`` step 7), which the layout reports as
+``dmuon_block_order``. Start it after at least one step: the first step has setup calls (DDP's
+bucket rebuild, DMuon's block-order agreement) that the prediction of a steady step omits.
+
 Requirements: every rank runs the same steps; the forward (with the loss) runs under
 ``dmuon.phase("forward")`` and backward under ``dmuon.phase("backward")`` (DMuon tags its own
 collectives; DDP's and FSDP2's take the phase of the code that triggers them). A collective
@@ -51,6 +57,7 @@ import dmuon
 from dmuon.plan import specs_from_named_parameters
 from tracer.interposer import Interposer
 
+from .block_order import BlockOrderRecorder, bare_model, blocks_of
 from .compare import compare_run
 from .predict import RunLayout
 from .figures import add_figures, interposer_source
@@ -61,9 +68,12 @@ class TrafficMismatch(AssertionError):
     """The measured collectives differ from the prediction (raised on every rank)."""
 
 
-def layout_from_job(model: nn.Module, dedicated: dmuon.DedicatedParams) -> RunLayout:
+def layout_from_job(model: nn.Module, dedicated: dmuon.DedicatedParams,
+                    block_order: tuple[str, ...] = ()) -> RunLayout:
     """The :class:`RunLayout` of a live job (call after the first step: FSDP2 initialises
-    lazily). See the module docstring for what is read.
+    lazily). See the module docstring for what is read; ``block_order`` is the harness's
+    record of the blocks' execution order (``RunLayout.dmuon_block_order``, ``()``: model
+    order).
 
     Raises:
         ValueError: ``dedicated`` is not a ``DedicatedParams``, the wrapping is neither DDP nor
@@ -79,7 +89,8 @@ def layout_from_job(model: nn.Module, dedicated: dmuon.DedicatedParams) -> RunLa
                          "given to dmuon.dedicate_params (Z3: True, Z2: False).")
     common = dict(replicate_size=topo.replicate_size, shard_size=topo.shard_size,
                   muon_names=tuple(dedicated.names),
-                  dmuon_bucket_cap_bytes=int(dedicated.bucket_cap_bytes))
+                  dmuon_bucket_cap_bytes=int(dedicated.bucket_cap_bytes),
+                  dmuon_block_order=tuple(block_order))
     if isinstance(model, DistributedDataParallel):
         if topo.replicate_size != 1:
             raise ValueError("Invalid wrapping: DistributedDataParallel with a 2-D DMuon mesh. "
@@ -147,6 +158,7 @@ class TrafficWindow:
         self._times: list[StepTime] = []
         self._losses: list[float] = []
         self._last = None
+        self._order = BlockOrderRecorder(bare_model(model), blocks_of(dedicated.names))
 
     @property
     def recording(self) -> bool:
@@ -195,7 +207,7 @@ class TrafficWindow:
         bad = {r: p for r, p in enumerate(problems) if p}
         if bad:
             raise ValueError(f"Invalid TrafficWindow recording on ranks {sorted(bad)}: {next(iter(bad.values()))}")
-        layout = layout_from_job(self.model, self.dedicated)
+        layout = layout_from_job(self.model, self.dedicated, self._order.agreed())
         mine = {"events": ip.events, "times": self._times, "losses": self._losses,
                 "ns_calls": self.optimizer.ns_calls - self._ns_before}
         rank = dist.get_rank()

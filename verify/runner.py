@@ -12,6 +12,7 @@ sources. The global batch is ``batch_per_rank`` times W unless ``global_batch`` 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 from dataclasses import asdict, dataclass
@@ -35,6 +36,7 @@ from tracer.nvml import NvlinkSampler
 from tracer.profiler import profiler_source_events, read_profiler_trace
 from tracer.timeline import write_chrome_trace
 
+from .block_order import BlockOrderRecorder, bare_model, blocks_of
 from .compare import compare_run
 from .compute_spans import BlockCompute
 from .data import ByteCorpus, global_batch_size
@@ -223,6 +225,11 @@ def _train_mode(mode: str, config: RunConfig, corpus: ByteCorpus, progress,
     out = Path(config.out_dir) / mode
     losses, step_bounds, step_times = [], [], []
     window = _MeasuredWindow(mode, out, config.device, model, config.profiler)
+    # DMuon numbers its buckets by the first forward's block order: the harness records it
+    # with its own hooks (verify.block_order), agreed after the loop (outside the window)
+    recorder = None
+    if built.dedicated is not None:
+        recorder = BlockOrderRecorder(bare_model(model), blocks_of(built.dedicated.names))
     ns_before = 0
     for step in range(config.steps_warmup + config.steps_measured):
         if step == config.steps_warmup:
@@ -236,12 +243,14 @@ def _train_mode(mode: str, config: RunConfig, corpus: ByteCorpus, progress,
             step_bounds.append((before.wall_ns, after.wall_ns))  # the interposer's clock
         progress(1)
     recorded = window.close()
+    layout = built.layout
     if built.dedicated is not None:
         built.dedicated.wait_pending()
+        layout = dataclasses.replace(layout, dmuon_block_order=recorder.agreed())
     events = window.interposer.events
     write_parquet(events, out / f"events_rank{rank}.parquet")
     if rank == 0:
-        (out / "layout.json").write_text(json.dumps(built.layout.to_dict(), indent=1))
+        (out / "layout.json").write_text(json.dumps(layout.to_dict(), indent=1))
     return {
         "events": events,
         "spans": window.interposer.spans + window.compute.spans,
@@ -250,7 +259,7 @@ def _train_mode(mode: str, config: RunConfig, corpus: ByteCorpus, progress,
         "step_times": step_times,
         **recorded,
         "ns_calls": opt.ns_calls - ns_before,
-        "layout": built.layout,
+        "layout": layout,
         "plan_digest": built.dedicated.plan.digest() if built.dedicated else None,
     }
 

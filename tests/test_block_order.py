@@ -1,0 +1,68 @@
+"""The block-order rule (buckets in execution order, ``dmuon/dedicate.py`` step 7) as a pure
+function: the predictor's implementation (``verify/predict.py``) on hand-written cases, the
+runtime's (``dmuon/order.py``) agreeing with it, and the predicted bucket list and layout
+following it."""
+
+from collections import Counter
+
+import pytest
+
+from dmuon.order import execution_block_order, order_digest
+from tests.test_predict import _layout
+from verify.predict import RunLayout, dmuon_block_sequence, dmuon_buckets, predict_step
+
+BLOCKS = ("blocks.0", "blocks.1", "blocks.2", "blocks.3")
+ENC_DEC = ("decoder.layers.0", "decoder.layers.1", "encoder.layers.0", "encoder.layers.1")
+MOE = ("layers.0", "layers.0.experts.0", "layers.0.experts.1", "layers.1", "head")
+
+CASES = [
+    # (model order, recorded, expected)
+    (BLOCKS, BLOCKS, BLOCKS),  # runs as registered
+    (BLOCKS, ("blocks.2", "blocks.0", "blocks.3", "blocks.1"),
+     ("blocks.2", "blocks.0", "blocks.3", "blocks.1")),
+    (BLOCKS, ("blocks.2", "blocks.2", "x", "blocks.0", "blocks.1"),  # repeats, non-blocks
+     ("blocks.2", "blocks.0", "blocks.1", "blocks.3")),  # blocks that never ran: appended
+    (BLOCKS, ("blocks.0", "blocks.3"), BLOCKS),  # a subsequence of model order: model order
+    (BLOCKS, (), BLOCKS),
+    (ENC_DEC, ("encoder.layers.0", "encoder.layers.1", "decoder.layers.0", "decoder.layers.1"),
+     ("encoder.layers.0", "encoder.layers.1", "decoder.layers.0", "decoder.layers.1")),
+    # encoder and decoder interleaved: neither driver would be contiguous -> model order
+    (ENC_DEC, ("encoder.layers.0", "decoder.layers.0", "encoder.layers.1", "decoder.layers.1"), ENC_DEC),
+    # MoE: experts without tokens on this rank, the rest in model order
+    (MOE, ("layers.0", "layers.0.experts.1", "layers.1", "head"), MOE),
+    (MOE, ("layers.1", "layers.0", "layers.0.experts.1", "layers.0.experts.0", "head"),
+     ("layers.1", "layers.0", "layers.0.experts.1", "layers.0.experts.0", "head")),
+    # an expert run outside its layer's turn would split the driver layers.0 -> model order
+    (MOE, ("layers.0", "layers.1", "layers.0.experts.0"), MOE),
+    (("", "blocks.0", "blocks.1"), ("", "blocks.1", "blocks.0"), ("", "blocks.1", "blocks.0")),
+]
+
+
+@pytest.mark.parametrize("model,recorded,expected", CASES)
+def test_predictor_rule(model, recorded, expected):
+    assert dmuon_block_sequence(model, recorded) == expected
+    assert execution_block_order(model, recorded) == expected  # the runtime's own code agrees
+
+
+def test_digest_names_the_order():
+    assert order_digest(BLOCKS) == order_digest(list(BLOCKS))
+    assert order_digest(BLOCKS) != order_digest(BLOCKS[::-1]) and len(order_digest(())) == 64
+
+
+def test_predicted_buckets_follow_the_order_and_the_calls_do_not_change():
+    layout = _layout("dmuon-hsdp-z3", 4)
+    order = ("blocks.1", "blocks.0")
+    reordered = RunLayout.from_dict(
+        {**layout.to_dict(), "dmuon_block_order": list(order)})
+    assert reordered.dmuon_block_order == order
+    specs, plan = layout.muon_specs(), layout.plan()
+    model = dmuon_buckets(specs, plan, 20_000)
+    got = dmuon_buckets(specs, plan, 20_000, order)
+    blocks = [b.module for b in got]
+    assert list(dict.fromkeys(blocks)) == list(order) + [m for m in dict.fromkeys(
+        b.module for b in model) if m not in order]
+    for block in set(blocks):  # model order within a block, each block contiguous
+        assert [b for b in got if b.module == block] == [b for b in model if b.module == block]
+        idx = [i for i, m in enumerate(blocks) if m == block]
+        assert idx == list(range(idx[0], idx[-1] + 1))
+    assert Counter(predict_step(reordered)) == Counter(predict_step(layout))
