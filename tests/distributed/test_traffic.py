@@ -44,7 +44,9 @@ def _assert_profiler_matches(results):
     assert all(e.dtype is not None for e in prof if e.op != "barrier")
 
 
-@pytest.mark.parametrize("mode", MODES)
+# naive-fsdp2-z2 in the slow set: naive-fsdp2-z3 runs the same FSDP2 path plus the reshard
+@pytest.mark.parametrize("mode", [pytest.param(m, marks=pytest.mark.slow) if m == "naive-fsdp2-z2" else m
+                                  for m in MODES])
 def test_w4_exact_collectives_and_closed_form(pool4, mode):
     run, results = _compare(pool4, mode)
     assert run["missing"] == [] and run["unexpected"] == [], (run["missing"][:5], run["unexpected"][:5])
@@ -52,18 +54,15 @@ def test_w4_exact_collectives_and_closed_form(pool4, mode):
     assert run["ns_calls_per_step"] == run["ns_calls_expected"]
     assert run["closed_form_matches"] and run["pass"]
     _assert_profiler_matches(results)
+    if mode == "dmuon-hsdp-z2":  # the HSDP replicate term follows the W-average, not the seed
+        rep, p_m = run["phases"]["replicate"], run["p_m"]
+        # (R-1)/(N·R)·P_M with N = R = 2: P_M/4, not the seed's (R-1)/R·P_M = P_M/2.
+        assert rep["measured_avg_elems"] == pytest.approx(p_m / 4)
+        assert rep["seed_avg_elems"] == pytest.approx(p_m / 2)
 
 
-def test_hsdp_replicate_terms_follow_the_w_average_not_the_seed(pool4):
-    run, _ = _compare(pool4, "dmuon-hsdp-z2")
-    rep = run["phases"]["replicate"]
-    p_m = run["p_m"]
-    # (R-1)/(N·R)·P_M with N = R = 2: P_M/4, not the seed's (R-1)/R·P_M = P_M/2.
-    assert rep["measured_avg_elems"] == pytest.approx(p_m / 4)
-    assert rep["seed_avg_elems"] == pytest.approx(p_m / 2)
-
-
-@pytest.mark.parametrize("mode", ["dmuon-z3", "naive-fsdp2-z3", "dmuon-hsdp-z3"])
+@pytest.mark.parametrize("mode", ["dmuon-z3", pytest.param("naive-fsdp2-z3", marks=pytest.mark.slow),
+                                  "dmuon-hsdp-z3"])
 def test_uneven_shapes_padding_predicted_exactly(pool4, mode):
     # d_model=30: qkv (90, 30) and fc2 (30, 120) have dim 0 not divisible by 4 (or 2).
     run, _ = _compare(pool4, mode, d_model=30, n_heads=3, n_layers=1)
