@@ -4,7 +4,7 @@ why DMuon's step time follows its number of calls on a CPU machine).
 Each kind DMuon or a baseline issues per step is timed back to back, ``--iters`` calls per
 round, in ``--rounds`` interleaved rounds (odd rounds reversed), within one invocation:
 ``broadcast`` and ``reduce`` of ``--numel`` fp32 elements (DMuon's per-bucket calls),
-``all_gather_into_tensor`` of ``--numel`` per rank and ``reduce_scatter_tensor`` of W x
+``all_gather_single`` of ``--numel`` per rank and ``reduce_scatter_single`` of W x
 ``--numel`` (zero1-muon's and FSDP2's calls), and an ``all_reduce`` of 12 int32 (the size of
 the usage all_reduce DMuon used to issue). Every call is ``async_op=True`` then waited, as
 DMuon issues them. Printed per kind (medians over rounds): wall ms per call on rank 0, and
@@ -39,10 +39,10 @@ def _call(kind: str, numel: int, world: int, group):
         return lambda t=torch.ones(numel): dist.reduce(t, group_dst=1, group=group, async_op=True)
     if kind == "all_gather":
         out, inp = torch.empty(world * numel), torch.ones(numel)
-        return lambda: dist.all_gather_into_tensor(out, inp, group=group, async_op=True)
+        return lambda: dist.all_gather_single(out, inp, group=group, async_op=True)
     if kind == "reduce_scatter":
         out, inp = torch.empty(numel), torch.ones(world * numel)
-        return lambda: dist.reduce_scatter_tensor(out, inp, group=group, async_op=True)
+        return lambda: dist.reduce_scatter_single(out, inp, group=group, async_op=True)
     t = torch.ones(12, dtype=torch.int32)
     return lambda: dist.all_reduce(t, group=group, async_op=True)
 
