@@ -83,7 +83,9 @@ Per step (SPEC §1):
 5. **after the reduces** (local): the owner divides the reduced grads by W and sets
    ``.grad``, or ``None`` for a param whose reduced usage is 0 (unused on every rank: no
    update, as ``torch.optim.Muon``; any positive sum of 0/1 values stays positive in every
-   reduce dtype, so this holds in bf16 too). Non-owners' grads are ``None``. Z3 non-holders
+   reduce dtype, so this holds in bf16 too). An owner that kept a grad tensor from
+   ``zero_grad(set_to_none=False)`` gets the reduced zeros instead, and steps on its
+   momentum as torch would. Non-owners' grads are ``None``. Z3 non-holders
    free every bucket (all invalid). (The usage elements replaced a separate all_reduce over
    the world, a latency-bound call and a world-wide sync point every step.)
 6. **step** (``optimizer.step()``): only owners update; every bucket becomes invalid; then
