@@ -122,7 +122,8 @@ replicate wait); non-holders keep only the ``pd`` copy (master freed, until sync
 Outside the step:
 
 - ``no_sync()``: backward passes inside skip steps 4-5 (grads accumulate locally); Z3 still
-  re-broadcasts and frees.
+  re-broadcasts and frees. A ``step()`` with such grads never reduced (no backward outside
+  ``no_sync`` since) raises instead of stepping owners on their local micro-batches.
 - ``sync_params()`` (phase ``checkpoint``, channel ``broadcast``): every invalid bucket is
   broadcast from its holder in index order (after its pending replicate broadcast) and
   becomes valid; no call when all are valid. ``params_loaded()``: local, marks all valid.
@@ -441,7 +442,9 @@ class DedicatedParams(Schedule):
 
         Raises:
             RuntimeError: a backward pass has not finished (it raised, or step() was called
-                from inside it).
+                from inside it), or grads accumulated under ``no_sync()`` were never reduced
+                (owners would step on their own micro-batches only). Checked on each rank
+                from its own grads, before any collective.
         """
         if self.state == S.BACKWARD:
             if _in_backward():
@@ -450,6 +453,15 @@ class DedicatedParams(Schedule):
                     "after loss.backward() returns."
                 )
             self._recover()
+        local = next((b for b in self.buckets if any(b.used)), None)
+        if local is not None:
+            raise RuntimeError(
+                f"DMuon: optimizer.step() after backward passes inside dm.no_sync() only: the "
+                f"grads of {local.names[0]} (and others) were accumulated locally on rank "
+                f"{dist.get_rank()} and never reduced to their owners. Run the last "
+                "micro-batch's backward outside `with dm.no_sync():`, or call "
+                "optimizer.zero_grad() to drop them."
+            )
         self.wait_pending()
         self._rebind_if_moved()
 

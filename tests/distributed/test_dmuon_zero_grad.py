@@ -39,3 +39,13 @@ def test_idle_param_under_mixed_precision(pool2, set_to_none):
         assert owner["idle_grad"] is None and not moved
     else:
         assert owner["idle_grad"] == 0.0 and moved  # the fp32 master grad: reduced zeros
+
+
+@pytest.mark.parametrize("z3", [False, True])
+def test_step_after_no_sync_only_raises_then_recovers(pool2, z3):
+    results = pool2.run_with_timeout(TIMEOUT_S, T.step_after_no_sync_only, z3)
+    ref = T.oracle(2, True, steps=1)
+    for r in results:
+        assert r["error"] is not None and "no_sync" in r["error"] and "never reduced" in r["error"]
+        for n, want in ref.items():
+            assert (r["params"][n] - want).abs().max().item() < 1e-6, n

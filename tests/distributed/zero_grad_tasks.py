@@ -41,13 +41,13 @@ def _data(step: int, world: int):
     return torch.randn(world * BATCH, D, generator=g), torch.randint(0, 3, (world * BATCH,), generator=g)
 
 
-def oracle(world: int, set_to_none: bool) -> dict[str, torch.Tensor]:
+def oracle(world: int, set_to_none: bool, steps: int = STEPS) -> dict[str, torch.Tensor]:
     """One process: torch.optim.Muon + AdamW on the global batch."""
     model = Net()
     named = dict(model.named_parameters())
     muon = torch.optim.Muon([named[n] for n in DEDICATED], lr=LR)
     adamw = torch.optim.AdamW([p for n, p in named.items() if n not in DEDICATED], lr=ADAMW_LR)
-    for step in range(STEPS):
+    for step in range(steps):
         model.step = step
         x, y = _data(step, world)
         F.cross_entropy(model(x), y).backward()
@@ -91,3 +91,29 @@ def train(set_to_none: bool, z3: bool, bf16: bool) -> dict:
         "idle_grad": idle_grad,
         "idle_after_step0": after_step0,
     }
+
+
+def step_after_no_sync_only(z3: bool) -> dict:
+    """A step whose only backward ran inside ``dm.no_sync()`` must raise on every rank (the
+    owners would step on their own micro-batch); ``zero_grad()`` drops those grads, and a
+    normal step afterwards matches the oracle's first step."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world,))
+    model = Net()
+    dm = dmuon.dedicate_params(model, mesh, params=DEDICATED, reshard_after_forward=z3)
+    ddp = DistributedDataParallel(model)
+    opt = dmuon.DMuon(ddp.parameters(), dedicated=dm, lr=LR, adamw_lr=ADAMW_LR)
+    x, y = _data(0, world)
+    sl = slice(rank * BATCH, (rank + 1) * BATCH)
+    with dm.no_sync(), ddp.no_sync():
+        F.cross_entropy(ddp(x[sl]), y[sl]).backward()
+    try:
+        opt.step()
+        error = None
+    except RuntimeError as e:
+        error = str(e)
+    opt.zero_grad()
+    F.cross_entropy(ddp(x[sl]), y[sl]).backward()
+    opt.step()
+    dm.sync_params()
+    return {"error": error, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
