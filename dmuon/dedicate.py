@@ -735,6 +735,8 @@ class DedicatedParams(Schedule):
                 self._name_by_id = {id(p): n for c in self.buckets for n, p in zip(c.names, c.params)}
             if not replaced and residency.is_bound(b.params, b.flat):
                 continue
+            if b.replicate_work is not None:  # HSDP: moved while the step's values were in flight
+                self._refill_moved(b, replaced)
             b.flat = residency.flatten_into_views(b.params)
             collectives.check_param_device(b.flat.device, self.groups.broadcast, b.names[0])
             self._make_compute(b)
@@ -744,6 +746,22 @@ class DedicatedParams(Schedule):
             elif residency.is_allocated(b.flat):
                 for p in b.params:
                     residency.mark_resident(p)
+
+
+    def _refill_moved(self, b: Bucket, replaced: list[int]) -> None:
+        """Wait for ``b``'s replicate broadcast, which writes the owner's new values into the
+        old flat buffer, and copy them into the moved params (``.to()`` copied the old buffer
+        before they arrived: the replicate peers would keep the previous step's values).
+        Params replaced by new objects (``to_empty``) are left to their new initialisation."""
+        old = b.flat
+        self._wait_replicate(b)
+        offset = 0
+        with torch.no_grad():
+            for i, p in enumerate(b.params):
+                n = p.numel()
+                if i not in replaced:
+                    p.copy_(old[offset : offset + n].view(p.shape))
+                offset += n
 
 
 def _mesh_rows(mesh, topology: Topology) -> list[list[int]]:
