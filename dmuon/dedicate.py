@@ -223,6 +223,7 @@ class DedicatedParams(Schedule):
         self._rb_issued = -1  # next bucket index the re-broadcast cursor issues (downwards)
         self._reduce_cursor = 0  # position in reverse index order
         self._no_sync = False
+        self._stepped = False  # a step() consumed the reduced grads; no zero_grad() since
         self._launchers: dict[torch.device, collectives.Launcher] = {}
         self._handles: list = []
         self._install_hooks(model)
@@ -470,6 +471,7 @@ class DedicatedParams(Schedule):
         if self.state == S.FORWARD:
             self._recover()
         self._end_iteration()
+        self._stepped = any(b.reduced for b in self.buckets)
         if not self._order_agreed:
             self._agree_order()
         for b in self.buckets:
@@ -490,6 +492,7 @@ class DedicatedParams(Schedule):
         """Grads were cleared: a new accumulation may start (recovers an aborted step)."""
         if self.state in (S.FORWARD, S.BACKWARD):
             self._recover()
+        self._stepped = False
         for b in self.buckets:
             b.reduced = False
             b.used = [False] * len(b.params)
@@ -594,6 +597,14 @@ class DedicatedParams(Schedule):
             )
         if not self._no_sync and any(b.reduced for b in self.buckets):
             done = next(b for b in self.buckets if b.reduced)
+            if self._stepped:
+                raise RuntimeError(
+                    f"DMuon: a backward started after optimizer.step() without "
+                    f"optimizer.zero_grad(); grads (e.g. of {done.names[0]}) are still those "
+                    "of the last step. Call optimizer.zero_grad() (the DMuon optimizer's: "
+                    "model.zero_grad(), ddp.zero_grad() or setting p.grad = None do not tell "
+                    "DMuon that the grads were cleared)."
+                )
             raise RuntimeError(
                 f"DMuon: a second backward started before optimizer.step() or zero_grad(); "
                 f"grads (e.g. of {done.names[0]}) were already reduced to their owners. For "

@@ -49,3 +49,14 @@ def test_step_after_no_sync_only_raises_then_recovers(pool2, z3):
         assert r["error"] is not None and "no_sync" in r["error"] and "never reduced" in r["error"]
         for n, want in ref.items():
             assert (r["params"][n] - want).abs().max().item() < 1e-6, n
+
+
+@pytest.mark.parametrize("after_step", [True, False])
+def test_backward_over_unreduced_grads_names_the_cause(pool2, after_step):
+    errors = pool2.run_with_timeout(TIMEOUT_S, T.second_backward_error, after_step)
+    assert errors[0] is not None and errors[0] == errors[1]  # the same error on every rank
+    if after_step:  # model.zero_grad() does not reach DMuon: the message says so
+        assert "after optimizer.step() without optimizer.zero_grad()" in errors[0]
+        assert "model.zero_grad()" in errors[0]
+    else:
+        assert "second backward started before optimizer.step()" in errors[0]

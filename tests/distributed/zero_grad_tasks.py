@@ -117,3 +117,25 @@ def step_after_no_sync_only(z3: bool) -> dict:
     opt.step()
     dm.sync_params()
     return {"error": error, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+
+
+def second_backward_error(after_step: bool) -> str | None:
+    """Two iterations that clear grads with ``model.zero_grad()`` (``after_step``) or a
+    second backward with no step between; returns the error text (None if none)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world,))
+    model = Net()
+    dm = dmuon.dedicate_params(model, mesh, params=DEDICATED, reshard_after_forward=True)
+    ddp = DistributedDataParallel(model)
+    opt = dmuon.DMuon(ddp.parameters(), dedicated=dm, lr=LR, adamw_lr=ADAMW_LR)
+    sl = slice(rank * BATCH, (rank + 1) * BATCH)
+    try:
+        for step in range(2):
+            x, y = _data(step, world)
+            F.cross_entropy(ddp(x[sl]), y[sl]).backward()
+            if after_step:
+                opt.step()
+                model.zero_grad()
+    except RuntimeError as e:
+        return str(e)
+    return None
