@@ -83,7 +83,9 @@ Per step (SPEC §1):
 5. **after the reduces** (local): the owner divides the reduced grads by W and sets
    ``.grad``, or ``None`` for a param whose reduced usage is 0 (unused on every rank: no
    update, as ``torch.optim.Muon``; any positive sum of 0/1 values stays positive in every
-   reduce dtype, so this holds in bf16 too). Non-owners' grads are ``None``. Z3 non-holders
+   reduce dtype, so this holds in bf16 too). An owner that kept a grad tensor from
+   ``zero_grad(set_to_none=False)`` gets the reduced zeros instead, and steps on its
+   momentum as torch would. Non-owners' grads are ``None``. Z3 non-holders
    free every bucket (all invalid). (The usage elements replaced a separate all_reduce over
    the world, a latency-bound call and a world-wide sync point every step.)
 6. **step** (``optimizer.step()``): only owners update; every bucket becomes invalid; then
@@ -120,7 +122,8 @@ replicate wait); non-holders keep only the ``pd`` copy (master freed, until sync
 Outside the step:
 
 - ``no_sync()``: backward passes inside skip steps 4-5 (grads accumulate locally); Z3 still
-  re-broadcasts and frees.
+  re-broadcasts and frees. A ``step()`` with such grads never reduced (no backward outside
+  ``no_sync`` since) raises instead of stepping owners on their local micro-batches.
 - ``sync_params()`` (phase ``checkpoint``, channel ``broadcast``): every invalid bucket is
   broadcast from its holder in index order (after its pending replicate broadcast) and
   becomes valid; no call when all are valid. ``params_loaded()``: local, marks all valid.
@@ -220,6 +223,7 @@ class DedicatedParams(Schedule):
         self._rb_issued = -1  # next bucket index the re-broadcast cursor issues (downwards)
         self._reduce_cursor = 0  # position in reverse index order
         self._no_sync = False
+        self._stepped = False  # a step() consumed the reduced grads; no zero_grad() since
         self._launchers: dict[torch.device, collectives.Launcher] = {}
         self._handles: list = []
         self._install_hooks(model)
@@ -439,7 +443,9 @@ class DedicatedParams(Schedule):
 
         Raises:
             RuntimeError: a backward pass has not finished (it raised, or step() was called
-                from inside it).
+                from inside it), or grads accumulated under ``no_sync()`` were never reduced
+                (owners would step on their own micro-batches only). Checked on each rank
+                from its own grads, before any collective.
         """
         if self.state == S.BACKWARD:
             if _in_backward():
@@ -448,6 +454,15 @@ class DedicatedParams(Schedule):
                     "after loss.backward() returns."
                 )
             self._recover()
+        local = next((b for b in self.buckets if any(b.used)), None)
+        if local is not None:
+            raise RuntimeError(
+                f"DMuon: optimizer.step() after backward passes inside dm.no_sync() only: the "
+                f"grads of {local.names[0]} (and others) were accumulated locally on rank "
+                f"{dist.get_rank()} and never reduced to their owners. Run the last "
+                "micro-batch's backward outside `with dm.no_sync():`, or call "
+                "optimizer.zero_grad() to drop them."
+            )
         self.wait_pending()
         self._rebind_if_moved()
 
@@ -456,6 +471,7 @@ class DedicatedParams(Schedule):
         if self.state == S.FORWARD:
             self._recover()
         self._end_iteration()
+        self._stepped = any(b.reduced for b in self.buckets)
         if not self._order_agreed:
             self._agree_order()
         for b in self.buckets:
@@ -476,6 +492,7 @@ class DedicatedParams(Schedule):
         """Grads were cleared: a new accumulation may start (recovers an aborted step)."""
         if self.state in (S.FORWARD, S.BACKWARD):
             self._recover()
+        self._stepped = False
         for b in self.buckets:
             b.reduced = False
             b.used = [False] * len(b.params)
@@ -580,6 +597,14 @@ class DedicatedParams(Schedule):
             )
         if not self._no_sync and any(b.reduced for b in self.buckets):
             done = next(b for b in self.buckets if b.reduced)
+            if self._stepped:
+                raise RuntimeError(
+                    f"DMuon: a backward started after optimizer.step() without "
+                    f"optimizer.zero_grad(); grads (e.g. of {done.names[0]}) are still those "
+                    "of the last step. Call optimizer.zero_grad() (the DMuon optimizer's: "
+                    "model.zero_grad(), ddp.zero_grad() or setting p.grad = None do not tell "
+                    "DMuon that the grads were cleared)."
+                )
             raise RuntimeError(
                 f"DMuon: a second backward started before optimizer.step() or zero_grad(); "
                 f"grads (e.g. of {done.names[0]}) were already reduced to their owners. For "
@@ -721,6 +746,8 @@ class DedicatedParams(Schedule):
                 self._name_by_id = {id(p): n for c in self.buckets for n, p in zip(c.names, c.params)}
             if not replaced and residency.is_bound(b.params, b.flat):
                 continue
+            if b.replicate_work is not None:  # HSDP: moved while the step's values were in flight
+                self._refill_moved(b, replaced)
             b.flat = residency.flatten_into_views(b.params)
             collectives.check_param_device(b.flat.device, self.groups.broadcast, b.names[0])
             self._make_compute(b)
@@ -730,6 +757,22 @@ class DedicatedParams(Schedule):
             elif residency.is_allocated(b.flat):
                 for p in b.params:
                     residency.mark_resident(p)
+
+
+    def _refill_moved(self, b: Bucket, replaced: list[int]) -> None:
+        """Wait for ``b``'s replicate broadcast, which writes the owner's new values into the
+        old flat buffer, and copy them into the moved params (``.to()`` copied the old buffer
+        before they arrived: the replicate peers would keep the previous step's values).
+        Params replaced by new objects (``to_empty``) are left to their new initialisation."""
+        old = b.flat
+        self._wait_replicate(b)
+        offset = 0
+        with torch.no_grad():
+            for i, p in enumerate(b.params):
+                n = p.numel()
+                if i not in replaced:
+                    p.copy_(old[offset : offset + n].view(p.shape))
+                offset += n
 
 
 def _mesh_rows(mesh, topology: Topology) -> list[list[int]]:

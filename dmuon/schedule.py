@@ -149,7 +149,9 @@ class Schedule:
                     g = buf[offset : offset + n].view_as(p)
                     if not same:  # mixed precision: the master grad, averaged in its dtype
                         g = g.to(p.dtype).div_(self.topology.world_size)
-                    p.grad = g if counts[k] > 0 else None
+                    # unused on every rank: None, unless the owner kept a grad tensor
+                    # (zero_grad(set_to_none=False)), which torch would step on (zeros)
+                    p.grad = g if counts[k] > 0 or p.grad is not None else None
                     offset += n
                     k += 1
 

@@ -365,3 +365,23 @@ def z3_module_reuse() -> str:
     except RuntimeError as exc:
         return str(exc)
     return "no error"
+
+
+def to_while_replicating(mode: str, move: bool, d: int = 512) -> dict:
+    """HSDP: ``.double()`` right after ``step()``, while the owners' replicate broadcasts of
+    two d x d matrices (1 MiB each at 512) are still in flight; then ``sync_params``. Returns
+    every rank's dedicated values (float64) and how many broadcasts were pending."""
+    world = dist.get_world_size()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(d, d, bias=False), nn.Tanh(), nn.Linear(d, d, bias=False))
+    dm = dmuon.dedicate_params(model, _mesh("hsdp"), params=["0.weight", "2.weight"],
+                               reshard_after_forward=mode.endswith("z3"))
+    opt = dmuon.DMuon(model.parameters(), dedicated=dm, lr=MUON_LR, adamw_lr=ADAMW_LR)
+    g = torch.Generator().manual_seed(dist.get_rank())
+    model(torch.randn(8 // world, d, generator=g)).square().mean().backward()
+    opt.step()
+    pending = sum(b.replicate_work is not None for b in dm.buckets)
+    if move:
+        model.double()
+    dm.sync_params()
+    return {"pending": pending, "values": {n: p.detach().double().clone() for n, p in model.named_parameters()}}

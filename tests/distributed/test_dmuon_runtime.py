@@ -67,6 +67,18 @@ def test_to_after_dedicate_rebinds_or_names_the_fix(pool2, mode):
         assert r["error"] is None  # Z3's freed copies convert to freed copies of the new dtype
 
 
+@pytest.mark.parametrize("mode", ["hsdp-z2", "hsdp-z3"])
+def test_to_while_replicate_broadcast_in_flight_keeps_the_owners_values(pool4, mode):
+    # .to() copied the old flat buffer before the owner's replicate broadcast reached it: the
+    # other replica kept the previous step's values (1.5e-3 off) and re-sent them as current
+    ref = pool4.run_with_timeout(TIMEOUT_S, T.to_while_replicating, mode, False)
+    got = pool4.run_with_timeout(TIMEOUT_S, T.to_while_replicating, mode, True)
+    assert all(r["pending"] > 0 for r in got)  # holders start the replicate broadcasts in step()
+    for rank, r in enumerate(got):
+        for n, want in ref[0]["values"].items():
+            assert torch.equal(r["values"][n], want), (rank, n)
+
+
 @pytest.mark.parametrize("name", ["mixed-precision", "activation-checkpointing", "meta-device-init"])
 def test_readme_snippet_runs(pool2, name):
     for r in pool2.run_with_timeout(TIMEOUT_S, T.readme_snippet, name):
