@@ -18,7 +18,8 @@ every rank, independent of the other channels:
 - ``replicate``: this rank's replicate axis (R ranks, HSDP only): replicate reduces and the
   owner's replicate broadcasts;
 - ``world``: all W ranks (HSDP only; on a 1-D mesh ``reduce`` spans the world): once, at
-  the end of the first step, the block-order agreement (:func:`all_gather_order_digests`).
+  the end of the first step, the block-order agreement (:func:`all_gather_order_digests`);
+  and, when the user clips, ``DMuon.clip_grad_norm_``'s one-element all_reduce (``clip.py``).
 
 Over the same ranks as the mesh's groups, so a trace names them the same way (sorted ranks).
 
@@ -193,6 +194,11 @@ def reduce_sum_(buf: torch.Tensor, dst: int, group: dist.ProcessGroup, *, async_
     Returns the ``Work`` handle when ``async_op``, else ``None``.
     """
     return dist.reduce(buf, group_dst=dst, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+
+
+def all_reduce_max_(buf: torch.Tensor, group: dist.ProcessGroup) -> None:
+    """Elementwise maximum of ``buf`` over ``group``, in place on every member (synchronous)."""
+    dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=group)
 
 
 def all_reduce_sum_(buf: torch.Tensor, group: dist.ProcessGroup, *, async_op: bool = False):

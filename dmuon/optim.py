@@ -165,6 +165,17 @@ class DMuon(Optimizer):
         super().load_state_dict(checkpoint.filter_loaded_state(self, state_dict))
         checkpoint.complete_state(self)
 
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
+                        error_if_nonfinite: bool = False) -> torch.Tensor:
+        """Clip every param's grad by the global norm over all ranks (a collective: call it
+        on every rank between ``backward()`` and ``step()``). Use it instead of
+        ``torch.nn.utils.clip_grad_norm_``, which would see each dedicated grad on its owner
+        only. Arguments, return value and errors: :func:`dmuon.clip.clip_grad_norm_`."""
+        from .clip import clip_grad_norm_
+
+        muon, adamw = self.param_groups[0]["params"], self.param_groups[1]["params"]
+        return clip_grad_norm_(self.dedicated, muon, adamw, max_norm, norm_type, error_if_nonfinite)
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none)
         self.dedicated.after_zero_grad()

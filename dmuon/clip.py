@@ -1,0 +1,104 @@
+"""Gradient clipping by the global norm across DMuon's owners (``DMuon.clip_grad_norm_``).
+
+After backward a dedicated matrix's averaged grad lives on its owner only (the other ranks
+have ``None``), so ``torch.nn.utils.clip_grad_norm_(model.parameters())`` would compute a
+different norm on every rank. Here the total p-norm of all grads is
+
+    ||g||_p^p = sum over ranks of (this rank's owned dedicated grads)^p   (one all_reduce)
+              + (the other params' grads)^p
+
+where the other params' part is what ``torch.nn.utils.get_total_norm`` gives: for FSDP2
+DTensor grads the norm over the whole (sharded) tensor, for DDP's replicated plain grads the
+local norm, the same on every rank. ``p = inf`` takes maxima instead of sums. Every grad,
+dedicated (owners) and other, is then scaled by ``min(1, max_norm / (total + 1e-6))``, as
+``torch.nn.utils.clip_grad_norm_`` does (torch 2.13, ``torch/nn/utils/clip_grad.py``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from . import annotate, collectives
+from .dedicate import DedicatedParams
+from .state import TrainingState
+
+
+def clip_grad_norm_(
+    dm: DedicatedParams,
+    dedicated: Sequence[torch.Tensor],
+    others: Sequence[torch.Tensor],
+    max_norm: float,
+    norm_type: float = 2.0,
+    error_if_nonfinite: bool = False,
+) -> torch.Tensor:
+    """Scale every grad so that the global ``norm_type``-norm is at most ``max_norm``.
+
+    A collective over all W ranks (one ``all_reduce`` of one fp32 element on DMuon's world
+    group, phase ``optimizer``; plus ``DTensor`` norm reductions on FSDP2's mesh for
+    ``others``): call it on every rank, after ``backward()`` and before ``step()``.
+
+    Args:
+        dm: the model's DedicatedParams.
+        dedicated: the dedicated params (grads on owners after backward).
+        others: every other param (plain or FSDP2 ``DTensor``; ``None`` grads skipped).
+        max_norm: the largest allowed total norm (> 0).
+        norm_type: p of the p-norm (> 0, or ``math.inf``).
+        error_if_nonfinite: raise if the total norm is nan or inf (after the collective, so
+            every rank raises).
+
+    Returns:
+        The total norm before clipping, a 0-dim fp32 CPU tensor, equal on every rank.
+
+    Raises:
+        ValueError: ``max_norm`` or ``norm_type`` invalid (before any collective).
+        RuntimeError: called when the last backward's grads were not reduced to their owners
+            (before any collective; same state on every rank), or a nonfinite norm with
+            ``error_if_nonfinite``.
+    """
+    if not isinstance(max_norm, int | float) or not max_norm > 0 or not math.isfinite(max_norm):
+        raise ValueError(f"Invalid max_norm={max_norm!r}. Must be a finite number > 0.")
+    p = float(norm_type)
+    if not (p > 0):
+        raise ValueError(f"Invalid norm_type={norm_type!r}. Must be > 0 or math.inf.")
+    if dm.state != TrainingState.BACKWARD_DONE or any(any(b.used) for b in dm.buckets):
+        raise RuntimeError(
+            f"DMuon: clip_grad_norm_ called in state {dm.state.name} with dedicated grads not "
+            "reduced to their owners. Call it after loss.backward() (outside dm.no_sync()) "
+            "and before optimizer.step(), on every rank."
+        )
+    mine = [g for g in (q.grad for q in dedicated) if g is not None]
+    inf = math.isinf(p)
+    world = dm.groups.world
+    device = collectives.collective_device(world)
+    if mine:
+        part = torch.nn.utils.get_total_norm(mine, p).to(device=device, dtype=torch.float32)
+        local = part if inf else part.pow(p)
+    else:
+        local = torch.zeros((), dtype=torch.float32, device=device)
+    with annotate.phase("optimizer"), annotate.span("dmuon.clip_grad_norm"):
+        collectives.all_reduce_max_(local, world) if inf else collectives.all_reduce_sum_(local, world)
+    ded = local.cpu()
+    grads = [q.grad for q in others if q.grad is not None]
+    rest = torch.zeros((), dtype=torch.float32)
+    for kind in (True, False):  # DTensor grads (FSDP2), then plain ones (DDP)
+        group = [g for g in grads if isinstance(g, DTensor) == kind]
+        if group:
+            n = torch.nn.utils.get_total_norm(group, p)
+            n = (n.full_tensor() if isinstance(n, DTensor) else n).float().cpu()
+            rest = torch.maximum(rest, n) if inf else rest + n.pow(p)
+    total = torch.maximum(ded, rest) if inf else (ded + rest).pow(1.0 / p)
+    if error_if_nonfinite and not torch.isfinite(total):
+        raise RuntimeError(
+            f"DMuon: the total norm of order {norm_type} of the gradients is {total.item()}. "
+            "Pass error_if_nonfinite=False to clip anyway (the grads then become nan)."
+        )
+    coef = min(1.0, max_norm / (total.item() + 1e-6))
+    if coef < 1.0:
+        with torch.no_grad():
+            for g in mine + grads:
+                g.mul_(coef)
+    return total
