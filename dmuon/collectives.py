@@ -293,10 +293,6 @@ class Launcher:
         """:func:`reduce_sum_` issued asynchronously."""
         return self.launch(channel, lambda async_op: reduce_sum_(buf, dst, group, async_op=async_op), buf)
 
-    def all_reduce(self, buf: torch.Tensor, group: dist.ProcessGroup, channel: str = "reduce") -> Pending:
-        """:func:`all_reduce_sum_` issued asynchronously."""
-        return self.launch(channel, lambda async_op: all_reduce_sum_(buf, group, async_op=async_op), buf)
-
 
 def all_gather_digests(digest: str, group: dist.ProcessGroup | None, span: str) -> list[str]:
     """Every member's sha256 digest, in group-rank order: one all_gather of 32 bytes per rank

@@ -437,6 +437,11 @@ class DedicatedParams(Schedule):
             h.remove()
         self._handles.clear()
 
+    def unreduced_bucket(self):
+        """A bucket with local grads not yet reduced to its owner (``no_sync`` backward
+        passes since the last reduce), or ``None``. Local: each rank's own usage flags."""
+        return next((b for b in self.buckets if any(b.used)), None)
+
     # ------------------------------------------------------------------ optimizer protocol
     def before_step(self) -> None:
         """Called by the optimizer before updating: in-flight sends must not be modified.
@@ -454,7 +459,7 @@ class DedicatedParams(Schedule):
                     "after loss.backward() returns."
                 )
             self._recover()
-        local = next((b for b in self.buckets if any(b.used)), None)
+        local = self.unreduced_bucket()
         if local is not None:
             raise RuntimeError(
                 f"DMuon: optimizer.step() after backward passes inside dm.no_sync() only: the "

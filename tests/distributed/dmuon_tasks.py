@@ -68,17 +68,15 @@ def _mesh(kind: str):
     return init_device_mesh("cpu", (world,))
 
 
-def train_dmuon(mode: str, steps: int, config: GPTConfig = SMALL, **dm_kw) -> dict:
-    """Train with DMuon; returns the full params this rank holds authoritative values of.
-
-    mode: "ddp", "z2", "z3", "hsdp-z2", "hsdp-z3".
-    """
-    rank, world = dist.get_rank(), dist.get_world_size()
+def build(mode: str, config=SMALL, wrap: bool = True, **dm_kw):
+    """(model to call, bare model, dm, optimizer) for mode ddp / z2 / z3 / hsdp-z2 / hsdp-z3."""
     mesh = _mesh("hsdp" if mode.startswith("hsdp") else "flat")
     model = make_model(config)
     reshard = mode.endswith("z3")
     dm = dmuon.dedicate_params(model, mesh, reshard_after_forward=reshard, **dm_kw)
-    if mode == "ddp":
+    if not wrap:
+        wrapped = model
+    elif mode == "ddp":
         wrapped = DistributedDataParallel(model)
     else:
         for block in model.blocks:
@@ -86,6 +84,16 @@ def train_dmuon(mode: str, steps: int, config: GPTConfig = SMALL, **dm_kw) -> di
         fully_shard(model, mesh=mesh, ignored_params=set(dm))
         wrapped = model
     opt = dmuon.DMuon(wrapped.parameters(), dedicated=dm, lr=MUON_LR, adamw_lr=ADAMW_LR)
+    return wrapped, model, dm, opt
+
+
+def train_dmuon(mode: str, steps: int, config: GPTConfig = SMALL, **dm_kw) -> dict:
+    """Train with DMuon; returns the full params this rank holds authoritative values of.
+
+    mode: "ddp", "z2", "z3", "hsdp-z2", "hsdp-z3".
+    """
+    rank, world = dist.get_rank(), dist.get_world_size()
+    wrapped, model, dm, opt = build(mode, config, **dm_kw)
     for step in range(steps):
         x, y = corpus().global_batch(step, GLOBAL_BATCH, config.seq_len)
         _loss(wrapped, local_slice(x, rank, world), local_slice(y, rank, world)).backward()

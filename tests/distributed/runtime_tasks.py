@@ -12,31 +12,13 @@ from torch.nn.parallel import DistributedDataParallel
 
 import dmuon
 from dmuon import annotate
-from tests.distributed.dmuon_tasks import ADAMW_LR, GLOBAL_BATCH, MUON_LR, SMALL, _loss, _mesh, corpus, make_model
+from tests.distributed.dmuon_tasks import (  # noqa: F401 - build: re-exported for the tasks
+    ADAMW_LR, GLOBAL_BATCH, MUON_LR, SMALL, _loss, _mesh, build, corpus, make_model)
 from verify.data import local_slice
 
 
 class Boom(Exception):
     """The injected failure."""
-
-
-def build(mode: str, config=SMALL, wrap: bool = True, **dm_kw):
-    """(model to call, bare model, dm, optimizer) for mode ddp / z2 / z3 / hsdp-z2 / hsdp-z3."""
-    mesh = _mesh("hsdp" if mode.startswith("hsdp") else "flat")
-    model = make_model(config)
-    reshard = mode.endswith("z3")
-    dm = dmuon.dedicate_params(model, mesh, reshard_after_forward=reshard, **dm_kw)
-    if not wrap:
-        wrapped = model
-    elif mode == "ddp":
-        wrapped = DistributedDataParallel(model)
-    else:
-        for block in model.blocks:
-            fully_shard(block, mesh=mesh, reshard_after_forward=reshard, ignored_params=set(dm))
-        fully_shard(model, mesh=mesh, ignored_params=set(dm))
-        wrapped = model
-    opt = dmuon.DMuon(wrapped.parameters(), dedicated=dm, lr=MUON_LR, adamw_lr=ADAMW_LR)
-    return wrapped, model, dm, opt
 
 
 def batch(step: int, config=SMALL):
