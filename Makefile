@@ -26,15 +26,15 @@ test-all: $(STAMP)
 	$(PY) -m pytest -m ''
 
 verify-traffic: $(STAMP)
-	$(PY) -m verify.launch $(ARGS)
+	$(PY) -m verify.run.launch $(ARGS)
 
 nsys-verify: $(STAMP)
-	$(PY) -m verify.nsys_verify $(ARGS)
+	$(PY) -m verify.sources.nsys_verify $(ARGS)
 
 # One CUDA GPU: every DMuon mode at W=1 on NCCL through the NCCL-log path + CUDA parity.
 # Exit 0 pass, 1 fail, 3 no usable GPU here (skipped; it prints what is missing).
 gpu-check: $(STAMP)
-	$(PY) -m verify.gpu_check $(ARGS)
+	$(PY) -m verify.run.gpu_check $(ARGS)
 
 bench: $(STAMP)
 	$(PY) benchmarks/run_all.py
@@ -43,7 +43,7 @@ bench: $(STAMP)
 # (compute, and each collective from issue to wait return) into docs/timeline-dmuon-z3.png.
 TIMELINE_OUT ?= traces/timeline-dmuon-z3
 timeline-png: $(STAMP)
-	$(PY) -m verify.launch --nproc 4 --backend gloo --out-dir $(TIMELINE_OUT) --modes dmuon-z3 --steps-measured 1 $(ARGS)
+	$(PY) -m verify.run.launch --nproc 4 --backend gloo --out-dir $(TIMELINE_OUT) --modes dmuon-z3 --steps-measured 1 $(ARGS)
 	cp $(TIMELINE_OUT)/dmuon-z3/timeline.png docs/timeline-dmuon-z3.png
 
 clean:

@@ -1,4 +1,4 @@
-"""Throughput and memory of the NCCL_DEBUG=INFO parser (tracer.nccl_log) on a large log.
+"""Throughput and memory of the NCCL_DEBUG=INFO parser (tracer.nccl.log) on a large log.
 
 A script, not a test::
 
@@ -13,11 +13,11 @@ thread. Per case it times, in this process, ``--repeats`` rounds of (after one w
 
 - ``read``: ``for line in f: pass`` (the I/O floor);
 - ``regex``: one ``re.search`` per line for ``NCCL INFO <Op>: opCount`` (a minimal parser);
-- ``table``: :func:`tracer.nccl_log.nccl_logs_to_table` (files -> Arrow table of events);
-- ``parquet``: :func:`tracer.nccl_log.write_nccl_parquet` (files -> Parquet, what
+- ``table``: :func:`tracer.nccl.log.nccl_logs_to_table` (files -> Arrow table of events);
+- ``parquet``: :func:`tracer.nccl.log.write_nccl_parquet` (files -> Parquet, what
   ``dmuon-trace nccl PATH... --out`` runs);
-- with ``--layers``: :func:`~tracer.nccl_log.iter_nccl_records` and
-  :func:`~tracer.nccl_log.iter_nccl_events` (Python objects per line; slower).
+- with ``--layers``: :func:`~tracer.nccl.log.iter_nccl_records` and
+  :func:`~tracer.nccl.log.iter_nccl_events` (Python objects per line; slower).
 
 ``--passes`` times a subset (``read`` always: the ratios need it), ``--no-memory`` skips the
 memory section, ``--logs DIR`` generates the logs there and reuses them in later runs with the
@@ -58,7 +58,7 @@ from tabulate import tabulate  # noqa: E402
 
 from tests.tools import nccl_render as R  # noqa: E402
 from tracer.events import CollectiveEvent  # noqa: E402
-from tracer.nccl_log import (  # noqa: E402
+from tracer.nccl.log import (  # noqa: E402
     iter_nccl_events,
     iter_nccl_records,
     nccl_logs_to_table,

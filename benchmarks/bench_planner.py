@@ -5,8 +5,8 @@
   cost rows*cols*min, kept below as the baseline, O(M*W)); rounds interleaved, medians.
   ``--baseline-max-matrices`` skips the baseline on larger sets (DeepSeek-V3-like: ~46 s
   per plan at W=1024 on the dev machine).
-- **predictor**: :func:`verify.scale.step_traffic` (aggregate, one plan) against
-  :func:`verify.predict.predict_step` (every call of every rank) on Llama-3-8B, DMuon-Z3, at
+- **predictor**: :func:`verify.traffic.scale.step_traffic` (aggregate, one plan) against
+  :func:`verify.traffic.predict.predict_step` (every call of every rank) on Llama-3-8B, DMuon-Z3, at
   ``--predict-worlds``; the aggregate alone for Llama-3-70B on HSDP 128x8.
 - **dmuon-plan**: wall time of ``--model llama3-70b --mesh 128x8`` and of the Llama-3-8B
   sweep, each in a fresh process (imports included).
@@ -30,9 +30,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from dmuon.plan import plan_ownership  # noqa: E402
 from verify.plan_cli import ModelLayout  # noqa: E402
-from verify.predict import predict_step  # noqa: E402
-from verify.presets import build_preset  # noqa: E402
-from verify.scale import step_traffic  # noqa: E402
+from verify.traffic.predict import predict_step  # noqa: E402
+from verify.workload.presets import build_preset  # noqa: E402
+from verify.traffic.scale import step_traffic  # noqa: E402
 
 
 def retired_plan_v1(specs, world: int) -> dict[str, int]:

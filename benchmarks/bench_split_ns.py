@@ -12,7 +12,7 @@ zeropower_via_newtonschulz, bfloat16) in rank 0 alone, then the team call on ``k
 gloo ranks, rounds interleaved, medians; the result is compared with the single-owner one
 (max |difference|, the bf16 resolution near 1 is 2**-8). Timings on this shared 2-core
 machine are noisy and CPU bf16 matmul is not a GPU's: the figure that transfers is the ratio
-of the all_reduce cost to the compute saved, which the α-β model of verify.scale then prices
+of the all_reduce cost to the compute saved, which the α-β model of verify.traffic.scale then prices
 for NVLink (see docs/scaling.md).
 
 Usage: ``python benchmarks/bench_split_ns.py [--rows 512 --cols 2048 --team 2 --rounds 5]``.

@@ -5,10 +5,10 @@ models:
 
 - ``mlp``: ``--mlp-layers`` x Linear(``--mlp-dim``, ``--mlp-dim``) + ReLU blocks and a 16-way
   head, ``--mlp-batch`` random rows per rank (the model of the issue's table);
-- ``tinygpt``: the ``make verify-traffic`` model (``verify/model.py`` defaults, byte tokens of
+- ``tinygpt``: the ``make verify-traffic`` model (``verify/workload/model.py`` defaults, byte tokens of
   the standard library, 2 sequences per rank).
 
-Every implementation is a mode of ``verify/modes.py`` (its own meshes and process groups),
+Every implementation is a mode of ``verify/run/modes.py`` (its own meshes and process groups),
 built once per model; after ``--warmup`` steps each, ``--rounds`` rounds time ``--steps``
 steps of every implementation, in order on even rounds and reversed on odd ones (the machine
 is shared and noisy: a drift hits every implementation alike). Step time is rank 0's wall
@@ -52,10 +52,10 @@ from tabulate import tabulate
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tests.distributed.harness import DistributedPool  # noqa: E402
 from tracer.interposer import Interposer  # noqa: E402
-from verify.data import ByteCorpus, local_slice  # noqa: E402
-from verify.model import GPTConfig, TinyGPT  # noqa: E402
-from verify.modes import build  # noqa: E402
-from verify.runner import train_step  # noqa: E402
+from verify.workload.data import ByteCorpus, local_slice  # noqa: E402
+from verify.workload.model import GPTConfig, TinyGPT  # noqa: E402
+from verify.run.modes import build  # noqa: E402
+from verify.run.runner import train_step  # noqa: E402
 
 BASELINES = ("ddp-muon", "zero1-muon", "naive-fsdp2-z2", "naive-fsdp2-z3", "naive-hsdp")
 DMUON = ("dmuon-ddp", "dmuon-z2", "dmuon-z3", "dmuon-hsdp-z2", "dmuon-hsdp-z3")

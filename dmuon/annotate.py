@@ -115,7 +115,7 @@ def phase(name: str) -> Iterator[None]:
 def window(name: str) -> Iterator[None]:
     """An NVTX range ``dmuon.window <name>`` in the ``DMuon`` domain and nothing else (no phase
     tag, no span listener): marks a measured window in an Nsight Systems profile so that a
-    checker keeps only the NCCL ranges inside it (``verify/nsys_verify.py``). Off when NVTX
+    checker keeps only the NCCL ranges inside it (``verify/sources/nsys_verify.py``). Off when NVTX
     emission is switched off (:func:`set_nvtx_enabled`).
     """
     with _nvtx_range("dmuon.window", name):

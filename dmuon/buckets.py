@@ -12,7 +12,7 @@ dtype; a param larger than the cap is a bucket of its own). :func:`bucket_layout
 in model order (first appearance), so the buckets of any module's subtree are a contiguous
 range; after the first step DMuon renumbers them block by block in the blocks' execution
 order (``order.py``, ``dedicate.py`` step 7). DMuon's runtime (``dedicate.py``) uses
-:func:`bucket_layout`; the traffic predictor (``verify/predict.py``) implements the same
+:func:`bucket_layout`; the traffic predictor (``verify/traffic/predict.py``) implements the same
 documented rule on its own.
 """
 

@@ -16,7 +16,7 @@ forward pre-hook first ran in the first forward after ``dedicate_params`` (the r
    if one does not, the result is ``model_blocks``.
 
 Buckets are then ordered by their block's position in the result, and within a block keep
-their model order. The traffic predictor (``verify/predict.py``) implements the same rule on
+their model order. The traffic predictor (``verify/traffic/predict.py``) implements the same rule on
 its own.
 """
 

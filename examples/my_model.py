@@ -1,6 +1,6 @@
 """An example model factory for ``make verify-traffic ARGS="--model examples.my_model:factory"``.
 
-The protocol (``verify.usermodel``): ``factory() -> (model, loss_fn)``, and
+The protocol (``verify.workload.usermodel``): ``factory() -> (model, loss_fn)``, and
 ``loss_fn(model, rank, step)`` returns the scalar loss of this rank's batch at ``step``.
 
 The model is a small residual MLP with widths not divisible by 3 or 4 (so FSDP2 pads its shards

@@ -1,4 +1,4 @@
-"""Phase D in your own training script: ``verify.record.TrafficWindow`` (README: "Verify your own
+"""Phase D in your own training script: ``verify.run.record.TrafficWindow`` (README: "Verify your own
 training script"). Run with ``torchrun --nproc-per-node 4 examples/own_script.py`` (repo root on
 PYTHONPATH); ``tests/distributed/test_record.py`` runs :func:`train` on 2 gloo ranks.
 
@@ -15,7 +15,7 @@ import torch.distributed as dist
 import dmuon
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from verify.record import TrafficWindow
+from verify.run.record import TrafficWindow
 from examples.my_model import ResidualMLP, loss_fn
 
 

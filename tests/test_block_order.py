@@ -1,5 +1,5 @@
 """The block-order rule (buckets in execution order, ``dmuon/dedicate.py`` step 7) as a pure
-function: the predictor's implementation (``verify/predict.py``) on hand-written cases, the
+function: the predictor's implementation (``verify/traffic/predict.py``) on hand-written cases, the
 runtime's (``dmuon/order.py``) agreeing with it, and the predicted bucket list and layout
 following it."""
 
@@ -9,7 +9,7 @@ import pytest
 
 from dmuon.order import execution_block_order, order_digest
 from tests.test_predict import _layout
-from verify.predict import RunLayout, dmuon_block_sequence, dmuon_buckets, predict_step
+from verify.traffic.predict import RunLayout, dmuon_block_sequence, dmuon_buckets, predict_step
 
 BLOCKS = ("blocks.0", "blocks.1", "blocks.2", "blocks.3")
 ENC_DEC = ("decoder.layers.0", "decoder.layers.1", "encoder.layers.0", "encoder.layers.1")

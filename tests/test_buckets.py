@@ -1,12 +1,12 @@
 """The runtime's bucket layout (``dmuon/buckets.py``) against the rule as documented, and
-against the predictor's independent implementation (``verify/predict.py``) on TinyGPT at
+against the predictor's independent implementation (``verify/traffic/predict.py``) on TinyGPT at
 several caps and world sizes: the same buckets, and each block a contiguous index range."""
 
 import pytest
 
 from dmuon.buckets import block_of, bucket_layout
 from tests.test_predict import _layout
-from verify.predict import dmuon_block, dmuon_buckets
+from verify.traffic.predict import dmuon_block, dmuon_buckets
 
 
 @pytest.mark.parametrize("module", ["", "head", "blocks.3", "blocks.3.attn.qkv",

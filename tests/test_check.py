@@ -13,7 +13,7 @@ from dmuon.plan import ParamSpec
 from tracer.events import CollectiveEvent, to_table, write_parquet
 from verify.check import check_events, report_lines
 from verify.cli import main as dmuon_verify
-from verify.predict import RunLayout, predict_step
+from verify.traffic.predict import RunLayout, predict_step
 
 LAYOUT = RunLayout(
     mode="dmuon-z2", replicate_size=1, shard_size=4,

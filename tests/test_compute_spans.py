@@ -1,12 +1,12 @@
-"""verify.compute_spans: the harness's block forward / backward spans on the interposer clock."""
+"""verify.run.compute_spans: the harness's block forward / backward spans on the interposer clock."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from verify.compute_spans import BACKWARD, FORWARD, BlockCompute, compute_blocks
-from verify.model import GPTConfig, TinyGPT
+from verify.run.compute_spans import BACKWARD, FORWARD, BlockCompute, compute_blocks
+from verify.workload.model import GPTConfig, TinyGPT
 
 
 def test_each_block_forward_in_order_then_backward_in_reverse():

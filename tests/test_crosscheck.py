@@ -124,7 +124,7 @@ def test_size_known_only_to_the_other_source_fails():
 
 @pytest.mark.parametrize("align", ["exact", "tail"])
 def test_per_rank_keys_without_group_ids(align):
-    # As verify.nsys_verify compares: group ids cleared on both sides, ranks from pids.
+    # As verify.sources.nsys_verify compares: group ids cleared on both sides, ranks from pids.
     ref = [e.replace(group_id=None, seq=None) for e in _reference()
            + [_ref("all_reduce", 0, 4, "float32", rank=1)]]
     other = _nsys(ref)

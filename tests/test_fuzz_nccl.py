@@ -4,7 +4,7 @@ in ../shared/fixtures/nccl/, grammar-generated logs (INIT formats 2.4 ... 2.29+,
 the same way, and lines of repeated format words (long-line shapes).
 
 Every input must give a defined outcome: events and issues, never an exception (strict mode:
-only :class:`tracer.nccl_log.NcclLogError`, carrying the first issue); no hang (each input has
+only :class:`tracer.nccl.log.NcclLogError`, carrying the first issue); no hang (each input has
 a CPU-time limit, tests/fuzzing.py); and the columnar reader (RE2 + numpy fast path, in-memory
 blocks, Parquet writer) equals the line-by-line reference, as files read in small chunks and
 as in-memory lines. The default run (300 derandomized inputs) takes about 10 s on an idle
@@ -26,8 +26,8 @@ from hypothesis import strategies as st
 from tests.conftest import SHARED_FIXTURES
 from tests.fuzzing import apply, fast, mutations, slow, time_limit
 from tests.tools.nccl_reference import assert_same, jobs, text_lines
-from tracer import nccl_columns
-from tracer.nccl_log import NcclLogError, nccl_logs_to_table
+from tracer.nccl import columns as nccl_columns
+from tracer.nccl.log import NcclLogError, nccl_logs_to_table
 
 #: Per input, in CPU seconds. Inputs are at most a few hundred KB: a linear parse takes
 #: milliseconds to a second; a super-linear one takes far longer.

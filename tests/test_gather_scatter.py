@@ -13,8 +13,8 @@ import pytest
 from tests.tools import nccl_render as R
 from tracer.crosscheck import Equivalence
 from tracer.events import OPS, CollectiveEvent
-from tracer.nccl_log import parse_nccl_logs
-from verify.traffic import array_elems, avg_elems, avg_recv_factor
+from tracer.nccl.log import parse_nccl_logs
+from verify.traffic.formulas import array_elems, avg_elems, avg_recv_factor
 
 
 @pytest.mark.parametrize("op", ["gather", "scatter"])

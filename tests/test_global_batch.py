@@ -2,8 +2,8 @@
 
 import pytest
 
-from verify.data import global_batch_size
-from verify.main import main as verify_main
+from verify.workload.data import global_batch_size
+from verify.run.main import main as verify_main
 
 
 @pytest.mark.parametrize("world", [2, 3, 4, 5])

@@ -1,10 +1,10 @@
 """``make gpu-check``'s decision logic and plumbing, on CPU (no GPU in CI): what it runs, how
-it judges a report, what it does where no GPU exists, and ``verify.launch --backend``."""
+it judges a report, what it does where no GPU exists, and ``verify.run.launch --backend``."""
 
 import pytest
 
-from verify import gpu_check as G
-from verify.launch import resolve_backend
+from verify.run import gpu_check as G
+from verify.run.launch import resolve_backend
 
 
 def test_missing_requirements_names_what_is_missing():
@@ -22,7 +22,7 @@ def test_without_a_gpu_it_prints_what_is_missing_and_exits_3(capsys, monkeypatch
 
 def test_traffic_command_forces_one_nccl_process_over_the_dmuon_modes(tmp_path):
     cmd = G.traffic_command(tmp_path)
-    assert cmd[1:3] == ["-m", "verify.launch"]
+    assert cmd[1:3] == ["-m", "verify.run.launch"]
     assert cmd[cmd.index("--backend") + 1] == "nccl" and cmd[cmd.index("--nproc") + 1] == "1"
     assert cmd[cmd.index("--modes") + 1] == "dmuon-ddp,dmuon-z2,dmuon-z3"
 

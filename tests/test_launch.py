@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from verify.launch import launch_command, launch_env
+from verify.run.launch import launch_command, launch_env
 
 
 def test_launch_command_runs_verify_main_under_torchrun():
@@ -28,7 +28,7 @@ def test_launch_env_sets_nccl_logging_only_for_nccl(tmp_path, monkeypatch):
 @pytest.mark.distributed
 def test_verify_traffic_end_to_end_two_processes(tmp_path):
     proc = subprocess.run(
-        [sys.executable, "-m", "verify.launch", "--nproc", "2", "--out-dir", "runs/e2e",
+        [sys.executable, "-m", "verify.run.launch", "--nproc", "2", "--out-dir", "runs/e2e",
          "--modes", "dmuon-z3", "--steps-warmup", "2", "--steps-measured", "1"],
         cwd=tmp_path, capture_output=True, text=True, timeout=300,
     )

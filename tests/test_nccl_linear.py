@@ -16,8 +16,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tracer import nccl_formats as fmt
-from tracer.nccl_log import iter_nccl_records, nccl_logs_to_table
+from tracer.nccl import formats as fmt
+from tracer.nccl.log import iter_nccl_records, nccl_logs_to_table
 
 #: Parse CPU time / read CPU time allowed. Measured 11-33 on the shared dev machine (per-line
 #: path on these lines); a quadratic path on MB-long runs is more than 10**4.

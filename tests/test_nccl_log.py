@@ -1,4 +1,4 @@
-"""NCCL_DEBUG=INFO log parser (tracer.nccl_log) on the real fixtures and on edge cases.
+"""NCCL_DEBUG=INFO log parser (tracer.nccl.log) on the real fixtures and on edge cases.
 
 Fixtures: ../shared/fixtures/nccl/ (sources in shared/fixtures/SOURCES.md: NVIDIA/nccl issues
 203, 584, 734, 740, 1238, 1412, 1453, 1765, 1814, 2241, PR 1973; nccl-tests issue 29;
@@ -14,7 +14,7 @@ import pytest
 
 from tests.tools import nccl_render as R
 from tracer.events import CollectiveEvent, read_parquet
-from tracer.nccl_log import (
+from tracer.nccl.log import (
     NcclLogError,
     register_cli,
     ParseStats,

@@ -1,4 +1,4 @@
-"""Property tests of tracer.nccl_log: no crash on any text; rendered lines parse back.
+"""Property tests of tracer.nccl.log: no crash on any text; rendered lines parse back.
 
 Rendered lines come from tests/tools/nccl_render.py (a test tool, not evidence); the real-format
 checks are in test_nccl_log.py against ../shared/fixtures/nccl/.
@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 
 from tests.tools import nccl_render as R
 from tracer.events import CollectiveEvent
-from tracer.nccl_formats import DATATYPE_NUMBERS, ROOTED_OPS
-from tracer.nccl_log import ParseIssue, iter_nccl_records, parse_nccl_logs
+from tracer.nccl.formats import DATATYPE_NUMBERS, ROOTED_OPS
+from tracer.nccl.log import ParseIssue, iter_nccl_records, parse_nccl_logs
 
 REAL = ("hopper01:191370:191425 [1] NCCL INFO AllGather: opCount d sendbuff 0x7fa921200000 "
         "recvbuff 0x7fa915800000 count 2097152 datatype 7 op 0 root 0 comm 0x55fca23fc0f0 "

@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from verify.nccl_source import LogCursor, WindowMark, capture_active, own_log_path
+from verify.sources.nccl_source import LogCursor, WindowMark, capture_active, own_log_path
 
 
 def test_cursor_counts_complete_lines_incrementally(tmp_path):

@@ -1,4 +1,4 @@
-"""The columnar NCCL log reader (tracer.nccl_table, tracer.nccl_columns) against a reference.
+"""The columnar NCCL log reader (tracer.nccl.table, tracer.nccl.columns) against a reference.
 
 The reference is the line-by-line algorithm the columnar reader replaces (test tool
 tests/tools/nccl_reference.py). Inputs: every real fixture under ../shared/fixtures/nccl/,
@@ -19,9 +19,9 @@ from hypothesis import strategies as st
 
 from tests.tools import nccl_render as R
 from tests.tools.nccl_reference import assert_same, jobs, text_lines
-from tracer import nccl_columns
-from tracer.nccl_formats import timestamp_ns
-from tracer.nccl_log import (
+from tracer.nccl import columns as nccl_columns
+from tracer.nccl.formats import timestamp_ns
+from tracer.nccl.log import (
     NcclLogError,
     iter_nccl_events,
     parse_nccl_logs,
@@ -175,7 +175,7 @@ def test_parquet_pass_holds_bounded_memory(tmp_path, monkeypatch):
     same for 4x the lines: one block and one row group at a time."""
     import tracemalloc
 
-    from tracer import nccl_log
+    from tracer.nccl import log as nccl_log
 
     monkeypatch.setattr(nccl_columns, "CHUNK_BYTES", 1 << 18)
     monkeypatch.setattr(nccl_log, "ROW_GROUP_ROWS", 4096)

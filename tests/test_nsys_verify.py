@@ -1,4 +1,4 @@
-"""verify.nsys_verify: the prerequisites-missing path for real (no nsys, no GPU here), the
+"""verify.sources.nsys_verify: the prerequisites-missing path for real (no nsys, no GPU here), the
 command lines as pure functions, rank assignment, step failures, and main() end to end on a
 small export built with the real export's DDL (nsys itself replaced by a stub)."""
 
@@ -13,13 +13,13 @@ import pytest
 from tests.conftest import REPO_ROOT
 from tests.test_nsys import _ddl, _gtid, build_export
 from tracer.events import CollectiveEvent, write_parquet
-from verify import nsys_verify as nv
+from verify.sources import nsys_verify as nv
 
 
 def test_missing_prerequisites_for_real_here():
     if nv.shutil.which("nsys") and nv._gpu_count() >= 2:
         pytest.skip("this machine has nsys and >= 2 GPUs")
-    proc = subprocess.run([sys.executable, "-m", "verify.nsys_verify"], cwd=REPO_ROOT,
+    proc = subprocess.run([sys.executable, "-m", "verify.sources.nsys_verify"], cwd=REPO_ROOT,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == nv.EXIT_PREREQUISITES == 3
     assert "prerequisites missing, nothing run" in proc.stderr
@@ -40,7 +40,7 @@ def test_commands():
     out = Path("/runs/a")
     assert nv.profile_command(out, nsys="nsys", python="py", extra=["--steps", "3"]) == [
         "nsys", "profile", "-t", "cuda,nvtx", "-o", "/runs/a/report", "--force-overwrite=true",
-        "py", "-m", "verify.launch", "--out-dir", "/runs/a", "--steps", "3"]
+        "py", "-m", "verify.run.launch", "--out-dir", "/runs/a", "--steps", "3"]
     assert nv.export_command(out / "report.nsys-rep", out / "report.sqlite", nsys="/opt/nsys") == [
         "/opt/nsys", "export", "--type", "sqlite", "--include-blobs=true",
         "--force-overwrite=true", "-o", "/runs/a/report.sqlite", "/runs/a/report.nsys-rep"]

@@ -1,4 +1,4 @@
-"""verify.nvlink: modelled wire bytes and the report entry; the runner's real no-NVML path."""
+"""verify.sources.nvlink: modelled wire bytes and the report entry; the runner's real no-NVML path."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 
 from tracer.events import CollectiveEvent
 from tracer.nvml import NvlinkReading, NvlinkSampler
-from verify.nvlink import modelled_wire_bytes, nvlink_report
+from verify.sources.nvlink import modelled_wire_bytes, nvlink_report
 
 
 def _ev(op, count, n, dtype="float32"):
@@ -49,8 +49,8 @@ def test_this_machine_reports_why_not():
 
 def test_report_renders_nvlink_one_line_or_table():
     from tests.test_report import example_report
-    from verify.report import format_markdown
-    from verify.report_terminal import format_table
+    from verify.report.render import format_markdown
+    from verify.report.terminal import format_table
 
     report = example_report()
     for run in report["runs"]:

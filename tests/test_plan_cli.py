@@ -7,8 +7,8 @@ import json
 import pytest
 
 from verify.plan_cli import ModelLayout, main, parse_mesh, report
-from verify.presets import build_preset
-from verify.scale import CostModel, step_traffic
+from verify.workload.presets import build_preset
+from verify.traffic.scale import CostModel, step_traffic
 
 
 def test_parse_mesh():

@@ -14,10 +14,10 @@ import pytest
 
 from tracer.events import CollectiveEvent
 from verify.compare import compare_run
-from verify.model import GPTConfig, TinyGPT
-from verify.modes import muon_names
-from verify.predict import RunLayout, dmuon_block, dmuon_buckets, predict_step
-from verify.traffic import avg_elems, closed_form, padded_numel
+from verify.workload.model import GPTConfig, TinyGPT
+from verify.run.modes import muon_names
+from verify.traffic.predict import RunLayout, dmuon_block, dmuon_buckets, predict_step
+from verify.traffic.formulas import avg_elems, closed_form, padded_numel
 
 from dmuon.plan import specs_from_named_parameters
 
@@ -25,7 +25,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def _layout(mode: str, world: int, *, d_model: int = 64, n_heads: int = 4, **extra) -> RunLayout:
-    """The layout ``verify.modes.build`` records for TinyGPT (same wrapping, no processes)."""
+    """The layout ``verify.run.modes.build`` records for TinyGPT (same wrapping, no processes)."""
     model = TinyGPT(GPTConfig(d_model=d_model, n_heads=n_heads, n_layers=2))
     specs = tuple(specs_from_named_parameters(model.named_parameters()))
     targets = muon_names(model)
@@ -80,7 +80,7 @@ def _imports(path: Path) -> set[str]:
 def test_predictor_imports_only_the_planner_from_dmuon():
     # The predictor and every harness module it reaches (transitively) may take the planner's
     # output from dmuon and nothing else: no bucketing, hooks or collectives of the runtime.
-    seen, todo, dmuon_imports = set(), ["verify.predict"], set()
+    seen, todo, dmuon_imports = set(), ["verify.traffic.predict"], set()
     while todo:
         mod = todo.pop()
         if mod in seen:
@@ -91,7 +91,7 @@ def test_predictor_imports_only_the_planner_from_dmuon():
                 dmuon_imports.add(name)
             elif name.startswith(("verify.", "tracer.")) and (REPO / (name.replace(".", "/") + ".py")).is_file():
                 todo.append(name)
-    assert "verify.traffic" in seen and "tracer.events" in seen
+    assert "verify.traffic.formulas" in seen and "tracer.events" in seen
     assert dmuon_imports == _ALLOWED_DMUON, dmuon_imports
 
 

@@ -1,4 +1,4 @@
-"""verify.presets: published parameter totals, Muon-target counts, meta construction time,
+"""verify.workload.presets: published parameter totals, Muon-target counts, meta construction time,
 and that the architectures run (forward + backward) at small sizes on CPU."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import torch
 
 from dmuon.plan import plan_ownership, specs_from_named_parameters
 from dmuon.select import select_params
-from verify.presets import (
+from verify.workload.presets import (
     PRESETS,
     Decoder,
     DecoderConfig,

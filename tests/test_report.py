@@ -1,4 +1,4 @@
-"""Tests of the verify-traffic report renderers (verify/report.py, verify/plots.py).
+"""Tests of the verify-traffic report renderers (verify/report/render.py, verify/report/plots.py).
 
 The example report follows SPEC §2's traffic model for a small GPT (2 blocks, d=64: per block
 qkv 64×192, proj 64×64, fc1 64×256, fc2 256×64, so P_M = 98,304) at W=4 on gloo, all 9 modes,
@@ -17,9 +17,9 @@ import pytest
 
 from dmuon.annotate import Span
 from tracer.events import CollectiveEvent
-from verify.compute_spans import BACKWARD, FORWARD
-from verify.plots import _pieces, plot_timeline, plot_traffic, timeline_bars, traffic_series
-from verify.report import (
+from verify.run.compute_spans import BACKWARD, FORWARD
+from verify.report.plots import _pieces, plot_timeline, plot_traffic, timeline_bars, traffic_series
+from verify.report.render import (
     MODES,
     fmt_elems,
     format_markdown,
@@ -28,7 +28,7 @@ from verify.report import (
     table_rows,
     write_report,
 )
-from verify.report_terminal import format_table
+from verify.report.terminal import format_table
 
 P_M = 98_304
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

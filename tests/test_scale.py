@@ -1,4 +1,4 @@
-"""verify.scale: the aggregated step equals the sum over verify.predict's exact call list."""
+"""verify.traffic.scale: the aggregated step equals the sum over verify.traffic.predict's exact call list."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ import pytest
 
 from dmuon.plan import specs_from_named_parameters
 from dmuon.select import select_params
-from verify.predict import RunLayout, predict_step
-from verify.presets import build_preset
-from verify.scale import SCALE_MODES, ZERO1, CostModel, Tally, step_traffic, split_ns_s
-from verify.traffic import MODES, avg_elems
+from verify.traffic.predict import RunLayout, predict_step
+from verify.workload.presets import build_preset
+from verify.traffic.scale import SCALE_MODES, ZERO1, CostModel, Tally, step_traffic, split_ns_s
+from verify.traffic.formulas import MODES, avg_elems
 
 #: Sums of a few hundred floats in another order: equal up to round-off.
 REL = 1e-12

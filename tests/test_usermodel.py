@@ -1,4 +1,4 @@
-"""verify.usermodel without processes: resolving --model, the factory checks, FSDP2 blocks."""
+"""verify.workload.usermodel without processes: resolving --model, the factory checks, FSDP2 blocks."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import torch
 from torch import nn
 
 from examples.my_model import ResidualMLP, factory
-from verify.model import TinyGPT
-from verify.usermodel import (
+from verify.workload.model import TinyGPT
+from verify.workload.usermodel import (
     block_names,
     check_factory_output,
     check_loss,
@@ -28,7 +28,7 @@ def test_resolve_factory_and_errors():
 
 
 def test_presets_resolve_by_name():
-    from verify.presets import PRESETS
+    from verify.workload.presets import PRESETS
 
     assert "llama-tiny" in PRESETS
     src = resolve("llama-tiny")

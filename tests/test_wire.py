@@ -1,4 +1,4 @@
-"""The busiest-rank wire model (verify/wire.py) and step timing (verify/steptime.py)."""
+"""The busiest-rank wire model (verify/traffic/wire.py) and step timing (verify/run/steptime.py)."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import random
 import pytest
 
 from tracer.events import CollectiveEvent
-from verify.steptime import StepTime, ThreadSample, sample, timing_report
-from verify.traffic import avg_elems
-from verify.wire import ALGORITHMS, avg_bytes_by_phase, member_wire_elems, wire_report
+from verify.run.steptime import StepTime, ThreadSample, sample, timing_report
+from verify.traffic.formulas import avg_elems
+from verify.traffic.wire import ALGORITHMS, avg_bytes_by_phase, member_wire_elems, wire_report
 
 
 def test_broadcast_chain_root_sends_tail_receives():

@@ -1,4 +1,4 @@
-"""verify.model (TinyGPT) and verify.data (ByteCorpus over the stdlib sources)."""
+"""verify.workload.model (TinyGPT) and verify.workload.data (ByteCorpus over the stdlib sources)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import sysconfig
 import pytest
 import torch
 
-from verify.data import ByteCorpus, local_slice, stdlib_source_files
-from verify.model import GPTConfig, TinyGPT
+from verify.workload.data import ByteCorpus, local_slice, stdlib_source_files
+from verify.workload.model import GPTConfig, TinyGPT
 
 #: DDP's first gradient bucket is 1 MiB (torch.nn.parallel.DistributedDataParallel's
 #: bucket_cap_mb default 25 with a first bucket of 1 MiB): the whole default model must fit.

@@ -2,7 +2,7 @@
 
 Subcommands (each module registers its own parser, see ``register_cli`` in it):
 
-- ``nccl PATH... --out events.parquet``: NCCL_DEBUG=INFO logs (``tracer.nccl_log``)
+- ``nccl PATH... --out events.parquet``: NCCL_DEBUG=INFO logs (``tracer.nccl.log``)
 - ``fr PATH... --out events.parquet``: PyTorch Flight Recorder dumps (``tracer.flight_recorder``)
 - ``nsys REPORT.sqlite --out events.parquet``: Nsight Systems SQLite exports (``tracer.nsys``)
 - ``profiler TRACE... --out events.parquet``: torch.profiler Chrome traces (``tracer.profiler``)
@@ -31,7 +31,7 @@ EXIT_OK, EXIT_BAD_INPUT, EXIT_NOTHING_FOUND = 0, 2, 3
 #: imported only when its subcommand runs, so ``--help`` and each parser start fast; adding a
 #: source is one line here.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "nccl": ("tracer.nccl_log", "NCCL_DEBUG=INFO logs -> events.parquet"),
+    "nccl": ("tracer.nccl.log", "NCCL_DEBUG=INFO logs -> events.parquet"),
     "fr": ("tracer.flight_recorder", "PyTorch Flight Recorder dumps -> events.parquet"),
     "nsys": ("tracer.nsys", "Nsight Systems SQLite export -> events.parquet"),
     "profiler": ("tracer.profiler", "torch.profiler (Kineto) Chrome traces -> events.parquet"),

@@ -22,7 +22,7 @@ Glossary (one size convention everywhere, NCCL's):
   training thread sees it; ``[t_wait_start_ns, t_waited_ns]`` the time it blocked on it.
 
 Derived quantities (the nccl-tests array size S, bus factors) live in one table in
-``verify/traffic.py``; this module only stores what a source observed.
+``verify/traffic/formulas.py``; this module only stores what a source observed.
 """
 
 from __future__ import annotations

@@ -62,7 +62,7 @@ reducer), and functional collectives (whose ``wait_tensor`` is not tracked).
 
 Process: every event carries ``pid`` (``os.getpid()``) and ``host`` (``socket.gethostname()``),
 read once at the first recorded call, so that sources which only know the process (an nsys
-report) can be mapped to ranks (:func:`verify.nsys_verify.assign_ranks`).
+report) can be mapped to ranks (:func:`verify.sources.nsys_verify.assign_ranks`).
 
 ``seq`` counts this rank's recorded calls per ``group_id`` (0-based). Two process groups over
 the same ranks share a ``group_id`` and hence one counter. A process group that is not

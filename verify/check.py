@@ -2,7 +2,7 @@
 
 ``RUN`` is a mode folder written by ``make verify-traffic`` (``traces/<run-id>/<mode>/``,
 holding ``layout.json``) or that ``layout.json`` itself. The prediction is
-:func:`verify.predict.predict_step` repeated for the number of steps.
+:func:`verify.traffic.predict.predict_step` repeated for the number of steps.
 
 The comparison is per rank: each rank's events against that rank's predicted calls, so a
 dropped, duplicated or altered row is named individually (``missing``: the predicted call with
@@ -33,7 +33,7 @@ from pathlib import Path
 
 from tracer.events import CollectiveEvent, read_parquet
 
-from .predict import Expected, RunLayout, predict_step
+from verify.traffic.predict import Expected, RunLayout, predict_step
 
 EXIT_OK, EXIT_MISMATCH, EXIT_BAD_INPUT = 0, 1, 2
 #: Fields every event needs for a comparison; ``count`` / ``dtype`` may be null on barriers.

@@ -6,7 +6,7 @@ Subcommands (each module registers its own parser with ``register_cli``):
   run's ``events_rank*.parquet``) with a predicted run (``verify.check``).
 
 Exit status: 0 pass; 1 mismatch (each missing / unexpected collective named); 2 bad input or
-arguments. Errors go to stderr. ``dmuon-verify-traffic`` (``verify.main``) runs the traffic
+arguments. Errors go to stderr. ``dmuon-verify-traffic`` (``verify.run.main``) runs the traffic
 experiment itself under torchrun.
 """
 

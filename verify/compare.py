@@ -5,7 +5,7 @@ A measured event and a predicted call are the same when their key
 difference per run: anything predicted but not measured is *missing*, anything measured but
 not predicted is *unexpected*; either fails the run.
 
-Traffic figures follow ``verify.traffic``: the W-average of f(n)·S. The Muon-param share of
+Traffic figures follow ``verify.traffic.formulas``: the W-average of f(n)·S. The Muon-param share of
 a measured event (``dedicated`` figures) is the share of its matched prediction: a DDP
 bucket or an FSDP2 group may fuse Muon and AdamW params in one call, and only the plan knows
 the split; the existence and size of every call is measured. Unmatched events count towards
@@ -14,7 +14,7 @@ totals but not towards the Muon share (and fail the run anyway).
 The closed form gates every run, in every phase and in total: the measured W-average must equal
 SPEC §2's formula at P_M (DMuon and DDP modes, any shapes: they move whole matrices) or at
 P_M^pad, the Muon params padded on dim 0 to a multiple of N (the naive FSDP2 / HSDP
-baselines, ``verify.traffic.PADDED_MODES``; derivation in docs/traffic-model.md).
+baselines, ``verify.traffic.formulas.PADDED_MODES``; derivation in docs/traffic-model.md).
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ from collections.abc import Sequence
 from dmuon.annotate import PHASES
 from tracer.events import CollectiveEvent
 
-from .predict import Expected, RunLayout, ns_calls_per_step, owner_numels, predict_step
-from .traffic import PADDED_MODES, avg_elems, closed_form, closed_form_p_m
+from verify.traffic.predict import Expected, RunLayout, ns_calls_per_step, owner_numels, predict_step
+from verify.traffic.formulas import PADDED_MODES, avg_elems, closed_form, closed_form_p_m
 
 
 def event_key(ev: CollectiveEvent) -> tuple:
@@ -55,7 +55,7 @@ def compare_run(
     steps: int,
     ns_calls: int,
 ) -> dict:
-    """The report entry of one run (keys of report.json's ``runs[]``, see verify/report.py).
+    """The report entry of one run (keys of report.json's ``runs[]``, see verify/report/render.py).
 
     Args:
         layout: what was run.

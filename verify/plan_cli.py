@@ -7,12 +7,12 @@ Usage::
     dmuon-plan --model llama3-8b --sweep --png sweep.png   # W = 8 ... 1024, both mesh kinds
     dmuon-plan --model mypkg.models:make_model --mesh 16 --json
 
-``--model`` is a preset of :mod:`verify.presets` or ``pkg.module:factory`` (called under the
+``--model`` is a preset of :mod:`verify.workload.presets` or ``pkg.module:factory`` (called under the
 meta device: no memory). The Muon targets are :func:`dmuon.select.default_predicate`'s; FSDP2
 wraps each element of the model's top-level ``nn.ModuleList`` (the blocks), then the root, as
 the harness does; the naive baselines also wrap each Muon Linear. Traffic comes from
-:func:`verify.scale.step_traffic`, the plan from :func:`dmuon.plan.plan_ownership`, times
-from :class:`verify.scale.CostModel` (flags below; defaults printed with every table).
+:func:`verify.traffic.scale.step_traffic`, the plan from :func:`dmuon.plan.plan_ownership`, times
+from :class:`verify.traffic.scale.CostModel` (flags below; defaults printed with every table).
 """
 
 from __future__ import annotations
@@ -30,9 +30,9 @@ from tabulate import tabulate
 from dmuon.plan import OwnershipPlan, plan_ownership, specs_from_named_parameters
 from dmuon.select import select_params
 
-from .predict import RunLayout
-from .presets import PRESETS, resolve_model
-from .scale import CostModel, layout_modes, ns_flops_busiest, split_ns_s, step_traffic
+from verify.traffic.predict import RunLayout
+from verify.workload.presets import PRESETS, resolve_model
+from verify.traffic.scale import CostModel, layout_modes, ns_flops_busiest, split_ns_s, step_traffic
 
 #: World sizes of ``--sweep``.
 SWEEP_WORLDS = (8, 16, 32, 64, 128, 256, 512, 1024)

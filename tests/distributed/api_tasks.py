@@ -9,7 +9,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import dmuon
 from tests.distributed import dmuon_tasks as T
-from verify.data import local_slice
+from verify.workload.data import local_slice
 
 #: Two dedicated matrices: on 4 ranks two ranks own nothing (the ranks that used to hang).
 TWO_MATRICES = ["blocks.0.attn.qkv.weight", "blocks.0.mlp.fc1.weight"]

@@ -1,4 +1,4 @@
-"""Factories that break the ``--model`` protocol in one way each (verify.usermodel)."""
+"""Factories that break the ``--model`` protocol in one way each (verify.workload.usermodel)."""
 
 from __future__ import annotations
 

@@ -23,7 +23,7 @@ from torch.nn.parallel import DistributedDataParallel
 import dmuon
 from tests.distributed import dmuon_tasks as T
 from tracer.interposer import Interposer
-from verify.data import local_slice
+from verify.workload.data import local_slice
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 MICRO_BATCHES = 2

@@ -11,8 +11,8 @@ from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 import dmuon
-from verify.data import ByteCorpus, local_slice
-from verify.model import GPTConfig, TinyGPT
+from verify.workload.data import ByteCorpus, local_slice
+from verify.workload.model import GPTConfig, TinyGPT
 
 SMALL = GPTConfig(seq_len=16, d_model=32, n_layers=1, n_heads=2)
 GLOBAL_BATCH = 8

@@ -82,8 +82,8 @@ def reordered_step(z3: bool, model_order: bool = False, hsdp: bool = False) -> d
     ``hsdp``: a (2, W/2) mesh."""
     from dmuon import order
     from dmuon.plan import specs_from_named_parameters
-    from verify.block_order import BlockOrderRecorder, blocks_of
-    from verify.predict import RunLayout
+    from verify.run.block_order import BlockOrderRecorder, blocks_of
+    from verify.traffic.predict import RunLayout
 
     original = order.execution_block_order
     if model_order:

@@ -33,14 +33,14 @@ def readme_example(out_dir: str, extra_call: bool = False) -> dict:
 
 
 def run_user_model(out_dir: str, modes: tuple[str, ...], model: str) -> dict | None:
-    from verify.runner import RunConfig, run_all
+    from verify.run.runner import RunConfig, run_all
 
     config = RunConfig(modes=modes, steps_warmup=2, steps_measured=2, out_dir=out_dir, model=model)
     return run_all(config)
 
 
 def bad_factory_error(model: str) -> str:
-    from verify.runner import RunConfig, run_all
+    from verify.run.runner import RunConfig, run_all
 
     try:
         run_all(RunConfig(modes=("dmuon-z2",), out_dir="/tmp/unused", model=model))
@@ -56,7 +56,7 @@ def blocked_in_collective(sleep_s: float) -> dict:
     """Rank 1 sleeps before an all_reduce; rank 0 waits for it inside the collective."""
     import time
 
-    from verify.steptime import StepTime, sample
+    from verify.run.steptime import StepTime, sample
 
     dist.barrier()
     before = sample()
@@ -73,7 +73,7 @@ def ddp_window(out_dir: str) -> dict:
     from torch.nn.parallel import DistributedDataParallel
 
     from examples.my_model import ResidualMLP, loss_fn
-    from verify.record import TrafficWindow
+    from verify.run.record import TrafficWindow
 
     rank = dist.get_rank()
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))

@@ -14,7 +14,7 @@ import dmuon
 from dmuon import annotate
 from tests.distributed.dmuon_tasks import (  # noqa: F401 - build: re-exported for the tasks
     ADAMW_LR, GLOBAL_BATCH, MUON_LR, SMALL, _loss, _mesh, build, corpus, make_model)
-from verify.data import local_slice
+from verify.workload.data import local_slice
 
 
 class Boom(Exception):
@@ -166,8 +166,8 @@ def train_ac(mode: str, variant: str | None, steps: int = 3) -> dict:
     """verify-traffic's model and mode, every block checkpointed (``variant``, None = no AC);
     the interposer records steps 1.. ; returns events, layout and the owned params."""
     from tracer.interposer import Interposer
-    from verify.modes import build as build_mode
-    from verify.runner import train_step
+    from verify.run.modes import build as build_mode
+    from verify.run.runner import train_step
 
     built = build_mode(mode, lambda: make_model(SMALL))
     if variant is not None:
@@ -294,7 +294,7 @@ def readme_snippet(name: str) -> dict:
     import re
 
     import torch.nn.functional as F
-    from verify.model import TinyGPT
+    from verify.workload.model import TinyGPT
 
     text = (pathlib.Path(__file__).parents[2] / "README.md").read_text()
     match = re.search(rf"<!-- snippet: {re.escape(name)} -->\n```python\n(.*?)```", text, re.S)

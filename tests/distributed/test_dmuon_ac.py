@@ -1,5 +1,5 @@
 """Activation checkpointing under DMuon (issue 13, failure 2): recompute neither frees nor
-broadcasts again, the collective list equals verify.predict's, and the params are
+broadcasts again, the collective list equals verify.traffic.predict's, and the params are
 bit-identical to the same run without AC."""
 
 import pytest

@@ -11,7 +11,7 @@ import torch
 
 from tests.distributed import order_tasks as T
 from verify.compare import compare_run
-from verify.predict import dmuon_buckets
+from verify.traffic.predict import dmuon_buckets
 
 pytestmark = pytest.mark.distributed
 

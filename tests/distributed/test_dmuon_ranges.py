@@ -12,9 +12,9 @@ from dmuon import annotate
 from tests.distributed.dmuon_tasks import GLOBAL_BATCH, SMALL, corpus, make_model
 from tests.test_annotate import RecordingDomain
 from tracer.nsys import _SPAN_RE
-from verify.data import local_slice
-from verify.modes import build
-from verify.runner import train_step
+from verify.workload.data import local_slice
+from verify.run.modes import build
+from verify.run.runner import train_step
 
 pytestmark = pytest.mark.distributed
 

@@ -6,7 +6,7 @@ from dataclasses import replace
 import pytest
 
 from tests.distributed.harness import DistributedPool
-from verify import gpu_check as G
+from verify.run import gpu_check as G
 
 pytestmark = pytest.mark.distributed
 
@@ -26,7 +26,7 @@ def test_parity_part_at_w1_on_cpu_is_bit_identical(pool1):
 
 
 def _w1_traffic(mode: str, out_dir: str) -> dict:
-    from verify.runner import RunConfig, run_all
+    from verify.run.runner import RunConfig, run_all
 
     config = replace(RunConfig(), modes=(mode,), steps_warmup=2, steps_measured=1, out_dir=out_dir,
                      n_layers=1)
@@ -42,6 +42,6 @@ def test_traffic_at_w1_dmuon_ddp(pool1, tmp_path):
 @pytest.mark.parametrize("mode", ["dmuon-z2", "dmuon-z3"])
 def test_traffic_at_w1_fsdp2_modes(pool1, tmp_path, mode):
     # FSDP2 issues no all_gather / reduce_scatter on a one-rank shard group; the predictor
-    # models that (verify/predict.py, _fsdp_calls)
+    # models that (verify/traffic/predict.py, _fsdp_calls)
     (run,) = pool1.run(_w1_traffic, mode, str(tmp_path))
     assert run["pass"], run

@@ -1,5 +1,5 @@
 """The interposer stamps every event with its process (pid, host), and those pids map an nsys
-report's processes to ranks (verify.nsys_verify.assign_ranks), on real gloo ranks."""
+report's processes to ranks (verify.sources.nsys_verify.assign_ranks), on real gloo ranks."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from tracer.events import CollectiveEvent
 from tracer.interposer import Interposer
-from verify.nsys_verify import assign_ranks
+from verify.sources.nsys_verify import assign_ranks
 
 pytestmark = pytest.mark.distributed
 

@@ -9,7 +9,7 @@ import pytest
 
 from tests.distributed import traffic_tasks
 from verify.compare import compare_run
-from verify.predict import dmuon_buckets
+from verify.traffic.predict import dmuon_buckets
 
 pytestmark = pytest.mark.distributed
 

@@ -3,8 +3,8 @@
 A real 4-rank gloo run of dmuon-hsdp-z3 (world, shard and replicate groups) gives each rank's
 interposer events; the test tool ``tests/tools/nccl_job.py`` renders them as one NCCL 2.21
 log per process around a window (synthetic text, a plumbing test, not evidence about NCCL).
-Each rank's part (:func:`verify.nccl_source.rank_window`) and rank 0's part
-(:func:`verify.nccl_source.nccl_source_report`) then run as in the harness.
+Each rank's part (:func:`verify.sources.nccl_source.rank_window`) and rank 0's part
+(:func:`verify.sources.nccl_source.nccl_source_report`) then run as in the harness.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import pytest
 
 from tests.distributed import traffic_tasks
 from tests.tools.nccl_job import render_job
-from verify.nccl_source import nccl_source_report, rank_window
+from verify.sources.nccl_source import nccl_source_report, rank_window
 
 pytestmark = pytest.mark.distributed
 

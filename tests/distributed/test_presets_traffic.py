@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from tests.distributed import record_tasks
-from verify.traffic import MODES
+from verify.traffic.formulas import MODES
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow, pytest.mark.timeout(300)]
 

@@ -12,7 +12,7 @@ from tests.distributed import traffic_tasks
 from tracer.crosscheck import crosscheck
 from tracer.profiler import profiler_source_events
 from verify.compare import compare_run
-from verify.traffic import MODES
+from verify.traffic.formulas import MODES
 
 pytestmark = pytest.mark.distributed
 

@@ -20,7 +20,7 @@ pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 def w3_run(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("w3") / "run"
     proc = subprocess.run(
-        [sys.executable, "-m", "verify.launch", "--nproc", "3", "--out-dir", str(out),
+        [sys.executable, "-m", "verify.run.launch", "--nproc", "3", "--out-dir", str(out),
          "--modes", "dmuon-z2,dmuon-z3,naive-fsdp2-z3", "--steps-warmup", "2", "--steps-measured", "1"],
         cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True, timeout=540,
     )

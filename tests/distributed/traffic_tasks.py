@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import tempfile
 
-from verify.data import ByteCorpus
-from verify.runner import RunConfig, _train_mode
+from verify.workload.data import ByteCorpus
+from verify.run.runner import RunConfig, _train_mode
 
 _corpus = None
 

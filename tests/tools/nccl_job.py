@@ -1,6 +1,6 @@
 """TEST TOOL: render one NCCL_DEBUG_FILE per rank from a run's interposer events.
 
-Used only to test the plumbing of ``verify.nccl_source`` where no GPU exists. The text is
+Used only to test the plumbing of ``verify.sources.nccl_source`` where no GPU exists. The text is
 synthetic (line formats from :mod:`tests.tools.nccl_render`, NCCL 2.21 by default); it is never
 evidence of what NCCL does. Each file holds what a real one would around a measured window:
 INIT lines for the world communicator and for every process group of the events, the same
@@ -16,7 +16,7 @@ from pathlib import Path
 
 from tests.tools import nccl_render as R
 from tracer.events import CollectiveEvent
-from verify.nccl_source import LogWindow
+from verify.sources.nccl_source import LogWindow
 
 HOST = "node0"
 

@@ -1,8 +1,8 @@
 """TEST TOOL: the line-by-line reference of the NCCL log reader, and generated jobs.
 
-The reference is the line-by-line algorithm the columnar reader (:mod:`tracer.nccl_table`,
-:mod:`tracer.nccl_columns`) replaces, kept only here:
-:func:`tracer.nccl_records.iter_nccl_records` (records of each physical line, read as Python's
+The reference is the line-by-line algorithm the columnar reader (:mod:`tracer.nccl.table`,
+:mod:`tracer.nccl.columns`) replaces, kept only here:
+:func:`tracer.nccl.records.iter_nccl_records` (records of each physical line, read as Python's
 text mode reads the file, invalid bytes as lone surrogates), then one COLL record at a time
 resolved as the pre-columnar parser did (seq, cached resolution, nranks check; a record that
 lost its prefix is not resolved), then the end-of-parse correction per communicator epoch.
@@ -26,23 +26,23 @@ from hypothesis import strategies as st
 
 from tests.tools import nccl_render as R
 from tracer.events import CollectiveEvent, to_table
-from tracer.nccl_formats import ROOTED_OPS
-from tracer.nccl_log import (
+from tracer.nccl.formats import ROOTED_OPS
+from tracer.nccl.log import (
     ParseStats,
     iter_nccl_events,
     nccl_logs_to_table,
     parse_nccl_logs,
     write_nccl_parquet,
 )
-from tracer.nccl_records import (
+from tracer.nccl.records import (
     CollRecord,
     InitRecord,
     ParseIssue,
     TorchCommRecord,
     iter_nccl_records,
 )
-from tracer.nccl_resolve import Resolver, nranks_issue, proc_key
-from tracer.nccl_table import _range_issue
+from tracer.nccl.resolve import Resolver, nranks_issue, proc_key
+from tracer.nccl.table import _range_issue
 
 def reference(sources: list[tuple[str, list[str]]]):
     """``(events, streaming events, issues, stats, comms)`` line by line; ``sources``:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import datetime as _dt
 
 from tracer.events import CollectiveEvent
-from tracer.nccl_formats import DATATYPE_NUMBERS
+from tracer.nccl.formats import DATATYPE_NUMBERS
 
 #: Canonical op -> NCCL COLL op name.
 NCCL_NAME = {"all_reduce": "AllReduce", "all_gather": "AllGather",

@@ -1,0 +1,250 @@
+"""The report.json data model: which keys a verify-traffic report holds, their types, and
+:func:`validate_report`.
+
+Shared by the renderers (``verify.report.render``: terminal table, Markdown, files) and the charts
+(``verify.report.plots``), so neither imports the other's module. Units and accounting: see
+``verify.report.render``'s module docstring. Keys marked optional below may be absent (reports of
+older versions); when present they are type-checked like the others.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+from tracer.events import SOURCES
+
+from verify.traffic.formulas import MODES
+
+#: Measured and predicted figures are sums of integers divided by W: equal up to float rounding.
+READING_REL_TOL = 1e-9
+_NUM = (int, float)
+_OPT_NUM = (int, float, type(None))
+_OPT_STR = (str, type(None))
+_OPT_INT = (int, type(None))
+
+#: key -> allowed types, in report.json order.
+TOP_KEYS: dict[str, tuple] = {
+    "pass": (bool,),
+    "created_utc": (str,),
+    "torch_version": (str,),
+    "backend": (str,),
+    "world_size": (int,),
+    "steps_warmup": (int,),
+    "steps_measured": (int,),
+    "run_id": (str,),
+    "runs": (list,),
+}
+RUN_KEYS: dict[str, tuple] = {
+    "mode": (str,),
+    "world_size": (int,),
+    "shard_size": (int,),
+    "replicate_size": (int,),
+    "p_m": (int,),
+    "measured_avg_elems": _NUM,
+    "predicted_avg_elems": _NUM,
+    "closed_form": (str,),
+    "closed_form_avg_elems": _NUM,
+    "seed_avg_elems": _OPT_NUM,
+    "ratio_to_p_m": _NUM,
+    "ns_calls_per_step": _NUM,  # a mean over measured steps: may be fractional
+    "ns_calls_expected": _NUM,
+    "max_rank_elems": _NUM,
+    "total_measured_avg_elems": _NUM,
+    "total_predicted_avg_elems": _NUM,
+    "loss_first": _NUM,
+    "loss_last": _NUM,
+    "pass": (bool,),
+    "phases": (dict,),
+    "missing": (list,),
+    "unexpected": (list,),
+    "sources": (dict,),
+    "replicate_overlap": (list,),
+    "timeline": _OPT_STR,
+}
+PHASE_KEYS: dict[str, tuple] = {
+    "measured_avg_elems": _NUM,
+    "predicted_avg_elems": _NUM,
+    "closed_form_avg_elems": _OPT_NUM,
+    "seed_avg_elems": _OPT_NUM,
+    "collectives_measured": _NUM,  # calls per step, all ranks (mean over measured steps)
+    "collectives_predicted": _NUM,
+    "pass": (bool,),
+}
+COLLECTIVE_KEYS: dict[str, tuple] = {  # None where the source could not tell
+    "rank": _OPT_INT,
+    "phase": _OPT_STR,
+    "op": (str,),
+    "group_id": _OPT_STR,
+    "count": _OPT_INT,
+    "dtype": _OPT_STR,
+    "root": _OPT_INT,
+    "module": _OPT_STR,
+    "n": (int,),
+}
+SOURCE_KEYS: dict[str, tuple] = {
+    "events": (int,),
+    "matched": (int,),
+    "unmatched": (int,),
+    "pass": (bool,),
+    "mismatches": (list,),
+}
+OVERLAP_KEYS: dict[str, tuple] = {
+    "module": (str,),
+    "rank": (int,),
+    "issued_ns": (int,),
+    "waited_ns": (int,),
+    "wait_dur_ns": (int,),
+}
+#: Optional top-level keys (absent in reports of older versions).
+OPTIONAL_TOP_KEYS: dict[str, tuple] = {
+    "model": (str,),  # --model: tinygpt, a preset, or pkg.module:factory
+    "skipped": (list,),  # [{"mode", "reason"}]: modes this W cannot run
+}
+#: Optional per-run keys: ``wire`` (verify.traffic.wire.wire_report), ``bytes``
+#: (``{"measured_avg_bytes"|"predicted_avg_bytes": {phase|"total": {dtype: bytes}}}``) and
+#: ``timing`` (verify.run.steptime.timing_report).
+OPTIONAL_RUN_KEYS: dict[str, tuple] = {"wire": (dict,), "bytes": (dict,), "timing": (dict,)}
+WIRE_KEYS: dict[str, tuple] = {
+    "per_rank": (list,),
+    "busiest_rank": (int,),
+    "max_recv_elems": _NUM,
+    "max_sent_elems": _NUM,
+    "max_recv_bytes": _NUM,
+    "max_sent_bytes": _NUM,
+    "mean_recv_elems": _NUM,
+}
+WIRE_RANK_KEYS: dict[str, tuple] = {
+    "rank": (int,), "sent_elems": _NUM, "recv_elems": _NUM, "sent_bytes": _NUM, "recv_bytes": _NUM,
+}
+TIMING_KEYS: dict[str, tuple] = {
+    "step_ms": _NUM,
+    "step_ms_per_step": (list,),
+    "exposed_comm_frac": _OPT_NUM,
+    "exposed_comm_frac_max": _OPT_NUM,
+    "exposed_comm_source": (str,),
+    "exposed_comm_reason": _OPT_STR,
+}
+SKIPPED_KEYS: dict[str, tuple] = {"mode": (str,), "reason": (str,)}
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+def _check_keys(obj: object, spec: Mapping[str, tuple], where: str) -> None:
+    if not isinstance(obj, Mapping):
+        raise ValueError(f"Invalid {where}={obj!r}. Must be a dict with keys {list(spec)}.")
+    for key, types in spec.items():
+        if key not in obj:
+            raise ValueError(
+                f"Invalid {where}: missing key {key!r}. Must have keys {list(spec)} "
+                "(report.json data model, verify/report/render.py)."
+            )
+        value = obj[key]
+        # bool is an int subclass: only accept it where bool is the declared type.
+        bad_bool = isinstance(value, bool) and bool not in types
+        if bad_bool or not isinstance(value, types):
+            names = "/".join("None" if t is type(None) else t.__name__ for t in types)
+            raise ValueError(f"Invalid {where}[{key!r}]={value!r}. Must be of type {names}.")
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ValueError(
+                f"Invalid {where}[{key!r}]={value!r}. Must be finite (JSON has no NaN/inf); "
+                "fix the runner that computed it."
+            )
+
+
+def _check_optional(obj: Mapping, spec: Mapping[str, tuple], where: str) -> None:
+    present = {k: v for k, v in spec.items() if k in obj}
+    _check_keys({k: obj[k] for k in present}, present, where)
+
+
+def _check_bytes(entry: Mapping, where: str) -> None:
+    for kind in ("measured_avg_bytes", "predicted_avg_bytes"):
+        table = entry.get(kind)
+        if not isinstance(table, Mapping):
+            raise ValueError(f"Invalid {where}[{kind!r}]={table!r:.80}. Must be a dict "
+                             "{phase: {dtype: bytes}}.")
+        for phase, by_dtype in table.items():
+            ok = isinstance(by_dtype, Mapping) and all(
+                isinstance(k, str) and isinstance(v, _NUM) and not isinstance(v, bool)
+                and math.isfinite(v) for k, v in by_dtype.items())
+            if not ok:
+                raise ValueError(f"Invalid {where}[{kind!r}][{phase!r}]={by_dtype!r:.80}. "
+                                 "Must map dtype names to finite byte counts.")
+
+
+def _check_run_optional(run: Mapping, where: str) -> None:
+    _check_optional(run, OPTIONAL_RUN_KEYS, where)
+    if "wire" in run:
+        _check_keys(run["wire"], WIRE_KEYS, f"{where} wire")
+        for j, entry in enumerate(run["wire"]["per_rank"]):
+            _check_keys(entry, WIRE_RANK_KEYS, f"{where} wire per_rank[{j}]")
+    if "bytes" in run:
+        _check_bytes(run["bytes"], f"{where} bytes")
+    if "timing" in run:
+        _check_keys(run["timing"], TIMING_KEYS, f"{where} timing")
+
+
+def validate_report(report: Mapping) -> None:
+    """Check ``report`` against the report.json data model.
+
+    Raises:
+        ValueError: a key is missing or has the wrong type, a float is NaN/inf, a mode or
+            source name is unknown, a phase name is not a str, ``ratio_to_p_m`` is not
+            ``measured_avg_elems / p_m``, a replicate broadcast is waited before it is
+            issued, or ``report["pass"]`` is true while a run failed.
+    """
+    _check_keys(report, TOP_KEYS, "report")
+    _check_optional(report, OPTIONAL_TOP_KEYS, "report")
+    for j, entry in enumerate(report.get("skipped", [])):
+        _check_keys(entry, SKIPPED_KEYS, f"report['skipped'][{j}]")
+    if report["backend"] not in ("gloo", "nccl"):
+        raise ValueError(
+            f"Invalid report['backend']={report['backend']!r}. Must be 'gloo' or 'nccl'."
+        )
+    if not report["runs"]:
+        raise ValueError("Invalid report['runs']=[]. Must hold at least one run.")
+    for i, run in enumerate(report["runs"]):
+        where = f"report['runs'][{i}]"
+        _check_keys(run, RUN_KEYS, where)
+        where = f"run {run['mode']!r}"
+        if run["mode"] not in MODES:
+            raise ValueError(f"Invalid {where} mode={run['mode']!r}. Must be one of {MODES}.")
+        if run["p_m"] <= 0:
+            raise ValueError(
+                f"Invalid {where} p_m={run['p_m']}. Must be > 0 (elements of dedicated params)."
+            )
+        ratio = run["measured_avg_elems"] / run["p_m"]
+        if not math.isclose(run["ratio_to_p_m"], ratio, rel_tol=READING_REL_TOL, abs_tol=1e-12):
+            raise ValueError(
+                f"Invalid {where} ratio_to_p_m={run['ratio_to_p_m']}. Must equal "
+                f"measured_avg_elems / p_m = {run['measured_avg_elems']} / {run['p_m']} = {ratio}."
+            )
+        for name, ph in run["phases"].items():
+            if not isinstance(name, str):
+                raise ValueError(f"Invalid {where} phase={name!r}. Must be a str (phase name).")
+            _check_keys(ph, PHASE_KEYS, f"{where} phases[{name!r}]")
+        for kind in ("missing", "unexpected"):
+            for j, entry in enumerate(run[kind]):
+                _check_keys(entry, COLLECTIVE_KEYS, f"{where} {kind}[{j}]")
+        for name, src in run["sources"].items():
+            if name not in SOURCES:
+                raise ValueError(f"Invalid {where} source={name!r}. Must be one of {SOURCES}.")
+            _check_keys(src, SOURCE_KEYS, f"{where} sources[{name!r}]")
+        _check_run_optional(run, where)
+        for j, entry in enumerate(run["replicate_overlap"]):
+            _check_keys(entry, OVERLAP_KEYS, f"{where} replicate_overlap[{j}]")
+            if entry["waited_ns"] < entry["issued_ns"]:
+                raise ValueError(
+                    f"Invalid {where} replicate_overlap[{j}] waited_ns={entry['waited_ns']} < "
+                    f"issued_ns={entry['issued_ns']}. Must be measured from the same step start "
+                    "(the step that issued the broadcast), so that the wait comes after the issue."
+                )
+    failed = [run["mode"] for run in report["runs"] if not run["pass"]]
+    if report["pass"] and failed:
+        raise ValueError(
+            f"Invalid report['pass']=True while runs {failed} failed. Must be False when any "
+            "run fails (it is the CI gate)."
+        )
+
+

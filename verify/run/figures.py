@@ -1,0 +1,51 @@
+"""What verify-traffic and ``verify.run.record`` add to a compared run (one place for both).
+
+- :func:`add_figures`: the busiest rank and bytes (``verify.traffic.wire``), step time and exposed
+  communication (``verify.run.steptime``), and ``max_rank_elems`` = the busiest rank's received
+  dedicated elements per step.
+- :func:`interposer_source`: report.json's ``sources["interposer"]`` entry from the
+  comparison's missing / unexpected lists.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from tracer.events import CollectiveEvent
+
+from verify.traffic.predict import RunLayout
+from verify.run.steptime import StepTime, timing_report
+from verify.traffic.wire import dedicated_traffic
+
+#: How many missing / unexpected entries ``interposer_source`` lists of each kind.
+MAX_SOURCE_MISMATCHES = 10
+
+
+def add_figures(run: dict, layout: RunLayout, events: Sequence[CollectiveEvent], steps: int,
+                step_times: list[list[StepTime]], device: str) -> dict:
+    """Add ``wire``, ``bytes``, ``timing`` and the busiest ``max_rank_elems`` to ``run`` (the
+    dict of ``verify.compare.compare_run``) and return it.
+
+    Args:
+        events: every rank's interposer events over ``steps`` measured steps.
+        step_times: per rank, its measured steps (``verify.run.steptime.StepTime``).
+        device: ``"cpu"`` or ``"cuda"``.
+    """
+    run.update(dedicated_traffic(layout, list(events), steps))
+    run["max_rank_elems"] = run["wire"]["max_recv_elems"]
+    run["timing"] = timing_report(step_times, device)
+    return run
+
+
+def interposer_source(run: dict, n_events: int) -> dict:
+    """``sources["interposer"]``: the interposer's events against the prediction."""
+    unexpected = sum(u["n"] for u in run["unexpected"])
+    missing = sum(m["n"] for m in run["missing"])
+    return {
+        "events": n_events,
+        "matched": n_events - unexpected,
+        "unmatched": unexpected + missing,
+        "pass": unexpected == 0 and missing == 0,
+        "mismatches": [f"missing {m}" for m in run["missing"][:MAX_SOURCE_MISMATCHES]]
+        + [f"unexpected {u}" for u in run["unexpected"][:MAX_SOURCE_MISMATCHES]],
+    }

@@ -1,0 +1,122 @@
+"""``make verify-traffic``: start the harness under torchrun on whatever this machine has.
+
+- ≥ 2 visible GPUs: one process per GPU, NCCL, with ``NCCL_DEBUG=INFO``,
+  ``NCCL_DEBUG_SUBSYS=INIT,COLL`` and one ``NCCL_DEBUG_FILE`` per process
+  (``<out>/nccl/nccl.%h.%p.log``; NCCL expands only %h and %p).
+- otherwise the embedded default: ``--nproc`` (default 4) local CPU processes on gloo.
+- ``--backend nccl`` forces NCCL (one process per GPU, ``--nproc`` at most the GPU count, 1
+  allowed: ``make gpu-check`` runs W = 1 on one GPU); ``--backend gloo`` forces CPU processes.
+
+Traces and reports go to ``traces/<run-id>/`` (or ``--out-dir``). The exit code is verify.run.main's (0 pass,
+1 mismatch) or torchrun's when a process fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from tracer.flight_recorder import flight_recorder_env
+from verify.run.main import VERDICT_FILE
+
+DEFAULT_CPU_PROCS = 4
+
+
+def launch_command(nproc: int, out_dir: Path, extra: list[str]) -> list[str]:
+    """The torchrun command line (a pure function, tested)."""
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        "-m",
+        "verify.run.main",
+        "--out-dir",
+        str(out_dir),
+        *extra,
+    ]
+
+
+def launch_env(use_nccl: bool, out_dir: Path) -> dict[str, str]:
+    """Environment for the workers: NCCL logging on NCCL runs; never DETAIL debug (it adds
+    hidden fingerprint collectives)."""
+    env = dict(os.environ)
+    env.pop("TORCH_DISTRIBUTED_DEBUG", None)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env.update(flight_recorder_env())
+    if use_nccl:
+        (out_dir / "nccl").mkdir(parents=True, exist_ok=True)
+        env.update(
+            NCCL_DEBUG="INFO",
+            NCCL_DEBUG_SUBSYS="INIT,COLL",
+            NCCL_DEBUG_FILE=str(out_dir / "nccl" / "nccl.%h.%p.log"),
+        )
+    return env
+
+
+#: ``--backend`` choices: ``auto`` = NCCL on >= 2 GPUs, else gloo.
+BACKENDS = ("auto", "nccl", "gloo")
+
+
+def resolve_backend(backend: str, gpus: int, nproc: int | None) -> tuple[bool, int]:
+    """``(use_nccl, nproc)`` for ``--backend`` and ``--nproc`` on a machine with ``gpus`` GPUs.
+
+    Raises:
+        ValueError: an unknown backend, NCCL without a GPU or with more processes than GPUs,
+            or ``nproc`` < 1 (< 2 for ``auto``, whose CPU default is a multi-process run).
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"Invalid --backend={backend!r}. Must be one of {BACKENDS}.")
+    if backend == "nccl" or (backend == "auto" and gpus >= 2):
+        n = nproc or gpus
+        if gpus < 1 or not 1 <= n <= gpus:
+            raise ValueError(f"Invalid --nproc={n} for --backend nccl with {gpus} visible GPUs. "
+                             "Must be between 1 and the GPU count (one GPU per process).")
+        return True, n
+    n = nproc or DEFAULT_CPU_PROCS
+    if n < (2 if backend == "auto" else 1):
+        raise ValueError(f"Invalid --nproc={n}. Must be >= 2 (a distributed run), or pass "
+                         "--backend gloo / nccl explicitly for a 1-process run.")
+    return False, n
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="make verify-traffic", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--nproc", type=int, default=None, help=f"CPU processes when < 2 GPUs (default {DEFAULT_CPU_PROCS})")
+    parser.add_argument("--backend", default="auto", choices=BACKENDS,
+                        help="auto: NCCL on >= 2 GPUs, else gloo; nccl / gloo force one")
+    parser.add_argument("--run-id", default=None, help="traces/<run-id>/ (default: UTC timestamp)")
+    parser.add_argument("--out-dir", default=None, help="output folder (default: traces/<run-id>/)")
+    args, extra = parser.parse_known_args(argv)
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    try:
+        use_nccl, nproc = resolve_backend(args.backend, gpus, args.nproc)
+    except ValueError as exc:
+        parser.error(str(exc))
+    run_id = args.run_id or datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    out_dir = Path(args.out_dir) if args.out_dir else Path("traces") / run_id
+    out_dir.mkdir(parents=True, exist_ok=True)
+    cpu_why = "" if args.backend == "gloo" else " (no ≥2 GPUs visible)"
+    where = f"{nproc} GPU(s), NCCL" if use_nccl else f"{nproc} local CPU processes, gloo{cpu_why}"
+    print(f"verify-traffic: {where}; output in {out_dir}/", flush=True)
+    cmd = launch_command(nproc, out_dir, [*extra, "--backend", "nccl" if use_nccl else "gloo"])
+    code = subprocess.call(cmd, env=launch_env(use_nccl, out_dir))
+    if code != 0:
+        print(f"verify-traffic: torchrun exited with {code} (a worker failed; see above)", file=sys.stderr)
+        return code
+    verdict = out_dir / VERDICT_FILE
+    if not verdict.is_file():
+        print(f"verify-traffic: no verdict in {verdict}; the run did not finish", file=sys.stderr)
+        return 2
+    return int(verdict.read_text())
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,135 @@
+"""``dmuon-verify-traffic``: the per-process entry point that torchrun starts (see verify/run/launch.py).
+
+Every process joins the default process group from torchrun's environment (gloo on CPU,
+NCCL where CUDA is available), runs :func:`verify.run.runner.run_all`, and rank 0 prints the
+table and writes ``report.json``, ``report.md``, ``traffic.png`` and per-mode traces under
+``--out-dir``. The exit code is the CI gate: 0 when every run passes, 1 otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+
+from verify.workload.data import global_batch_size
+from verify.run.runner import RunConfig, run_all, runnable_modes
+from verify.traffic.formulas import MODES
+from verify.workload.usermodel import BUILTIN, skip_reasons
+
+#: Exit codes.
+EXIT_PASS, EXIT_MISMATCH = 0, 1
+#: File in --out-dir holding rank 0's verdict (0 pass, 1 mismatch).
+VERDICT_FILE = "exit_code"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="dmuon-verify-traffic", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out-dir", required=True, help="folder for report.* and per-mode traces")
+    parser.add_argument("--backend", default="auto", choices=("auto", "nccl", "gloo"),
+                        help="auto: NCCL where CUDA is available, else gloo")
+    parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {','.join(MODES)}")
+    parser.add_argument("--steps-warmup", type=int, default=RunConfig.steps_warmup)
+    parser.add_argument("--steps-measured", type=int, default=RunConfig.steps_measured)
+    parser.add_argument("--timeout-s", type=int, default=300, help="process-group timeout (s)")
+    parser.add_argument("--no-profiler", action="store_true",
+                        help="do not record the measured steps with torch.profiler (a third source)")
+    parser.add_argument("--global-batch", type=int, default=None,
+                        help=f"sequences per step over all ranks, a multiple of W (default "
+                             f"{RunConfig.batch_per_rank} per rank, so it follows the world size)")
+    parser.add_argument("--model", default=BUILTIN,
+                        help=f"'{BUILTIN}' (built in), a preset of verify.workload.presets, or pkg.module:factory "
+                        "returning (model, loss_fn) (README: Verify your own model)")
+    parser.add_argument("--wide", action="store_true",
+                        help="print every column (default: a table that fits 120 columns)")
+
+    parser.add_argument("--mixed-precision", choices=["bf16", "fp16"], default=None,
+                        help="MixedPrecisionPolicy(param_dtype=...) for DMuon and fully_shard")
+    args = parser.parse_args(argv)
+    unknown = [m for m in args.modes.split(",") if m not in MODES]
+    if unknown:
+        parser.error(f"Invalid --modes entries {unknown}. Must be among {list(MODES)}.")
+    if args.steps_measured < 1 or args.steps_warmup < 1:
+        parser.error("--steps-warmup and --steps-measured must be >= 1 (the first step is never steady).")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run under torchrun; returns the process exit code."""
+    args = parse_args(argv)
+    if "RANK" not in os.environ:
+        print("dmuon-verify-traffic must run under torchrun; use `make verify-traffic`.", file=sys.stderr)
+        return 2
+    try:  # every rank checks the same thing before any collective
+        global_batch_size(int(os.environ.get("WORLD_SIZE", "1")), per_rank=RunConfig.batch_per_rank,
+                          global_batch=args.global_batch)
+    except ValueError as exc:
+        print(f"dmuon-verify-traffic: {exc}", file=sys.stderr)
+        return 2
+    use_cuda = args.backend == "nccl" or (args.backend == "auto" and torch.cuda.is_available())
+    if use_cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(
+        "nccl" if use_cuda else "gloo", timeout=datetime.timedelta(seconds=args.timeout_s)
+    )
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // dist.get_world_size()))
+    config = replace(
+        RunConfig(),
+        modes=tuple(args.modes.split(",")),
+        steps_warmup=args.steps_warmup,
+        steps_measured=args.steps_measured,
+        global_batch=args.global_batch,
+        profiler=not args.no_profiler,
+        out_dir=args.out_dir,
+        device="cuda" if use_cuda else "cpu",
+        model=args.model,
+        mixed_precision=args.mixed_precision,
+    )
+    rank = dist.get_rank()
+    modes = runnable_modes(config, dist.get_world_size())
+    bar = None
+    if rank == 0:
+        for mode, why in skip_reasons(config.modes, dist.get_world_size()).items():
+            print(f"skipping {mode}: {why}", flush=True)
+        bar = tqdm(total=len(modes) * (config.steps_warmup + config.steps_measured), desc="training steps", unit="step")
+    try:
+        report = run_all(config, progress=bar.update if bar else None)
+    except ValueError as exc:  # a user mistake (e.g. --model), raised alike on every rank
+        if rank == 0:
+            print(f"verify-traffic: {exc}", file=sys.stderr, flush=True)
+        dist.destroy_process_group()
+        return 2
+    finally:
+        if bar:
+            bar.close()
+    if rank == 0:
+        code = _finish(report, Path(args.out_dir), wide=args.wide)
+        # torchrun turns a worker's non-zero exit into a crash report; the verdict travels
+        # through a file instead and verify.run.launch returns it as its exit code.
+        (Path(args.out_dir) / VERDICT_FILE).write_text(f"{code}\n")
+    dist.destroy_process_group()
+    return 0
+
+
+def _finish(report: dict, out_dir: Path, wide: bool = False) -> int:
+    from verify.report.render import write_report
+    from verify.report.terminal import format_table
+
+    report.setdefault("created_utc", datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
+    report.setdefault("run_id", out_dir.name)
+    paths = write_report(report, out_dir)
+    print(format_table(report, wide=wide), flush=True)
+    print("wrote " + ", ".join(str(p) for p in paths.values()), flush=True)
+    print("PASS" if report["pass"] else "FAIL: measured traffic differs from the model (see above)", flush=True)
+    return EXIT_PASS if report["pass"] else EXIT_MISMATCH
+
+
+if __name__ == "__main__":
+    sys.exit(main())

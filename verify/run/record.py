@@ -1,0 +1,278 @@
+"""Phase D inside your own training script: record a window of steps and assert the exact match.
+
+::
+
+    from verify.run.record import TrafficWindow
+
+    window = TrafficWindow(model, dm, optimizer, out_dir="traces/my-job")
+    for step, batch in enumerate(loader):
+        if step == 5:
+            window.start()                       # after warm-up (lazy init, DDP's bucket rebuild)
+        with dmuon.phase("forward"):
+            loss = loss_fn(model(batch))
+        with dmuon.phase("backward"):
+            loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        if window.recording:
+            window.step_done(loss)
+        if step == 6:
+            window.finish()                      # raises TrafficMismatch on every rank on a mismatch
+
+or, around the measured steps only, ``with TrafficWindow(...) as window: ... window.step_done()``.
+
+What is checked: the collectives every rank issued in the window (the interposer,
+``tracer.interposer``), one to one against the prediction for *this* job
+(``verify.traffic.predict.predict_step`` on a :class:`~verify.traffic.predict.RunLayout` read from the live
+objects: the model's parameter shapes, ``dm``'s dedicated params, mesh and Z2/Z3 flag, and the
+wrapping: ``DistributedDataParallel`` and its bucket cap, or the modules wrapped with
+``fully_shard`` and whether each reshards after forward), the W-average against the closed
+form, and Newton–Schulz calls. Rank 0 writes ``report.json``, ``report.md`` and
+``traffic.png`` to ``out_dir`` (``verify.report.render``), the same files as ``make verify-traffic``.
+
+Create the window before the first training step: it records the order in which DMuon's
+blocks first run in the first forward it sees (``verify.run.block_order``; DMuon numbers its
+buckets by the first step's order, ``dmuon/dedicate.py`` step 7), which the layout reports as
+``dmuon_block_order``. Start it after at least one step: the first step has setup calls (DDP's
+bucket rebuild, DMuon's block-order agreement) that the prediction of a steady step omits.
+
+Requirements: every rank runs the same steps; the forward (with the loss) runs under
+``dmuon.phase("forward")`` and backward under ``dmuon.phase("backward")`` (DMuon tags its own
+collectives; DDP's and FSDP2's take the phase of the code that triggers them). A collective
+without a phase fails the check with a message saying so.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+import dmuon
+from dmuon.plan import specs_from_named_parameters
+from tracer.interposer import Interposer
+
+from verify.run.block_order import BlockOrderRecorder, bare_model, blocks_of
+from verify.compare import compare_run
+from verify.traffic.predict import RunLayout
+from verify.run.figures import add_figures, interposer_source
+from verify.run.steptime import StepTime, sample
+
+
+class TrafficMismatch(AssertionError):
+    """The measured collectives differ from the prediction (raised on every rank)."""
+
+
+def layout_from_job(model: nn.Module, dedicated: dmuon.DedicatedParams,
+                    block_order: tuple[str, ...] = ()) -> RunLayout:
+    """The :class:`RunLayout` of a live job (call after the first step: FSDP2 initialises
+    lazily). See the module docstring for what is read; ``block_order`` is the harness's
+    record of the blocks' execution order (``RunLayout.dmuon_block_order``, ``()``: model
+    order).
+
+    Raises:
+        ValueError: ``dedicated`` is not a ``DedicatedParams``, the wrapping is neither DDP nor
+            FSDP2, or a non-root FSDP2 group's ``reshard_after_forward`` differs from DMuon's.
+    """
+    if not isinstance(dedicated, dmuon.DedicatedParams):
+        raise ValueError(f"Invalid dedicated={type(dedicated).__name__}. Must be the "
+                         "DedicatedParams returned by dmuon.dedicate_params.")
+    topo = dedicated.topology
+    z3 = getattr(dedicated, "reshard_after_forward", None)
+    if not isinstance(z3, bool):
+        raise ValueError(f"Invalid dedicated: reshard_after_forward={z3!r}. Must be the bool "
+                         "given to dmuon.dedicate_params (Z3: True, Z2: False).")
+    common = dict(replicate_size=topo.replicate_size, shard_size=topo.shard_size,
+                  muon_names=tuple(dedicated.names),
+                  dmuon_bucket_cap_bytes=int(dedicated.bucket_cap_bytes),
+                  dmuon_block_order=tuple(block_order))
+    if isinstance(model, DistributedDataParallel):
+        if topo.replicate_size != 1:
+            raise ValueError("Invalid wrapping: DistributedDataParallel with a 2-D DMuon mesh. "
+                             "Must be a 1-D mesh (HSDP uses fully_shard).")
+        specs = tuple(specs_from_named_parameters(model.module.named_parameters()))
+        return RunLayout(mode="dmuon-ddp", params=specs, reshard_after_forward=z3,
+                         ddp_bucket_cap_bytes=int(model.bucket_bytes_cap),
+                         ddp_first_bucket_cap_bytes=_ddp_first_bucket_cap(model), **common)
+    from torch.distributed.fsdp import FSDPModule
+
+    wrapped = [(name, m) for name, m in model.named_modules() if isinstance(m, FSDPModule)]
+    if not wrapped:
+        raise ValueError(f"Invalid model={type(model).__name__}: neither DistributedDataParallel "
+                         "nor wrapped with fully_shard. Must be the wrapped model you train.")
+    # children before parents (the order fully_shard is applied in), the root last
+    wrapped.sort(key=lambda nm: (-nm[0].count(".") if nm[0] else 1, 0))
+    flags = {}  # module -> reshards after forward (FSDP2 internals, torch 2.13: set at lazy init)
+    for name, m in wrapped:
+        group = m._get_fsdp_state()._fsdp_param_group
+        if group is not None:
+            flags[name] = group.post_forward_mesh_info is not None
+    inner = {f for name, f in flags.items() if name}
+    if inner - {z3}:
+        raise ValueError(f"Invalid wrapping: fully_shard groups use reshard_after_forward="
+                         f"{sorted(inner)} while dedicate_params uses {z3}. Must use the same "
+                         "setting everywhere (the predictor models one flag).")
+    specs = tuple(specs_from_named_parameters(model.named_parameters()))
+    hsdp = topo.replicate_size > 1
+    mode = f"dmuon-{'hsdp-' if hsdp else ''}{'z3' if z3 else 'z2'}"
+    return RunLayout(mode=mode, params=specs, fsdp_modules=tuple(n for n, _ in wrapped),
+                     reshard_after_forward=z3, root_auto_reshard="" in flags and not flags[""],
+                     **common)
+
+
+class TrafficWindow:
+    """Record the collectives of a window of training steps and check them (module docstring).
+
+    Args:
+        model: the wrapped model you train (DDP or fully_shard).
+        dedicated: what ``dmuon.dedicate_params`` returned.
+        optimizer: the ``dmuon.DMuon`` optimizer (its ``ns_calls`` counts Newton–Schulz).
+        out_dir: where rank 0 writes the report files (``None``: no files).
+        run_id: the report's run id (default: ``out_dir``'s name).
+
+    Raises:
+        ValueError: at construction, an optimizer without ``ns_calls`` or a process group
+            that is not initialised; at :meth:`finish`, no step recorded, or collectives
+            without a phase tag (on every rank).
+        TrafficMismatch: at :meth:`finish`, on every rank, when the check fails.
+    """
+
+    def __init__(self, model: nn.Module, dedicated: dmuon.DedicatedParams, optimizer, *,
+                 out_dir: str | os.PathLike | None = None, run_id: str | None = None) -> None:
+        if not dist.is_initialized():
+            raise ValueError("Invalid call: torch.distributed is not initialised. Must create a "
+                             "TrafficWindow inside the job, after init_process_group.")
+        if not hasattr(optimizer, "ns_calls"):
+            raise ValueError(f"Invalid optimizer={type(optimizer).__name__}: no ns_calls counter. "
+                             "Must be the dmuon.DMuon optimizer.")
+        self.model, self.dedicated, self.optimizer = model, dedicated, optimizer
+        self.out_dir = None if out_dir is None else Path(out_dir)
+        self.run_id = run_id or (self.out_dir.name if self.out_dir else "traffic-window")
+        self.report: dict | None = None
+        self._interposer: Interposer | None = None
+        self._times: list[StepTime] = []
+        self._losses: list[float] = []
+        self._last = None
+        self._order = BlockOrderRecorder(bare_model(model), blocks_of(dedicated.names))
+
+    @property
+    def recording(self) -> bool:
+        return self._interposer is not None
+
+    def start(self) -> TrafficWindow:
+        """Start recording (call between steps, after at least one warm-up step)."""
+        if self._interposer is not None:
+            raise ValueError("Invalid start(): already recording. Must call finish() first.")
+        self._ns_before = self.optimizer.ns_calls
+        self._interposer = Interposer().__enter__()
+        self._last = sample()
+        return self
+
+    def step_done(self, loss) -> None:
+        """Mark the end of one recorded training step whose loss was ``loss`` (float or tensor)."""
+        if self._interposer is None:
+            raise ValueError("Invalid step_done(): not recording. Must call start() first.")
+        now = sample()
+        self._losses.append(float(loss.detach() if isinstance(loss, torch.Tensor) else loss))
+        self._times.append(StepTime.between(self._last, now))
+        self._last = now
+
+    def finish(self) -> dict | None:
+        """Stop, compare on rank 0, write the report, and raise on a mismatch on every rank.
+
+        Returns:
+            The report dict on rank 0, ``None`` elsewhere (also kept as ``self.report``).
+        """
+        if self._interposer is None:
+            raise ValueError("Invalid finish(): not recording. Must call start() first.")
+        ip, self._interposer = self._interposer, None
+        ip.__exit__(None, None, None)
+        self.dedicated.wait_pending()
+        steps = len(self._times)
+        untagged = sum(ev.phase is None for ev in ip.events)
+        problem = None
+        if steps < 1:
+            problem = "no step recorded. Must call step_done() after each recorded step."
+        elif untagged:
+            problem = (f"{untagged} collectives without a phase tag. Must run forward and the "
+                       "loss under dmuon.phase('forward') and backward under "
+                       "dmuon.phase('backward').")
+        problems: list = [None] * dist.get_world_size()
+        dist.all_gather_object(problems, problem)
+        bad = {r: p for r, p in enumerate(problems) if p}
+        if bad:
+            raise ValueError(f"Invalid TrafficWindow recording on ranks {sorted(bad)}: {next(iter(bad.values()))}")
+        layout = layout_from_job(self.model, self.dedicated, self._order.agreed())
+        mine = {"events": ip.events, "times": self._times, "losses": self._losses,
+                "ns_calls": self.optimizer.ns_calls - self._ns_before}
+        rank = dist.get_rank()
+        gathered: list | None = [None] * dist.get_world_size() if rank == 0 else None
+        dist.gather_object(mine, gathered, dst=0)
+        verdict = [None]
+        if rank == 0:
+            self.report = self._report(layout, gathered, steps)
+            verdict[0] = self._summary(self.report)
+        dist.broadcast_object_list(verdict, src=0)
+        if verdict[0]:
+            raise TrafficMismatch(verdict[0])
+        return self.report
+
+    def _report(self, layout: RunLayout, gathered: list[dict], steps: int) -> dict:
+        events = [ev for r in gathered for ev in r["events"]]
+        run = compare_run(layout, events, steps=steps, ns_calls=sum(r["ns_calls"] for r in gathered))
+        device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+        add_figures(run, layout, events, steps, [r["times"] for r in gathered], device)
+        run["sources"] = {"interposer": interposer_source(run, len(events))}
+        losses = [sum(r["losses"][i] for r in gathered) / len(gathered) for i in range(steps)]
+        run.update(loss_first=losses[0], loss_last=losses[-1], replicate_overlap=[], timeline=None)
+        report = {
+            "pass": bool(run["pass"]),
+            "created_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "torch_version": torch.__version__, "backend": dist.get_backend(),
+            "world_size": dist.get_world_size(), "steps_warmup": 0, "steps_measured": steps,
+            "run_id": self.run_id, "model": "own script (verify.run.record.TrafficWindow)",
+            "runs": [run],
+        }
+        if self.out_dir is not None:
+            from verify.report.render import write_report
+
+            write_report(report, self.out_dir)
+        return report
+
+    @staticmethod
+    def _summary(report: dict) -> str | None:
+        if report["pass"]:
+            return None
+        from verify.report.render import failure_sections
+
+        run = report["runs"][0]
+        lines = [f"{run['mode']}: measured traffic differs from the prediction"]
+        for title, body in failure_sections(run, "simple"):
+            lines += [f"{title}:", body]
+        return "\n".join(lines)
+
+    def __enter__(self) -> TrafficWindow:
+        return self.start()
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is not None:  # the step failed: stop recording, keep the original error
+            if self._interposer is not None:
+                self._interposer.__exit__(None, None, None)
+                self._interposer = None
+            return
+        self.finish()
+
+
+def _ddp_first_bucket_cap(model) -> int | None:
+    """The live DDP object's first-bucket cap (torch 2.13 ``BucketCapacityConfig``), or
+    ``None`` when it equals the other buckets' cap (an explicit ``bucket_cap_mb``)."""
+    config = getattr(model, "_bucket_config", None)
+    first = getattr(config, "first_bucket_bytes_cap", None)
+    if first is None or first >= int(model.bucket_bytes_cap):
+        return None
+    return int(first)

@@ -1,0 +1,378 @@
+"""Run every mode on this rank, measure steady-state steps, and assemble the report on rank 0.
+
+Runs inside an initialised default process group (torchrun, or the test harness). For each
+mode: build it (``verify.run.modes``), train ``warmup + measured`` steps on the byte corpus, record
+the measured steps with the :class:`tracer.interposer.Interposer` and ``torch.profiler`` (and
+the Flight Recorder, the NCCL log and the NVLink counters where they exist: ``_MeasuredWindow``),
+write this rank's events to ``<out_dir>/<mode>/events_rank<r>.parquet``, and gather everything
+to rank 0, which compares with the prediction (``verify.compare``) and cross-checks the other
+sources. The global batch is ``batch_per_rank`` times W unless ``global_batch`` is given.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import dmuon
+from tracer.crosscheck import crosscheck
+from tracer.events import write_parquet
+from tracer.flight_recorder import (
+    dump_flight_recorder,
+    flight_recorder_enabled,
+    fr_window,
+    read_flight_recorder,
+)
+from tracer.interposer import Interposer
+from tracer.nvml import NvlinkSampler
+from tracer.profiler import profiler_source_events, read_profiler_trace
+from tracer.timeline import write_chrome_trace
+
+from verify.run.block_order import BlockOrderRecorder, bare_model, blocks_of
+from verify.compare import compare_run
+from verify.run.compute_spans import BlockCompute
+from verify.workload.data import ByteCorpus, global_batch_size
+from verify.run.modes import build
+from verify.sources.nccl_source import WindowMark, capture_active, nccl_source_report
+from verify.sources.nvlink import nvlink_report
+from verify.report.plots import plot_timeline
+from verify.run.figures import add_figures, interposer_source
+from verify.run.steptime import StepTime, sample
+from verify.traffic.formulas import MODES
+from verify.workload.usermodel import ModelSource, check_loss, resolve, skip_reasons, validate_source
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """What ``verify-traffic`` runs (defaults: the embedded CPU job).
+
+    Attributes:
+        modes: modes to run, in order; HSDP modes are skipped where W is not even and >= 4.
+        steps_warmup: steps before measuring (lazy init, DDP's bucket rebuild).
+        steps_measured: steady-state steps recorded by the interposer.
+        batch_per_rank: sequences per rank per step; the global batch is W times it, so any
+            world size runs (``verify.workload.data.global_batch_size``).
+        global_batch: sequences per step over all ranks, overriding ``batch_per_rank``; must
+            be a multiple of W (checked before training starts).
+        seq_len: tokens per sequence.
+        d_model, n_layers, n_heads: the TinyGPT size.
+        model: ``--model``: ``tinygpt`` (built in), a preset, or ``pkg.module:factory``
+            (``verify.workload.usermodel``).
+        seed: model init and data order.
+        out_dir: where traces and reports go.
+        device: "cpu" (gloo) or "cuda" (NCCL).
+        profiler: record the measured steps with ``torch.profiler`` too (CPU activities,
+            shapes), a third source matched one to one against the interposer.
+        mixed_precision: ``None`` or a key of ``verify.run.modes.MIXED_PRECISION`` (``"bf16"``).
+    """
+
+    modes: tuple[str, ...] = MODES
+    steps_warmup: int = 4
+    steps_measured: int = 2
+    batch_per_rank: int = 2
+    global_batch: int | None = None
+    seq_len: int = 64
+    d_model: int = 64
+    n_layers: int = 2
+    n_heads: int = 4
+    seed: int = 0
+    out_dir: str = "traces/latest"
+    device: str = "cpu"
+    profiler: bool = True
+    model: str = "tinygpt"
+    mixed_precision: str | None = None
+
+
+def runnable_modes(config: RunConfig, world_size: int) -> list[str]:
+    """The modes of ``config`` this world size can run (``verify.workload.usermodel.skip_reasons``)."""
+    skipped = skip_reasons(config.modes, world_size)
+    return [m for m in config.modes if m not in skipped]
+
+
+def loss_step(model: torch.nn.Module, optimizer, loss_fn, rank: int, step: int) -> float:
+    """One training step of a ``--model`` source (``verify.workload.usermodel``) with DMuon's phase
+    tags: ``loss_fn(model, rank, step)`` (phase ``forward``), backward (``backward``),
+    ``optimizer.step()``, ``zero_grad()``. Returns the loss (a Python float).
+
+    Raises:
+        ValueError: the loss is not a 0-dim floating tensor that requires grad.
+    """
+    with dmuon.phase("forward"):
+        loss = check_loss(loss_fn(model, rank, step), "loss_fn")
+    with dmuon.phase("backward"):
+        loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss.item()
+
+
+def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor,
+               y: torch.Tensor) -> float:
+    """One step of next-token training with DMuon's phase tags: forward and the cross-entropy
+    loss (phase ``forward``), backward (``backward``), ``optimizer.step()``, ``zero_grad()``.
+
+    Args:
+        x, y: int64 token ids ``[batch, seq_len]`` of this rank (inputs and targets).
+
+    Returns:
+        The loss (a Python float).
+    """
+    with dmuon.phase("forward"):
+        logits = model(x)
+        loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
+    with dmuon.phase("backward"):
+        loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss.item()
+
+
+class _MeasuredWindow:
+    """Every recorder of the measured steps, opened after the warm-up and closed after the last
+    step: the interposer, ``torch.profiler`` (CPU activities with shapes; its Chrome trace goes
+    to ``<mode>/profiler_rank<r>.json``), the Flight Recorder dumps, this rank's NCCL log window,
+    the NVLink counters (local rank 0 samples its node), the ``dmuon.window <mode>`` NVTX
+    range and the blocks' forward / backward spans (``verify.run.compute_spans``)."""
+
+    def __init__(self, mode: str, out: Path, device: str, model: torch.nn.Module,
+                 profiler: bool = True) -> None:
+        self.mode, self.out, self.device = mode, out, device
+        self.rank = dist.get_rank()
+        self.interposer = Interposer()
+        self.compute = BlockCompute(model)
+        self._fr_on = flight_recorder_enabled()
+        self._nccl_on = capture_active(dist.get_backend())
+        local_rank = int(os.environ.get("LOCAL_RANK", self.rank))
+        self._nvlink = NvlinkSampler() if local_rank == 0 else None
+        self._stack = contextlib.ExitStack()
+        self._profiler = None
+        if profiler:
+            from torch.profiler import ProfilerActivity, profile
+
+            self._profiler = profile(activities=[ProfilerActivity.CPU], record_shapes=True)
+
+    def open(self, drain=None) -> None:
+        """Start every recorder. ``drain()`` runs after the interposer stops and before the
+        profiler does (HSDP: wait for the last asynchronous replicate broadcasts, so that the
+        profiler sees them run; the interposer and the spans end with the last step)."""
+        self._fr_before = dump_flight_recorder(self.out / "fr_before", self.rank) if self._fr_on else None
+        self._nccl = WindowMark(self.rank) if self._nccl_on else None
+        if self._nvlink is not None:
+            _sync(self.device)  # warm-up traffic finished before the counters start
+            self._nvlink.start()
+        if self._profiler is not None:
+            self._stack.enter_context(self._profiler)
+            if drain is not None:
+                self._stack.callback(drain)
+        self._stack.enter_context(dmuon.annotate.window(self.mode))
+        self._stack.enter_context(self.compute)
+        self._stack.enter_context(self.interposer)
+
+    def close(self) -> dict:
+        """``{"fr_events", "profiler_events", "nccl", "nvlink"}``: what the other recorders saw
+        (``None`` where off)."""
+        self._stack.close()
+        profiler_events = None
+        if self._profiler is not None:
+            path = self.out / f"profiler_rank{self.rank}.json"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self._profiler.export_chrome_trace(str(path))
+            profiler_events = read_profiler_trace(path, rank=self.rank).events
+        nccl = self._nccl.close() if self._nccl is not None else None  # only the window travels
+        nvlink = None
+        if self._nvlink is not None:
+            _sync(self.device)
+            nvlink = self._nvlink.stop()
+        fr_events = None
+        if self._fr_on:
+            after = dump_flight_recorder(self.out, self.rank)
+            fr_events = fr_window(read_flight_recorder(self._fr_before).events,
+                                  read_flight_recorder(after).events)
+        return {"fr_events": fr_events, "profiler_events": profiler_events, "nccl": nccl,
+                "nvlink": nvlink}
+
+
+def _source(config: RunConfig, corpus: ByteCorpus | None) -> ModelSource:
+    batch = global_batch_size(dist.get_world_size(), per_rank=config.batch_per_rank,
+                              global_batch=config.global_batch)
+    return resolve(config.model, corpus=corpus, global_batch=batch,
+                   seq_len=config.seq_len, d_model=config.d_model, n_layers=config.n_layers,
+                   n_heads=config.n_heads, seed=config.seed)
+
+
+def _train_mode(mode: str, config: RunConfig, corpus: ByteCorpus, progress,
+                source: ModelSource | None = None) -> dict:
+    rank = dist.get_rank()
+    source = source if source is not None else _source(config, corpus)
+    made: list = []
+
+    def make_model():
+        torch.manual_seed(config.seed)
+        made.append(source.factory())
+        return made[-1][0]
+
+    built = build(mode, make_model, config.device, config.mixed_precision)
+    loss_fn = made[-1][1]
+    model, opt = built.model, built.optimizer
+    out = Path(config.out_dir) / mode
+    losses, step_bounds, step_times = [], [], []
+    window = _MeasuredWindow(mode, out, config.device, model, config.profiler)
+    # DMuon numbers its buckets by the first forward's block order: the harness records it
+    # with its own hooks (verify.run.block_order), agreed after the loop (outside the window)
+    recorder = None
+    if built.dedicated is not None:
+        recorder = BlockOrderRecorder(bare_model(model), blocks_of(built.dedicated.names))
+    ns_before = 0
+    for step in range(config.steps_warmup + config.steps_measured):
+        if step == config.steps_warmup:
+            ns_before = opt.ns_calls
+            window.open(drain=built.dedicated.wait_pending if built.dedicated is not None else None)
+        before = sample()
+        losses.append(loss_step(model, opt, loss_fn, rank, step))
+        if step >= config.steps_warmup:
+            after = sample()
+            step_times.append(StepTime.between(before, after))
+            step_bounds.append((before.wall_ns, after.wall_ns))  # the interposer's clock
+        progress(1)
+    recorded = window.close()
+    layout = built.layout
+    if built.dedicated is not None:
+        built.dedicated.wait_pending()
+        layout = dataclasses.replace(layout, dmuon_block_order=recorder.agreed())
+    events = window.interposer.events
+    write_parquet(events, out / f"events_rank{rank}.parquet")
+    if rank == 0:
+        (out / "layout.json").write_text(json.dumps(layout.to_dict(), indent=1))
+    return {
+        "events": events,
+        "spans": window.interposer.spans + window.compute.spans,
+        "losses": losses,
+        "step_bounds_ns": step_bounds,
+        "step_times": step_times,
+        **recorded,
+        "ns_calls": opt.ns_calls - ns_before,
+        "layout": layout,
+        "plan_digest": built.dedicated.plan.digest() if built.dedicated else None,
+    }
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def run_all(config: RunConfig, progress=None) -> dict | None:
+    """Run every mode; returns the report dict on rank 0 and ``None`` elsewhere.
+
+    ``progress(n)`` is called after every training step on rank 0 (e.g. ``tqdm.update``).
+    """
+    rank, world = dist.get_rank(), dist.get_world_size()
+    source = _source(config, None)
+    validate_source(source, config.seed)  # on every rank, before any training collective
+    tick = progress if (progress is not None and rank == 0) else (lambda n: None)
+    runs = []
+    for mode in runnable_modes(config, world):
+        mine = _train_mode(mode, config, None, tick, source)
+        gathered: list = [None] * world if rank == 0 else None
+        dist.gather_object(mine, gathered, dst=0)
+        if rank != 0:
+            continue
+        events = [ev for r in gathered for ev in r["events"]]
+        run = compare_run(
+            gathered[0]["layout"],
+            events,
+            steps=config.steps_measured,
+            ns_calls=sum(r["ns_calls"] for r in gathered),
+        )
+        losses = [sum(r["losses"][i] for r in gathered) / world for i in range(len(mine["losses"]))]
+        run["loss_first"], run["loss_last"] = losses[0], losses[-1]
+        run["loss_falls"] = losses[-1] < losses[0]
+        run["pass"] = run["pass"] and run["loss_falls"]
+        digests = {r["plan_digest"] for r in gathered}
+        run["plan_digest"] = digests.pop() if len(digests) == 1 else sorted(map(str, digests))
+        run["sources"] = _sources(run, events, gathered, config.steps_measured)
+        run["pass"] = run["pass"] and all(s["pass"] for s in run["sources"].values())
+        run["replicate_overlap"] = _replicate_overlap(gathered)
+        run["nvlink"] = nvlink_report([r["nvlink"] for r in gathered if r["nvlink"] is not None], events)
+        add_figures(run, gathered[0]["layout"], events, config.steps_measured,
+                    [r["step_times"] for r in gathered], config.device)
+        per_rank = {i: (r["events"], r["spans"]) for i, r in enumerate(gathered)}
+        timeline = Path(config.out_dir) / mode / "timeline.json"
+        write_chrome_trace(timeline, per_rank, name=mode)
+        run["timeline"] = str(timeline.relative_to(config.out_dir))
+        if mode.startswith("dmuon-"):
+            # one host, one perf_counter clock: the last measured step from its first start
+            # to its last end over all ranks (window close and dumps come after it)
+            last = [r["step_bounds_ns"][-1] for r in gathered]
+            title = f"{mode} ({source.name}, W={world}, {dist.get_backend()}): last measured step"
+            plot_timeline(timeline.with_suffix(".png"), per_rank, title=title,
+                          t0_ns=min(a for a, _ in last), t1_ns=max(b for _, b in last))
+        runs.append(run)
+    if rank != 0:
+        return None
+    return {
+        "pass": all(r["pass"] for r in runs) and bool(runs),
+        "torch_version": torch.__version__,
+        "backend": dist.get_backend(),
+        "world_size": world,
+        "steps_warmup": config.steps_warmup,
+        "steps_measured": config.steps_measured,
+        "config": asdict(config),
+        "model": source.name,
+        "skipped": [{"mode": m, "reason": why} for m, why in skip_reasons(config.modes, world).items()],
+        "runs": runs,
+    }
+
+
+def _sources(run: dict, events: list, gathered: list[dict], steps: int) -> dict:
+    """report.json ``sources``: the interposer against the prediction, the others against it."""
+    sources = {"interposer": interposer_source(run, len(events))}
+    if all(r["fr_events"] is not None for r in gathered):
+        fr = [ev for r in gathered for ev in r["fr_events"]]
+        check = crosscheck(events, fr, source="flight_recorder", backend=dist.get_backend())
+        sources["flight_recorder"] = {**check.as_report(), "mismatches": [str(m) for m in check.mismatches[:20]]}
+    if all(r.get("profiler_events") is not None for r in gathered):
+        ref, prof, note = profiler_source_events(events, [ev for r in gathered for ev in r["profiler_events"]])
+        check = crosscheck(ref, prof, source="profiler", backend=dist.get_backend())
+        sources["profiler"] = {**check.as_report(), "mismatches": [str(m) for m in check.mismatches[:20]],
+                               "notes": ([note] if note else []) + check.notes}
+    if any(r["nccl"] is not None for r in gathered):
+        sources["nccl_log"] = nccl_source_report(
+            [r["nccl"] for r in gathered if r["nccl"] is not None], events, gathered[0]["layout"], steps)
+    return sources
+
+
+def _replicate_overlap(gathered: list[dict]) -> list[dict]:
+    """HSDP: each replicate broadcast's issue time and the end of its wait (interposer clock, ns).
+
+    A wait is paired with the latest earlier issue of the same module on the same rank;
+    ``gap_ns`` (wait start minus issue) is the time the transfer had to hide behind compute.
+    """
+    out = []
+    for rank, r in enumerate(gathered):
+        issued: dict[str, list[int]] = {}
+        for s in r["spans"]:
+            if s.name == "dmuon.replicate_broadcast":
+                issued.setdefault(s.module, []).append(s.t_start_ns)
+        for s in r["spans"]:
+            if s.name != "dmuon.replicate_wait":
+                continue
+            before = [t for t in issued.get(s.module, []) if t < s.t_start_ns]
+            if before:
+                out.append({
+                    "module": s.module,
+                    "rank": rank,
+                    "issued_ns": before[-1],
+                    "waited_ns": s.t_start_ns,
+                    "gap_ns": s.t_start_ns - before[-1],
+                    "wait_dur_ns": s.t_end_ns - s.t_start_ns,
+                })
+    return out

@@ -1,0 +1,405 @@
+"""The exact collective list of one training step, per rank and phase, from shapes alone.
+
+Inputs are a :class:`RunLayout` (the model's parameter shapes, the Muon targets, the mesh,
+how the non-Muon params are wrapped); the output is every call each rank must issue in one
+step (op, group, per-rank count, dtype, root, phase) plus how many of its elements belong
+to Muon-target params (``dedicated_count``, used to attribute fused buckets).
+
+What is modelled (torch 2.13, measured on gloo by the harness):
+
+- DMuon, derived here from the documented protocol (SPEC §1 and the glossary of
+  ``dmuon/dedicate.py``) and the planner's output alone: a *bucket* is the dedicated params
+  of one block (a ``ModuleList`` element) with the same global owner and dtype, cut at
+  ``bucket_cap_mb`` and ordered block by block in the recorded execution order
+  (:func:`dmuon_buckets`, :func:`dmuon_block_sequence`); per bucket a
+  forward broadcast over the shard axis from its holder; Z3 re-broadcast in backward; reduce
+  to the holder over the shard axis, then (HSDP) to the owner over the replicate axis; (HSDP)
+  the owner's replicate broadcast after the step. Independence: this module imports
+  ``dmuon.plan`` (ParamSpec, OwnershipPlan, plan_ownership) and nothing else of ``dmuon``, so a
+  bucketing bug in the runtime is not reproduced here (``tests/test_predict.py`` checks it).
+- FSDP2 and DDP: the rules in :mod:`verify.traffic.rules` (shared with the aggregate
+  predictor :mod:`verify.traffic.scale`), attributed here to each rank's groups.
+- Naive baselines: one all_gather per Muon matrix in the optimizer step (``full_tensor()``
+  of the Shard(0) gradient; per-rank count ceil(d0/N)·d1).
+
+Mixed precision (``RunLayout.mp_param_dtype`` / ``mp_reduce_dtype``, the semantics of FSDP2's
+``MixedPrecisionPolicy``; ``reduce_dtype`` defaults to ``param_dtype`` when only that is set):
+DMuon's forward / backward broadcasts travel in param_dtype, its reduces (both mesh axes) in
+reduce_dtype, the HSDP replicate broadcast of the updated params in their own (fp32 master)
+dtype; FSDP2's all_gathers in param_dtype, its reduce_scatters and the HSDP replicate
+all_reduce in reduce_dtype. DDP's all_reduce and the naive step all_gather (of the sharded
+grad, which FSDP2 casts back to the param's dtype) keep the params' dtype. Element counts never
+change; only the dtype (and so the bytes) of a call does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+from dmuon.plan import OwnershipPlan, ParamSpec, plan_ownership
+from tracer.events import DTYPE_BYTES, group_id_from_ranks
+
+from verify.traffic.formulas import MODES
+from verify.traffic.rules import AxisCall, ddp_buckets, ddp_calls, fsdp_calls, padded_shard_numel
+
+
+@dataclass(frozen=True)
+class RunLayout:
+    """Everything the predictor needs about one run (no tensors, no process groups).
+
+    Attributes:
+        mode: one of :data:`verify.traffic.formulas.MODES`.
+        replicate_size: R (1 for 1-D meshes).
+        shard_size: N.
+        params: every parameter of the model in ``named_parameters()`` order.
+        muon_names: the Muon targets (dedicated in DMuon modes).
+        fsdp_modules: modules wrapped with ``fully_shard`` in wrap order ("" = root, last).
+        reshard_after_forward: FSDP2's and DMuon's Z3 flag.
+        ddp_bucket_cap_bytes: DDP's ``bucket_cap_mb`` in bytes.
+        ddp_first_bucket_cap_bytes: DDP's first-bucket cap in bytes; ``None`` when
+            ``bucket_cap_mb`` was given explicitly (torch 2.13 then uses the same cap),
+            1 MiB for DDP's defaults (:func:`ddp_buckets`).
+        dmuon_bucket_cap_bytes: DMuon's ``bucket_cap_mb`` in bytes (``dmuon_buckets``).
+        root_auto_reshard: the root was wrapped without ``reshard_after_forward`` (FSDP2 then
+            keeps it unsharded after forward).
+        mp_param_dtype: mixed precision's param dtype (torch name, e.g. ``"bfloat16"``) or
+            ``None`` (no mixed precision): the dtype of DMuon's broadcasts and FSDP2's
+            all_gathers (module docstring).
+        mp_reduce_dtype: the dtype of gradient reductions; ``None`` means ``mp_param_dtype``
+            (FSDP2's default), or the params' own dtype when that is ``None`` too.
+        dmuon_block_order: DMuon's blocks in the order their forward first ran in the first
+            step, as the harness recorded it with its own hooks (``verify.run.block_order``);
+            ``()`` = model order (also when the ranks' orders disagree). DMuon numbers its
+            buckets by it (:func:`dmuon_block_sequence`); the calls of a step, a multiset,
+            do not depend on it.
+    """
+
+    mode: str
+    replicate_size: int
+    shard_size: int
+    params: tuple[ParamSpec, ...]
+    muon_names: tuple[str, ...]
+    fsdp_modules: tuple[str, ...] = ()
+    reshard_after_forward: bool = True
+    ddp_bucket_cap_bytes: int = 25 * 1024 * 1024
+    ddp_first_bucket_cap_bytes: int | None = None
+    dmuon_bucket_cap_bytes: int = 25 * 1024 * 1024
+    root_auto_reshard: bool = True
+    mp_param_dtype: str | None = None
+    mp_reduce_dtype: str | None = None
+    dmuon_block_order: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"Invalid mode={self.mode!r}. Must be one of {MODES}.")
+        for name in ("mp_param_dtype", "mp_reduce_dtype"):
+            value = getattr(self, name)
+            if value is not None and value not in DTYPE_BYTES:
+                raise ValueError(
+                    f"Invalid {name}={value!r}. Must be None or a torch dtype name among "
+                    f"{sorted(DTYPE_BYTES)} (str(torch.bfloat16) without 'torch.')."
+                )
+
+    def cast_dtype(self, own: str) -> str:
+        """Dtype of a param's forward / backward gather or broadcast (mixed precision)."""
+        return self.mp_param_dtype or own
+
+    def reduce_dtype(self, own: str) -> str:
+        """Dtype of a param's gradient reduction (mixed precision, FSDP2's default rule)."""
+        return self.mp_reduce_dtype or self.mp_param_dtype or own
+
+    @property
+    def world_size(self) -> int:
+        return self.replicate_size * self.shard_size
+
+    @property
+    def is_dmuon(self) -> bool:
+        return self.mode.startswith("dmuon-")
+
+    def to_dict(self) -> dict:
+        """JSON-able form (written as ``<run>/<mode>/layout.json``)."""
+        d = dataclasses.asdict(self)
+        d["params"] = [dataclasses.asdict(p) for p in self.params]
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> RunLayout:
+        """Inverse of :meth:`to_dict`.
+
+        Raises:
+            ValueError: a key is missing or the mode is unknown.
+        """
+        try:
+            params = tuple(
+                ParamSpec(name=p["name"], shape=tuple(p["shape"]), dtype=p["dtype"], module=p["module"])
+                for p in d["params"]
+            )
+            fields = {f.name for f in dataclasses.fields(cls)} - {"params"}
+            kwargs = {k: d[k] for k in fields if k in d}
+        except (KeyError, TypeError) as exc:
+            raise ValueError(f"Invalid layout: missing or malformed {exc}. Must come from RunLayout.to_dict.") from exc
+        kwargs["muon_names"] = tuple(kwargs.get("muon_names", ()))
+        kwargs["fsdp_modules"] = tuple(kwargs.get("fsdp_modules", ()))
+        kwargs["dmuon_block_order"] = tuple(kwargs.get("dmuon_block_order", ()))
+        return cls(params=params, **kwargs)
+
+    def muon_specs(self) -> list[ParamSpec]:
+        names = set(self.muon_names)
+        return [p for p in self.params if p.name in names]
+
+    def plan(self) -> OwnershipPlan:
+        """The ownership plan DMuon computes for this layout (the same pure function)."""
+        return plan_ownership(self.muon_specs(), (self.replicate_size, self.shard_size))
+
+    def p_m(self) -> int:
+        """P_M: elements of the Muon-target params."""
+        return sum(p.numel for p in self.muon_specs())
+
+
+@dataclass(frozen=True)
+class Expected:
+    """One predicted call on one rank (``count`` in NCCL's per-rank convention)."""
+
+    rank: int
+    phase: str
+    op: str
+    group_id: str
+    group_size: int
+    count: int
+    dtype: str
+    root: int | None
+    module: str | None
+    dedicated_count: int
+
+    def key(self) -> tuple:
+        """The identity compared with measured events (module is for messages only)."""
+        return (self.rank, self.phase, self.op, self.group_id, self.count, self.dtype, self.root)
+
+
+def shard_ranks(rank: int, n: int) -> list[int]:
+    """World ranks of ``rank``'s shard group (row of the (R, N) mesh)."""
+    r = rank // n
+    return [r * n + j for j in range(n)]
+
+
+def replicate_ranks(rank: int, n: int, r_size: int) -> list[int]:
+    """World ranks of ``rank``'s replicate group (column of the (R, N) mesh)."""
+    s = rank % n
+    return [i * n + s for i in range(r_size)]
+
+
+@dataclass(frozen=True)
+class DMuonBucket:
+    """One predicted DMuon bucket: what one broadcast / reduce of the protocol moves.
+
+    Attributes:
+        module: the block holding the params (:func:`dmuon_block`; "" for the root).
+        owner: global owner index g = r * N + s (``OwnershipPlan.owner``).
+        dtype: the params' own dtype (torch name).
+        names: member params in model order.
+        numel: elements of all members.
+    """
+
+    module: str
+    owner: int
+    dtype: str
+    names: tuple[str, ...]
+    numel: int
+
+
+def dmuon_block(module: str) -> str:
+    """The block of a dedicated param of ``module`` (``dmuon/buckets.py``'s rule, written
+    here independently): the longest prefix of the dotted name ending in an integer
+    component (a ``ModuleList`` element), else the module itself (``""`` = root)."""
+    parts = module.split(".") if module else []
+    ends = [k for k in range(1, len(parts) + 1) if parts[k - 1].isdigit()]
+    return ".".join(parts[: ends[-1]]) if ends else module
+
+
+def dmuon_block_sequence(model_blocks: Sequence[str], recorded: Sequence[str]) -> tuple[str, ...]:
+    """The block order DMuon's buckets follow after the first step (``dmuon/dedicate.py``,
+    step 7; ``dmuon/order.py``'s rule, written here independently).
+
+    ``model_blocks``: the blocks in model order; ``recorded``: blocks in the order their
+    forward first ran (repeats and non-blocks ignored). Model order when the recorded blocks
+    already follow it; else the recorded blocks, then the others in model order, unless some
+    driver (a dotted prefix of a block name, the block included, not the root) would not
+    cover a contiguous run of blocks, in which case model order again.
+    """
+    model = list(model_blocks)
+    ran: list[str] = []
+    for b in recorded:
+        if b in model and b not in ran:
+            ran.append(b)
+    positions = [model.index(b) for b in ran]
+    if positions == sorted(positions):
+        return tuple(model)
+    candidate = ran + [b for b in model if b not in ran]
+    drivers = {".".join(b.split(".")[:k]) for b in model if b for k in range(1, b.count(".") + 2)}
+    for d in drivers:
+        covered = [i for i, b in enumerate(candidate) if b == d or b.startswith(d + ".")]
+        if covered != list(range(covered[0], covered[0] + len(covered))):
+            return tuple(model)
+    return tuple(candidate)
+
+
+def agreed_block_order(recorded_per_rank: Sequence[Sequence[str]],
+                       model_blocks: Sequence[str]) -> tuple[str, ...]:
+    """``RunLayout.dmuon_block_order`` from every rank's recording: rank 0's when every rank
+    derives the same order (:func:`dmuon_block_sequence`), else ``()`` (DMuon's ranks
+    disagree and keep model order)."""
+    derived = {dmuon_block_sequence(model_blocks, r) for r in recorded_per_rank}
+    return tuple(recorded_per_rank[0]) if len(derived) == 1 else ()
+
+
+def dmuon_model_blocks(specs: Sequence[ParamSpec]) -> tuple[str, ...]:
+    """The blocks (:func:`dmuon_block`) of the dedicated params ``specs``, in model order."""
+    return tuple(dict.fromkeys(dmuon_block(s.module) for s in specs))
+
+
+def dmuon_buckets(specs: Sequence[ParamSpec], plan: OwnershipPlan,
+                  cap_bytes: int = 25 * 1024 * 1024,
+                  block_order: Sequence[str] = ()) -> list[DMuonBucket]:
+    """DMuon's buckets from the documented rule (SPEC §1, ``dmuon/buckets.py`` docstring).
+
+    A bucket is the dedicated params of one block (:func:`dmuon_block`) with the same global
+    owner and dtype, in model order, cut into runs of at most ``cap_bytes`` bytes (a param
+    larger than the cap alone); one collective per bucket and phase. Written independently
+    of the runtime's own bucketing code, which is what this prediction checks. Returned in
+    DMuon's index order: model order, or, when ``block_order`` (the recorded execution
+    order, ``RunLayout.dmuon_block_order``) yields another block sequence
+    (:func:`dmuon_block_sequence`), block by block in that sequence, model order within a
+    block. The order does not matter to the comparison, which is a multiset.
+
+    Raises:
+        ValueError: a spec has no owner in ``plan``, or ``cap_bytes`` < 1.
+    """
+    if cap_bytes < 1:
+        raise ValueError(f"Invalid {cap_bytes=}. Must be >= 1 (DMuon's bucket_cap_mb in bytes).")
+    members: dict[tuple[str, int, str], list[list[ParamSpec]]] = {}
+    for spec in specs:
+        if spec.name not in plan.owner:
+            raise ValueError(
+                f"Invalid spec {spec.name!r}: not in the ownership plan. Must be one of the "
+                f"planned params {list(plan.owner)[:3]}...; plan and specs must come from the "
+                "same layout."
+            )
+        key = (dmuon_block(spec.module), plan.owner[spec.name], spec.dtype)
+        runs = members.setdefault(key, [[]])
+        size = spec.numel * DTYPE_BYTES[spec.dtype]
+        if runs[-1] and sum(p.numel * DTYPE_BYTES[p.dtype] for p in runs[-1]) + size > cap_bytes:
+            runs.append([])
+        runs[-1].append(spec)
+    buckets = [
+        DMuonBucket(block, owner, dtype, tuple(p.name for p in ps), sum(p.numel for p in ps))
+        for (block, owner, dtype), runs in members.items()
+        for ps in runs
+    ]
+    model = dmuon_model_blocks(specs)
+    sequence = dmuon_block_sequence(model, block_order)
+    if sequence != model:
+        buckets.sort(key=lambda b: sequence.index(b.module))
+    return buckets
+
+
+def _dmuon_calls(layout: RunLayout, rank: int) -> list[Expected]:
+    n, r_size = layout.shard_size, layout.replicate_size
+    s_me = rank % n
+    sid = group_id_from_ranks(shard_ranks(rank, n))
+    rid = group_id_from_ranks(replicate_ranks(rank, n, r_size))
+    out: list[Expected] = []
+
+    def add(phase, op, gid, gsize, b, dtype, root, extra=0):
+        out.append(Expected(rank, phase, op, gid, gsize, b.numel + extra, dtype, root, b.module, b.numel))
+
+    for b in dmuon_buckets(layout.muon_specs(), layout.plan(), layout.dmuon_bucket_cap_bytes,
+                           layout.dmuon_block_order):
+        r_own, s_own = divmod(b.owner, n)
+        cast, red = layout.cast_dtype(b.dtype), layout.reduce_dtype(b.dtype)
+        add("forward", "broadcast", sid, n, b, cast, s_own)
+        if layout.reshard_after_forward:
+            add("backward", "broadcast", sid, n, b, cast, s_own)
+        # a reduce carries the grads, then one usage element per param (dmuon/dedicate.py
+        # step 4): count numel + params, dedicated payload numel
+        usage = len(b.names)
+        add("backward", "reduce", sid, n, b, red, s_own, usage)
+        if r_size > 1 and s_me == s_own:
+            add("backward", "reduce", rid, r_size, b, red, r_own, usage)
+            add("replicate", "broadcast", rid, r_size, b, b.dtype, r_own)
+    return out
+
+
+def _axis_calls(layout: RunLayout, rank: int, calls: list[AxisCall]) -> list[Expected]:
+    """The shared FSDP2 / DDP rules (:mod:`verify.traffic.rules`) as this rank's calls."""
+    n, r_size = layout.shard_size, layout.replicate_size
+    gid = {
+        "shard": group_id_from_ranks(shard_ranks(rank, n)),
+        "replicate": group_id_from_ranks(replicate_ranks(rank, n, r_size)),
+        "world": group_id_from_ranks(range(layout.world_size)),
+    }
+    return [
+        Expected(rank, c.phase, c.op, gid[c.axis], c.group_size, c.count, c.dtype, None,
+                 c.module, c.dedicated_count)
+        for c in calls
+    ]
+
+
+def _naive_step_calls(layout: RunLayout, rank: int) -> list[Expected]:
+    n = layout.shard_size
+    sid = group_id_from_ranks(shard_ranks(rank, n))
+    out = []
+    for p in layout.muon_specs():
+        c = padded_shard_numel(p.shape, n)
+        out.append(Expected(rank, "optimizer", "all_gather", sid, n, c, p.dtype, None, p.name, c))
+    return out
+
+
+def owner_numels(specs: Sequence[ParamSpec], plan: OwnershipPlan) -> list[int]:
+    """Elements of the matrices each global owner g holds under ``plan`` (index g)."""
+    totals = [0] * plan.world_size
+    for p in specs:
+        totals[plan.owner[p.name]] += p.numel
+    return totals
+
+
+def zero1_chunk_elems(layout: RunLayout) -> int:
+    """ZeRO-1-style Muon's per-rank chunk C: the largest total of one owner's matrices."""
+    return max(owner_numels(layout.muon_specs(), layout.plan()))
+
+
+def _zero1_step_calls(layout: RunLayout, rank: int) -> list[Expected]:
+    """reduce_scatter then all_gather of the owner-aligned flat buffer, C elements per rank."""
+    wid = group_id_from_ranks(range(layout.world_size))
+    c = zero1_chunk_elems(layout)
+    dtype = layout.muon_specs()[0].dtype
+    return [Expected(rank, "optimizer", op, wid, layout.world_size, c, dtype, None, None, c)
+            for op in ("reduce_scatter", "all_gather")]
+
+
+def predict_step(layout: RunLayout) -> list[Expected]:
+    """Every call of one training step on every rank (forward, backward, optimizer[, replicate])."""
+    out: list[Expected] = []
+    dedicated = set(layout.muon_names) if layout.is_dmuon else set()
+    for rank in range(layout.world_size):
+        if layout.is_dmuon:
+            out += _dmuon_calls(layout, rank)
+        if layout.mode == "zero1-muon":
+            out += _axis_calls(layout, rank, ddp_calls(layout, set(layout.muon_names)))
+            out += _zero1_step_calls(layout, rank)
+        elif layout.mode in ("ddp-muon", "dmuon-ddp"):
+            out += _axis_calls(layout, rank, ddp_calls(layout, dedicated))
+        else:
+            out += _axis_calls(layout, rank, fsdp_calls(layout, dedicated))
+        if layout.mode.startswith("naive-"):
+            out += _naive_step_calls(layout, rank)
+    return out
+
+
+def ns_calls_per_step(layout: RunLayout) -> int:
+    """Newton–Schulz invocations per step over all ranks: 1 per matrix for DMuon, W otherwise."""
+    matrices = len(layout.muon_names)
+    owned_once = layout.is_dmuon or layout.mode == "zero1-muon"
+    return matrices if owned_once else matrices * layout.world_size

@@ -1,0 +1,228 @@
+"""Per-rank wire traffic: what each rank sends and receives under the algorithm NCCL runs.
+
+The W-average of SPEC §2 (``verify.traffic.formulas``) says how much traffic a mode moves in total; it
+cannot say which rank is busiest. This module charges every call to the ranks that actually
+send and receive under NCCL's algorithms (nccl-tests ``doc/PERFORMANCE.md`` derives the same
+per-rank volumes for its bus-bandwidth factors; docs/traffic-model.md, "Busiest rank"):
+
+- all_reduce: ring (reduce-scatter then all-gather, 2(n-1) steps of S/n): every member sends
+  and receives 2(n-1)/n·S.
+- all_gather, reduce_scatter, all_to_all: ring / pairwise, every member sends and receives
+  (n-1)·count = (n-1)/n·S.
+- broadcast: a pipelined chain along the ring starting at the root, root -> root+1 -> … ->
+  root-1 (group ranks mod n). The root sends S and receives nothing, the tail receives S and
+  sends nothing, every other member receives and forwards S.
+- reduce: the same chain run towards the root, root+1 -> … -> root-1 -> root: the head sends
+  S, the root receives S, every other member receives and forwards S.
+- gather / scatter: the root receives / sends (n-1)·count, every other member sends / receives
+  count. send / recv: the message. barrier: nothing.
+
+The ring order is taken as the group-rank order. On a real node NCCL's topology search picks
+the ring (NCCL_DEBUG=INFO prints it as ``Channel 00/02 : 0 1 2 3``); the per-rank volumes of
+all_reduce / all_gather / reduce_scatter do not depend on it, for broadcast and reduce only
+*which* member is the chain's tail or head does. NCCL may pick its tree algorithm for large
+all_reduces across nodes; this model is the ring's.
+
+Summed over the members of one call, elements received equal n·f(n)·S, so the mean over all W
+ranks of this model's received elements is exactly the W-average of ``verify.traffic.formulas`` (a test
+asserts it); the busiest rank's figure is the maximum instead of the mean.
+
+Units: elements of the dedicated (Muon-target) params and bytes (elements × dtype size), per
+rank per step. A fused call (a DDP bucket, an FSDP2 group) is charged its dedicated share from
+the prediction, as in ``verify.compare``.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable, Iterable
+
+from tracer.events import DTYPE_BYTES, CollectiveEvent
+
+from verify.traffic.formulas import avg_elems
+
+#: What ``wire_report()["algorithm"]`` says, per op: the model used for it.
+ALGORITHMS: dict[str, str] = {
+    "all_reduce": "ring",
+    "all_gather": "ring",
+    "reduce_scatter": "ring",
+    "all_to_all": "pairwise",
+    "broadcast": "pipelined chain from the root",
+    "reduce": "pipelined chain to the root",
+    "gather": "direct to the root",
+    "scatter": "direct from the root",
+    "send": "point-to-point",
+    "recv": "point-to-point",
+    "barrier": "no payload",
+}
+
+
+def member_wire_elems(op: str, count: int, group_size: int, group_rank: int,
+                      root: int | None) -> tuple[float, float]:
+    """``(sent, received)`` elements of one member of one call (see the module docstring).
+
+    Args:
+        op: one of :data:`ALGORITHMS`.
+        count: NCCL's per-rank count (``tracer.events``).
+        group_size: n, members of the call's group.
+        group_rank: this member's rank in the group, in [0, n).
+        root: the root's group rank (broadcast, reduce, gather, scatter), else ignored.
+
+    Raises:
+        ValueError: unknown op, a group rank outside [0, n), or a rooted op without a root.
+    """
+    n = group_size
+    if op not in ALGORITHMS:
+        raise ValueError(f"Invalid {op=}. Must be one of {sorted(ALGORITHMS)}.")
+    if not 0 <= group_rank < max(n, 1):
+        raise ValueError(f"Invalid {group_rank=} for group_size={n}. Must be in [0, {n}).")
+    if op == "send":
+        return float(count), 0.0
+    if op == "recv":
+        return 0.0, float(count)
+    if op == "barrier" or n <= 1:
+        return 0.0, 0.0
+    if op == "all_reduce":
+        v = 2.0 * (n - 1) / n * count
+        return v, v
+    if op in ("all_gather", "reduce_scatter", "all_to_all"):
+        v = float((n - 1) * count)
+        return v, v
+    if root is None or not 0 <= root < n:
+        raise ValueError(f"Invalid {root=} for {op} over {n} ranks. Must be a group rank in [0, {n}).")
+    pos = (group_rank - root) % n  # place along the ring, starting at the root
+    s = float(count)
+    if op == "broadcast":
+        return (s if pos < n - 1 else 0.0), (s if pos > 0 else 0.0)
+    if op == "reduce":
+        return (s if pos > 0 else 0.0), (s if pos != 1 else 0.0)
+    if op == "gather":
+        return (0.0, (n - 1) * s) if pos == 0 else (s, 0.0)
+    return ((n - 1) * s, 0.0) if pos == 0 else (0.0, s)  # scatter
+
+
+def wire_report(events: Iterable[CollectiveEvent], *, world_size: int, steps: int,
+                share: Callable[[CollectiveEvent], float]) -> dict:
+    """Per-rank sent / received dedicated traffic per step, and the busiest rank.
+
+    Args:
+        events: every rank's measured events over ``steps`` steps (each rank's own copy).
+        world_size: W; ranks without events count as zero.
+        steps: measured steps (> 0).
+        share: the dedicated fraction of an event's elements (0 for unmatched events).
+
+    Returns:
+        ``{"algorithm", "per_rank", "busiest_rank", "max_recv_elems", "max_sent_elems",
+        "max_recv_bytes", "max_sent_bytes", "mean_recv_elems"}``: ``per_rank`` lists, for
+        ranks 0..W-1, ``{"rank", "sent_elems", "recv_elems", "sent_bytes", "recv_bytes"}``;
+        the busiest rank receives the most (lowest rank on a tie); ``mean_recv_elems`` is the
+        W-average (equal to SPEC §2's figure).
+
+    Raises:
+        ValueError: ``steps`` < 1, ``world_size`` < 1, an event without rank, group size or
+            group rank, a rank outside [0, W), or a dtype of unknown size.
+    """
+    if steps < 1 or world_size < 1:
+        raise ValueError(f"Invalid {steps=}, {world_size=}. Must both be >= 1.")
+    sums = defaultdict(lambda: [0.0, 0.0, 0.0, 0.0])  # rank -> sent, recv, sent B, recv B
+    for ev in events:
+        if ev.rank is None or ev.group_size is None or ev.group_rank is None:
+            raise ValueError(f"Invalid event {ev.source_ref or ev}: rank, group_size and "
+                             "group_rank are needed for the per-rank wire model.")
+        if not 0 <= ev.rank < world_size:
+            raise ValueError(f"Invalid event rank={ev.rank} ({ev.source_ref}). Must be in [0, {world_size}).")
+        frac = share(ev)
+        if not frac or not ev.count:
+            continue
+        if ev.dtype not in DTYPE_BYTES:
+            raise ValueError(f"Invalid event dtype={ev.dtype!r} ({ev.source_ref}). Must be one "
+                             f"of {sorted(DTYPE_BYTES)} to count bytes.")
+        sent, recv = member_wire_elems(ev.op, ev.count, ev.group_size, ev.group_rank, ev.root)
+        size = DTYPE_BYTES[ev.dtype]
+        acc = sums[ev.rank]
+        acc[0] += frac * sent
+        acc[1] += frac * recv
+        acc[2] += frac * sent * size
+        acc[3] += frac * recv * size
+    per_rank = []
+    for r in range(world_size):
+        s, rc, sb, rb = (v / steps for v in sums[r])
+        per_rank.append({"rank": r, "sent_elems": s, "recv_elems": rc, "sent_bytes": sb,
+                         "recv_bytes": rb})
+    busiest = max(per_rank, key=lambda e: (e["recv_elems"], -e["rank"]))
+    return {
+        "algorithm": dict(ALGORITHMS),
+        "per_rank": per_rank,
+        "busiest_rank": busiest["rank"],
+        "max_recv_elems": busiest["recv_elems"],
+        "max_sent_elems": max(e["sent_elems"] for e in per_rank),
+        "max_recv_bytes": max(e["recv_bytes"] for e in per_rank),
+        "max_sent_bytes": max(e["sent_bytes"] for e in per_rank),
+        "mean_recv_elems": sum(e["recv_elems"] for e in per_rank) / world_size,
+    }
+
+
+
+def avg_bytes_by_phase(calls: Iterable[tuple[str | None, str, int, int, str, float]], *,
+                       world_size: int, steps: int) -> dict[str, dict[str, float]]:
+    """W-average dedicated bytes per rank per step, by phase and dtype.
+
+    Args:
+        calls: ``(phase, op, count, group_size, dtype, share)`` per call and member (a measured
+            event or a predicted call), ``share`` its dedicated fraction.
+        world_size, steps: W and the number of steps the calls cover.
+
+    Returns:
+        ``{phase: {dtype: bytes}}`` plus ``"total"``: the sum of f(n)·S·share·dtype size over
+        the calls, divided by W·steps (``verify.traffic.formulas``'s accounting, in bytes). Phases
+        without dedicated traffic are left out; ``None`` phases are named ``"untagged"``.
+
+    Raises:
+        ValueError: a dtype of unknown size carries dedicated traffic.
+    """
+    out: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    for phase, op, count, group_size, dtype, frac in calls:
+        if not frac or not count:
+            continue
+        if dtype not in DTYPE_BYTES:
+            raise ValueError(f"Invalid dtype={dtype!r} of a {op} in phase {phase!r}. Must be "
+                             f"one of {sorted(DTYPE_BYTES)} to count bytes.")
+        b = avg_elems(op, count, group_size) * frac * DTYPE_BYTES[dtype] / (world_size * steps)
+        out[phase or "untagged"][dtype] += b
+        out["total"][dtype] += b
+    return {ph: dict(d) for ph, d in out.items()}
+
+
+def dedicated_traffic(layout, events: list[CollectiveEvent], steps: int) -> dict:
+    """The report's ``wire`` and ``bytes`` entries of one run.
+
+    Args:
+        layout: the run's :class:`verify.traffic.predict.RunLayout`.
+        events: every rank's interposer events over ``steps`` measured steps.
+        steps: measured steps (> 0).
+
+    Returns:
+        ``{"wire": wire_report(...), "bytes": {"measured_avg_bytes": {phase: {dtype: B}},
+        "predicted_avg_bytes": {...}}}``; the dedicated share of each call comes from the
+        prediction (``verify.traffic.predict.predict_step``), unmatched events count as 0.
+    """
+    from verify.compare import event_key
+    from verify.traffic.predict import predict_step
+
+    predicted = predict_step(layout)
+    share = {e.key(): (e.dedicated_count / e.count if e.count else 0.0) for e in predicted}
+
+    def share_of(ev: CollectiveEvent) -> float:
+        return share.get(event_key(ev), 0.0)
+
+    w = layout.world_size
+    measured = avg_bytes_by_phase(
+        ((ev.phase, ev.op, ev.count, ev.group_size or 1, ev.dtype, share_of(ev)) for ev in events),
+        world_size=w, steps=steps)
+    expected = avg_bytes_by_phase(
+        ((e.phase, e.op, e.count, e.group_size, e.dtype, share[e.key()]) for e in predicted),
+        world_size=w, steps=1)
+    return {
+        "wire": wire_report(events, world_size=w, steps=steps, share=share_of),
+        "bytes": {"measured_avg_bytes": measured, "predicted_avg_bytes": expected},
+    }
