@@ -115,7 +115,8 @@ def global_batch_size(world_size: int, *, per_rank: int, global_batch: int | Non
 
 
 def _step_seed(seed: int, step: int, split: str) -> int:
-    digest = hashlib.sha256(f"dmuon.verify.workload.data:{seed}:{step}:{split}".encode()).digest()
+    # A fixed seed constant (the module's old path): changing it changes every batch.
+    digest = hashlib.sha256(f"dmuon.verify.data:{seed}:{step}:{split}".encode()).digest()
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
