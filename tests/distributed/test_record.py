@@ -63,7 +63,7 @@ def test_user_factory_matches_prediction(pool2, tmp_path):
     assert report["model"] == "examples.my_model:factory"
     assert report["pass"], [r["missing"] + r["unexpected"] for r in report["runs"]]
     by_mode = {r["mode"]: r for r in report["runs"]}
-    # P_M = inp 50x20 + 3 blocks x (70x50 + 50x70) = 22,000; ratios as SPEC §2 at N=2
+    # P_M = inp 50x20 + 3 blocks x (70x50 + 50x70) = 22,000; ratios as docs/spec.md §2 at N=2
     assert by_mode["dmuon-z2"]["p_m"] == 22_000
     assert by_mode["dmuon-z2"]["ratio_to_p_m"] == pytest.approx(1.0)
     assert {s["mode"] for s in report["skipped"]} == set()
