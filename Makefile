@@ -39,7 +39,7 @@ gpu-check: $(STAMP)
 bench: $(STAMP)
 	$(PY) benchmarks/run_all.py
 
-# README "Overlap": one measured step of dmuon-z3 on TinyGPT, W=4 gloo, drawn per rank
+# docs/performance.md "Timeline of one step": one measured step of dmuon-z3 on TinyGPT, W=4 gloo, drawn per rank
 # (compute, and each collective from issue to wait return) into docs/timeline-dmuon-z3.png.
 TIMELINE_OUT ?= traces/timeline-dmuon-z3
 timeline-png: $(STAMP)

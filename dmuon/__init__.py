@@ -9,7 +9,7 @@ Typical use (every rank, before wrapping)::
     fully_shard(model, mesh=mesh, ignored_params=set(dm))
     opt = dmuon.DMuon(model.parameters(), dedicated=dm, lr=0.02, adamw_lr=3e-4)
 
-See README.md for DDP and HSDP.
+See docs/user-guide.md for DDP and HSDP.
 """
 
 from .annotate import phase, span

@@ -46,14 +46,15 @@ def dedicate_params(
         mp_policy: a ``torch.distributed.fsdp.MixedPrecisionPolicy`` (the object and keyword
             ``fully_shard`` takes): forward runs on ``param_dtype`` copies, broadcasts send
             them, reduces run in ``reduce_dtype``; owners keep fp32 master weights and
-            momentum (README, "Mixed precision"). ``None``: everything in the params' dtype.
+            momentum (docs/user-guide.md, "Mixed precision"). ``None``: everything in the
+            params' dtype.
         bucket_cap_mb: cap of one bucket in MiB (default 25, DDP's): a block's dedicated
             params with the same owner and dtype share one collective per phase, cut into
             runs of at most this many bytes (``dmuon/buckets.py``: the rule and "block").
         prefetch_depth: how many buckets ahead of the one a module needs the forward
             broadcasts (and Z3's backward re-broadcasts, in backward order) are issued,
             asynchronously; ``0`` issues each when it is needed. Changes when calls are
-            issued, never which (README, "Overlap").
+            issued, never which (docs/performance.md, "Overlap").
 
     Returns:
         The :class:`DedicatedParams` handle.

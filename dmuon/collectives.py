@@ -140,8 +140,8 @@ def check_param_device(device: torch.device, group: dist.ProcessGroup, what: str
         raise ValueError(
             f"Invalid device {device} of {what} for the {backend!r} process group. Must be "
             f"one of {sorted(served)}: move the model there (model.to(...)) before "
-            "dmuon.dedicate_params, or build it on the meta device and call to_empty (README, "
-            "'Meta-device init')."
+            "dmuon.dedicate_params, or build it on the meta device and call to_empty "
+            "(docs/user-guide.md, 'Meta-device init')."
         )
 
 

@@ -37,7 +37,7 @@ HSDP), ``world`` (W ranks). On each channel the call sequence per step is fixed,
 every rank whichever modules run (MoE experts that receive no tokens, a branch taken on some
 ranks only), so calls always pair up with the same bucket on every rank.
 
-Per step (SPEC §1):
+Per step (docs/spec.md §1):
 
 1. **forward** (channel ``broadcast``, phase ``forward``): a forward cursor walks the buckets
    in index order (from the second step on, the blocks' execution order: step 7). The

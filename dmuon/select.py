@@ -59,7 +59,7 @@ def default_predicate(name: str, param: nn.Parameter, module: nn.Module) -> bool
     Linear whose own name is one of :data:`HEAD_NAMES`, or whose weight is tied to an
     ``nn.Embedding``: checked by :func:`select_params`), norms, biases, 1-D params. Neither
     position nor shape marks a head: a head under another name needs ``predicate=`` or
-    ``params=`` (see README "Which params").
+    ``params=`` (see docs/user-guide.md, "Which params").
     """
     if not param.requires_grad or not is_linear_weight(name, param, module):
         return False

@@ -1,8 +1,10 @@
-"""Phase D in your own training script: ``verify.run.record.TrafficWindow`` (README: "Verify your own
-training script"). Run with ``torchrun --nproc-per-node 4 examples/own_script.py`` (repo root on
-PYTHONPATH); ``tests/distributed/test_record.py`` runs :func:`train` on 2 gloo ranks.
+"""Phase D in your own training script: ``verify.run.record.TrafficWindow`` (docs/verify.md:
+"Verify your own training script"). Run with
+``torchrun --nproc-per-node 4 examples/own_script.py`` (repo root on PYTHONPATH);
+``tests/distributed/test_record.py`` runs :func:`train` on 2 gloo ranks.
 
-The block between the ``README`` markers is the README's example, verbatim (a test checks).
+The block between the ``docs/verify.md`` markers is that page's example, verbatim (a test
+checks).
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import sys
 
 import torch.distributed as dist
 
-# README example begins
+# docs/verify.md example begins
 import dmuon
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
@@ -42,7 +44,7 @@ def train(out_dir: str, steps: int = 4, measured: int = 2) -> dict | None:
         if window.recording:
             window.step_done(loss)
     return window.finish()  # rank 0: the report; raises TrafficMismatch on every rank
-# README example ends
+# docs/verify.md example ends
 
 
 if __name__ == "__main__":

@@ -190,7 +190,8 @@ def test_naive_baselines_gate_a_padded_closed_form(mode, factor):
 
 def test_closed_form_gates_a_predictor_that_drifts(monkeypatch):
     # A predictor that forgets one reduce, and a trace that lacks it too: the multisets agree,
-    # the closed form of SPEC §2 does not, and the run fails on it (in that phase and in total).
+    # the closed form of docs/spec.md §2 does not, and the run fails on it (in that phase and in
+    # total).
     import verify.compare as compare
 
     layout = _layout("dmuon-z2", 3)

@@ -83,7 +83,7 @@ def test_hsdp_busiest_rank_carries_the_replicate_calls():
     agg = step_traffic(layout)
     assert set(agg.extra) <= {0, 1} and agg.extra
     assert agg.ded_max_elems > agg.ded_avg_elems
-    # the W-average is one global all-reduce of P_M: 2(W-1)/W (the SPEC §2 correction)
+    # the W-average is one global all-reduce of P_M: 2(W-1)/W (the docs/spec.md §2 correction)
     assert agg.ded_avg_elems == pytest.approx(2 * 7 / 8 * agg.p_m, rel=REL)
 
 

@@ -12,8 +12,8 @@ the split; the existence and size of every call is measured. Unmatched events co
 totals but not towards the Muon share (and fail the run anyway).
 
 The closed form gates every run, in every phase and in total: the measured W-average must equal
-SPEC §2's formula at P_M (DMuon and DDP modes, any shapes: they move whole matrices) or at
-P_M^pad, the Muon params padded on dim 0 to a multiple of N (the naive FSDP2 / HSDP
+the formula of docs/spec.md §2 at P_M (DMuon and DDP modes, any shapes: they move whole
+matrices) or at P_M^pad, the Muon params padded on dim 0 to a multiple of N (the naive FSDP2 / HSDP
 baselines, ``verify.traffic.formulas.PADDED_MODES``; derivation in docs/traffic-model.md).
 """
 

@@ -25,7 +25,7 @@ from tests.distributed import dmuon_tasks as T
 from tracer.interposer import Interposer
 from verify.workload.data import local_slice
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+GUIDE = Path(__file__).resolve().parents[2] / "docs" / "user-guide.md"
 MICRO_BATCHES = 2
 
 
@@ -280,7 +280,7 @@ def load_errors(case: str, root: str) -> str:
 
 
 def readme_snippet(mode: str, root: str) -> list[str]:
-    """Run the README's "Checkpointing" snippet after one step (it saves, then loads into the
+    """Run the user guide's "Checkpointing" snippet after one step (it saves, then loads into the
     same model and optimizer); the next step must equal an uninterrupted run's."""
     ref = Run(mode)
     for s in range(2):
@@ -288,16 +288,16 @@ def readme_snippet(mode: str, root: str) -> list[str]:
     run = Run(mode)
     run.step(0)
     code = readme_checkpoint_code()
-    exec(compile(code, str(README), "exec"), {"model": run.wrapped, "opt": run.opt, "ckpt_dir": root})
+    exec(compile(code, str(GUIDE), "exec"), {"model": run.wrapped, "opt": run.opt, "ckpt_dir": root})
     run.step(1)
     return _diff(run.snapshot(), ref.snapshot())
 
 
 def readme_checkpoint_code() -> str:
-    """The first ```python block of the README's "Checkpointing" section."""
-    text = README.read_text()
+    """The first ```python block of the "Checkpointing" section of docs/user-guide.md."""
+    text = GUIDE.read_text()
     section = text.split("\n## Checkpointing", 1)[1].split("\n## ", 1)[0]
     match = re.search(r"```python\n(.*?)```", section, re.S)
     if match is None:
-        raise AssertionError("README.md: no python block in the Checkpointing section")
+        raise AssertionError("docs/user-guide.md: no python block in the Checkpointing section")
     return match.group(1)

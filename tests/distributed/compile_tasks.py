@@ -127,8 +127,8 @@ def oracle(steps: int, backend: str | None) -> dict[str, torch.Tensor]:
 
 
 def readme_snippet(code: str) -> dict:
-    """Run README's torch.compile snippet on TinyGPT, then two steps; Dynamo's graph count and
-    the losses."""
+    """Run the user guide's torch.compile snippet on TinyGPT, then two steps; Dynamo's graph
+    count and the losses."""
     import torch._dynamo
     import torch._inductor.config
 
@@ -137,7 +137,7 @@ def readme_snippet(code: str) -> dict:
     torch._dynamo.utils.counters.clear()
     rank, world = dist.get_rank(), dist.get_world_size()
     scope = {"dmuon": dmuon, "fully_shard": fully_shard, "model": T.make_model(), "mesh": T._mesh("flat")}
-    exec(code, scope)  # noqa: S102 - the README's own snippet
+    exec(code, scope)  # noqa: S102 - the user guide's own snippet
     model, opt = scope["model"], scope["opt"]
     losses = []
     with warnings.catch_warnings():

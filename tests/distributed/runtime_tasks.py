@@ -200,7 +200,7 @@ def _train_steps(wrapped, model, dm, opt, steps: int) -> dict:
 
 
 def meta_init(mode: str, steps: int = 2) -> dict:
-    """The documented meta-device flow (README 'Meta-device init'): build on meta,
+    """The documented meta-device flow (docs/user-guide.md 'Meta-device init'): build on meta,
     dedicate_params, to_empty, init the weights, wrap, optimizer; against the ordinary flow."""
     from tests.distributed.dmuon_tasks import make_model as ordinary
 
@@ -288,7 +288,7 @@ def train_mp(mode: str, steps: int = 3, reduce_dtype=torch.float32, wrap: bool =
 
 
 def readme_snippet(name: str) -> dict:
-    """Run the README code block marked ``<!-- snippet: name -->`` on this rank, with
+    """Run the docs/user-guide.md code block marked ``<!-- snippet: name -->`` on this rank, with
     ``model`` (TinyGPT), ``mesh`` (1-D), ``config``, ``loader`` (2 batches) and ``loss_fn``."""
     import pathlib
     import re
@@ -296,7 +296,7 @@ def readme_snippet(name: str) -> dict:
     import torch.nn.functional as F
     from verify.workload.model import TinyGPT
 
-    text = (pathlib.Path(__file__).parents[2] / "README.md").read_text()
+    text = (pathlib.Path(__file__).parents[2] / "docs" / "user-guide.md").read_text()
     match = re.search(rf"<!-- snippet: {re.escape(name)} -->\n```python\n(.*?)```", text, re.S)
     assert match, name
     ns = {
@@ -305,7 +305,7 @@ def readme_snippet(name: str) -> dict:
         "loader": [batch(0), batch(1)],
         "loss_fn": lambda logits, y: F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1)),
     }
-    exec(compile(match.group(1), f"README.md:{name}", "exec"), ns)
+    exec(compile(match.group(1), f"docs/user-guide.md:{name}", "exec"), ns)
     dm, opt = ns["dm"], ns["opt"]
     return {"state": dm.state.name, "stepped": sum(len(s) > 0 for s in opt.state.values())}
 

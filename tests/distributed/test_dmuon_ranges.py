@@ -18,7 +18,7 @@ from verify.run.runner import train_step
 
 pytestmark = pytest.mark.distributed
 
-#: DMuon's span names, one per range of the issue (SPEC §1 step order).
+#: DMuon's span names, one per range of the issue (docs/spec.md §1 step order).
 ISSUE_RANGES = {"dmuon.broadcast", "dmuon.rebroadcast", "dmuon.reduce", "dmuon.replicate_wait",
                 "dmuon.newton_schulz", "dmuon.replicate_broadcast"}
 

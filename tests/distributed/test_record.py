@@ -1,6 +1,6 @@
 """Phase D on a user's model and in a user's own script, on gloo ranks (fork pools).
 
-- The README's own-script example (examples/own_script.py, verbatim in the README) passes and
+- The own-script example of docs/verify.md (examples/own_script.py, verbatim there) passes and
   writes the report files; the same script with one extra all_reduce fails on every rank with
   TrafficMismatch naming it.
 - ``--model examples.my_model:factory`` (uneven widths) matches its prediction at W=2.
@@ -22,15 +22,16 @@ pytestmark = [pytest.mark.distributed, pytest.mark.timeout(240)]
 
 
 def _readme_block() -> str:
-    text = (ROOT / "README.md").read_text()
+    text = (ROOT / "docs" / "verify.md").read_text()
     m = re.search(r"<!-- own-script example: examples/own_script.py -->\s*```python\n(.*?)```", text, re.S)
-    assert m, "README lost its own-script example"
+    assert m, "docs/verify.md lost its own-script example"
     return m.group(1)
 
 
 def test_readme_example_is_the_tested_file():
     src = (ROOT / "examples" / "own_script.py").read_text()
-    body = src.split("# README example begins\n")[1].split("# README example ends")[0]
+    begin, end = "# docs/verify.md example begins\n", "# docs/verify.md example ends"
+    body = src.split(begin)[1].split(end)[0]
     assert _readme_block().strip() == body.strip()
 
 
@@ -63,7 +64,7 @@ def test_user_factory_matches_prediction(pool2, tmp_path):
     assert report["model"] == "examples.my_model:factory"
     assert report["pass"], [r["missing"] + r["unexpected"] for r in report["runs"]]
     by_mode = {r["mode"]: r for r in report["runs"]}
-    # P_M = inp 50x20 + 3 blocks x (70x50 + 50x70) = 22,000; ratios as SPEC §2 at N=2
+    # P_M = inp 50x20 + 3 blocks x (70x50 + 50x70) = 22,000; ratios as docs/spec.md §2 at N=2
     assert by_mode["dmuon-z2"]["p_m"] == 22_000
     assert by_mode["dmuon-z2"]["ratio_to_p_m"] == pytest.approx(1.0)
     assert {s["mode"] for s in report["skipped"]} == set()

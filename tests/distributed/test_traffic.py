@@ -2,8 +2,8 @@
 
 Each run trains TinyGPT for 2 warm-up + 2 measured steps on 4 (or 2) gloo ranks; the test
 asserts the per-rank, per-phase multiset of (op, group, count, dtype, root) and the
-W-averaged Muon-param traffic against SPEC §2's closed forms, and that torch.profiler's record
-of the same steps matches the interposer one to one (a third source).
+W-averaged Muon-param traffic against the closed forms of docs/spec.md §2, and that
+torch.profiler's record of the same steps matches the interposer one to one (a third source).
 """
 
 import pytest
@@ -16,7 +16,7 @@ from verify.traffic.formulas import MODES
 
 pytestmark = pytest.mark.distributed
 
-#: SPEC §2 at N=4 (1-D) and N=2, R=2 (HSDP 2x2), as multiples of P_M.
+#: docs/spec.md §2 at N=4 (1-D) and N=2, R=2 (HSDP 2x2), as multiples of P_M.
 EXPECTED_RATIO_W4 = {
     "ddp-muon": 1.5, "dmuon-ddp": 1.5,
     # ZeRO-1-style: 2(N-1)/N at P_M^pad = W·C; TinyGPT's NS-balanced plan gives C = 28,672

@@ -52,7 +52,7 @@ def test_w3_ratios_and_three_sources(w3_run):
 
 
 def test_holistic_trace_analysis_loads_the_profiler_traces(w3_run, tmp_path):
-    # Optional: HolisticTraceAnalysis is not a dependency (README, "The profiler source").
+    # Optional: HolisticTraceAnalysis is not a dependency (docs/tracer.md, "The profiler source").
     hta = pytest.importorskip("hta.trace_analysis")
     from tracer.profiler import read_profiler_trace
 

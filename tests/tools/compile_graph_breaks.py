@@ -4,8 +4,8 @@
 
 Runs ``torch._dynamo.explain`` on ``model.blocks[0]`` under DMuon Z2 and Z3 + FSDP2 on two
 forked ranks (both must run it: the hooks issue collectives) and prints the graph count, the
-break count and each distinct reason with the frame that caused it. README "Activation
-checkpointing and torch.compile" quotes its output; rerun it after changing the hooks.
+break count and each distinct reason with the frame that caused it. docs/user-guide.md
+"Activation checkpointing and torch.compile" quotes its output; rerun it after changing the hooks.
 """
 
 from __future__ import annotations

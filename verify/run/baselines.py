@@ -1,4 +1,4 @@
-"""Muon baselines a user would pick instead of DMuon (SPEC §7).
+"""Muon baselines a user would pick instead of DMuon (docs/spec.md §7).
 
 - :class:`NaiveShardedMuon`: gather the full gradient in the step, NS on every rank.
 - :class:`ZeroOneMuon`: reduce_scatter of owner-aligned gradients, NS on each matrix's owner,
@@ -81,7 +81,7 @@ class NaiveShardedMuon(Optimizer):
 
 
 class ZeroOneMuon(Optimizer):
-    """ZeRO-1-style Muon: the scheme a user would pick instead of DMuon (SPEC §7).
+    """ZeRO-1-style Muon: the scheme a user would pick instead of DMuon (docs/spec.md §7).
 
     As in modded-nanogpt and KellerJordan/Muon's distributed step: the model stays replicated
     (DDP all-reduces everything *except* these params), and ``step()`` runs three phases over

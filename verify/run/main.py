@@ -46,7 +46,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              f"{RunConfig.batch_per_rank} per rank, so it follows the world size)")
     parser.add_argument("--model", default=BUILTIN,
                         help=f"'{BUILTIN}' (built in), a preset of verify.workload.presets, or pkg.module:factory "
-                        "returning (model, loss_fn) (README: Verify your own model)")
+                        "returning (model, loss_fn) (docs/verify.md: Verify your own model)")
     parser.add_argument("--wide", action="store_true",
                         help="print every column (default: a table that fits 120 columns)")
 

@@ -107,7 +107,7 @@ def _fsdp_wrap(model: nn.Module, mesh, reshard: bool, ignored: set, per_linear: 
     holds only its biases and norms (a few KiB), and each unit costs a latency-bound
     all_gather and reduce_scatter per step. Profiled with torch.profiler (W=4 gloo, the
     bench_step MLP): per-block units made FSDP2's own collectives most of dmuon-z2's step
-    (74 ms/step against 38 ms with the root unit only). One root unit is what the README
+    (74 ms/step against 38 ms with the root unit only). One root unit is what docs/user-guide.md
     recommends.
     """
     order = []

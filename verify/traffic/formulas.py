@@ -1,7 +1,8 @@
-"""The traffic model: per-collective factors and the closed forms of SPEC §2 (one table).
+"""The traffic model: per-collective factors and the closed forms of docs/spec.md §2 (one
+table).
 
-Accounting (nccl-tests, PERFORMANCE.md; SPEC §2): for a call over a group of n ranks with
-per-rank ``count`` (NCCL's convention), the total array size is
+Accounting (nccl-tests, PERFORMANCE.md; docs/spec.md §2): for a call over a group of n ranks
+with per-rank ``count`` (NCCL's convention), the total array size is
 
     S = count            for all_reduce, broadcast, reduce
     S = n * count        for all_gather, reduce_scatter, all_to_all, gather, scatter
@@ -34,8 +35,8 @@ def array_elems(op: str, count: int, group_size: int) -> int:
 def avg_recv_factor(op: str, group_size: int) -> float:
     """f(n): mean elements received per member per element of S (bandwidth-optimal).
 
-    Point-to-point calls are outside the model of SPEC §2: a ``recv`` receives its count
-    (f = 1), a ``send`` receives nothing, a ``barrier`` carries no payload.
+    Point-to-point calls are outside the model of docs/spec.md §2: a ``recv`` receives its
+    count (f = 1), a ``send`` receives nothing, a ``barrier`` carries no payload.
     """
     n = group_size
     if op == "recv":
@@ -74,14 +75,14 @@ class ClosedForm:
 
 
 def closed_form(mode: str, shard_size: int, replicate_size: int = 1) -> ClosedForm:
-    """The closed form of SPEC §2's table for ``mode`` at N = shard_size, R = replicate_size.
+    """The closed form of ``mode`` (docs/spec.md §2) at N = shard_size, R = replicate_size.
 
     Modes: ddp-muon, zero1-muon, dmuon-ddp, naive-fsdp2-z2, naive-fsdp2-z3, dmuon-z2, dmuon-z3,
     naive-hsdp, dmuon-hsdp-z2, dmuon-hsdp-z3.
 
     HSDP: the replicate-axis reduce and broadcast of each matrix run over one replicate group
     of R ranks, so each costs (R-1)/(N·R)·P_M per rank on the W-average (the correction of
-    SPEC §2); the seed prices them at (R-1)/R·P_M each (``seed_phases``).
+    docs/spec.md §2); the seed prices them at (R-1)/R·P_M each (``seed_phases``).
 
     Raises:
         ValueError: unknown mode or non-positive sizes.

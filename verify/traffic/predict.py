@@ -7,7 +7,7 @@ to Muon-target params (``dedicated_count``, used to attribute fused buckets).
 
 What is modelled (torch 2.13, measured on gloo by the harness):
 
-- DMuon, derived here from the documented protocol (SPEC §1 and the glossary of
+- DMuon, derived here from the documented protocol (docs/spec.md §1 and the glossary of
   ``dmuon/dedicate.py``) and the planner's output alone: a *bucket* is the dedicated params
   of one block (a ``ModuleList`` element) with the same global owner and dtype, cut at
   ``bucket_cap_mb`` and ordered block by block in the recorded execution order
@@ -263,7 +263,7 @@ def dmuon_model_blocks(specs: Sequence[ParamSpec]) -> tuple[str, ...]:
 def dmuon_buckets(specs: Sequence[ParamSpec], plan: OwnershipPlan,
                   cap_bytes: int = 25 * 1024 * 1024,
                   block_order: Sequence[str] = ()) -> list[DMuonBucket]:
-    """DMuon's buckets from the documented rule (SPEC §1, ``dmuon/buckets.py`` docstring).
+    """DMuon's buckets from the documented rule (docs/spec.md §1, ``dmuon/buckets.py``).
 
     A bucket is the dedicated params of one block (:func:`dmuon_block`) with the same global
     owner and dtype, in model order, cut into runs of at most ``cap_bytes`` bytes (a param

@@ -9,9 +9,10 @@ column s of the mesh. So a step is a common tally plus one tally per shard index
 busiest rank is the s with the largest extra: O(#buckets + #FSDP groups + N) per mode, with
 one plan. The sums equal those over :func:`predict_step`'s list exactly (tested).
 
-Accounting: :mod:`verify.traffic.formulas` (nccl-tests' S and the W-average f(n)·S per call, SPEC §2);
-``*_avg_*`` are W-averages, ``*_max_*`` the busiest rank's own sum, never mixed. "Dedicated"
-is the Muon-target part (a call's f·S times dedicated_count / count, as :mod:`verify.compare`).
+Accounting: :mod:`verify.traffic.formulas` (nccl-tests' S and the W-average f(n)·S per call,
+docs/spec.md §2); ``*_avg_*`` are W-averages, ``*_max_*`` the busiest rank's own sum, never
+mixed. "Dedicated" is the Muon-target part (a call's f·S times dedicated_count / count, as
+:mod:`verify.compare`).
 
 ``zero1-muon`` is the harness's ZeRO-1-style baseline (``verify.run.baselines.ZeroOneMuon``): one
 reduce_scatter and one all_gather over the world of an owner-aligned flat buffer (whole
@@ -169,7 +170,7 @@ class StepTraffic:
         return dict(out)
 
     def closed_form_elems(self) -> float:
-        """SPEC §2's closed form × P_M (``zero1-muon``: 2(W-1)/W at P_M^pad = W·C)."""
+        """docs/spec.md §2's closed form × P_M (``zero1-muon``: 2(W-1)/W at P_M^pad = W·C)."""
         if self.mode == ZERO1:
             return 2 * (self.world_size - 1) / self.world_size * self.p_m_pad
         return closed_form(self.mode, self.shard_size, self.replicate_size).total * self.p_m
@@ -265,9 +266,10 @@ def _build_naive(layout: RunLayout, plan: OwnershipPlan) -> StepTraffic:
 
 
 def _build_zero1(layout: RunLayout, plan: OwnershipPlan) -> StepTraffic:
-    """The harness's ZeRO-1-style Muon (``verify.run.baselines.ZeroOneMuon``, SPEC §7): DDP
-    all-reduces the other params; the step runs one reduce_scatter and one all_gather over the
-    world of the owner-aligned flat buffer, C = the largest owner's total on a (1, W) plan."""
+    """The harness's ZeRO-1-style Muon (``verify.run.baselines.ZeroOneMuon``, docs/spec.md
+    §7): DDP all-reduces the other params; the step runs one reduce_scatter and one
+    all_gather over the world of the owner-aligned flat buffer, C = the largest owner's total
+    on a (1, W) plan."""
     common = Tally()
     _add(common, ddp_calls(layout, set(layout.muon_names)))
     w = layout.world_size

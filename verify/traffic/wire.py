@@ -1,9 +1,10 @@
 """Per-rank wire traffic: what each rank sends and receives under the algorithm NCCL runs.
 
-The W-average of SPEC §2 (``verify.traffic.formulas``) says how much traffic a mode moves in total; it
-cannot say which rank is busiest. This module charges every call to the ranks that actually
-send and receive under NCCL's algorithms (nccl-tests ``doc/PERFORMANCE.md`` derives the same
-per-rank volumes for its bus-bandwidth factors; docs/traffic-model.md, "Busiest rank"):
+The W-average of docs/spec.md §2 (``verify.traffic.formulas``) says how much traffic a mode
+moves in total; it cannot say which rank is busiest. This module charges every call to the
+ranks that actually send and receive under NCCL's algorithms (nccl-tests
+``doc/PERFORMANCE.md`` derives the same per-rank volumes for its bus-bandwidth factors;
+docs/traffic-model.md, "Busiest rank"):
 
 - all_reduce: ring (reduce-scatter then all-gather, 2(n-1) steps of S/n): every member sends
   and receives 2(n-1)/n·S.
@@ -116,7 +117,7 @@ def wire_report(events: Iterable[CollectiveEvent], *, world_size: int, steps: in
         "max_recv_bytes", "max_sent_bytes", "mean_recv_elems"}``: ``per_rank`` lists, for
         ranks 0..W-1, ``{"rank", "sent_elems", "recv_elems", "sent_bytes", "recv_bytes"}``;
         the busiest rank receives the most (lowest rank on a tie); ``mean_recv_elems`` is the
-        W-average (equal to SPEC §2's figure).
+        W-average (equal to docs/spec.md §2's figure).
 
     Raises:
         ValueError: ``steps`` < 1, ``world_size`` < 1, an event without rank, group size or

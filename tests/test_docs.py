@@ -1,0 +1,175 @@
+"""The documentation stays navigable and honest about where things are.
+
+- README.md is a front page (at most ``README_MAX_LINES`` lines); the manual lives in docs/.
+- Every relative link in README.md and docs/*.md points at a file (or folder) that exists, and
+  a ``#fragment`` into a Markdown file names one of its headings.
+- Every repository path the pages name in backticks (``dmuon/plan.py``) exists, and every
+  module the README's "Layout" tree names exists where the tree puts it.
+- The specification the code cites is docs/spec.md: no tracked .py or .md file cites the old,
+  out-of-tree one (the cited name followed by a section sign, or its .md file name).
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+README_MAX_LINES = 250
+
+#: A Markdown link or image: [text](target) or [text](target "title").
+_LINK = re.compile(r"!?\[[^\]]*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
+#: Backticked repository paths: a top-level folder of this project, then path characters only.
+_REPO_PATH = re.compile(
+    r"`((?:dmuon|tracer|verify|tests|benchmarks|examples|docs|traces)/[\w./-]*)`"
+)
+#: The old specification's citations. Written so that this file does not match itself.
+_OLD_SPEC = re.compile(r"\bSPEC(?:[ \t]*\u00a7|\.md\b)")
+_FENCE = re.compile(r"^```.*?^```", re.S | re.M)
+_INLINE_CODE = re.compile(r"`[^`]*`")
+
+
+def _pages() -> list[Path]:
+    return [README, *sorted((ROOT / "docs").glob("*.md"))]
+
+
+def _prose(text: str) -> str:
+    """The text without code (``blocks[i](x)`` in code is not a link)."""
+    return _INLINE_CODE.sub("", _FENCE.sub("", text))
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation dropped, spaces to hyphens."""
+    text = re.sub(r"[`*_]", "", heading.strip().lower())
+    text = re.sub(r"[^\w\- ]", "", text)
+    return text.replace(" ", "-")
+
+
+def _anchors(page: Path) -> set[str]:
+    text = _FENCE.sub("", page.read_text())
+    headings = re.findall(r"^#{1,6}\s+(.*?)\s*#*\s*$", text, re.M)
+    return {_slug(h) for h in headings}
+
+
+def _links(page: Path) -> list[tuple[str, str]]:
+    """(target path, fragment) of every relative link on ``page``."""
+    out = []
+    for target in _LINK.findall(_prose(page.read_text())):
+        if re.match(r"^[a-z][a-z0-9+.-]*:", target, re.I):  # http:, https:, mailto:
+            continue
+        path, _, fragment = target.partition("#")
+        out.append((path, fragment))
+    return out
+
+
+def _tracked(*patterns: str) -> list[Path]:
+    """Tracked files matching ``patterns`` (git), or every such file below ROOT without git."""
+    try:
+        names = subprocess.run(
+            ["git", "ls-files", "-z", "--", *patterns], cwd=ROOT, capture_output=True,
+            check=True, text=True,
+        ).stdout.split("\0")
+        return [ROOT / n for n in names if n and (ROOT / n).is_file()]
+    except (OSError, subprocess.CalledProcessError):
+        skip = {".venv", ".git", "traces", "__pycache__"}
+        return [
+            p for pattern in patterns for p in ROOT.rglob(pattern)
+            if not skip & set(p.relative_to(ROOT).parts)
+        ]
+
+
+def test_readme_is_short():
+    lines = len(README.read_text().splitlines())
+    assert lines <= README_MAX_LINES, (
+        f"README.md has {lines} lines, more than {README_MAX_LINES}: move the detail to docs/"
+    )
+
+
+def test_relative_links_point_at_existing_files():
+    broken = [
+        f"{page.relative_to(ROOT)}: ({path})"
+        for page in _pages()
+        for path, _ in _links(page)
+        if path and not (page.parent / path).exists()
+    ]
+    assert not broken, "links to missing files:\n" + "\n".join(broken)
+
+
+def test_link_fragments_name_a_heading():
+    broken = []
+    for page in _pages():
+        for path, fragment in _links(page):
+            target = (page.parent / path) if path else page
+            if fragment and target.suffix == ".md" and target.is_file():
+                if fragment not in _anchors(target):
+                    broken.append(f"{page.relative_to(ROOT)}: ({path}#{fragment})")
+    assert not broken, "links to missing headings:\n" + "\n".join(broken)
+
+
+def test_named_repository_paths_exist():
+    missing = [
+        f"{page.relative_to(ROOT)}: `{name}`"
+        for page in _pages()
+        for name in _REPO_PATH.findall(page.read_text())
+        if not (ROOT / name).exists()
+    ]
+    assert not missing, "paths named in the docs that do not exist:\n" + "\n".join(missing)
+
+
+def _layout_entries() -> list[Path]:
+    """Files and folders the README's Layout tree names, each under the folder it sits in.
+
+    A line's first name is an entry of the current folder (a top-level line: of the root);
+    when it is a folder, the ``*.py`` names after it on that line and on its continuation lines
+    are inside it, otherwise they are its siblings.
+    """
+    text = README.read_text()
+    block = re.search(r"^## Layout\n+```\n(.*?)^```", text, re.S | re.M)
+    assert block, "README.md: no Layout tree"
+    entries: list[Path] = []
+    top = Path()
+    inner = Path()
+    for line in block.group(1).splitlines():
+        indent = len(line) - len(line.lstrip())
+        first = line.split()[0] if line.strip() else ""
+        if indent == 0 and first:
+            top = Path(first.rstrip(","))
+            inner = top
+            entries.append(top)
+        elif indent == 2 and first:
+            entry = top / first.rstrip(",")
+            entries.append(entry)
+            inner = entry if first.endswith("/") else top
+        names = re.findall(r"\b([\w]+\.py)\b", line)
+        entries += [inner / n for n in names if inner / n not in entries]
+    return entries
+
+
+def test_layout_tree_names_existing_paths():
+    missing = [str(p) for p in _layout_entries() if not (ROOT / p).exists()]
+    assert not missing, "README Layout names paths that do not exist: " + ", ".join(missing)
+
+
+def test_no_citation_of_the_out_of_tree_spec():
+    spec = ROOT / "docs" / "spec.md"
+    hits = []
+    for path in _tracked("*.py", "*.md"):
+        if path == spec:
+            continue
+        for number, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+            if _OLD_SPEC.search(line):
+                hits.append(f"{path.relative_to(ROOT)}:{number}: {line.strip()}")
+    assert not hits, "cite docs/spec.md §N instead:\n" + "\n".join(hits)
+
+
+@pytest.mark.parametrize("heading,slug", [
+    ("Setting up: FSDP2, DDP, HSDP", "setting-up-fsdp2-ddp-hsdp"),
+    ("Activation checkpointing and torch.compile", "activation-checkpointing-and-torchcompile"),
+    ("`dmuon-trace`", "dmuon-trace"),
+])
+def test_slug_follows_github(heading, slug):
+    assert _slug(heading) == slug
