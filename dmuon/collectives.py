@@ -202,6 +202,14 @@ def make_groups(rows: list[list[int]]) -> DMuonGroups:
     return DMuonGroups(mine["broadcast"], mine["reduce"], replicate, world or mine["reduce"])
 
 
+def synchronize(device: torch.device) -> None:
+    """Block until every call issued on ``device``'s streams has finished (accelerators; a
+    no-op for CPU tensors, whose calls were waited by their work handles). Waits on CUDA are
+    stream waits (module docstring, "Asynchrony"), so a group is destroyed only after this."""
+    if device.type not in ("cpu", "meta"):
+        getattr(torch, device.type).synchronize(device)
+
+
 def destroy_groups(groups: DMuonGroups) -> None:
     """Destroy DMuon's groups of this rank (``dist.destroy_process_group``, which shuts each
     backend down: gloo's threads and sockets, NCCL's communicator). Every rank, the same

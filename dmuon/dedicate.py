@@ -255,7 +255,8 @@ class DedicatedParams:
 
         In order: ``sync_params()`` (a collective; ``sync=False`` skips it, as leaving a
         ``with`` block by an exception does), so every rank holds the owner's current
-        values, allocated; waits for in-flight calls; removes every hook; puts the modules'
+        values, allocated; waits for in-flight calls (and, with ``sync``, blocks until the
+        accelerator finished them); removes every hook; puts the modules'
         original classes back (``.to()`` is no longer followed); removes the names DMuon
         added to DDP's ignore list; destroys DMuon's process groups. The params stay where
         they are, plain params that nothing synchronizes any more. Afterwards every method
@@ -275,6 +276,8 @@ class DedicatedParams:
         elif rt.state in (S.FORWARD, S.BACKWARD):
             rt.recover()  # local: waits for the calls already issued
         rt.wait_pending()
+        if sync:  # block until the calls finished; after an exception, shutdown aborts them
+            rt.schedule.drain()
         self._hooks.remove_all()
         attach.unignore_in_ddp(self._model, self.names, self._ddp_ignored_before)
         attach.release_dedicated(self.params)

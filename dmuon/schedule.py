@@ -193,6 +193,12 @@ class Schedule:
             elif b.copy is not Copy.VALID:
                 b.compute_from_master()
 
+    def drain(self) -> None:
+        """Block until every call on the buckets' devices has finished (before the groups
+        are destroyed: CUDA waits only order streams)."""
+        for device in dict.fromkeys(b.flat.device for b in self.buckets):
+            collectives.synchronize(device)
+
     def _broadcast(self, b: Bucket, phase: str) -> None:
         """Holder -> shard group, the compute copy, asynchronously (waited by
         :meth:`Bucket.wait_broadcast`)."""
