@@ -31,8 +31,8 @@ def dedicate_params(
     """Give every Muon-target matrix of ``model`` one owner rank and install DMuon's hooks.
 
     Call it on every rank, on the bare model, **before** wrapping: then
-    ``DistributedDataParallel(model)`` skips the dedicated params (they are registered in
-    DDP's params-to-ignore list here) and ``fully_shard(module, mesh=..., ignored_params=set(dm))``
+    ``DistributedDataParallel(model)`` skips the dedicated params (they are added to DDP's
+    params-to-ignore list here) and ``fully_shard(module, mesh=..., ignored_params=set(dm))``
     leaves them to DMuon.
 
     Args:
@@ -55,7 +55,10 @@ def dedicate_params(
             issued, never which (README, "Overlap").
 
     Returns:
-        The :class:`DedicatedParams` handle.
+        The :class:`DedicatedParams` handle. Release it with ``dm.close()`` on every rank, or
+        use it as a context manager (``with dmuon.dedicate_params(model, mesh) as dm:``):
+        hooks, class swaps, DDP's ignore entries and DMuon's process groups (2 on a 1-D mesh,
+        4 under HSDP; ``collectives.py``) go; until then they stay, one set per call.
 
     Raises:
         ValueError: ``model`` is already DDP- or FSDP2-wrapped, ``dedicate_params`` was already
