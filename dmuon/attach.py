@@ -70,15 +70,15 @@ class _FollowsMoves:
     """Put in front of a module's class by :func:`follow_moves` (module docstring)."""
 
     def _apply(self, fn, *args, **kwargs):
-        listeners = _listeners(self)
-        for listener in listeners:
-            listener.before_apply(self)
-        completed = False
+        entered, completed = [], False
         try:
+            for listener in _listeners(self):
+                listener.before_apply(self)
+                entered.append(listener)  # after_apply pairs with a before_apply that returned
             out = super()._apply(fn, *args, **kwargs)
             completed = True
         finally:
-            for listener in listeners:
+            for listener in entered:
                 listener.after_apply(self, completed)
         return out
 

@@ -349,12 +349,12 @@ class Runtime:
     def before_apply(self, module: nn.Module) -> None:
         """A followed module's ``_apply`` starts: the values it will read are the owners'
         (HSDP replicate waited), nothing is in flight, the registered params are in."""
-        self._applying += 1
         for b in self._followed.get(module, ()):
             self.schedule.wait_replicate(b)
             b.wait_broadcast()
             b.swap(False)
             self._moved[id(b)] = b
+        self._applying += 1  # last: after_apply runs only if this returned
 
     def after_apply(self, module: nn.Module, completed: bool) -> None:
         """When the outermost followed ``_apply`` returns, re-bind every touched bucket whose
