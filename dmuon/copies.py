@@ -266,10 +266,6 @@ class Bucket:
         """Whether the params share one device and dtype (a rebind can join them)."""
         return len({(p.device, p.dtype) for p in self.params}) == 1
 
-    def mismatch(self) -> str:
-        """Where the params are, for an error message."""
-        return ", ".join(f"{n} {p.dtype} on {p.device}" for n, p in zip(self.names, self.params))
-
     def rebind(self, param_dtype: torch.dtype | None) -> None:
         """A new ``flat`` from the params' current data (their device and dtype; waits first
         for in-flight calls), and a new compute copy. Copies that had values (or come from
@@ -412,8 +408,6 @@ class Bucket:
             self.clear_grads()
             if not self.is_holder:
                 self.free_grad_buffer()
-        elif self.grads is Grads.REDUCING:  # waited above, never read
-            self.clear_grads()
 
     def free_grad_buffer(self) -> None:
         """Drop the flat grad buffer's storage (non-holders, after their reduce)."""

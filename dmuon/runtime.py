@@ -386,8 +386,9 @@ class Runtime:
             if not replaced and b.is_bound():
                 continue
             if not b.consistent():
+                where = ", ".join(f"{n} {p.dtype} on {p.device}" for n, p in zip(b.names, b.params))
                 raise ValueError(
-                    f"Invalid dedicated params of block {b.module_name!r}: {b.mismatch()}. They "
+                    f"Invalid dedicated params of block {b.module_name!r}: {where}. They "
                     "share one DMuon bucket and must share one device and dtype: apply .to() / "
                     "to_empty() to the whole model or to that block, on every rank."
                 )
