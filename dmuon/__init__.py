@@ -8,8 +8,10 @@ Typical use (every rank, before wrapping)::
         fully_shard(block, mesh=mesh, ignored_params=set(dm))
     fully_shard(model, mesh=mesh, ignored_params=set(dm))
     opt = dmuon.DMuon(model.parameters(), dedicated=dm, lr=0.02, adamw_lr=3e-4)
+    ...                                                                   # train
+    dm.close()  # every rank: hooks, class swaps and DMuon's process groups go
 
-See docs/user-guide.md for DDP and HSDP.
+See docs/user-guide.md for DDP and HSDP, docs/architecture.md for the runtime's structure.
 """
 
 from .annotate import phase, span

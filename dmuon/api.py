@@ -5,12 +5,11 @@ from __future__ import annotations
 import hashlib
 import json
 import warnings
-import weakref
 
 import torch
 import torch.nn as nn
 
-from . import checkpoint, collectives
+from . import attach, collectives
 from .buckets import DEFAULT_BUCKET_CAP_MB
 from .dedicate import DedicatedParams
 from .plan import OwnershipPlan, plan_ownership, specs_from_named_parameters
@@ -32,8 +31,8 @@ def dedicate_params(
     """Give every Muon-target matrix of ``model`` one owner rank and install DMuon's hooks.
 
     Call it on every rank, on the bare model, **before** wrapping: then
-    ``DistributedDataParallel(model)`` skips the dedicated params (they are registered in
-    DDP's params-to-ignore list here) and ``fully_shard(module, mesh=..., ignored_params=set(dm))``
+    ``DistributedDataParallel(model)`` skips the dedicated params (they are added to DDP's
+    params-to-ignore list here) and ``fully_shard(module, mesh=..., ignored_params=set(dm))``
     leaves them to DMuon.
 
     Args:
@@ -57,7 +56,10 @@ def dedicate_params(
             issued, never which (docs/performance.md, "Overlap").
 
     Returns:
-        The :class:`DedicatedParams` handle.
+        The :class:`DedicatedParams` handle. Release it with ``dm.close()`` on every rank, or
+        use it as a context manager (``with dmuon.dedicate_params(model, mesh) as dm:``):
+        hooks, class swaps, DDP's ignore entries and DMuon's process groups (2 on a 1-D mesh,
+        4 under HSDP; ``collectives.py``) go; until then they stay, one set per call.
 
     Raises:
         ValueError: ``model`` is already DDP- or FSDP2-wrapped, ``dedicate_params`` was already
@@ -82,13 +84,14 @@ def dedicate_params(
             "Call dmuon.dedicate_params on the bare model first, then wrap it with "
             "DistributedDataParallel(model) or fully_shard(..., ignored_params=set(dm))."
         )
-    already = _already_dedicated(model)
+    already = attach.dedicated_names(model)
     if already:
         raise ValueError(
             f"Invalid model: dmuon.dedicate_params was already called on it ({len(already)} "
             f"params already dedicated, e.g. {already[:3]}). Call it once per model, on every "
             "rank, and keep the returned handle (pass it to DMuon and to fully_shard's "
-            "ignored_params); to start over, build a fresh model."
+            "ignored_params); to start over, call close() on that handle (every rank) or "
+            "build a fresh model."
         )
     if isinstance(prefetch_depth, bool) or not isinstance(prefetch_depth, int) or prefetch_depth < 0:
         raise ValueError(
@@ -111,14 +114,9 @@ def dedicate_params(
     collectives.check_plan_agreement(
         digest, "setup (ownership plan, reshard_after_forward, mp_policy, bucket_cap_mb or device type)"
     )
-    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
-        model, [n for n, _, _ in named]
-    )
-    dm = DedicatedParams(model, named, topology, plan, reshard_after_forward, mesh=mesh,
-                         mp_policy=mp_policy, bucket_cap_bytes=cap_bytes,
-                         prefetch_depth=prefetch_depth)
-    _mark_dedicated(p for _, p, _ in named)
-    return checkpoint.install(model, dm)  # state_dict / load_state_dict hooks
+    return DedicatedParams(model, named, topology, plan, reshard_after_forward, mesh=mesh,
+                           mp_policy=mp_policy, bucket_cap_bytes=cap_bytes,
+                           prefetch_depth=prefetch_depth)
 
 
 def _bucket_cap_bytes(bucket_cap_mb) -> int:
@@ -136,26 +134,6 @@ def _bucket_cap_bytes(bucket_cap_mb) -> int:
             f"{DEFAULT_BUCKET_CAP_MB})."
         )
     return max(1, int(bucket_cap_mb * 1024 * 1024))
-
-
-#: id(param) -> weak reference to the param, for every param some dedicate_params call took.
-_DEDICATED: dict[int, weakref.ref] = {}
-
-
-def _mark_dedicated(params) -> None:
-    for p in params:
-        key = id(p)
-        _DEDICATED[key] = weakref.ref(p, lambda _ref, key=key: _DEDICATED.pop(key, None))
-
-
-def _already_dedicated(model: nn.Module) -> list[str]:
-    """Names of ``model``'s params that an earlier :func:`dedicate_params` took (local)."""
-    out = []
-    for name, p in model.named_parameters():
-        ref = _DEDICATED.get(id(p))
-        if ref is not None and ref() is p:
-            out.append(name)
-    return out
 
 
 def _policy_fields(mp_policy) -> dict | None:

@@ -58,35 +58,33 @@ and for every other param that requires grad: AdamW's ``{"step", "exp_avg", "exp
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn as nn
 
-from .dedicate import DedicatedParams
+if TYPE_CHECKING:
+    from .attach import HookSet
+    from .dedicate import DedicatedParams
 
 #: Optimizer state key of a dedicated param's momentum (``torch.optim.Muon``'s name).
 MOMENTUM_KEY = "momentum_buffer"
 
 
 # ---------------------------------------------------------------------------------- model side
-def install(model: nn.Module, dm: DedicatedParams) -> DedicatedParams:
-    """Register the model-side checkpoint hooks of ``dm`` (see the module docstring).
+def install(model: nn.Module, dm: DedicatedParams, hooks: HookSet) -> None:
+    """Register the model-side checkpoint hooks of ``dm`` into ``hooks`` (module docstring).
 
-    Called by :func:`dmuon.dedicate_params` on the bare model. Each module that holds
-    dedicated params gets a ``state_dict`` pre-hook and ``load_state_dict`` pre- and
-    post-hooks, so the root's calls, a wrapper's (DDP: ``module.`` prefix) and a submodule's
-    own ``state_dict()`` / ``load_state_dict()`` are all covered (after the first module of a
-    call, the sync is a no-op). Their handles are kept in ``dm``, so ``dm.remove()`` removes them.
-
-    Returns:
-        ``dm``.
+    Called by ``DedicatedParams`` on the bare model. Each module that holds dedicated params
+    gets a ``state_dict`` pre-hook and ``load_state_dict`` pre- and post-hooks, so the root's
+    calls, a wrapper's (DDP: ``module.`` prefix) and a submodule's own ``state_dict()`` /
+    ``load_state_dict()`` are all covered (after the first module of a call, the sync is a
+    no-op). ``dm.close()`` removes them with the rest of ``hooks``.
     """
     modules = dict(model.named_modules())
-    handles = []
     for name in dict.fromkeys(n.rpartition(".")[0] for n in dm.names):
         module = modules[name]
-        handles += [
+        hooks.add(
             module.register_state_dict_pre_hook(lambda module, prefix, keep_vars: dm.sync_params()),
             module.register_load_state_dict_pre_hook(
                 lambda module, state_dict, prefix, local_metadata, *rest: _before_load(
@@ -94,9 +92,7 @@ def install(model: nn.Module, dm: DedicatedParams) -> DedicatedParams:
                 )
             ),
             module.register_load_state_dict_post_hook(lambda module, keys: dm.params_loaded()),
-        ]
-    dm._handles.extend(handles)
-    return dm
+        )
 
 
 def _before_load(dm: DedicatedParams, prefix: str, local_metadata: dict) -> None:

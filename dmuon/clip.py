@@ -64,7 +64,7 @@ def clip_grad_norm_(
     p = float(norm_type)
     if not (p > 0):
         raise ValueError(f"Invalid norm_type={norm_type!r}. Must be > 0 or math.inf.")
-    if dm.state != TrainingState.BACKWARD_DONE or dm.unreduced_bucket() is not None:
+    if dm.state != TrainingState.BACKWARD_DONE or dm.unreduced_param() is not None:
         raise RuntimeError(
             f"DMuon: clip_grad_norm_ called in state {dm.state.name} with dedicated grads not "
             "reduced to their owners. Call it after loss.backward() (outside dm.no_sync()) "

@@ -23,6 +23,29 @@ every rank, independent of the other channels:
 
 Over the same ranks as the mesh's groups, so a trace names them the same way (sorted ranks).
 
+Why not fewer. ``broadcast`` and ``reduce`` span the same ranks but cannot share a
+communicator: in backward, Z3's re-broadcasts are issued by pre-backward hooks and the
+reduces by grad hooks as grads arrive, and which comes first depends on the modules that ran
+on each rank, so one communicator would pair a re-broadcast with a reduce. The mesh's groups
+carry FSDP2's all_gathers and reduce-scatters (issued from FSDP2's own hooks, possibly on
+some ranks only), the default group DDP's bucket all_reduces: sharing either would make the
+pairing depend on how the two libraries interleave on each rank. ``world`` could be the
+default group when the mesh covers it (one communicator less under HSDP; not taken: a mesh
+may be a sub-mesh of the default group, and DMuon's world call would then need a check).
+
+Cost, per :class:`~dmuon.DedicatedParams`, on each rank: a 1-D mesh makes this rank a member
+of **2** groups (``broadcast``, ``reduce``; ``world`` is ``reduce``), an HSDP mesh of **4**
+(``broadcast``, ``reduce``, ``replicate``, ``world``); :func:`make_groups` also creates the
+other rows' and columns' groups, of which this rank is not a member (no backend). Under NCCL
+each membership is one communicator: created at the group's first collective (or with the
+group, split from the default one, when ``init_process_group`` got ``device_id``), with its
+own device buffers (``NCCL_BUFFSIZE`` per channel and peer, 4 MiB by default) and proxy
+thread. Under gloo (measured, ``tests/distributed/test_dmuon_lifecycle.py``) each group holds
+3 threads and 5 file descriptors on this rank: +6 threads / +10 fds per 1-D DedicatedParams,
++12 / +22 per 2x2 HSDP one. :func:`destroy_groups` (``DedicatedParams.close()``) releases
+them: ``dist.destroy_process_group`` shuts each backend down, and gloo's threads and sockets
+go when the last reference to the group does (``close()`` drops DMuon's).
+
 **Device.** Every tensor a collective sends lives on the device the group's backend needs:
 :func:`collective_device` (``cuda:<current>`` for NCCL, ``cpu`` for gloo).
 
@@ -177,6 +200,26 @@ def make_groups(rows: list[list[int]]) -> DMuonGroups:
                 replicate = g
         world = dist.new_group(sorted(r for row in rows for r in row))
     return DMuonGroups(mine["broadcast"], mine["reduce"], replicate, world or mine["reduce"])
+
+
+def synchronize(device: torch.device) -> None:
+    """Block until every call issued on ``device``'s streams has finished (accelerators; a
+    no-op for CPU tensors, whose calls were waited by their work handles). Waits on CUDA are
+    stream waits (module docstring, "Asynchrony"), so a group is destroyed only after this."""
+    if device.type not in ("cpu", "meta"):
+        getattr(torch, device.type).synchronize(device)
+
+
+def destroy_groups(groups: DMuonGroups) -> None:
+    """Destroy DMuon's groups of this rank (``dist.destroy_process_group``, which shuts each
+    backend down: gloo's threads and sockets, NCCL's communicator). Every rank, the same
+    order (broadcast, reduce, replicate, world): NCCL's abort was a collective in some
+    versions, which is why torch shuts groups down in a fixed order too."""
+    seen: list[dist.ProcessGroup] = []
+    for g in (groups.broadcast, groups.reduce, groups.replicate, groups.world):
+        if g is not None and all(g is not s for s in seen):
+            seen.append(g)
+            dist.destroy_process_group(g)
 
 
 def broadcast_(buf: torch.Tensor, src: int, group: dist.ProcessGroup, *, async_op: bool = False):

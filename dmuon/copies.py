@@ -1,15 +1,25 @@
-"""One bucket's copies on this rank: the master copy (``flat``, the registered params' views)
-and the compute copy (``lp``, what forward runs on and broadcasts carry).
+"""One bucket on this rank: its copies, its grads, and their states. The only module that
+changes a dedicated param: its storage (freed / refilled / re-bound), its class (the freed
+guard), its ``.grad``, and which tensor its module registers (``m._parameters[...]``). Every
+other module calls a :class:`Bucket` method; the storage primitives live in
+:mod:`dmuon.residency`, which only this module imports.
 
-Without mixed precision both are the same buffer. With ``param_dtype`` set, ``lp`` is a
-``param_dtype`` buffer whose views are separate leaf params (``compute``) that the runtime
-swaps into the module during its forward, like FSDP2's unsharded params; the registered
-params keep the master dtype. Storage is freed and refilled with :mod:`dmuon.residency`.
+Copies: the master copy ``flat`` (the registered params' views) and the compute copy ``lp``
+(what forward runs on and broadcasts carry). Without mixed precision both are the same
+buffer. With ``param_dtype`` set, ``lp`` is a ``param_dtype`` buffer whose views are separate
+leaf params (``compute``) that :meth:`Bucket.swap` puts into the modules during their
+forward, like FSDP2's unsharded params; the registered params keep the master dtype.
+
+States (:mod:`dmuon.state`, diagrams there): ``copy`` and ``master`` (the non-holders'
+copies, the same value on every rank), ``replica`` (a holder's master under HSDP), ``grads``.
+Each in-flight call's handle belongs to the state that says it is in flight (``copy``
+``IN_FLIGHT``, ``replica`` ``RECEIVING``, ``grads`` ``REDUCING``) and is dropped when it is
+waited; storage is never read back as state.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -17,37 +27,54 @@ import torch.nn as nn
 
 from . import residency
 from .collectives import Pending
+from .state import Copy, Grads, Replica, check
 
 
-@dataclass(eq=False)
 class Bucket:
-    """The runtime side of one :class:`dmuon.buckets.BucketSpec` on this rank."""
+    """The runtime side of one :class:`dmuon.buckets.BucketSpec` on this rank.
 
-    index: int
-    module_name: str
-    module: nn.Module
-    owner: int  # global owner index g = r * N + s
-    shard_owner: int  # s: group rank of the holder in each shard group
-    replicate_owner: int  # r: group rank of the owner in the replicate group
-    names: list[str]
-    params: list[nn.Parameter]
-    param_modules: list[nn.Module]  # the module each param is registered in (in its block)
-    flat: torch.Tensor  # shape (numel,), params' data are views into it (master dtype)
-    is_holder: bool
-    is_owner: bool
-    lp: torch.Tensor | None = None  # shape (numel,), param_dtype copy (mixed precision), else flat
-    compute: list[nn.Parameter] = field(default_factory=list)  # views of lp used in forward
-    valid: bool = False  # non-holders' compute copies (lp) are current and allocated
-    master_valid: bool = False  # mixed precision: non-holders' master (flat) copies too
-    reduced: bool = False  # reduced to the owner since the last step / zero_grad
-    ready: set[int] = field(default_factory=set)
-    used: list[bool] = field(default_factory=list)
-    replicate_work: Pending | None = None  # in-flight replicate broadcast into flat (HSDP)
-    broadcast_work: Pending | None = None  # in-flight forward / backward broadcast into lp
-    reduce_work: Pending | None = None
-    reduce_buf: torch.Tensor | None = None
-    grad_flat: torch.Tensor | None = None  # (numel + len(params),), lp's dtype: grads + usage
-    grad_views: list[torch.Tensor] = field(default_factory=list)  # views of grad_flat, per param
+    Args:
+        index: position in the bucket order (changed by renumbering).
+        module_name, module: the block (``buckets.py``) and its module.
+        owner: global owner index ``g = r * N + s``; ``shard_owner`` = ``s`` (group rank of
+            the holder in each shard group), ``replicate_owner`` = ``r``.
+        names, params, param_modules: the params (model order), with the module each is
+            registered in.
+        is_holder, is_owner: this rank's roles.
+        frees: Z3 (``reshard_after_forward``): non-holders free the compute copy between uses.
+        on_grad: ``on_grad(bucket, i)`` -> the post-accumulate-grad hook of param ``i``'s
+            compute param (registered here, moved when the compute params change).
+    """
+
+    def __init__(self, *, index: int, module_name: str, module: nn.Module, owner: int,
+                 shard_owner: int, replicate_owner: int, names: list[str],
+                 params: list[nn.Parameter], param_modules: list[nn.Module], is_holder: bool,
+                 is_owner: bool, frees: bool, on_grad: Callable[[Bucket, int], Callable]) -> None:
+        self.index, self.module_name, self.module = index, module_name, module
+        self.owner, self.shard_owner, self.replicate_owner = owner, shard_owner, replicate_owner
+        self.names, self.params, self.param_modules = names, params, param_modules
+        self.is_holder, self.is_owner, self._frees = is_holder, is_owner, frees
+        self._on_grad = on_grad
+        self.flat = residency.flatten_into_views(params)  # (numel,), the master dtype
+        self.lp: torch.Tensor = self.flat  # (numel,), param_dtype copy (mixed precision)
+        self.compute: list[nn.Parameter] = params  # views of lp that forward runs on
+        self.copy = Copy.STALE  # made FREED by the first make_compute under Z3
+        self.master: Copy | None = None  # mixed precision only
+        self.replica = Replica.CURRENT
+        self.grads = Grads.NONE
+        self.used = [False] * len(params)  # this rank produced a grad since the last reduce
+        self.arrived: set[int] = set()  # grads arrived in this backward (the reduce trigger)
+        self.grad_flat: torch.Tensor | None = None  # (numel + len(params),), lp's dtype
+        self.grad_views: list[torch.Tensor] = []  # views of grad_flat, per param
+        self._grad_hooks: list = []
+        self._broadcast: Pending | None = None
+        self._replicate: Pending | None = None
+        self._reduce: Pending | None = None
+        self._reduce_buf: torch.Tensor | None = None
+
+    def __repr__(self) -> str:
+        return (f"Bucket({self.index}, {self.module_name!r}, owner={self.owner}, copy="
+                f"{self.copy.name}, replica={self.replica.name}, grads={self.grads.name})")
 
     @property
     def numel(self) -> int:
@@ -58,24 +85,48 @@ class Bucket:
         """Whether the compute copy is a separate (``param_dtype``) buffer."""
         return self.lp is not self.flat
 
-    def make_compute(self, param_dtype: torch.dtype | None) -> bool:
-        """Build the compute copy from ``flat``; returns True when new compute params were
-        made (the caller moves the grad hooks to them). Mixed-precision non-holders then
-        drop their master copy (``sync_params`` brings it back)."""
+    @property
+    def replicate_work(self) -> Pending | None:
+        """The in-flight replicate broadcast into ``flat`` (``replica`` RECEIVING), else None."""
+        return self._replicate
+
+    def _to(self, field: str, new) -> None:
+        setattr(self, field, check(f"bucket {self.index} ({self.module_name!r}) {field}",
+                                   getattr(self, field), new))
+
+    # ------------------------------------------------------------------ compute copy
+    def make_compute(self, param_dtype: torch.dtype | None, *, keep_master: bool = False,
+                     keep_copy: bool = False) -> None:
+        """Build the compute copy from ``flat`` and hook its grads. Mixed-precision
+        non-holders then drop their master copy unless ``keep_master`` (``sync_params``
+        brings it back); Z3 non-holders drop the compute copy (FREED) unless ``keep_copy``
+        (then STALE: freed after the next forward)."""
         if param_dtype is None or param_dtype == self.flat.dtype:
-            self.lp, self.compute = self.flat, self.params
-            return False
-        self.lp = torch.empty(self.numel, dtype=param_dtype, device=self.flat.device)
-        with torch.no_grad():
-            self.lp.copy_(self.flat)
-        self.compute, offset = [], 0
-        for p in self.params:
-            n = p.numel()
-            self.compute.append(nn.Parameter(self.lp[offset : offset + n].view(p.shape)))
-            offset += n
-        if not self.is_holder:
-            self.free_master()
-        return True
+            self.lp, self.compute, self.master = self.flat, self.params, None
+        else:
+            self.lp = torch.empty(self.numel, dtype=param_dtype, device=self.flat.device)
+            with torch.no_grad():
+                self.lp.copy_(self.flat)
+            self.compute, offset = [], 0
+            for p in self.params:
+                self.compute.append(nn.Parameter(self.lp[offset : offset + p.numel()].view(p.shape)))
+                offset += p.numel()
+            self.master = Copy.STALE if keep_master else Copy.FREED  # a new master copy's state
+            if not keep_master and not self.is_holder:
+                self._free_master_storage()
+        self._hook_grads()
+        if self._frees and not keep_copy:
+            self._to("copy", Copy.FREED)
+            if not self.is_holder:
+                self._free_compute_storage()
+        else:
+            self._to("copy", Copy.STALE)
+
+    def _hook_grads(self) -> None:
+        for h in self._grad_hooks:
+            h.remove()
+        self._grad_hooks = [q.register_post_accumulate_grad_hook(self._on_grad(self, i))
+                            for i, q in enumerate(self.compute)]
 
     def refresh_compute(self) -> None:
         """Cast the master copy into the compute copy (mixed precision; local)."""
@@ -85,37 +136,169 @@ class Bucket:
                 self.lp.copy_(self.flat)
 
     def swap(self, compute: bool, module: nn.Module | None = None) -> None:
-        """Put the compute params (or back the registered ones) into their modules (only
-        into ``module`` when given)."""
+        """Register the compute params (or back the registered ones) in their modules (only
+        in ``module`` when given). A no-op without mixed precision."""
         if self.mixed:
             for m, n, p, q in zip(self.param_modules, self.names, self.params, self.compute):
                 if module is None or m is module:
                     m._parameters[n.rpartition(".")[2]] = q if compute else p
 
-    def free_compute(self) -> None:
-        """Drop the compute copy's storage (without mixed precision: the master's)."""
+    def receive_buffer(self, master: bool) -> torch.Tensor:
+        """The buffer a broadcast from the holder writes (compute copy, or the master copy for
+        ``sync_params``), its storage allocated on non-holders."""
+        if not self.is_holder:
+            self._alloc_master_storage() if master or not self.mixed else residency.alloc_storage(self.lp)
+        return self.flat if master else self.lp
+
+    def broadcast_issued(self, work: Pending) -> None:
+        self._to("copy", Copy.IN_FLIGHT)
+        self._broadcast = work
+
+    def wait_broadcast(self) -> None:
+        """Wait for the in-flight broadcast, if any: the copy is then VALID."""
+        if self.copy is Copy.IN_FLIGHT:
+            self._broadcast.wait()
+            self._broadcast = None
+            self._to("copy", Copy.VALID)
+
+    def master_synced(self) -> None:
+        """``sync_params`` broadcast the master copy (synchronously): every copy is current."""
+        if self.mixed:
+            self._to("master", Copy.VALID)
+            self.refresh_compute()
+        self._to("copy", Copy.VALID)
+
+    def compute_from_master(self) -> None:
+        """Mixed precision, master current everywhere: cast it into the compute copy (local)."""
+        self.refresh_compute()
+        self._to("copy", Copy.VALID)
+
+    def load_problem(self) -> str | None:
+        """Why a checkpoint load could not have written this bucket on its non-holders (its
+        copy there is freed), else None. The same answer on every rank (agreed states)."""
+        if self.flat.device.type == "meta" or (self.master if self.mixed else self.copy) is not Copy.FREED:
+            return None
+        return (f"{self.names[0]} is freed on the ranks that do not hold it (shard group rank "
+                f"{self.shard_owner} holds it), so the load could not write it there")
+
+    def loaded(self) -> None:
+        """Identical values were written into every rank's params: every copy is current
+        (call only when :meth:`load_problem` is None)."""
+        self.refresh_compute()
+        if self.mixed:
+            self._to("master", Copy.VALID)
+        self._to("copy", Copy.VALID)
+
+    def free(self) -> None:
+        """Z3: non-holders free the compute copy (FREED; waits an in-flight broadcast first)."""
+        self.wait_broadcast()
+        if self.copy is not Copy.FREED:
+            self._to("copy", Copy.FREED)
+            if not self.is_holder:
+                self._free_compute_storage()
+
+    def drop_master(self) -> None:
+        """Mixed precision: non-holders' master copies (from ``sync_params``) are freed."""
+        if self.mixed and self.master is not Copy.FREED:
+            self._to("master", Copy.FREED)
+            if not self.is_holder:
+                self._free_master_storage()
+
+    def stepped(self) -> None:
+        """``step()`` changed the owner's values: every copy elsewhere is out of date."""
+        if self.copy is Copy.VALID:
+            self._to("copy", Copy.STALE)
+        if self.master is Copy.VALID:
+            self._to("master", Copy.STALE)
+        if self.is_owner:
+            self.refresh_compute()
+
+    # ------------------------------------------------------------------ replica (HSDP)
+    def replicate_issued(self, work: Pending) -> None:
+        self._to("replica", Replica.RECEIVING)
+        self._replicate = work
+
+    def wait_replicate(self) -> None:
+        """Wait for the owner's replicate broadcast, if any; holders cast it (mixed)."""
+        if self.replica is Replica.RECEIVING:
+            self._replicate.wait()
+            self._replicate = None
+            self._to("replica", Replica.CURRENT)
+            self.refresh_compute()
+
+    # ------------------------------------------------------------------ storage
+    def _free_compute_storage(self) -> None:
         if self.mixed:
             residency.free_storage(self.lp)
         else:
-            self.free_master()
+            self._free_master_storage()
 
-    def alloc_compute(self) -> None:
-        if self.mixed:
-            residency.alloc_storage(self.lp)
-        else:
-            self.alloc_master()
+    def _free_master_storage(self) -> None:
+        residency.free_storage(self.flat)
+        for n, p in zip(self.names, self.params):
+            residency.mark_freed(p, f"{n} (owner rank {self.owner}) on rank {dist.get_rank()}")
 
+    def _alloc_master_storage(self) -> None:
+        residency.alloc_storage(self.flat)
+        for p in self.params:
+            residency.mark_resident(p)
+
+    # ------------------------------------------------------------------ binding
+    def adopt_replaced(self) -> list[int]:
+        """Adopt params their modules now register instead of ours (``to_empty`` from meta,
+        ``m.weight = nn.Parameter(...)``); returns their positions."""
+        replaced = []
+        for i, (m, n) in enumerate(zip(self.param_modules, self.names)):
+            q = m._parameters.get(n.rpartition(".")[2])
+            if q is not None and q is not self.params[i] and not any(q is c for c in self.compute):
+                self.params[i] = q
+                replaced.append(i)
+        if replaced and not self.mixed:
+            self.compute = self.params
+            self._hook_grads()
+        return replaced
+
+    def is_bound(self) -> bool:
+        """Whether every param is still its view of ``flat``."""
+        return residency.is_bound(self.params, self.flat)
+
+    def consistent(self) -> bool:
+        """Whether the params share one device and dtype (a rebind can join them)."""
+        return len({(p.device, p.dtype) for p in self.params}) == 1
+
+    def rebind(self, param_dtype: torch.dtype | None) -> None:
+        """A new ``flat`` from the params' current data (their device and dtype; waits first
+        for in-flight calls), and a new compute copy. Copies that had values (or come from
+        the meta device: the user initialises them next) stay allocated, STALE until the next
+        forward; copies that were freed stay freed (their conversion carried no values).
+        Holders' compute copies are cast from the master again at the next forward
+        (:meth:`recast`), after the user's initialisation."""
+        self.wait_broadcast()
+        self.wait_replicate()
+        from_meta = self.flat.device.type == "meta"
+        keep_copy = from_meta or self.copy is not Copy.FREED
+        keep_master = from_meta or (self.master if self.mixed else self.copy) is not Copy.FREED
+        self.flat = residency.flatten_into_views(self.params)
+        self.make_compute(param_dtype, keep_master=keep_master, keep_copy=keep_copy)
+        if self.is_holder or (keep_master if self.mixed else keep_copy):
+            for p in self.params:  # flat is allocated here: no freed guard
+                residency.mark_resident(p)
+
+    def recast(self) -> None:
+        """Holders: cast the master into the compute copy (after a rebind; mixed precision)."""
+        if self.is_holder:
+            self.refresh_compute()
+
+    # ------------------------------------------------------------------ grads
     def grad_buffer(self) -> torch.Tensor:
-        """The bucket's flat grad buffer: shape (numel + len(params),), the compute copy's
-        dtype and device: the params' grads (one view per param in ``grad_views``), then one
-        usage element per param (the protocol's step 4). Created on first use (again after
-        ``.to()`` moved the params), its storage re-grown after :meth:`free_grad_buffer`; the
-        views stay the same objects, so a ``.grad`` set to one follows the storage."""
+        """The flat grad buffer: shape (numel + len(params),), the compute copy's dtype and
+        device: the params' grads (``grad_views``), then one usage element per param
+        (protocol step 4). Created on first use (again after ``.to()``); the views stay the
+        same objects, so a ``.grad`` set to one follows the storage."""
         g = self.grad_flat
         if g is None or g.dtype != self.lp.dtype or g.device != self.lp.device:
-            g = self.grad_flat = torch.empty(
-                self.numel + len(self.params), dtype=self.lp.dtype, device=self.lp.device
-            )
+            g = self.grad_flat = torch.empty(self.numel + len(self.params), dtype=self.lp.dtype,
+                                             device=self.lp.device)
             self.grad_views, offset = [], 0
             for p in self.params:
                 self.grad_views.append(g[offset : offset + p.numel()].view(p.shape))
@@ -124,9 +307,14 @@ class Bucket:
             residency.alloc_storage(g)
         return g
 
-    def grad_into_buffer(self, i: int, q: torch.Tensor) -> None:
-        """Make ``q.grad`` (the compute param ``i``) a view of the flat grad buffer: copy it in
-        unless it already is one (then autograd accumulates into the buffer in place)."""
+    def grad_arrived(self, i: int, q: torch.Tensor, counts: bool) -> None:
+        """Compute param ``i`` got a grad: it becomes a view of the grad buffer (copied in
+        unless it already is one; autograd then accumulates there in place). ``counts``:
+        it counts towards this backward's reduce (not under ``no_sync``)."""
+        self._to("grads", Grads.LOCAL)
+        self.used[i] = True
+        if counts:
+            self.arrived.add(i)
         self.grad_buffer()
         view, g = self.grad_views[i], q.grad
         if g is not None and not _is_view(g, view):
@@ -134,11 +322,9 @@ class Bucket:
                 view.copy_(g)
             q.grad = view
 
-    def fill_grad_buffer(self) -> torch.Tensor:
-        """The flat grad buffer ready to reduce: every compute param's local grad, zeros for a
-        param without one (no ``torch.cat``: grads already live there, see
-        :meth:`grad_into_buffer`), then the usage elements: 1 for a param that got a grad
-        since the last reduce (``used``), else 0."""
+    def reduce_buffer(self, reduce_dtype: torch.dtype | None) -> torch.Tensor:
+        """The buffer to reduce: every local grad (zeros where none), then the usage
+        elements (1 where ``used``), in ``reduce_dtype``."""
         buf = self.grad_buffer()
         usage = buf[self.numel :]
         with torch.no_grad():
@@ -153,24 +339,87 @@ class Bucket:
                 usage.zero_()
             else:
                 usage.copy_(torch.tensor(self.used, dtype=usage.dtype))
-        return buf
+        return buf if reduce_dtype is None or buf.dtype == reduce_dtype else buf.to(reduce_dtype)
+
+    def reduce_issued(self, work: Pending, buf: torch.Tensor) -> None:
+        """The reduce of ``buf`` is in flight: local grads are consumed (non-owners and
+        mixed-precision compute params drop theirs)."""
+        self._to("grads", Grads.REDUCING)
+        self._reduce, self._reduce_buf = work, buf
+        self.used = [False] * len(self.params)
+        if not self.is_owner or self.mixed:
+            for q in self.compute:
+                q.grad = None
+
+    def wait_reduce(self) -> torch.Tensor:
+        """Wait for the shard reduce (once); returns its buffer (the sums, on the holder)."""
+        if self._reduce is not None:
+            self._reduce.wait()
+            self._reduce = None
+        return self._reduce_buf
+
+    def reduced(self, counts: list[float], world_size: int) -> None:
+        """Every reduce into the holder's buffer is waited: owners set each param's averaged
+        grad (``None`` where ``counts`` is 0 and no grad tensor was kept, as torch would);
+        non-holders free the buffer."""
+        buf, self._reduce_buf = self._reduce_buf, None
+        self._to("grads", Grads.REDUCED)
+        if not self.is_holder:
+            self.free_grad_buffer()
+        if not self.is_owner:
+            return
+        same = buf.dtype == self.flat.dtype
+        if same:
+            buf.div_(world_size)
+        offset = 0
+        for p, count in zip(self.params, counts):
+            n = p.numel()
+            g = buf[offset : offset + n].view_as(p)
+            if not same:  # mixed precision: the master grad, averaged in its dtype
+                g = g.to(p.dtype).div_(world_size)
+            p.grad = g if count > 0 or p.grad is not None else None
+            offset += n
+
+    def pass_ended(self) -> None:
+        """A backward (or the iteration) ended: registered params in, arrivals forgotten."""
+        self.arrived.clear()
+        self.swap(False)
+
+    def step_consumed(self) -> None:
+        if self.grads is Grads.REDUCED:
+            self._to("grads", Grads.STEPPED)
+
+    def clear_grads(self) -> None:
+        """``zero_grad()``: a new accumulation starts (the optimizer cleared the tensors)."""
+        self._to("grads", Grads.NONE)
+        self.used = [False] * len(self.params)
+
+    def abort(self, drop_grads: bool) -> None:
+        """Leave what an exception left: wait in-flight calls, registered params back, and
+        (an aborted backward) drop every dedicated grad of this bucket."""
+        self.wait_broadcast()
+        self.wait_reduce()
+        self._reduce_buf = None
+        self.arrived.clear()
+        self.swap(False)
+        if drop_grads:
+            for p in self.params + self.compute:
+                p.grad = None
+            self.clear_grads()
+            if not self.is_holder:
+                self.free_grad_buffer()
 
     def free_grad_buffer(self) -> None:
-        """Drop the flat grad buffer's storage (a non-holder after its reduce was waited)."""
-        if self.grad_flat is not None and residency.is_allocated(self.grad_flat):
+        """Drop the flat grad buffer's storage (non-holders, after their reduce)."""
+        if self.grad_flat is not None:
             residency.free_storage(self.grad_flat)
 
-    def free_master(self) -> None:
-        """Drop ``flat``'s storage; the registered params get the freed guard."""
-        residency.free_storage(self.flat)
-        for n, p in zip(self.names, self.params):
-            residency.mark_freed(p, f"{n} (owner rank {self.owner}) on rank {dist.get_rank()}")
-        self.master_valid = False
-
-    def alloc_master(self) -> None:
-        residency.alloc_storage(self.flat)
-        for p in self.params:
-            residency.mark_resident(p)
+    def close(self) -> None:
+        """Registered params back and grad hooks removed (``DedicatedParams.close``)."""
+        self.swap(False)
+        for h in self._grad_hooks:
+            h.remove()
+        self._grad_hooks = []
 
 
 def _is_view(g: torch.Tensor, view: torch.Tensor) -> bool:

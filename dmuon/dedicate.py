@@ -1,7 +1,11 @@
-"""Dedicated ownership at runtime: the hooks that move each Muon matrix to and from its owner.
+"""Dedicated ownership at runtime: the public handle, and the protocol its hooks follow.
 
 This docstring is the authoritative description of DMuon's protocol (the traffic predictor
-in ``verify/`` is derived from it independently).
+in ``verify/`` is derived from it independently). Who does what (``docs/architecture.md``):
+:class:`DedicatedParams` here is the handle and its lifecycle; ``runtime.py`` the pass state
+and the hooks' logic; ``schedule.py`` the cursors and every call; ``copies.py`` each bucket's
+copies, grads and states (the only code that changes a dedicated param); ``attach.py`` what
+is attached to the model and undone by ``close()``; ``state.py`` every state and transition.
 
 Glossary (see ``topology.py`` for the mesh terms):
 
@@ -17,16 +21,22 @@ Glossary (see ``topology.py`` for the mesh terms):
   order in which the blocks' forwards first ran, agreed across ranks (step 7, rule in
   ``order.py``); within a block, model order. Their data are views into one flat buffer
   (``residency.py``), so one collective moves them all. A bucket's ``module`` is its block.
-- **valid**: the non-holders' copies equal the owner's current values and are allocated.
-  Every rank tracks the same flag for every bucket (it changes only at points every rank
-  passes: the end of a driver's forward, of the root's forward, of backward, ``step()``,
-  ``sync_params()``), so every rank takes the same collective decisions.
+- **copy state** (``state.Copy``, one per bucket): where the non-holders' compute copy
+  stands: ``FREED`` (no storage), ``STALE``, ``IN_FLIGHT`` (a broadcast is writing it) or
+  ``VALID`` (equal to the owner's current values, allocated). Every rank tracks the same
+  value for every bucket, holders included (it changes only at points every rank passes:
+  the end of a driver's forward, of the root's forward, of backward, ``step()``,
+  ``sync_params()``), so every rank takes the same collective decisions. "A bucket is
+  current" below means ``VALID``.
 - **driver**: a module whose subtree holds buckets (the blocks and their ancestors, not the
   root). Its hooks cover the buckets of its whole subtree, a contiguous index range. With
   ``mp_policy``, the modules that hold dedicated params also get hooks that swap their
   compute params in for their forward and cast its inputs and output (in any state,
   activation-checkpoint recompute included).
-- **state**: :class:`dmuon.state.TrainingState`, one per DedicatedParams.
+- **state**: :class:`dmuon.state.TrainingState`, one per DedicatedParams (``dm.state``); the
+  per-bucket states (copy, master copy, HSDP replica, grads) and every allowed transition
+  are in ``state.py``. Entering FORWARD or BACKWARD resets the pass's cursors
+  (``schedule.Cursors``), nowhere else.
 
 Every asynchronous call goes through ``collectives.Launcher`` (work handles on gloo, side
 streams and events on CUDA; ``collectives`` docstring, "Asynchrony").
@@ -47,14 +57,15 @@ Per step (docs/spec.md §1):
    end (so buckets of modules that did not run on this rank are still sent). Advancing to
    ``hi`` first *issues* every bucket up to
    ``hi + prefetch_depth`` not issued yet (each waits for its pending replicate broadcast
-   (HSDP), then, if not valid, is broadcast from its holder, shard group rank ``s``,
-   asynchronously), then *waits* for every bucket up to ``hi``, which become valid. So while
+   (HSDP), then, if FREED or STALE, is broadcast from its holder, shard group rank ``s``,
+   asynchronously: IN_FLIGHT), then *waits* for every bucket up to ``hi``, which become
+   VALID. So while
    a module computes, the broadcasts of the next ``prefetch_depth`` buckets are in flight.
-   Exactly one broadcast per invalid bucket per forward, issued in index order on every
+   Exactly one broadcast per bucket not VALID per forward, issued in index order on every
    rank (``prefetch_depth`` moves when a call is issued, never which or in what order).
 2. **after forward**, Z3 (``reshard_after_forward=True``): a driver's post-hook frees the
    non-holders' storage of the buckets in its subtree that the cursor passed; the root's
-   post-hook frees the rest. Every bucket is then invalid on every rank. Running a module
+   post-hook frees the rest. Every bucket is then FREED on every rank. Running a module
    again after its bucket was freed in the same forward raises (Z3 cannot refill it outside
    the fixed schedule; use Z2 for weight reuse).
 3. **backward**, Z3 (channel ``broadcast``, phase ``backward``): a re-broadcast cursor walks
@@ -80,15 +91,19 @@ Per step (docs/spec.md §1):
    that view, so later accumulations (``no_sync`` micro-batches) land there in place and the
    reduce sends the buffer itself (no ``torch.cat``). Holders keep it between steps (the
    owner's ``.grad`` are its views); non-holders free its storage after the reduce wait.
+   Grad states (``state.Grads``): a grad hook makes the bucket LOCAL, the issue REDUCING,
+   the wait below REDUCED.
 5. **after the reduces** (local): the owner divides the reduced grads by W and sets
    ``.grad``, or ``None`` for a param whose reduced usage is 0 (unused on every rank: no
    update, as ``torch.optim.Muon``; any positive sum of 0/1 values stays positive in every
    reduce dtype, so this holds in bf16 too). An owner that kept a grad tensor from
    ``zero_grad(set_to_none=False)`` gets the reduced zeros instead, and steps on its
    momentum as torch would. Non-owners' grads are ``None``. Z3 non-holders
-   free every bucket (all invalid). (The usage elements replaced a separate all_reduce over
+   free every bucket (all FREED). (The usage elements replaced a separate all_reduce over
    the world, a latency-bound call and a world-wide sync point every step.)
-6. **step** (``optimizer.step()``): only owners update; every bucket becomes invalid; then
+6. **step** (``optimizer.step()``): only owners update; every VALID bucket becomes STALE
+   (FREED ones stay FREED) and REDUCED grads STEPPED (a backward before ``zero_grad()``
+   raises); then
    (HSDP) each owner broadcasts its buckets to the holders over the replicate axis
    (channel ``replicate``, phase ``replicate``) asynchronously, in index order; the wait is
    in step 1.
@@ -124,13 +139,37 @@ Outside the step:
 - ``no_sync()``: backward passes inside skip steps 4-5 (grads accumulate locally); Z3 still
   re-broadcasts and frees. A ``step()`` with such grads never reduced (no backward outside
   ``no_sync`` since) raises instead of stepping owners on their local micro-batches.
-- ``sync_params()`` (phase ``checkpoint``, channel ``broadcast``): every invalid bucket is
-  broadcast from its holder in index order (after its pending replicate broadcast) and
-  becomes valid; no call when all are valid. ``params_loaded()``: local, marks all valid.
+- ``sync_params()`` (phase ``checkpoint``, channel ``broadcast``): every bucket whose
+  copies are not all current (the master copy's state under mixed precision, else the
+  copy state) is broadcast from its holder in index order (after its pending replicate
+  broadcast) and becomes VALID; no call when all are VALID. ``params_loaded()``: local,
+  marks all VALID (raises, on every rank, if some copy is FREED: the load could not write it).
 - An exception in forward or backward leaves the state FORWARD or BACKWARD; the next root
-  forward, ``zero_grad()`` or ``step()`` recovers: it waits for the reduces already issued,
-  drops the dedicated grads of an aborted backward, frees Z3 non-holders (invalid) and
-  starts over. Ranks must have raised at the same point (collectives issued identically).
+  forward, ``zero_grad()``, ``step()`` or ``sync_params()`` recovers: it waits for the calls
+  already issued, drops the dedicated grads of an aborted backward (grads NONE), frees Z3
+  non-holders (FREED) and starts over. Ranks must have raised at the same point
+  (collectives issued identically).
+- **Moves** (local; every rank must make the same call). ``.to()`` / ``.cuda()`` /
+  ``.double()`` / ``to_empty()`` on the model or any part of it run ``_apply`` on the
+  modules that hold dedicated params and on the blocks, whose classes DMuon swapped for a
+  subclass (``attach.py``): before the conversion, their buckets' in-flight calls are
+  waited (HSDP: the owner's replicate broadcast lands first, so ``.to()`` right after
+  ``step()`` copies current values) and the registered params are put back; when the
+  outermost such ``_apply`` returns, each touched bucket adopts params its modules now
+  register (``to_empty`` from meta replaces them) and, if its params left their flat buffer
+  and agree on device and dtype, gets a new one (``copies.Bucket.rebind``): copies that had
+  values, or come from meta (the user initialises them next), stay allocated, STALE until
+  the next forward sends them; freed ones stay FREED; holders re-cast their mixed-precision
+  compute copy at the next forward. Changes made without ``_apply`` (``p.data = x``,
+  ``m.weight = nn.Parameter(...)``) are found at one point, the start of every forward
+  (``Runtime.check_bindings``), and adopted the same way; a bucket whose params are split
+  across devices or dtypes (one submodule moved alone) raises there, naming them.
+- **Lifecycle**: ``dm.close()`` (or leaving ``with dmuon.dedicate_params(...) as dm:``), on
+  every rank, between steps: ``sync_params()`` (skipped when the ``with`` block raised),
+  waits for in-flight calls, removes every hook, restores the modules' classes (kept as a
+  pass-through under a wrapper that subclassed them, e.g. ``fully_shard``), removes the
+  names DMuon added to DDP's ignore list and destroys DMuon's process groups (in a fixed
+  order). The state becomes CLOSED; every later use of the handle raises.
 
 Limit (blocking backends such as gloo): a module that runs on some ranks only is flushed by
 the next driver every rank runs (e.g. the MoE block around its experts) or by the root's
@@ -142,46 +181,37 @@ not block the CPU there.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.autograd.graph import register_multi_grad_hook
-from torch.utils._pytree import tree_leaves
 
-from . import annotate, collectives, order, precision, residency
-from .buckets import DEFAULT_BUCKET_CAP_MB, bucket_layout
-from .copies import Bucket
-from .schedule import Schedule
-from .plan import OwnershipPlan, specs_from_named_parameters
-from .state import StateMachine, TrainingState
+from . import attach, checkpoint, collectives
+from .buckets import DEFAULT_BUCKET_CAP_MB
+from .plan import OwnershipPlan
+from .runtime import Runtime, in_backward
+from .state import Grads, TrainingState
 from .topology import Topology
 
 S = TrainingState
 
 
-def _in_backward() -> bool:
-    """Whether the autograd engine is running a backward on this thread."""
-    return torch._C._current_graph_task_id() != -1
-
-
-class DedicatedParams(Schedule):
+class DedicatedParams:
     """The dedicated params of one model and the hooks that manage them.
 
     Built by :func:`dedicate_params`; pass it to :class:`dmuon.DMuon`. Iterating yields the
     dedicated ``nn.Parameter`` objects (pass them as ``ignored_params`` to ``fully_shard``).
     The module docstring describes the protocol; call the model given to ``dedicate_params``
-    (its root hooks end the forward's fixed schedule).
+    (its root hooks end the forward's fixed schedule). Release it with :meth:`close` (or use
+    it as a context manager) on every rank.
 
     Attributes:
         names: fully qualified names of the dedicated params, in model order.
         plan: the :class:`~dmuon.plan.OwnershipPlan` every rank agreed on.
         topology: this rank's :class:`~dmuon.topology.Topology`.
         reshard_after_forward: ``True`` for Z3 (non-holders free after forward), ``False`` for Z2.
-        groups: DMuon's own process groups (:class:`~dmuon.collectives.DMuonGroups`).
+        bucket_cap_bytes, prefetch_depth: the knobs given to ``dedicate_params``.
     """
 
     def __init__(
@@ -200,159 +230,139 @@ class DedicatedParams(Schedule):
         self.bucket_cap_bytes = bucket_cap_bytes
         self.prefetch_depth = prefetch_depth
         self.names = [n for n, _, _ in named]
-        self.mp_policy = mp_policy
-        self._param_dtype, self._reduce_dtype = precision.dtypes(mp_policy)
         self.plan = plan
         self.topology = topology
         self.reshard_after_forward = reshard_after_forward
-        self._params = [p for _, p, _ in named]
-        self._param_ids = {id(p) for p in self._params}
-        self._state = StateMachine()
-        for p in self._params:
+        for _, p, _ in named:
             collectives.check_param_device(p.device, topology.shard_group, "the dedicated params")
-        rows = _mesh_rows(mesh, topology)
-        self.groups = collectives.make_groups(rows)
-        self._build_buckets(model, named)
-        self._model_blocks = self.block_order  # model order (module docstring, step 7)
-        self._order = order.OrderRecorder()
-        self._order_agreed = False
-        self._root = model
-        self._fwd_cursor = 0  # next bucket index the forward cursor waits for
-        self._fwd_issued = 0  # next bucket index the forward cursor issues (prefetch)
-        self._rb_cursor = -1  # next bucket index the re-broadcast cursor waits for (downwards)
-        self._rb_issued = -1  # next bucket index the re-broadcast cursor issues (downwards)
-        self._reduce_cursor = 0  # position in reverse index order
-        self._no_sync = False
-        self._stepped = False  # a step() consumed the reduced grads; no zero_grad() since
-        self._launchers: dict[torch.device, collectives.Launcher] = {}
-        self._handles: list = []
-        self._install_hooks(model)
-        for b in self.buckets:
-            self._make_compute(b)
-            if reshard_after_forward and not b.is_holder:
-                b.free_compute()
+        self._model = model
+        self._groups = collectives.make_groups(_mesh_rows(mesh, topology))
+        self._runtime: Runtime | None = Runtime(model, named, topology, plan, self._groups,
+                                reshard_after_forward=reshard_after_forward, mp_policy=mp_policy,
+                                bucket_cap_bytes=bucket_cap_bytes, prefetch_depth=prefetch_depth)
+        self._hooks = attach.HookSet()
+        self._runtime.install(self._hooks)
+        checkpoint.install(model, self, self._hooks)
+        self._ddp_ignored_before = attach.ignore_in_ddp(model, self.names)
+        attach.mark_dedicated(p for _, p, _ in named)
 
-    # ------------------------------------------------------------------ construction
-    def _build_buckets(self, model: nn.Module, named) -> None:
-        topology = self.topology
-        modules = dict(model.named_modules())
-        by_name = {n: p for n, p, _ in named}
-        specs = specs_from_named_parameters((n, p) for n, p, _ in named)
-        me = topology.global_index
-        self.buckets: list[Bucket] = []
-        for i, spec in enumerate(bucket_layout(specs, self.plan, self.bucket_cap_bytes)):
-            r, s = topology.coords(spec.owner)
-            params = [by_name[n] for n in spec.names]
-            self.buckets.append(
-                Bucket(
-                    index=i,
-                    module_name=spec.module,
-                    module=modules[spec.module],
-                    owner=spec.owner,
-                    shard_owner=s,
-                    replicate_owner=r,
-                    names=list(spec.names),
-                    params=params,
-                    param_modules=[modules[n.rpartition(".")[0]] for n in spec.names],
-                    flat=residency.flatten_into_views(params),
-                    is_holder=s == topology.shard_index,
-                    is_owner=spec.owner == me,
-                    used=[False] * len(params),
-                )
+    # ------------------------------------------------------------------ lifecycle
+    def close(self, *, sync: bool = True) -> None:
+        """Detach DMuon from the model and release its process groups. Call it on every
+        rank, in the same order relative to other ``DedicatedParams.close()`` and process
+        group calls (it destroys DMuon's groups, a collective-order operation), between
+        steps. A second call does nothing.
+
+        In order: ``sync_params()`` (a collective; ``sync=False`` skips it, as leaving a
+        ``with`` block by an exception does), so every rank holds the owner's current
+        values, allocated; waits for in-flight calls (and, with ``sync``, blocks until the
+        accelerator finished them); removes every hook; puts the modules'
+        original classes back (``.to()`` is no longer followed); removes the names DMuon
+        added to DDP's ignore list; destroys DMuon's process groups. The params stay where
+        they are, plain params that nothing synchronizes any more. Afterwards every method
+        of this handle (and ``DMuon.step()``) raises; the model can be dedicated again.
+
+        Raises:
+            RuntimeError: called inside a backward pass.
+        """
+        rt = self._runtime
+        if rt is None:
+            return
+        if in_backward():
+            raise RuntimeError("DMuon: close() was called inside a backward pass. Call it "
+                               "between steps, on every rank.")
+        if sync:
+            self.sync_params()
+        elif rt.state in (S.FORWARD, S.BACKWARD):
+            rt.recover()  # local: waits for the calls already issued
+        rt.wait_pending()
+        if sync:  # block until the calls finished; after an exception, shutdown aborts them
+            rt.schedule.drain()
+        self._hooks.remove_all()
+        attach.unignore_in_ddp(self._model, self.names, self._ddp_ignored_before)
+        attach.release_dedicated(self.params)
+        rt.close()
+        groups, self._groups, self._runtime = self._groups, None, None
+        collectives.destroy_groups(groups)  # their threads and sockets go with the last reference
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` ran."""
+        return self._runtime is None
+
+    @property
+    def groups(self) -> collectives.DMuonGroups:
+        """DMuon's own process groups (:class:`~dmuon.collectives.DMuonGroups`)."""
+        self._live("groups")
+        return self._groups
+
+    def __enter__(self) -> DedicatedParams:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.close(sync=exc_type is None)
+
+    def _live(self, what: str) -> Runtime:
+        if self._runtime is None:
+            raise RuntimeError(
+                f"DMuon: {what} on a DedicatedParams after close(): its hooks and process "
+                "groups are gone. Build a new one with dmuon.dedicate_params (and a new "
+                "dmuon.DMuon optimizer) to train with DMuon again."
             )
-        self._owner_by_id = {id(p): b.owner for b in self.buckets for p in b.params}
-        self._name_by_id = {id(p): n for b in self.buckets for n, p in zip(b.names, b.params)}
-        self._modules = modules
-        self._index_buckets(model)
+        return self._runtime
 
-    def _index_buckets(self, model: nn.Module) -> None:
-        """Everything that depends on bucket indices, from the order of ``self.buckets``."""
-        modules = self._modules
-        for i, b in enumerate(self.buckets):
-            b.index = i
-        # driver module -> (first, last) bucket index of its subtree, and its own buckets
-        self._span: dict[nn.Module, tuple[int, int]] = {}
-        self._own: dict[nn.Module, list[Bucket]] = {}
-        # module holding dedicated params (not the root) -> buckets with params in it
-        self._leaf: dict[nn.Module, list[Bucket]] = {}
-        count: dict[nn.Module, int] = {}
-        for b in self.buckets:
-            self._own.setdefault(b.module, []).append(b)
-            for m in dict.fromkeys(b.param_modules):
-                if m is not model:
-                    self._leaf.setdefault(m, []).append(b)
-            for driver in order.drivers_of(b.module_name):
-                m = modules[driver]
-                lo, hi = self._span.get(m, (b.index, b.index))
-                self._span[m] = (min(lo, b.index), max(hi, b.index))
-                count[m] = count.get(m, 0) + 1
-        # a driver's hooks cover one index range: order.py keeps every driver contiguous
-        assert all(hi - lo + 1 == count[m] for m, (lo, hi) in self._span.items())
-
-    def _install_hooks(self, model: nn.Module) -> None:
-        h = self._handles
-        h.append(model.register_forward_pre_hook(self._root_pre_forward))
-        h.append(model.register_forward_hook(self._root_post_forward))
-        # torch.compile: the hooks run eagerly (Dynamo must not trace into the schedule or
-        # inspect freed Z3 copies); the module's own forward is still compiled.
-        if self.mp_policy is not None:  # first: post-hooks swap back before a block frees
-            leaf_pre = torch.compiler.disable(self._leaf_pre_forward)
-            leaf_post = torch.compiler.disable(self._leaf_post_forward)
-            for m in self._leaf:
-                h.append(m.register_forward_pre_hook(leaf_pre))
-                h.append(m.register_forward_hook(leaf_post))
-        pre_forward = torch.compiler.disable(self._pre_forward)
-        post_forward = torch.compiler.disable(self._post_forward)
-        for m in self._span:
-            h.append(m.register_forward_pre_hook(pre_forward))
-            h.append(m.register_forward_hook(post_forward))
-        self._grad_handles: dict[tuple[int, int], object] = {}
-        for b in self.buckets:
-            for i in range(len(b.params)):
-                self._hook_grad(b, i)
-        h.append(model.register_state_dict_pre_hook(self._before_state_dict))
-
-    def _hook_grad(self, b: Bucket, i: int) -> None:
-        old = self._grad_handles.pop((b.index, i), None)
-        if old is not None:
-            old.remove()
-        target = b.compute[i] if b.compute else b.params[i]
-        self._grad_handles[(b.index, i)] = target.register_post_accumulate_grad_hook(
-            self._grad_hook(b, i)
-        )
-
-    # ------------------------------------------------------------------ public helpers
+    # ------------------------------------------------------------------ params
     def __iter__(self) -> Iterator[nn.Parameter]:
-        self._rebind_if_moved()
-        return iter(self._params)
+        return iter(self.params)
 
     def __len__(self) -> int:
-        return len(self._params)
+        return len(self.names)
 
     def __contains__(self, p: object) -> bool:
-        return id(p) in self._param_ids
+        return id(p) in self._live("`p in dm`").by_id
 
     @property
     def params(self) -> list[nn.Parameter]:
         """The dedicated params (plain tensors, never DTensors), in model order."""
-        self._rebind_if_moved()
-        return list(self._params)
+        by_name = {n: p for b in self._live("params").buckets for n, p in zip(b.names, b.params)}
+        return [by_name[n] for n in self.names]
+
+    @property
+    def buckets(self) -> list:
+        """The :class:`~dmuon.copies.Bucket` objects in index order (read-only use)."""
+        return self._live("buckets").buckets
+
+    @property
+    def mp_policy(self):
+        """The mixed-precision policy the hooks apply (``None``: none)."""
+        return self._live("mp_policy").mp_policy
+
+    @mp_policy.setter
+    def mp_policy(self, policy) -> None:
+        self._live("mp_policy").mp_policy = policy
 
     @property
     def state(self) -> TrainingState:
-        """The current :class:`~dmuon.state.TrainingState`."""
-        return self._state.state
+        """The current :class:`~dmuon.state.TrainingState` (CLOSED after :meth:`close`)."""
+        return S.CLOSED if self._runtime is None else self._runtime.state
 
     @property
     def block_order(self) -> tuple[str, ...]:
         """The blocks (dotted module names, ``""`` = root) in bucket-index order: model order
         until the first ``step()``, then the agreed execution order (module docstring, step 7)."""
-        return tuple(dict.fromkeys(b.module_name for b in self.buckets))
+        return self._live("block_order").block_order()
 
     def owned(self) -> list[nn.Parameter]:
         """Params whose global owner is this rank (the only ones this rank steps)."""
-        self._rebind_if_moved()
-        return [p for b in self.buckets if b.is_owner for p in b.params]
+        return [p for b in self._live("owned()").buckets if b.is_owner for p in b.params]
+
+    def _bucket_of(self, p: nn.Parameter, what: str):
+        entry = self._live(what).by_id.get(id(p))
+        if entry is None:
+            raise ValueError(
+                f"Invalid param of shape {tuple(p.shape)}: not dedicated by this DedicatedParams."
+            )
+        return entry[0]
 
     def owner_of(self, p: nn.Parameter) -> int:
         """Global owner index ``g`` of a dedicated param.
@@ -360,12 +370,17 @@ class DedicatedParams(Schedule):
         Raises:
             ValueError: ``p`` is not a dedicated param.
         """
-        if id(p) in self._owner_by_id:
-            return self._owner_by_id[id(p)]
-        raise ValueError(
-            f"Invalid param of shape {tuple(p.shape)}: not dedicated by this DedicatedParams."
-        )
+        return self._bucket_of(p, "owner_of()").owner
 
+    def block_of(self, p: nn.Parameter) -> str:
+        """The block (``buckets.py``) of a dedicated param: the module its spans name.
+
+        Raises:
+            ValueError: ``p`` is not a dedicated param.
+        """
+        return self._bucket_of(p, "block_of()").module_name
+
+    # ------------------------------------------------------------------ between steps
     @contextmanager
     def no_sync(self) -> Iterator[None]:
         """Accumulate grads locally (no reduce) in backward passes inside the block.
@@ -373,16 +388,16 @@ class DedicatedParams(Schedule):
         Use it for all micro-batches but the last of a gradient-accumulation step, like
         ``DistributedDataParallel.no_sync``.
         """
-        self._no_sync = True
+        rt = self._live("no_sync()")
+        rt.no_sync = True
         try:
             yield
         finally:
-            self._no_sync = False
+            rt.no_sync = False
 
     def wait_pending(self) -> None:
         """Wait for every in-flight replicate broadcast (HSDP); a no-op elsewhere."""
-        for b in self.buckets:
-            self._wait_replicate(b)
+        self._live("wait_pending()").wait_pending()
 
     def sync_params(self) -> None:
         """Make every rank's dedicated params hold the owner's current values (a collective).
@@ -390,57 +405,43 @@ class DedicatedParams(Schedule):
         Call it on every rank, between steps (like FSDP's full state dict). Afterwards every
         copy is current and allocated, Z3 non-holders included; they stay so until the next
         forward frees them as usual, and that forward does not broadcast them again. Issues
-        one broadcast per invalid bucket (phase ``checkpoint``, index order) and none when
-        every copy is already current. Waits for in-flight replicate broadcasts (HSDP).
+        one broadcast per bucket whose copies are not all current (phase ``checkpoint``,
+        index order) and none when every copy is already current. Waits for in-flight
+        replicate broadcasts (HSDP).
 
         Raises:
             RuntimeError: called while a forward or backward is running.
         """
-        if self.state in (S.FORWARD, S.BACKWARD) and not self._aborted_ok():
+        rt = self._live("sync_params()")
+        if rt.state in (S.FORWARD, S.BACKWARD) and not rt.recover_if_aborted():
             raise RuntimeError(
-                f"DMuon: sync_params() called in state {self.state.name}. Call it between "
+                f"DMuon: sync_params() called in state {rt.state.name}. Call it between "
                 "steps (after step() or before the forward), on every rank."
             )
-        self._rebind_if_moved()
-        for b in self.buckets:
-            self._wait_replicate(b)
-            if not (b.master_valid if b.mixed else b.valid):
-                self._broadcast(b, "checkpoint")
-            elif not b.valid:  # mixed precision: master current, compute copy stale or freed
-                b.refresh_compute()
-                b.valid = True
+        rt.schedule.sync()
 
     def params_loaded(self) -> None:
         """Mark every copy current after identical values were written into every rank's
         dedicated params (a checkpoint load). Local: no collective.
 
         Raises:
-            RuntimeError: a copy is freed on this rank (call :meth:`sync_params` before
-                loading, so that every copy is allocated and can be written).
+            RuntimeError: a copy is freed on its non-holders (call :meth:`sync_params`
+                before loading, so that every copy is allocated and can be written).
         """
-        self.wait_pending()
-        self._rebind_if_moved()
-        for b in self.buckets:
-            if not residency.is_allocated(b.flat) and b.flat.device.type != "meta":
-                raise RuntimeError(
-                    f"DMuon: params_loaded() but {b.names[0]} is freed on rank "
-                    f"{dist.get_rank()}, so the load could not write it. Call "
-                    "dm.sync_params() on every rank before loading."
-                )
-            b.refresh_compute()
-            b.valid = b.master_valid = True
+        rt = self._live("params_loaded()")
+        rt.wait_pending()
+        problem = next((m for m in (b.load_problem() for b in rt.buckets) if m), None)
+        if problem is not None:
+            raise RuntimeError(f"DMuon: params_loaded() but {problem}. Call dm.sync_params() "
+                               "on every rank before loading.")
+        for b in rt.buckets:
+            b.loaded()
 
-    def remove(self) -> None:
-        """Remove every hook DMuon registered (the params stay where they are)."""
-        self.wait_pending()
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
-
-    def unreduced_bucket(self):
-        """A bucket with local grads not yet reduced to its owner (``no_sync`` backward
-        passes since the last reduce), or ``None``. Local: each rank's own usage flags."""
-        return next((b for b in self.buckets if any(b.used)), None)
+    def unreduced_param(self) -> str | None:
+        """The name of a param with local grads not yet reduced to its owner (``no_sync``
+        backward passes since the last reduce), or ``None``. Local: this rank's own grads."""
+        b = next((b for b in self._live("unreduced_param()").buckets if b.grads is Grads.LOCAL), None)
+        return None if b is None else b.names[b.used.index(True)]
 
     # ------------------------------------------------------------------ optimizer protocol
     def before_step(self) -> None:
@@ -452,332 +453,33 @@ class DedicatedParams(Schedule):
                 (owners would step on their own micro-batches only). Checked on each rank
                 from its own grads, before any collective.
         """
-        if self.state == S.BACKWARD:
-            if _in_backward():
+        rt = self._live("optimizer.step()")
+        if rt.state == S.BACKWARD:
+            if in_backward():
                 raise RuntimeError(
                     "DMuon: optimizer.step() was called inside a backward pass. Call step() "
                     "after loss.backward() returns."
                 )
-            self._recover()
-        local = self.unreduced_bucket()
+            rt.recover()
+        local = self.unreduced_param()
         if local is not None:
             raise RuntimeError(
                 f"DMuon: optimizer.step() after backward passes inside dm.no_sync() only: the "
-                f"grads of {local.names[0]} (and others) were accumulated locally on rank "
+                f"grads of {local} (and others) were accumulated locally on rank "
                 f"{dist.get_rank()} and never reduced to their owners. Run the last "
                 "micro-batch's backward outside `with dm.no_sync():`, or call "
                 "optimizer.zero_grad() to drop them."
             )
-        self.wait_pending()
-        self._rebind_if_moved()
+        rt.wait_pending()
 
     def after_step(self) -> None:
-        """Mark every bucket invalid; HSDP owners start the async replicate broadcasts."""
-        if self.state == S.FORWARD:
-            self._recover()
-        self._end_iteration()
-        self._stepped = any(b.reduced for b in self.buckets)
-        if not self._order_agreed:
-            self._agree_order()
-        for b in self.buckets:
-            b.valid = b.master_valid = False
-            if b.is_owner:
-                b.refresh_compute()
-        if self.groups.replicate is None:
-            return
-        with annotate.phase("replicate"):
-            for b in self.buckets:
-                if b.is_holder:
-                    with annotate.span("dmuon.replicate_broadcast", module=b.module_name, owner=b.owner):
-                        b.replicate_work = self._launcher(b.flat).broadcast(
-                            b.flat, b.replicate_owner, self.groups.replicate, channel="replicate"
-                        )
+        """Every copy is out of date; HSDP owners start the async replicate broadcasts (and,
+        at the first step, the block order is agreed)."""
+        self._live("optimizer.step()").after_step()
 
     def after_zero_grad(self) -> None:
         """Grads were cleared: a new accumulation may start (recovers an aborted step)."""
-        if self.state in (S.FORWARD, S.BACKWARD):
-            self._recover()
-        self._stepped = False
-        for b in self.buckets:
-            b.reduced = False
-            b.used = [False] * len(b.params)
-
-    # ------------------------------------------------------------------ block order
-    def _agree_order(self) -> None:
-        """Agree on the first forward's block order and renumber (module docstring, step 7)."""
-        assert all(b.broadcast_work is None and b.reduce_work is None and b.replicate_work is None
-                   for b in self.buckets), "a call is in flight while renumbering"
-        self._order_agreed = True
-        proposal = order.execution_block_order(self._model_blocks, self._order.recorded)
-        world = self.groups.world
-        digests = collectives.all_gather_order_digests(order.order_digest(proposal), world)
-        if len(set(digests)) != 1:
-            ranks = [dist.get_global_rank(world, i) for i in range(len(digests))]
-            warnings.warn(
-                "DMuon: the blocks ran in different orders on different ranks in the first "
-                f"forward (digests of the derived block order: {collectives.ranks_by_digest(digests, ranks)}"
-                "), so the buckets keep model order and prefetch follows model order. Run the "
-                "same blocks in the same order on every rank in the first step to get buckets "
-                "in execution order (README, 'Overlap').",
-                stacklevel=3,
-            )
-            return
-        if proposal != self._model_blocks:
-            self._renumber(proposal)
-
-    def _renumber(self, blocks: tuple[str, ...]) -> None:
-        """Buckets block by block in ``blocks`` order (stable: model order within a block)."""
-        position = {name: i for i, name in enumerate(blocks)}
-        old_index = {id(b): b.index for b in self.buckets}
-        self.buckets.sort(key=lambda b: position[b.module_name])
-        self._index_buckets(self._root)
-        new_index = {old_index[id(b)]: b.index for b in self.buckets}
-        self._grad_handles = {(new_index[k], i): h for (k, i), h in self._grad_handles.items()}
-
-    # ------------------------------------------------------------------ state changes
-    def _aborted_ok(self) -> bool:
-        """Outside autograd, a FORWARD/BACKWARD state is a leftover of an exception."""
-        if _in_backward():
-            return False
-        self._recover()
-        return True
-
-    def _recover(self) -> None:
-        """Leave the state an exception left behind (module docstring, 'Outside the step')."""
-        old = self._state.recover()
-        for b in self.buckets:
-            self._wait_broadcast(b)
-            if b.reduce_work is not None:
-                b.reduce_work.wait()
-            b.reduce_work = b.reduce_buf = None
-            if not b.is_holder:
-                b.free_grad_buffer()
-            b.swap(False)
-            if old == S.BACKWARD:
-                for p in b.params + b.compute:
-                    p.grad = None
-                b.reduced = False
-                b.used = [False] * len(b.params)
-        self._end_iteration()
-
-    def _end_iteration(self) -> None:
-        """Cursors back to the start; Z3 non-holders free everything (all invalid)."""
-        for b in self.buckets:
-            b.ready.clear()
-            self._free_non_holder(b)
-        self._fwd_cursor = self._fwd_issued = 0
-        self._rb_cursor = self._rb_issued = -1
-        self._reduce_cursor = 0
-        if self._state.state != S.IDLE:
-            self._state.to(S.IDLE)
-
-    def _begin_forward(self) -> None:
-        if self.state in (S.FORWARD, S.BACKWARD):
-            self._recover()  # the last forward or backward raised
-        self._rebind_if_moved()
-        self._state.to(S.FORWARD)
-        self._order.begin()
-        self._fwd_cursor = self._fwd_issued = 0
-        for b in self.buckets:  # mixed precision: master copies of non-holders (sync) go
-            if b.mixed and not b.is_holder and residency.is_allocated(b.flat):
-                b.free_master()
-
-    def _end_forward(self) -> None:
-        self._order.end()
-        self._advance_forward(len(self.buckets) - 1)
-        if self.reshard_after_forward:
-            for b in self.buckets:
-                self._free_non_holder(b)
-        self._state.to(S.FORWARD_DONE)
-
-    def _begin_backward(self) -> None:
-        if self.state == S.BACKWARD:
-            return
-        if self.state == S.FORWARD:
-            self._end_forward()
-        if self.state not in (S.FORWARD_DONE, S.BACKWARD_DONE):
-            raise RuntimeError(
-                f"DMuon: a backward started in state {self.state.name}, with no forward "
-                "through the model given to dedicate_params since the last step."
-            )
-        if not self._no_sync and any(b.reduced for b in self.buckets):
-            done = next(b for b in self.buckets if b.reduced)
-            if self._stepped:
-                raise RuntimeError(
-                    f"DMuon: a backward started after optimizer.step() without "
-                    f"optimizer.zero_grad(); grads (e.g. of {done.names[0]}) are still those "
-                    "of the last step. Call optimizer.zero_grad() (the DMuon optimizer's: "
-                    "model.zero_grad(), ddp.zero_grad() or setting p.grad = None do not tell "
-                    "DMuon that the grads were cleared)."
-                )
-            raise RuntimeError(
-                f"DMuon: a second backward started before optimizer.step() or zero_grad(); "
-                f"grads (e.g. of {done.names[0]}) were already reduced to their owners. For "
-                "gradient accumulation wrap all but the last micro-batch in "
-                "`with dm.no_sync():`."
-            )
-        self._state.to(S.BACKWARD)
-        self._rb_cursor = self._rb_issued = len(self.buckets) - 1
-        self._reduce_cursor = 0
-        torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
-
-    # ------------------------------------------------------------------ hooks
-    def _before_state_dict(self, *args, **kwargs) -> None:
-        self.wait_pending()
-
-    def _root_pre_forward(self, module: nn.Module, args) -> None:
-        if self.state == S.BACKWARD and _in_backward():
-            return  # recompute of a checkpointed root
-        self._begin_forward()
-        if module in self._own:  # buckets of the root module itself
-            self._order.note("")
-            self._advance_forward(max(b.index for b in self._own[module]))
-        else:  # nothing needed yet: the first buckets fly during the root's own prologue
-            self._issue_forward(self.prefetch_depth - 1)
-
-    def _root_post_forward(self, module: nn.Module, args, output) -> None:
-        if self.state != S.FORWARD:
-            return  # recompute
-        self._end_forward()
-        outputs = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
-        if outputs and torch.is_grad_enabled():
-            register_multi_grad_hook(outputs, lambda grads: self._root_pre_backward(), mode="any")
-
-    def _root_pre_backward(self) -> None:
-        self._begin_backward()
-        if self.reshard_after_forward and self._root in self._own:
-            self._advance_rebroadcast(min(b.index for b in self._own[self._root]))
-
-    def _pre_forward(self, module: nn.Module, args) -> None:
-        lo, hi = self._span[module]
-        own = self._own.get(module, ())
-        if self.state == S.BACKWARD and _in_backward():  # activation-checkpoint recompute
-            if self.reshard_after_forward:
-                self._advance_rebroadcast(lo)
-            return None
-        if self.state != S.FORWARD:
-            self._begin_forward()  # a forward that did not enter through the root
-        if own:
-            self._order.note(own[0].module_name)
-        self._advance_forward(hi)
-        for b in own:
-            if not b.valid and self.reshard_after_forward:  # same on every rank
-                raise RuntimeError(
-                    f"DMuon: module {b.module_name!r} ran again in the same forward after its "
-                    "dedicated params were freed (reshard_after_forward=True). Z3 refills a "
-                    "block once per forward; for modules called more than once per step use "
-                    "reshard_after_forward=False."
-                )
-        return None
-
-    def _leaf_pre_forward(self, module: nn.Module, args):
-        """Mixed precision: the module's compute params in, its inputs cast (any state)."""
-        for b in self._leaf[module]:
-            b.swap(True, module)
-        return precision.cast_inputs(self.mp_policy, args)
-
-    def _leaf_post_forward(self, module: nn.Module, args, output):
-        for b in self._leaf[module]:
-            b.swap(False, module)
-        return precision.cast_output(self.mp_policy, output)
-
-    def _post_forward(self, module: nn.Module, args, output):
-        if self.state != S.FORWARD or not self.reshard_after_forward:
-            return None  # recompute, or Z2
-        lo, hi = self._span[module]
-        for b in self.buckets[lo : min(hi, self._fwd_cursor - 1) + 1]:
-            self._free_non_holder(b)
-        outputs = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
-        if outputs and torch.is_grad_enabled():
-            register_multi_grad_hook(outputs, lambda grads: self._pre_backward(lo), mode="any")
-        return None
-
-    def _pre_backward(self, lo: int) -> None:
-        self._begin_backward()
-        self._advance_rebroadcast(lo)
-
-    def _grad_hook(self, b: Bucket, i: int):
-        def hook(p: nn.Parameter) -> None:
-            self._begin_backward()
-            b.used[i] = True
-            b.grad_into_buffer(i, p)
-            if self._no_sync:
-                return
-            b.ready.add(i)
-            self._advance_reduce(final=False)
-
-        return hook
-
-    def _end_backward(self) -> None:
-        if self.reshard_after_forward:
-            self._advance_rebroadcast(0)
-        if not self._no_sync:
-            self._advance_reduce(final=True)
-            self._finish_reduces()
-        for b in self.buckets:
-            b.ready.clear()
-            b.swap(False)
-            self._free_non_holder(b)
-        self._state.to(S.BACKWARD_DONE)
-
-    def _make_compute(self, b: Bucket) -> None:
-        if b.make_compute(self._param_dtype):
-            for i in range(len(b.params)):
-                self._hook_grad(b, i)
-
-    def _rebind_if_moved(self) -> None:
-        """Follow ``.to()`` / ``to_empty()`` / ``p.data = ...`` after ``dedicate_params``.
-
-        A module param replaced by a new object (``to_empty`` from meta does that) is
-        adopted (grad hook moved); a param whose storage no longer is its view of the flat
-        buffer gets a new flat buffer built from its current data (device and dtype follow).
-        Such buckets become invalid (re-sent from their holders at the next forward), and Z3
-        non-holders free them. Local: every rank must have applied the same call.
-        """
-        for b in self.buckets:
-            current = [m._parameters[n.rpartition(".")[2]] for m, n in zip(b.param_modules, b.names)]
-            replaced = [
-                i for i, (p, q) in enumerate(zip(b.params, current))
-                if p is not q and not any(q is c for c in b.compute)  # not swapped in by us
-            ]
-            for i in replaced:
-                old = b.params[i]
-                self._params[next(k for k, q in enumerate(self._params) if q is old)] = current[i]
-                b.params[i] = current[i]
-                self._hook_grad(b, i)
-            if replaced:
-                self._param_ids = {id(p) for p in self._params}
-                self._owner_by_id = {id(p): c.owner for c in self.buckets for p in c.params}
-                self._name_by_id = {id(p): n for c in self.buckets for n, p in zip(c.names, c.params)}
-            if not replaced and residency.is_bound(b.params, b.flat):
-                continue
-            if b.replicate_work is not None:  # HSDP: moved while the step's values were in flight
-                self._refill_moved(b, replaced)
-            b.flat = residency.flatten_into_views(b.params)
-            collectives.check_param_device(b.flat.device, self.groups.broadcast, b.names[0])
-            self._make_compute(b)
-            b.valid = b.master_valid = False
-            if self.reshard_after_forward and not b.is_holder:
-                b.free_compute()
-            elif residency.is_allocated(b.flat):
-                for p in b.params:
-                    residency.mark_resident(p)
-
-
-    def _refill_moved(self, b: Bucket, replaced: list[int]) -> None:
-        """Wait for ``b``'s replicate broadcast, which writes the owner's new values into the
-        old flat buffer, and copy them into the moved params (``.to()`` copied the old buffer
-        before they arrived: the replicate peers would keep the previous step's values).
-        Params replaced by new objects (``to_empty``) are left to their new initialisation."""
-        old = b.flat
-        self._wait_replicate(b)
-        offset = 0
-        with torch.no_grad():
-            for i, p in enumerate(b.params):
-                n = p.numel()
-                if i not in replaced:
-                    p.copy_(old[offset : offset + n].view(p.shape))
-                offset += n
+        self._live("optimizer.zero_grad()").after_zero_grad()
 
 
 def _mesh_rows(mesh, topology: Topology) -> list[list[int]]:

@@ -116,7 +116,7 @@ class DMuon(Optimizer):
         self.ns_calls = 0
         self._owned = {id(p) for p in dedicated.owned()}
         # Module of each dedicated matrix: its Newton–Schulz span names it, like the comm spans.
-        self._module_of = {id(p): b.module_name for b in dedicated.buckets for p in b.params}
+        self._module_of = {id(p): dedicated.block_of(p) for p in dedicated.params}
         checkpoint.complete_state(self)  # the state DCP's templates need, before the first step
 
     # ------------------------------------------------------------------ state and checkpoints

@@ -1,5 +1,6 @@
 """Buckets in execution order: the rule that turns the blocks' recorded forward order into the
-bucket order every rank uses (pure; ``dedicate.py`` records and agrees, module docstring there).
+bucket order every rank uses (:func:`execution_block_order`, pure), the recorder, and the one
+agreement call (:func:`agree`; protocol step 7 in ``dedicate.py``'s docstring).
 
 Inputs: ``model_blocks``, the blocks that hold buckets in model order (the order of their
 first bucket in ``buckets.bucket_layout``), and ``recorded``, the blocks in the order their
@@ -24,7 +25,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+import warnings
 from collections.abc import Sequence
+
+import torch.distributed as dist
+
+from . import collectives
 
 
 def drivers_of(block: str) -> list[str]:
@@ -93,3 +99,23 @@ class OrderRecorder:
     def end(self) -> None:
         if self._active:
             self._active, self.done = False, True
+
+
+def agree(model_blocks: Sequence[str], recorded: Sequence[str], world: dist.ProcessGroup) -> tuple[str, ...]:
+    """The block order every rank derives from its record, if all ranks derived the same one
+    (one all_gather of the 32-byte digests on DMuon's ``world`` group); else ``model_blocks``,
+    after every rank warned with the same text (which ranks hold which digest)."""
+    proposal = execution_block_order(model_blocks, recorded)
+    digests = collectives.all_gather_order_digests(order_digest(proposal), world)
+    if len(set(digests)) == 1:
+        return proposal
+    ranks = [dist.get_global_rank(world, i) for i in range(len(digests))]
+    warnings.warn(
+        "DMuon: the blocks ran in different orders on different ranks in the first "
+        f"forward (digests of the derived block order: {collectives.ranks_by_digest(digests, ranks)}"
+        "), so the buckets keep model order and prefetch follows model order. Run the "
+        "same blocks in the same order on every rank in the first step to get buckets "
+        "in execution order (README, 'Overlap').",
+        stacklevel=5,  # the caller of the optimizer's step()
+    )
+    return tuple(model_blocks)

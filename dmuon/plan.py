@@ -24,7 +24,6 @@ from functools import cached_property
 from types import MappingProxyType
 
 import torch
-from tabulate import tabulate
 
 from dmuon.muon_math import ns_flops
 
@@ -307,7 +306,7 @@ class OwnershipPlan:
         """max / mean of :attr:`bytes_load_per_shard` over the N shard indices (1.0 if empty)."""
         return _max_over_mean(self.bytes_load_per_shard)
 
-    # ----- identity and display ----------------------------------------------------------------
+    # ----- identity ------------------------------------------------------------------------------
     def canonical_json(self) -> str:
         """Canonical JSON (sorted keys, no whitespace, ASCII) of the plan; :meth:`digest` input."""
         doc = {
@@ -329,26 +328,6 @@ class OwnershipPlan:
     def digest(self) -> str:
         """sha256 hex of :meth:`canonical_json`; equal across processes and hash seeds."""
         return hashlib.sha256(self.canonical_json().encode("ascii")).hexdigest()
-
-    def summary(self) -> str:
-        """A short table of per-owner load, then per-shard bytes and the max/mean ratios."""
-        n = self.mesh_shape[1]
-        rows = [
-            (g, g // n, g % n, len(self.params_of(g)), self.ns_load[g], self.bytes_load[g])
-            for g in range(self.world_size)
-        ]
-        owners = tabulate(
-            rows,
-            headers=["owner g", "replicate r", "shard s", "params", "ns_cost", "param_bytes"],
-            tablefmt="github",
-        )
-        return (
-            f"OwnershipPlan mesh_shape={self.mesh_shape} params={len(self.specs)} "
-            f"digest={self.digest()[:12]}\n{owners}\n"
-            f"bytes per shard s: {list(self.bytes_load_per_shard)}\n"
-            f"ns_cost max/mean over owners: {self.ns_max_over_mean:.3f}; "
-            f"bytes max/mean over shard indices: {self.bytes_max_over_mean:.3f}"
-        )
 
 
 def _max_over_mean(load: Sequence[int]) -> float:

@@ -11,8 +11,10 @@ refilled without breaking autograd, and a guard that turns a read of a freed cop
   bookkeeping (``shape``, ``grad``, ``register_*_hook`` ...). Refilling switches it back, so
   forward and backward run on the plain class (no overhead).
 - **binding**: ``.to()`` / ``to_empty()`` / ``p.data = ...`` replace a param's storage and so
-  disconnect it from the flat buffer. :func:`is_bound` detects that; the runtime then rebuilds
+  disconnect it from the flat buffer. :func:`is_bound` detects that; the bucket then rebuilds
   the flat buffer from the params' new data (:func:`flatten_into_views`).
+
+Primitives only: ``copies.py`` is their one caller (it decides when, and keeps the states).
 """
 
 from __future__ import annotations

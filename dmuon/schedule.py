@@ -1,165 +1,216 @@
-"""The per-step schedule of :class:`dmuon.dedicate.DedicatedParams`: when each bucket's
-broadcast and reduce is issued and waited, and the calls themselves (protocol steps 1-5 in
-``dedicate.py``'s docstring, which stays the one description of the protocol).
+"""The per-step schedule: when each bucket's broadcast and reduce is issued and waited, and
+the calls themselves (protocol steps 1-6 in ``dedicate.py``'s docstring, which stays the one
+description of the protocol).
 
-:class:`Schedule` is a base class of ``DedicatedParams``; it reads that object's buckets,
-groups, knobs and cursors (``_fwd_cursor`` / ``_fwd_issued``, ``_rb_cursor`` /
-``_rb_issued``, ``_reduce_cursor``), and issues every asynchronous call through
-:class:`dmuon.collectives.Launcher`.
+:class:`Schedule` owns the bucket order (``buckets``, renumbered by :meth:`Schedule.reorder`),
+the pass's :class:`Cursors` and one :class:`~dmuon.collectives.Launcher` per device; it
+changes buckets only through their methods (:mod:`dmuon.copies`) and issues every
+asynchronous call through the launcher, on DMuon's own groups.
 """
 
 from __future__ import annotations
 
 import torch
 
-from . import annotate, collectives, residency
+from . import annotate, collectives
 from .copies import Bucket
+from .state import Copy, Replica
+
+
+class Cursors:
+    """Where the running pass is in the bucket order. Reset together, when a forward or a
+    backward starts (:meth:`reset`); nothing else resets them.
+
+    - ``fwd_issued`` / ``fwd_waited``: the next bucket index whose forward broadcast is
+      issued / waited (upwards; step 1);
+    - ``bwd_issued`` / ``bwd_waited``: the same for Z3's backward re-broadcasts (downwards;
+      step 3);
+    - ``reduced``: how many buckets, in reverse index order, have had their reduce issued
+      (step 4).
+    """
+
+    def __init__(self, n: int) -> None:
+        self.reset(n)
+
+    def reset(self, n: int) -> None:
+        """Every cursor at the start of a pass over ``n`` buckets."""
+        self.fwd_issued = self.fwd_waited = 0
+        self.bwd_issued = self.bwd_waited = n - 1
+        self.reduced = 0
+
+    def __repr__(self) -> str:
+        return (f"Cursors(fwd {self.fwd_waited}/{self.fwd_issued}, bwd {self.bwd_waited}/"
+                f"{self.bwd_issued}, reduced {self.reduced})")
 
 
 class Schedule:
-    """Cursors and collectives of DedicatedParams (this module's docstring)."""
+    """Cursors and collectives of one DedicatedParams (this module's docstring).
 
-    # ------------------------------------------------------------------ cursors
-    def _advance_forward(self, last: int) -> None:
+    Args:
+        buckets: every bucket, in index order (``b.index == position``).
+        groups: DMuon's process groups (``broadcast``, ``reduce``, ``replicate``).
+        prefetch_depth: buckets issued ahead of the one needed (``dedicate_params``).
+        reshard_after_forward: Z3 (non-holders free after forward and re-receive in backward).
+        reduce_dtype: dtype of the reduces (``None``: the grads' own).
+        world_size: W, the divisor of the reduced grads.
+    """
+
+    def __init__(self, buckets: list[Bucket], groups: collectives.DMuonGroups, *,
+                 prefetch_depth: int, reshard_after_forward: bool,
+                 reduce_dtype: torch.dtype | None, world_size: int) -> None:
+        assert all(b.index == i for i, b in enumerate(buckets))
+        self.buckets = buckets
+        self.groups = groups
+        self.prefetch_depth = prefetch_depth
+        self.reshard_after_forward = reshard_after_forward
+        self.reduce_dtype = reduce_dtype
+        self.world_size = world_size
+        self.cursors = Cursors(len(buckets))
+        self._launchers: dict[torch.device, collectives.Launcher] = {}
+
+    def reset(self) -> None:
+        """A pass starts: every cursor back to its start."""
+        self.cursors.reset(len(self.buckets))
+
+    def reorder(self, buckets: list[Bucket]) -> None:
+        """Adopt a new bucket order (a permutation; nothing in flight) and renumber."""
+        assert sorted(map(id, buckets)) == sorted(map(id, self.buckets))
+        self.buckets[:] = buckets
+        for i, b in enumerate(self.buckets):
+            b.index = i
+
+    # ------------------------------------------------------------------ forward (step 1)
+    def advance_forward(self, last: int) -> None:
         """Wait for every bucket up to ``last``, after issuing up to ``prefetch_depth``
-        buckets beyond it (``dedicate.py`` docstring, step 1)."""
-        self._issue_forward(last + self.prefetch_depth)
-        while self._fwd_cursor <= last:
-            self._wait_broadcast(self.buckets[self._fwd_cursor])
-            self._fwd_cursor += 1
+        buckets beyond it."""
+        self.issue_forward(last + self.prefetch_depth)
+        c = self.cursors
+        while c.fwd_waited <= last:
+            self.buckets[c.fwd_waited].wait_broadcast()
+            c.fwd_waited += 1
 
-    def _issue_forward(self, end: int) -> None:
+    def issue_forward(self, end: int) -> None:
         """Issue the forward broadcast of every bucket up to index ``end`` not issued yet."""
         end = min(end, len(self.buckets) - 1)
-        while self._fwd_issued <= end:
-            b = self.buckets[self._fwd_issued]
-            self._wait_replicate(b)
-            if not b.valid and b.broadcast_work is None:
+        c = self.cursors
+        while c.fwd_issued <= end:
+            b = self.buckets[c.fwd_issued]
+            self.wait_replicate(b)
+            if b.copy in (Copy.FREED, Copy.STALE):
                 self._broadcast(b, "forward")
-            self._fwd_issued += 1
+            c.fwd_issued += 1
 
-    def _advance_rebroadcast(self, first: int) -> None:
+    # ------------------------------------------------------------------ backward (steps 3-5)
+    def advance_rebroadcast(self, first: int) -> None:
         """Wait for every bucket down to ``first``, after issuing up to ``prefetch_depth``
-        buckets below it (``dedicate.py`` docstring, step 3)."""
+        buckets below it (Z3)."""
+        c = self.cursors
         end = max(first - self.prefetch_depth, 0)
-        while self._rb_issued >= end:
-            b = self.buckets[self._rb_issued]
-            if not b.valid and b.broadcast_work is None:
+        while c.bwd_issued >= end:
+            b = self.buckets[c.bwd_issued]
+            if b.copy in (Copy.FREED, Copy.STALE):
                 self._broadcast(b, "backward")
-            self._rb_issued -= 1
-        while self._rb_cursor >= first:
-            self._wait_broadcast(self.buckets[self._rb_cursor])
-            self._rb_cursor -= 1
+            c.bwd_issued -= 1
+        while c.bwd_waited >= first:
+            self.buckets[c.bwd_waited].wait_broadcast()
+            c.bwd_waited -= 1
 
-    def _advance_reduce(self, final: bool) -> None:
-        order = self.buckets[::-1]
-        while self._reduce_cursor < len(order):
-            b = order[self._reduce_cursor]
-            if not final and len(b.ready) < len(b.params):
+    def advance_reduce(self, final: bool) -> None:
+        """Issue the reduce of every bucket, in reverse index order, whose grads (and whose
+        predecessors' grads) all arrived; ``final``: of every remaining bucket."""
+        c = self.cursors
+        while c.reduced < len(self.buckets):
+            b = self.buckets[len(self.buckets) - 1 - c.reduced]
+            if not final and len(b.arrived) < len(b.params):
                 return
-            self._issue_reduce(b)
-            self._reduce_cursor += 1
+            buf = b.reduce_buffer(self.reduce_dtype)
+            with annotate.phase("backward"), annotate.span("dmuon.reduce", module=b.module_name, owner=b.owner):
+                work = self._launcher(buf).reduce(buf, b.shard_owner, self.groups.reduce)
+            b.reduce_issued(work, buf)
+            self.free(b)  # Z3: its module's backward is done (its grads arrived)
+            c.reduced += 1
 
-    # ------------------------------------------------------------------ collectives
+    def finish_reduces(self) -> None:
+        """Wait for every shard reduce, run the HSDP replicate reduces (issued as each shard
+        reduce is waited, all waited before any result is read), then hand the sums to the
+        buckets (owners set the averaged grads)."""
+        rep = self.groups.replicate
+        replicate_works = []
+        for b in self.buckets[::-1]:
+            buf = b.wait_reduce()
+            if rep is not None and b.is_holder:
+                with annotate.phase("backward"), annotate.span(
+                    "dmuon.reduce", module=b.module_name, owner=b.owner
+                ):
+                    replicate_works.append(
+                        self._launcher(buf).reduce(buf, b.replicate_owner, rep, channel="replicate"))
+        for work in replicate_works:
+            work.wait()
+        owned = [b for b in self.buckets if b.is_owner]
+        # the usage sums of every owned param, read in one device-to-host copy
+        counts = torch.cat([b.wait_reduce()[b.numel :] for b in owned]).tolist() if owned else []
+        k = 0
+        for b in self.buckets:
+            n = len(b.params) if b.is_owner else 0
+            b.reduced(counts[k : k + n], self.world_size)
+            k += n
+
+    # ------------------------------------------------------------------ residency
+    def free(self, b: Bucket) -> None:
+        """Z3: ``b``'s non-holders free it (a no-op under Z2)."""
+        if self.reshard_after_forward:
+            b.free()
+
+    def wait_replicate(self, b: Bucket) -> None:
+        if b.replica is Replica.RECEIVING:
+            with annotate.span("dmuon.replicate_wait", module=b.module_name, owner=b.owner):
+                b.wait_replicate()
+
+    def replicate(self) -> None:
+        """Step 6 (HSDP): each holder receives its buckets from their owners over the
+        replicate axis, asynchronously, in index order (waited at the next issue)."""
+        if self.groups.replicate is None:
+            return
+        with annotate.phase("replicate"):
+            for b in self.buckets:
+                if b.is_holder:
+                    with annotate.span("dmuon.replicate_broadcast", module=b.module_name, owner=b.owner):
+                        work = self._launcher(b.flat).broadcast(
+                            b.flat, b.replicate_owner, self.groups.replicate, channel="replicate")
+                    b.replicate_issued(work)
+
+    def sync(self) -> None:
+        """``sync_params``: every bucket whose copies are not all current is broadcast from
+        its holder (its master copy, synchronously, index order), after its pending
+        replicate broadcast; mixed precision casts a current master locally."""
+        for b in self.buckets:
+            self.wait_replicate(b)
+            if (b.master if b.mixed else b.copy) is not Copy.VALID:
+                buf = b.receive_buffer(master=True)
+                with annotate.phase("checkpoint"), annotate.span("dmuon.sync", module=b.module_name, owner=b.owner):
+                    collectives.broadcast_(buf, b.shard_owner, self.groups.broadcast)
+                b.master_synced()
+            elif b.copy is not Copy.VALID:
+                b.compute_from_master()
+
+    def drain(self) -> None:
+        """Block until every call on the buckets' devices has finished (before the groups
+        are destroyed: CUDA waits only order streams)."""
+        for device in dict.fromkeys(b.flat.device for b in self.buckets):
+            collectives.synchronize(device)
+
+    def _broadcast(self, b: Bucket, phase: str) -> None:
+        """Holder -> shard group, the compute copy, asynchronously (waited by
+        :meth:`Bucket.wait_broadcast`)."""
+        buf = b.receive_buffer(master=False)
+        name = "dmuon.broadcast" if phase == "forward" else "dmuon.rebroadcast"
+        with annotate.phase(phase), annotate.span(name, module=b.module_name, owner=b.owner):
+            work = self._launcher(buf).broadcast(buf, b.shard_owner, self.groups.broadcast)
+        b.broadcast_issued(work)
+
     def _launcher(self, t: torch.Tensor) -> collectives.Launcher:
         """The :class:`~dmuon.collectives.Launcher` for ``t``'s device (streams on CUDA)."""
         launcher = self._launchers.get(t.device)
         if launcher is None:
             launcher = self._launchers[t.device] = collectives.Launcher(t.device)
         return launcher
-
-    def _wait_replicate(self, b: Bucket) -> None:
-        if b.replicate_work is not None:
-            with annotate.span("dmuon.replicate_wait", module=b.module_name, owner=b.owner):
-                b.replicate_work.wait()
-            b.replicate_work = None
-            b.refresh_compute()  # mixed precision: the holder casts the received master
-
-    def _broadcast(self, b: Bucket, phase: str) -> None:
-        """Holder -> shard group: the compute copy (forward, backward: asynchronous, waited
-        by :meth:`_wait_broadcast`) or, for ``checkpoint``, the master copy (synchronous;
-        the compute copy is then cast locally)."""
-        master = phase == "checkpoint"
-        if not b.is_holder:
-            b.alloc_master() if master else b.alloc_compute()
-        buf = b.flat if master else b.lp
-        name = {"forward": "dmuon.broadcast", "backward": "dmuon.rebroadcast"}.get(phase, "dmuon.sync")
-        with annotate.phase(phase), annotate.span(name, module=b.module_name, owner=b.owner):
-            if not master:
-                b.broadcast_work = self._launcher(buf).broadcast(buf, b.shard_owner, self.groups.broadcast)
-                return  # valid once waited
-            collectives.broadcast_(buf, b.shard_owner, self.groups.broadcast)
-        b.master_valid = True
-        if b.mixed:
-            b.refresh_compute()
-        b.valid = True
-
-    def _wait_broadcast(self, b: Bucket) -> None:
-        """Wait for ``b``'s in-flight broadcast, if any; ``b`` is then valid."""
-        if b.broadcast_work is not None:
-            b.broadcast_work.wait()
-            b.broadcast_work = None
-            b.valid = True
-
-    def _issue_reduce(self, b: Bucket) -> None:
-        buf = b.fill_grad_buffer()
-        rd = self._reduce_dtype
-        if rd is not None and buf.dtype != rd:
-            buf = buf.to(rd)
-        with annotate.phase("backward"), annotate.span("dmuon.reduce", module=b.module_name, owner=b.owner):
-            b.reduce_work = self._launcher(buf).reduce(buf, b.shard_owner, self.groups.reduce)
-        b.reduce_buf = buf
-        b.reduced = True
-        if not b.is_owner or b.mixed:
-            for q in b.compute:
-                q.grad = None
-        self._free_non_holder(b)  # Z3: its module's backward is done (its grads arrived)
-
-    def _finish_reduces(self) -> None:
-        rep = self.groups.replicate
-        replicate_works = []
-        for b in self.buckets[::-1]:
-            b.reduce_work.wait()
-            b.reduce_work = None
-            if rep is not None and b.is_holder:
-                with annotate.phase("backward"), annotate.span(
-                    "dmuon.reduce", module=b.module_name, owner=b.owner
-                ):
-                    replicate_works.append(
-                        self._launcher(b.reduce_buf).reduce(b.reduce_buf, b.replicate_owner, rep, channel="replicate")
-                    )
-        for work in replicate_works:
-            work.wait()
-        owned = [b for b in self.buckets if b.is_owner]
-        # the usage sums of every owned param, read in one device-to-host copy
-        counts = torch.cat([b.reduce_buf[b.numel :] for b in owned]).tolist() if owned else []
-        k = 0
-        for b in self.buckets:
-            buf, b.reduce_buf = b.reduce_buf, None
-            b.used = [False] * len(b.params)
-            if not b.is_holder:  # every wait on its buffer is done: a known point to free
-                b.free_grad_buffer()
-            if b.is_owner:
-                same = buf.dtype == b.flat.dtype
-                if same:
-                    buf.div_(self.topology.world_size)
-                offset = 0
-                for p in b.params:
-                    n = p.numel()
-                    g = buf[offset : offset + n].view_as(p)
-                    if not same:  # mixed precision: the master grad, averaged in its dtype
-                        g = g.to(p.dtype).div_(self.topology.world_size)
-                    # unused on every rank: None, unless the owner kept a grad tensor
-                    # (zero_grad(set_to_none=False)), which torch would step on (zeros)
-                    p.grad = g if counts[k] > 0 or p.grad is not None else None
-                    offset += n
-                    k += 1
-
-    # ------------------------------------------------------------------ residency
-    def _free_non_holder(self, b: Bucket) -> None:
-        """Z3: non-holders free ``b``; every rank marks it invalid (a no-op under Z2)."""
-        self._wait_broadcast(b)  # never free a buffer a broadcast is writing
-        if self.reshard_after_forward:
-            if not b.is_holder and residency.is_allocated(b.lp):
-                b.free_compute()
-            b.valid = False

@@ -120,3 +120,14 @@ def test_device_selects_the_branch():
     assert Launcher(torch.device("cuda", 0)).uses_streams  # constructing touches no GPU
     with pytest.raises(ValueError, match="Must be None for CPU tensors"):
         Launcher(torch.device("cpu"), accel=_Accel())
+
+
+def test_synchronize_blocks_on_the_accelerator_only(monkeypatch):
+    from dmuon import collectives
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: calls.append(device))
+    collectives.synchronize(torch.device("cpu"))
+    collectives.synchronize(torch.device("meta"))
+    collectives.synchronize(torch.device("cuda", 1))
+    assert calls == [torch.device("cuda", 1)]

@@ -30,6 +30,7 @@ from tabulate import tabulate
 from dmuon.plan import OwnershipPlan, plan_ownership, specs_from_named_parameters
 from dmuon.select import select_params
 
+from verify.plan_summary import format_plan_summary  # noqa: F401  (the CLI side owns the plan table)
 from verify.traffic.predict import RunLayout
 from verify.workload.presets import PRESETS, resolve_model
 from verify.traffic.scale import CostModel, layout_modes, ns_flops_busiest, split_ns_s, step_traffic

@@ -1,0 +1,400 @@
+"""The runtime of one :class:`~dmuon.DedicatedParams`: its pass state machine and what its hooks
+do (the role of FSDP2's ``FSDPParamGroup``). The protocol is ``dedicate.py``'s docstring; the
+states and their transitions are ``state.py``'s.
+
+:class:`Runtime` builds the buckets (``copies.Bucket``) and the :class:`~dmuon.schedule.Schedule`
+that issues their calls, registers the hooks (``attach.HookSet``), and follows the model's
+moves: ``.to()`` / ``to_empty()`` reach :meth:`Runtime.before_apply` / :meth:`Runtime.after_apply`
+(``attach.follow_moves``); anything that changed a param without ``_apply`` (``p.data = x`` or
+``m.weight = nn.Parameter(...)`` by hand) is found at one point, the start of every forward
+(:meth:`Runtime.check_bindings`), and adopted, or named in an error.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+from torch.autograd.graph import register_multi_grad_hook
+from torch.utils._pytree import tree_leaves
+
+from . import attach, collectives, order, precision
+from .buckets import bucket_layout
+from .copies import Bucket
+from .plan import OwnershipPlan, specs_from_named_parameters
+from .schedule import Schedule
+from .state import Copy, Grads, StateMachine, TrainingState
+from .topology import Topology
+
+S = TrainingState
+
+
+def in_backward() -> bool:
+    """Whether the autograd engine is running a backward on this thread."""
+    return torch._C._current_graph_task_id() != -1
+
+
+class Runtime:
+    """Buckets, pass state and hook logic of one DedicatedParams (module docstring)."""
+
+    def __init__(self, model: nn.Module, named: list[tuple[str, nn.Parameter, str]],
+                 topology: Topology, plan: OwnershipPlan, groups: collectives.DMuonGroups, *,
+                 reshard_after_forward: bool, mp_policy, bucket_cap_bytes: int,
+                 prefetch_depth: int) -> None:
+        self.root = model
+        self.topology = topology
+        self.reshard_after_forward = reshard_after_forward
+        self.mp_policy = mp_policy
+        self.param_dtype, reduce_dtype = precision.dtypes(mp_policy)
+        self.pass_state = StateMachine()
+        self.no_sync = False
+        self.order = order.OrderRecorder()
+        self.order_agreed = False
+        self._modules = dict(model.named_modules())
+        buckets = self._build_buckets(named, plan, bucket_cap_bytes)
+        self.schedule = Schedule(buckets, groups, prefetch_depth=prefetch_depth,
+                                 reshard_after_forward=reshard_after_forward,
+                                 reduce_dtype=reduce_dtype, world_size=topology.world_size)
+        self.model_blocks = self.block_order()  # model order (protocol step 7)
+        self._applying = 0  # depth of followed _apply calls in progress
+        self._moved: dict[int, Bucket] = {}  # buckets an _apply touched, not re-bound yet
+        self._rebound: dict[int, Bucket] = {}  # re-bound since the last forward (recast there)
+        self._index()
+        for b in buckets:
+            b.make_compute(self.param_dtype)
+        self._index_params()
+
+    @property
+    def buckets(self) -> list[Bucket]:
+        return self.schedule.buckets
+
+    @property
+    def state(self) -> TrainingState:
+        return self.pass_state.state
+
+    def block_order(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(b.module_name for b in self.buckets))
+
+    # ------------------------------------------------------------------ construction
+    def _build_buckets(self, named, plan: OwnershipPlan, cap_bytes: int) -> list[Bucket]:
+        topology, modules = self.topology, self._modules
+        by_name = {n: p for n, p, _ in named}
+        specs = specs_from_named_parameters((n, p) for n, p, _ in named)
+        buckets = []
+        for i, spec in enumerate(bucket_layout(specs, plan, cap_bytes)):
+            r, s = topology.coords(spec.owner)
+            buckets.append(Bucket(
+                index=i, module_name=spec.module, module=modules[spec.module], owner=spec.owner,
+                shard_owner=s, replicate_owner=r, names=list(spec.names),
+                params=[by_name[n] for n in spec.names],
+                param_modules=[modules[n.rpartition(".")[0]] for n in spec.names],
+                is_holder=s == topology.shard_index, is_owner=spec.owner == topology.global_index,
+                frees=self.reshard_after_forward, on_grad=self._grad_hook))
+        return buckets
+
+    def _index(self) -> None:
+        """Everything that depends on bucket indices, from the bucket order."""
+        # driver module -> (first, last) bucket index of its subtree, and its own buckets
+        self._span: dict[nn.Module, tuple[int, int]] = {}
+        self._own: dict[nn.Module, list[Bucket]] = {}
+        # module holding dedicated params (not the root) -> buckets with params in it
+        self._leaf: dict[nn.Module, list[Bucket]] = {}
+        # followed module (holds params, or a block) -> its buckets
+        self._followed: dict[nn.Module, list[Bucket]] = {}
+        count: dict[nn.Module, int] = {}
+        for b in self.buckets:
+            self._own.setdefault(b.module, []).append(b)
+            for m in dict.fromkeys([*b.param_modules, b.module]):
+                self._followed.setdefault(m, []).append(b)
+            for m in dict.fromkeys(b.param_modules):
+                if m is not self.root:
+                    self._leaf.setdefault(m, []).append(b)
+            for driver in order.drivers_of(b.module_name):
+                m = self._modules[driver]
+                lo, hi = self._span.get(m, (b.index, b.index))
+                self._span[m] = (min(lo, b.index), max(hi, b.index))
+                count[m] = count.get(m, 0) + 1
+        # a driver's hooks cover one index range: order.py keeps every driver contiguous
+        assert all(hi - lo + 1 == count[m] for m, (lo, hi) in self._span.items())
+
+    def _index_params(self) -> None:
+        """``by_id``: id(param) -> (bucket, position), for every registered dedicated param."""
+        self.by_id = {id(p): (b, i) for b in self.buckets for i, p in enumerate(b.params)}
+
+    def install(self, hooks: attach.HookSet) -> None:
+        """Register the forward hooks (into ``hooks``) and follow the modules' moves.
+        torch.compile: the hooks run eagerly (Dynamo must not trace into the schedule or
+        inspect freed Z3 copies); the modules' own forwards are still compiled."""
+        model, off = self.root, torch.compiler.disable
+        hooks.add(model.register_forward_pre_hook(self._root_pre_forward),
+                  model.register_forward_hook(self._root_post_forward),
+                  model.register_state_dict_pre_hook(lambda *a, **k: self.wait_pending()))
+        if self.mp_policy is not None:  # first: post-hooks swap back before a block frees
+            for m in self._leaf:
+                hooks.add(m.register_forward_pre_hook(off(self._leaf_pre_forward)),
+                          m.register_forward_hook(off(self._leaf_post_forward)))
+        for m in self._span:
+            hooks.add(m.register_forward_pre_hook(off(self._pre_forward)),
+                      m.register_forward_hook(off(self._post_forward)))
+        for m in self._followed:
+            attach.follow_moves(m, self)
+
+    def close(self) -> None:
+        """Grad hooks off, registered params back, moves no longer followed; CLOSED (local;
+        call between passes, in-flight calls waited)."""
+        for b in self.buckets:
+            b.close()
+        for m in self._followed:
+            attach.unfollow_moves(m, self)
+        self._enter(S.CLOSED)
+
+    # ------------------------------------------------------------------ pass state
+    def _enter(self, new: TrainingState) -> None:
+        self.pass_state.to(new)
+        if new in (S.FORWARD, S.BACKWARD):
+            self.schedule.reset()  # the one place cursors are reset
+
+    def recover_if_aborted(self) -> bool:
+        """Outside autograd, a FORWARD / BACKWARD state is a leftover of an exception:
+        recover and return True; inside a backward return False."""
+        if in_backward():
+            return False
+        self.recover()
+        return True
+
+    def recover(self) -> None:
+        """Leave the state an exception left behind (protocol, 'Outside the step')."""
+        old = self.pass_state.recover()
+        for b in self.buckets:
+            b.abort(drop_grads=old == S.BACKWARD)
+        self._end_iteration()
+
+    def _end_iteration(self) -> None:
+        """Z3 non-holders free everything; back to IDLE."""
+        for b in self.buckets:
+            b.pass_ended()
+            self.schedule.free(b)
+        if self.state != S.IDLE:
+            self._enter(S.IDLE)
+
+    def begin_forward(self) -> None:
+        if self.state in (S.FORWARD, S.BACKWARD):
+            self.recover()  # the last forward or backward raised
+        self.check_bindings()
+        for b in self._rebound.values():
+            b.recast()
+        self._rebound.clear()
+        self._enter(S.FORWARD)
+        self.order.begin()
+        for b in self.buckets:  # mixed precision: non-holders' master copies (sync) go
+            b.drop_master()
+
+    def _end_forward(self) -> None:
+        self.order.end()
+        self.schedule.advance_forward(len(self.buckets) - 1)
+        for b in self.buckets:
+            self.schedule.free(b)
+        self._enter(S.FORWARD_DONE)
+
+    def begin_backward(self) -> None:
+        if self.state == S.BACKWARD:
+            return
+        if self.state == S.FORWARD:
+            self._end_forward()
+        if self.state not in (S.FORWARD_DONE, S.BACKWARD_DONE):
+            raise RuntimeError(
+                f"DMuon: a backward started in state {self.state.name}, with no forward "
+                "through the model given to dedicate_params since the last step."
+            )
+        done = next((b for b in self.buckets if b.grads in (Grads.REDUCED, Grads.STEPPED)), None)
+        if done is not None and done.grads is Grads.STEPPED:
+            raise RuntimeError(
+                f"DMuon: a backward started after optimizer.step() without "
+                f"optimizer.zero_grad(); grads (e.g. of {done.names[0]}) are still those "
+                "of the last step. Call optimizer.zero_grad() (the DMuon optimizer's: "
+                "model.zero_grad(), ddp.zero_grad() or setting p.grad = None do not tell "
+                "DMuon that the grads were cleared)."
+            )
+        if done is not None:
+            raise RuntimeError(
+                f"DMuon: a second backward started before optimizer.step() or zero_grad(); "
+                f"grads (e.g. of {done.names[0]}) were already reduced to their owners. For "
+                "gradient accumulation wrap all but the last micro-batch in "
+                "`with dm.no_sync():`."
+            )
+        self._enter(S.BACKWARD)
+        torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+
+    def _end_backward(self) -> None:
+        if self.reshard_after_forward:
+            self.schedule.advance_rebroadcast(0)
+        if not self.no_sync:
+            self.schedule.advance_reduce(final=True)
+            self.schedule.finish_reduces()
+        for b in self.buckets:
+            b.pass_ended()
+            self.schedule.free(b)
+        self._enter(S.BACKWARD_DONE)
+
+    # ------------------------------------------------------------------ hooks
+    def _root_pre_forward(self, module: nn.Module, args) -> None:
+        if self.state == S.BACKWARD and in_backward():
+            return  # recompute of a checkpointed root
+        self.begin_forward()
+        if module in self._own:  # buckets of the root module itself
+            self.order.note("")
+            self.schedule.advance_forward(max(b.index for b in self._own[module]))
+        else:  # nothing needed yet: the first buckets fly during the root's own prologue
+            self.schedule.issue_forward(self.schedule.prefetch_depth - 1)
+
+    def _root_post_forward(self, module: nn.Module, args, output) -> None:
+        if self.state != S.FORWARD:
+            return  # recompute
+        self._end_forward()
+        self._on_first_grad(output, self._root_pre_backward)
+
+    def _root_pre_backward(self) -> None:
+        self.begin_backward()
+        if self.reshard_after_forward and self.root in self._own:
+            self.schedule.advance_rebroadcast(min(b.index for b in self._own[self.root]))
+
+    def _pre_forward(self, module: nn.Module, args) -> None:
+        lo, hi = self._span[module]
+        own = self._own.get(module, ())
+        if self.state == S.BACKWARD and in_backward():  # activation-checkpoint recompute
+            if self.reshard_after_forward:
+                self.schedule.advance_rebroadcast(lo)
+            return
+        if self.state != S.FORWARD:
+            self.begin_forward()  # a forward that did not enter through the root
+        if own:
+            self.order.note(own[0].module_name)
+        self.schedule.advance_forward(hi)
+        for b in own:
+            if b.copy is not Copy.VALID and self.reshard_after_forward:  # same on every rank
+                raise RuntimeError(
+                    f"DMuon: module {b.module_name!r} ran again in the same forward after its "
+                    "dedicated params were freed (reshard_after_forward=True). Z3 refills a "
+                    "block once per forward; for modules called more than once per step use "
+                    "reshard_after_forward=False."
+                )
+
+    def _post_forward(self, module: nn.Module, args, output) -> None:
+        if self.state != S.FORWARD or not self.reshard_after_forward:
+            return  # recompute, or Z2
+        lo, hi = self._span[module]
+        for b in self.buckets[lo : min(hi, self.schedule.cursors.fwd_waited - 1) + 1]:
+            self.schedule.free(b)
+        self._on_first_grad(output, lambda: self._pre_backward(lo))
+
+    def _pre_backward(self, lo: int) -> None:
+        self.begin_backward()
+        self.schedule.advance_rebroadcast(lo)
+
+    @staticmethod
+    def _on_first_grad(output, fn) -> None:
+        outputs = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if outputs and torch.is_grad_enabled():
+            register_multi_grad_hook(outputs, lambda grads: fn(), mode="any")
+
+    def _leaf_pre_forward(self, module: nn.Module, args):
+        """Mixed precision: the module's compute params in, its inputs cast (any state)."""
+        for b in self._leaf[module]:
+            b.swap(True, module)
+        return precision.cast_inputs(self.mp_policy, args)
+
+    def _leaf_post_forward(self, module: nn.Module, args, output):
+        for b in self._leaf[module]:
+            b.swap(False, module)
+        return precision.cast_output(self.mp_policy, output)
+
+    def _grad_hook(self, b: Bucket, i: int):
+        def hook(q: nn.Parameter) -> None:
+            self.begin_backward()
+            b.grad_arrived(i, q, counts=not self.no_sync)
+            if not self.no_sync:
+                self.schedule.advance_reduce(final=False)
+
+        return hook
+
+    # ------------------------------------------------------------------ between passes
+    def wait_pending(self) -> None:
+        for b in self.buckets:
+            self.schedule.wait_replicate(b)
+
+    def after_step(self) -> None:
+        """Protocol step 6 (and step 7 at the first step)."""
+        if self.state == S.FORWARD:
+            self.recover()
+        self._end_iteration()
+        for b in self.buckets:
+            b.step_consumed()
+        if not self.order_agreed:
+            self.order_agreed = True  # no call is in flight: every call of the step was waited
+            blocks = order.agree(self.model_blocks, self.order.recorded, self.schedule.groups.world)
+            if blocks != self.model_blocks:
+                position = {name: i for i, name in enumerate(blocks)}
+                self.schedule.reorder(sorted(self.buckets, key=lambda b: position[b.module_name]))
+                self._index()
+        for b in self.buckets:
+            b.stepped()
+        self.schedule.replicate()
+
+    def after_zero_grad(self) -> None:
+        if self.state in (S.FORWARD, S.BACKWARD):
+            self.recover()
+        for b in self.buckets:
+            b.clear_grads()
+
+    # ------------------------------------------------------------------ moves
+    def before_apply(self, module: nn.Module) -> None:
+        """A followed module's ``_apply`` starts: the values it will read are the owners'
+        (HSDP replicate waited), nothing is in flight, the registered params are in."""
+        for b in self._followed.get(module, ()):
+            self.schedule.wait_replicate(b)
+            b.wait_broadcast()
+            b.swap(False)
+            self._moved[id(b)] = b
+        self._applying += 1  # last: after_apply runs only if this returned
+
+    def after_apply(self, module: nn.Module, completed: bool) -> None:
+        """When the outermost followed ``_apply`` returns, re-bind every touched bucket whose
+        params agree on device and dtype (the others wait for the rest of their params)."""
+        self._applying -= 1
+        if self._applying or not completed:
+            return
+        for key, b in list(self._moved.items()):
+            if b.adopt_replaced():
+                self._index_params()
+            if b.is_bound() or b.consistent():
+                if not b.is_bound():
+                    self._rebind(b)
+                del self._moved[key]
+
+    def check_bindings(self) -> None:
+        """The one detection point (every forward's start): adopt params replaced or
+        re-pointed without ``_apply``, or raise if a bucket's params were split across
+        devices or dtypes.
+
+        Raises:
+            ValueError: a bucket's params differ in device or dtype (local: every rank
+                made the same calls, so every rank raises).
+        """
+        for b in self.buckets:
+            replaced = b.adopt_replaced()
+            if replaced:
+                self._index_params()
+            if not replaced and b.is_bound():
+                continue
+            if not b.consistent():
+                where = ", ".join(f"{n} {p.dtype} on {p.device}" for n, p in zip(b.names, b.params))
+                raise ValueError(
+                    f"Invalid dedicated params of block {b.module_name!r}: {where}. They "
+                    "share one DMuon bucket and must share one device and dtype: apply .to() / "
+                    "to_empty() to the whole model or to that block, on every rank."
+                )
+            self._rebind(b)
+        self._moved.clear()
+
+    def _rebind(self, b: Bucket) -> None:
+        b.rebind(self.param_dtype)
+        self._rebound[id(b)] = b

@@ -1,0 +1,68 @@
+"""dmuon.attach: the class swap that follows a module's moves (``_apply``) keeps the module's
+name, repr, pickling and deep copies, and is undone (issue 17, item 1)."""
+
+import copy
+import io
+import pickle
+
+import torch
+import torch.nn as nn
+
+from dmuon import attach
+
+
+class Listener:
+    def __init__(self):
+        self.calls = []
+
+    def before_apply(self, module):
+        self.calls.append(("before", type(module).__name__, str(module.weight.dtype)))
+
+    def after_apply(self, module, completed):
+        self.calls.append(("after", completed, str(module.weight.dtype)))
+
+
+def test_follow_moves_calls_around_apply_and_keeps_identity():
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    plain = repr(model)
+    listener = Listener()
+    attach.follow_moves(model[0], listener)
+    assert type(model[0]).__name__ == "Linear" and isinstance(model[0], nn.Linear)
+    assert type(model[0]) is not nn.Linear and repr(model) == plain
+    model.double()  # reaches model[0]._apply through the parent's recursion
+    assert listener.calls == [("before", "Linear", "torch.float32"), ("after", True, "torch.float64")]
+    for restored in (pickle.loads(pickle.dumps(model[0])), copy.deepcopy(model[0])):
+        assert type(restored) is nn.Linear and torch.equal(restored.weight, model[0].weight)
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    assert type(torch.load(buf, weights_only=False)[0]) is nn.Linear
+    attach.unfollow_moves(model[0], listener)
+    assert type(model[0]) is nn.Linear and not attach.follows_moves(model[0])
+    model.float()
+    assert len(listener.calls) == 2
+
+
+def test_a_failed_apply_reports_incomplete_and_a_dead_listener_is_skipped():
+    lin = nn.Linear(2, 2)
+    listener = Listener()
+    attach.follow_moves(lin, listener)
+    try:
+        lin._apply(lambda t: (_ for _ in ()).throw(ValueError("boom")))
+    except ValueError:
+        pass
+    assert listener.calls[-1][:2] == ("after", False)
+    del listener
+    lin.half()  # the weak reference is dead: a pass-through
+    assert lin.weight.dtype == torch.float16
+
+
+def test_ddp_ignore_list_keeps_the_users_entries_and_is_restored():
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    model._ddp_params_and_buffers_to_ignore = ["1.bias"]
+    before = attach.ignore_in_ddp(model, ["0.weight"])
+    assert model._ddp_params_and_buffers_to_ignore == ["1.bias", "0.weight"]
+    assert getattr(model[0].weight, "_ddp_ignored", False)
+    attach.unignore_in_ddp(model, ["0.weight"], before)
+    assert model._ddp_params_and_buffers_to_ignore == ["1.bias"]
+    assert not hasattr(model[0].weight, "_ddp_ignored")

@@ -1,0 +1,70 @@
+"""The runtime's layering rules, read from the source (issue 17, item 1):
+
+- one module changes dedicated params: only ``dmuon/copies.py`` assigns ``.grad``, ``.data``
+  or ``m._parameters[...]`` (with its storage primitives in ``residency.py``, which only
+  ``copies.py`` imports); class swaps happen in ``residency.py`` (a param's freed guard) and
+  ``attach.py`` (a module's move-following subclass) only;
+- no module reads another object's private (underscore) attribute, except the listed torch
+  and standard-library ones.
+"""
+
+import ast
+from pathlib import Path
+
+DMUON = Path(__file__).resolve().parents[1] / "dmuon"
+
+#: Private names of torch / the standard library DMuon uses, and where.
+FOREIGN_PRIVATE = {
+    "_C": {"residency.py", "runtime.py"},  # torch._C (graph task id, torch-function toggles)
+    "_current_graph_task_id": {"runtime.py"},
+    "_execution_engine": {"runtime.py"},  # queue_callback: the end of backward
+    "_parameters": {"copies.py"},  # nn.Module's registry (FSDP2 swaps it the same way)
+    "_apply": {"attach.py"},  # super()._apply in the move-following subclass
+    "_reconstructor": {"attach.py"},  # copyreg: pickling as the original class
+    "_set_params_and_buffers_to_ignore_for_model": {"attach.py"},  # DDP's ignore list
+    "_ddp_params_and_buffers_to_ignore": {"attach.py"},
+}
+
+
+def _modules():
+    for path in sorted(DMUON.glob("*.py")):
+        yield path.name, ast.parse(path.read_text())
+
+
+def _target_kinds(node: ast.AST):
+    targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+    for t in targets:
+        if isinstance(t, ast.Attribute) and t.attr in ("grad", "data", "__class__"):
+            yield t.attr
+        if isinstance(t, ast.Subscript) and isinstance(t.value, ast.Attribute) and t.value.attr == "_parameters":
+            yield "_parameters[]"
+
+
+def test_only_copies_changes_params_and_only_it_imports_residency():
+    writers: dict[str, set[str]] = {}
+    importers = set()
+    for name, tree in _modules():
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)):
+                for kind in _target_kinds(node):
+                    writers.setdefault(kind, set()).add(name)
+            if isinstance(node, ast.ImportFrom) and any(a.name == "residency" for a in node.names):
+                importers.add(name)
+    assert writers["grad"] == {"copies.py"}
+    assert writers["_parameters[]"] == {"copies.py"}
+    assert writers["data"] == {"residency.py"}  # flatten_into_views, called by copies.py only
+    assert writers["__class__"] == {"residency.py", "attach.py"}
+    assert importers == {"copies.py"}
+
+
+def test_no_module_reads_another_objects_private_fields():
+    bad = []
+    for name, tree in _modules():
+        for node in ast.walk(tree):
+            if not (isinstance(node, ast.Attribute) and node.attr.startswith("_")) or node.attr.startswith("__"):
+                continue
+            if isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"):
+                continue
+            if name not in FOREIGN_PRIVATE.get(node.attr, ()):
+                bad.append(f"{name}:{node.lineno}: .{node.attr}")
+    assert bad == []
