@@ -115,7 +115,7 @@ def agree(model_blocks: Sequence[str], recorded: Sequence[str], world: dist.Proc
         f"forward (digests of the derived block order: {collectives.ranks_by_digest(digests, ranks)}"
         "), so the buckets keep model order and prefetch follows model order. Run the "
         "same blocks in the same order on every rank in the first step to get buckets "
-        "in execution order (README, 'Overlap').",
+        "in execution order (docs/performance.md, 'Buckets in execution order').",
         stacklevel=5,  # the caller of the optimizer's step()
     )
     return tuple(model_blocks)
