@@ -1,6 +1,6 @@
 """Planner, predictor and dmuon-plan times on the presets, each beside its baseline.
 
-- **planner**: :func:`dmuon.plan.plan_ownership` (heap LPT on FLOPs, MULTIFIT on small sets)
+- **planner**: :func:`dmuon.ownership.plan.plan_ownership` (heap LPT on FLOPs, MULTIFIT on small sets)
   against the retired PLAN_VERSION 1 planner (a Python ``min`` over all W owners per matrix,
   cost rows*cols*min, kept below as the baseline, O(M*W)); rounds interleaved, medians.
   ``--baseline-max-matrices`` skips the baseline on larger sets (DeepSeek-V3-like: ~46 s
@@ -28,7 +28,7 @@ from tabulate import tabulate
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from dmuon.plan import plan_ownership  # noqa: E402
+from dmuon.ownership.plan import plan_ownership  # noqa: E402
 from verify.plan_cli import ModelLayout  # noqa: E402
 from verify.traffic.predict import predict_step  # noqa: E402
 from verify.workload.presets import build_preset  # noqa: E402

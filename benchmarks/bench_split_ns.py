@@ -7,7 +7,7 @@ block X_j <- aX_j + B X_j. The Frobenius norm of the prologue is one all_reduce 
 Per member: m*m*(2n/k + m) multiply-adds per iteration (against m*m*(2n + m) alone) and one
 all_reduce of m*m elements.
 
-Measured here, in one invocation: the single-owner call (dmuon.muon_math's
+Measured here, in one invocation: the single-owner call (dmuon.optim.muon_math's
 zeropower_via_newtonschulz, bfloat16) in rank 0 alone, then the team call on ``k`` forked
 gloo ranks, rounds interleaved, medians; the result is compared with the single-owner one
 (max |difference|, the bf16 resolution near 1 is 2**-8). Timings on this shared 2-core
@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from dmuon.muon_math import MUON_DEFAULTS, zeropower_via_newtonschulz  # noqa: E402
+from dmuon.optim.muon_math import MUON_DEFAULTS, zeropower_via_newtonschulz  # noqa: E402
 from tests.distributed.harness import DistributedPool  # noqa: E402
 
 ABC = MUON_DEFAULTS["ns_coefficients"]

@@ -14,10 +14,10 @@ Typical use (every rank, before wrapping)::
 See docs/user-guide.md for DDP and HSDP, docs/architecture.md for the runtime's structure.
 """
 
-from .annotate import phase, span
-from .api import dedicate_params
-from .dedicate import DedicatedParams
-from .select import default_predicate
-from .optim import DMuon
+from dmuon.annotate import phase, span
+from dmuon.api import dedicate_params
+from dmuon.runtime.dedicate import DedicatedParams
+from dmuon.ownership.select import default_predicate
+from dmuon.optim.optimizer import DMuon
 
 __all__ = ["DMuon", "DedicatedParams", "dedicate_params", "default_predicate", "phase", "span"]

@@ -9,12 +9,12 @@ import warnings
 import torch
 import torch.nn as nn
 
-from . import attach, collectives
-from .buckets import DEFAULT_BUCKET_CAP_MB
-from .dedicate import DedicatedParams
-from .plan import OwnershipPlan, plan_ownership, specs_from_named_parameters
-from .select import Predicate, select_params
-from .topology import topology_from_mesh
+from dmuon.runtime import attach, collectives
+from dmuon.ownership.buckets import DEFAULT_BUCKET_CAP_MB
+from dmuon.runtime.dedicate import DedicatedParams
+from dmuon.ownership.plan import OwnershipPlan, plan_ownership, specs_from_named_parameters
+from dmuon.ownership.select import Predicate, select_params
+from dmuon.ownership.topology import topology_from_mesh
 
 
 def dedicate_params(
@@ -49,7 +49,7 @@ def dedicate_params(
             params' dtype.
         bucket_cap_mb: cap of one bucket in MiB (default 25, DDP's): a block's dedicated
             params with the same owner and dtype share one collective per phase, cut into
-            runs of at most this many bytes (``dmuon/buckets.py``: the rule and "block").
+            runs of at most this many bytes (``dmuon/ownership/buckets.py``: the rule and "block").
         prefetch_depth: how many buckets ahead of the one a module needs the forward
             broadcasts (and Z3's backward re-broadcasts, in backward order) are issued,
             asynchronously; ``0`` issues each when it is needed. Changes when calls are

@@ -1,4 +1,4 @@
-"""dmuon.attach: the class swap that follows a module's moves (``_apply``) keeps the module's
+"""dmuon.runtime.attach: the class swap that follows a module's moves (``_apply``) keeps the module's
 name, repr, pickling and deep copies, and is undone (issue 17, item 1)."""
 
 import copy
@@ -8,7 +8,7 @@ import pickle
 import torch
 import torch.nn as nn
 
-from dmuon import attach
+from dmuon.runtime import attach
 
 
 class Listener:

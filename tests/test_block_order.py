@@ -1,13 +1,13 @@
-"""The block-order rule (buckets in execution order, ``dmuon/dedicate.py`` step 7) as a pure
+"""The block-order rule (buckets in execution order, ``dmuon/runtime/dedicate.py`` step 7) as a pure
 function: the predictor's implementation (``verify/traffic/predict.py``) on hand-written cases, the
-runtime's (``dmuon/order.py``) agreeing with it, and the predicted bucket list and layout
+runtime's (``dmuon/runtime/order.py``) agreeing with it, and the predicted bucket list and layout
 following it."""
 
 from collections import Counter
 
 import pytest
 
-from dmuon.order import execution_block_order, order_digest
+from dmuon.runtime.order import execution_block_order, order_digest
 from tests.test_predict import _layout
 from verify.traffic.predict import RunLayout, dmuon_block_sequence, dmuon_buckets, predict_step
 

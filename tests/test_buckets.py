@@ -1,10 +1,10 @@
-"""The runtime's bucket layout (``dmuon/buckets.py``) against the rule as documented, and
+"""The runtime's bucket layout (``dmuon/ownership/buckets.py``) against the rule as documented, and
 against the predictor's independent implementation (``verify/traffic/predict.py``) on TinyGPT at
 several caps and world sizes: the same buckets, and each block a contiguous index range."""
 
 import pytest
 
-from dmuon.buckets import block_of, bucket_layout
+from dmuon.ownership.buckets import block_of, bucket_layout
 from tests.test_predict import _layout
 from verify.traffic.predict import dmuon_block, dmuon_buckets
 

@@ -9,7 +9,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from dmuon.plan import ParamSpec
+from dmuon.ownership.plan import ParamSpec
 from tracer.events import CollectiveEvent, to_table, write_parquet
 from verify.check import check_events, report_lines
 from verify.cli import main as dmuon_verify

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dmuon import collectives as C
+from dmuon.runtime import collectives as C
 
 
 @pytest.mark.parametrize("backend,index,want", [

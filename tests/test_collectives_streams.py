@@ -1,4 +1,4 @@
-"""DMuon's asynchronous launch (dmuon/collectives.py, "Asynchrony"). The CUDA branch cannot
+"""DMuon's asynchronous launch (dmuon/runtime/collectives.py, "Asynchrony"). The CUDA branch cannot
 run on the project's CPU machines: its order of stream operations is checked against a
 stand-in accelerator module that logs every call (the same calls torch.cuda takes). The
 gloo branch runs for real in the multi-process tests (tests/distributed/)."""
@@ -10,7 +10,7 @@ from contextlib import contextmanager
 import pytest
 import torch
 
-from dmuon.collectives import Launcher
+from dmuon.runtime.collectives import Launcher
 
 
 class _Event:
@@ -123,7 +123,7 @@ def test_device_selects_the_branch():
 
 
 def test_synchronize_blocks_on_the_accelerator_only(monkeypatch):
-    from dmuon import collectives
+    from dmuon.runtime import collectives
 
     calls = []
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: calls.append(device))

@@ -3,7 +3,7 @@
 - README.md is a front page (at most ``README_MAX_LINES`` lines); the manual lives in docs/.
 - Every relative link in README.md and docs/*.md points at a file (or folder) that exists, and
   a ``#fragment`` into a Markdown file names one of its headings.
-- Every repository path the pages name in backticks (``dmuon/plan.py``) exists, and every
+- Every repository path the pages name in backticks (``dmuon/ownership/plan.py``) exists, and every
   module the README's "Layout" tree names exists where the tree puts it.
 - The specification the code cites is docs/spec.md: no tracked .py or .md file cites the old,
   out-of-tree one (the cited name followed by a section sign, or its .md file name).

@@ -3,8 +3,8 @@ raises with the object, value and rule named."""
 
 import pytest
 
-from dmuon.hparams import validate_adamw, validate_muon
-from dmuon.muon_math import MUON_DEFAULTS, polar_express_coefficients
+from dmuon.optim.hparams import validate_adamw, validate_muon
+from dmuon.optim.muon_math import MUON_DEFAULTS, polar_express_coefficients
 
 ADAMW = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 1e-2}
 

@@ -16,7 +16,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = """
 import importlib, json, pkgutil, sys
 import dmuon
-names = [m.name for m in pkgutil.iter_modules(dmuon.__path__, "dmuon.")]
+names = [m.name for m in pkgutil.walk_packages(dmuon.__path__, "dmuon.")]
 for name in names:
     importlib.import_module(name)
 print(json.dumps({"modules": names, "loaded": sorted({m.split(".")[0] for m in sys.modules})}))
@@ -28,5 +28,5 @@ def test_import_dmuon_loads_no_presentation_or_dataframe_library():
     out = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True,
                          env=env, cwd=REPO_ROOT, timeout=120, check=True)
     got = json.loads(out.stdout.strip().splitlines()[-1])
-    assert "dmuon.plan" in got["modules"] and "dmuon.runtime" in got["modules"]
+    assert "dmuon.ownership.plan" in got["modules"] and "dmuon.runtime.hooks" in got["modules"]
     assert [m for m in HEAVY if m in got["loaded"]] == []

@@ -7,7 +7,7 @@ each bfloat16 element of the orthogonalized update equals the loop's or differs 
 import pytest
 import torch
 
-from dmuon.muon_math import (
+from dmuon.optim.muon_math import (
     MUON_DEFAULTS,
     muon_update_,
     muon_update_batched_,

@@ -1,4 +1,4 @@
-"""dmuon.muon_math against the oracle, torch 2.13's torch.optim.Muon (torch/optim/_muon.py)."""
+"""dmuon.optim.muon_math against the oracle, torch 2.13's torch.optim.Muon (torch/optim/_muon.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch.optim import _muon as torch_muon
 
-from dmuon.muon_math import (
+from dmuon.optim.muon_math import (
     MUON_DEFAULTS,
     POLAR_EXPRESS_COEFFICIENTS,
     POLAR_EXPRESS_RAW_COEFFICIENTS,

@@ -1,4 +1,4 @@
-"""dmuon.plan: the ownership planner (pure; no processes except one hash-seed check)."""
+"""dmuon.ownership.plan: the ownership planner (pure; no processes except one hash-seed check)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from dmuon.muon_math import ns_cost, ns_flops
-from dmuon.plan import (
+from dmuon.optim.muon_math import ns_cost, ns_flops
+from dmuon.ownership.plan import (
     _lpt,
     OwnershipPlan,
     ParamSpec,
@@ -198,7 +198,7 @@ def test_digest_stable_across_processes_and_hash_seeds():
         import random, sys
         sys.path.insert(0, sys.argv[1])
         from tests.test_plan import llama_specs
-        from dmuon.plan import plan_ownership
+        from dmuon.ownership.plan import plan_ownership
         specs = llama_specs(n_layers=3)
         random.Random(int(sys.argv[2])).shuffle(specs)
         print(plan_ownership(specs, (2, 2)).digest())

@@ -19,7 +19,7 @@ from verify.run.modes import muon_names
 from verify.traffic.predict import RunLayout, dmuon_block, dmuon_buckets, predict_step
 from verify.traffic.formulas import avg_elems, closed_form, padded_numel
 
-from dmuon.plan import specs_from_named_parameters
+from dmuon.ownership.plan import specs_from_named_parameters
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -62,7 +62,7 @@ def _dedicated_avg(layout: RunLayout) -> Fraction:
 
 
 # --------------------------------------------------------------------------- independence
-_ALLOWED_DMUON = {"dmuon.plan"}
+_ALLOWED_DMUON = {"dmuon.ownership.plan"}
 
 
 def _imports(path: Path) -> set[str]:
@@ -100,15 +100,15 @@ def test_predictor_never_calls_the_runtime():
     # model it uses) after building the layout: the prediction is unchanged, so it cannot
     # reach the runtime's bucketing, hooks or collectives by any path.
     code = """
-import sys, dmuon, dmuon.plan
+import sys, dmuon, dmuon.ownership.plan
 import tests.test_predict as t
 layout = t._layout("dmuon-hsdp-z3", 4)
 ref = t.predict_step(layout)
 for name, mod in list(sys.modules.items()):
-    if name.startswith("dmuon.") and name not in ("dmuon.plan", "dmuon.muon_math"):
+    if name.startswith("dmuon.") and name not in ("dmuon.ownership.plan", "dmuon.optim.muon_math"):
         for attr in [a for a in vars(mod) if not a.startswith("__")]:
             setattr(mod, attr, None)
-assert sys.modules["dmuon.buckets"].bucket_layout is None
+assert sys.modules["dmuon.ownership.buckets"].bucket_layout is None
 assert t.predict_step(layout) == ref
 print("ok", len(ref))
 """

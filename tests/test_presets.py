@@ -8,8 +8,8 @@ import time
 import pytest
 import torch
 
-from dmuon.plan import plan_ownership, specs_from_named_parameters
-from dmuon.select import select_params
+from dmuon.ownership.plan import plan_ownership, specs_from_named_parameters
+from dmuon.ownership.select import select_params
 from verify.workload.presets import (
     PRESETS,
     Decoder,

@@ -1,6 +1,6 @@
 """The runtime's layering rules, read from the source (issue 17, item 1):
 
-- one module changes dedicated params: only ``dmuon/copies.py`` assigns ``.grad``, ``.data``
+- one module changes dedicated params: only ``dmuon/runtime/copies.py`` assigns ``.grad``, ``.data``
   or ``m._parameters[...]`` (with its storage primitives in ``residency.py``, which only
   ``copies.py`` imports); class swaps happen in ``residency.py`` (a param's freed guard) and
   ``attach.py`` (a module's move-following subclass) only;
@@ -15,9 +15,9 @@ DMUON = Path(__file__).resolve().parents[1] / "dmuon"
 
 #: Private names of torch / the standard library DMuon uses, and where.
 FOREIGN_PRIVATE = {
-    "_C": {"residency.py", "runtime.py"},  # torch._C (graph task id, torch-function toggles)
-    "_current_graph_task_id": {"runtime.py"},
-    "_execution_engine": {"runtime.py"},  # queue_callback: the end of backward
+    "_C": {"residency.py", "hooks.py"},  # torch._C (graph task id, torch-function toggles)
+    "_current_graph_task_id": {"hooks.py"},
+    "_execution_engine": {"hooks.py"},  # queue_callback: the end of backward
     "_parameters": {"copies.py"},  # nn.Module's registry (FSDP2 swaps it the same way)
     "_apply": {"attach.py"},  # super()._apply in the move-following subclass
     "_reconstructor": {"attach.py"},  # copyreg: pickling as the original class
@@ -27,7 +27,7 @@ FOREIGN_PRIVATE = {
 
 
 def _modules():
-    for path in sorted(DMUON.glob("*.py")):
+    for path in sorted(DMUON.rglob("*.py")):  # file names are unique across dmuon's packages
         yield path.name, ast.parse(path.read_text())
 
 

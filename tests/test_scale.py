@@ -7,8 +7,8 @@ from collections import Counter, defaultdict
 
 import pytest
 
-from dmuon.plan import specs_from_named_parameters
-from dmuon.select import select_params
+from dmuon.ownership.plan import specs_from_named_parameters
+from dmuon.ownership.select import select_params
 from verify.traffic.predict import RunLayout, predict_step
 from verify.workload.presets import build_preset
 from verify.traffic.scale import SCALE_MODES, ZERO1, CostModel, Tally, step_traffic, split_ns_s

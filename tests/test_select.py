@@ -6,8 +6,8 @@ import torch.nn as nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from dmuon.api import setup_digest
-from dmuon.plan import plan_ownership, specs_from_named_parameters
-from dmuon.select import HEAD_NAMES, select_params
+from dmuon.ownership.plan import plan_ownership, specs_from_named_parameters
+from dmuon.ownership.select import HEAD_NAMES, select_params
 from tests.distributed.api_tasks import GPT2Like
 
 

@@ -8,10 +8,10 @@ Usage::
     dmuon-plan --model mypkg.models:make_model --mesh 16 --json
 
 ``--model`` is a preset of :mod:`verify.workload.presets` or ``pkg.module:factory`` (called under the
-meta device: no memory). The Muon targets are :func:`dmuon.select.default_predicate`'s; FSDP2
+meta device: no memory). The Muon targets are :func:`dmuon.ownership.select.default_predicate`'s; FSDP2
 wraps each element of the model's top-level ``nn.ModuleList`` (the blocks), then the root, as
 the harness does; the naive baselines also wrap each Muon Linear. Traffic comes from
-:func:`verify.traffic.scale.step_traffic`, the plan from :func:`dmuon.plan.plan_ownership`, times
+:func:`verify.traffic.scale.step_traffic`, the plan from :func:`dmuon.ownership.plan.plan_ownership`, times
 from :class:`verify.traffic.scale.CostModel` (flags below; defaults printed with every table).
 """
 
@@ -27,8 +27,8 @@ from dataclasses import asdict
 import torch.nn as nn
 from tabulate import tabulate
 
-from dmuon.plan import OwnershipPlan, plan_ownership, specs_from_named_parameters
-from dmuon.select import select_params
+from dmuon.ownership.plan import OwnershipPlan, plan_ownership, specs_from_named_parameters
+from dmuon.ownership.select import select_params
 
 from verify.plan_summary import format_plan_summary  # noqa: F401  (the CLI side owns the plan table)
 from verify.traffic.predict import RunLayout

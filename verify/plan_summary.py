@@ -1,11 +1,11 @@
-"""The ownership plan as a table (moved out of ``dmuon/plan.py`` so that ``import dmuon``
+"""The ownership plan as a table (moved out of ``dmuon/ownership/plan.py`` so that ``import dmuon``
 loads no presentation library): per-owner load, then per-shard bytes and the max/mean ratios."""
 
 from __future__ import annotations
 
 from tabulate import tabulate
 
-from dmuon.plan import OwnershipPlan
+from dmuon.ownership.plan import OwnershipPlan
 
 
 def format_plan_summary(plan: OwnershipPlan) -> str:

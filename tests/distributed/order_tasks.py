@@ -80,8 +80,8 @@ def reordered_step(z3: bool, model_order: bool = False, hsdp: bool = False) -> d
     harness derives (its own recording) and the params after step 3. ``model_order``: the
     runtime's order rule is replaced by model order (the reference without reordering);
     ``hsdp``: a (2, W/2) mesh."""
-    from dmuon import order
-    from dmuon.plan import specs_from_named_parameters
+    from dmuon.runtime import order
+    from dmuon.ownership.plan import specs_from_named_parameters
     from verify.run.block_order import BlockOrderRecorder, blocks_of
     from verify.traffic.predict import RunLayout
 

@@ -9,7 +9,7 @@ from tests.distributed.dmuon_tasks import SMALL, _loss
 from tests.distributed.runtime_tasks import batch, build
 from tracer.interposer import Interposer
 
-#: Three blocks: each block is the bucket module of its buckets (dmuon/buckets.py).
+#: Three blocks: each block is the bucket module of its buckets (dmuon/ownership/buckets.py).
 THREE_BLOCKS = dataclasses.replace(SMALL, n_layers=3)
 
 
@@ -64,7 +64,7 @@ def reduce_issue_and_wait_order(mode: str) -> list[tuple[str, int]]:
     ``("issue", k)`` / ``("wait", k)`` of its asynchronous shard-axis reduces (k = issue
     number; the HSDP replicate reduces, which need their shard reduce's result, are not
     listed)."""
-    import dmuon.collectives as seam
+    import dmuon.runtime.collectives as seam
 
     wrapped, model, dm, opt = build(mode, config=THREE_BLOCKS)
     log: list[tuple[str, int]] = []

@@ -1,4 +1,4 @@
-"""Per-bucket states (dmuon/state.py): sequences the old loose flags got wrong."""
+"""Per-bucket states (dmuon/runtime/state.py): sequences the old loose flags got wrong."""
 
 import pytest
 import torch

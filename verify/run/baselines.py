@@ -8,7 +8,7 @@ The naive baseline is what users do without DMuon under FSDP2 / HSDP: each Muon 
 DTensor, ``step()`` all-gathers its gradient (``full_tensor()``: one all_gather over the
 shard axis), every rank keeps a full momentum buffer and runs Newton–Schulz on the whole
 matrix (N or N·R redundant copies), then applies its own row chunk of the update.
-The math is ``torch.optim.Muon``'s (``dmuon.muon_math``), so results match DMuon.
+The math is ``torch.optim.Muon``'s (``dmuon.optim.muon_math``), so results match DMuon.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.optim import Optimizer
 
 from dmuon import annotate
-from dmuon.muon_math import MUON_DEFAULTS, adjust_lr, muon_update_, zeropower_via_newtonschulz
-from dmuon.plan import plan_ownership, specs_from_named_parameters
+from dmuon.optim.muon_math import MUON_DEFAULTS, adjust_lr, muon_update_, zeropower_via_newtonschulz
+from dmuon.ownership.plan import plan_ownership, specs_from_named_parameters
 
 
 class NaiveShardedMuon(Optimizer):
@@ -98,7 +98,7 @@ class ZeroOneMuon(Optimizer):
     with fewer elements pad their chunk: :attr:`padding_elems` reports it. Per step and rank
     the traffic is 2(N-1)/N · N·C elements: 2(N-1)/N · P_M when no owner pads.
 
-    Ownership is :func:`dmuon.plan.plan_ownership` on a ``(1, W)`` mesh (the planner is shared
+    Ownership is :func:`dmuon.ownership.plan.plan_ownership` on a ``(1, W)`` mesh (the planner is shared
     with the harness, which predicts this layout from the same plan).
 
     Args:

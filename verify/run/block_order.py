@@ -1,7 +1,7 @@
 """The harness's own record of the blocks' execution order (``RunLayout.dmuon_block_order``).
 
 DMuon numbers its buckets by the order in which the blocks' forwards first ran in the first
-forward after ``dedicate_params`` (``dmuon/dedicate.py``, step 7). The predictor must not ask
+forward after ``dedicate_params`` (``dmuon/runtime/dedicate.py``, step 7). The predictor must not ask
 the runtime for that order, so the harness watches the same forward with hooks of its own: a
 forward pre-hook on the model's root (the module given to ``dedicate_params``) starts the
 record, one on each block (:func:`verify.traffic.predict.dmuon_block` of a dedicated param's module)

@@ -18,8 +18,8 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 import dmuon
-from dmuon.select import default_predicate
-from dmuon.plan import specs_from_named_parameters
+from dmuon.ownership.select import default_predicate
+from dmuon.ownership.plan import specs_from_named_parameters
 
 from verify.run.baselines import NaiveShardedMuon, ZeroOneMuon
 from verify.traffic.predict import RunLayout

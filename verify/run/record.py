@@ -32,7 +32,7 @@ form, and Newton–Schulz calls. Rank 0 writes ``report.json``, ``report.md`` an
 
 Create the window before the first training step: it records the order in which DMuon's
 blocks first run in the first forward it sees (``verify.run.block_order``; DMuon numbers its
-buckets by the first step's order, ``dmuon/dedicate.py`` step 7), which the layout reports as
+buckets by the first step's order, ``dmuon/runtime/dedicate.py`` step 7), which the layout reports as
 ``dmuon_block_order``. Start it after at least one step: the first step has setup calls (DDP's
 bucket rebuild, DMuon's block-order agreement) that the prediction of a steady step omits.
 
@@ -54,7 +54,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import dmuon
-from dmuon.plan import specs_from_named_parameters
+from dmuon.ownership.plan import specs_from_named_parameters
 from tracer.interposer import Interposer
 
 from verify.run.block_order import BlockOrderRecorder, bare_model, blocks_of

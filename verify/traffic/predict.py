@@ -8,14 +8,14 @@ to Muon-target params (``dedicated_count``, used to attribute fused buckets).
 What is modelled (torch 2.13, measured on gloo by the harness):
 
 - DMuon, derived here from the documented protocol (docs/spec.md §1 and the glossary of
-  ``dmuon/dedicate.py``) and the planner's output alone: a *bucket* is the dedicated params
+  ``dmuon/runtime/dedicate.py``) and the planner's output alone: a *bucket* is the dedicated params
   of one block (a ``ModuleList`` element) with the same global owner and dtype, cut at
   ``bucket_cap_mb`` and ordered block by block in the recorded execution order
   (:func:`dmuon_buckets`, :func:`dmuon_block_sequence`); per bucket a
   forward broadcast over the shard axis from its holder; Z3 re-broadcast in backward; reduce
   to the holder over the shard axis, then (HSDP) to the owner over the replicate axis; (HSDP)
   the owner's replicate broadcast after the step. Independence: this module imports
-  ``dmuon.plan`` (ParamSpec, OwnershipPlan, plan_ownership) and nothing else of ``dmuon``, so a
+  ``dmuon.ownership.plan`` (ParamSpec, OwnershipPlan, plan_ownership) and nothing else of ``dmuon``, so a
   bucketing bug in the runtime is not reproduced here (``tests/test_predict.py`` checks it).
 - FSDP2 and DDP: the rules in :mod:`verify.traffic.rules` (shared with the aggregate
   predictor :mod:`verify.traffic.scale`), attributed here to each rank's groups.
@@ -39,7 +39,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 
-from dmuon.plan import OwnershipPlan, ParamSpec, plan_ownership
+from dmuon.ownership.plan import OwnershipPlan, ParamSpec, plan_ownership
 from tracer.events import DTYPE_BYTES, group_id_from_ranks
 
 from verify.traffic.formulas import MODES
@@ -211,7 +211,7 @@ class DMuonBucket:
 
 
 def dmuon_block(module: str) -> str:
-    """The block of a dedicated param of ``module`` (``dmuon/buckets.py``'s rule, written
+    """The block of a dedicated param of ``module`` (``dmuon/ownership/buckets.py``'s rule, written
     here independently): the longest prefix of the dotted name ending in an integer
     component (a ``ModuleList`` element), else the module itself (``""`` = root)."""
     parts = module.split(".") if module else []
@@ -220,8 +220,8 @@ def dmuon_block(module: str) -> str:
 
 
 def dmuon_block_sequence(model_blocks: Sequence[str], recorded: Sequence[str]) -> tuple[str, ...]:
-    """The block order DMuon's buckets follow after the first step (``dmuon/dedicate.py``,
-    step 7; ``dmuon/order.py``'s rule, written here independently).
+    """The block order DMuon's buckets follow after the first step (``dmuon/runtime/dedicate.py``,
+    step 7; ``dmuon/runtime/order.py``'s rule, written here independently).
 
     ``model_blocks``: the blocks in model order; ``recorded``: blocks in the order their
     forward first ran (repeats and non-blocks ignored). Model order when the recorded blocks
@@ -263,7 +263,7 @@ def dmuon_model_blocks(specs: Sequence[ParamSpec]) -> tuple[str, ...]:
 def dmuon_buckets(specs: Sequence[ParamSpec], plan: OwnershipPlan,
                   cap_bytes: int = 25 * 1024 * 1024,
                   block_order: Sequence[str] = ()) -> list[DMuonBucket]:
-    """DMuon's buckets from the documented rule (docs/spec.md §1, ``dmuon/buckets.py``).
+    """DMuon's buckets from the documented rule (docs/spec.md §1, ``dmuon/ownership/buckets.py``).
 
     A bucket is the dedicated params of one block (:func:`dmuon_block`) with the same global
     owner and dtype, in model order, cut into runs of at most ``cap_bytes`` bytes (a param
@@ -322,7 +322,7 @@ def _dmuon_calls(layout: RunLayout, rank: int) -> list[Expected]:
         add("forward", "broadcast", sid, n, b, cast, s_own)
         if layout.reshard_after_forward:
             add("backward", "broadcast", sid, n, b, cast, s_own)
-        # a reduce carries the grads, then one usage element per param (dmuon/dedicate.py
+        # a reduce carries the grads, then one usage element per param (dmuon/runtime/dedicate.py
         # step 4): count numel + params, dedicated payload numel
         usage = len(b.names)
         add("backward", "reduce", sid, n, b, red, s_own, usage)

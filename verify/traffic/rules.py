@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from dmuon.plan import ParamSpec
+from dmuon.ownership.plan import ParamSpec
 
 if TYPE_CHECKING:
     from verify.traffic.predict import RunLayout

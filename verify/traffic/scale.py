@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dmuon.plan import OwnershipPlan, ParamSpec, plan_ownership
+from dmuon.ownership.plan import OwnershipPlan, ParamSpec, plan_ownership
 
 from verify.traffic.predict import RunLayout, dmuon_buckets, owner_numels
 from verify.traffic.rules import AxisCall, ddp_calls, fsdp_calls, padded_shard_numel

@@ -10,7 +10,7 @@ Two architecture definitions, each a working module (forward runs on CPU at smal
   (:class:`MLAConfig`); the MLP is SwiGLU, or a mixture of experts (:class:`MoEConfig`) whose
   experts are separate SwiGLU modules of 2-D ``nn.Linear`` weights (``mlp.experts.{j}``).
 
-Names follow Hugging Face's where they exist; :func:`dmuon.select.default_predicate` picks
+Names follow Hugging Face's where they exist; :func:`dmuon.ownership.select.default_predicate` picks
 every hidden ``nn.Linear`` (attention, MLP, experts, routers) and leaves embeddings, norms and
 ``lm_head`` to AdamW.
 

@@ -26,7 +26,7 @@ reaches its end, so the next root forward, ``zero_grad()``, ``step()``, ``sync_p
 ``close()`` finds ``FORWARD`` or ``BACKWARD`` outside autograd and recovers first. Entering
 ``FORWARD`` or ``BACKWARD`` resets the pass's cursors (``schedule.Cursors``), nowhere else.
 
-**Per bucket** (:class:`dmuon.copies.Bucket`):
+**Per bucket** (:class:`dmuon.runtime.copies.Bucket`):
 
 - :class:`Copy` ``copy``: the compute copy on the bucket's *non-holders*. Every rank tracks
   the same value for every bucket, holders included, because it decides the collectives

@@ -33,7 +33,7 @@ Glossary (see ``topology.py`` for the mesh terms):
   ``mp_policy``, the modules that hold dedicated params also get hooks that swap their
   compute params in for their forward and cast its inputs and output (in any state,
   activation-checkpoint recompute included).
-- **state**: :class:`dmuon.state.TrainingState`, one per DedicatedParams (``dm.state``); the
+- **state**: :class:`dmuon.runtime.state.TrainingState`, one per DedicatedParams (``dm.state``); the
   per-bucket states (copy, master copy, HSDP replica, grads) and every allowed transition
   are in ``state.py``. Entering FORWARD or BACKWARD resets the pass's cursors
   (``schedule.Cursors``), nowhere else.
@@ -187,12 +187,12 @@ from contextlib import contextmanager
 import torch.distributed as dist
 import torch.nn as nn
 
-from . import attach, checkpoint, collectives
-from .buckets import DEFAULT_BUCKET_CAP_MB
-from .plan import OwnershipPlan
-from .runtime import Runtime, in_backward
-from .state import Grads, TrainingState
-from .topology import Topology
+from dmuon.runtime import attach, checkpoint, collectives
+from dmuon.ownership.buckets import DEFAULT_BUCKET_CAP_MB
+from dmuon.ownership.plan import OwnershipPlan
+from dmuon.runtime.hooks import Runtime, in_backward
+from dmuon.runtime.state import Grads, TrainingState
+from dmuon.ownership.topology import Topology
 
 S = TrainingState
 
@@ -208,8 +208,8 @@ class DedicatedParams:
 
     Attributes:
         names: fully qualified names of the dedicated params, in model order.
-        plan: the :class:`~dmuon.plan.OwnershipPlan` every rank agreed on.
-        topology: this rank's :class:`~dmuon.topology.Topology`.
+        plan: the :class:`~dmuon.ownership.plan.OwnershipPlan` every rank agreed on.
+        topology: this rank's :class:`~dmuon.ownership.topology.Topology`.
         reshard_after_forward: ``True`` for Z3 (non-holders free after forward), ``False`` for Z2.
         bucket_cap_bytes, prefetch_depth: the knobs given to ``dedicate_params``.
     """
@@ -292,7 +292,7 @@ class DedicatedParams:
 
     @property
     def groups(self) -> collectives.DMuonGroups:
-        """DMuon's own process groups (:class:`~dmuon.collectives.DMuonGroups`)."""
+        """DMuon's own process groups (:class:`~dmuon.runtime.collectives.DMuonGroups`)."""
         self._live("groups")
         return self._groups
 
@@ -329,7 +329,7 @@ class DedicatedParams:
 
     @property
     def buckets(self) -> list:
-        """The :class:`~dmuon.copies.Bucket` objects in index order (read-only use)."""
+        """The :class:`~dmuon.runtime.copies.Bucket` objects in index order (read-only use)."""
         return self._live("buckets").buckets
 
     @property
@@ -343,7 +343,7 @@ class DedicatedParams:
 
     @property
     def state(self) -> TrainingState:
-        """The current :class:`~dmuon.state.TrainingState` (CLOSED after :meth:`close`)."""
+        """The current :class:`~dmuon.runtime.state.TrainingState` (CLOSED after :meth:`close`)."""
         return S.CLOSED if self._runtime is None else self._runtime.state
 
     @property

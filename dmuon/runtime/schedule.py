@@ -3,8 +3,8 @@ the calls themselves (protocol steps 1-6 in ``dedicate.py``'s docstring, which s
 description of the protocol).
 
 :class:`Schedule` owns the bucket order (``buckets``, renumbered by :meth:`Schedule.reorder`),
-the pass's :class:`Cursors` and one :class:`~dmuon.collectives.Launcher` per device; it
-changes buckets only through their methods (:mod:`dmuon.copies`) and issues every
+the pass's :class:`Cursors` and one :class:`~dmuon.runtime.collectives.Launcher` per device; it
+changes buckets only through their methods (:mod:`dmuon.runtime.copies`) and issues every
 asynchronous call through the launcher, on DMuon's own groups.
 """
 
@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import torch
 
-from . import annotate, collectives
-from .copies import Bucket
-from .state import Copy, Replica
+from dmuon import annotate
+
+from dmuon.runtime import collectives
+from dmuon.runtime.copies import Bucket
+from dmuon.runtime.state import Copy, Replica
 
 
 class Cursors:
@@ -209,7 +211,7 @@ class Schedule:
         b.broadcast_issued(work)
 
     def _launcher(self, t: torch.Tensor) -> collectives.Launcher:
-        """The :class:`~dmuon.collectives.Launcher` for ``t``'s device (streams on CUDA)."""
+        """The :class:`~dmuon.runtime.collectives.Launcher` for ``t``'s device (streams on CUDA)."""
         launcher = self._launchers.get(t.device)
         if launcher is None:
             launcher = self._launchers[t.device] = collectives.Launcher(t.device)

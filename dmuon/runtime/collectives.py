@@ -83,7 +83,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import annotate
+from dmuon import annotate
 
 #: Backends that take CPU tensors (a "cpu:gloo,cuda:nccl" backend takes both).
 _CPU_BACKENDS = ("gloo", "mpi", "ucc")
@@ -399,7 +399,7 @@ def all_gather_order_digests(digest: str, world: dist.ProcessGroup) -> list[str]
     """The block-order agreement (``dedicate.py``, "Per step", step 6 of the first step):
     every rank's digest of its proposed bucket order, one all_gather of 32 bytes per rank on
     DMuon's ``world`` channel (phase ``"setup"``, span ``dmuon.order_agreement``), once per
-    :class:`~dmuon.dedicate.DedicatedParams`.
+    :class:`~dmuon.runtime.dedicate.DedicatedParams`.
 
     Raises:
         ValueError: ``digest`` is not 64 hex characters.

@@ -22,9 +22,11 @@ from collections.abc import Sequence
 import torch
 from torch.distributed.tensor import DTensor
 
-from . import annotate, collectives
-from .dedicate import DedicatedParams
-from .state import TrainingState
+from dmuon import annotate
+
+from dmuon.runtime import collectives
+from dmuon.runtime.dedicate import DedicatedParams
+from dmuon.runtime.state import TrainingState
 
 
 def clip_grad_norm_(

@@ -30,7 +30,7 @@ from collections.abc import Sequence
 
 import torch.distributed as dist
 
-from . import collectives
+from dmuon.runtime import collectives
 
 
 def drivers_of(block: str) -> list[str]:

@@ -28,7 +28,7 @@ both raise ``ValueError``. ``dcp.load`` writes in place into the template's tens
 the live params: all ranks write the same values, so the copies stay current.
 
 **Optimizer state dict: momentum on owners only; every rank lists every dedicated param.**
-:class:`~dmuon.optim.DMuon` keeps a *complete* state from construction on (the tensors
+:class:`~dmuon.optim.optimizer.DMuon` keeps a *complete* state from construction on (the tensors
 ``torch.optim.Muon`` / ``AdamW`` would create lazily at the first step, with the same zero
 values): on each rank, for every dedicated param that requires grad,
 
@@ -64,8 +64,8 @@ import torch
 import torch.nn as nn
 
 if TYPE_CHECKING:
-    from .attach import HookSet
-    from .dedicate import DedicatedParams
+    from dmuon.runtime.attach import HookSet
+    from dmuon.runtime.dedicate import DedicatedParams
 
 #: Optimizer state key of a dedicated param's momentum (``torch.optim.Muon``'s name).
 MOMENTUM_KEY = "momentum_buffer"
@@ -114,7 +114,7 @@ def _before_load(dm: DedicatedParams, prefix: str, local_metadata: dict) -> None
 
 # ------------------------------------------------------------------------------ optimizer side
 def complete_state(opt) -> None:
-    """Create every state entry a :class:`~dmuon.optim.DMuon` reports (see the module docstring).
+    """Create every state entry a :class:`~dmuon.optim.optimizer.DMuon` reports (see the module docstring).
 
     Entries that exist are kept. New ones hold what the first ``step()`` would create: zero
     momentum on owners, ``{}`` on non-owners, AdamW's zero moments and step 0.

@@ -20,10 +20,12 @@ import torch
 from torch.optim import Optimizer
 from torch.optim.adam import adam as _adam_functional
 
-from . import annotate, checkpoint
-from .dedicate import DedicatedParams
-from .hparams import validate_adamw, validate_muon
-from .muon_math import MUON_DEFAULTS, muon_update_, muon_update_batched_
+from dmuon import annotate
+
+from dmuon.runtime import checkpoint
+from dmuon.runtime.dedicate import DedicatedParams
+from dmuon.optim.hparams import validate_adamw, validate_muon
+from dmuon.optim.muon_math import MUON_DEFAULTS, muon_update_, muon_update_batched_
 
 
 class DMuon(Optimizer):
@@ -50,7 +52,7 @@ class DMuon(Optimizer):
     Raises:
         ValueError: ``dedicated`` is not a :class:`DedicatedParams`, a dedicated param is
             missing from ``params``, or a hyper-parameter is invalid (rules in
-            ``dmuon/hparams.py``: ``torch.optim.Muon``'s and ``AdamW``'s, checked on every
+            ``dmuon/optim/hparams.py``: ``torch.optim.Muon``'s and ``AdamW``'s, checked on every
             rank here and again at each ``step()``, so a rank that owns nothing raises too).
     """
 
@@ -139,7 +141,7 @@ class DMuon(Optimizer):
     def state_dict(self) -> dict:
         """``torch.optim.Optimizer.state_dict()``, complete on every rank (DCP-ready).
 
-        What each rank's ``state`` holds (details in :mod:`dmuon.checkpoint`): for each
+        What each rank's ``state`` holds (details in :mod:`dmuon.runtime.checkpoint`): for each
         dedicated param that requires grad, ``{"momentum_buffer": tensor}`` (shape and dtype
         of the param) on its owner and ``{}`` on every other rank; for every other param that
         requires grad, AdamW's ``step`` / ``exp_avg`` / ``exp_avg_sq``. ``param_groups`` are
@@ -170,8 +172,8 @@ class DMuon(Optimizer):
         """Clip every param's grad by the global norm over all ranks (a collective: call it
         on every rank between ``backward()`` and ``step()``). Use it instead of
         ``torch.nn.utils.clip_grad_norm_``, which would see each dedicated grad on its owner
-        only. Arguments, return value and errors: :func:`dmuon.clip.clip_grad_norm_`."""
-        from .clip import clip_grad_norm_
+        only. Arguments, return value and errors: :func:`dmuon.optim.clip.clip_grad_norm_`."""
+        from dmuon.optim.clip import clip_grad_norm_
 
         muon, adamw = self.param_groups[0]["params"], self.param_groups[1]["params"]
         return clip_grad_norm_(self.dedicated, muon, adamw, max_norm, norm_type, error_if_nonfinite)
@@ -215,7 +217,7 @@ class DMuon(Optimizer):
     def _muon_group(self, group: dict) -> None:
         """Owned params with a grad, batched by (shape, dtype, device): one Newton–Schulz
         ``bmm`` chain per batch of two or more (tolerance: see
-        :func:`~dmuon.muon_math.zeropower_via_newtonschulz_batched`); a single matrix takes
+        :func:`~dmuon.optim.muon_math.zeropower_via_newtonschulz_batched`); a single matrix takes
         the per-matrix path (torch.optim.Muon's arithmetic). One span per batch, named after
         its first matrix's module."""
         batches: dict[tuple, list[torch.Tensor]] = {}

@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .plan import OwnershipPlan, ParamSpec
+from dmuon.ownership.plan import OwnershipPlan, ParamSpec
 
 #: Default bucket cap, in MiB (DDP's ``bucket_cap_mb`` default).
 DEFAULT_BUCKET_CAP_MB = 25

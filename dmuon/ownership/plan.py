@@ -25,7 +25,7 @@ from types import MappingProxyType
 
 import torch
 
-from dmuon.muon_math import ns_flops
+from dmuon.optim.muon_math import ns_flops
 
 __all__ = [
     "OwnershipPlan",
@@ -71,7 +71,7 @@ class ParamSpec:
             ``(rows, cols)`` with positive dims (the predictor also describes 1-D params).
         dtype: torch dtype name, e.g. ``"float32"``.
         module: fully qualified name of the module holding the param (``"blocks.0.attn.qkv"``);
-            the runtime packs same-owner params of one block (``dmuon.buckets``) into one broadcast.
+            the runtime packs same-owner params of one block (``dmuon.ownership.buckets``) into one broadcast.
     """
 
     name: str
@@ -91,7 +91,7 @@ class ParamSpec:
 
     @property
     def ns_cost(self) -> int:
-        """:func:`dmuon.muon_math.ns_flops` of the matrix at ``DEFAULT_NS_STEPS`` (FLOPs)."""
+        """:func:`dmuon.optim.muon_math.ns_flops` of the matrix at ``DEFAULT_NS_STEPS`` (FLOPs)."""
         return ns_flops(self.shape[0], self.shape[1], DEFAULT_NS_STEPS)
 
 
@@ -144,7 +144,7 @@ def _validate_specs(specs: Sequence[ParamSpec]) -> tuple[ParamSpec, ...]:
     seen: set[str] = set()
     for spec in specs:
         if not isinstance(spec, ParamSpec):
-            raise ValueError(f"Invalid spec={spec!r}. Must be a dmuon.plan.ParamSpec.")
+            raise ValueError(f"Invalid spec={spec!r}. Must be a dmuon.ownership.plan.ParamSpec.")
         if not isinstance(spec.name, str) or not spec.name:
             raise ValueError(f"Invalid name={spec.name!r} in {spec}. Must be a non-empty str.")
         if spec.name in seen:
@@ -365,7 +365,7 @@ def plan_ownership(
 ) -> OwnershipPlan:
     """Assign each 2-D param one global owner on a ``(R, N)`` mesh; deterministic everywhere.
 
-    Cost of a matrix: :func:`dmuon.muon_math.ns_flops` with ``ns_steps`` (the FLOPs of the
+    Cost of a matrix: :func:`dmuon.optim.muon_math.ns_flops` with ``ns_steps`` (the FLOPs of the
     NS call the owner runs, derived there from the iteration's arithmetic), or
     ``cost_table[shape]`` when a measured per-shape table is given (any positive unit, e.g.
     seconds; every planned shape must be in it). All ranks must pass the same arguments: the

@@ -2,7 +2,7 @@
 do (the role of FSDP2's ``FSDPParamGroup``). The protocol is ``dedicate.py``'s docstring; the
 states and their transitions are ``state.py``'s.
 
-:class:`Runtime` builds the buckets (``copies.Bucket``) and the :class:`~dmuon.schedule.Schedule`
+:class:`Runtime` builds the buckets (``copies.Bucket``) and the :class:`~dmuon.runtime.schedule.Schedule`
 that issues their calls, registers the hooks (``attach.HookSet``), and follows the model's
 moves: ``.to()`` / ``to_empty()`` reach :meth:`Runtime.before_apply` / :meth:`Runtime.after_apply`
 (``attach.follow_moves``); anything that changed a param without ``_apply`` (``p.data = x`` or
@@ -17,13 +17,13 @@ import torch.nn as nn
 from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_leaves
 
-from . import attach, collectives, order, precision
-from .buckets import bucket_layout
-from .copies import Bucket
-from .plan import OwnershipPlan, specs_from_named_parameters
-from .schedule import Schedule
-from .state import Copy, Grads, StateMachine, TrainingState
-from .topology import Topology
+from dmuon.runtime import attach, collectives, order, precision
+from dmuon.ownership.buckets import bucket_layout
+from dmuon.runtime.copies import Bucket
+from dmuon.ownership.plan import OwnershipPlan, specs_from_named_parameters
+from dmuon.runtime.schedule import Schedule
+from dmuon.runtime.state import Copy, Grads, StateMachine, TrainingState
+from dmuon.ownership.topology import Topology
 
 S = TrainingState
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 import numbers
 
-from .muon_math import ADJUST_LR_FNS, _per_step_coefficients
+from dmuon.optim.muon_math import ADJUST_LR_FNS, _per_step_coefficients
 
 #: ``torch.optim.Muon`` caps the Newton–Schulz steps below this ("for computational efficiency").
 MAX_NS_STEPS = 100

@@ -2,7 +2,7 @@
 changes a dedicated param: its storage (freed / refilled / re-bound), its class (the freed
 guard), its ``.grad``, and which tensor its module registers (``m._parameters[...]``). Every
 other module calls a :class:`Bucket` method; the storage primitives live in
-:mod:`dmuon.residency`, which only this module imports.
+:mod:`dmuon.runtime.residency`, which only this module imports.
 
 Copies: the master copy ``flat`` (the registered params' views) and the compute copy ``lp``
 (what forward runs on and broadcasts carry). Without mixed precision both are the same
@@ -10,7 +10,7 @@ buffer. With ``param_dtype`` set, ``lp`` is a ``param_dtype`` buffer whose views
 leaf params (``compute``) that :meth:`Bucket.swap` puts into the modules during their
 forward, like FSDP2's unsharded params; the registered params keep the master dtype.
 
-States (:mod:`dmuon.state`, diagrams there): ``copy`` and ``master`` (the non-holders'
+States (:mod:`dmuon.runtime.state`, diagrams there): ``copy`` and ``master`` (the non-holders'
 copies, the same value on every rank), ``replica`` (a holder's master under HSDP), ``grads``.
 Each in-flight call's handle belongs to the state that says it is in flight (``copy``
 ``IN_FLIGHT``, ``replica`` ``RECEIVING``, ``grads`` ``REDUCING``) and is dropped when it is
@@ -25,13 +25,13 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from . import residency
-from .collectives import Pending
-from .state import Copy, Grads, Replica, check
+from dmuon.runtime import residency
+from dmuon.runtime.collectives import Pending
+from dmuon.runtime.state import Copy, Grads, Replica, check
 
 
 class Bucket:
-    """The runtime side of one :class:`dmuon.buckets.BucketSpec` on this rank.
+    """The runtime side of one :class:`dmuon.ownership.buckets.BucketSpec` on this rank.
 
     Args:
         index: position in the bucket order (changed by renumbering).
