@@ -39,11 +39,11 @@ def run_user_model(out_dir: str, modes: tuple[str, ...], model: str) -> dict | N
     return run_all(config)
 
 
-def bad_factory_error(model: str) -> str:
+def bad_factory_error(model: str, modes: tuple[str, ...] = ("dmuon-z2",)) -> str:
     from verify.run.runner import RunConfig, run_all
 
     try:
-        run_all(RunConfig(modes=("dmuon-z2",), out_dir="/tmp/unused", model=model))
+        run_all(RunConfig(modes=modes, out_dir="/tmp/unused", model=model))
     except ValueError as exc:
         return str(exc)
     return "no error"

@@ -63,7 +63,7 @@ def test_user_factory_matches_prediction(pool2, tmp_path):
     assert report["model"] == "examples.my_model:factory"
     assert report["pass"], [r["missing"] + r["unexpected"] for r in report["runs"]]
     by_mode = {r["mode"]: r for r in report["runs"]}
-    # P_M = inp 50x20 + 3 blocks x (70x50 + 50x70) = 22,000; ratios as SPEC §2 at N=2
+    # P_M = inp 50x20 + 3 blocks x (70x50 + 50x70) = 22,000; ratios as docs/spec.md §2 at N=2
     assert by_mode["dmuon-z2"]["p_m"] == 22_000
     assert by_mode["dmuon-z2"]["ratio_to_p_m"] == pytest.approx(1.0)
     assert {s["mode"] for s in report["skipped"]} == set()
@@ -78,6 +78,12 @@ def test_user_factory_matches_prediction(pool2, tmp_path):
 def test_bad_factory_is_rejected_on_every_rank(pool2, factory, match):
     errors = pool2.run(record_tasks.bad_factory_error, f"tests.distributed.bad_factories:{factory}")
     assert len(set(errors)) == 1 and re.search(match, errors[0]), errors
+
+
+def test_no_runnable_mode_is_a_usage_error_on_every_rank(pool2):
+    # was: an empty report that failed its own validation (a traceback, no verdict)
+    errors = pool2.run(record_tasks.bad_factory_error, "tinygpt", modes=("dmuon-hsdp-z2",))
+    assert len(set(errors)) == 1 and "Invalid --modes for W=2: no mode can run" in errors[0], errors
 
 
 def test_own_script_window_on_ddp(pool2, tmp_path):
