@@ -1,6 +1,6 @@
 """Tests of the verify-traffic report renderers (verify/report/render.py, verify/report/plots.py).
 
-The example report follows SPEC §2's traffic model for a small GPT (2 blocks, d=64: per block
+The example report follows docs/spec.md §2's traffic model for a small GPT (2 blocks, d=64: per block
 qkv 64×192, proj 64×64, fc1 64×256, fc2 256×64, so P_M = 98,304) at W=4 on gloo, all 9 modes,
 with dmuon-z3 failing: the backward re-broadcast of blocks.1.mlp is missing on every rank and
 a 1-element all_reduce (a barrier) is unexpected. No trace fixture is read here.
