@@ -50,8 +50,9 @@ def test_verify_traffic_end_to_end_two_processes(tmp_path):
 @pytest.mark.distributed
 def test_rising_loss_and_a_raising_mode_are_named_in_the_last_line(tmp_path):
     """A user model with exactly right traffic whose loss rises (dmuon-z2), and whose loss_fn
-    raises under DDP (dmuon-ddp, run first): both are reported, each by name; the mode after
-    the one that raised still runs."""
+    raises under DDP in its first measured step (dmuon-ddp, run first): both are reported,
+    each by name; the mode after the one that raised still runs and its traffic still matches
+    (that the failed window's recorders are closed: tests/distributed/test_record.py)."""
     out = tmp_path / "run"
     proc = subprocess.run(
         [sys.executable, "-m", "verify.run.launch", "--nproc", "2", "--out-dir", str(out),

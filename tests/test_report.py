@@ -573,3 +573,12 @@ def test_plot_timeline_png(tmp_path):
                          title="dmuon-hsdp-z2 step 3", t0_ns=-100_000)
     h, w = _png_ok(path)
     assert w > 1000 and h > 300
+
+
+def test_user_facing_texts_cite_the_spec_file(report):
+    """The specification is docs/spec.md (there is no file named SPEC)."""
+    from verify.report.plots import _SERIES
+
+    for text in (format_markdown(report), format_table(report), format_table(report, wide=True),
+                 " ".join(label for _, label, _, _ in _SERIES)):
+        assert "docs/spec.md §2" in text and "SPEC" not in text

@@ -299,11 +299,14 @@ def _error_text(exc: BaseException) -> str:
 
 def _record_error(config: RunConfig, mode: str, exc: BaseException) -> dict:
     """This rank's traceback to ``<out_dir>/<mode>/error_rank<r>.txt``; returns
-    ``{"error": one-line text, "file": path relative to out_dir}``."""
+    ``{"error": one-line text, "file": path relative to out_dir, or why it was not written}``."""
     name = f"{mode}/error_rank{dist.get_rank()}.txt"
     path = Path(config.out_dir) / name
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join(traceback.format_exception(exc)))
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("".join(traceback.format_exception(exc)))
+    except OSError as why:  # the error is still reported; only its traceback is lost
+        name = f"not written: {why}"
     return {"error": _error_text(exc), "file": name}
 
 
