@@ -45,3 +45,32 @@ def test_verify_traffic_end_to_end_two_processes(tmp_path):
                  "dmuon-z3/layout.json", "dmuon-z3/profiler_rank0.json", "dmuon-z3/profiler_rank1.json"):
         assert (tmp_path / "runs/e2e" / name).is_file(), name
     assert "PASS" in proc.stdout and (tmp_path / "runs/e2e/exit_code").read_text() == "0\n"
+
+
+@pytest.mark.distributed
+def test_rising_loss_and_a_raising_mode_are_named_in_the_last_line(tmp_path):
+    """A user model with exactly right traffic whose loss rises (dmuon-z2), and whose loss_fn
+    raises under DDP in its first measured step (dmuon-ddp, run first): both are reported,
+    each by name; the mode after the one that raised still runs and its traffic still matches
+    (that the failed window's recorders are closed: tests/distributed/test_record.py)."""
+    out = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, "-m", "verify.run.launch", "--nproc", "2", "--out-dir", str(out),
+         "--modes", "dmuon-ddp,dmuon-z2", "--steps-warmup", "2", "--steps-measured", "1",
+         "--model", "tests.distributed.verdict_factories:rising_loss_raises_under_ddp"],
+        cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=400,
+    )
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    last = proc.stdout.strip().splitlines()[-1]
+    assert last == "FAIL: loss did not fall (dmuon-z2); mode raised an error (dmuon-ddp)"
+    report = json.loads((out / "report.json").read_text())
+    (run,) = report["runs"]
+    assert run["mode"] == "dmuon-z2" and run["loss_last"] > run["loss_first"]
+    assert [c["check"] for c in run["checks"] if not c["pass"]] == ["loss"]  # traffic all right
+    assert [(f["mode"], f["check"]) for f in report["failures"]] == [("dmuon-z2", "loss"),
+                                                                     ("dmuon-ddp", "error")]
+    assert "RuntimeError: verdict test: this loss_fn refuses DDP" in report["failures"][1]["detail"]
+    assert "refuses DDP" in (out / "dmuon-ddp" / "error_rank1.txt").read_text()
+    md = (out / "report.md").read_text().split("## Failures")[1]
+    assert "- loss did not fall: " in md and "- mode raised an error: " in md
+    assert (out / "exit_code").read_text() == "1\n"

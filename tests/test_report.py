@@ -372,6 +372,7 @@ def test_markdown_hsdp_seed_reading_confirmed(report):
     run = report["runs"][MODES.index("dmuon-hsdp-z2")]
     rep = run["phases"]["replicate"]
     rep["measured_avg_elems"] = rep["seed_avg_elems"]
+    rep["pass"] = run["pass"] = False  # the W-average closed form then fails the run
     rows = {(r[0], r[1]): r[2:] for r in _md_rows(_hsdp_section(format_markdown(report)))}
     assert rows[("dmuon-hsdp-z2", "replicate")][-1] == "seed"
     assert rows[("dmuon-hsdp-z2", "total")][-1] == "W-average"  # the total was not edited
@@ -573,3 +574,12 @@ def test_plot_timeline_png(tmp_path):
                          title="dmuon-hsdp-z2 step 3", t0_ns=-100_000)
     h, w = _png_ok(path)
     assert w > 1000 and h > 300
+
+
+def test_user_facing_texts_cite_the_spec_file(report):
+    """The specification is docs/spec.md (there is no file named SPEC)."""
+    from verify.report.plots import _SERIES
+
+    for text in (format_markdown(report), format_table(report), format_table(report, wide=True),
+                 " ".join(label for _, label, _, _ in _SERIES)):
+        assert "docs/spec.md §2" in text and "SPEC" not in text

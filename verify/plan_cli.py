@@ -13,6 +13,12 @@ wraps each element of the model's top-level ``nn.ModuleList`` (the blocks), then
 the harness does; the naive baselines also wrap each Muon Linear. Traffic comes from
 :func:`verify.traffic.scale.step_traffic`, the plan from :func:`dmuon.ownership.plan.plan_ownership`, times
 from :class:`verify.traffic.scale.CostModel` (flags below; defaults printed with every table).
+Traffic accounting: docs/spec.md §2 and docs/traffic-model.md.
+
+Input, bounds and warnings: :mod:`verify.plan_args`. Exit codes: 0 a plan was printed (a model
+without Muon-target params gets an empty plan that says so); 2 bad input, one line on stderr
+(bad flags, mesh or dtype; a factory that cannot be imported or raises; an unwritable
+``--png``). Warnings go to stderr and keep exit 0. ``--json`` prints :func:`json_document`.
 """
 
 from __future__ import annotations
@@ -29,25 +35,48 @@ from tabulate import tabulate
 
 from dmuon.ownership.plan import OwnershipPlan, plan_ownership, specs_from_named_parameters
 from dmuon.ownership.select import select_params
+from tracer.events import DTYPE_BYTES
 
 from verify.plan_summary import format_plan_summary  # noqa: F401  (the CLI side owns the plan table)
+from verify.plan_args import (
+    DTYPES,
+    MODEL_DTYPE,
+    UsageError,
+    mesh_warnings,
+    parse_mesh,
+)
+from verify.plan_args import build_parser as _build_parser
 from verify.traffic.predict import RunLayout
 from verify.workload.presets import PRESETS, resolve_model
 from verify.traffic.scale import CostModel, layout_modes, ns_flops_busiest, split_ns_s, step_traffic
+
+__all__ = ["ModelLayout", "build_parser", "json_document", "main", "parse_mesh", "report"]
 
 #: World sizes of ``--sweep``.
 SWEEP_WORLDS = (8, 16, 32, 64, 128, 256, 512, 1024)
 
 
 class ModelLayout:
-    """What every mesh of one model shares: its params, Muon targets and wrap units."""
+    """What every mesh of one model shares: its params, Muon targets and wrap units.
+
+    Raises:
+        ValueError: a param dtype (after ``dtype``) is not in ``tracer.events.DTYPE_BYTES``.
+    """
 
     def __init__(self, model: nn.Module, name: str, dtype: str | None = "bfloat16") -> None:
         self.name = name
         params = specs_from_named_parameters(model.named_parameters())
         if dtype is not None:  # the dtype the collectives carry (e.g. bf16 params in training)
             params = [dataclasses.replace(p, dtype=dtype) for p in params]
+        unknown = sorted({p.dtype for p in params} - set(DTYPE_BYTES))
+        if unknown:
+            raise ValueError(f"Invalid model {name!r}: parameter dtypes {unknown} have no element "
+                             f"size here. Must be among {sorted(DTYPE_BYTES)} (or pass --dtype).")
         self.params = tuple(params)
+        #: elements per dtype the collectives carry
+        self.param_dtypes: dict[str, int] = {}
+        for p in self.params:
+            self.param_dtypes[p.dtype] = self.param_dtypes.get(p.dtype, 0) + p.numel
         self.muon_names = tuple(n for n, _, _ in select_params(model, None, None))
         muon = set(self.muon_names)
         self.muon_specs = tuple(p for p in self.params if p.name in muon)
@@ -73,19 +102,33 @@ class ModelLayout:
         )
 
 
-def parse_mesh(text: str) -> tuple[int, int]:
-    """``"N"`` -> (1, N); ``"RxN"`` -> (R, N). Raises ``ValueError`` otherwise."""
-    parts = text.lower().split("x")
+#: What ``report`` says for a model without Muon-target params.
+NOTHING_TO_DEDICATE = (
+    "no Muon-target params, so nothing to dedicate and no plan (dmuon.ownership.select.default_predicate "
+    "takes trainable 2-D weights of hidden nn.Linear / HF Conv1D layers; convolutions, 3-D "
+    "expert tensors, embeddings, norms, biases and the output head stay with AdamW)"
+)
+
+
+def _load_model(spec: str) -> nn.Module:
+    """Build ``--model`` on the meta device.
+
+    Raises:
+        UsageError: it cannot be resolved or imported, or the factory raises (named, with its
+            exception), or it returns no nn.Module.
+    """
     try:
-        sizes = [int(p) for p in parts]
-    except ValueError:
-        sizes = []
-    if len(sizes) not in (1, 2) or any(s < 1 for s in sizes):
-        raise ValueError(
-            f"Invalid mesh={text!r}. Must be N (a 1-D mesh of N ranks) or RxN (HSDP: R replicas "
-            "of N-way shards), e.g. 64 or 128x8."
-        )
-    return (1, sizes[0]) if len(sizes) == 1 else (sizes[0], sizes[1])
+        build = resolve_model(spec)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from exc
+    except Exception as exc:  # importing the user's module ran its code
+        raise UsageError(f"Invalid --model {spec!r}: importing it raised "
+                         f"{type(exc).__name__}: {exc}") from exc
+    try:
+        return build()
+    except Exception as exc:  # the user's factory: any exception is a bad input here
+        raise UsageError(f"Invalid --model {spec!r}: the factory raised "
+                         f"{type(exc).__name__}: {exc}") from exc
 
 
 def _ns_report(plan: OwnershipPlan, cm: CostModel) -> dict:
@@ -113,8 +156,15 @@ def _ns_report(plan: OwnershipPlan, cm: CostModel) -> dict:
 
 
 def report(ml: ModelLayout, mesh: tuple[int, int], cm: CostModel) -> dict:
-    """The JSON-able report of one mesh: NS balance and one row per applicable mode."""
+    """The JSON-able report of one mesh: NS balance and one row per applicable mode; for a
+    model without Muon-target params ``ns`` is None, ``modes`` is empty and ``note`` says why.
+    ``mesh`` is ``{"replicate": R, "shard": N}``."""
     r, n = mesh
+    head = {"model": ml.name, "params": ml.n_params, "muon_matrices": len(ml.muon_names),
+            "p_m": sum(p.numel for p in ml.muon_specs), "mesh": {"replicate": r, "shard": n},
+            "world_size": r * n}
+    if not ml.muon_specs:
+        return {**head, "plan_s": 0.0, "ns": None, "modes": [], "note": NOTHING_TO_DEDICATE}
     t0 = time.perf_counter()
     plan = plan_ownership(ml.muon_specs, mesh)
     plan_s = time.perf_counter() - t0
@@ -140,12 +190,7 @@ def report(ml: ModelLayout, mesh: tuple[int, int], cm: CostModel) -> dict:
             "ns_s": ns,
             "step_s": comm + ns,
         })
-    return {
-        "model": ml.name, "params": ml.n_params, "muon_matrices": len(ml.muon_names),
-        "p_m": sum(p.numel for p in ml.muon_specs),
-        "mesh": [r, n], "world_size": r * n, "plan_s": plan_s,
-        "ns": _ns_report(plan, cm), "modes": rows,
-    }
+    return {**head, "plan_s": plan_s, "ns": _ns_report(plan, cm), "modes": rows}
 
 
 def _gib(b: float) -> str:
@@ -156,12 +201,18 @@ def _ms(s: float) -> str:
     return f"{s * 1e3:.1f}"
 
 
+def _mesh_text(rep: dict) -> str:
+    return f"{rep['mesh']['replicate']}x{rep['mesh']['shard']}"
+
+
 def format_report(rep: dict, cm: CostModel) -> str:
     ns = rep["ns"]
-    r, n = rep["mesh"]
+    if ns is None:
+        return (f"{rep['model']}: {rep['params']:,} params, mesh {_mesh_text(rep)} "
+                f"(W = {rep['world_size']}): {rep['note']}.")
     lines = [
         f"{rep['model']}: {rep['params'] / 1e9:.3f} B params, {rep['muon_matrices']} Muon "
-        f"matrices, P_M = {rep['p_m'] / 1e9:.3f} B elements; mesh {r}x{n} (W = {rep['world_size']}); "
+        f"matrices, P_M = {rep['p_m'] / 1e9:.3f} B elements; mesh {_mesh_text(rep)} (W = {rep['world_size']}); "
         f"planned in {rep['plan_s']:.3f} s",
         f"NS load (FLOPs, ns_steps=5): max/mean {ns['max_over_mean']:.3f}; max / bound "
         f"max(largest, total/W) = {ns['max_flops'] / ns['lower_bound_flops']:.3f}; max / L2 bound "
@@ -192,7 +243,8 @@ def format_report(rep: dict, cm: CostModel) -> str:
     ]
     lines.append(tabulate(body, headers=headers, tablefmt="github"))
     lines.append(
-        "ded = dedicated (Muon-target) params; avg = W-average of f(n)·S per rank (SPEC §2), "
+        "ded = dedicated (Muon-target) params; avg = W-average of f(n)·S per rank (docs/spec.md §2, "
+        "docs/traffic-model.md), "
         "busiest = the rank with the most; 'vs closed' > 1 is FSDP2's dim-0 padding. Memory: "
         "dedicated params resident between steps (Z2 and DDP keep a full copy on every rank; "
         "Z3 keeps the owners' share) and Muon momentum. " + _cost_text(cm)
@@ -208,8 +260,10 @@ def _cost_text(cm: CostModel) -> str:
     )
 
 
-def sweep(ml: ModelLayout, cm: CostModel, worlds=SWEEP_WORLDS) -> list[dict]:
-    """Reports over ``worlds``: a 1-D mesh and, above one node, HSDP with N = GPUs per node."""
+def sweep(ml: ModelLayout, cm: CostModel, worlds=None) -> list[dict]:
+    """Reports over ``worlds`` (default :data:`SWEEP_WORLDS`, read at call time): a 1-D mesh
+    and, above one node, HSDP with N = GPUs per node."""
+    worlds = SWEEP_WORLDS if worlds is None else worlds
     out = []
     for w in worlds:
         out.append(report(ml, (1, w), cm))
@@ -227,12 +281,14 @@ def format_sweep(reports: list[dict], cm: CostModel) -> str:
         ns = rep["ns"]
         for m in rep["modes"]:
             body.append([
-                rep["world_size"], "x".join(map(str, rep["mesh"])), m["mode"], _gib(m["ded_avg_bytes"]),
+                rep["world_size"], _mesh_text(rep), m["mode"], _gib(m["ded_avg_bytes"]),
                 m["calls_max"], _ms(m["ns_s"]), _ms(m["comm_s"]), _ms(m["step_s"]),
                 _gib(m["param_bytes_max"]), ns["idle_owners"],
                 f"{ns['max_flops'] / ns['lower_bound_flops']:.3f}",
             ])
     head = reports[0]
+    if head["ns"] is None:
+        return f"{head['model']}: {head['params']:,} params: {head['note']}."
     return (
         f"{head['model']}: {head['params'] / 1e9:.3f} B params, {head['muon_matrices']} Muon matrices\n"
         + tabulate(body, headers=headers, tablefmt="github") + "\n" + _cost_text(cm)
@@ -240,7 +296,12 @@ def format_sweep(reports: list[dict], cm: CostModel) -> str:
 
 
 def plot_sweep(reports: list[dict], path: str) -> None:
-    """PNG: dedicated bytes per rank-step and NS time of the busiest rank against W, per mode."""
+    """PNG (whatever ``path``'s suffix): dedicated bytes per rank-step and NS time of the
+    busiest rank against W, per mode.
+
+    Raises:
+        OSError: ``path`` cannot be written.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
@@ -249,7 +310,7 @@ def plot_sweep(reports: list[dict], path: str) -> None:
     fig, (ax_b, ax_t) = plt.subplots(1, 2, figsize=(12, 4.5))
     series: dict[str, list[tuple[int, float, float]]] = {}
     for rep in reports:
-        suffix = "" if rep["mesh"][0] == 1 else f" (Rx{rep['mesh'][1]})"
+        suffix = "" if rep["mesh"]["replicate"] == 1 else f" (Rx{rep['mesh']['shard']})"
         for m in rep["modes"]:
             series.setdefault(m["mode"] + suffix, []).append(
                 (rep["world_size"], m["ded_avg_bytes"] / 2**30, m["ns_s"] * 1e3)
@@ -264,59 +325,121 @@ def plot_sweep(reports: list[dict], path: str) -> None:
         ax.set_ylabel(ylabel)
         ax.grid(True, alpha=0.3)
     ax_t.set_yscale("log")
-    ax_t.legend(fontsize=7, ncol=2)
+    if series:
+        ax_t.legend(fontsize=7, ncol=2)
+    else:
+        fig.text(0.5, 0.5, "nothing to dedicate: no Muon-target params", ha="center")
     fig.suptitle(f"{reports[0]['model']}: DMuon and baselines against W")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, format="png")
     plt.close(fig)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    d = CostModel()
-    p = argparse.ArgumentParser(prog="dmuon-plan", description=__doc__.split("\n")[0])
-    p.add_argument("--model", required=True, help=f"a preset ({', '.join(PRESETS)}) or pkg.module:factory")
-    p.add_argument("--mesh", help="N (1-D) or RxN (HSDP); required unless --sweep")
-    p.add_argument("--sweep", action="store_true", help=f"W = {SWEEP_WORLDS[0]}..{SWEEP_WORLDS[-1]}")
-    p.add_argument("--json", action="store_true", help="print JSON instead of the table")
-    p.add_argument("--png", metavar="PATH", help="plot bytes and NS time against W (sweeps the W range)")
-    p.add_argument("--dtype", default="bfloat16",
-                   help="dtype of every param in the collectives (default %(default)s; 'model' keeps the model's)")
-    p.add_argument("--gpus-per-node", type=int, default=d.gpus_per_node)
-    p.add_argument("--intra-gbps", type=float, default=d.intra_gbps, help="NVLink GB/s (default %(default)s)")
-    p.add_argument("--inter-gbps", type=float, default=d.inter_gbps, help="per-GPU network GB/s (default %(default)s)")
-    p.add_argument("--intra-alpha-us", type=float, default=d.intra_alpha_us)
-    p.add_argument("--inter-alpha-us", type=float, default=d.inter_alpha_us)
-    p.add_argument("--tflops", type=float, default=d.tflops, help="NS TFLOP/s (default %(default)s)")
-    return p
+    """dmuon-plan's parser (:func:`verify.plan_args.build_parser`); its errors raise
+    :class:`verify.plan_args.UsageError`."""
+    return _build_parser(CostModel(), PRESETS, SWEEP_WORLDS)
+
+
+#: Version of :func:`json_document`'s layout (1: the unversioned one, ``mesh`` as ``[R, N]``).
+SCHEMA_VERSION = 2
+
+#: ``units`` of the JSON: key suffix or field -> unit.
+UNITS: dict[str, str] = {
+    "*_elems": "elements per rank per training step; ded_*: of the dedicated (Muon-target) "
+               "params; *_avg_*: W-average of f(n)·S (docs/traffic-model.md), *_max_*: busiest rank",
+    "*_bytes": "bytes per rank per training step at element_bytes (ded_*: dedicated params, "
+               "total_*: all params; *_avg_*: W-average, *_max_*: busiest rank)",
+    "param_bytes_max": "bytes of dedicated params resident on the fullest rank between steps",
+    "momentum_bytes_max": "bytes of Muon momentum on the fullest rank",
+    "*_s": "seconds (α-β cost model with cost_model's parameters; plan_s: wall time to plan)",
+    "*_flops": "floating-point operations of Newton–Schulz per training step (ns_steps=5)",
+    "*_gbps": "GB/s (1e9 bytes per second)",
+    "*_us": "microseconds per call",
+    "tflops": "1e12 FLOP/s",
+    "params": "elements of all parameters",
+    "p_m": "elements of the Muon-target parameters",
+    "muon_matrices": "count of Muon-target matrices",
+    "world_size": "ranks (W = replicate × shard)",
+    "mesh": "ranks per axis: replicate (R, across nodes in HSDP) and shard (N)",
+    "replicate": "ranks on the replicate axis (R; 1 for a 1-D mesh)",
+    "shard": "ranks on the shard axis (N)",
+    "gpus_per_node": "GPUs",
+    "element_bytes": "bytes per element of dtype (null: mixed dtypes, see param_dtypes)",
+    "param_dtypes": "elements per dtype the collectives carry",
+    "calls_max": "collective calls per training step of the busiest rank",
+    "calls_avg": "collective calls per training step, mean over ranks",
+    "ns_calls": "Newton–Schulz calls per training step, all ranks together",
+    "max_over_mean": "ratio of the busiest owner's NS FLOPs to the mean",
+    "idle_owners": "ranks that own no matrix",
+    "team": "ranks sharing one matrix's NS (modelled split)",
+    "shape": "elements per dimension",
+}
+
+
+def json_document(reports: list[dict], cm: CostModel, ml: ModelLayout, dtype: str,
+                  warnings: list[str]) -> dict:
+    """What ``--json`` prints: ``schema_version``, ``model``, ``dtype`` (the dtype the
+    collectives carry; ``mixed`` under ``--dtype model`` with several), ``element_bytes``,
+    ``param_dtypes``, ``units`` (:data:`UNITS`), ``warnings``, ``cost_model`` and ``reports``
+    (one per mesh, :func:`report`)."""
+    kinds = sorted(ml.param_dtypes)
+    if dtype == MODEL_DTYPE:
+        dtype = kinds[0] if len(kinds) == 1 else "mixed" if kinds else MODEL_DTYPE
+    size = DTYPES.get(dtype, DTYPE_BYTES.get(dtype))
+    return {"schema_version": SCHEMA_VERSION, "model": ml.name, "dtype": dtype,
+            "element_bytes": size, "param_dtypes": dict(ml.param_dtypes), "units": UNITS,
+            "warnings": warnings, "cost_model": asdict(cm), "reports": reports}
+
+
+def _one_line(text: str) -> str:
+    return " ".join(str(text).split())
+
+
+def _plan(args) -> tuple[list[dict], list[dict] | None, CostModel, ModelLayout, list[str]]:
+    """The reports of ``args``, the sweep (for ``--png``), the cost model, the model layout
+    and the warnings. Raises :class:`UsageError` / ``ValueError`` on bad input."""
+    if not args.sweep and not args.mesh:
+        raise UsageError("Invalid arguments: give --mesh N or RxN, or --sweep.")
+    cm = CostModel(
+        gpus_per_node=args.gpus_per_node, intra_gbps=args.intra_gbps, inter_gbps=args.inter_gbps,
+        intra_alpha_us=args.intra_alpha_us, inter_alpha_us=args.inter_alpha_us, tflops=args.tflops,
+    )
+    warnings = mesh_warnings(args.mesh, cm.gpus_per_node) if args.mesh else []
+    model = _load_model(args.model)
+    ml = ModelLayout(model, args.model, None if args.dtype == MODEL_DTYPE else args.dtype)
+    swept = sweep(ml, cm) if args.sweep or args.png else None
+    reports = swept if args.sweep else [report(ml, args.mesh, cm)]
+    return reports, swept, cm, ml, warnings
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    """Run dmuon-plan; returns the exit code (module docstring)."""
     try:
-        if not args.sweep and not args.mesh:
-            raise ValueError("Invalid arguments: give --mesh N or RxN, or --sweep.")
-        cm = CostModel(
-            gpus_per_node=args.gpus_per_node, intra_gbps=args.intra_gbps, inter_gbps=args.inter_gbps,
-            intra_alpha_us=args.intra_alpha_us, inter_alpha_us=args.inter_alpha_us, tflops=args.tflops,
-        )
-        mesh = parse_mesh(args.mesh) if args.mesh else None
-        ml = ModelLayout(resolve_model(args.model)(), args.model, None if args.dtype == "model" else args.dtype)
-        swept = sweep(ml, cm) if args.sweep or args.png else None
-        reports = swept if args.sweep else [report(ml, mesh, cm)]
-    except ValueError as exc:
-        print(f"dmuon-plan: {exc}", file=sys.stderr)
+        args = build_parser().parse_args(argv)
+        reports, swept, cm, ml, warnings = _plan(args)
+    except SystemExit as exc:  # --help
+        return exc.code or 0
+    except ValueError as exc:  # UsageError, or a ValueError of the planner on this input
+        print(f"dmuon-plan: {_one_line(exc)}", file=sys.stderr)
         return 2
+    if args.png:
+        try:
+            plot_sweep(swept, args.png)
+        except OSError as exc:
+            print(f"dmuon-plan: Invalid --png {args.png!r}: cannot write it "
+                  f"({_one_line(exc.strerror or exc)}).", file=sys.stderr)
+            return 2
+    for line in warnings:  # after the last bad-input check: exit 2 prints one line only
+        print(f"dmuon-plan: warning: {line}", file=sys.stderr)
     if args.json:
-        doc = {"cost_model": asdict(cm), "reports": reports}
-        print(json.dumps(doc, indent=1))
+        print(json.dumps(json_document(reports, cm, ml, args.dtype, warnings), indent=1))
     elif args.sweep:
         print(format_sweep(reports, cm))
     else:
         print(format_report(reports[0], cm))
-    if args.png:
-        plot_sweep(swept, args.png)
-        if not args.json:
-            print(f"wrote {args.png}")
+    if args.png and not args.json:
+        print(f"wrote {args.png}")
     return 0
 
 

@@ -39,11 +39,26 @@ def run_user_model(out_dir: str, modes: tuple[str, ...], model: str) -> dict | N
     return run_all(config)
 
 
-def bad_factory_error(model: str) -> str:
+def raising_mode_cleanup(out_dir: str) -> dict:
+    """run_all on a mode whose loss_fn raises in its first measured step; what is left behind:
+    the report's failures, and the interposer's hooks (wait listeners, dispatch modes)."""
+    from tracer import interposer
+    from verify.run.runner import RunConfig, run_all
+
+    config = RunConfig(modes=("dmuon-ddp",), steps_warmup=2, steps_measured=1, out_dir=out_dir,
+                       model="tests.distributed.verdict_factories:rising_loss_raises_under_ddp")
+    report = run_all(config)
+    return {"failures": None if report is None else report["failures"],
+            "runs": None if report is None else report["runs"],
+            "wait_listeners": len(interposer._wait_listeners),
+            "dispatch_modes": torch._C._len_torch_dispatch_stack()}
+
+
+def bad_factory_error(model: str, modes: tuple[str, ...] = ("dmuon-z2",)) -> str:
     from verify.run.runner import RunConfig, run_all
 
     try:
-        run_all(RunConfig(modes=("dmuon-z2",), out_dir="/tmp/unused", model=model))
+        run_all(RunConfig(modes=modes, out_dir="/tmp/unused", model=model))
     except ValueError as exc:
         return str(exc)
     return "no error"

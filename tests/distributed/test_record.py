@@ -81,6 +81,22 @@ def test_bad_factory_is_rejected_on_every_rank(pool2, factory, match):
     assert len(set(errors)) == 1 and re.search(match, errors[0]), errors
 
 
+def test_a_mode_that_raises_in_its_window_is_reported_and_cleaned_up(pool2, tmp_path):
+    r0, r1 = pool2.run(record_tasks.raising_mode_cleanup, str(tmp_path))
+    assert r0["runs"] == [] and [(f["mode"], f["check"]) for f in r0["failures"]] == [
+        ("dmuon-ddp", "error")]
+    assert "refuses DDP" in r0["failures"][0]["detail"] and r1["failures"] is None
+    for r in (r0, r1):  # the measured window's recorders were closed on the error
+        assert r["wait_listeners"] == 0 and r["dispatch_modes"] == 0
+    assert (tmp_path / "dmuon-ddp" / "error_rank1.txt").is_file()
+
+
+def test_no_runnable_mode_is_a_usage_error_on_every_rank(pool2):
+    # was: an empty report that failed its own validation (a traceback, no verdict)
+    errors = pool2.run(record_tasks.bad_factory_error, "tinygpt", modes=("dmuon-hsdp-z2",))
+    assert len(set(errors)) == 1 and "Invalid --modes for W=2: no mode can run" in errors[0], errors
+
+
 def test_own_script_window_on_ddp(pool2, tmp_path):
     report = pool2.run(record_tasks.ddp_window, str(tmp_path))[0]
     run = report["runs"][0]

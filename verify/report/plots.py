@@ -18,6 +18,7 @@ from matplotlib.patches import Patch
 from tracer.context import Span
 from tracer.events import OPS, CollectiveEvent
 from verify.run.compute_spans import BACKWARD, FORWARD
+from verify.report.checks import checks_of
 from verify.report.schema import validate_report
 
 #: Colour of each collective op: matplotlib's ``tab10`` (saturated hues, so that a light
@@ -32,7 +33,7 @@ _SPAN_PALETTE = ("#b3cde3", "#ccebc5", "#decbe4", "#fed9a6", "#ffffcc", "#e5d8bd
 _SERIES = (  # (key, legend label, colour, hatch)
     ("measured", "measured", "#1f77b4", None),
     ("predicted", "predicted (exact collective list)", "#ff7f0e", None),
-    ("closed_form", "closed form (SPEC §2)", "#2ca02c", None),
+    ("closed_form", "closed form (docs/spec.md §2)", "#2ca02c", None),
     ("seed", "seed document's reading", "#d62728", "//"),
 )
 
@@ -41,7 +42,8 @@ def traffic_series(report: Mapping) -> list[dict]:
     """Per run, the ratios to P_M that :func:`plot_traffic` draws.
 
     Returns:
-        One dict per run, in report order: ``mode``, ``pass``, ``formula`` (the closed form),
+        One dict per run, in report order: ``mode``, ``pass``, ``failed`` (names of its failed
+        checks, ``verify.report.checks``), ``formula`` (the closed form),
         ``busiest`` (the busiest rank's received dedicated elements / P_M under NCCL's
         algorithms, ``verify.traffic.wire``; None in reports without it) and ``ratios``: ``{"measured", "predicted", "closed_form", "seed"}``, each the run's
         ``*_avg_elems / p_m`` (``seed`` is None where the run has no seed reading).
@@ -57,6 +59,7 @@ def traffic_series(report: Mapping) -> list[dict]:
         out.append({
             "mode": run["mode"],
             "pass": run["pass"],
+            "failed": [c["check"] for c in checks_of(run) if not c["pass"]],
             "formula": run["closed_form"],
             "busiest": run["max_rank_elems"] / p_m if "wire" in run else None,
             "ratios": {
@@ -72,7 +75,8 @@ def traffic_series(report: Mapping) -> list[dict]:
 def plot_traffic(report: Mapping, path: str | Path) -> Path:
     """Bar chart (PNG) of dedicated-param traffic / P_M per mode: measured, predicted and closed
     form side by side, plus the seed document's reading where a run has one (HSDP). Failed
-    modes get a red ``FAIL`` label. Returns ``path``.
+    modes get a red ``FAIL`` label naming the failed checks; a report whose every mode raised
+    gets a note instead of bars. Returns ``path``.
 
     Raises:
         ValueError: ``report`` does not follow the data model.
@@ -100,7 +104,8 @@ def plot_traffic(report: Mapping, path: str | Path) -> Path:
                    linewidths=2.0, color="black", zorder=3,
                    label="busiest rank, NCCL ring/chain (verify/traffic/wire.py)")
     ax.set_xticks(range(len(series)))
-    ax.set_xticklabels([f"{s['mode']}\n{s['formula']}" + ("" if s["pass"] else "\nFAIL")
+    ax.set_xticklabels([f"{s['mode']}\n{s['formula']}"
+                        + ("" if s["pass"] else "\nFAIL: " + ", ".join(s["failed"]))
                         for s in series], fontsize=7)
     for tick, s in zip(ax.get_xticklabels(), series):
         tick.set_color("black" if s["pass"] else "red")
@@ -109,7 +114,11 @@ def plot_traffic(report: Mapping, path: str | Path) -> Path:
                  f"W={report['world_size']}): {'PASS' if report['pass'] else 'FAIL'}")
     ax.grid(axis="y", alpha=0.3)
     ax.set_axisbelow(True)
-    ax.legend(fontsize=8, loc="upper left")
+    if series:
+        ax.legend(fontsize=8, loc="upper left")
+    else:
+        ax.text(0.5, 0.5, "no mode finished (see report.md, Failures)", ha="center",
+                transform=ax.transAxes)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, format="png")

@@ -4,7 +4,7 @@ formatters the terminal report (``verify.report.terminal``) shares.
 The ``report`` dict (built by the verify-traffic runner) *is* the content of report.json; every
 function here is a pure function of it. Units: all ``*_elems`` figures count elements of the
 dedicated (Muon-target) parameters per rank per training step, as the **W-average** of
-``f(n)·S`` over the calls each rank takes part in (SPEC §2; S is nccl-tests' "total array
+``f(n)·S`` over the calls each rank takes part in (docs/spec.md §2; S is nccl-tests' "total array
 size", f = 2(n-1)/n for all_reduce and (n-1)/n otherwise, from nccl-tests
 ``doc/PERFORMANCE.md``). ``max_rank_elems`` is the busiest rank's figure in the same unit; it is
 always shown in its own column, never mixed with the averages.
@@ -16,7 +16,6 @@ Glossary: W = world size, N = shard-group size (``shard_size``), R = replicate-g
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from statistics import median
@@ -26,6 +25,7 @@ from tabulate import tabulate
 from dmuon.annotate import PHASES
 from tracer.events import SOURCES
 
+from verify.report.checks import checks_of, failures, final_line, label, readings_equal, verdict_lines
 from verify.report.schema import (
     COLLECTIVE_KEYS,
     OVERLAP_KEYS,
@@ -227,11 +227,20 @@ def all_params_rows(report: Mapping, two_line: bool = False) -> tuple[list[str],
     rows = [
         [run["mode"], run["world_size"], run["shard_size"], run["replicate_size"],
          fmt_elems(run["p_m"]), fmt_elems(run["total_measured_avg_elems"]),
-         fmt_elems(run["total_predicted_avg_elems"]), f"{run['loss_first']:.4f}",
-         f"{run['loss_last']:.4f}"]
+         fmt_elems(run["total_predicted_avg_elems"]), _fmt_loss(run["loss_first"]),
+         _fmt_loss(run["loss_last"])]
         for run in report["runs"]
     ]
     return headers, rows
+
+
+def _fmt_loss(x: float | None) -> str:
+    return "non-finite" if x is None else f"{x:.4f}"
+
+
+def error_failures(report: Mapping) -> list[Mapping]:
+    """The report's ``error`` failures: modes that raised (no run, so no table row)."""
+    return [f for f in failures(report) if f["check"] == "error"]
 
 
 def _collective_rows(entries: Sequence[Mapping]) -> list[list[str]]:
@@ -252,23 +261,23 @@ _COLLECTIVE_HEADERS = ["rank", "phase", "op", "group", "count [elem/rank]", "dty
 
 
 def failure_sections(run: Mapping, tablefmt: str) -> list[tuple[str, str]]:
-    """``(title, body)`` pairs explaining why ``run`` failed: failed phases, missing and
-    unexpected collectives (first :data:`MAX_LISTED`), source mismatches (first
-    :data:`MAX_MISMATCHES` per source, then a count of the rest)."""
+    """``(title, body)`` pairs explaining why ``run`` failed: each failed check with its cause
+    (``verify.report.checks``), then the evidence: failed phases, missing and unexpected
+    collectives (first :data:`MAX_LISTED`), source mismatches (first :data:`MAX_MISMATCHES`
+    per source, then a count of the rest)."""
     out: list[tuple[str, str]] = []
+    failed = [c for c in checks_of(run) if not c["pass"]]
+    if failed:
+        out.append(("failed checks", "\n".join(f"- {label(c['check'], False)}: {c['detail']}"
+                                               for c in failed)))
     bad_phases = [
         f"{name}: measured {fmt_elems(ph['measured_avg_elems'])} vs predicted "
         f"{fmt_elems(ph['predicted_avg_elems'])} elem, collectives "
         f"{fmt_count(ph['collectives_measured'])}/{fmt_count(ph['collectives_predicted'])}"
         for name, ph in ordered_phases(run["phases"]) if not ph["pass"]
     ]
-    if run["ns_calls_per_step"] != run["ns_calls_expected"]:
-        bad_phases.append(
-            f"NS calls/step: measured {fmt_count(run['ns_calls_per_step'])} vs expected "
-            f"{fmt_count(run['ns_calls_expected'])}"
-        )
     if bad_phases:
-        out.append(("failed checks", "\n".join(f"- {line}" for line in bad_phases)))
+        out.append(("failed phases", "\n".join(f"- {line}" for line in bad_phases)))
     for kind in ("missing", "unexpected"):
         entries = run[kind]
         if not entries:
@@ -295,7 +304,7 @@ def failure_sections(run: Mapping, tablefmt: str) -> list[tuple[str, str]]:
 
 
 WIDE_LEGEND = (
-    "avg [elem]: dedicated-param elements per rank per step, W-average of f(n)·S (SPEC §2); "
+    "avg [elem]: dedicated-param elements per rank per step, W-average of f(n)·S (docs/spec.md §2); "
     "max rank [elem]: busiest rank, same unit; ratio to P_M: measured avg / P_M."
 )
 
@@ -329,11 +338,6 @@ def indent(text: str, prefix: str) -> str:
 
 
 # ----------------------------------------------------------------------------- markdown
-
-
-def readings_equal(a: float | None, b: float | None) -> bool:
-    return a is not None and b is not None and math.isclose(a, b, rel_tol=READING_REL_TOL,
-                                                            abs_tol=1e-6)
 
 
 def hsdp_reading_rows(report: Mapping) -> tuple[list[str], list[list[str]]]:
@@ -399,9 +403,10 @@ _ACCOUNTING = (
     "member, with f = 2(n-1)/n for all_reduce and (n-1)/n for every other collective "
     "(nccl-tests `doc/PERFORMANCE.md`). A rank's figure is the sum of f(n)·S over the calls it "
     "takes part in; *avg* columns are the mean over all W ranks (total link traffic / W, "
-    "SPEC §2), *max rank* is the busiest rank (load balance) and is never averaged in. "
+    "docs/spec.md §2), *max rank* is the busiest rank (load balance) and is never averaged in. "
     "*predicted* is the exact list of collectives derived from the ownership plan and the "
-    "model's shapes; *closed form* is the formula of SPEC §2 evaluated at P_M; *ratio to P_M* "
+    "model's shapes; *closed form* is the formula of docs/spec.md §2 (derived in "
+    "docs/traffic-model.md) evaluated at P_M; *ratio to P_M* "
     "is measured avg / P_M. Multiply by the dtype size for bytes."
 )
 
@@ -418,6 +423,8 @@ def format_markdown(report: Mapping) -> str:
     colalign = ("left", "left") + ("right",) * (len(headers) - 2)
     md = [
         f"# verify-traffic report `{report['run_id']}`: {verdict(report['pass'])}",
+        "",
+        f"**{final_line(report)}**",
         "",
         "| run id | created (UTC) | torch | backend | W | warm-up steps | measured steps |",
         "|---|---|---|---|---|---|---|",
@@ -473,9 +480,13 @@ def format_markdown(report: Mapping) -> str:
     if timelines:
         md += ["", "## Timelines (Chrome trace JSON)", ""]
         md += [f"- {mode}: [`{path}`]({path})" for mode, path in timelines]
+    md += ["", "## Checks", "", "```", *verdict_lines(report), final_line(report), "```"]
     failed = [run for run in report["runs"] if not run["pass"]]
-    if failed:
+    errors = error_failures(report)
+    if failed or errors:
         md += ["", "## Failures"]
+        for f in errors:
+            md += ["", f"### {f['mode']}", "", f"- {label('error', False)}: {f['detail']}"]
         for run in failed:
             md += ["", f"### {run['mode']} (W={run['world_size']}, N={run['shard_size']}, "
                        f"R={run['replicate_size']})"]

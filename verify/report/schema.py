@@ -5,6 +5,10 @@ Shared by the renderers (``verify.report.render``: terminal table, Markdown, fil
 (``verify.report.plots``), so neither imports the other's module. Units and accounting: see
 ``verify.report.render``'s module docstring. Keys marked optional below may be absent (reports of
 older versions); when present they are type-checked like the others.
+
+Verdicts (``verify.report.checks``): a run's ``pass`` is the conjunction of its ``checks``, and
+``failures`` lists every failed check of every run plus each mode that raised (``error``), so a
+failed run or report always names its cause.
 """
 
 from __future__ import annotations
@@ -14,10 +18,10 @@ from collections.abc import Mapping
 
 from tracer.events import SOURCES
 
+from verify.report.checks import CHECK_NAMES, READING_REL_TOL, RUN_CHECK_NAMES, checks_of, failures
 from verify.traffic.formulas import MODES
 
-#: Measured and predicted figures are sums of integers divided by W: equal up to float rounding.
-READING_REL_TOL = 1e-9
+__all__ = ["READING_REL_TOL", "validate_report"]
 _NUM = (int, float)
 _OPT_NUM = (int, float, type(None))
 _OPT_STR = (str, type(None))
@@ -52,8 +56,8 @@ RUN_KEYS: dict[str, tuple] = {
     "max_rank_elems": _NUM,
     "total_measured_avg_elems": _NUM,
     "total_predicted_avg_elems": _NUM,
-    "loss_first": _NUM,
-    "loss_last": _NUM,
+    "loss_first": _OPT_NUM,  # None: the loss was not finite (JSON has no NaN)
+    "loss_last": _OPT_NUM,
     "pass": (bool,),
     "phases": (dict,),
     "missing": (list,),
@@ -100,11 +104,17 @@ OVERLAP_KEYS: dict[str, tuple] = {
 OPTIONAL_TOP_KEYS: dict[str, tuple] = {
     "model": (str,),  # --model: tinygpt, a preset, or pkg.module:factory
     "skipped": (list,),  # [{"mode", "reason"}]: modes this W cannot run
+    "failures": (list,),  # [{"mode", "check", "detail"}]: every failed check (verify.report.checks)
 }
 #: Optional per-run keys: ``wire`` (verify.traffic.wire.wire_report), ``bytes``
-#: (``{"measured_avg_bytes"|"predicted_avg_bytes": {phase|"total": {dtype: bytes}}}``) and
-#: ``timing`` (verify.run.steptime.timing_report).
-OPTIONAL_RUN_KEYS: dict[str, tuple] = {"wire": (dict,), "bytes": (dict,), "timing": (dict,)}
+#: (``{"measured_avg_bytes"|"predicted_avg_bytes": {phase|"total": {dtype: bytes}}}``),
+#: ``timing`` (verify.run.steptime.timing_report), ``checks`` (``[{"check", "pass", "detail"}]``,
+#: verify.report.checks; derived from the figures where absent) and ``loss_falls`` (the run is
+#: gated on its loss).
+OPTIONAL_RUN_KEYS: dict[str, tuple] = {"wire": (dict,), "bytes": (dict,), "timing": (dict,),
+                                       "checks": (list,), "loss_falls": (bool,)}
+CHECK_KEYS: dict[str, tuple] = {"check": (str,), "pass": (bool,), "detail": (str,)}
+FAILURE_KEYS: dict[str, tuple] = {"mode": (str,), "check": (str,), "detail": (str,)}
 WIRE_KEYS: dict[str, tuple] = {
     "per_rank": (list,),
     "busiest_rank": (int,),
@@ -185,6 +195,49 @@ def _check_run_optional(run: Mapping, where: str) -> None:
         _check_keys(run["timing"], TIMING_KEYS, f"{where} timing")
 
 
+def _check_run_verdict(run: Mapping, where: str) -> None:
+    """``run["checks"]`` entries are well-formed, and ``run["pass"]`` is their conjunction."""
+    for j, entry in enumerate(run.get("checks", [])):
+        _check_keys(entry, CHECK_KEYS, f"{where} checks[{j}]")
+        if entry["check"] not in RUN_CHECK_NAMES:
+            raise ValueError(f"Invalid {where} checks[{j}] check={entry['check']!r}. Must be one "
+                             f"of {list(RUN_CHECK_NAMES)}.")
+    failed = [c["check"] for c in checks_of(run) if not c["pass"]]
+    if run["pass"] and failed:
+        raise ValueError(f"Invalid {where} pass=True while checks {failed} failed. Must be "
+                         "False when any check fails.")
+    if not run["pass"] and not failed:
+        raise ValueError(f"Invalid {where} pass=False while every check passed. Must name the "
+                         "failed check (verify.report.checks).")
+
+
+def _check_failures(report: Mapping) -> None:
+    """``report["failures"]`` entries are well-formed and agree with the runs' checks; an
+    ``error`` entry names a mode that has no run."""
+    if "failures" not in report:
+        return
+    modes = {run["mode"] for run in report["runs"]}
+    listed = set()
+    for j, entry in enumerate(report["failures"]):
+        where = f"report['failures'][{j}]"
+        _check_keys(entry, FAILURE_KEYS, where)
+        if entry["check"] not in CHECK_NAMES:
+            raise ValueError(f"Invalid {where} check={entry['check']!r}. Must be one of "
+                             f"{list(CHECK_NAMES)}.")
+        if entry["mode"] not in MODES:
+            raise ValueError(f"Invalid {where} mode={entry['mode']!r}. Must be one of {MODES}.")
+        if entry["check"] == "error" and entry["mode"] in modes:
+            raise ValueError(f"Invalid {where}: mode {entry['mode']!r} raised but has a run. "
+                             "Must have no runs[] entry (a mode that raised has no figures).")
+        if entry["check"] != "error":
+            listed.add((entry["mode"], entry["check"]))
+    failed = {(run["mode"], c["check"]) for run in report["runs"] for c in checks_of(run)
+              if not c["pass"]}
+    if listed != failed:
+        raise ValueError(f"Invalid report['failures']: lists {sorted(listed)} while the runs' "
+                         f"failed checks are {sorted(failed)}. Must list every failed check once.")
+
+
 def validate_report(report: Mapping) -> None:
     """Check ``report`` against the report.json data model.
 
@@ -192,7 +245,9 @@ def validate_report(report: Mapping) -> None:
         ValueError: a key is missing or has the wrong type, a float is NaN/inf, a mode or
             source name is unknown, a phase name is not a str, ``ratio_to_p_m`` is not
             ``measured_avg_elems / p_m``, a replicate broadcast is waited before it is
-            issued, or ``report["pass"]`` is true while a run failed.
+            issued, a run's ``pass`` is not the conjunction of its checks, ``failures`` does not
+            list exactly the failed checks (plus modes that raised), or ``report["pass"]`` is
+            not "no check failed".
     """
     _check_keys(report, TOP_KEYS, "report")
     _check_optional(report, OPTIONAL_TOP_KEYS, "report")
@@ -202,8 +257,10 @@ def validate_report(report: Mapping) -> None:
         raise ValueError(
             f"Invalid report['backend']={report['backend']!r}. Must be 'gloo' or 'nccl'."
         )
-    if not report["runs"]:
-        raise ValueError("Invalid report['runs']=[]. Must hold at least one run.")
+    if not report["runs"] and not any(isinstance(f, Mapping) and f.get("check") == "error"
+                                     for f in report.get("failures", [])):
+        raise ValueError("Invalid report['runs']=[]. Must hold at least one run (or a failure "
+                         "entry of a mode that raised).")
     for i, run in enumerate(report["runs"]):
         where = f"report['runs'][{i}]"
         _check_keys(run, RUN_KEYS, where)
@@ -232,6 +289,7 @@ def validate_report(report: Mapping) -> None:
                 raise ValueError(f"Invalid {where} source={name!r}. Must be one of {SOURCES}.")
             _check_keys(src, SOURCE_KEYS, f"{where} sources[{name!r}]")
         _check_run_optional(run, where)
+        _check_run_verdict(run, where)
         for j, entry in enumerate(run["replicate_overlap"]):
             _check_keys(entry, OVERLAP_KEYS, f"{where} replicate_overlap[{j}]")
             if entry["waited_ns"] < entry["issued_ns"]:
@@ -240,11 +298,17 @@ def validate_report(report: Mapping) -> None:
                     f"issued_ns={entry['issued_ns']}. Must be measured from the same step start "
                     "(the step that issued the broadcast), so that the wait comes after the issue."
                 )
+    _check_failures(report)
     failed = [run["mode"] for run in report["runs"] if not run["pass"]]
     if report["pass"] and failed:
         raise ValueError(
             f"Invalid report['pass']=True while runs {failed} failed. Must be False when any "
             "run fails (it is the CI gate)."
+        )
+    if report["pass"] == bool(failures(report)):
+        raise ValueError(
+            f"Invalid report['pass']={report['pass']} with {len(failures(report))} failed "
+            "check(s). Must be True exactly when no check failed (it is the CI gate)."
         )
 
 

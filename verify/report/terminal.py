@@ -13,10 +13,12 @@ from collections.abc import Mapping, Sequence
 
 from tabulate import tabulate
 
+from verify.report.checks import label, verdict_lines
 from verify.report.render import (
     SOURCE_LABELS,
     WIDE_LEGEND,
     all_params_rows,
+    error_failures,
     failure_sections,
     fmt_bytes,
     fmt_count,
@@ -50,7 +52,7 @@ _COMPACT = (
 _GROUP_LABELS = {"traffic": "dedicated params per rank-step", "time": "time", "checks": "checks"}
 
 _COMPACT_LEGEND = (
-    "measured: W-average of f(n)·S (SPEC §2) in elements; pred/cf: '=' when it equals the "
+    "measured: W-average of f(n)·S (docs/spec.md §2) in elements; pred/cf: '=' when it equals the "
     "predicted collective list / the closed form ('≠' otherwise, '–' no closed form); bytes: "
     "the same in bytes (all dtypes); peak: the busiest rank's received elements under NCCL's ring / "
     "chain algorithms (verify/traffic/wire.py) / P_M; step: median over measured steps of the slowest "
@@ -142,11 +144,20 @@ def _wrap(text: str, width: int = TERMINAL_COLUMNS, indent: str = "") -> str:
                                    subsequent_indent=indent, break_on_hyphens=False))
 
 
+def _wrap_kept(line: str) -> str:
+    """``line`` wrapped to :data:`TERMINAL_COLUMNS`, keeping its indent (+4 on continuations)."""
+    lead = line[: len(line) - len(line.lstrip())]
+    return "\n".join(textwrap.wrap(line.strip(), width=TERMINAL_COLUMNS, initial_indent=lead,
+                                   subsequent_indent=lead + "    ", break_on_hyphens=False))
+
+
 def format_table(report: Mapping, *, wide: bool = False) -> str:
     """The terminal report: the per-mode, per-phase table (compact, fitting
     :data:`TERMINAL_COLUMNS`, with grouped headers; ``wide``: every column of
-    :func:`table_rows`), the all-params table, skipped modes, and for each failed run the
-    reasons (see :func:`failure_sections`). Text lines are wrapped to fit unless ``wide``.
+    :func:`table_rows`), the all-params table, skipped modes, for each failed run the
+    reasons (see :func:`failure_sections`), each mode that raised, and the ``checks:`` block
+    (one line per check, ``verify.report.checks.verdict_lines``). Text lines are wrapped to fit
+    unless ``wide``; the final PASS / FAIL line is the caller's (``checks.final_line``).
 
     Raises:
         ValueError: ``report`` does not follow the data model (see :func:`validate_report`).
@@ -183,10 +194,14 @@ def format_table(report: Mapping, *, wide: bool = False) -> str:
         for title, body in failure_sections(run, "simple"):
             body = indent(body, "    ")
             if not wide:
-                body = "\n".join(line if len(line) <= TERMINAL_COLUMNS
-                                 else _wrap(line.strip(), indent="      ")[4:]
+                body = "\n".join(line if len(line) <= TERMINAL_COLUMNS else _wrap_kept(line)
                                  for line in body.splitlines())
             parts += [f"  {title}:", body]
+    for f in error_failures(report):
+        line = f"  {label('error', False)}: {f['detail']}"
+        parts += ["", f"FAIL {f['mode']}", line if wide else _wrap_kept(line)]
+    lines = verdict_lines(report)
+    parts += ["", "checks:", *(lines if wide else map(_wrap_kept, lines))]
     return "\n".join(parts) + "\n"
 
 

@@ -7,8 +7,9 @@
 - ``--backend nccl`` forces NCCL (one process per GPU, ``--nproc`` at most the GPU count, 1
   allowed: ``make gpu-check`` runs W = 1 on one GPU); ``--backend gloo`` forces CPU processes.
 
-Traces and reports go to ``traces/<run-id>/`` (or ``--out-dir``). The exit code is verify.run.main's (0 pass,
-1 mismatch) or torchrun's when a process fails.
+Traces and reports go to ``traces/<run-id>/`` (or ``--out-dir``). The exit code is verify.run.main's
+verdict (0 every check passed, 1 a check failed: its last line names which, by mode) or
+torchrun's when a process fails.
 """
 
 from __future__ import annotations

@@ -3,7 +3,11 @@
 Every process joins the default process group from torchrun's environment (gloo on CPU,
 NCCL where CUDA is available), runs :func:`verify.run.runner.run_all`, and rank 0 prints the
 table and writes ``report.json``, ``report.md``, ``traffic.png`` and per-mode traces under
-``--out-dir``. The exit code is the CI gate: 0 when every run passes, 1 otherwise.
+``--out-dir``. The exit code is the CI gate: 0 when every check of every mode passes, 1 when
+any fails (a mode that raises is a failed check: the others still run and are reported), 2 for
+bad input (arguments, ``--model``, no mode runnable at this W). The last line printed names
+every failed check and its modes (``verify.report.checks.final_line``), e.g.
+``FAIL: loss did not fall (dmuon-z2); NS calls differ from expected (naive-fsdp2-z3)``.
 """
 
 from __future__ import annotations
@@ -24,9 +28,9 @@ from verify.run.runner import RunConfig, run_all, runnable_modes
 from verify.traffic.formulas import MODES
 from verify.workload.usermodel import BUILTIN, skip_reasons
 
-#: Exit codes.
-EXIT_PASS, EXIT_MISMATCH = 0, 1
-#: File in --out-dir holding rank 0's verdict (0 pass, 1 mismatch).
+#: Exit codes: every check passed; a check failed; bad input (``EXIT_USAGE``, before training).
+EXIT_PASS, EXIT_MISMATCH, EXIT_USAGE = 0, 1, 2
+#: File in --out-dir holding rank 0's verdict (0 pass, 1 a check failed).
 VERDICT_FILE = "exit_code"
 
 
@@ -66,13 +70,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if "RANK" not in os.environ:
         print("dmuon-verify-traffic must run under torchrun; use `make verify-traffic`.", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
     try:  # every rank checks the same thing before any collective
         global_batch_size(int(os.environ.get("WORLD_SIZE", "1")), per_rank=RunConfig.batch_per_rank,
                           global_batch=args.global_batch)
     except ValueError as exc:
         print(f"dmuon-verify-traffic: {exc}", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
     use_cuda = args.backend == "nccl" or (args.backend == "auto" and torch.cuda.is_available())
     if use_cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
@@ -105,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
         if rank == 0:
             print(f"verify-traffic: {exc}", file=sys.stderr, flush=True)
         dist.destroy_process_group()
-        return 2
+        return EXIT_USAGE
     finally:
         if bar:
             bar.close()
@@ -119,6 +123,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _finish(report: dict, out_dir: Path, wide: bool = False) -> int:
+    from verify.report.checks import final_line
     from verify.report.render import write_report
     from verify.report.terminal import format_table
 
@@ -127,7 +132,7 @@ def _finish(report: dict, out_dir: Path, wide: bool = False) -> int:
     paths = write_report(report, out_dir)
     print(format_table(report, wide=wide), flush=True)
     print("wrote " + ", ".join(str(p) for p in paths.values()), flush=True)
-    print("PASS" if report["pass"] else "FAIL: measured traffic differs from the model (see above)", flush=True)
+    print(final_line(report), flush=True)  # CI reads this line: every failed check, by mode
     return EXIT_PASS if report["pass"] else EXIT_MISMATCH
 
 

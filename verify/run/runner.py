@@ -7,6 +7,11 @@ the Flight Recorder, the NCCL log and the NVLink counters where they exist: ``_M
 write this rank's events to ``<out_dir>/<mode>/events_rank<r>.parquet``, and gather everything
 to rank 0, which compares with the prediction (``verify.compare``) and cross-checks the other
 sources. The global batch is ``batch_per_rank`` times W unless ``global_batch`` is given.
+
+Every check a run is gated on is named in its ``checks`` and the report's ``failures``
+(``verify.report.checks``). A mode that raises (on any rank, in training or in rank 0's
+comparison) is an ``error`` failure with its message; its traceback goes to
+``<out_dir>/<mode>/error_rank<r>.txt`` and the other modes still run and are reported.
 """
 
 from __future__ import annotations
@@ -14,7 +19,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import math
 import os
+import traceback
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -43,6 +50,7 @@ from verify.workload.data import ByteCorpus, global_batch_size
 from verify.run.modes import build
 from verify.sources.nccl_source import WindowMark, capture_active, nccl_source_report
 from verify.sources.nvlink import nvlink_report
+from verify.report.checks import failures_of_runs, run_checks
 from verify.report.plots import plot_timeline
 from verify.run.figures import add_figures, interposer_source
 from verify.run.steptime import StepTime, sample
@@ -176,6 +184,12 @@ class _MeasuredWindow:
         self._stack.enter_context(self.compute)
         self._stack.enter_context(self.interposer)
 
+    def abort(self) -> None:
+        """Stop every recorder after an error in the window (nothing is read or exported), so
+        that the interposer and the profiler do not outlive the mode."""
+        with contextlib.suppress(Exception):
+            self._stack.close()
+
     def close(self) -> dict:
         """``{"fr_events", "profiler_events", "nccl", "nvlink"}``: what the other recorders saw
         (``None`` where off)."""
@@ -231,17 +245,21 @@ def _train_mode(mode: str, config: RunConfig, corpus: ByteCorpus, progress,
     if built.dedicated is not None:
         recorder = BlockOrderRecorder(bare_model(model), blocks_of(built.dedicated.names))
     ns_before = 0
-    for step in range(config.steps_warmup + config.steps_measured):
-        if step == config.steps_warmup:
-            ns_before = opt.ns_calls
-            window.open(drain=built.dedicated.wait_pending if built.dedicated is not None else None)
-        before = sample()
-        losses.append(loss_step(model, opt, loss_fn, rank, step))
-        if step >= config.steps_warmup:
-            after = sample()
-            step_times.append(StepTime.between(before, after))
-            step_bounds.append((before.wall_ns, after.wall_ns))  # the interposer's clock
-        progress(1)
+    try:
+        for step in range(config.steps_warmup + config.steps_measured):
+            if step == config.steps_warmup:
+                ns_before = opt.ns_calls
+                window.open(drain=built.dedicated.wait_pending if built.dedicated is not None else None)
+            before = sample()
+            losses.append(loss_step(model, opt, loss_fn, rank, step))
+            if step >= config.steps_warmup:
+                after = sample()
+                step_times.append(StepTime.between(before, after))
+                step_bounds.append((before.wall_ns, after.wall_ns))  # the interposer's clock
+            progress(1)
+    except BaseException:
+        window.abort()
+        raise
     recorded = window.close()
     layout = built.layout
     if built.dedicated is not None:
@@ -269,57 +287,88 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+#: Characters of an exception message kept in a failure's detail (the traceback file has all).
+MAX_ERROR_CHARS = 400
+
+
+def _error_text(exc: BaseException) -> str:
+    """``Type: message`` on one line, at most :data:`MAX_ERROR_CHARS` characters."""
+    text = " ".join(f"{type(exc).__name__}: {exc}".split())
+    return text if len(text) <= MAX_ERROR_CHARS else text[: MAX_ERROR_CHARS - 1] + "…"
+
+
+def _record_error(config: RunConfig, mode: str, exc: BaseException) -> dict:
+    """This rank's traceback to ``<out_dir>/<mode>/error_rank<r>.txt``; returns
+    ``{"error": one-line text, "file": path relative to out_dir, or why it was not written}``."""
+    name = f"{mode}/error_rank{dist.get_rank()}.txt"
+    path = Path(config.out_dir) / name
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("".join(traceback.format_exception(exc)))
+    except OSError as why:  # the error is still reported; only its traceback is lost
+        name = f"not written: {why}"
+    return {"error": _error_text(exc), "file": name}
+
+
+def _error_failure(mode: str, errors: dict[int, dict], where: str) -> dict:
+    """report.json ``failures`` entry of a mode that raised on ``errors``' ranks."""
+    first = min(errors)
+    return {"mode": mode, "check": "error",
+            "detail": f"{where} raised on rank(s) {sorted(errors)}: {errors[first]['error']} "
+                      f"(traceback: {errors[first]['file']})"}
+
+
 def run_all(config: RunConfig, progress=None) -> dict | None:
     """Run every mode; returns the report dict on rank 0 and ``None`` elsewhere.
 
     ``progress(n)`` is called after every training step on rank 0 (e.g. ``tqdm.update``).
+    A mode that raises becomes an ``error`` failure of the report (module docstring); if the
+    ranks then fall out of step (the gather of their results fails), the remaining modes are
+    not run and the report holds what finished.
+
+    Raises:
+        ValueError: ``--model`` breaks the protocol (``validate_source``), or no mode of
+            ``config.modes`` runs at this world size; alike on every rank, before training.
     """
     rank, world = dist.get_rank(), dist.get_world_size()
+    modes = runnable_modes(config, world)
+    if not modes:
+        reasons = "; ".join(f"{m}: {why}" for m, why in skip_reasons(config.modes, world).items())
+        raise ValueError(f"Invalid --modes for W={world}: no mode can run ({reasons}).")
     source = _source(config, None)
     validate_source(source, config.seed)  # on every rank, before any training collective
     tick = progress if (progress is not None and rank == 0) else (lambda n: None)
-    runs = []
-    for mode in runnable_modes(config, world):
-        mine = _train_mode(mode, config, None, tick, source)
+    runs: list[dict] = []
+    errors: list[dict] = []
+    for mode in modes:
+        try:
+            mine = _train_mode(mode, config, None, tick, source)
+        except Exception as exc:  # reported as this mode's failure; the other modes still run
+            mine = _record_error(config, mode, exc)
         gathered: list = [None] * world if rank == 0 else None
-        dist.gather_object(mine, gathered, dst=0)
+        try:
+            dist.gather_object(mine, gathered, dst=0)
+        except Exception as exc:  # the ranks fell out of step: no further collective is safe
+            if rank == 0:
+                errors.append(_error_failure(mode, {0: _record_error(config, mode, exc)},
+                                             "gathering the ranks' results"))
+            break
         if rank != 0:
             continue
-        events = [ev for r in gathered for ev in r["events"]]
-        run = compare_run(
-            gathered[0]["layout"],
-            events,
-            steps=config.steps_measured,
-            ns_calls=sum(r["ns_calls"] for r in gathered),
-        )
-        losses = [sum(r["losses"][i] for r in gathered) / world for i in range(len(mine["losses"]))]
-        run["loss_first"], run["loss_last"] = losses[0], losses[-1]
-        run["loss_falls"] = losses[-1] < losses[0]
-        run["pass"] = run["pass"] and run["loss_falls"]
-        digests = {r["plan_digest"] for r in gathered}
-        run["plan_digest"] = digests.pop() if len(digests) == 1 else sorted(map(str, digests))
-        run["sources"] = _sources(run, events, gathered, config.steps_measured)
-        run["pass"] = run["pass"] and all(s["pass"] for s in run["sources"].values())
-        run["replicate_overlap"] = _replicate_overlap(gathered)
-        run["nvlink"] = nvlink_report([r["nvlink"] for r in gathered if r["nvlink"] is not None], events)
-        add_figures(run, gathered[0]["layout"], events, config.steps_measured,
-                    [r["step_times"] for r in gathered], config.device)
-        per_rank = {i: (r["events"], r["spans"]) for i, r in enumerate(gathered)}
-        timeline = Path(config.out_dir) / mode / "timeline.json"
-        write_chrome_trace(timeline, per_rank, name=mode)
-        run["timeline"] = str(timeline.relative_to(config.out_dir))
-        if mode.startswith("dmuon-"):
-            # one host, one perf_counter clock: the last measured step from its first start
-            # to its last end over all ranks (window close and dumps come after it)
-            last = [r["step_bounds_ns"][-1] for r in gathered]
-            title = f"{mode} ({source.name}, W={world}, {dist.get_backend()}): last measured step"
-            plot_timeline(timeline.with_suffix(".png"), per_rank, title=title,
-                          t0_ns=min(a for a, _ in last), t1_ns=max(b for _, b in last))
-        runs.append(run)
+        raised = {r: g for r, g in enumerate(gathered) if "error" in g}
+        if raised:
+            errors.append(_error_failure(mode, raised, "training"))
+            continue
+        try:
+            runs.append(_assemble_run(mode, config, source, gathered))
+        except Exception as exc:
+            errors.append(_error_failure(mode, {0: _record_error(config, mode, exc)},
+                                         "comparing (rank 0)"))
     if rank != 0:
         return None
+    failures = failures_of_runs(runs) + errors
     return {
-        "pass": all(r["pass"] for r in runs) and bool(runs),
+        "pass": not failures,
         "torch_version": torch.__version__,
         "backend": dist.get_backend(),
         "world_size": world,
@@ -329,7 +378,49 @@ def run_all(config: RunConfig, progress=None) -> dict | None:
         "model": source.name,
         "skipped": [{"mode": m, "reason": why} for m, why in skip_reasons(config.modes, world).items()],
         "runs": runs,
+        "failures": failures,
     }
+
+
+def _finite(x: float) -> float | None:
+    return x if math.isfinite(x) else None
+
+
+def _assemble_run(mode: str, config: RunConfig, source: ModelSource, gathered: list[dict]) -> dict:
+    """Rank 0: the report entry of ``mode`` from every rank's results (compare with the
+    prediction, cross-check the sources, figures, timeline), its ``checks`` and ``pass``."""
+    world = len(gathered)
+    events = [ev for r in gathered for ev in r["events"]]
+    run = compare_run(
+        gathered[0]["layout"],
+        events,
+        steps=config.steps_measured,
+        ns_calls=sum(r["ns_calls"] for r in gathered),
+    )
+    losses = [sum(r["losses"][i] for r in gathered) / world for i in range(len(gathered[0]["losses"]))]
+    run["loss_first"], run["loss_last"] = _finite(losses[0]), _finite(losses[-1])
+    run["loss_falls"] = math.isfinite(losses[0]) and math.isfinite(losses[-1]) and losses[-1] < losses[0]
+    digests = {r["plan_digest"] for r in gathered}
+    run["plan_digest"] = digests.pop() if len(digests) == 1 else sorted(map(str, digests))
+    run["sources"] = _sources(run, events, gathered, config.steps_measured)
+    run["replicate_overlap"] = _replicate_overlap(gathered)
+    run["nvlink"] = nvlink_report([r["nvlink"] for r in gathered if r["nvlink"] is not None], events)
+    add_figures(run, gathered[0]["layout"], events, config.steps_measured,
+                [r["step_times"] for r in gathered], config.device)
+    per_rank = {i: (r["events"], r["spans"]) for i, r in enumerate(gathered)}
+    timeline = Path(config.out_dir) / mode / "timeline.json"
+    write_chrome_trace(timeline, per_rank, name=mode)
+    run["timeline"] = str(timeline.relative_to(config.out_dir))
+    if mode.startswith("dmuon-"):
+        # one host, one perf_counter clock: the last measured step from its first start
+        # to its last end over all ranks (window close and dumps come after it)
+        last = [r["step_bounds_ns"][-1] for r in gathered]
+        title = f"{mode} ({source.name}, W={world}, {dist.get_backend()}): last measured step"
+        plot_timeline(timeline.with_suffix(".png"), per_rank, title=title,
+                      t0_ns=min(a for a, _ in last), t1_ns=max(b for _, b in last))
+    run["checks"] = run_checks(run)
+    run["pass"] = all(c["pass"] for c in run["checks"])
+    return run
 
 
 def _sources(run: dict, events: list, gathered: list[dict], steps: int) -> dict:

@@ -1,0 +1,197 @@
+"""The checks a verify-traffic run is gated on, each a named verdict with its cause.
+
+Per run (report.json ``runs[].checks``, in this order; a run passes when all of its checks do):
+
+- ``collectives``: the measured multiset of ``(rank, phase, op, group, count, dtype, root)``
+  equals the predicted list (``verify.compare``; the interposer's entry in ``sources`` is this
+  check, so it is not repeated as a source check);
+- ``closed_form``: the measured W-average equals the closed form of docs/spec.md §2, in every
+  phase and in total;
+- ``ns_calls``: Newton–Schulz calls per step equal the expected count;
+- ``loss``: the loss (mean over ranks) of the last step is below the first; only where the
+  producer gates on it, i.e. the run carries ``loss_falls`` (verify-traffic does;
+  ``verify.run.record.TrafficWindow`` does not);
+- ``source:<name>``: each other trace source (``flight_recorder``, ``profiler``, ``nccl_log``,
+  ``nsys``) matches the interposer one to one (the NCCL log: and the prediction).
+
+Per report (``failures``): every failed check as ``{"mode", "check", "detail"}``, plus
+``error`` entries: a mode that raised; it has no figures, so no entry in ``runs``.
+
+The terminal and report.md print :func:`verdict_lines` (one line per check) and end with
+:func:`final_line`, e.g. ``FAIL: loss did not fall (dmuon-z2); NS calls differ from expected
+(naive-fsdp2-z3)``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+
+from tracer.events import SOURCES
+
+#: Measured and predicted figures are sums of integers divided by W: equal up to float rounding.
+READING_REL_TOL = 1e-9
+
+#: Check name -> (what holds when it passes, what the final line says when it fails).
+_LABELS: dict[str, tuple[str, str]] = {
+    "collectives": ("collectives equal the prediction", "collectives differ from the prediction"),
+    "closed_form": ("averages equal the closed form", "average differs from the closed form"),
+    "ns_calls": ("NS calls as expected", "NS calls differ from expected"),
+    "loss": ("loss falls", "loss did not fall"),
+    **{f"source:{s}": (f"{s} matches one to one", f"{s} trace does not match")
+       for s in SOURCES if s != "interposer"},
+    "error": ("no mode raised", "mode raised an error"),
+}
+#: Every check name, in display order.
+CHECK_NAMES: tuple[str, ...] = tuple(_LABELS)
+#: Checks of a run (``error`` is a report-level failure only).
+RUN_CHECK_NAMES: tuple[str, ...] = tuple(n for n in CHECK_NAMES if n != "error")
+
+
+def label(name: str, passed: bool) -> str:
+    """The words for check ``name``: what holds (``passed``) or what failed.
+
+    Raises:
+        ValueError: an unknown check name (must be one of :data:`CHECK_NAMES`).
+    """
+    if name not in _LABELS:
+        raise ValueError(f"Invalid check={name!r}. Must be one of {list(CHECK_NAMES)}.")
+    return _LABELS[name][0 if passed else 1]
+
+
+def readings_equal(a: float | None, b: float | None) -> bool:
+    """Whether two readings in elements are equal up to float rounding (None: never)."""
+    return a is not None and b is not None and math.isclose(a, b, rel_tol=READING_REL_TOL,
+                                                            abs_tol=1e-6)
+
+
+def _elems(x: float) -> str:
+    return f"{round(x):,}" if abs(x - round(x)) < 1e-9 else f"{x:,.2f}"
+
+
+def _count(x: float) -> str:
+    return f"{round(x)}" if abs(x - round(x)) < 1e-9 else f"{x:.2f}"
+
+
+def _check(name: str, passed: bool, detail: str) -> dict:
+    return {"check": name, "pass": bool(passed), "detail": detail}
+
+
+def _collectives(run: Mapping) -> dict:
+    missing = sum(e["n"] for e in run["missing"])
+    unexpected = sum(e["n"] for e in run["unexpected"])
+    if not missing and not unexpected:
+        per_step = sum(ph["collectives_predicted"] for ph in run["phases"].values())
+        return _check("collectives", True, f"{_count(per_step)} calls per step, as predicted")
+    phases = sorted({str(e["phase"]) for e in run["missing"] + run["unexpected"]})
+    return _check("collectives", False, f"{missing} missing and {unexpected} unexpected calls "
+                                        f"over the measured steps (phases: {', '.join(phases)})")
+
+
+def _closed_form(run: Mapping) -> dict:
+    off = []
+    for name, ph in run["phases"].items():
+        cf = ph["closed_form_avg_elems"]
+        ok = ph.get("closed_form_matches", cf is None or readings_equal(ph["measured_avg_elems"], cf))
+        if not ok:
+            off.append(f"{name}: measured {_elems(ph['measured_avg_elems'])} vs closed form "
+                       f"{_elems(cf) if cf is not None else '–'} elem")
+    total_ok = readings_equal(run["measured_avg_elems"], run["closed_form_avg_elems"])
+    if not total_ok:
+        off.append(f"total: measured {_elems(run['measured_avg_elems'])} vs closed form "
+                   f"{_elems(run['closed_form_avg_elems'])} elem ({run['closed_form']})")
+    passed = run.get("closed_form_matches", not off)
+    if passed:
+        return _check("closed_form", True, f"{run['closed_form']}, in every phase and in total")
+    return _check("closed_form", False, "; ".join(off) or
+                  f"measured {_elems(run['measured_avg_elems'])} vs closed form "
+                  f"{_elems(run['closed_form_avg_elems'])} elem ({run['closed_form']})")
+
+
+def _ns_calls(run: Mapping) -> dict:
+    meas, exp = run["ns_calls_per_step"], run["ns_calls_expected"]
+    return _check("ns_calls", meas == exp, f"measured {_count(meas)} vs expected {_count(exp)} "
+                                           "per step (all ranks)")
+
+
+def _loss(run: Mapping) -> dict:
+    first, last = run["loss_first"], run["loss_last"]
+    shown = " → ".join("non-finite" if x is None else f"{x:.4f}" for x in (first, last))
+    return _check("loss", run["loss_falls"], f"{shown} (first → last step, mean over ranks)")
+
+
+def _source(name: str, src: Mapping) -> dict:
+    detail = f"matched {src['matched']}/{src['events']} events, {src['unmatched']} unmatched"
+    if not src["pass"] and src["mismatches"]:
+        detail += f"; first: {src['mismatches'][0]}"
+    return _check(f"source:{name}", src["pass"], detail)
+
+
+def run_checks(run: Mapping) -> list[dict]:
+    """The checks of ``run`` (a ``runs[]`` entry) derived from its figures, in
+    :data:`RUN_CHECK_NAMES` order: ``[{"check", "pass", "detail"}]`` (see module docstring;
+    ``loss`` only where the run carries ``loss_falls``)."""
+    out = [_collectives(run), _closed_form(run), _ns_calls(run)]
+    if "loss_falls" in run:
+        out.append(_loss(run))
+    out += [_source(s, run["sources"][s]) for s in SOURCES
+            if s != "interposer" and s in run["sources"]]
+    return out
+
+
+def checks_of(run: Mapping) -> list[dict]:
+    """``run["checks"]`` where the producer stored them, else :func:`run_checks`."""
+    return list(run["checks"]) if "checks" in run else run_checks(run)
+
+
+def failures_of_runs(runs: Sequence[Mapping]) -> list[dict]:
+    """report.json ``failures`` of ``runs``: ``{"mode", "check", "detail"}`` per failed check."""
+    return [{"mode": run["mode"], "check": c["check"], "detail": c["detail"]}
+            for run in runs for c in checks_of(run) if not c["pass"]]
+
+
+def failures(report: Mapping) -> list[dict]:
+    """``report["failures"]`` where stored (it holds the ``error`` entries), else the runs'."""
+    return list(report["failures"]) if "failures" in report else failures_of_runs(report["runs"])
+
+
+def _order(name: str) -> int:
+    return CHECK_NAMES.index(name) if name in CHECK_NAMES else len(CHECK_NAMES)
+
+
+def final_line(report: Mapping) -> str:
+    """The last line of verify-traffic: ``PASS: ...`` or ``FAIL: <check> (<modes>); ...``, the
+    failed checks in :data:`CHECK_NAMES` order, each with the modes it failed in."""
+    failed = failures(report)
+    if not failed:
+        n = sum(len(checks_of(run)) for run in report["runs"])
+        return f"PASS: all {n} checks held in {len(report['runs'])} mode(s)"
+    modes: dict[str, list[str]] = {}
+    for f in sorted(failed, key=lambda f: _order(f["check"])):
+        modes.setdefault(f["check"], [])
+        if f["mode"] not in modes[f["check"]]:
+            modes[f["check"]].append(f["mode"])
+    return "FAIL: " + "; ".join(f"{label(name, False)} ({', '.join(ms)})"
+                                for name, ms in modes.items())
+
+
+def verdict_lines(report: Mapping) -> list[str]:
+    """One line per check that ran (``PASS``/``FAIL``, what holds, the modes), and below a
+    failed one each failing mode with the cause; a mode that raised gets an ``error`` line."""
+    by_name: dict[str, list[tuple[str, dict]]] = {}
+    for run in report["runs"]:
+        for c in checks_of(run):
+            by_name.setdefault(c["check"], []).append((run["mode"], c))
+    for f in failures(report):
+        if f["check"] == "error":
+            by_name.setdefault("error", []).append((f["mode"], {"pass": False, "detail": f["detail"]}))
+    lines = []
+    for name in sorted(by_name, key=_order):
+        entries = by_name[name]
+        bad = [(mode, c) for mode, c in entries if not c["pass"]]
+        if not bad:
+            lines.append(f"  PASS  {label(name, True)} ({len(entries)} mode(s))")
+            continue
+        lines.append(f"  FAIL  {label(name, False)}: {', '.join(m for m, _ in bad)}")
+        lines += [f"          {mode}: {c['detail']}" for mode, c in bad]
+    return lines
