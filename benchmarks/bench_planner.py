@@ -29,7 +29,7 @@ from tabulate import tabulate
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from dmuon.ownership.plan import plan_ownership  # noqa: E402
-from verify.plan_cli import ModelLayout  # noqa: E402
+from verify.plan.cli import ModelLayout  # noqa: E402
 from verify.traffic.predict import predict_step  # noqa: E402
 from verify.workload.presets import build_preset  # noqa: E402
 from verify.traffic.scale import step_traffic  # noqa: E402
@@ -96,7 +96,7 @@ def bench_cli() -> list[list]:
     for argv in (["--model", "llama3-70b", "--mesh", "128x8"], ["--model", "llama3-8b", "--sweep"],
                  ["--model", "deepseek-v3-like", "--mesh", "128x8"]):
         t = time.perf_counter()
-        subprocess.run([sys.executable, "-m", "verify.plan_cli", *argv], cwd=ROOT, check=True,
+        subprocess.run([sys.executable, "-m", "verify.plan.cli", *argv], cwd=ROOT, check=True,
                        capture_output=True, timeout=900)
         rows.append(["dmuon-plan " + " ".join(argv), f"{time.perf_counter() - t:.1f}"])
     return rows

@@ -15,8 +15,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from tests.fuzzing import fast, slow, time_limit
-from verify.plan_args import MAX_WORLD_SIZE
-from verify.plan_cli import main
+from verify.plan.args import MAX_WORLD_SIZE
+from verify.plan.cli import main
 
 #: Mesh sides: small ones (fast to plan) and ones past the bound (rejected before planning);
 #: sides in between are valid but cost seconds each, so they are left to the unit tests.
@@ -91,7 +91,7 @@ def argvs(draw, png_dir: str) -> list[str]:
 def _check(argv: list[str]) -> None:
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), \
-            mock.patch("verify.plan_cli.SWEEP_WORLDS", (8, 16)), time_limit(30, f"dmuon-plan {argv}"):
+            mock.patch("verify.plan.cli.SWEEP_WORLDS", (8, 16)), time_limit(30, f"dmuon-plan {argv}"):
         rc = main(argv)
     stdout, stderr = out.getvalue(), err.getvalue()
     assert rc in (0, 2), (argv, rc, stderr)

@@ -22,7 +22,7 @@ from dmuon.ownership.plan import (
     plan_ownership,
     specs_from_named_parameters,
 )
-from verify.plan_summary import format_plan_summary
+from verify.plan.summary import format_plan_summary
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 

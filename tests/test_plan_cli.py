@@ -1,4 +1,4 @@
-"""dmuon-plan (verify.plan_cli, verify.plan_args): table, JSON, sweep and PNG on a small preset;
+"""dmuon-plan (verify.plan.cli, verify.plan.args): table, JSON, sweep and PNG on a small preset;
 every bad input exits 2 with one line on stderr, odd meshes warn, models with nothing to
 dedicate get an empty plan. Fuzzing of the arguments: tests/test_fuzz_plan_cli.py."""
 
@@ -9,8 +9,8 @@ import os
 
 import pytest
 
-from verify.plan_args import LARGE_WORLD_SIZE, MAX_WORLD_SIZE, mesh_warnings
-from verify.plan_cli import UNITS, ModelLayout, main, parse_mesh, report
+from verify.plan.args import LARGE_WORLD_SIZE, MAX_WORLD_SIZE, mesh_warnings
+from verify.plan.cli import UNITS, ModelLayout, main, parse_mesh, report
 from verify.workload.presets import build_preset
 from verify.traffic.scale import CostModel, step_traffic
 
@@ -109,7 +109,7 @@ def test_idle_owners_and_split_estimate_when_W_exceeds_the_matrices():
 
 
 def test_sweep_and_png(tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr("verify.plan_cli.SWEEP_WORLDS", (8, 16))
+    monkeypatch.setattr("verify.plan.cli.SWEEP_WORLDS", (8, 16))
     png = tmp_path / "sweep.data"  # any name: always a PNG
     assert main(["--model", "llama-tiny", "--sweep", "--png", str(png)]) == 0
     out = capsys.readouterr().out
@@ -163,7 +163,7 @@ def test_bad_input_exits_2_with_one_line(argv, words, capsys):
 
 
 def test_unwritable_png_names_the_path_and_the_os_error(tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr("verify.plan_cli.SWEEP_WORLDS", (8,))
+    monkeypatch.setattr("verify.plan.cli.SWEEP_WORLDS", (8,))
     missing = tmp_path / "no" / "such" / "dir" / "w.png"
     err = _bad([*MODEL, "--sweep", "--png", str(missing)], capsys)
     assert str(missing) in err and "No such file or directory" in err
@@ -190,7 +190,7 @@ def test_nothing_to_dedicate_is_an_empty_plan(factory, capsys):
 
 
 def test_nothing_to_dedicate_sweep_and_png(tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr("verify.plan_cli.SWEEP_WORLDS", (8, 16))
+    monkeypatch.setattr("verify.plan.cli.SWEEP_WORLDS", (8, 16))
     png = tmp_path / "w.png"
     assert main(["--model", "tests.plan_factories:conv_only", "--sweep", "--png", str(png)]) == 0
     assert "nothing to dedicate" in capsys.readouterr().out

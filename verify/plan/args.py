@@ -1,5 +1,5 @@
 """``dmuon-plan``'s input: its argument parser, ``--mesh`` and ``--dtype`` parsing, the bounds
-it accepts and the warnings it gives (used by :mod:`verify.plan_cli`).
+it accepts and the warnings it gives (used by :mod:`verify.plan.cli`).
 
 Every bad input is a :class:`UsageError` (one line; ``dmuon-plan`` prints it on stderr and
 exits 2): an unknown flag or a flag's bad value (argparse), a mesh that is not ``N`` or

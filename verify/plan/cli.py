@@ -15,7 +15,7 @@ the harness does; the naive baselines also wrap each Muon Linear. Traffic comes 
 from :class:`verify.traffic.scale.CostModel` (flags below; defaults printed with every table).
 Traffic accounting: docs/spec.md §2 and docs/traffic-model.md.
 
-Input, bounds and warnings: :mod:`verify.plan_args`. Exit codes: 0 a plan was printed (a model
+Input, bounds and warnings: :mod:`verify.plan.args`. Exit codes: 0 a plan was printed (a model
 without Muon-target params gets an empty plan that says so); 2 bad input, one line on stderr
 (bad flags, mesh or dtype; a factory that cannot be imported or raises; an unwritable
 ``--png``). Warnings go to stderr and keep exit 0. ``--json`` prints :func:`json_document`.
@@ -37,15 +37,15 @@ from dmuon.ownership.plan import OwnershipPlan, plan_ownership, specs_from_named
 from dmuon.ownership.select import select_params
 from tracer.events import DTYPE_BYTES
 
-from verify.plan_summary import format_plan_summary  # noqa: F401  (the CLI side owns the plan table)
-from verify.plan_args import (
+from verify.plan.summary import format_plan_summary  # noqa: F401  (the CLI side owns the plan table)
+from verify.plan.args import (
     DTYPES,
     MODEL_DTYPE,
     UsageError,
     mesh_warnings,
     parse_mesh,
 )
-from verify.plan_args import build_parser as _build_parser
+from verify.plan.args import build_parser as _build_parser
 from verify.traffic.predict import RunLayout
 from verify.workload.presets import PRESETS, resolve_model
 from verify.traffic.scale import CostModel, layout_modes, ns_flops_busiest, split_ns_s, step_traffic
@@ -336,8 +336,8 @@ def plot_sweep(reports: list[dict], path: str) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """dmuon-plan's parser (:func:`verify.plan_args.build_parser`); its errors raise
-    :class:`verify.plan_args.UsageError`."""
+    """dmuon-plan's parser (:func:`verify.plan.args.build_parser`); its errors raise
+    :class:`verify.plan.args.UsageError`."""
     return _build_parser(CostModel(), PRESETS, SWEEP_WORLDS)
 
 
