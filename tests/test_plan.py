@@ -240,7 +240,7 @@ def test_specs_from_named_parameters():
     "specs, mesh_shape, match",
     [
         ([ParamSpec("w", (4,), "float32", "m")], (1, 2), r"Invalid shape=\(4,\) for param 'w'"),
-        ([ParamSpec("w", (2, 3, 4), "float32", "m")], (1, 2), "Must be a 2-D tuple"),
+        ([ParamSpec("w", (2, 3, 4), "float32", "m", (3, 8))], (1, 2), r"Must be None, \(3, 4\)"),
         ([ParamSpec("w", (0, 4), "float32", "m")], (1, 2), "positive ints"),
         (
             [ParamSpec("w", (2, 2), "float32", "m"), ParamSpec("w", (3, 3), "float32", "m")],
