@@ -5,7 +5,8 @@ in ``verify/`` is derived from it independently).
 
 Glossary (see ``topology.py`` for the mesh terms):
 
-- **dedicated param**: a 2-D Muon target handled by DMuon instead of DDP / FSDP2.
+- **dedicated param**: a Muon target (a matrix, a stack of matrices or a conv weight) handled by
+  DMuon instead of DDP / FSDP2; the runtime moves it as flat elements, whatever its shape.
 - **owner** (global owner): the one rank ``(r, s)`` that keeps momentum and runs
   Newton–Schulz for the param. **Holders**: the R ranks ``(*, s)`` of the owner's shard
   index; they keep the full param between steps (for 1-D meshes the holder is the owner).
@@ -196,7 +197,9 @@ class DedicatedParams(Schedule):
         mp_policy=None,
         bucket_cap_bytes: int = DEFAULT_BUCKET_CAP_MB * 1024 * 1024,
         prefetch_depth: int = 1,
+        assignments: list | None = None,
     ) -> None:
+        self._assignments = list(assignments or ())
         self.bucket_cap_bytes = bucket_cap_bytes
         self.prefetch_depth = prefetch_depth
         self.names = [n for n, _, _ in named]
@@ -231,6 +234,13 @@ class DedicatedParams(Schedule):
             self._make_compute(b)
             if reshard_after_forward and not b.is_holder:
                 b.free_compute()
+
+    def assignments(self) -> list:
+        """Every param of the model, in model order, with where it goes and why: a list of
+        :class:`dmuon.select.Assignment` (``name, shape, numel, optimizer, reason, matrix``;
+        ``optimizer`` is ``"muon"`` for the dedicated params, ``"adamw"`` for the rest;
+        ``as_row()`` gives the tuple). Computed by :func:`dmuon.dedicate_params`."""
+        return list(self._assignments)
 
     # ------------------------------------------------------------------ construction
     def _build_buckets(self, model: nn.Module, named) -> None:
