@@ -55,9 +55,13 @@ Per step (SPEC §1):
    rank (``prefetch_depth`` moves when a call is issued, never which or in what order).
 2. **after forward**, Z3 (``reshard_after_forward=True``): a driver's post-hook frees the
    non-holders' storage of the buckets in its subtree that the cursor passed; the root's
-   post-hook frees the rest. Every bucket is then invalid on every rank. Running a module
-   again after its bucket was freed in the same forward raises (Z3 cannot refill it outside
-   the fixed schedule; use Z2 for weight reuse).
+   post-hook frees the rest. Every bucket is then invalid on every rank. **Reuse**: a block
+   whose forward runs again in the same forward (weight sharing) finds its buckets freed;
+   its pre-hook broadcasts each of them again from its holder (phase ``forward``, issued
+   and waited there), as FSDP2 re-gathers a reused module, and its post-hook frees them
+   again. Every rank must run the block the same number of times (as under FSDP2). Under
+   Z2 the buckets stay valid: no call. A module *inside* a block that runs outside its
+   block's forward after the block's buckets were freed reads the freed guard and raises.
 3. **backward**, Z3 (channel ``broadcast``, phase ``backward``): a re-broadcast cursor walks
    the buckets in reverse index order. A driver's pre-backward hook (its outputs' first
    grad) advances it to the driver's first bucket; activation-checkpoint recompute (a
@@ -671,13 +675,10 @@ class DedicatedParams(Schedule):
             self._order.note(own[0].module_name)
         self._advance_forward(hi)
         for b in own:
-            if not b.valid and self.reshard_after_forward:  # same on every rank
-                raise RuntimeError(
-                    f"DMuon: module {b.module_name!r} ran again in the same forward after its "
-                    "dedicated params were freed (reshard_after_forward=True). Z3 refills a "
-                    "block once per forward; for modules called more than once per step use "
-                    "reshard_after_forward=False."
-                )
+            if not b.valid:  # Z3, the block runs again in this forward: same on every rank
+                self._wait_replicate(b)
+                self._broadcast(b, "forward")
+                self._wait_broadcast(b)
         return None
 
     def _leaf_pre_forward(self, module: nn.Module, args):
