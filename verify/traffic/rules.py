@@ -10,6 +10,13 @@ Rules (torch 2.13; the per-call accounting is :mod:`verify.traffic.formulas`):
   unless it is the root wrapped without an explicit ``reshard_after_forward`` (``FSDPState.
   _lazy_init`` keeps that root unsharded: ``RunLayout.root_auto_reshard``), one
   reduce_scatter over the shard axis; on an HSDP mesh one all_reduce over the replicate axis.
+  A module whose forward runs u > 1 times per forward (weight sharing,
+  ``RunLayout.module_calls``) is gathered again: with ``reshard_after_forward`` u all_gathers
+  in forward and u in backward (it reshards after each run, and after each run's backward);
+  without, 1 in forward and u - 1 in backward (each run's backward but the first finds it
+  resharded by the previous one's post-backward). Still one reduce_scatter (and all_reduce):
+  the grads are reduced once, when the last run's backward is done. Measured on gloo
+  (``examples/structures.py:shared_block``).
   Per-rank count: the sum of dim-0-padded shard sizes ceil(d0/N)·(d1·…)
   (:func:`padded_shard_numel`). FSDP2 skips the all_gather and reduce_scatter of a one-rank
   shard group (``_fsdp_param_group.py`` unshard: world_size == 1; ``_fsdp_collectives.py``
@@ -108,14 +115,15 @@ def fsdp_calls(layout: RunLayout, ignored: set[str]) -> list[AxisCall]:
         count = sum(padded_shard_numel(p.shape, n) for p in managed)
         ded = sum(padded_shard_numel(p.shape, n) for p in managed if p.name in muon)
         keeps_unsharded = module == "" and layout.root_auto_reshard
+        runs = layout.calls_of(module)
+        reshards = layout.reshard_after_forward and not keeps_unsharded
 
-        def add(phase: str, op: str, axis: str, size: int, dt: str) -> None:
-            out.append(AxisCall(phase, op, axis, size, count, dt, ded, module))
+        def add(phase: str, op: str, axis: str, size: int, dt: str, times: int = 1) -> None:
+            out.extend([AxisCall(phase, op, axis, size, count, dt, ded, module)] * times)
 
         if n > 1:
-            add("forward", "all_gather", "shard", n, dtype)
-            if layout.reshard_after_forward and not keeps_unsharded:
-                add("backward", "all_gather", "shard", n, dtype)
+            add("forward", "all_gather", "shard", n, dtype, runs if reshards else 1)
+            add("backward", "all_gather", "shard", n, dtype, runs if reshards else runs - 1)
             add("backward", "reduce_scatter", "shard", n, red)
         if r > 1:
             add("backward", "all_reduce", "replicate", r, red)
