@@ -225,11 +225,11 @@ def _train_mode(mode: str, config: RunConfig, corpus: ByteCorpus, progress,
     out = Path(config.out_dir) / mode
     losses, step_bounds, step_times = [], [], []
     window = _MeasuredWindow(mode, out, config.device, model, config.profiler)
-    # DMuon numbers its buckets by the first forward's block order: the harness records it
-    # with its own hooks (verify.run.block_order), agreed after the loop (outside the window)
-    recorder = None
-    if built.dedicated is not None:
-        recorder = BlockOrderRecorder(bare_model(model), blocks_of(built.dedicated.names))
+    # DMuon numbers its buckets by the first forward's block order, and Z3 / FSDP2 re-send a
+    # module that runs twice: the harness records both with its own hooks
+    # (verify.run.block_order), agreed after the loop (outside the window)
+    blocks = blocks_of(built.dedicated.names) if built.dedicated is not None else ()
+    recorder = BlockOrderRecorder(bare_model(model), blocks, built.layout.fsdp_modules)
     ns_before = 0
     for step in range(config.steps_warmup + config.steps_measured):
         if step == config.steps_warmup:
@@ -243,7 +243,7 @@ def _train_mode(mode: str, config: RunConfig, corpus: ByteCorpus, progress,
             step_bounds.append((before.wall_ns, after.wall_ns))  # the interposer's clock
         progress(1)
     recorded = window.close()
-    layout = built.layout
+    layout = dataclasses.replace(built.layout, module_calls=recorder.call_counts())
     if built.dedicated is not None:
         built.dedicated.wait_pending()
         layout = dataclasses.replace(layout, dmuon_block_order=recorder.agreed())
