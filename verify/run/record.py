@@ -61,7 +61,7 @@ from tracer.interposer import Interposer
 from verify.run.block_order import BlockOrderRecorder, bare_model, blocks_of
 from verify.compare import compare_run
 from verify.traffic.predict import RunLayout
-from verify.run.figures import add_figures, interposer_source
+from verify.run.figures import add_figures, interposer_source, params_report
 from verify.run.steptime import StepTime, sample
 
 
@@ -243,6 +243,7 @@ class TrafficWindow:
             "torch_version": torch.__version__, "backend": dist.get_backend(),
             "world_size": dist.get_world_size(), "steps_warmup": 0, "steps_measured": steps,
             "run_id": self.run_id, "model": "own script (verify.run.record.TrafficWindow)",
+            "params": params_report(self.dedicated.assignments()),
             "runs": [run],
         }
         if self.out_dir is not None:

@@ -23,6 +23,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import dmuon
+from dmuon.select import assign_params
 from tracer.crosscheck import crosscheck
 from tracer.events import write_parquet
 from tracer.flight_recorder import (
@@ -44,10 +45,17 @@ from verify.run.modes import build
 from verify.sources.nccl_source import WindowMark, capture_active, nccl_source_report
 from verify.sources.nvlink import nvlink_report
 from verify.report.plots import plot_timeline
-from verify.run.figures import add_figures, interposer_source
+from verify.run.figures import add_figures, interposer_source, params_report
 from verify.run.steptime import StepTime, sample
 from verify.traffic.formulas import MODES
-from verify.workload.usermodel import ModelSource, check_loss, resolve, skip_reasons, validate_source
+from verify.workload.usermodel import (
+    BUILTIN,
+    ModelSource,
+    check_loss,
+    resolve,
+    skip_reasons,
+    validate_source,
+)
 
 
 @dataclass(frozen=True)
@@ -325,11 +333,36 @@ def run_all(config: RunConfig, progress=None) -> dict | None:
         "world_size": world,
         "steps_warmup": config.steps_warmup,
         "steps_measured": config.steps_measured,
-        "config": asdict(config),
+        "config": report_config(config),
         "model": source.name,
+        "params": _params(source, config.seed),
         "skipped": [{"mode": m, "reason": why} for m, why in skip_reasons(config.modes, world).items()],
         "runs": runs,
     }
+
+
+#: RunConfig fields that size the built-in TinyGPT (``--model tinygpt`` only) and those that
+#: shape the byte-corpus batches (the built-in model and the presets; a factory's loss_fn
+#: makes its own batches).
+BUILTIN_FIELDS = ("d_model", "n_layers", "n_heads")
+CORPUS_FIELDS = ("seq_len", "batch_per_rank", "global_batch")
+
+
+def report_config(config: RunConfig) -> dict:
+    """report.json ``config``: the RunConfig without the fields the model does not use (no
+    TinyGPT size for a preset or a factory; no corpus batch shape for a factory)."""
+    out = asdict(config)
+    drop = () if config.model == BUILTIN else BUILTIN_FIELDS
+    if config.model != BUILTIN and ":" in config.model:
+        drop += CORPUS_FIELDS
+    return {k: v for k, v in out.items() if k not in drop}
+
+
+def _params(source: ModelSource, seed: int) -> dict:
+    """report.json ``params``: DMuon's default split of a fresh model (local, no collective)."""
+    torch.manual_seed(seed)
+    model = source.factory()[0]
+    return params_report(assign_params(model))
 
 
 def _sources(run: dict, events: list, gathered: list[dict], steps: int) -> dict:
