@@ -28,7 +28,7 @@ import torch.nn as nn
 from tabulate import tabulate
 
 from dmuon.plan import OwnershipPlan, plan_ownership, specs_from_named_parameters
-from dmuon.select import select_params
+from dmuon.select import matrix_shapes, select_params
 
 from verify.traffic.predict import RunLayout
 from verify.workload.presets import PRESETS, resolve_model
@@ -43,11 +43,13 @@ class ModelLayout:
 
     def __init__(self, model: nn.Module, name: str, dtype: str | None = "bfloat16") -> None:
         self.name = name
-        params = specs_from_named_parameters(model.named_parameters())
+        self.muon_names = tuple(n for n, _, _ in select_params(model, None, None))
+        # Muon's matrix of each target: a stack's slice, a conv weight's (out, in·k…) view
+        matrices = matrix_shapes(model, self.muon_names)
+        params = specs_from_named_parameters(model.named_parameters(), matrices)
         if dtype is not None:  # the dtype the collectives carry (e.g. bf16 params in training)
             params = [dataclasses.replace(p, dtype=dtype) for p in params]
         self.params = tuple(params)
-        self.muon_names = tuple(n for n, _, _ in select_params(model, None, None))
         muon = set(self.muon_names)
         self.muon_specs = tuple(p for p in self.params if p.name in muon)
         blocks = [
@@ -57,7 +59,12 @@ class ModelLayout:
             for i in range(len(mod))
         ]
         self.blocks = tuple(blocks)
-        self.linears = tuple(dict.fromkeys(n.rpartition(".")[0] for n in self.muon_names))
+        # the naive baselines' per-matrix units: the modules holding Muon params (not the root,
+        # not a block already: a ModuleList of bare Linear), children before parents
+        holders = dict.fromkeys(n.rpartition(".")[0] for n in self.muon_names)
+        order = {m: i for i, m in enumerate(holders)}
+        self.linears = tuple(sorted((m for m in holders if m and m not in self.blocks),
+                                    key=lambda m: (-m.count("."), order[m])))
         self.n_params = sum(p.numel for p in self.params)
 
     def layout(self, mode: str, r: int, n: int) -> RunLayout:
@@ -106,7 +113,7 @@ def _ns_report(plan: OwnershipPlan, cm: CostModel) -> dict:
         team = min(cm.gpus_per_node, w // len(costs))
         if team >= 2:
             # each matrix gets a team of `team` ranks of one node (column blocks + Gram all_reduce)
-            split = max(split_ns_s(*sp.shape, team, cm) for sp in plan.specs)
+            split = max(sp.matrices * split_ns_s(*sp.matrix_shape, team, cm) for sp in plan.specs)
             out["split_ns"] = {"team": team, "critical_path_s": split}
     return out
 
@@ -140,7 +147,9 @@ def report(ml: ModelLayout, mesh: tuple[int, int], cm: CostModel) -> dict:
             "step_s": comm + ns,
         })
     return {
-        "model": ml.name, "params": ml.n_params, "muon_matrices": len(ml.muon_names),
+        "model": ml.name, "params": ml.n_params,
+        # matrices Muon orthogonalizes (an expert stack of E counts E), in how many params
+        "muon_matrices": sum(sp.matrices for sp in ml.muon_specs), "muon_params": len(ml.muon_names),
         "p_m": sum(p.numel for p in ml.muon_specs),
         "mesh": [r, n], "world_size": r * n, "plan_s": plan_s,
         "ns": _ns_report(plan, cm), "modes": rows,
@@ -160,7 +169,7 @@ def format_report(rep: dict, cm: CostModel) -> str:
     r, n = rep["mesh"]
     lines = [
         f"{rep['model']}: {rep['params'] / 1e9:.3f} B params, {rep['muon_matrices']} Muon "
-        f"matrices, P_M = {rep['p_m'] / 1e9:.3f} B elements; mesh {r}x{n} (W = {rep['world_size']}); "
+        f"matrices in {rep.get('muon_params', rep['muon_matrices'])} params, P_M = {rep['p_m'] / 1e9:.3f} B elements; mesh {r}x{n} (W = {rep['world_size']}); "
         f"planned in {rep['plan_s']:.3f} s",
         f"NS load (FLOPs, ns_steps=5): max/mean {ns['max_over_mean']:.3f}; max / bound "
         f"max(largest, total/W) = {ns['max_flops'] / ns['lower_bound_flops']:.3f}; max / L2 bound "
