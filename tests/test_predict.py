@@ -319,3 +319,19 @@ def test_a_module_run_twice_is_sent_again_as_the_rules_say(mode, forward_again, 
         1 if mode.startswith("dmuon") else 2))
     assert run["pass"] and run["closed_form_matches"], run["phases"]
     assert RunLayout.from_dict(twice.to_dict()) == twice
+
+
+def test_ddp_buffer_broadcasts_group_by_dtype_and_bucket():
+    from verify.traffic.rules import ddp_buffer_broadcasts
+
+    buffers = [("float32", 4), ("int64", 1), ("float32", 4), ("float32", 10)]
+    assert ddp_buffer_broadcasts(buffers) == [("float32", 18), ("int64", 1)]
+    # a group closes once it reaches the bucket (c10d's take_tensors): 16 + 16 bytes >= 32,
+    # then 40 >= 32; the open int64 group comes last
+    assert ddp_buffer_broadcasts(buffers, bucket_bytes=32) == [("float32", 8), ("float32", 10),
+                                                               ("int64", 1)]
+    layout = _layout("dmuon-ddp", 2, ddp_buffers=(("float32", 8),))
+    calls = [e for e in predict_step(layout) if e.phase == "forward" and e.op == "broadcast"
+             and e.group_size == 2 and e.dedicated_count == 0]
+    assert [(e.rank, e.count, e.root) for e in calls] == [(0, 8, 0), (1, 8, 0)]
+    assert RunLayout.from_dict(layout.to_dict()) == layout

@@ -67,3 +67,17 @@ def test_bare_linear_list_and_conv_net(pool2, tmp_path, model):
     # linear_list: 4 Linear weights (20-48-40-48-10); conv_net: 2 Conv2d, 1 Conv1d (head: AdamW)
     p_m = {"linear_list": 48 * 20 + 40 * 48 + 48 * 40 + 10 * 48, "conv_net": 6 * 9 + 8 * 6 * 9 + 8 * 8 * 3}
     assert runs["dmuon-z3"]["p_m"] == p_m[model]
+
+
+@pytest.mark.parametrize("modes", [("dmuon-ddp", "dmuon-z3"), pytest.param(W2_MODES, marks=pytest.mark.slow)],
+                         ids=["some", "all"])
+def test_hf_qwen3_moe(pool2, tmp_path, modes):
+    """transformers 5's Qwen3-MoE: fused 3-D experts and routers inside P_M; its rotary buffers
+    make DDP broadcast from rank 0 before every forward (predicted: RunLayout.ddp_buffers)."""
+    pytest.importorskip("transformers")
+    report, runs = _run(pool2, tmp_path, modes, "examples.hf_moe:factory")
+    muon = {e["name"]: e for e in report["params"]["muon"]}
+    assert {n for n in muon if ".mlp." in n} == {
+        f"model.layers.{i}.mlp.{p}" for i in range(2)
+        for p in ("experts.gate_up_proj", "experts.down_proj", "gate.weight")}
+    assert runs["dmuon-z3"]["ratio_to_p_m"] == pytest.approx(1.5)

@@ -145,6 +145,9 @@ def build(mode: str, make_model: Callable[[], nn.Module], device: str = "cpu",
     r_size, n = (mesh.shape if mesh.ndim == 2 else (1, world))
     reshard = mode.endswith("z3") or mode == "naive-hsdp"
 
+    # DDP broadcasts the module's buffers from rank 0 before every forward
+    buffers = tuple((str(b.dtype).removeprefix("torch."), b.numel()) for _, b in model.named_buffers())
+
     def layout(fsdp_modules=(), reshard_flag=reshard) -> RunLayout:
         return RunLayout(
             mode=mode,
@@ -156,6 +159,7 @@ def build(mode: str, make_model: Callable[[], nn.Module], device: str = "cpu",
             reshard_after_forward=reshard_flag,
             ddp_bucket_cap_bytes=DDP_BUCKET_CAP_MB * 1024 * 1024,
             mp_param_dtype=mp_name if (mode.startswith("dmuon-") or fsdp_modules) else None,
+            ddp_buffers=buffers if mode in ("ddp-muon", "zero1-muon", "dmuon-ddp") else (),
         )
 
     mp = mp_policy(mixed_precision)

@@ -99,7 +99,10 @@ def layout_from_job(model: nn.Module, dedicated: dmuon.DedicatedParams,
             raise ValueError("Invalid wrapping: DistributedDataParallel with a 2-D DMuon mesh. "
                              "Must be a 1-D mesh (HSDP uses fully_shard).")
         specs = tuple(specs_from_named_parameters(model.module.named_parameters(), matrices))
+        buffers = tuple((str(b.dtype).removeprefix("torch."), b.numel())
+                        for b in model.modules_buffers) if model.will_sync_module_buffers() else ()
         return RunLayout(mode="dmuon-ddp", params=specs, reshard_after_forward=z3,
+                         ddp_buffers=buffers,
                          ddp_bucket_cap_bytes=int(model.bucket_bytes_cap),
                          ddp_first_bucket_cap_bytes=_ddp_first_bucket_cap(model), **common)
     from torch.distributed.fsdp import FSDPModule

@@ -86,6 +86,9 @@ class RunLayout:
             harness counted them with its own hooks (``verify.run.block_order``); every other
             module ran once. Z3 broadcasts a reused block again per run; FSDP2 all_gathers a
             reused module again (:mod:`verify.traffic.rules`).
+        ddp_buffers: ``(dtype, numel)`` of the buffers DDP broadcasts from rank 0 before
+            every forward (``broadcast_buffers=True``), in ``named_buffers()`` order; ``()``
+            when the module has none or the mode has no DDP.
     """
 
     mode: str
@@ -103,6 +106,7 @@ class RunLayout:
     mp_reduce_dtype: str | None = None
     dmuon_block_order: tuple[str, ...] = ()
     module_calls: tuple[tuple[str, int], ...] = ()
+    ddp_buffers: tuple[tuple[str, int], ...] = ()
 
     def calls_of(self, module: str) -> int:
         """How many times ``module``'s forward runs per forward (:attr:`module_calls`; 1)."""
@@ -165,6 +169,7 @@ class RunLayout:
         kwargs["fsdp_modules"] = tuple(kwargs.get("fsdp_modules", ()))
         kwargs["dmuon_block_order"] = tuple(kwargs.get("dmuon_block_order", ()))
         kwargs["module_calls"] = tuple((m, int(c)) for m, c in kwargs.get("module_calls", ()))
+        kwargs["ddp_buffers"] = tuple((d, int(n)) for d, n in kwargs.get("ddp_buffers", ()))
         return cls(params=params, **kwargs)
 
     def muon_specs(self) -> list[ParamSpec]:
@@ -365,7 +370,7 @@ def _axis_calls(layout: RunLayout, rank: int, calls: list[AxisCall]) -> list[Exp
         "world": group_id_from_ranks(range(layout.world_size)),
     }
     return [
-        Expected(rank, c.phase, c.op, gid[c.axis], c.group_size, c.count, c.dtype, None,
+        Expected(rank, c.phase, c.op, gid[c.axis], c.group_size, c.count, c.dtype, c.root,
                  c.module, c.dedicated_count)
         for c in calls
     ]
