@@ -241,9 +241,9 @@ class DedicatedParams(Schedule):
 
     def assignments(self) -> list:
         """Every param of the model, in model order, with where it goes and why: a list of
-        :class:`dmuon.select.Assignment` (``name, shape, numel, optimizer, reason, matrix``;
-        ``optimizer`` is ``"muon"`` for the dedicated params, ``"adamw"`` for the rest;
-        ``as_row()`` gives the tuple). Computed by :func:`dmuon.dedicate_params`."""
+        :class:`dmuon.select.Assignment` (``name, shape, numel, optimizer, reason, matrix,
+        role``; ``optimizer`` is ``"muon"`` for the dedicated params, ``"adamw"`` for the
+        rest; ``as_row()`` gives the first five). Computed by :func:`dmuon.dedicate_params`."""
         return list(self._assignments)
 
     # ------------------------------------------------------------------ construction

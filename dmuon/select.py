@@ -48,6 +48,15 @@ HF_CONV1D = "Conv1D"
 #: ``Assignment.optimizer`` values.
 MUON, ADAMW = "muon", "adamw"
 
+#: ``Assignment.role`` values: hidden matrices (``linear``, ``stack``, ``conv``, ``matrix``)
+#: and the rest (``frozen``, ``small``: fewer than 2 dims, ``embedding``: a table or
+#: embedding-like by name, ``head``, ``tied``: tied to an embedding, ``vector``: a matrix
+#: view with a dimension of 1).
+ROLES = ("linear", "stack", "conv", "matrix", "frozen", "small", "embedding", "head", "tied", "vector")
+
+#: Roles that go to AdamW by design: :func:`adamw_matrices` does not report them.
+QUIET_ROLES = frozenset({"frozen", "small", "embedding", "head", "tied"})
+
 Predicate = Callable[[str, nn.Parameter, nn.Module], bool]
 
 
@@ -63,6 +72,8 @@ class Assignment:
         reason: the rule that decided, in words.
         matrix: Muon's ``(rows, cols)`` view of the param (``None`` for AdamW params): the
             param is ``numel / (rows·cols)`` such matrices.
+        role: what the default rule sees in the tensor, whatever decided: one of
+            :data:`ROLES`.
     """
 
     name: str
@@ -71,6 +82,7 @@ class Assignment:
     optimizer: str
     reason: str
     matrix: tuple[int, int] | None = None
+    role: str = "matrix"
 
     def as_row(self) -> tuple:
         """``(name, shape, numel, optimizer, reason)``."""
@@ -135,36 +147,37 @@ def _embedding_like_by_name(name: str, module_name: str) -> str | None:
     return None
 
 
-def _default_rule(name: str, param: nn.Parameter, module: nn.Module) -> tuple[bool, str]:
-    """``(to Muon, reason)`` of the default rule for one param (tying is checked by the caller)."""
-    shape = tuple(param.shape)
+def _default_rule(name: str, param: nn.Parameter, module: nn.Module) -> tuple[bool, str, str]:
+    """``(to Muon, role, reason)`` of the default rule for one param (tying is checked by the
+    caller, which sees the whole model)."""
     if not param.requires_grad:
-        return False, "frozen (requires_grad=False)"
+        return False, "frozen", "frozen (requires_grad=False)"
     if param.ndim < 2:
-        return False, f"{param.ndim}-D (bias, norm gain or scalar)"
+        return False, "small", f"{param.ndim}-D (bias, norm gain or scalar)"
     if isinstance(module, (nn.Embedding, nn.EmbeddingBag)):
-        return False, f"embedding table ({type(module).__name__})"
+        return False, "embedding", f"embedding table ({type(module).__name__})"
     module_name = name.rpartition(".")[0]
     leaf = module_name.rpartition(".")[2]
     if leaf in HEAD_NAMES:
-        return False, f"output head (module named {leaf!r}, HEAD_NAMES)"
+        return False, "head", f"output head (module named {leaf!r}, HEAD_NAMES)"
     linear = is_linear_weight(name, param, module)
     conv = is_conv_weight(param, module)
     if not (linear or conv):
         word = _embedding_like_by_name(name, module_name)
         if word is not None:
-            return False, f"embedding-like table (name {word!r}, EMBEDDING_WORDS)"
+            return False, "embedding", f"embedding-like table (name {word!r}, EMBEDDING_WORDS)"
     rows, cols = matrix_shape(param, module)
+    kind = type(module).__name__
     if min(rows, cols) == 1:
-        return False, f"a vector stored as a matrix ({rows}, {cols}): Muon would only normalise it"
+        return False, "vector", f"a vector stored as a matrix ({rows}, {cols}): Muon would only normalise it"
     if linear:
-        return True, f"weight of a hidden {type(module).__name__}"
+        return True, "linear", f"weight of a hidden {kind}"
     if conv:
-        return True, f"conv weight ({type(module).__name__}), Muon on its ({rows}, {cols}) view"
+        return True, "conv", f"conv weight ({kind}), Muon on its ({rows}, {cols}) view"
     if param.ndim >= 3:
         count = param.numel() // (rows * cols)
-        return True, f"stack of {count} ({rows}, {cols}) matrices ({type(module).__name__})"
-    return True, f"matrix of a {type(module).__name__} (e.g. a router)"
+        return True, "stack", f"stack of {count} ({rows}, {cols}) matrices ({kind})"
+    return True, "matrix", f"matrix of a {kind} (e.g. a router)"
 
 
 def default_predicate(name: str, param: nn.Parameter, module: nn.Module) -> bool:
@@ -203,9 +216,9 @@ def assign_params(
     chosen = _explicit_ids(entries, params) if params is not None else None
     out = []
     for key, (name, p, _, module) in entries.items():
-        default, why = _default_rule(name, p, module)
+        default, role, why = _default_rule(name, p, module)
         if key in tied and not isinstance(module, nn.Embedding):
-            default, why = False, "tied to an nn.Embedding weight"
+            default, role, why = False, "tied", "tied to an nn.Embedding weight"
         if chosen is not None:
             muon = key in chosen
             why = "listed in params=" if muon else f"not in params= (default: {why})"
@@ -217,7 +230,7 @@ def assign_params(
             muon = default
         matrix = matrix_shape(p, module) if muon and p.ndim >= 2 else None
         out.append(Assignment(name, tuple(p.shape), p.numel(), MUON if muon else ADAMW, why,
-                              matrix))
+                              matrix, role))
     return out
 
 
@@ -279,12 +292,7 @@ def matrix_shapes(model: nn.Module, names) -> dict[str, tuple[int, int]]:
 
 
 def adamw_matrices(assignments: list[Assignment]) -> list[Assignment]:
-    """The AdamW params :func:`dmuon.dedicate_params` warns about: trainable, at least 2 dims,
-    and not an embedding table, an output head or tied to an embedding (those go to AdamW by
-    design)."""
-    quiet = ("frozen", "embedding table", "embedding-like", "output head", "tied to")
-    return [
-        a for a in assignments
-        if a.optimizer == ADAMW and len(a.shape) >= 2
-        and not any(a.reason.startswith(q) or f"(default: {q}" in a.reason for q in quiet)
-    ]
+    """The AdamW params :func:`dmuon.dedicate_params` warns about: those whose role is not in
+    :data:`QUIET_ROLES` (trainable, at least 2 dims, not an embedding table, an output head
+    or tied to an embedding: those go to AdamW by design)."""
+    return [a for a in assignments if a.optimizer == ADAMW and a.role not in QUIET_ROLES]
