@@ -13,7 +13,7 @@ from dmuon.runtime import attach, collectives
 from dmuon.ownership.buckets import DEFAULT_BUCKET_CAP_MB
 from dmuon.runtime.dedicate import DedicatedParams
 from dmuon.ownership.plan import OwnershipPlan, plan_ownership, specs_from_named_parameters
-from dmuon.ownership.select import Predicate, select_params
+from dmuon.ownership.select import Predicate, adamw_matrices, assign_params, select_params
 from dmuon.ownership.topology import topology_from_mesh
 
 
@@ -38,8 +38,13 @@ def dedicate_params(
     Args:
         model: the bare ``nn.Module`` (not yet DDP / FSDP2 wrapped), identical on all ranks.
         mesh: a 1-D ``DeviceMesh`` (DDP, FSDP2) or a 2-D one named ``("replicate", "shard")`` (HSDP).
-        params: optional explicit dedicated params (Parameters or names); default: ``predicate``.
-        predicate: ``f(name, param, module) -> bool``; default :func:`default_predicate`.
+        params: optional explicit dedicated params (Parameters or names) of at least 2 dims;
+            default: ``predicate``.
+        predicate: ``f(name, param, module) -> bool``; default :func:`default_predicate`
+            (every trainable hidden matrix: Linear weights, 3-D expert stacks, routers, conv
+            weights; not embeddings, output heads or what is tied to them:
+            docs/selection.md). A param of 3+ dims is a stack of ``shape[-2:]`` matrices, a
+            conv weight one ``(out, in·k…)`` matrix (:func:`dmuon.ownership.select.matrix_shape`).
         reshard_after_forward: ``True`` = Z3 (non-holders free after forward and receive
             again before backward), ``False`` = Z2 (keep until the next step).
         mp_policy: a ``torch.distributed.fsdp.MixedPrecisionPolicy`` (the object and keyword
@@ -63,7 +68,7 @@ def dedicate_params(
 
     Raises:
         ValueError: ``model`` is already DDP- or FSDP2-wrapped, ``dedicate_params`` was already
-            called on it, a dedicated param is not 2-D, frozen or not in the model,
+            called on it, a dedicated param has fewer than 2 dims, is frozen or not in the model,
             ``reshard_after_forward`` is not a bool, ``bucket_cap_mb`` is not a positive
             number, ``prefetch_depth`` is not an int >= 0, or the mesh is invalid (see
             ``topology_from_mesh``). All checked locally, before any collective.
@@ -72,7 +77,10 @@ def dedicate_params(
             all_gather of the digest before any other DMuon collective.
 
     Warns:
-        UserWarning: nothing was selected (every param goes to AdamW).
+        UserWarning: nothing was selected (every param goes to AdamW); or, once, naming
+            them, trainable params of at least 2 dims that go to AdamW other than embedding
+            tables, output heads and params tied to an embedding
+            (:meth:`DedicatedParams.assignments` lists every param and why).
     """
     from torch.nn.parallel import DistributedDataParallel
 
@@ -101,22 +109,46 @@ def dedicate_params(
     cap_bytes = _bucket_cap_bytes(bucket_cap_mb)
     topology = topology_from_mesh(mesh)
     named = select_params(model, params, predicate)
+    assignments = assign_params(model, params, predicate)
     if not named:
         warnings.warn(
             f"dmuon.dedicate_params found no Muon target in {type(model).__name__}: nothing is "
             "dedicated and DMuon will step every param with AdamW. The default predicate takes "
-            "trainable weights of hidden nn.Linear / Hugging Face Conv1D layers; pass params= "
-            "or predicate= to choose others.",
+            "every trainable hidden matrix (Linear and conv weights, expert stacks, routers; "
+            "not embeddings or output heads); pass params= or predicate= to choose others.",
             stacklevel=2,
         )
-    plan = plan_ownership(specs_from_named_parameters((n, p) for n, p, _ in named), topology.mesh_shape)
+    _warn_adamw_matrices(assignments)
+    matrices = {a.name: a.matrix for a in assignments if a.matrix is not None}
+    plan = plan_ownership(specs_from_named_parameters(((n, p) for n, p, _ in named), matrices),
+                          topology.mesh_shape)
     digest = setup_digest(plan, named, reshard_after_forward, mp_policy, cap_bytes)
     collectives.check_plan_agreement(
         digest, "setup (ownership plan, reshard_after_forward, mp_policy, bucket_cap_mb or device type)"
     )
     return DedicatedParams(model, named, topology, plan, reshard_after_forward, mesh=mesh,
                            mp_policy=mp_policy, bucket_cap_bytes=cap_bytes,
-                           prefetch_depth=prefetch_depth)
+                           prefetch_depth=prefetch_depth, assignments=assignments)
+
+
+#: At most this many params are named in the AdamW-matrices warning (the rest are counted).
+WARN_NAMES = 8
+
+
+def _warn_adamw_matrices(assignments) -> None:
+    """Warn once, naming them, about the matrices that go to AdamW (``adamw_matrices``)."""
+    missed = adamw_matrices(assignments)
+    if not missed:
+        return
+    shown = "; ".join(f"{a.name} {a.shape}: {a.reason}" for a in missed[:WARN_NAMES])
+    more = f"; and {len(missed) - WARN_NAMES} more" if len(missed) > WARN_NAMES else ""
+    elems = sum(a.numel for a in missed)
+    warnings.warn(
+        f"dmuon.dedicate_params: {len(missed)} trainable params of at least 2 dims "
+        f"({elems:,} elements) go to AdamW, not Muon: {shown}{more}. Pass params= or "
+        "predicate= to dedicate them; dm.assignments() lists every param and why.",
+        stacklevel=3,
+    )
 
 
 def _bucket_cap_bytes(bucket_cap_mb) -> int:

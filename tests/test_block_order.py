@@ -66,3 +66,19 @@ def test_predicted_buckets_follow_the_order_and_the_calls_do_not_change():
         idx = [i for i, m in enumerate(blocks) if m == block]
         assert idx == list(range(idx[0], idx[-1] + 1))
     assert Counter(predict_step(reordered)) == Counter(predict_step(layout))
+
+
+def test_recorder_counts_the_runs_of_blocks_and_watched_modules():
+    """The harness's own count of weight sharing (``RunLayout.module_calls``): the first
+    forward only, blocks and watched modules (FSDP2 units) alike."""
+    import torch
+
+    from examples.structures import SharedBlockMLP
+    from verify.run.block_order import BlockOrderRecorder
+
+    model = SharedBlockMLP()
+    rec = BlockOrderRecorder(model, ("inp", "blocks.0", "blocks.1"), watch=("blocks.0.up", "blocks.1", ""))
+    model(torch.randn(2, 20))
+    model(torch.randn(2, 20))  # after the first forward the hooks are gone
+    assert rec.recorded == ["inp", "blocks.0", "blocks.1"]
+    assert rec.calls == {"inp": 1, "blocks.0": 2, "blocks.1": 1, "blocks.0.up": 2}

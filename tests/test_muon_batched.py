@@ -59,3 +59,44 @@ def test_bad_batches_raise():
         muon_update_batched_([], [], [], nesterov=True, **HP)
     with pytest.raises(ValueError, match="Must be 3-D"):
         zeropower_via_newtonschulz_batched(a, HP["ns_coefficients"], 5, 1e-7)
+
+
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_stack_and_conv_updates_equal_torch_muon_over_each_matrix(nesterov):
+    """A (3, 8, 12) stack and a (6, 2, 3, 3) conv weight stepped by muon_update_matrices_
+    against torch.optim.Muon given each slice / the flattened view as its own 2-D param."""
+    from dmuon.optim.muon_math import muon_update_matrices_
+
+    torch.manual_seed(0)
+    stack, conv = torch.randn(3, 8, 12), torch.randn(6, 2, 3, 3)
+    ref_stack, ref_conv = stack.clone(), conv.clone()
+    views = [torch.nn.Parameter(ref_stack[i]) for i in range(3)] + [
+        torch.nn.Parameter(ref_conv.view(6, 18))]
+    torch_muon = torch.optim.Muon(views, lr=0.02, nesterov=nesterov, adjust_lr_fn="original")
+    hp = {k: torch_muon.defaults[k] for k in ("lr", "weight_decay", "momentum", "nesterov",
+                                               "ns_coefficients", "ns_steps", "eps", "adjust_lr_fn")}
+    bufs = [torch.zeros_like(stack), torch.zeros_like(conv)]
+    for step in range(3):
+        g_stack, g_conv = torch.randn(3, 8, 12), torch.randn(6, 2, 3, 3)
+        for i in range(3):
+            views[i].grad = g_stack[i].clone()
+        views[3].grad = g_conv.view(6, 18).clone()
+        torch_muon.step()
+        muon_update_matrices_([stack], [g_stack], [bufs[0]], matrix_shape=(8, 12), **hp)
+        muon_update_matrices_([conv], [g_conv], [bufs[1]], matrix_shape=(6, 18), **hp)
+    # the conv weight is one matrix: torch's own arithmetic, bit for bit
+    assert torch.equal(conv, ref_conv)
+    # the stack's slices run in one bmm chain: within one bf16 ulp of the lr-scaled update
+    lr = 0.02 * max(1, 8 / 12) ** 0.5
+    assert (stack - ref_stack).abs().max() <= 3 * lr * 2**-7
+
+
+def test_matrices_update_rejects_a_partial_matrix():
+    from dmuon.optim.muon_math import muon_update_matrices_
+
+    p = torch.zeros(2, 5)
+    with pytest.raises(ValueError, match="whole number of"):
+        muon_update_matrices_([p], [p.clone()], [p.clone()], matrix_shape=(3, 3), lr=0.1,
+                              weight_decay=0.0, momentum=0.9, nesterov=True,
+                              ns_coefficients=(3.4445, -4.775, 2.0315), ns_steps=5, eps=1e-7,
+                              adjust_lr_fn=None)

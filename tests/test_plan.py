@@ -241,7 +241,7 @@ def test_specs_from_named_parameters():
     "specs, mesh_shape, match",
     [
         ([ParamSpec("w", (4,), "float32", "m")], (1, 2), r"Invalid shape=\(4,\) for param 'w'"),
-        ([ParamSpec("w", (2, 3, 4), "float32", "m")], (1, 2), "Must be a 2-D tuple"),
+        ([ParamSpec("w", (2, 3, 4), "float32", "m", (3, 8))], (1, 2), r"Must be None, \(3, 4\)"),
         ([ParamSpec("w", (0, 4), "float32", "m")], (1, 2), "positive ints"),
         (
             [ParamSpec("w", (2, 2), "float32", "m"), ParamSpec("w", (3, 3), "float32", "m")],
@@ -362,3 +362,30 @@ def test_multifit_step_fixes_lpt_where_grouping_equal_sizes_wins():
     plan = plan_ownership(specs, (1, 16), cost_table=table)
     assert max(plan.ns_load) == 21 == makespan_lower_bound(list(plan.ns_cost.values()), 16)
     assert sorted(plan.ns_load) == [21] * 16
+
+
+def test_a_stack_costs_e_slices_and_a_conv_its_flattened_matrix():
+    from dmuon.optim.muon_math import ns_flops
+
+    stack = ParamSpec("experts.w", (8, 24, 40), "float32", "experts")
+    conv = ParamSpec("conv.weight", (16, 3, 5, 5), "float32", "conv", (16, 75))
+    assert (stack.matrix_shape, stack.matrices) == ((24, 40), 8)
+    assert (conv.matrix_shape, conv.matrices) == ((16, 75), 1)
+    plan = plan_ownership([stack, conv], (1, 2))
+    assert plan.ns_cost["experts.w"] == 8 * ns_flops(24, 40, 5)
+    assert plan.ns_cost["conv.weight"] == ns_flops(16, 75, 5)
+    # a measured table is keyed by the matrix shape and scaled by the matrices
+    table = plan_ownership([stack, conv], (1, 2), cost_table={(24, 40): 2.0, (16, 75): 3.0})
+    assert dict(table.ns_cost) == {"conv.weight": 3.0, "experts.w": 16.0}
+
+
+def test_the_matrix_view_is_in_the_digest():
+    as_stack = ParamSpec("w", (4, 6, 6), "float32", "m")
+    as_conv = ParamSpec("w", (4, 6, 6), "float32", "m", (4, 36))
+    assert plan_ownership([as_stack], (1, 2)).digest() != plan_ownership([as_conv], (1, 2)).digest()
+    # the stack layout given explicitly is the default (None), as specs_from_named_parameters stores it
+    import torch
+
+    specs = specs_from_named_parameters([("w", torch.zeros(4, 6, 6)), ("c", torch.zeros(4, 6, 6))],
+                                        {"w": (6, 6), "c": (4, 36)})
+    assert [sp.matrix for sp in specs] == [None, (4, 36)]

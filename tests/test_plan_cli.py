@@ -176,7 +176,7 @@ def test_unwritable_png_names_the_path_and_the_os_error(tmp_path, capsys, monkey
     assert str(tmp_path) in err
 
 
-@pytest.mark.parametrize("factory", ["conv_only", "experts_3d", "relu"])
+@pytest.mark.parametrize("factory", ["relu"])
 def test_nothing_to_dedicate_is_an_empty_plan(factory, capsys):
     spec = f"tests.plan_factories:{factory}"
     assert main(["--model", spec, "--mesh", "4"]) == 0
@@ -189,10 +189,19 @@ def test_nothing_to_dedicate_is_an_empty_plan(factory, capsys):
     assert rep["muon_matrices"] == 0 and "nothing to dedicate" in rep["note"]
 
 
+@pytest.mark.parametrize("factory, matrices, params", [("conv_only", 2, 2), ("experts_3d", 4, 1)])
+def test_conv_and_expert_stack_models_are_planned(factory, matrices, params, capsys):
+    """Convs (one flattened matrix) and 3-D expert stacks (E matrices) are Muon targets by
+    default (docs/selection.md), so these models get a plan, not "nothing to dedicate"."""
+    assert main(["--model", f"tests.plan_factories:{factory}", "--mesh", "2", "--json"]) == 0
+    (rep,) = json.loads(capsys.readouterr().out)["reports"]
+    assert rep["muon_matrices"] == matrices and rep["muon_params"] == params and rep["modes"]
+
+
 def test_nothing_to_dedicate_sweep_and_png(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr("verify.plan.cli.SWEEP_WORLDS", (8, 16))
     png = tmp_path / "w.png"
-    assert main(["--model", "tests.plan_factories:conv_only", "--sweep", "--png", str(png)]) == 0
+    assert main(["--model", "tests.plan_factories:relu", "--sweep", "--png", str(png)]) == 0
     assert "nothing to dedicate" in capsys.readouterr().out
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

@@ -252,3 +252,87 @@ def test_mixed_precision_layout_round_trips_and_validates():
 def test_closed_form_table_is_the_spec_at_n3():
     assert closed_form("dmuon-z3", 3).total == pytest.approx(2.0)
     assert closed_form("dmuon-z2", 3).total == pytest.approx(4 / 3)
+
+
+def _experts_layout(mode: str, world: int, **extra) -> RunLayout:
+    """The layout the harness records for examples/experts.py (3-D stacks, routers)."""
+    from dmuon.ownership.select import matrix_shapes
+    from examples.experts import ExpertsMLP
+
+    model = ExpertsMLP()
+    targets = muon_names(model)
+    specs = tuple(specs_from_named_parameters(model.named_parameters(), matrix_shapes(model, targets)))
+    fsdp = () if "ddp" in mode or mode == "zero1-muon" else (
+        ("inp", "layers.0", "layers.1", "") if mode.startswith("naive") else ("",))
+    return RunLayout(mode=mode, replicate_size=1, shard_size=world, params=specs, muon_names=targets,
+                     fsdp_modules=fsdp, reshard_after_forward=mode.endswith("z3"), **extra)
+
+
+@pytest.mark.parametrize("mode", ["dmuon-z3", "naive-fsdp2-z2", "ddp-muon", "zero1-muon"])
+def test_expert_stacks_count_matrices_and_keep_the_closed_form(mode):
+    from verify.traffic.predict import ns_calls_per_step
+
+    layout = _experts_layout(mode, 4)
+    assert layout.p_m() == 19_920
+    once = 1 + 2 * (1 + 5 + 5)  # inp, and per layer a router and two stacks of 5 slices
+    assert ns_calls_per_step(layout) == (once if mode in ("dmuon-z3", "zero1-muon") else 4 * once)
+    run = compare_run(layout, _events(layout), steps=1, ns_calls=ns_calls_per_step(layout))
+    assert run["pass"] and run["closed_form_matches"] and run["p_m_reused"] == 0
+    assert RunLayout.from_dict(layout.to_dict()) == layout  # ParamSpec.matrix round-trips
+
+
+def _shared_layout(mode: str, calls: int) -> RunLayout:
+    """examples/structures.py:shared_block at W=2 with blocks.0 run ``calls`` times."""
+    from examples.structures import SharedBlockMLP
+
+    model = SharedBlockMLP()
+    targets = muon_names(model)
+    units = {"dmuon-z3": ("",), "dmuon-z2": ("",),
+             "naive-fsdp2-z3": ("blocks.0.up", "blocks.0.down", "blocks.1.up", "blocks.1.down",
+                                "inp", "blocks.0", "blocks.1", "")}
+    units["naive-fsdp2-z2"] = units["naive-fsdp2-z3"]
+    reused = (("blocks.0", calls), ("blocks.0.down", calls), ("blocks.0.up", calls)) if calls > 1 else ()
+    return RunLayout(mode=mode, replicate_size=1, shard_size=2,
+                     params=tuple(specs_from_named_parameters(model.named_parameters())),
+                     muon_names=targets, fsdp_modules=units[mode],
+                     reshard_after_forward=mode.endswith("z3"), module_calls=reused)
+
+
+@pytest.mark.parametrize("mode,forward_again,backward_again", [
+    ("dmuon-z3", 1, 0), ("dmuon-z2", 0, 0), ("naive-fsdp2-z3", 1, 1), ("naive-fsdp2-z2", 0, 1)])
+def test_a_module_run_twice_is_sent_again_as_the_rules_say(mode, forward_again, backward_again):
+    from verify.traffic.predict import reused_elems
+
+    once, twice = _shared_layout(mode, 1), _shared_layout(mode, 2)
+    extra = Counter(e.key() for e in predict_step(twice)) - Counter(e.key() for e in predict_step(once))
+    assert not Counter(e.key() for e in predict_step(once)) - Counter(e.key() for e in predict_step(twice))
+    per_phase = Counter()
+    for key, n in extra.items():
+        per_phase[key[1]] += n
+    # W=2 ranks x 2 calls: blocks.0's two matrices have different owners (two DMuon buckets),
+    # and FSDP2 wraps each in its own unit
+    want = Counter({"forward": 4 * forward_again, "backward": 4 * backward_again})
+    assert per_phase == want - Counter(), per_phase
+    # P_M^r: blocks.0's 2 x 50 x 70 elements (even, so no padding); the form's factor decides
+    # whether a mode sends them again (dmuon-z2: 0)
+    assert reused_elems(twice) == 7000 and reused_elems(once) == 0
+    run = compare_run(twice, _events(twice), steps=1, ns_calls=len(twice.muon_names) * (
+        1 if mode.startswith("dmuon") else 2))
+    assert run["pass"] and run["closed_form_matches"], run["phases"]
+    assert RunLayout.from_dict(twice.to_dict()) == twice
+
+
+def test_ddp_buffer_broadcasts_group_by_dtype_and_bucket():
+    from verify.traffic.rules import ddp_buffer_broadcasts
+
+    buffers = [("float32", 4), ("int64", 1), ("float32", 4), ("float32", 10)]
+    assert ddp_buffer_broadcasts(buffers) == [("float32", 18), ("int64", 1)]
+    # a group closes once it reaches the bucket (c10d's take_tensors): 16 + 16 bytes >= 32,
+    # then 40 >= 32; the open int64 group comes last
+    assert ddp_buffer_broadcasts(buffers, bucket_bytes=32) == [("float32", 8), ("float32", 10),
+                                                               ("int64", 1)]
+    layout = _layout("dmuon-ddp", 2, ddp_buffers=(("float32", 8),))
+    calls = [e for e in predict_step(layout) if e.phase == "forward" and e.op == "broadcast"
+             and e.group_size == 2 and e.dedicated_count == 0]
+    assert [(e.rank, e.count, e.root) for e in calls] == [(0, 8, 0), (1, 8, 0)]
+    assert RunLayout.from_dict(layout.to_dict()) == layout

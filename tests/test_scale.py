@@ -138,3 +138,43 @@ def test_plan_for_another_mesh_is_rejected():
     layout = _layout("dmuon-z2", 1, 2)
     with pytest.raises(ValueError, match="Must be planned on"):
         step_traffic(layout, plan=dataclasses.replace(layout, shard_size=3).plan())
+
+
+def _structures_layout(mode: str, r: int, n: int, factory: str) -> RunLayout:
+    """examples/experts.py (3-D stacks) or examples/structures.py:shared_block (blocks.0 run
+    twice per forward), wrapped as the harness does."""
+    import importlib
+
+    from dmuon.ownership.select import matrix_shapes
+
+    module, _, name = factory.partition(":")
+    model = getattr(importlib.import_module(module), name)()[0]
+    muon = tuple(m for m, _, _ in select_params(model, None, None))
+    holders = tuple(dict.fromkeys(m.rpartition(".")[0] for m in muon))
+    listed = "blocks" if hasattr(model, "blocks") else "layers"  # the blocks FSDP2 wraps
+    blocks = tuple(b for b in (f"{listed}.{i}" for i in range(2)) if b not in holders)
+    units = () if "ddp" in mode or mode == ZERO1 else (
+        (holders if mode.startswith("naive") else ()) + blocks + ("",))
+    calls = (("blocks.0", 2), ("blocks.0.down", 2), ("blocks.0.up", 2)) if "shared" in factory else ()
+    return RunLayout(
+        mode=mode, replicate_size=r, shard_size=n,
+        params=tuple(specs_from_named_parameters(model.named_parameters(), matrix_shapes(model, muon))),
+        muon_names=muon, fsdp_modules=units, module_calls=calls,
+        reshard_after_forward=mode.endswith("z3") or mode == "naive-hsdp",
+    )
+
+
+@pytest.mark.parametrize("factory", ["examples.experts:factory", "examples.structures:shared_block"])
+@pytest.mark.parametrize("mode", MODES)
+def test_aggregate_equals_exact_list_for_stacks_and_weight_sharing(mode, factory):
+    r, n = (2, 3) if "hsdp" in mode else (1, 3)
+    layout = _structures_layout(mode, r, n, factory)
+    exact = _from_exact_list(layout)
+    agg = step_traffic(layout)
+    assert agg.ded_avg_elems == pytest.approx(exact["ded_avg"], rel=REL)
+    assert agg.calls_max == exact["calls_max"]
+    from verify.traffic.predict import ns_calls_per_step
+
+    assert agg.ns_calls == ns_calls_per_step(layout)
+    if mode.startswith("dmuon-"):  # DMuon moves whole params: the closed form holds at any N
+        assert agg.ded_avg_elems == pytest.approx(agg.closed_form_elems(), rel=REL)

@@ -7,7 +7,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from dmuon.api import setup_digest
 from dmuon.ownership.plan import plan_ownership, specs_from_named_parameters
-from dmuon.ownership.select import HEAD_NAMES, select_params
+from dmuon.ownership.select import HEAD_NAMES, adamw_matrices, assign_params, select_params
 from tests.distributed.api_tasks import GPT2Like
 
 
@@ -19,10 +19,13 @@ def test_conv1d_is_a_linear_frozen_and_head_are_not():
     assert _selected(GPT2Like()) == ["c_fc.weight", "c_proj.weight"]
 
 
-def test_conv1d_needs_the_hf_layout():
+def test_conv1d_without_the_hf_layout_is_still_a_matrix():
     model = GPT2Like()
-    model.c_fc.nf = 999  # not (nx, nf): not recognised
-    assert _selected(model) == ["c_proj.weight"]
+    model.c_fc.nf = 999  # not (nx, nf): not recognised as a Linear, still a hidden matrix
+    assert _selected(model) == ["c_fc.weight", "c_proj.weight"]
+    reasons = {a.name: a.reason for a in assign_params(model)}
+    assert reasons["c_fc.weight"] == "matrix of a Conv1D (e.g. a router)"
+    assert reasons["c_proj.weight"] == "weight of a hidden Conv1D"
 
 
 @pytest.mark.parametrize("head", sorted(HEAD_NAMES))
@@ -73,3 +76,79 @@ def test_setup_digest_covers_reshard_and_mixed_precision():
 def test_setup_digest_rejects_a_non_bool_reshard():
     with pytest.raises(ValueError, match="Invalid reshard_after_forward=1. Must be True"):
         _digest(GPT2Like(), reshard_after_forward=1)
+
+
+class _Router(nn.Module):
+    def __init__(self, experts: int, d: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(experts, d))
+
+
+class _Experts(nn.Module):
+    def __init__(self, experts: int, d: int, f: int) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.randn(experts, 2 * f, d))
+        self.down_proj = nn.Parameter(torch.randn(experts, d, f))
+
+
+class _Modern(nn.Module):
+    """The roles the default rule must tell apart: an MoE layer stored as in transformers 5
+    (3-D expert stacks, a router that is not an nn.Linear), a conv, learned position and
+    class tokens, a (1, d) gain, an embedding, a head."""
+
+    def __init__(self, d: int = 8) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(20, d)
+        self.pos_embed = nn.Parameter(torch.zeros(1, 6, d))
+        self.cls_token = nn.Parameter(torch.zeros(1, 1, d))
+        self.patch = nn.Conv2d(3, d, 2)
+        self.seq = nn.Conv1d(d, d, 3)
+        self.gate = _Router(4, d)
+        self.experts = _Experts(4, d, 6)
+        self.gain = nn.Parameter(torch.ones(1, d))
+        self.norm = nn.LayerNorm(d)
+        self.lm_head = nn.Linear(d, 20, bias=False)
+
+
+def test_default_rule_goes_by_role_with_a_reason_each():
+    got = {a.name: (a.optimizer, a.matrix, a.reason) for a in assign_params(_Modern())}
+    muon = {n: m for n, (o, m, _) in got.items() if o == "muon"}
+    assert muon == {
+        "patch.weight": (8, 12), "seq.weight": (8, 24),  # conv: (out, in·k…)
+        "gate.weight": (4, 8),  # a router: a 2-D param of a custom module
+        "experts.gate_up_proj": (12, 8), "experts.down_proj": (8, 6),  # stacks: shape[-2:]
+    }
+    assert got["experts.gate_up_proj"][2] == "stack of 4 (12, 8) matrices (_Experts)"
+    assert got["patch.weight"][2] == "conv weight (Conv2d), Muon on its (8, 12) view"
+    assert got["pos_embed"][2] == "embedding-like table (name 'pos_embed', EMBEDDING_WORDS)"
+    assert got["cls_token"][0] == "adamw" and got["embed_tokens.weight"][0] == "adamw"
+    assert got["lm_head.weight"][2] == "output head (module named 'lm_head', HEAD_NAMES)"
+    assert got["gain"][2].startswith("a vector stored as a matrix (1, 8)")
+    assert got["patch.bias"][2] == "1-D (bias, norm gain or scalar)"
+
+
+def test_explicit_params_take_stacks_and_reject_1d():
+    model = _Modern()
+    names = [n for n, _, _ in select_params(model, ["experts.down_proj", model.gate.weight], None)]
+    assert names == ["gate.weight", "experts.down_proj"]  # model order
+    with pytest.raises(ValueError, match=r"norm.weight of shape \(8,\): Muon needs a matrix"):
+        select_params(model, ["norm.weight"], None)
+
+
+def test_a_predicate_overrides_the_default_and_keeps_the_tie_rule():
+    model = _Modern()
+    model.lm_head.weight = model.embed_tokens.weight
+    chosen = [n for n, _, _ in select_params(model, None, lambda n, p, m: p.ndim == 2)]
+    assert chosen == ["gain", "gate.weight"]  # not the embedding, nor the head tied to it
+    reasons = {a.name: a.reason for a in assign_params(model, None, lambda n, p, m: p.ndim == 3)}
+    assert reasons["experts.down_proj"] == "predicate= returned True"
+    assert reasons["gate.weight"].startswith("predicate= returned False (default: matrix of")
+
+
+def test_adamw_matrices_name_what_the_selection_left_out():
+    model = _Modern()
+    left = adamw_matrices(assign_params(model, ["experts.down_proj"]))
+    names = {a.name for a in left}
+    # hidden matrices left to AdamW by params= are reported; embeddings, heads, the position
+    # table, the class token and 1-D params are not (AdamW by design)
+    assert names == {"patch.weight", "seq.weight", "gate.weight", "experts.gate_up_proj", "gain"}

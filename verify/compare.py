@@ -12,9 +12,11 @@ the split; the existence and size of every call is measured. Unmatched events co
 totals but not towards the Muon share (and fail the run anyway).
 
 The closed form gates every run, in every phase and in total: the measured W-average must equal
-the formula of docs/spec.md §2 at P_M (DMuon and DDP modes, any shapes: they move whole
-matrices) or at P_M^pad, the Muon params padded on dim 0 to a multiple of N (the naive FSDP2 / HSDP
-baselines, ``verify.traffic.formulas.PADDED_MODES``; derivation in docs/traffic-model.md).
+docs/spec.md §2's formula at P_M (DMuon and DDP modes, any shapes: they move whole matrices) or at
+P_M^pad, the Muon params padded on dim 0 to a multiple of N (the naive FSDP2 / HSDP
+baselines, ``verify.traffic.formulas.PADDED_MODES``; derivation in docs/traffic-model.md),
+plus, when a unit runs more than once per forward (weight sharing), the form's term in P_M^r
+(``verify.traffic.predict.reused_elems``), 0 otherwise.
 """
 
 from __future__ import annotations
@@ -25,7 +27,14 @@ from collections.abc import Sequence
 from dmuon.annotate import PHASES
 from tracer.events import CollectiveEvent
 
-from verify.traffic.predict import Expected, RunLayout, ns_calls_per_step, owner_numels, predict_step
+from verify.traffic.predict import (
+    Expected,
+    RunLayout,
+    ns_calls_per_step,
+    owner_numels,
+    predict_step,
+    reused_elems,
+)
 from verify.traffic.formulas import PADDED_MODES, avg_elems, closed_form, closed_form_p_m
 
 
@@ -88,6 +97,7 @@ def compare_run(
     cf_p_m = closed_form_p_m(layout.mode, [s.shape for s in layout.muon_specs()], layout.shard_size,
                              numels)
     padded = layout.mode in PADDED_MODES and cf_p_m != p_m
+    p_m_r = reused_elems(layout)
     per_rank = defaultdict(float)
     total_measured = 0.0
     meas_phase = defaultdict(float)
@@ -113,14 +123,14 @@ def compare_run(
     ):
         ph_missing = sum(n for k, n in missing.items() if k[1] == ph)
         ph_unexpected = sum(n for k, n in unexpected.items() if k[1] == ph)
-        cf = form.phases.get(ph, 0.0)
+        cf = form.at(ph, cf_p_m, p_m_r)
         seed = form.seed_phases.get(ph) if form.seed_phases else None
         measured_ph = meas_phase[ph] / (w * steps)
-        cf_ok = _close(measured_ph, cf * cf_p_m, cf_p_m)
+        cf_ok = _close(measured_ph, cf, cf_p_m)
         phases[str(ph)] = {
             "measured_avg_elems": measured_ph,
             "predicted_avg_elems": pred_phase[ph] / w,
-            "closed_form_avg_elems": cf * cf_p_m,
+            "closed_form_avg_elems": cf,
             "seed_avg_elems": None if seed is None else seed * p_m,
             "collectives_measured": meas_phase_n[ph] / steps,
             "collectives_predicted": pred_phase_n[ph],
@@ -131,7 +141,7 @@ def compare_run(
     predicted_avg = sum(pred_phase.values()) / w
     ns_per_step = ns_calls / steps
     ns_expected = ns_calls_per_step(layout)
-    closed_ok = _close(measured_avg, form.total * cf_p_m, cf_p_m) and all(
+    closed_ok = _close(measured_avg, form.total_at(cf_p_m, p_m_r), cf_p_m) and all(
         ph["closed_form_matches"] for ph in phases.values()
     )
     ok = not missing and not unexpected and ns_per_step == ns_expected and closed_ok
@@ -143,9 +153,10 @@ def compare_run(
         p_m=p_m,
         measured_avg_elems=measured_avg,
         predicted_avg_elems=predicted_avg,
-        closed_form=form.text + (" at P_M^pad" if padded else ""),
-        closed_form_avg_elems=form.total * cf_p_m,
+        closed_form=form.text + (" at P_M^pad" if padded else "") + (form.reuse_text if p_m_r else ""),
+        closed_form_avg_elems=form.total_at(cf_p_m, p_m_r),
         closed_form_p_m=cf_p_m,
+        p_m_reused=p_m_r,
         closed_form_padded=padded,
         seed_avg_elems=None if form.seed_total is None else form.seed_total * p_m,
         ratio_to_p_m=measured_avg / p_m if p_m else 0.0,

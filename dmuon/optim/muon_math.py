@@ -32,6 +32,7 @@ __all__ = [
     "ADJUST_LR_FNS",
     "adjust_lr",
     "muon_update_",
+    "muon_update_matrices_",
     "ns_cost",
     "ns_flops",
     "polar_express_coefficients",
@@ -367,6 +368,84 @@ def muon_update_batched_(
     ortho = zeropower_via_newtonschulz_batched(updates, ns_coefficients, ns_steps, eps)
     for p, u in zip(params, ortho):
         _apply_update(p, u, lr, weight_decay, adjust_lr_fn)
+
+
+@torch.no_grad()
+def muon_update_matrices_(
+    params: Sequence[Tensor],
+    grads: Sequence[Tensor],
+    momentum_buffers: Sequence[Tensor],
+    *,
+    matrix_shape: Sequence[int],
+    lr: float,
+    weight_decay: float,
+    momentum: float,
+    nesterov: bool,
+    ns_coefficients: Sequence[float] | Sequence[Sequence[float]],
+    ns_steps: int,
+    eps: float,
+    adjust_lr_fn: str | None,
+) -> None:
+    """``torch.optim.Muon`` applied to every ``(rows, cols)`` matrix of ``params``, each param
+    seen as ``param.view(-1, rows, cols)``: a 2-D weight (one matrix), a 3-D expert stack
+    ``(E, rows, cols)`` (E matrices) or a conv weight flattened to ``(out, in·k…)``.
+
+    Per matrix it is :func:`muon_update_` of that matrix as its own parameter: momentum and
+    Nesterov are element-wise (the same on the whole tensor), Newton–Schulz normalises and
+    orthogonalises each matrix on its own, weight decay uses the raw ``lr`` and the update
+    ``adjust_lr(lr, adjust_lr_fn, (rows, cols))``: the matrix's shape, never the param's.
+    One matrix in all takes :func:`muon_update_`'s path (bitwise torch's); more run one
+    :func:`zeropower_via_newtonschulz_batched` over all of them (that function's tolerance).
+
+    Args:
+        params, grads, momentum_buffers: ``k >= 1`` contiguous tensors each, ``grads[i]`` and
+            ``momentum_buffers[i]`` of ``params[i]``'s shape; every numel a multiple of
+            ``rows * cols``.
+        matrix_shape: ``(rows, cols)`` of one matrix.
+        lr, weight_decay, momentum, nesterov, ns_coefficients, ns_steps, eps, adjust_lr_fn:
+            as :func:`muon_update_`.
+
+    Raises:
+        ValueError: the lists differ in length or are empty, a shape mismatch, a numel that
+            is not a whole number of matrices, and what :func:`muon_update_` rejects.
+    """
+    if not params or not len(params) == len(grads) == len(momentum_buffers):
+        raise ValueError(
+            f"Invalid lengths {len(params)=}, {len(grads)=}, {len(momentum_buffers)=}. Must "
+            "be equal and >= 1 (one grad and momentum buffer per param)."
+        )
+    if len(matrix_shape) != 2:
+        raise ValueError(f"Invalid {matrix_shape=}. Must be (rows, cols).")
+    rows, cols = _check_dims(*matrix_shape)
+    for p, g, m in zip(params, grads, momentum_buffers):
+        if p.ndim < 2 or p.numel() % (rows * cols):
+            raise ValueError(
+                f"Invalid param shape={tuple(p.shape)} for matrix_shape={(rows, cols)}. Must "
+                "have at least 2 dims and a whole number of (rows, cols) matrices."
+            )
+        for name, t in (("grad", g), ("momentum_buffer", m)):
+            if t.shape != p.shape:
+                raise ValueError(
+                    f"Invalid {name} shape={tuple(t.shape)}. Must equal the param's shape "
+                    f"{tuple(p.shape)}."
+                )
+        for name, value in (("lr", lr), ("weight_decay", weight_decay), ("momentum", momentum)):
+            if not _is_real(value) or value < 0:
+                raise ValueError(f"Invalid {name}={value!r}. Must be a finite float >= 0.")
+    if adjust_lr_fn not in ADJUST_LR_FNS:
+        raise ValueError(f"Invalid {adjust_lr_fn=}. Must be one of {ADJUST_LR_FNS}.")
+    updates = [_momentum_update(g, m, momentum, nesterov) for g, m in zip(grads, momentum_buffers)]
+    if sum(p.numel() for p in params) == rows * cols:  # one matrix: torch's own arithmetic
+        ortho = [zeropower_via_newtonschulz(updates[0].reshape(rows, cols), ns_coefficients,
+                                            ns_steps, eps)]
+    else:
+        stacked = torch.cat([u.reshape(-1, rows, cols) for u in updates])
+        ortho = zeropower_via_newtonschulz_batched(stacked, ns_coefficients, ns_steps, eps)
+        ortho = ortho.split([p.numel() // (rows * cols) for p in params])
+    alpha = -adjust_lr(lr, adjust_lr_fn, (rows, cols))
+    for p, u in zip(params, ortho):
+        p.mul_(1 - lr * weight_decay)
+        p.add_(u.reshape(p.shape), alpha=alpha)
 
 
 def _check_update(param, grad, momentum_buffer, lr, weight_decay, momentum, adjust_lr_fn) -> None:

@@ -6,8 +6,12 @@ replicate broadcast starts as ``step()`` returns (phase ``replicate``); its wait
 module's next forward pre-hook.
 
 The Muon math is ``torch.optim.Muon``'s (same argument names and defaults, see
-``muon_math.py``); owned matrices of one shape are orthogonalized in one batch
-(``muon_update_batched_``: within one bfloat16 ulp of the per-matrix path). The AdamW math
+``muon_math.py``), applied to every matrix of a dedicated param: a 2-D weight is one, a 3-D
+expert stack ``(E, rows, cols)`` is E (momentum, Newton–Schulz and the lr scaling of each
+slice as if it were its own parameter), a conv weight is one matrix of its flattened
+``(out, in·k…)`` view (``ParamSpec.matrix_shape`` of the plan). Owned matrices of one shape
+are orthogonalized in one batch (``muon_update_matrices_``: within one bfloat16 ulp of the
+per-matrix path). The AdamW math
 is ``torch.optim.AdamW``'s (its functional form, ``foreach=True``: one multi-tensor kernel
 per op over the group instead of one kernel per param).
 """
@@ -21,11 +25,10 @@ from torch.optim import Optimizer
 from torch.optim.adam import adam as _adam_functional
 
 from dmuon import annotate
-
 from dmuon.runtime import checkpoint
 from dmuon.runtime.dedicate import DedicatedParams
 from dmuon.optim.hparams import validate_adamw, validate_muon
-from dmuon.optim.muon_math import MUON_DEFAULTS, muon_update_, muon_update_batched_
+from dmuon.optim.muon_math import MUON_DEFAULTS, muon_update_matrices_
 
 
 class DMuon(Optimizer):
@@ -47,7 +50,8 @@ class DMuon(Optimizer):
             ``lr, betas, eps, weight_decay`` (defaults equal).
 
     Attributes:
-        ns_calls: Newton–Schulz invocations on this rank since construction.
+        ns_calls: matrices orthogonalized by Newton–Schulz on this rank since construction
+            (an expert stack of E slices counts E, as ``torch.optim.Muon`` over the slices).
 
     Raises:
         ValueError: ``dedicated`` is not a :class:`DedicatedParams`, a dedicated param is
@@ -119,6 +123,10 @@ class DMuon(Optimizer):
         self._owned = {id(p) for p in dedicated.owned()}
         # Module of each dedicated matrix: its Newton–Schulz span names it, like the comm spans.
         self._module_of = {id(p): dedicated.block_of(p) for p in dedicated.params}
+        # Muon's view of each dedicated param: (rows, cols) of one matrix (stack or conv layout)
+        spec_of = {sp.name: sp for sp in dedicated.plan.specs}
+        self._matrix_of = {id(p): spec_of[n].matrix_shape
+                           for n, p in zip(dedicated.names, dedicated.params)}
         checkpoint.complete_state(self)  # the state DCP's templates need, before the first step
 
     # ------------------------------------------------------------------ state and checkpoints
@@ -215,11 +223,12 @@ class DMuon(Optimizer):
             check(group, f"param_groups[{i}].")
 
     def _muon_group(self, group: dict) -> None:
-        """Owned params with a grad, batched by (shape, dtype, device): one Newton–Schulz
-        ``bmm`` chain per batch of two or more (tolerance: see
+        """Owned params with a grad, batched by (matrix shape, dtype, device): one
+        Newton–Schulz ``bmm`` chain per batch of two or more matrices, an expert stack's
+        slices included (tolerance: see
         :func:`~dmuon.optim.muon_math.zeropower_via_newtonschulz_batched`); a single matrix takes
         the per-matrix path (torch.optim.Muon's arithmetic). One span per batch, named after
-        its first matrix's module."""
+        its first param's module."""
         batches: dict[tuple, list[torch.Tensor]] = {}
         for p in group["params"]:
             if id(p) not in self._owned or p.grad is None:
@@ -227,19 +236,16 @@ class DMuon(Optimizer):
             state = self.state[p]
             if "momentum_buffer" not in state:
                 state["momentum_buffer"] = self.new_momentum(p)
-            batches.setdefault((tuple(p.shape), p.dtype, p.device), []).append(p)
+            batches.setdefault((self._matrix_of[id(p)], p.dtype, p.device), []).append(p)
         hparams = {k: group[k] for k in ("lr", "weight_decay", "momentum", "nesterov",
                                          "ns_coefficients", "ns_steps", "eps", "adjust_lr_fn")}
-        for params in batches.values():
+        for (matrix, _, _), params in batches.items():
             grads = [p.grad for p in params]
             bufs = [self.state[p]["momentum_buffer"] for p in params]
             with annotate.span("dmuon.newton_schulz", module=self._module_of[id(params[0])],
                                owner=self.dedicated.owner_of(params[0])):
-                if len(params) == 1:
-                    muon_update_(params[0], grads[0], bufs[0], **hparams)
-                else:
-                    muon_update_batched_(params, grads, bufs, **hparams)
-            self.ns_calls += len(params)
+                muon_update_matrices_(params, grads, bufs, matrix_shape=matrix, **hparams)
+            self.ns_calls += sum(p.numel() for p in params) // (matrix[0] * matrix[1])
 
     def _adamw_group(self, group: dict) -> None:
         params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []

@@ -37,7 +37,8 @@ __all__ = [
 
 #: Bumped whenever the algorithm or the digest's JSON layout changes. 2: NS cost = the FLOPs
 #: of the configured iteration (was rows*cols*min), LPT on a heap keyed (load, bytes, g).
-PLAN_VERSION = 2
+#: 3: n-D params (expert stacks, conv weights) with their Muon matrix shape in the digest.
+PLAN_VERSION = 3
 
 #: NS iterations the default cost model assumes (``torch.optim.Muon``'s default ``ns_steps``).
 DEFAULT_NS_STEPS = 5
@@ -64,20 +65,43 @@ _DTYPE_BYTES: dict[str, int] = {}
 class ParamSpec:
     """What the planner (and the traffic predictor) knows about one parameter.
 
+    A Muon target is one matrix or several of one shape: Muon sees the param as
+    ``param.view(-1, *matrix_shape)`` (:attr:`matrix_shape`, :attr:`matrices`). Two layouts:
+
+    - a **stack** (the default): the last two dims are the matrix, the leading ones index
+      matrices; a 2-D ``(rows, cols)`` weight is a stack of one, a 3-D expert stack
+      ``(E, rows, cols)`` holds E.
+    - **flattened** (conv weights, ``matrix=(shape[0], prod(shape[1:]))``): one matrix of the
+      output channels by everything else, as Muon is usually applied to convolutions.
+
     Attributes:
         name: fully qualified parameter name (``model.named_parameters()``), e.g.
             ``"blocks.0.attn.qkv.weight"``; the plan's key and its tie-breaker.
-        shape: the full (unsharded) shape; :func:`plan_ownership` requires 2-D
-            ``(rows, cols)`` with positive dims (the predictor also describes 1-D params).
+        shape: the full (unsharded) shape; :func:`plan_ownership` requires at least 2 dims,
+            all positive (the predictor also describes 1-D params).
         dtype: torch dtype name, e.g. ``"float32"``.
         module: fully qualified name of the module holding the param (``"blocks.0.attn.qkv"``);
             the runtime packs same-owner params of one block (``dmuon.ownership.buckets``) into one broadcast.
+        matrix: the shape ``(rows, cols)`` of one Muon matrix, ``None`` for the stack layout
+            (``shape[-2:]``); must be ``shape[-2:]`` or ``(shape[0], prod(shape[1:]))``.
     """
 
     name: str
     shape: tuple[int, ...]
     dtype: str
     module: str
+    matrix: tuple[int, int] | None = None
+
+    @property
+    def matrix_shape(self) -> tuple[int, int]:
+        """``(rows, cols)`` of one Muon matrix of this param (class docstring)."""
+        return self.matrix if self.matrix is not None else tuple(self.shape[-2:])
+
+    @property
+    def matrices(self) -> int:
+        """How many Muon matrices the param holds (Newton–Schulz calls per step)."""
+        rows, cols = self.matrix_shape
+        return self.numel // (rows * cols)
 
     @property
     def numel(self) -> int:
@@ -91,27 +115,38 @@ class ParamSpec:
 
     @property
     def ns_cost(self) -> int:
-        """:func:`dmuon.optim.muon_math.ns_flops` of the matrix at ``DEFAULT_NS_STEPS`` (FLOPs)."""
-        return ns_flops(self.shape[0], self.shape[1], DEFAULT_NS_STEPS)
+        """:func:`dmuon.optim.muon_math.ns_flops` of the param at ``DEFAULT_NS_STEPS`` (FLOPs):
+        :attr:`matrices` times one matrix's."""
+        return self.matrices * ns_flops(*self.matrix_shape, DEFAULT_NS_STEPS)
 
 
 def specs_from_named_parameters(
     named_parameters: Iterable[tuple[str, torch.Tensor]],
+    matrix_shapes: Mapping[str, tuple[int, int]] | None = None,
 ) -> list[ParamSpec]:
     """``ParamSpec`` per ``(name, tensor)``; ``module`` is the name up to its last dot.
 
-    The caller selects which params are Muon targets (e.g. the 2-D weights of hidden Linear
-    layers). Raises ``ValueError`` (from :func:`plan_ownership`) later for non-2-D ones.
+    ``matrix_shapes``: name -> Muon matrix shape for params not in the stack layout (conv
+    weights, :func:`dmuon.select.matrix_shape`); a value equal to ``shape[-2:]`` is stored
+    as ``None``. The caller selects which params are Muon targets. Raises ``ValueError``
+    (from :func:`plan_ownership`) later for params with fewer than 2 dims.
     """
-    return [
-        ParamSpec(
+    out = []
+    for name, tensor in named_parameters:
+        shape = tuple(tensor.shape)
+        matrix = (matrix_shapes or {}).get(name)
+        if matrix is not None:
+            matrix = tuple(int(d) for d in matrix)
+            if matrix == shape[-2:]:
+                matrix = None
+        out.append(ParamSpec(
             name=name,
-            shape=tuple(tensor.shape),
+            shape=shape,
             dtype=str(tensor.dtype).removeprefix("torch."),
             module=name.rpartition(".")[0],
-        )
-        for name, tensor in named_parameters
-    ]
+            matrix=matrix,
+        ))
+    return out
 
 
 def _is_int_at_least(x, low: int) -> bool:
@@ -157,17 +192,24 @@ def _validate_specs(specs: Sequence[ParamSpec]) -> tuple[ParamSpec, ...]:
         if type(shape) is tuple and len(shape) == 2 and type(shape[0]) is int and type(shape[1]) is int:
             ok_shape = shape[0] >= 1 and shape[1] >= 1  # the common case, without ABC checks
         else:
-            ok_shape = False
-        if not ok_shape and (
-            not isinstance(shape, tuple)
-            or len(shape) != 2
-            or not all(_is_int_at_least(d, 1) for d in shape)
-        ):
-            raise ValueError(
-                f"Invalid shape={shape!r} for param {spec.name!r}. Must be a 2-D tuple of "
-                "positive ints (rows, cols): only 2-D matrices are Muon targets; leave other "
-                "params to AdamW."
+            ok_shape = (
+                isinstance(shape, tuple) and len(shape) >= 2
+                and all(_is_int_at_least(d, 1) for d in shape)
             )
+        if not ok_shape:
+            raise ValueError(
+                f"Invalid shape={shape!r} for param {spec.name!r}. Must be a tuple of at least 2 "
+                "positive ints: a matrix (rows, cols), a stack of matrices (E, rows, cols) or a "
+                "conv weight (out, in, k...); leave 1-D params to AdamW."
+            )
+        if spec.matrix is not None:
+            flat = (shape[0], math.prod(shape[1:]))
+            if not isinstance(spec.matrix, tuple) or spec.matrix not in (tuple(shape[-2:]), flat):
+                raise ValueError(
+                    f"Invalid matrix={spec.matrix!r} for param {spec.name!r} of shape {shape}. "
+                    f"Must be None, {tuple(shape[-2:])} (a stack of matrices) or {flat} (the "
+                    "conv layout: output channels by the rest)."
+                )
         if not isinstance(spec.module, str):
             raise ValueError(f"Invalid module={spec.module!r} for {spec.name!r}. Must be a str.")
         if spec.dtype not in _DTYPE_BYTES:
@@ -316,6 +358,7 @@ class OwnershipPlan:
                 {
                     "name": sp.name,
                     "shape": list(sp.shape),
+                    "matrix": list(sp.matrix_shape),
                     "dtype": sp.dtype,
                     "module": sp.module,
                     "owner": self.owner[sp.name],
@@ -339,20 +382,22 @@ def _cost_model(
     specs: Sequence[ParamSpec], ns_steps: int, cost_table: Mapping[tuple[int, int], float] | None
 ) -> dict[str, float]:
     if cost_table is None:
-        by_shape: dict[tuple[int, ...], int] = {}
+        by_shape: dict[tuple[int, int], int] = {}
         for sp in specs:
-            if sp.shape not in by_shape:
-                by_shape[sp.shape] = ns_flops(sp.shape[0], sp.shape[1], ns_steps)
-        return {sp.name: by_shape[sp.shape] for sp in specs}
+            m = sp.matrix_shape
+            if m not in by_shape:
+                by_shape[m] = ns_flops(m[0], m[1], ns_steps)
+        return {sp.name: sp.matrices * by_shape[sp.matrix_shape] for sp in specs}
     out = {}
     for sp in specs:
-        cost = cost_table.get(tuple(sp.shape))
+        cost = cost_table.get(tuple(sp.matrix_shape))
         if not isinstance(cost, numbers.Real) or isinstance(cost, bool) or not 0 < cost < math.inf:
             raise ValueError(
-                f"Invalid cost_table[{tuple(sp.shape)}]={cost!r} for param {sp.name!r}. Must be "
-                "a positive finite number (e.g. measured seconds) for every planned shape."
+                f"Invalid cost_table[{tuple(sp.matrix_shape)}]={cost!r} for param {sp.name!r}. "
+                "Must be a positive finite number (e.g. measured seconds) for every planned "
+                "matrix shape."
             )
-        out[sp.name] = cost
+        out[sp.name] = sp.matrices * cost
     return out
 
 
@@ -363,12 +408,16 @@ def plan_ownership(
     ns_steps: int = DEFAULT_NS_STEPS,
     cost_table: Mapping[tuple[int, int], float] | None = None,
 ) -> OwnershipPlan:
-    """Assign each 2-D param one global owner on a ``(R, N)`` mesh; deterministic everywhere.
+    """Assign each param one global owner on a ``(R, N)`` mesh; deterministic everywhere.
 
-    Cost of a matrix: :func:`dmuon.optim.muon_math.ns_flops` with ``ns_steps`` (the FLOPs of the
-    NS call the owner runs, derived there from the iteration's arithmetic), or
-    ``cost_table[shape]`` when a measured per-shape table is given (any positive unit, e.g.
-    seconds; every planned shape must be in it). All ranks must pass the same arguments: the
+    The unit of ownership is the whole param: a 3-D expert stack has one owner, which runs
+    Newton–Schulz on its E slices in one batch (why not slices: docs/traffic-model.md,
+    "Expert stacks and conv weights"). Cost of a param: :attr:`ParamSpec.matrices` times
+    the cost of one matrix of :attr:`ParamSpec.matrix_shape`, which is
+    :func:`dmuon.optim.muon_math.ns_flops` with ``ns_steps`` (the FLOPs of the NS call the owner
+    runs, derived there from the iteration's arithmetic), or ``cost_table[matrix_shape]``
+    when a measured per-shape table is given (any positive unit, e.g. seconds; every planned
+    matrix shape must be in it). All ranks must pass the same arguments: the
     plan digest check of :func:`dmuon.dedicate_params` catches a mismatch.
 
     Algorithm (greedy longest-processing-time first, Graham 1969), O(M log M + M log W):
@@ -393,7 +442,8 @@ def plan_ownership(
     Fewer params than owners is fine (some owners idle); an empty ``specs`` gives an empty plan.
 
     Raises:
-        ValueError: a non-2-D shape or non-positive dim, a duplicate name, an unknown dtype
+        ValueError: a shape of fewer than 2 dims or a non-positive dim, a matrix shape that
+            is neither layout of :class:`ParamSpec`, a duplicate name, an unknown dtype
             name, a ``mesh_shape`` that is not two positive ints, a bad ``ns_steps``, or a
             ``cost_table`` without a positive finite entry for a planned shape.
     """

@@ -9,7 +9,8 @@ is attached to the model and undone by ``close()``; ``state.py`` every state and
 
 Glossary (see ``topology.py`` for the mesh terms):
 
-- **dedicated param**: a 2-D Muon target handled by DMuon instead of DDP / FSDP2.
+- **dedicated param**: a Muon target (a matrix, a stack of matrices or a conv weight) handled by
+  DMuon instead of DDP / FSDP2; the runtime moves it as flat elements, whatever its shape.
 - **owner** (global owner): the one rank ``(r, s)`` that keeps momentum and runs
   Newton–Schulz for the param. **Holders**: the R ranks ``(*, s)`` of the owner's shard
   index; they keep the full param between steps (for 1-D meshes the holder is the owner).
@@ -65,9 +66,14 @@ Per step (docs/spec.md §1):
    rank (``prefetch_depth`` moves when a call is issued, never which or in what order).
 2. **after forward**, Z3 (``reshard_after_forward=True``): a driver's post-hook frees the
    non-holders' storage of the buckets in its subtree that the cursor passed; the root's
-   post-hook frees the rest. Every bucket is then FREED on every rank. Running a module
-   again after its bucket was freed in the same forward raises (Z3 cannot refill it outside
-   the fixed schedule; use Z2 for weight reuse).
+   post-hook frees the rest. Every bucket is then FREED on every rank. **Reuse**: a block
+   whose forward runs again in the same forward (weight sharing) finds its buckets FREED;
+   its pre-hook broadcasts each of them again from its holder (phase ``forward``, issued
+   and waited there: ``Schedule.refill``), as FSDP2 re-gathers a reused module, and its
+   post-hook frees them again. Every rank must run the block the same number of times (as
+   under FSDP2). Under Z2 the buckets stay VALID: no call. A module *inside* a block that
+   runs outside its block's forward after the block's buckets were freed reads the freed
+   guard and raises.
 3. **backward**, Z3 (channel ``broadcast``, phase ``backward``): a re-broadcast cursor walks
    the buckets in reverse index order. A driver's pre-backward hook (its outputs' first
    grad) advances it to the driver's first bucket; activation-checkpoint recompute (a
@@ -226,7 +232,9 @@ class DedicatedParams:
         mp_policy=None,
         bucket_cap_bytes: int = DEFAULT_BUCKET_CAP_MB * 1024 * 1024,
         prefetch_depth: int = 1,
+        assignments: list | None = None,
     ) -> None:
+        self._assignments = list(assignments or ())
         self.bucket_cap_bytes = bucket_cap_bytes
         self.prefetch_depth = prefetch_depth
         self.names = [n for n, _, _ in named]
@@ -247,6 +255,13 @@ class DedicatedParams:
         attach.mark_dedicated(p for _, p, _ in named)
 
     # ------------------------------------------------------------------ lifecycle
+    def assignments(self) -> list:
+        """Every param of the model, in model order, with where it goes and why: a list of
+        :class:`dmuon.ownership.select.Assignment` (``name, shape, numel, optimizer, reason,
+        matrix, role``; ``optimizer`` is ``"muon"`` for the dedicated params, ``"adamw"`` for
+        the rest; ``as_row()`` gives the first five). Computed by :func:`dmuon.dedicate_params`."""
+        return list(self._assignments)
+
     def close(self, *, sync: bool = True) -> None:
         """Detach DMuon from the model and release its process groups. Call it on every
         rank, in the same order relative to other ``DedicatedParams.close()`` and process

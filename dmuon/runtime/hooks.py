@@ -270,13 +270,8 @@ class Runtime:
             self.order.note(own[0].module_name)
         self.schedule.advance_forward(hi)
         for b in own:
-            if b.copy is not Copy.VALID and self.reshard_after_forward:  # same on every rank
-                raise RuntimeError(
-                    f"DMuon: module {b.module_name!r} ran again in the same forward after its "
-                    "dedicated params were freed (reshard_after_forward=True). Z3 refills a "
-                    "block once per forward; for modules called more than once per step use "
-                    "reshard_after_forward=False."
-                )
+            if b.copy is not Copy.VALID:  # Z3, the block runs again in this forward (every rank)
+                self.schedule.refill(b)
 
     def _post_forward(self, module: nn.Module, args, output) -> None:
         if self.state != S.FORWARD or not self.reshard_after_forward:

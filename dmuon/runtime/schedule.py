@@ -102,6 +102,14 @@ class Schedule:
                 self._broadcast(b, "forward")
             c.fwd_issued += 1
 
+    def refill(self, b: Bucket) -> None:
+        """Z3 reuse: a block whose forward runs again in the same forward finds ``b`` freed;
+        broadcast it again from its holder (phase ``forward``, issued and waited here), as
+        FSDP2 re-gathers a reused module. Every rank runs the block as often."""
+        self.wait_replicate(b)
+        self._broadcast(b, "forward")
+        b.wait_broadcast()
+
     # ------------------------------------------------------------------ backward (steps 3-5)
     def advance_rebroadcast(self, first: int) -> None:
         """Wait for every bucket down to ``first``, after issuing up to ``prefetch_depth``

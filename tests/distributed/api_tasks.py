@@ -174,3 +174,20 @@ def nothing_to_dedicate() -> dict:
     model(torch.arange(4)).sum().backward()
     opt.step()
     return {"dedicated": len(dm), "warnings": [str(w.message) for w in caught]}
+
+
+def matrices_left_to_adamw() -> dict:
+    """``params=`` that leaves an expert stack, a router and a conv to AdamW: one warning
+    naming them (not the embedding, the head or 1-D params), and the assignments."""
+    import warnings
+
+    from examples.experts import ExpertsMLP
+
+    torch.manual_seed(0)
+    model = ExpertsMLP()
+    model.add_module("conv", nn.Conv1d(4, 4, 3))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        dm = dmuon.dedicate_params(model, T._mesh("flat"), params=["inp.weight", "layers.0.w_in"])
+    return {"warnings": [str(w.message) for w in caught if "go to AdamW" in str(w.message)],
+            "rows": [a.as_row() for a in dm.assignments()]}

@@ -1,6 +1,8 @@
 """Rank-side task functions for the checkpoint tests (run inside DistributedPool).
 
-Every run trains the small GPT of ``dmuon_tasks`` with two micro-batches per step (the first
+Every run trains the small GPT of ``dmuon_tasks`` (or, with ``kind="experts"``, the MoE of
+``examples/experts.py``, whose experts are 3-D stacks and whose routers are plain 2-D params)
+with two micro-batches per step (the first
 inside ``dm.no_sync()``, and ``ddp.no_sync()`` under DDP), so a checkpoint can be taken
 between micro-batches. A rank's *snapshot* is everything it is authoritative for: its owned
 dedicated params and their momentum, and its local AdamW params and state (FSDP2 shards).
@@ -29,19 +31,37 @@ GUIDE = Path(__file__).resolve().parents[2] / "docs" / "user-guide.md"
 MICRO_BATCHES = 2
 
 
-class Run:
-    """One model + DMuon on this rank: ``mode`` is "ddp", "z2", "z3", "hsdp-z2" or "hsdp-z3"."""
+def _make(kind: str) -> torch.nn.Module:
+    if kind == "gpt":
+        return T.make_model()
+    from examples.experts import ExpertsMLP
 
-    def __init__(self, mode: str):
-        self.mode = mode
+    torch.manual_seed(0)
+    return ExpertsMLP()
+
+
+def _global_batch(kind: str, step: int):
+    if kind == "gpt":
+        return T.corpus().global_batch(step, T.GLOBAL_BATCH, T.SMALL.seq_len)
+    from examples.my_model import _batch
+
+    return _batch(0, step)  # one batch of 16 rows, split over ranks and micro-batches
+
+
+class Run:
+    """One model + DMuon on this rank: ``mode`` is "ddp", "z2", "z3", "hsdp-z2" or "hsdp-z3";
+    ``kind`` "gpt" (the small GPT) or "experts" (``examples.experts.ExpertsMLP``)."""
+
+    def __init__(self, mode: str, kind: str = "gpt"):
+        self.mode, self.kind = mode, kind
         mesh = T._mesh("hsdp" if mode.startswith("hsdp") else "flat")
-        self.model = T.make_model()
+        self.model = _make(kind)
         reshard = mode.endswith("z3")
         self.dm = dmuon.dedicate_params(self.model, mesh, reshard_after_forward=reshard)
         if mode == "ddp":
             self.wrapped = DistributedDataParallel(self.model)
         else:
-            for block in self.model.blocks:
+            for block in getattr(self.model, "blocks", None) or self.model.layers:
                 fully_shard(block, mesh=mesh, reshard_after_forward=reshard, ignored_params=set(self.dm))
             fully_shard(self.model, mesh=mesh, ignored_params=set(self.dm))
             self.wrapped = self.model
@@ -51,8 +71,9 @@ class Run:
         """One optimizer step over MICRO_BATCHES micro-batches of global batch ``step``;
         ``between()`` runs after the first micro-batch, ``after()`` right after ``opt.step()``."""
         rank, world = dist.get_rank(), dist.get_world_size()
-        x, y = T.corpus().global_batch(step, T.GLOBAL_BATCH, T.SMALL.seq_len)
+        x, y = _global_batch(self.kind, step)
         x, y = local_slice(x, rank, world), local_slice(y, rank, world)
+        loss = T._loss if self.kind == "gpt" else (lambda m, a, b: torch.nn.functional.mse_loss(m(a), b))
         for m in range(MICRO_BATCHES):
             last = m == MICRO_BATCHES - 1
             with contextlib.ExitStack() as stack:
@@ -61,7 +82,7 @@ class Run:
                     if self.mode == "ddp":
                         stack.enter_context(self.wrapped.no_sync())
                 xs, ys = local_slice(x, m, MICRO_BATCHES), local_slice(y, m, MICRO_BATCHES)
-                (T._loss(self.wrapped, xs, ys) / MICRO_BATCHES).backward()
+                (loss(self.wrapped, xs, ys) / MICRO_BATCHES).backward()
             if not last and between is not None:
                 between()
         self.opt.step()
@@ -128,7 +149,7 @@ def _diff(a: dict, b: dict) -> list[str]:
 STEPS = 3
 
 
-def dcp_resume(mode: str, root: str) -> dict:
+def dcp_resume(mode: str, root: str, kind: str = "gpt") -> dict:
     """Checkpoints with DCP right after step(), between micro-batches and twice in a row.
 
     Returns ``sync_elements``: per save, the elements of the collectives DMuon issued in
@@ -138,12 +159,12 @@ def dcp_resume(mode: str, root: str) -> dict:
     optimizer that loaded ``<ckpt>`` and trained the remaining steps; of the two saves in a
     row, the second, whose sync is a no-op, is resumed from).
     """
-    ref = Run(mode)
+    ref = Run(mode, kind)
     for s in range(STEPS):
         ref.step(s)
     expected = ref.snapshot()
 
-    saver = Run(mode)
+    saver = Run(mode, kind)
     ckpt = {name: os.path.join(root, name) for name in ("after_step", "mid", "twice_1", "twice_2")}
     sync_elements = {}
 
@@ -160,7 +181,7 @@ def dcp_resume(mode: str, root: str) -> dict:
     out = {"sync_elements": sync_elements, "dedicated_elements": sum(p.numel() for p in saver.dm.params),
            "saving_run": _diff(saver.snapshot(), expected)}
     for name, first_step in (("after_step", 1), ("mid", 1), ("twice_2", 2)):
-        resumed = Run(mode)
+        resumed = Run(mode, kind)
         resumed.dcp_load(ckpt[name])
         for s in range(first_step, STEPS):
             resumed.step(s)
@@ -221,18 +242,18 @@ def _options(flatten: bool) -> StateDictOptions | None:
     return StateDictOptions(flatten_optimizer_state_dict=True) if flatten else None
 
 
-def save_for_resize(mode: str, root: str, flatten: bool) -> dict:
+def save_for_resize(mode: str, root: str, flatten: bool, kind: str = "gpt") -> dict:
     """Train 2 steps, save with DCP; return the full view."""
-    run = Run(mode)
+    run = Run(mode, kind)
     for s in range(2):
         run.step(s)
     run.dcp_save(root, _options(flatten))
     return run.full_view()
 
 
-def load_resized(mode: str, root: str, flatten: bool) -> dict:
+def load_resized(mode: str, root: str, flatten: bool, kind: str = "gpt") -> dict:
     """Load a checkpoint saved at another world size; return the full view, then train a step."""
-    run = Run(mode)
+    run = Run(mode, kind)
     run.dcp_load(root, _options(flatten))
     view = run.full_view()
     run.step(2)

@@ -337,16 +337,52 @@ class _Reuse(nn.Module):
         return self.out(self.a(torch.relu(self.a(x))))
 
 
-def z3_module_reuse() -> str:
-    """A module called twice in one forward under Z3: every rank raises the same error."""
+REUSE_STEPS, REUSE_ROWS = 3, 8
+
+
+def _reuse_batch(step: int) -> torch.Tensor:
+    return torch.randn(REUSE_ROWS, 8, generator=torch.Generator().manual_seed(500 + step))
+
+
+def reuse_oracle() -> dict:
+    """One process: torch.optim.Muon on ``a.weight`` (called twice per forward), AdamW on the
+    rest, the global batch."""
     torch.manual_seed(0)
     model = _Reuse()
-    dmuon.dedicate_params(model, _mesh("flat"), params=[model.a.weight], reshard_after_forward=True)
-    try:
-        model(torch.randn(2, 8))
-    except RuntimeError as exc:
-        return str(exc)
-    return "no error"
+    muon = torch.optim.Muon([model.a.weight], lr=MUON_LR)
+    adamw = torch.optim.AdamW(list(model.out.parameters()), lr=ADAMW_LR)
+    for step in range(REUSE_STEPS):
+        model(_reuse_batch(step)).square().mean().backward()
+        for opt in (muon, adamw):
+            opt.step()
+            opt.zero_grad()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def z3_module_reuse(mode: str) -> dict:
+    """A module called twice in one forward (``a``), DMuon + DDP, Z2 or Z3: the values of
+    every param after REUSE_STEPS steps (``sync_params`` first) and the DMuon broadcasts
+    of the last step's forward (Z3 re-broadcasts ``a``'s bucket for its second call)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = _Reuse()
+    dm = dmuon.dedicate_params(model, _mesh("flat"), params=[model.a.weight],
+                               reshard_after_forward=mode == "z3")
+    wrapped = DistributedDataParallel(model)
+    opt = dmuon.DMuon(wrapped.parameters(), dedicated=dm, lr=MUON_LR, adamw_lr=ADAMW_LR)
+    spans = []
+    for step in range(REUSE_STEPS):
+        x = local_slice(_reuse_batch(step), rank, world)
+        if step == REUSE_STEPS - 1:
+            annotate.add_span_listener(spans.append)
+        loss = wrapped(x).square().mean()
+        annotate.remove_span_listener(spans.append)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    dm.sync_params()
+    return {"values": {n: p.detach().clone() for n, p in model.named_parameters()},
+            "forward_broadcasts": sum(s.name == "dmuon.broadcast" for s in spans)}
 
 
 def to_while_replicating(mode: str, move: bool, d: int = 512) -> dict:

@@ -48,3 +48,18 @@ def test_nothing_dedicated_warns_and_trains(pool2):
     for r in pool2.run_with_timeout(60, A.nothing_to_dedicate):
         assert r["dedicated"] == 0
         assert any("found no Muon target in Sequential" in w for w in r["warnings"]), r
+
+
+def test_matrices_left_to_adamw_are_named_once(pool2):
+    for r in pool2.run_with_timeout(60, A.matrices_left_to_adamw):
+        assert len(r["warnings"]) == 1, r["warnings"]
+        text = r["warnings"][0]
+        for name in ("layers.0.router", "layers.0.w_out", "layers.1.w_in", "layers.1.w_out",
+                     "layers.1.router", "conv.weight"):
+            assert name in text, name
+        assert "head.weight" not in text and "norm.weight" not in text
+        assert "6 trainable params of at least 2 dims" in text and "dm.assignments()" in text
+        rows = {row[0]: row for row in r["rows"]}
+        assert rows["layers.0.w_in"][3:] == ("muon", "listed in params=")
+        assert rows["layers.0.w_out"][1:4] == ((5, 40, 24), 4800, "adamw")
+        assert rows["layers.0.w_out"][4].startswith("not in params= (default: stack of 5")

@@ -19,12 +19,15 @@ TASK_TIMEOUT_S = 120
 
 
 @pytest.mark.parametrize(
-    ("mode", "world"),
-    [("ddp", 2), ("z2", 4), ("z3", 4), ("hsdp-z3", 4), pytest.param("hsdp-z2", 4, marks=pytest.mark.slow)],
+    ("mode", "world", "kind"),
+    [("ddp", 2, "gpt"), ("z2", 4, "gpt"), ("z3", 4, "gpt"), ("hsdp-z3", 4, "gpt"),
+     pytest.param("hsdp-z2", 4, "gpt", marks=pytest.mark.slow),
+     ("z3", 2, "experts"),  # 3-D expert stacks and plain 2-D routers
+     pytest.param("hsdp-z3", 4, "experts", marks=pytest.mark.slow)],
 )
-def test_dcp_resume_is_bit_identical(pool2, pool4, tmp_path, mode, world):
+def test_dcp_resume_is_bit_identical(pool2, pool4, tmp_path, mode, world, kind):
     pool = pool2 if world == 2 else pool4
-    results = pool.run_with_timeout(TASK_TIMEOUT_S, C.dcp_resume, mode, str(tmp_path))
+    results = pool.run_with_timeout(TASK_TIMEOUT_S, C.dcp_resume, mode, str(tmp_path), kind)
     for rank, r in enumerate(results):
         diffs = {k: v for k, v in r.items() if k.startswith(("saving_run", "resume_"))}
         assert diffs.keys() == {"saving_run", "resume_after_step", "resume_mid", "resume_twice_2"}
@@ -55,19 +58,21 @@ def test_torch_save_of_state_dicts_on_every_rank_resumes_z3(pool4, tmp_path):
 
 
 @pytest.mark.parametrize(
-    ("load_mode", "flatten"),
-    [("z3", False), ("ddp", True)],
-    ids=["z3_default_options", "ddp_flat_optimizer_state"],
+    ("load_mode", "flatten", "kind", "dedicated"),
+    [("z3", False, "gpt", 4), ("ddp", True, "gpt", 4), ("z3", False, "experts", 7)],
+    ids=["z3_default_options", "ddp_flat_optimizer_state", "z3_expert_stacks"],
 )
-def test_resume_at_another_world_size_moves_momentum_to_new_owners(pool4, pool2, tmp_path, load_mode, flatten):
+def test_resume_at_another_world_size_moves_momentum_to_new_owners(pool4, pool2, tmp_path, load_mode,
+                                                                   flatten, kind, dedicated):
     """Saved by Z3 at W=4; loaded at W=2 by Z3 (FSDP2 reshards 4 -> 2) or by DDP (the FSDP2
-    shards become plain tensors), with default options or torchtitan's flat optimizer state."""
-    saved = pool4.run_with_timeout(TASK_TIMEOUT_S, C.save_for_resize, "z3", str(tmp_path), flatten)
-    loaded = pool2.run_with_timeout(TASK_TIMEOUT_S, C.load_resized, load_mode, str(tmp_path), flatten)
+    shards become plain tensors), with default options or torchtitan's flat optimizer state;
+    the MoE's 3-D expert stacks move whole, with their (E, rows, cols) momentum."""
+    saved = pool4.run_with_timeout(TASK_TIMEOUT_S, C.save_for_resize, "z3", str(tmp_path), flatten, kind)
+    loaded = pool2.run_with_timeout(TASK_TIMEOUT_S, C.load_resized, load_mode, str(tmp_path), flatten, kind)
     for key in ("owned", "momentum"):
         before = {n: t for r in saved for n, t in r[key].items()}
         after = {n: t for r in loaded for n, t in r[key].items()}
-        assert before.keys() == after.keys() and len(after) == 4, key  # one owner per matrix
+        assert before.keys() == after.keys() and len(after) == dedicated, key  # one owner each
         assert all(torch.equal(before[n], after[n]) for n in before), key
     # The saving ranks 2 and 3 owned matrices: their momentum now lives on rank 0 or 1.
     assert any(saved[2]["momentum"]) or any(saved[3]["momentum"])

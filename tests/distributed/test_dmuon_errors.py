@@ -8,7 +8,7 @@ from tests.distributed import dmuon_tasks as T
 pytestmark = pytest.mark.distributed
 
 CASES = {
-    "non_2d_param": ("ValueError", "Muon needs 2-D"),
+    "non_2d_param": ("ValueError", "of shape (32,): Muon needs a matrix, a stack of matrices"),
     "param_not_in_model": ("ValueError", "not a parameter of the model"),
     "mesh_3d": ("ValueError", "ndim=3"),
     "mesh_axes_swapped": ("ValueError", "mesh_dim_names=('shard', 'replicate')"),

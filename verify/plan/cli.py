@@ -34,7 +34,7 @@ import torch.nn as nn
 from tabulate import tabulate
 
 from dmuon.ownership.plan import OwnershipPlan, plan_ownership, specs_from_named_parameters
-from dmuon.ownership.select import select_params
+from dmuon.ownership.select import matrix_shapes, select_params
 from tracer.events import DTYPE_BYTES
 
 from verify.plan.summary import format_plan_summary  # noqa: F401  (the CLI side owns the plan table)
@@ -65,7 +65,10 @@ class ModelLayout:
 
     def __init__(self, model: nn.Module, name: str, dtype: str | None = "bfloat16") -> None:
         self.name = name
-        params = specs_from_named_parameters(model.named_parameters())
+        self.muon_names = tuple(n for n, _, _ in select_params(model, None, None))
+        # Muon's matrix of each target: a stack's slice, a conv weight's (out, in·k…) view
+        matrices = matrix_shapes(model, self.muon_names)
+        params = specs_from_named_parameters(model.named_parameters(), matrices)
         if dtype is not None:  # the dtype the collectives carry (e.g. bf16 params in training)
             params = [dataclasses.replace(p, dtype=dtype) for p in params]
         unknown = sorted({p.dtype for p in params} - set(DTYPE_BYTES))
@@ -77,7 +80,6 @@ class ModelLayout:
         self.param_dtypes: dict[str, int] = {}
         for p in self.params:
             self.param_dtypes[p.dtype] = self.param_dtypes.get(p.dtype, 0) + p.numel
-        self.muon_names = tuple(n for n, _, _ in select_params(model, None, None))
         muon = set(self.muon_names)
         self.muon_specs = tuple(p for p in self.params if p.name in muon)
         blocks = [
@@ -87,7 +89,12 @@ class ModelLayout:
             for i in range(len(mod))
         ]
         self.blocks = tuple(blocks)
-        self.linears = tuple(dict.fromkeys(n.rpartition(".")[0] for n in self.muon_names))
+        # the naive baselines' per-matrix units: the modules holding Muon params (not the root,
+        # not a block already: a ModuleList of bare Linear), children before parents
+        holders = dict.fromkeys(n.rpartition(".")[0] for n in self.muon_names)
+        order = {m: i for i, m in enumerate(holders)}
+        self.linears = tuple(sorted((m for m in holders if m and m not in self.blocks),
+                                    key=lambda m: (-m.count("."), order[m])))
         self.n_params = sum(p.numel for p in self.params)
 
     def layout(self, mode: str, r: int, n: int) -> RunLayout:
@@ -150,7 +157,7 @@ def _ns_report(plan: OwnershipPlan, cm: CostModel) -> dict:
         team = min(cm.gpus_per_node, w // len(costs))
         if team >= 2:
             # each matrix gets a team of `team` ranks of one node (column blocks + Gram all_reduce)
-            split = max(split_ns_s(*sp.shape, team, cm) for sp in plan.specs)
+            split = max(sp.matrices * split_ns_s(*sp.matrix_shape, team, cm) for sp in plan.specs)
             out["split_ns"] = {"team": team, "critical_path_s": split}
     return out
 
@@ -160,7 +167,9 @@ def report(ml: ModelLayout, mesh: tuple[int, int], cm: CostModel) -> dict:
     model without Muon-target params ``ns`` is None, ``modes`` is empty and ``note`` says why.
     ``mesh`` is ``{"replicate": R, "shard": N}``."""
     r, n = mesh
-    head = {"model": ml.name, "params": ml.n_params, "muon_matrices": len(ml.muon_names),
+    # matrices Muon orthogonalizes (an expert stack of E counts E), in how many params
+    head = {"model": ml.name, "params": ml.n_params,
+            "muon_matrices": sum(sp.matrices for sp in ml.muon_specs), "muon_params": len(ml.muon_names),
             "p_m": sum(p.numel for p in ml.muon_specs), "mesh": {"replicate": r, "shard": n},
             "world_size": r * n}
     if not ml.muon_specs:
@@ -212,7 +221,7 @@ def format_report(rep: dict, cm: CostModel) -> str:
                 f"(W = {rep['world_size']}): {rep['note']}.")
     lines = [
         f"{rep['model']}: {rep['params'] / 1e9:.3f} B params, {rep['muon_matrices']} Muon "
-        f"matrices, P_M = {rep['p_m'] / 1e9:.3f} B elements; mesh {_mesh_text(rep)} (W = {rep['world_size']}); "
+        f"matrices in {rep['muon_params']} params, P_M = {rep['p_m'] / 1e9:.3f} B elements; mesh {_mesh_text(rep)} (W = {rep['world_size']}); "
         f"planned in {rep['plan_s']:.3f} s",
         f"NS load (FLOPs, ns_steps=5): max/mean {ns['max_over_mean']:.3f}; max / bound "
         f"max(largest, total/W) = {ns['max_flops'] / ns['lower_bound_flops']:.3f}; max / L2 bound "
@@ -360,6 +369,7 @@ UNITS: dict[str, str] = {
     "params": "elements of all parameters",
     "p_m": "elements of the Muon-target parameters",
     "muon_matrices": "count of Muon-target matrices",
+    "muon_params": "count of params holding them (an expert stack of E matrices is one param)",
     "world_size": "ranks (W = replicate × shard)",
     "mesh": "ranks per axis: replicate (R, across nodes in HSDP) and shard (N)",
     "replicate": "ranks on the replicate axis (R; 1 for a 1-D mesh)",

@@ -447,6 +447,7 @@ def format_markdown(report: Mapping) -> str:
         "",
         "![ratio to P_M per mode](traffic.png)",
     ]
+    md += _params_md(report)
     md += _busiest_and_time_md(report)
     h_headers, h_rows = hsdp_reading_rows(report)
     if h_rows:
@@ -493,6 +494,30 @@ def format_markdown(report: Mapping) -> str:
             for title, body in failure_sections(run, "github"):
                 md += ["", f"**{title}**", "", body]
     return "\n".join(md) + "\n"
+
+
+#: report.md lists at most this many params (report.json has them all).
+MAX_PARAM_ROWS = 200
+
+
+def _params_md(report: Mapping) -> list[str]:
+    """Markdown section: which params go to Muon and which to AdamW, with elements and why."""
+    params = report.get("params")
+    if not params:
+        return []
+    rows = [[f"`{e['name']}`", "×".join(map(str, e["shape"])), fmt_count(e["numel"]), kind,
+             e["reason"]]
+            for kind in ("muon", "adamw") for e in params[kind]]
+    md = ["", "## Muon and AdamW params", "",
+          f"Muon: {len(params['muon'])} params, {fmt_count(params['muon_elems'])} elements "
+          f"(P_M); AdamW: {len(params['adamw'])} params, {fmt_count(params['adamw_elems'])} "
+          "elements. The selection is DMuon's default (docs/selection.md), the same in every "
+          "mode.", "",
+          tab((["param", "shape", "elements", "optimizer", "reason"], rows[:MAX_PARAM_ROWS]),
+              "github")]
+    if len(rows) > MAX_PARAM_ROWS:
+        md += ["", f"({len(rows) - MAX_PARAM_ROWS} more in report.json)"]
+    return md
 
 
 def _busiest_and_time_md(report: Mapping) -> list[str]:

@@ -105,6 +105,21 @@ OPTIONAL_TOP_KEYS: dict[str, tuple] = {
     "model": (str,),  # --model: tinygpt, a preset, or pkg.module:factory
     "skipped": (list,),  # [{"mode", "reason"}]: modes this W cannot run
     "failures": (list,),  # [{"mode", "check", "detail"}]: every failed check (verify.report.checks)
+    "params": (dict,),  # which params go to Muon / AdamW and why (PARAMS_KEYS)
+}
+#: ``report["params"]``: every param of the model, split by optimizer
+#: (``verify.run.figures.params_report``); each entry of the lists is PARAM_KEYS.
+PARAMS_KEYS: dict[str, tuple] = {
+    "muon_elems": (int,),
+    "adamw_elems": (int,),
+    "muon": (list,),
+    "adamw": (list,),
+}
+PARAM_KEYS: dict[str, tuple] = {
+    "name": (str,),
+    "shape": (list,),
+    "numel": (int,),
+    "reason": (str,),
 }
 #: Optional per-run keys: ``wire`` (verify.traffic.wire.wire_report), ``bytes``
 #: (``{"measured_avg_bytes"|"predicted_avg_bytes": {phase|"total": {dtype: bytes}}}``),
@@ -253,6 +268,11 @@ def validate_report(report: Mapping) -> None:
     _check_optional(report, OPTIONAL_TOP_KEYS, "report")
     for j, entry in enumerate(report.get("skipped", [])):
         _check_keys(entry, SKIPPED_KEYS, f"report['skipped'][{j}]")
+    if "params" in report:
+        _check_keys(report["params"], PARAMS_KEYS, "report['params']")
+        for kind in ("muon", "adamw"):
+            for j, entry in enumerate(report["params"][kind]):
+                _check_keys(entry, PARAM_KEYS, f"report['params'][{kind!r}][{j}]")
     if report["backend"] not in ("gloo", "nccl"):
         raise ValueError(
             f"Invalid report['backend']={report['backend']!r}. Must be 'gloo' or 'nccl'."

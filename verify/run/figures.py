@@ -5,6 +5,8 @@
   dedicated elements per step.
 - :func:`interposer_source`: report.json's ``sources["interposer"]`` entry from the
   comparison's missing / unexpected lists.
+- :func:`params_report`: report.json's ``params``: every param of the model, to Muon or to
+  AdamW, with its elements and the reason (``dmuon.ownership.select``).
 """
 
 from __future__ import annotations
@@ -35,6 +37,20 @@ def add_figures(run: dict, layout: RunLayout, events: Sequence[CollectiveEvent],
     run["max_rank_elems"] = run["wire"]["max_recv_elems"]
     run["timing"] = timing_report(step_times, device)
     return run
+
+
+def params_report(assignments: Sequence) -> dict:
+    """report.json ``params`` from ``dmuon.ownership.select.Assignment`` rows (``DedicatedParams.
+    assignments()`` or ``dmuon.ownership.select.assign_params``): the Muon params (with Muon's matrix
+    shape) and the AdamW params, each with its elements and reason, and the two totals."""
+    out: dict = {"muon_elems": 0, "adamw_elems": 0, "muon": [], "adamw": []}
+    for a in assignments:
+        entry = {"name": a.name, "shape": list(a.shape), "numel": int(a.numel), "reason": a.reason}
+        if a.matrix is not None:
+            entry["matrix"] = list(a.matrix)
+        out[a.optimizer].append(entry)
+        out[f"{a.optimizer}_elems"] += int(a.numel)
+    return out
 
 
 def interposer_source(run: dict, n_events: int) -> dict:

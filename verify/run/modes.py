@@ -18,10 +18,10 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 import dmuon
-from dmuon.ownership.select import default_predicate
+from dmuon.ownership.select import matrix_shapes, select_params
 from dmuon.ownership.plan import specs_from_named_parameters
 
-from verify.run.baselines import NaiveShardedMuon, ZeroOneMuon
+from verify.run.baselines import MatrixMuon, NaiveShardedMuon, ZeroOneMuon
 from verify.traffic.predict import RunLayout
 from verify.workload.usermodel import block_names
 
@@ -62,11 +62,8 @@ class _Pair:
 
 
 def muon_names(model: nn.Module) -> tuple[str, ...]:
-    """Muon targets: DMuon's default predicate, applied the same way in every mode."""
-    modules = dict(model.named_modules())
-    return tuple(
-        n for n, p in model.named_parameters() if default_predicate(n, p, modules[n.rpartition(".")[0]])
-    )
+    """Muon targets: DMuon's default selection (``dmuon.ownership.select``), the same in every mode."""
+    return tuple(n for n, _, _ in select_params(model, None, None))
 
 
 def _mesh(mode: str, world: int, device: str):
@@ -99,9 +96,10 @@ def mp_policy(mixed_precision: str | None, **kw) -> MixedPrecisionPolicy | None:
 
 def _fsdp_wrap(model: nn.Module, mesh, reshard: bool, ignored: set, per_linear: list[str],
                mp: MixedPrecisionPolicy | None = None, blocks: bool = True) -> tuple[str, ...]:
-    """fully_shard: optionally each Muon Linear, then (``blocks``) each block (the elements of
-    the model's largest ModuleList, ``verify.workload.usermodel.block_names``), then the root; returns
-    the wrap order.
+    """fully_shard: optionally each module holding Muon params, then (``blocks``) each block
+    (the elements of the model's largest ModuleList, ``verify.workload.usermodel.block_names``)
+    not wrapped already (a ModuleList of bare Linear layers: the block is the Linear), then
+    the root; returns the wrap order.
 
     The DMuon modes pass ``blocks=False``: once DMuon takes the matrices, a block's FSDP2 unit
     holds only its biases and norms (a few KiB), and each unit costs a latency-bound
@@ -117,6 +115,8 @@ def _fsdp_wrap(model: nn.Module, mesh, reshard: bool, ignored: set, per_linear: 
         fully_shard(modules[name], mesh=mesh, reshard_after_forward=reshard, **kw)
         order.append(name)
     for name in (block_names(model) if blocks else ()):
+        if name in order:  # fully_shard twice on one module fails
+            continue
         fully_shard(modules[name], mesh=mesh, reshard_after_forward=reshard, ignored_params=ignored or None, **kw)
         order.append(name)
     # The root without reshard_after_forward: FSDP2's "auto" keeps it unsharded after forward.
@@ -138,11 +138,15 @@ def build(mode: str, make_model: Callable[[], nn.Module], device: str = "cpu",
     """
     world = dist.get_world_size()
     model = make_model().to(device)
-    specs = tuple(specs_from_named_parameters(model.named_parameters()))
     targets = muon_names(model)
+    matrices = matrix_shapes(model, targets)
+    specs = tuple(specs_from_named_parameters(model.named_parameters(), matrices))
     mesh = _mesh(mode, world, device)
     r_size, n = (mesh.shape if mesh.ndim == 2 else (1, world))
     reshard = mode.endswith("z3") or mode == "naive-hsdp"
+
+    # DDP broadcasts the module's buffers from rank 0 before every forward
+    buffers = tuple((str(b.dtype).removeprefix("torch."), b.numel()) for _, b in model.named_buffers())
 
     def layout(fsdp_modules=(), reshard_flag=reshard) -> RunLayout:
         return RunLayout(
@@ -155,6 +159,7 @@ def build(mode: str, make_model: Callable[[], nn.Module], device: str = "cpu",
             reshard_after_forward=reshard_flag,
             ddp_bucket_cap_bytes=DDP_BUCKET_CAP_MB * 1024 * 1024,
             mp_param_dtype=mp_name if (mode.startswith("dmuon-") or fsdp_modules) else None,
+            ddp_buffers=buffers if mode in ("ddp-muon", "zero1-muon", "dmuon-ddp") else (),
         )
 
     mp = mp_policy(mixed_precision)
@@ -175,24 +180,28 @@ def build(mode: str, make_model: Callable[[], nn.Module], device: str = "cpu",
     if mode == "ddp-muon":
         named = dict(model.named_parameters())
         model = DistributedDataParallel(model, bucket_cap_mb=DDP_BUCKET_CAP_MB)
-        muon = torch.optim.Muon([named[t] for t in targets], lr=MUON_LR)
+        muon = MatrixMuon([named[t] for t in targets], [matrices[t] for t in targets], lr=MUON_LR)
         adamw = torch.optim.AdamW([p for n_, p in named.items() if n_ not in targets], lr=ADAMW_LR)
-        counter = _count_torch_muon_ns(muon)
+        counter = _count_torch_muon_ns(muon.muon)
         return Built(model, _Pair(muon, adamw, counter), layout())
 
     if mode == "zero1-muon":
         named = dict(model.named_parameters())
         DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, list(targets))
         model = DistributedDataParallel(model, bucket_cap_mb=DDP_BUCKET_CAP_MB)
-        muon = ZeroOneMuon([(t, named[t]) for t in targets], lr=MUON_LR)
+        muon = ZeroOneMuon([(t, named[t]) for t in targets], matrix_shapes=matrices, lr=MUON_LR)
         adamw = torch.optim.AdamW([p for n_, p in named.items() if n_ not in targets], lr=ADAMW_LR)
         return Built(model, _Pair(muon, adamw, lambda: muon.ns_calls), layout())
 
     if mode in ("naive-fsdp2-z2", "naive-fsdp2-z3", "naive-hsdp"):
-        linear_modules = sorted({t.rpartition(".")[0] for t in targets}, key=[s.module for s in specs].index)
+        # the modules holding Muon params, children before parents (fully_shard's order), the
+        # root excluded (wrapped last anyway)
+        holders = {t.rpartition(".")[0] for t in targets} - {""}
+        model_order = [s.module for s in specs]
+        linear_modules = sorted(holders, key=lambda m: (-m.count("."), model_order.index(m)))
         fsdp_modules = _fsdp_wrap(model, mesh, reshard, set(), linear_modules, mp)
         named = dict(model.named_parameters())
-        muon = NaiveShardedMuon([named[t] for t in targets], lr=MUON_LR)
+        muon = NaiveShardedMuon([named[t] for t in targets], [matrices[t] for t in targets], lr=MUON_LR)
         adamw = torch.optim.AdamW([p for n_, p in named.items() if n_ not in targets], lr=ADAMW_LR)
         return Built(model, _Pair(muon, adamw, lambda: muon.ns_calls), layout(fsdp_modules))
     raise ValueError(f"Invalid mode={mode!r}.")

@@ -44,6 +44,7 @@ without a phase fails the check with a message saying so.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import math
 import os
@@ -62,7 +63,7 @@ from verify.run.block_order import BlockOrderRecorder, bare_model, blocks_of
 from verify.compare import compare_run
 from verify.report.checks import failures_of_runs, final_line, run_checks
 from verify.traffic.predict import RunLayout
-from verify.run.figures import add_figures, interposer_source
+from verify.run.figures import add_figures, interposer_source, params_report
 from verify.run.steptime import StepTime, sample
 
 
@@ -89,6 +90,8 @@ def layout_from_job(model: nn.Module, dedicated: dmuon.DedicatedParams,
     if not isinstance(z3, bool):
         raise ValueError(f"Invalid dedicated: reshard_after_forward={z3!r}. Must be the bool "
                          "given to dmuon.dedicate_params (Z3: True, Z2: False).")
+    # Muon's matrix shape of each dedicated param, as DMuon planned it (the plan's specs)
+    matrices = {sp.name: sp.matrix_shape for sp in dedicated.plan.specs}
     common = dict(replicate_size=topo.replicate_size, shard_size=topo.shard_size,
                   muon_names=tuple(dedicated.names),
                   dmuon_bucket_cap_bytes=int(dedicated.bucket_cap_bytes),
@@ -97,8 +100,11 @@ def layout_from_job(model: nn.Module, dedicated: dmuon.DedicatedParams,
         if topo.replicate_size != 1:
             raise ValueError("Invalid wrapping: DistributedDataParallel with a 2-D DMuon mesh. "
                              "Must be a 1-D mesh (HSDP uses fully_shard).")
-        specs = tuple(specs_from_named_parameters(model.module.named_parameters()))
+        specs = tuple(specs_from_named_parameters(model.module.named_parameters(), matrices))
+        buffers = tuple((str(b.dtype).removeprefix("torch."), b.numel())
+                        for b in model.modules_buffers) if model.will_sync_module_buffers() else ()
         return RunLayout(mode="dmuon-ddp", params=specs, reshard_after_forward=z3,
+                         ddp_buffers=buffers,
                          ddp_bucket_cap_bytes=int(model.bucket_bytes_cap),
                          ddp_first_bucket_cap_bytes=_ddp_first_bucket_cap(model), **common)
     from torch.distributed.fsdp import FSDPModule
@@ -119,7 +125,7 @@ def layout_from_job(model: nn.Module, dedicated: dmuon.DedicatedParams,
         raise ValueError(f"Invalid wrapping: fully_shard groups use reshard_after_forward="
                          f"{sorted(inner)} while dedicate_params uses {z3}. Must use the same "
                          "setting everywhere (the predictor models one flag).")
-    specs = tuple(specs_from_named_parameters(model.named_parameters()))
+    specs = tuple(specs_from_named_parameters(model.named_parameters(), matrices))
     hsdp = topo.replicate_size > 1
     mode = f"dmuon-{'hsdp-' if hsdp else ''}{'z3' if z3 else 'z2'}"
     return RunLayout(mode=mode, params=specs, fsdp_modules=tuple(n for n, _ in wrapped),
@@ -160,7 +166,10 @@ class TrafficWindow:
         self._times: list[StepTime] = []
         self._losses: list[float] = []
         self._last = None
-        self._order = BlockOrderRecorder(bare_model(model), blocks_of(dedicated.names))
+        from torch.distributed.fsdp import FSDPModule
+
+        units = [n for n, m in model.named_modules() if isinstance(m, FSDPModule)]
+        self._order = BlockOrderRecorder(bare_model(model), blocks_of(dedicated.names), units)
 
     @property
     def recording(self) -> bool:
@@ -210,6 +219,7 @@ class TrafficWindow:
         if bad:
             raise ValueError(f"Invalid TrafficWindow recording on ranks {sorted(bad)}: {next(iter(bad.values()))}")
         layout = layout_from_job(self.model, self.dedicated, self._order.agreed())
+        layout = dataclasses.replace(layout, module_calls=self._order.call_counts())
         mine = {"events": ip.events, "times": self._times, "losses": self._losses,
                 "ns_calls": self.optimizer.ns_calls - self._ns_before}
         rank = dist.get_rank()
@@ -242,6 +252,7 @@ class TrafficWindow:
             "torch_version": torch.__version__, "backend": dist.get_backend(),
             "world_size": dist.get_world_size(), "steps_warmup": 0, "steps_measured": steps,
             "run_id": self.run_id, "model": "own script (verify.run.record.TrafficWindow)",
+            "params": params_report(self.dedicated.assignments()),
             "runs": [run],
             "failures": failures_of_runs([run]),
         }

@@ -30,6 +30,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import dmuon
+from dmuon.ownership.select import assign_params
 from tracer.crosscheck import crosscheck
 from tracer.events import write_parquet
 from tracer.flight_recorder import (
@@ -52,10 +53,17 @@ from verify.sources.nccl_source import WindowMark, capture_active, nccl_source_r
 from verify.sources.nvlink import nvlink_report
 from verify.report.checks import failures_of_runs, run_checks
 from verify.report.plots import plot_timeline
-from verify.run.figures import add_figures, interposer_source
+from verify.run.figures import add_figures, interposer_source, params_report
 from verify.run.steptime import StepTime, sample
 from verify.traffic.formulas import MODES
-from verify.workload.usermodel import ModelSource, check_loss, resolve, skip_reasons, validate_source
+from verify.workload.usermodel import (
+    BUILTIN,
+    ModelSource,
+    check_loss,
+    resolve,
+    skip_reasons,
+    validate_source,
+)
 
 
 @dataclass(frozen=True)
@@ -239,11 +247,11 @@ def _train_mode(mode: str, config: RunConfig, corpus: ByteCorpus, progress,
     out = Path(config.out_dir) / mode
     losses, step_bounds, step_times = [], [], []
     window = _MeasuredWindow(mode, out, config.device, model, config.profiler)
-    # DMuon numbers its buckets by the first forward's block order: the harness records it
-    # with its own hooks (verify.run.block_order), agreed after the loop (outside the window)
-    recorder = None
-    if built.dedicated is not None:
-        recorder = BlockOrderRecorder(bare_model(model), blocks_of(built.dedicated.names))
+    # DMuon numbers its buckets by the first forward's block order, and Z3 / FSDP2 re-send a
+    # module that runs twice: the harness records both with its own hooks
+    # (verify.run.block_order), agreed after the loop (outside the window)
+    blocks = blocks_of(built.dedicated.names) if built.dedicated is not None else ()
+    recorder = BlockOrderRecorder(bare_model(model), blocks, built.layout.fsdp_modules)
     ns_before = 0
     try:
         for step in range(config.steps_warmup + config.steps_measured):
@@ -261,7 +269,7 @@ def _train_mode(mode: str, config: RunConfig, corpus: ByteCorpus, progress,
         window.abort()
         raise
     recorded = window.close()
-    layout = built.layout
+    layout = dataclasses.replace(built.layout, module_calls=recorder.call_counts())
     if built.dedicated is not None:
         built.dedicated.wait_pending()
         layout = dataclasses.replace(layout, dmuon_block_order=recorder.agreed())
@@ -374,8 +382,9 @@ def run_all(config: RunConfig, progress=None) -> dict | None:
         "world_size": world,
         "steps_warmup": config.steps_warmup,
         "steps_measured": config.steps_measured,
-        "config": asdict(config),
+        "config": report_config(config),
         "model": source.name,
+        "params": _params(source, config.seed),
         "skipped": [{"mode": m, "reason": why} for m, why in skip_reasons(config.modes, world).items()],
         "runs": runs,
         "failures": failures,
@@ -421,6 +430,28 @@ def _assemble_run(mode: str, config: RunConfig, source: ModelSource, gathered: l
     run["checks"] = run_checks(run)
     run["pass"] = all(c["pass"] for c in run["checks"])
     return run
+#: RunConfig fields that size the built-in TinyGPT (``--model tinygpt`` only) and those that
+#: shape the byte-corpus batches (the built-in model and the presets; a factory's loss_fn
+#: makes its own batches).
+BUILTIN_FIELDS = ("d_model", "n_layers", "n_heads")
+CORPUS_FIELDS = ("seq_len", "batch_per_rank", "global_batch")
+
+
+def report_config(config: RunConfig) -> dict:
+    """report.json ``config``: the RunConfig without the fields the model does not use (no
+    TinyGPT size for a preset or a factory; no corpus batch shape for a factory)."""
+    out = asdict(config)
+    drop = () if config.model == BUILTIN else BUILTIN_FIELDS
+    if config.model != BUILTIN and ":" in config.model:
+        drop += CORPUS_FIELDS
+    return {k: v for k, v in out.items() if k not in drop}
+
+
+def _params(source: ModelSource, seed: int) -> dict:
+    """report.json ``params``: DMuon's default split of a fresh model (local, no collective)."""
+    torch.manual_seed(seed)
+    model = source.factory()[0]
+    return params_report(assign_params(model))
 
 
 def _sources(run: dict, events: list, gathered: list[dict], steps: int) -> dict:

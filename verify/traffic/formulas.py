@@ -59,11 +59,26 @@ class ClosedForm:
 
     ``text`` is the formula as printed in reports; ``phases`` maps phase -> factor of P_M.
     ``seed_phases`` is the seed document's reading where it differs (HSDP replicate terms).
+    ``reuse_phases`` maps phase -> factor of P_M^r, the elements moved again because their
+    unit runs more than once per forward (weight sharing: ``verify.traffic.predict.
+    reused_elems``; 0 without reuse, so the forms above are unchanged), ``reuse_text`` is
+    that term as printed.
     """
 
     text: str
     phases: dict[str, float]
     seed_phases: dict[str, float] | None = None
+    reuse_phases: dict[str, float] | None = None
+    reuse_text: str = ""
+
+    def at(self, phase: str, p_m: float, p_m_reused: float = 0) -> float:
+        """The form's elements in ``phase`` at P_M = ``p_m`` and P_M^r = ``p_m_reused``."""
+        reuse = (self.reuse_phases or {}).get(phase, 0.0)
+        return self.phases.get(phase, 0.0) * p_m + reuse * p_m_reused
+
+    def total_at(self, p_m: float, p_m_reused: float = 0) -> float:
+        """The form's elements over all phases (:meth:`at`)."""
+        return self.total * p_m + sum((self.reuse_phases or {}).values()) * p_m_reused
 
     @property
     def total(self) -> float:
@@ -93,22 +108,33 @@ def closed_form(mode: str, shard_size: int, replicate_size: int = 1) -> ClosedFo
     a = (n - 1) / n
     rep = (r - 1) / (n * r)
     seed_rep = (r - 1) / r
+    # Weight sharing (P_M^r, ClosedForm.reuse_phases): Z3 re-sends a reused unit in forward
+    # (DMuon's broadcast, FSDP2's all_gather); FSDP2 also re-gathers it in backward, with or
+    # without reshard_after_forward (verify.traffic.rules); Z2 DMuon and DDP never re-send.
+    fwd_again = {"forward": a}
+    bwd_again = {"backward": a}
+    both_again = {"forward": a, "backward": a}
+    once, twice = " + (N-1)/N·P_M^r", " + 2(N-1)/N·P_M^r"
     table: dict[str, ClosedForm] = {
         "ddp-muon": ClosedForm("2(N-1)/N", {"backward": 2 * a}),
         "dmuon-ddp": ClosedForm("2(N-1)/N", {"forward": a, "backward": a}),
         # ZeRO-1-style Muon: reduce_scatter + all_gather of owner-aligned buffers in the step.
         "zero1-muon": ClosedForm("2(N-1)/N", {"optimizer": 2 * a}),
-        "naive-fsdp2-z2": ClosedForm("3(N-1)/N", {"forward": a, "backward": a, "optimizer": a}),
+        "naive-fsdp2-z2": ClosedForm("3(N-1)/N", {"forward": a, "backward": a, "optimizer": a},
+                                     reuse_phases=bwd_again, reuse_text=once),
         "naive-fsdp2-z3": ClosedForm(
-            "4(N-1)/N", {"forward": a, "backward": 2 * a, "optimizer": a}
+            "4(N-1)/N", {"forward": a, "backward": 2 * a, "optimizer": a},
+            reuse_phases=both_again, reuse_text=twice,
         ),
         "dmuon-z2": ClosedForm("2(N-1)/N", {"forward": a, "backward": a}),
-        "dmuon-z3": ClosedForm("3(N-1)/N", {"forward": a, "backward": 2 * a}),
+        "dmuon-z3": ClosedForm("3(N-1)/N", {"forward": a, "backward": 2 * a},
+                               reuse_phases=fwd_again, reuse_text=once),
         # naive HSDP = FSDP2 HSDP (reshard) + full-grad gather: AG fwd + AG/RS bwd + the
         # replicate all_reduce of a 1/N shard + AG in the step.
         "naive-hsdp": ClosedForm(
             "4(N-1)/N + 2(R-1)/(N·R)",
             {"forward": a, "backward": 2 * a + 2 * rep, "optimizer": a},
+            reuse_phases=both_again, reuse_text=twice,
         ),
         "dmuon-hsdp-z2": ClosedForm(
             "2(W-1)/W",
@@ -119,6 +145,7 @@ def closed_form(mode: str, shard_size: int, replicate_size: int = 1) -> ClosedFo
             "2(W-1)/W + (N-1)/N",
             {"forward": a, "backward": 2 * a + rep, "replicate": rep},
             {"forward": a, "backward": 2 * a + seed_rep, "replicate": seed_rep},
+            reuse_phases=fwd_again, reuse_text=once,
         ),
     }
     if mode not in table:

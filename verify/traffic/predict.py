@@ -14,13 +14,19 @@ What is modelled (torch 2.13, measured on gloo by the harness):
   (:func:`dmuon_buckets`, :func:`dmuon_block_sequence`); per bucket a
   forward broadcast over the shard axis from its holder; Z3 re-broadcast in backward; reduce
   to the holder over the shard axis, then (HSDP) to the owner over the replicate axis; (HSDP)
-  the owner's replicate broadcast after the step. Independence: this module imports
+  the owner's replicate broadcast after the step; under Z3, a block whose forward runs more
+  than once per forward (weight sharing, ``RunLayout.module_calls``) is broadcast again for
+  every further run (``dmuon/runtime/dedicate.py`` step 2). Independence: this module imports
   ``dmuon.ownership.plan`` (ParamSpec, OwnershipPlan, plan_ownership) and nothing else of ``dmuon``, so a
   bucketing bug in the runtime is not reproduced here (``tests/test_predict.py`` checks it).
 - FSDP2 and DDP: the rules in :mod:`verify.traffic.rules` (shared with the aggregate
   predictor :mod:`verify.traffic.scale`), attributed here to each rank's groups.
-- Naive baselines: one all_gather per Muon matrix in the optimizer step (``full_tensor()``
-  of the Shard(0) gradient; per-rank count ceil(d0/N)·d1).
+- Naive baselines: one all_gather per Muon param in the optimizer step (``full_tensor()``
+  of the Shard(0) gradient; per-rank count ceil(d0/N)·(d1·…), an expert stack or a conv
+  weight included).
+- Muon params of any shape: a param is ``ParamSpec.matrices`` matrices of
+  ``ParamSpec.matrix_shape`` (a 3-D expert stack E, a conv weight one); the collectives move
+  whole params, so only the Newton–Schulz count (:func:`ns_calls_per_step`) sees matrices.
 
 Mixed precision (``RunLayout.mp_param_dtype`` / ``mp_reduce_dtype``, the semantics of FSDP2's
 ``MixedPrecisionPolicy``; ``reduce_dtype`` defaults to ``param_dtype`` when only that is set):
@@ -43,7 +49,7 @@ from dmuon.ownership.plan import OwnershipPlan, ParamSpec, plan_ownership
 from tracer.events import DTYPE_BYTES, group_id_from_ranks
 
 from verify.traffic.formulas import MODES
-from verify.traffic.rules import AxisCall, ddp_buckets, ddp_calls, fsdp_calls, padded_shard_numel
+from verify.traffic.rules import AxisCall, ddp_buckets, ddp_calls, fsdp_calls, fsdp_groups, padded_shard_numel
 
 
 @dataclass(frozen=True)
@@ -75,6 +81,14 @@ class RunLayout:
             ``()`` = model order (also when the ranks' orders disagree). DMuon numbers its
             buckets by it (:func:`dmuon_block_sequence`); the calls of a step, a multiset,
             do not depend on it.
+        module_calls: ``(module, calls)`` of the DMuon blocks and ``fully_shard`` modules
+            whose forward ran more than once in one forward (weight sharing), as the
+            harness counted them with its own hooks (``verify.run.block_order``); every other
+            module ran once. Z3 broadcasts a reused block again per run; FSDP2 all_gathers a
+            reused module again (:mod:`verify.traffic.rules`).
+        ddp_buffers: ``(dtype, numel)`` of the buffers DDP broadcasts from rank 0 before
+            every forward (``broadcast_buffers=True``), in ``named_buffers()`` order; ``()``
+            when the module has none or the mode has no DDP.
     """
 
     mode: str
@@ -91,6 +105,15 @@ class RunLayout:
     mp_param_dtype: str | None = None
     mp_reduce_dtype: str | None = None
     dmuon_block_order: tuple[str, ...] = ()
+    module_calls: tuple[tuple[str, int], ...] = ()
+    ddp_buffers: tuple[tuple[str, int], ...] = ()
+
+    def calls_of(self, module: str) -> int:
+        """How many times ``module``'s forward runs per forward (:attr:`module_calls`; 1)."""
+        for name, calls in self.module_calls:
+            if name == module:
+                return calls
+        return 1
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -134,7 +157,8 @@ class RunLayout:
         """
         try:
             params = tuple(
-                ParamSpec(name=p["name"], shape=tuple(p["shape"]), dtype=p["dtype"], module=p["module"])
+                ParamSpec(name=p["name"], shape=tuple(p["shape"]), dtype=p["dtype"], module=p["module"],
+                          matrix=tuple(p["matrix"]) if p.get("matrix") else None)
                 for p in d["params"]
             )
             fields = {f.name for f in dataclasses.fields(cls)} - {"params"}
@@ -144,6 +168,8 @@ class RunLayout:
         kwargs["muon_names"] = tuple(kwargs.get("muon_names", ()))
         kwargs["fsdp_modules"] = tuple(kwargs.get("fsdp_modules", ()))
         kwargs["dmuon_block_order"] = tuple(kwargs.get("dmuon_block_order", ()))
+        kwargs["module_calls"] = tuple((m, int(c)) for m, c in kwargs.get("module_calls", ()))
+        kwargs["ddp_buffers"] = tuple((d, int(n)) for d, n in kwargs.get("ddp_buffers", ()))
         return cls(params=params, **kwargs)
 
     def muon_specs(self) -> list[ParamSpec]:
@@ -319,7 +345,10 @@ def _dmuon_calls(layout: RunLayout, rank: int) -> list[Expected]:
                            layout.dmuon_block_order):
         r_own, s_own = divmod(b.owner, n)
         cast, red = layout.cast_dtype(b.dtype), layout.reduce_dtype(b.dtype)
-        add("forward", "broadcast", sid, n, b, cast, s_own)
+        # Z3 frees after each run of the block: a reused block is broadcast once per run
+        runs = layout.calls_of(b.module) if layout.reshard_after_forward else 1
+        for _ in range(runs):
+            add("forward", "broadcast", sid, n, b, cast, s_own)
         if layout.reshard_after_forward:
             add("backward", "broadcast", sid, n, b, cast, s_own)
         # a reduce carries the grads, then one usage element per param (dmuon/runtime/dedicate.py
@@ -341,7 +370,7 @@ def _axis_calls(layout: RunLayout, rank: int, calls: list[AxisCall]) -> list[Exp
         "world": group_id_from_ranks(range(layout.world_size)),
     }
     return [
-        Expected(rank, c.phase, c.op, gid[c.axis], c.group_size, c.count, c.dtype, None,
+        Expected(rank, c.phase, c.op, gid[c.axis], c.group_size, c.count, c.dtype, c.root,
                  c.module, c.dedicated_count)
         for c in calls
     ]
@@ -399,7 +428,32 @@ def predict_step(layout: RunLayout) -> list[Expected]:
 
 
 def ns_calls_per_step(layout: RunLayout) -> int:
-    """Newton–Schulz invocations per step over all ranks: 1 per matrix for DMuon, W otherwise."""
-    matrices = len(layout.muon_names)
+    """Matrices orthogonalized per step over all ranks: once each for DMuon and ZeRO-1, W
+    times otherwise. A param holds ``ParamSpec.matrices`` (an expert stack of E: E)."""
+    matrices = sum(p.matrices for p in layout.muon_specs())
     owned_once = layout.is_dmuon or layout.mode == "zero1-muon"
     return matrices if owned_once else matrices * layout.world_size
+
+
+def reused_elems(layout: RunLayout) -> int:
+    """P_M^r: the Muon elements moved again because their unit runs more than once per
+    forward, ``sum((calls - 1) * elements)`` over the Muon params, where calls is how many
+    times the unit that moves the param runs (:attr:`RunLayout.module_calls`): DMuon's block
+    in the DMuon modes; the ``fully_shard`` module holding the param in the FSDP2 baselines,
+    whose elements count padded on dim 0 to a multiple of N as their closed form does
+    (``verify.traffic.formulas.PADDED_MODES``). 0 in the DDP and ZeRO-1 modes, and when
+    nothing runs twice. The closed forms add a multiple of it
+    (``verify.traffic.formulas.ClosedForm.reuse_phases``)."""
+    if not layout.module_calls:
+        return 0
+    if layout.is_dmuon:
+        return sum((layout.calls_of(dmuon_block(p.module)) - 1) * p.numel for p in layout.muon_specs())
+    if not layout.fsdp_modules:
+        return 0
+    n, muon = layout.shard_size, set(layout.muon_names)
+    return sum(
+        (layout.calls_of(module) - 1) * n * padded_shard_numel(p.shape, n)
+        for module, members in fsdp_groups(layout, set())
+        for p in members
+        if p.name in muon
+    )

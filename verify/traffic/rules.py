@@ -10,13 +10,25 @@ Rules (torch 2.13; the per-call accounting is :mod:`verify.traffic.formulas`):
   unless it is the root wrapped without an explicit ``reshard_after_forward`` (``FSDPState.
   _lazy_init`` keeps that root unsharded: ``RunLayout.root_auto_reshard``), one
   reduce_scatter over the shard axis; on an HSDP mesh one all_reduce over the replicate axis.
+  A module whose forward runs u > 1 times per forward (weight sharing,
+  ``RunLayout.module_calls``) is gathered again: with ``reshard_after_forward`` u all_gathers
+  in forward and u in backward (it reshards after each run, and after each run's backward);
+  without, 1 in forward and u - 1 in backward (each run's backward but the first finds it
+  resharded by the previous one's post-backward). Still one reduce_scatter (and all_reduce):
+  the grads are reduced once, when the last run's backward is done. Measured on gloo
+  (``examples/structures.py:shared_block``).
   Per-rank count: the sum of dim-0-padded shard sizes ceil(d0/N)·(d1·…)
   (:func:`padded_shard_numel`). FSDP2 skips the all_gather and reduce_scatter of a one-rank
   shard group (``_fsdp_param_group.py`` unshard: world_size == 1; ``_fsdp_collectives.py``
   foreach_reduce: world_size > 1) but still all-reduces over the replicate axis. Dtypes: the
   all_gathers in ``param_dtype``, the reduce_scatter and all_reduce in ``reduce_dtype``.
 - **DDP**: one all_reduce over the world per gradient bucket, buckets from DDP's own
-  ``dist._compute_bucket_assignment_by_size`` (:func:`ddp_buckets`), in the params' dtype.
+  ``dist._compute_bucket_assignment_by_size`` (:func:`ddp_buckets`), in the params' dtype;
+  and, when the module has buffers (``RunLayout.ddp_buffers``: rotary ``inv_freq``, BatchNorm
+  statistics), one broadcast from rank 0 over the world before every forward per dtype and
+  250 MiB of buffers (``broadcast_buffers=True``, DDP's ``_sync_buffers`` through
+  ``dist._broadcast_coalesced``, whose ``take_tensors`` groups by dtype and closes a group
+  once it reaches the bucket size; :func:`ddp_buffer_broadcasts`).
 """
 
 from __future__ import annotations
@@ -49,6 +61,7 @@ class AxisCall:
         dtype: torch dtype name of the call.
         dedicated_count: elements of ``count`` that belong to Muon-target params.
         module: the wrapped module (FSDP2), ``None`` for DDP buckets.
+        root: the group rank a broadcast starts from (DDP's buffers: rank 0), else ``None``.
     """
 
     phase: str
@@ -59,6 +72,29 @@ class AxisCall:
     dtype: str
     dedicated_count: int
     module: str | None
+    root: int | None = None
+
+
+#: DDP's ``broadcast_bucket_size`` for its buffer broadcasts (torch 2.13: 250 MiB).
+DDP_BUFFER_BUCKET_BYTES = 250 * 1024 * 1024
+
+
+def ddp_buffer_broadcasts(buffers: Sequence[tuple[str, int]],
+                          bucket_bytes: int = DDP_BUFFER_BUCKET_BYTES) -> list[tuple[str, int]]:
+    """``(dtype, count)`` of each broadcast DDP issues to sync ``buffers`` (``(dtype, numel)``
+    in ``named_buffers()`` order): per dtype, buffers join a group until its bytes reach
+    ``bucket_bytes`` (c10d's ``take_tensors``); closed groups first, then the open ones in
+    the order their dtype first appeared."""
+    closed: list[tuple[str, int]] = []
+    open_groups: dict[str, list[int]] = {}
+    for dtype, numel in buffers:
+        group = open_groups.setdefault(dtype, [0, 0])  # [elements, bytes]
+        group[0] += numel
+        group[1] += numel * getattr(torch, dtype).itemsize
+        if group[1] >= bucket_bytes:
+            closed.append((dtype, group[0]))
+            del open_groups[dtype]
+    return closed + [(dtype, g[0]) for dtype, g in open_groups.items() if g[0]]
 
 
 def padded_shard_numel(shape: Sequence[int], n: int) -> int:
@@ -108,14 +144,15 @@ def fsdp_calls(layout: RunLayout, ignored: set[str]) -> list[AxisCall]:
         count = sum(padded_shard_numel(p.shape, n) for p in managed)
         ded = sum(padded_shard_numel(p.shape, n) for p in managed if p.name in muon)
         keeps_unsharded = module == "" and layout.root_auto_reshard
+        runs = layout.calls_of(module)
+        reshards = layout.reshard_after_forward and not keeps_unsharded
 
-        def add(phase: str, op: str, axis: str, size: int, dt: str) -> None:
-            out.append(AxisCall(phase, op, axis, size, count, dt, ded, module))
+        def add(phase: str, op: str, axis: str, size: int, dt: str, times: int = 1) -> None:
+            out.extend([AxisCall(phase, op, axis, size, count, dt, ded, module)] * times)
 
         if n > 1:
-            add("forward", "all_gather", "shard", n, dtype)
-            if layout.reshard_after_forward and not keeps_unsharded:
-                add("backward", "all_gather", "shard", n, dtype)
+            add("forward", "all_gather", "shard", n, dtype, runs if reshards else 1)
+            add("backward", "all_gather", "shard", n, dtype, runs if reshards else runs - 1)
             add("backward", "reduce_scatter", "shard", n, red)
         if r > 1:
             add("backward", "all_reduce", "replicate", r, red)
@@ -153,6 +190,9 @@ def ddp_calls(layout: RunLayout, ignored: set[str]) -> list[AxisCall]:
     buckets = ddp_buckets([p for p in layout.params if p.name not in ignored],
                           layout.ddp_bucket_cap_bytes, layout.ddp_first_bucket_cap_bytes)
     return [
+        AxisCall("forward", "broadcast", "world", layout.world_size, count, dtype, 0, None, root=0)
+        for dtype, count in ddp_buffer_broadcasts(layout.ddp_buffers)
+    ] + [
         AxisCall("backward", "all_reduce", "world", layout.world_size,
                  sum(p.numel for p in bucket), bucket[0].dtype,
                  sum(p.numel for p in bucket if p.name in muon), None)

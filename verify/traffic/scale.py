@@ -32,7 +32,7 @@ import torch
 
 from dmuon.ownership.plan import OwnershipPlan, ParamSpec, plan_ownership
 
-from verify.traffic.predict import RunLayout, dmuon_buckets, owner_numels
+from verify.traffic.predict import RunLayout, dmuon_buckets, ns_calls_per_step, owner_numels, reused_elems
 from verify.traffic.rules import AxisCall, ddp_calls, fsdp_calls, padded_shard_numel
 from verify.traffic.formulas import MODES, avg_elems, closed_form
 
@@ -111,6 +111,9 @@ class StepTraffic:
     """Bytes of Muon momentum on the fullest rank."""
     p_m_pad: int | None = None
     """``zero1-muon``: W·C, the owner-aligned buffer its closed form is evaluated at."""
+    p_m_reused: int = 0
+    """P_M^r: elements re-sent for units that run more than once per forward
+    (:func:`verify.traffic.predict.reused_elems`)."""
 
     @property
     def world_size(self) -> int:
@@ -173,12 +176,14 @@ class StepTraffic:
         """docs/spec.md §2's closed form × P_M (``zero1-muon``: 2(W-1)/W at P_M^pad = W·C)."""
         if self.mode == ZERO1:
             return 2 * (self.world_size - 1) / self.world_size * self.p_m_pad
-        return closed_form(self.mode, self.shard_size, self.replicate_size).total * self.p_m
+        form = closed_form(self.mode, self.shard_size, self.replicate_size)
+        return form.total_at(self.p_m, self.p_m_reused)
 
     def closed_form_text(self) -> str:
         if self.mode == ZERO1:
             return "2(W-1)/W at P_M^pad"
-        return closed_form(self.mode, self.shard_size, self.replicate_size).text
+        form = closed_form(self.mode, self.shard_size, self.replicate_size)
+        return form.text + (form.reuse_text if self.p_m_reused else "")
 
 
 # ----- per-mode builders ------------------------------------------------------------------------
@@ -207,7 +212,8 @@ def _dmuon(layout: RunLayout, plan: OwnershipPlan) -> tuple[Tally, dict[int, Tal
     for b in dmuon_buckets(layout.muon_specs(), plan, layout.dmuon_bucket_cap_bytes):
         g, dtype, numel = b.owner, b.dtype, b.numel
         cast, red = _dtype_bytes(layout.cast_dtype(dtype)), _dtype_bytes(layout.reduce_dtype(dtype))
-        common.add("forward", "broadcast", "shard", n, numel, cast, numel)
+        runs = layout.calls_of(b.module) if layout.reshard_after_forward else 1  # Z3 reuse
+        common.add("forward", "broadcast", "shard", n, numel, cast, numel, times=runs)
         if layout.reshard_after_forward:
             common.add("backward", "broadcast", "shard", n, numel, cast, numel)
         usage = len(b.names)
@@ -241,14 +247,14 @@ def _build_dmuon(layout: RunLayout, plan: OwnershipPlan) -> StepTraffic:
     # Z2 and DDP keep every dedicated param on every rank; Z3 keeps what its shard index s
     # holds after the replicate broadcast (the owners (., s)).
     params = _muon_bytes(layout) if z2 else max(plan.bytes_load_per_shard, default=0)
-    return _result(layout, common, extra, len(ded), params, max(plan.bytes_load, default=0))
+    return _result(layout, common, extra, params, max(plan.bytes_load, default=0))
 
 
 def _build_ddp_muon(layout: RunLayout, plan: OwnershipPlan) -> StepTraffic:
     common = Tally()
     _add(common, ddp_calls(layout, set()))
     full = _muon_bytes(layout)
-    return _result(layout, common, {}, len(layout.muon_names) * layout.world_size, full, full)
+    return _result(layout, common, {}, full, full)
 
 
 def _build_naive(layout: RunLayout, plan: OwnershipPlan) -> StepTraffic:
@@ -262,7 +268,7 @@ def _build_naive(layout: RunLayout, plan: OwnershipPlan) -> StepTraffic:
         sharded += c * _nbytes(p)
     # FSDP2 shards the params (padded); the baseline keeps a full momentum on every rank.
     w = layout.world_size
-    return _result(layout, common, {}, len(layout.muon_names) * w, sharded, _muon_bytes(layout))
+    return _result(layout, common, {}, sharded, _muon_bytes(layout))
 
 
 def _build_zero1(layout: RunLayout, plan: OwnershipPlan) -> StepTraffic:
@@ -279,16 +285,17 @@ def _build_zero1(layout: RunLayout, plan: OwnershipPlan) -> StepTraffic:
     c, elem_bytes = max(owner_numels(specs, plan)), _nbytes(specs[0])
     for op in ("reduce_scatter", "all_gather"):
         common.add("optimizer", op, "world", w, c, elem_bytes, c)
-    out = _result(layout, common, {}, len(specs), _muon_bytes(layout), c * elem_bytes)
+    out = _result(layout, common, {}, _muon_bytes(layout), c * elem_bytes)
     out.p_m_pad = w * c
     return out
 
 
-def _result(layout, common, extra, ns_calls, param_bytes, momentum_bytes) -> StepTraffic:
+def _result(layout, common, extra, param_bytes, momentum_bytes) -> StepTraffic:
     return StepTraffic(
         mode=layout.mode, replicate_size=layout.replicate_size, shard_size=layout.shard_size,
-        p_m=layout.p_m(), common=common, extra=extra, ns_calls=ns_calls,
+        p_m=layout.p_m(), common=common, extra=extra, ns_calls=ns_calls_per_step(layout),
         param_bytes_max=param_bytes, momentum_bytes_max=momentum_bytes,
+        p_m_reused=reused_elems(layout),
     )
 
 

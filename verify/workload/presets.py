@@ -500,7 +500,8 @@ def build_preset(name: str, device: str | torch.device = "meta") -> nn.Module:
 
 
 def resolve_model(spec: str) -> Callable[[], nn.Module]:
-    """A factory for ``spec``: a preset name or ``pkg.module:factory`` (called under meta).
+    """A factory for ``spec``: a preset name or ``pkg.module:factory`` (called under meta;
+    returning an ``nn.Module``, or ``(model, loss_fn)`` as ``verify-traffic``'s factories do).
 
     Raises:
         ValueError: an unknown preset, or a ``module:factory`` that cannot be imported or is
@@ -526,6 +527,8 @@ def resolve_model(spec: str) -> Callable[[], nn.Module]:
     def build() -> nn.Module:
         with torch.device("meta"):
             model = factory()
+        if isinstance(model, tuple) and model and isinstance(model[0], nn.Module):
+            model = model[0]  # a verify-traffic factory: (model, loss_fn)
         if not isinstance(model, nn.Module):
             raise ValueError(f"Invalid model={spec!r}: the factory returned {type(model).__name__}, not an nn.Module.")
         return model

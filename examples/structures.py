@@ -1,0 +1,99 @@
+"""Example factories for model structures that DMuon and ``verify-traffic`` must handle
+(``make verify-traffic ARGS="--nproc 2 --model examples.structures:<factory>"``):
+
+- :func:`shared_block`: weight sharing, a block called twice in one forward
+  (``blocks.0``, ``blocks.1``, then ``blocks.0`` again, ALBERT-style).
+- :func:`linear_list`: a plain MLP written as an ``nn.ModuleList`` of bare ``nn.Linear``.
+- :func:`conv_net`: a small conv net (``Conv1d`` / ``Conv2d`` weights: Muon on the
+  ``(out, in·k…)`` flattened view).
+
+Same task and loss protocol as :mod:`examples.my_model` (``factory() -> (model, loss_fn)``,
+``loss_fn(model, rank, step)``): a fixed random teacher, batches a pure function of
+``(step, rank)``; :func:`linear_list` and :func:`conv_net` train on one fixed batch per rank
+(:func:`fixed_loss`): they learn too slowly for the first loss to beat the fourth on fresh
+batches, whose targets differ by more than four steps of progress.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from examples.my_model import BATCH_PER_RANK, D_IN, D_OUT, Block, loss_fn
+
+D_MODEL = 50
+
+
+class SharedBlockMLP(nn.Module):
+    """``inp`` Linear(20, 50), two residual blocks run as 0, 1, 0 (block 0 twice), a head."""
+
+    #: The order the blocks run in each forward.
+    SCHEDULE = (0, 1, 0)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(D_IN, D_MODEL, bias=False)
+        self.blocks = nn.ModuleList(Block() for _ in range(2))
+        self.norm = nn.LayerNorm(D_MODEL)
+        self.head = nn.Linear(D_MODEL, D_OUT)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for i in self.SCHEDULE:
+            h = self.blocks[i](h)
+        return self.head(self.norm(h))
+
+
+class LinearList(nn.Module):
+    """An MLP as an ``nn.ModuleList`` of bare ``nn.Linear`` (20 -> 48 -> 40 -> 48 -> 10)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        widths = (D_IN, 48, 40, 48, D_OUT)
+        self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(widths, widths[1:]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i, layer in enumerate(self.layers):
+            x = layer(x)
+            if i < len(self.layers) - 1:
+                x = torch.tanh(x)
+        return x
+
+
+class ConvNet(nn.Module):
+    """The 20 inputs as a (1, 4, 5) image: Conv2d(1, 6, 3) -> Conv2d(6, 8, 3) -> Conv1d over
+    the flattened rows -> Linear head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.convs = nn.ModuleList([nn.Conv2d(1, 6, 3, padding=1), nn.Conv2d(6, 8, 3, padding=1)])
+        self.seq = nn.Conv1d(8, 8, 3, padding=1)
+        self.head = nn.Linear(8 * D_IN, D_OUT)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.view(-1, 1, 4, 5)
+        for conv in self.convs:
+            h = torch.tanh(conv(h))
+        h = torch.tanh(self.seq(h.flatten(2)))
+        return self.head(h.flatten(1))
+
+
+def fixed_loss(model: nn.Module, rank: int, step: int) -> torch.Tensor:
+    """:func:`examples.my_model.loss_fn` on step 0's batch of ``rank`` at every step."""
+    return loss_fn(model, rank, 0)
+
+
+def shared_block() -> tuple[nn.Module, object]:
+    return SharedBlockMLP(), loss_fn
+
+
+def linear_list() -> tuple[nn.Module, object]:
+    return LinearList(), fixed_loss
+
+
+def conv_net() -> tuple[nn.Module, object]:
+    return ConvNet(), fixed_loss
+
+
+__all__ = ["BATCH_PER_RANK", "ConvNet", "LinearList", "SharedBlockMLP", "conv_net", "linear_list",
+           "fixed_loss", "shared_block"]
