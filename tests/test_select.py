@@ -46,6 +46,28 @@ def test_head_tied_to_embedding_goes_to_adamw():
     assert _selected(model) == ["hidden.weight"]
 
 
+def _tied_hidden() -> nn.Module:
+    """Two hidden Linears sharing one weight (weight tying between modules), and one module
+    object reused at two places (not sharing)."""
+    model = nn.Module()
+    a, reused = nn.Linear(8, 8), nn.Linear(8, 8)
+    model.blocks = nn.ModuleList([a, nn.Linear(8, 8), reused, reused])
+    model.blocks[1].weight = a.weight
+    return model
+
+
+def test_a_weight_shared_by_two_modules_goes_to_adamw_and_cannot_be_forced():
+    model = _tied_hidden()
+    got = {a.name: a for a in assign_params(model)}
+    assert got["blocks.0.weight"].optimizer == "adamw" and got["blocks.0.weight"].role == "shared"
+    assert "['blocks.0', 'blocks.1']" in got["blocks.0.weight"].reason
+    assert _selected(model) == ["blocks.2.weight"]  # the reused module object is one holder
+    assert [a.name for a in adamw_matrices(list(got.values()))] == ["blocks.0.weight"]
+    for how in ({"params": ["blocks.0.weight"]}, {"predicate": lambda n, p, m: p.ndim == 2}):
+        with pytest.raises(ValueError, match=r"blocks.0.weight: the same Parameter is registered in modules"):
+            select_params(model, how.get("params"), how.get("predicate"))
+
+
 def test_explicit_frozen_param_still_raises():
     model = GPT2Like()
     with pytest.raises(ValueError, match="Invalid dedicated param frozen.weight: requires_grad is False"):

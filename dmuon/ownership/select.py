@@ -50,9 +50,11 @@ MUON, ADAMW = "muon", "adamw"
 
 #: ``Assignment.role`` values: hidden matrices (``linear``, ``stack``, ``conv``, ``matrix``)
 #: and the rest (``frozen``, ``small``: fewer than 2 dims, ``embedding``: a table or
-#: embedding-like by name, ``head``, ``tied``: tied to an embedding, ``vector``: a matrix
-#: view with a dimension of 1).
-ROLES = ("linear", "stack", "conv", "matrix", "frozen", "small", "embedding", "head", "tied", "vector")
+#: embedding-like by name, ``head``, ``tied``: tied to an embedding, ``shared``: one Parameter
+#: registered in two different modules (weight tying between hidden layers), ``vector``: a
+#: matrix view with a dimension of 1).
+ROLES = ("linear", "stack", "conv", "matrix", "frozen", "small", "embedding", "head", "tied",
+         "shared", "vector")
 
 #: Roles that go to AdamW by design: :func:`adamw_matrices` does not report them.
 QUIET_ROLES = frozenset({"frozen", "small", "embedding", "head", "tied"})
@@ -211,6 +213,17 @@ def _named_with_modules(model: nn.Module) -> dict[int, tuple[str, nn.Parameter, 
     return owner_module
 
 
+def shared_params(model: nn.Module) -> dict[int, list[str]]:
+    """id(param) -> the names of the modules that register it, for every Parameter registered
+    in two or more different module objects (weight tying between layers). A module object
+    reused at two places of the tree is one module: its params are not shared."""
+    holders: dict[int, list[str]] = {}
+    for module_name, module in model.named_modules():  # each module object once
+        for p in module.parameters(recurse=False):
+            holders.setdefault(id(p), []).append(module_name or "<root>")
+    return {k: v for k, v in holders.items() if len(v) > 1}
+
+
 def assign_params(
     model: nn.Module, params=None, predicate: Predicate | None = None
 ) -> list[Assignment]:
@@ -218,12 +231,17 @@ def assign_params(
     :func:`select_params`)."""
     entries = _named_with_modules(model)
     tied = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    shared = shared_params(model)
     chosen = _explicit_ids(entries, params) if params is not None else None
     out = []
     for key, (name, p, _, module) in entries.items():
         default, role, why = _default_rule(name, p, module)
         if key in tied and not isinstance(module, nn.Embedding):
             default, role, why = False, "tied", "tied to an nn.Embedding weight"
+        elif key in shared and default:
+            default, role, why = False, "shared", (
+                f"shared by modules {shared[key]}: DMuon moves a dedicated param with the one "
+                "module that holds it")
         if chosen is not None:
             muon = key in chosen
             why = "listed in params=" if muon else f"not in params= (default: {why})"
@@ -267,12 +285,22 @@ def select_params(
 
     Raises:
         ValueError: a name or tensor in ``params`` that is not the model's, or a selected
-            param with fewer than 2 dims or ``requires_grad=False``.
+            param with fewer than 2 dims, ``requires_grad=False`` or registered in two
+            different modules (:func:`shared_params`).
     """
     entries = {v[0]: v for v in _named_with_modules(model).values()}
     selected = [a for a in assign_params(model, params, predicate) if a.optimizer == MUON]
+    shared = shared_params(model)
     for a in selected:
         p = entries[a.name][1]
+        if id(p) in shared:
+            raise ValueError(
+                f"Invalid dedicated param {a.name}: the same Parameter is registered in modules "
+                f"{shared[id(p)]}. Must belong to one module: DMuon broadcasts, frees and reduces "
+                "a dedicated param with the module that holds it, so a second holder would read "
+                "a freed copy (Z3) or hand the param back to DDP. Leave it to AdamW (drop it "
+                "from params= / predicate=), or reuse one module object instead of tying weights."
+            )
         if p.ndim < 2:
             raise ValueError(
                 f"Invalid dedicated param {a.name} of shape {a.shape}: Muon needs a matrix, a "
