@@ -278,7 +278,9 @@ class DedicatedParams:
         of this handle (and ``DMuon.step()``) raises; the model can be dedicated again.
 
         Raises:
-            RuntimeError: called inside a backward pass.
+            RuntimeError: called inside a backward pass; or (``sync=True``) with grads
+                accumulated under ``no_sync()`` and never reduced (each rank would keep its own micro-batches' grads). Checked on every
+                rank from state every rank shares, before any collective.
         """
         rt = self._runtime
         if rt is None:
@@ -286,6 +288,13 @@ class DedicatedParams:
         if in_backward():
             raise RuntimeError("DMuon: close() was called inside a backward pass. Call it "
                                "between steps, on every rank.")
+        local = self.unreduced_param() if sync else None
+        if local is not None:
+            raise RuntimeError(
+                f"DMuon: close() with grads accumulated under dm.no_sync() and never reduced "
+                f"(e.g. {local}): each rank would keep its own micro-batches' grads. Run the "
+                "last micro-batch's backward outside no_sync() and step(), or call "
+                "optimizer.zero_grad() before close().")
         if sync:
             self.sync_params()
         elif rt.state in (S.FORWARD, S.BACKWARD):

@@ -200,6 +200,11 @@ class Runtime:
             return
         if self.state == S.FORWARD:
             self._end_forward()
+        if self.state == S.CLOSED:
+            raise RuntimeError(
+                "DMuon: a backward started after DedicatedParams.close(): the forward ran "
+                "while DMuon was attached, but its grads can no longer be reduced to their "
+                "owners. Call close() after loss.backward() and optimizer.step().")
         if self.state not in (S.FORWARD_DONE, S.BACKWARD_DONE):
             raise RuntimeError(
                 f"DMuon: a backward started in state {self.state.name}, with no forward "

@@ -187,3 +187,20 @@ def moved_block_alone() -> dict:
     adopted = _error(lambda: _loss(model, x, y))
     dm.close()
     return {"error": error, "adopted": adopted, "rank": dist.get_rank()}
+
+
+def close_misuse() -> dict:
+    """close() with no_sync grads never reduced raises (before any collective, on every
+    rank); a backward of a forward run before close() raises naming close()."""
+    mesh = _mesh("flat")
+    model = make_model()
+    dm = dmuon.dedicate_params(model, mesh)
+    opt = dmuon.DMuon(model.parameters(), dedicated=dm)
+    x, y = batch(0)
+    with dm.no_sync():
+        _loss(model, x, y).backward()
+    unreduced = _error(dm.close)
+    opt.zero_grad()
+    loss = _loss(model, x, y)
+    dm.close()
+    return {"unreduced": unreduced, "backward_after_close": _error(loss.backward), "closed": dm.closed}

@@ -60,3 +60,10 @@ def test_split_bucket_is_named_at_the_forward_and_hand_rebinding_is_adopted(pool
         assert "Invalid dedicated params of block" in r["error"], r
         assert "torch.float64" in r["error"] and "apply .to()" in r["error"], r
         assert r["adopted"] == "no error", r
+
+
+def test_close_refuses_unreduced_grads_and_a_later_backward_names_close(pool2):
+    for r in pool2.run_with_timeout(TIMEOUT_S, T.close_misuse):
+        assert "close() with grads accumulated under dm.no_sync()" in r["unreduced"], r
+        assert "a backward started after DedicatedParams.close()" in r["backward_after_close"], r
+        assert r["closed"]
