@@ -61,3 +61,14 @@ def test_skip_reasons():
     reasons = skip_reasons(("dmuon-z2", "dmuon-hsdp-z2", "naive-hsdp"), 3)
     assert set(reasons) == {"dmuon-hsdp-z2", "naive-hsdp"}
     assert "have W=3" in reasons["naive-hsdp"]
+
+
+def test_block_names_name_a_module_repeated_in_the_list_once():
+    """ALBERT-style sharing: the same block at indices 0 and 2 is one FSDP2 unit, named by
+    its first index (``named_modules`` has no ``blocks.2``; the naive FSDP2 modes failed with
+    KeyError on it)."""
+    a, b = nn.Linear(4, 4), nn.Linear(4, 4)
+    model = nn.Module()
+    model.blocks = nn.ModuleList([a, b, a])
+    assert block_names(model) == ["blocks.0", "blocks.1"]
+    assert all(n in dict(model.named_modules()) for n in block_names(model))

@@ -2,10 +2,11 @@
 
 This docstring is the authoritative description of DMuon's protocol (the traffic predictor
 in ``verify/`` is derived from it independently). Who does what (``docs/architecture.md``):
-:class:`DedicatedParams` here is the handle and its lifecycle; ``runtime.py`` the pass state
-and the hooks' logic; ``schedule.py`` the cursors and every call; ``copies.py`` each bucket's
-copies, grads and states (the only code that changes a dedicated param); ``attach.py`` what
-is attached to the model and undone by ``close()``; ``state.py`` every state and transition.
+:class:`DedicatedParams` here is the handle and its lifecycle; ``hooks.py`` (``Runtime``) the
+pass state and the hooks' logic; ``schedule.py`` the cursors and every call; ``copies.py``
+each bucket's copies, grads and states (the only code that changes a dedicated param);
+``attach.py`` what is attached to the model and undone by ``close()``; ``state.py`` every
+state and transition.
 
 Glossary (see ``topology.py`` for the mesh terms):
 

@@ -225,7 +225,9 @@ def validate_source(source: ModelSource, seed: int = 0) -> None:
 
 def block_names(model: nn.Module) -> list[str]:
     """Modules FSDP2 wraps one by one: the elements of the model's largest ``nn.ModuleList``
-    (by parameter count: a transformer's layers), in order; ``[]`` when it has none."""
+    (by parameter count: a transformer's layers), in order; ``[]`` when it has none. A module
+    that sits at several indices is named once, at its first (``named_modules`` knows only that
+    name, and FSDP2 cannot wrap one module twice)."""
     best, best_numel = None, 0
     for name, module in model.named_modules():
         if isinstance(module, nn.ModuleList) and len(module):
@@ -234,7 +236,12 @@ def block_names(model: nn.Module) -> list[str]:
                 best, best_numel = name, numel
     if best is None:
         return []
-    return [f"{best}.{i}" if best else str(i) for i in range(len(model.get_submodule(best)))]
+    names, seen = [], set()
+    for i, module in enumerate(model.get_submodule(best)):
+        if id(module) not in seen:  # the same module at two indices (ALBERT-style): its first name only
+            seen.add(id(module))
+            names.append(f"{best}.{i}" if best else str(i))
+    return names
 
 
 def skip_reasons(modes: tuple[str, ...] | list[str], world_size: int) -> dict[str, str]:
