@@ -25,6 +25,22 @@ def test_launch_env_sets_nccl_logging_only_for_nccl(tmp_path, monkeypatch):
     assert nccl["NCCL_DEBUG_FILE"].endswith("nccl.%h.%p.log")
 
 
+@pytest.mark.parametrize("args, says", [
+    (["--modes", "bogus"], "Invalid --modes entries ['bogus']"),
+    (["--modes", "naive-hsdp"], "no mode of --modes naive-hsdp can run at W=2"),
+    (["--model", "nosuch.module:f"], "cannot import 'nosuch.module'"),
+    (["--global-batch", "3"], "Invalid --global-batch=3"),
+    (["--frobnicate"], "unrecognized arguments: --frobnicate"),
+])
+def test_bad_worker_input_is_one_line_and_exit_2_before_torchrun(tmp_path, capsys, args, says):
+    from verify.run.launch import main
+
+    assert main(["--nproc", "2", "--out-dir", str(tmp_path / "run"), *args]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("make verify-traffic: error: ") and says in err[0], err
+    assert not (tmp_path / "run").exists()  # torchrun never started
+
+
 @pytest.mark.distributed
 def test_verify_traffic_end_to_end_two_processes(tmp_path):
     proc = subprocess.run(

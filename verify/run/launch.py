@@ -15,7 +15,9 @@ torchrun's when a process fails.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
+import io
 import os
 import subprocess
 import sys
@@ -24,7 +26,10 @@ from pathlib import Path
 import torch
 
 from tracer.flight_recorder import flight_recorder_env
-from verify.run.main import VERDICT_FILE
+from verify.run.main import VERDICT_FILE, parse_args
+from verify.run.runner import RunConfig
+from verify.workload.data import global_batch_size
+from verify.workload.usermodel import resolve, skip_reasons
 
 DEFAULT_CPU_PROCS = 4
 
@@ -88,6 +93,29 @@ def resolve_backend(backend: str, gpus: int, nproc: int | None) -> tuple[bool, i
     return False, n
 
 
+def usage_problem(extra: list[str], out_dir: Path, nproc: int) -> str | None:
+    """What the workers would refuse before training, checked once here: their arguments
+    (``verify.run.main.parse_args``: flags, ``--modes`` names, step counts), a mode set that
+    cannot run at W = ``nproc``, a ``--global-batch`` that W does not divide, and a
+    ``--model`` that cannot be imported. Returns one line, or ``None``."""
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err):
+            args = parse_args([*extra, "--out-dir", str(out_dir)])
+    except SystemExit:  # argparse's usage line, then "prog: error: ..."
+        return err.getvalue().strip().splitlines()[-1].partition("error: ")[2] or err.getvalue().strip()
+    modes = args.modes.split(",")
+    skipped = skip_reasons(modes, nproc)
+    if len(skipped) == len(modes):
+        return f"no mode of --modes {args.modes} can run at W={nproc}: {'; '.join(sorted(set(skipped.values())))}"
+    try:
+        global_batch_size(nproc, per_rank=RunConfig.batch_per_rank, global_batch=args.global_batch)
+        resolve(args.model)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="make verify-traffic", description=__doc__.split("\n\n")[0])
     parser.add_argument("--nproc", type=int, default=None, help=f"CPU processes when < 2 GPUs (default {DEFAULT_CPU_PROCS})")
@@ -103,6 +131,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(exc))
     run_id = args.run_id or datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     out_dir = Path(args.out_dir) if args.out_dir else Path("traces") / run_id
+    problem = usage_problem(extra, out_dir, nproc)
+    if problem:  # one line and exit 2 here, not the same error from every rank under torchrun
+        print(f"make verify-traffic: error: {problem}", file=sys.stderr)
+        return 2
     out_dir.mkdir(parents=True, exist_ok=True)
     cpu_why = "" if args.backend == "gloo" else " (no ≥2 GPUs visible)"
     where = f"{nproc} GPU(s), NCCL" if use_nccl else f"{nproc} local CPU processes, gloo{cpu_why}"
