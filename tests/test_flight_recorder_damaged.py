@@ -59,9 +59,10 @@ def test_malicious_pickle_in_a_dump_folder_runs_nothing(shared_fixtures, n_event
     assert not marker.exists()
     assert len(read.events) == n_events == 16 and len(read.unreadable) == 1
     assert "notes.txt" in read.unreadable[0] and "nothing was run" in read.unreadable[0]
-    assert dmuon_trace(["fr", str(folder), "--out", str(tmp_path / "e.parquet")]) == 0
+    # a file not read: exit 2, the events of the others written (issue 19 item 4)
+    assert dmuon_trace(["fr", str(folder), "--out", str(tmp_path / "e.parquet")]) == 2
     err = capsys.readouterr().err
-    assert not marker.exists() and "notes.txt" in err
+    assert not marker.exists() and "notes.txt" in err and (tmp_path / "e.parquet").is_file()
     # Only the pickle: nothing found, exit 3, still nothing run.
     (folder / "fr_rank0.json").unlink()
     assert dmuon_trace(["fr", str(folder), "--out", str(tmp_path / "f.parquet")]) == 3

@@ -17,10 +17,8 @@ from __future__ import annotations
 
 import itertools
 import os
-import zlib
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from gzip import BadGzipFile
 from gzip import GzipFile as _GzipFile
 from pathlib import Path
 
@@ -28,8 +26,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from tracer.nccl import formats as fmt
 from tracer.events import OPS
+from tracer.inputs import GZIP_ERRORS, folder_entries, gzip_problem, is_gzip, not_regular
+from tracer.nccl import formats as fmt
 
 #: Bytes read per chunk of a file (a block is this plus the rest of its last line).
 CHUNK_BYTES = 2 << 20
@@ -77,9 +76,8 @@ SNIFF_BYTES = 8192
 #: Text that makes a file with NUL bytes in its first :data:`SNIFF_BYTES` an NCCL log still
 #: (a crash can leave a zero-filled block in a log): it is read, NUL runs are foreign text.
 NCCL_TEXT = (b"NCCL INFO", b": opCount")
-#: The two first bytes of a gzip file (RFC 1952): such a file is read decompressed,
-#: whatever its name.
-GZIP_MAGIC = b"\x1f\x8b"
+#: What reading a file can raise (gzip: a truncated or damaged stream too).
+READ_ERRORS = GZIP_ERRORS
 
 
 class InputReadError(OSError):
@@ -91,52 +89,24 @@ class InputReadError(OSError):
         self.path, self.line_no, self.reason = str(path), line_no, reason
 
 
-def is_gzip(path: str | Path) -> bool:
-    """Whether the file starts with :data:`GZIP_MAGIC` (``OSError`` when it cannot be read)."""
-    with open(path, "rb") as f:
-        return f.read(2) == GZIP_MAGIC
-
-
 def open_input(path: str | Path):
     """``path`` opened for binary reading, decompressed when it is gzip (by its first bytes,
     whatever its name)."""
     return _GzipFile(path, "rb") if is_gzip(path) else open(path, "rb", buffering=0)
 
 
-def _read_error(exc: BaseException) -> str:
-    if isinstance(exc, EOFError):
-        return f"the gzip stream ends early (a truncated file?): {exc}"
-    if isinstance(exc, (zlib.error, BadGzipFile)):
-        return f"damaged gzip data: {exc}"
-    return f"{type(exc).__name__}: {exc}"
-
-
-#: What reading a file can raise (gzip: a truncated or damaged stream too).
-READ_ERRORS = (OSError, EOFError, zlib.error)
-
-
 def skip_reason(path: Path) -> str | None:
     """Why ``path`` is not read as an NCCL log, or ``None`` when it is: not a regular file
-    (a FIFO, a socket, a folder behind a symlink, a broken symlink), unreadable, a damaged
-    gzip stream at its start, or binary (a NUL byte in its first :data:`SNIFF_BYTES`,
-    decompressed, and no :data:`NCCL_TEXT` there)."""
-    import stat
-
-    try:
-        mode = path.stat().st_mode
-    except FileNotFoundError:
-        return "broken symlink" if path.is_symlink() else "vanished while listing"
-    except OSError as exc:
-        return f"cannot read ({exc})"
-    if not stat.S_ISREG(mode):
-        kind = ("a folder behind a symlink (not followed)" if stat.S_ISDIR(mode) else
-                "a FIFO" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode) else
-                "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "not a file")
-        return f"not a regular file ({kind})"
+    (:func:`tracer.inputs.not_regular`), unreadable, a gzip stream damaged at its start, or
+    binary (a NUL byte in its first :data:`SNIFF_BYTES`, decompressed, and no
+    :data:`NCCL_TEXT` there)."""
+    reason = not_regular(path)
+    if reason is not None:
+        return reason
     try:
         f = open_input(path)
     except READ_ERRORS as exc:
-        return f"cannot read ({_read_error(exc)})"
+        return f"cannot read ({gzip_problem(exc)})"
     with f:
         head, error = read_chunk(f, SNIFF_BYTES)
     if error is not None and not head:  # a damaged start: nothing to read at all
@@ -157,13 +127,13 @@ def read_chunk(f, size: int) -> tuple[bytes, str | None]:
         try:
             return f.read(size), None
         except READ_ERRORS as exc:
-            return b"", _read_error(exc)
+            return b"", gzip_problem(exc)
     pieces, n = [], 0
     while n < size:
         try:
             piece = f.read1(size - n)
         except READ_ERRORS as exc:
-            return b"".join(pieces), _read_error(exc)
+            return b"".join(pieces), gzip_problem(exc)
         if not piece:
             break
         pieces.append(piece)
@@ -188,9 +158,7 @@ def expand_paths(paths: Sequence[str | os.PathLike], *, glob: str | None = None,
     out: list[Path] = []
     for p in map(Path, paths):
         if p.is_dir():
-            found = sorted(q for q in p.rglob(glob or "*")
-                           if not any(part.startswith(".") for part in q.relative_to(p).parts)
-                           and (q.is_symlink() or not q.is_dir()))
+            found = folder_entries(p, recursive=True, glob=glob or "*")
         elif p.exists() or p.is_symlink():
             found = [p]
         else:
@@ -264,7 +232,7 @@ def file_blocks(path: str | Path, chunk_bytes: int | None = None) -> Iterator[Li
     try:
         f = open_input(path)
     except READ_ERRORS as exc:
-        raise InputReadError(path, 1, _read_error(exc)) from None
+        raise InputReadError(path, 1, gzip_problem(exc)) from None
     with f:
         while True:
             start = len(buf)
