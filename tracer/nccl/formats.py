@@ -523,6 +523,33 @@ def decode_torch_device(tail: str, pos: int = 0, endpos: int | None = None) -> i
 #: removed from a line before it is parsed (counted in the parse's stats).
 ANSI_RE = re.compile(r"\x1b(?:\[[0-?]{0,64}[ -/]{0,8}[@-~]|\][^\x07\x1b]{0,4096}(?:\x07|\x1b\\)"
                      r"|[@-Z\\-_])")
+#: Characters of a long line cleaned at a time by :func:`ansi_pieces`.
+_ANSI_WINDOW = 1 << 20
+#: Longest ANSI escape sequence :data:`ANSI_RE` reads (an OSC title of 4096 characters).
+_ANSI_LONGEST = 4200
+
+
+def ansi_pieces(text: str) -> tuple[list[str], int]:
+    """``text`` without its ANSI escape sequences, as pieces to join, and how many went.
+    A long text is cleaned a window at a time (never cutting a sequence), so that no list of
+    every match's pieces is built: the pieces are at most the text's size."""
+    if len(text) <= _ANSI_WINDOW:
+        clean, n = ANSI_RE.subn("", text)
+        return [clean], n
+    pieces, total, pos = [], 0, 0
+    while pos < len(text):
+        end = min(len(text), pos + _ANSI_WINDOW)
+        if end < len(text):
+            esc = text.rfind("\x1b", max(pos + 1, end - _ANSI_LONGEST), end)
+            if esc > pos:
+                end = esc
+        clean, n = ANSI_RE.subn("", text[pos:end])
+        pieces.append(clean)
+        total += n
+        pos = end
+    return pieces, total
+
+
 #: Characters removed from the start of a line (and before a prefix, see
 #: :func:`strip_before`): a UTF-8 byte-order mark, carriage returns, NUL bytes (a crash can
 #: leave a zero-filled block in a log file before the next line).
@@ -607,24 +634,26 @@ LONG_LINE = 1 << 16
 _PIECE = 1 << 18
 
 
-class ByteLine(str):
-    """A long line's UTF-8 bytes as Latin-1 text: one character per byte, so that Python
-    holds it in one byte per byte (decoded as UTF-8, a line holding one character beyond
-    U+FFFF takes four bytes per character, and the decoder briefly more). Every field the
-    parser reads is ASCII and every pattern is ``re.ASCII``, so it reads such a line as it
-    reads the decoded one; the texts it keeps (hosts, pointers, excerpts) are decoded back
+class ByteLine:
+    """A long line's UTF-8 bytes as Latin-1 text (``text``): one character per byte, so that
+    Python holds it in one byte per byte (decoded as UTF-8, a line holding one character
+    beyond U+FFFF takes four bytes per character, and the decoder briefly more). Every field
+    the parser reads is ASCII and every pattern is ``re.ASCII``, so it reads such a line as
+    it reads the decoded one; the texts it keeps (hosts, pointers, excerpts) are decoded back
     (:func:`from_byte_text`). Column and width of excerpts count bytes.
 
     ``invalid``: ``None``, or ``(column, byte, excerpt)`` of the line's first invalid
     UTF-8 byte (a character column, as for other lines)."""
 
-    invalid: tuple | None = None
+    __slots__ = ("text", "invalid")
+
+    def __init__(self, text: str, invalid: tuple | None = None):
+        self.text, self.invalid = text, invalid
 
     @classmethod
     def from_bytes(cls, data) -> ByteLine:
         """The line of UTF-8 ``data`` (a bytes-like object), its UTF-8 checked a
         :data:`_PIECE` at a time."""
-        line = cls(data, "latin-1")
         view = memoryview(data)
         pos = chars = 0
         n = len(view)
@@ -641,14 +670,13 @@ class ByteLine(str):
                     lo += 1
                 window = str(view[lo:at + EXCERPT_CHARS], "utf-8", "surrogateescape")
                 j = len(str(view[lo:at], "utf-8", "surrogateescape"))
-                line.invalid = (chars + 1, view[at], excerpt(window, j))
-                return line
+                return cls("", (chars + 1, view[at], excerpt(window, j)))
             chars += len(text)
             del text
             if not used and not final:  # pragma: no cover - a piece holds whole characters
                 break
             pos += used
-        return line
+        return cls(str(view, "latin-1"))
 
 
 def from_byte_text(text: str) -> str:

@@ -385,19 +385,26 @@ def write_nccl_parquet(paths, out: str | os.PathLike, *, strict: bool = False,
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = [out.with_name(f".{out.name}.{os.getpid()}.{k}.tmp") for k in ("rows", "epoch", "fix")]
     parser = EventBatches(strict=strict, keep_issues=max_issues)
-    ops, ranks, rows, seen = Counter(), set(), 0, set()
+    ops, ranks, rows = Counter(), set(), 0
+    seen = np.zeros(0, bool)  # epochs with rows (a bitmap: one byte per epoch)
     try:
         with _writer(tmp[0], BATCH_SCHEMA) as writer, open(tmp[1], "wb") as ef:
             group: list[pa.RecordBatch] = []
             for batch, epoch in parser.batches(paths):
                 group.append(batch)
                 epoch.astype(np.int64).tofile(ef)
-                seen.update(np.flatnonzero(np.bincount(epoch[epoch >= 0])).tolist())
+                hit = epoch[epoch >= 0]
+                if len(hit):
+                    if hit.max() >= len(seen):
+                        seen = np.concatenate([seen, np.zeros(2 * int(hit.max()) + 1 - len(seen),
+                                                              bool)])
+                    seen[hit] = True
                 rows += batch.num_rows
                 if sum(b.num_rows for b in group) >= ROW_GROUP_ROWS:
                     _write_group(writer, group, ops, ranks)
             _write_group(writer, group, ops, ranks)
-        fixes = {e: v for e, v in parser.resolver.final_fixes().items() if e in seen}
+        fixes = {e: v for e, v in parser.resolver.final_fixes().items()
+                 if e < len(seen) and seen[e]}
         if rows and fixes:
             ranks = set()
             _rewrite_fixed(tmp[0], tmp[1], tmp[2], fixes, ranks)

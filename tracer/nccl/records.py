@@ -358,19 +358,20 @@ class LineParser:
         :data:`tracer.nccl.formats.LONG_LINE` UTF-8 bytes holding non-ASCII characters is
         read as a :class:`tracer.nccl.formats.ByteLine` (whether it comes as one, from the
         file reader, or as text)."""
-        if line.endswith("\n"):
-            line = line[:-1]
-            if line.endswith("\r"):
-                line = line[:-1]
         latin = type(line) is fmt.ByteLine
-        if not latin and len(line) * 4 > fmt.LONG_LINE and not line.isascii():
-            try:
-                data = line.encode("utf-8", "surrogateescape")
-            except UnicodeEncodeError:  # a lone surrogate no file holds: reported below
-                data = None
-            if data is not None and len(data) > fmt.LONG_LINE:
-                line, latin = fmt.ByteLine.from_bytes(data), True
-            del data
+        if not latin:
+            if line.endswith("\n"):
+                line = line[:-1]
+                if line.endswith("\r"):
+                    line = line[:-1]
+            if len(line) * 4 > fmt.LONG_LINE and not line.isascii():
+                try:
+                    data = line.encode("utf-8", "surrogateescape")
+                except UnicodeEncodeError:  # a lone surrogate no file holds: reported below
+                    data = None
+                if data is not None and len(data) > fmt.LONG_LINE:
+                    line, latin = fmt.ByteLine.from_bytes(data), True
+                del data
         if latin and line.invalid is not None:
             col, byte, shown = line.invalid
             yield from self._drop_pending()
@@ -379,8 +380,10 @@ class LineParser:
                              f"{col}); line not parsed",
                              shown.encode("utf-8", "backslashreplace").decode())
             return
+        records = self._feed(line_no, line.text if latin else line, latin)
+        del line  # the generator holds the only reference: a cleaned copy can replace it
         shown = hidden = 0
-        for rec in self._feed(line_no, line, latin):
+        for rec in records:
             if latin:
                 rec = _unbyte(rec)
             if type(rec) is ParseIssue:
@@ -403,9 +406,12 @@ class LineParser:
                 yield bad
                 return
         if "\x1b" in line:
-            line, n = fmt.ANSI_RE.subn("", line)
+            pieces, n = fmt.ansi_pieces(line)
             if n:
                 st.stripped["ANSI escape"] += n
+                line = None  # the only reference (see iter_feed): freed before the join
+                line = "".join(pieces)
+            del pieces
         if line and (line[0] in fmt.LEAD_JUNK or latin and line.startswith(fmt.BOM_BYTES)):
             line = self._strip_lead(line, latin)
         heads = fmt.iter_coll_heads(line) if fmt.OPCOUNT_MARK in line else iter(())
