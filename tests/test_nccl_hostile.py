@@ -53,15 +53,25 @@ def test_split_op_names_without_a_prefix_are_issues(name):
     res = _parse(INIT, COLL.replace("AllReduce", name))
     assert res.events == []
     (issue,) = res.issues
-    assert issue.line_no == 2 and "two" not in issue.reason
-    assert "split by characters that are not ASCII letters" in issue.reason
+    assert issue.line_no == 2
+    assert "split by or after characters that are not ASCII letters" in issue.reason
+
+
+@pytest.mark.parametrize("text", ["stepReduce", "AlReduce", "xGather", "eScatter", "Al-Reduce",
+                                  "x\u200bGather", "n\u00e9Reduce"])
+def test_glued_letters_before_a_name_that_ends_a_longer_one_are_issues(text):
+    res = _parse(COLL.replace("AllReduce", text))
+    assert res.events == [] and [i.line_no for i in res.issues] == [1]
 
 
 def test_glued_text_with_one_reading_stays_an_unattributed_event():
     res = _parse("step 3 loss 2.5 " + COLL, "x" + COLL.replace("AllReduce", "Send"),
-                 "0x7f00" + COLL)
-    assert [e.op for e in res.events] == ["all_reduce", "send", "all_reduce"]
-    assert res.issues == [] and res.stats.unattributed == 3
+                 "0x7f00" + COLL, "loss 2.5 " + COLL.replace("AllReduce", "Reduce"),
+                 "0x7f0c74002f00" + COLL.replace("AllReduce", "Reduce"),
+                 "(x) " + COLL.replace("AllReduce", "Gather"))
+    assert [e.op for e in res.events] == ["all_reduce", "send", "all_reduce", "reduce",
+                                          "reduce", "gather"]
+    assert res.issues == [] and res.stats.unattributed == 6
 
 
 @pytest.mark.parametrize("text, reason", [

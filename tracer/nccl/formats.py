@@ -198,10 +198,18 @@ def lost_op_name(run: str, before: str = "") -> tuple[str | None, list[str]]:
 
     Returns ``(name, candidates)``: ``run`` itself when it is a known op name (or no known name
     ends it: an unknown op); else the one known name that ends it; ``(None, names)`` when
-    several readings exist: several known names end ``run`` (``"xAllReduce"`` may be
-    ``AllReduce`` or ``Reduce`` after ``"xAll"``), or the name is split by characters that are
-    not ASCII letters (``"All-Reduce"``, ``"All Reduce"``, ``"All\\u200bReduce"``: ``Reduce``,
-    or ``AllReduce`` with a character inside).
+    several readings exist:
+
+    - several known names end ``run`` (``"xAllReduce"``: ``AllReduce``, or ``Reduce`` after
+      ``"xAll"``);
+    - letters are glued to a name that ends a longer one (``"stepReduce"``, ``"AlReduce"``:
+      ``Reduce``, or a mangled ``AllReduce``); glued to ``Send`` (``"doneSend"``) the name
+      is read;
+    - the name is split by characters that are not ASCII letters (``"All-Reduce"``, ``"All
+      Reduce"``, ``"All\u200bReduce"``, ``"All5Reduce"``: ``Reduce``, or ``AllReduce``
+      with something inside), or it ends a longer name and punctuation or other non-ASCII
+      text (no blank, no digit) comes right before it (``"Al-Reduce"``). A blank or digits
+      before it are foreign text (``"loss 2.5 Reduce"``, a pointer ``"0x7f00Reduce"``).
     """
     if run in KNOWN_OP_NAMES:
         names = [run]
@@ -209,17 +217,30 @@ def lost_op_name(run: str, before: str = "") -> tuple[str | None, list[str]]:
         names = sorted((n for n in KNOWN_OP_NAMES if run.endswith(n)), key=len, reverse=True)
         if not names:
             return run, []
-    if len(names) == 1 and before:
+    if len(names) > 1:
+        return None, names
+    name = names[0]
+    longer = sorted((n for n in KNOWN_OP_NAMES if len(n) > len(name) and n.endswith(name)),
+                    key=len, reverse=True)
+    if run != name and longer:  # letters glued to a name that ends a longer one
+        return None, longer + names
+    if before:
         k = len(before)
         while k and len(before) - k < _GAP_MAX and not _is_ascii_letter(before[k - 1]):
             k -= 1
-        m = _LETTERS_END_RE.search(before, 0, k) if k < len(before) else None
+        gap = before[k:]
+        m = _LETTERS_END_RE.search(before, 0, k) if gap else None
         if m is not None:
             joined = m.group(0) + run
-            split = [n for n in KNOWN_OP_NAMES if len(n) > len(names[0]) and joined.endswith(n)]
+            split = [n for n in longer if joined.endswith(n)]
             if split:
-                return None, sorted(split, key=len, reverse=True) + names
-    return (names[0], names) if len(names) == 1 else (None, names)
+                return None, split + names
+            if longer and not _BLANK_OR_DIGIT_RE.search(gap):
+                return None, longer + names
+    return name, names
+
+
+_BLANK_OR_DIGIT_RE = re.compile(r"[\s0-9]", re.ASCII)
 
 
 def _is_ascii_letter(ch: str) -> bool:
@@ -519,10 +540,12 @@ def decode_torch_device(tail: str, pos: int = 0, endpos: int | None = None) -> i
 # ------------------------------------------------------------------ damaged and hostile text
 
 #: ANSI escape sequences (terminal colours, cursor moves): CSI ``ESC [ … final``, OSC
-#: ``ESC ] … BEL|ESC \\``, and two-character ``ESC x``. Presentation, never part of a record:
-#: removed from a line before it is parsed (counted in the parse's stats).
+#: ``ESC ] … BEL|ESC \\``, and the two-character cursor and keypad ones (``ESC 7``, ``ESC 8``,
+#: ``ESC =``, ``ESC >``). Presentation, never part of a record: removed from a line before it
+#: is parsed (counted in the parse's stats). ``ESC`` and a letter is not removed: it would
+#: take the letter with it (``All\x1bReduce`` would read ``Alleduce``).
 ANSI_RE = re.compile(r"\x1b(?:\[[0-?]{0,64}[ -/]{0,8}[@-~]|\][^\x07\x1b]{0,4096}(?:\x07|\x1b\\)"
-                     r"|[@-Z\\-_])")
+                     r"|[78=>])")
 #: Characters of a long line cleaned at a time by :func:`ansi_pieces`.
 _ANSI_WINDOW = 1 << 20
 #: Longest ANSI escape sequence :data:`ANSI_RE` reads (an OSC title of 4096 characters).
@@ -559,12 +582,14 @@ JUNK_NAMES = {"\ufeff": "BOM", "\r": "CR", "\0": "NUL"}
 
 
 def strip_before(text: str) -> tuple[str, dict[str, int]]:
-    """``text`` (the text before a prefix) without its :data:`LEAD_JUNK` characters, and
-    how many of each went."""
+    """``text`` (the text before a prefix) with its :data:`LEAD_JUNK` characters made
+    blanks, and how many of each there were: such a character separates the prefix from the
+    text before it (a BOM where two files were joined, NUL bytes before a restarted process's
+    line), so the host is not glued to that text."""
     counts = {JUNK_NAMES[c]: text.count(c) for c in LEAD_JUNK if c in text}
     if counts:
         for c in LEAD_JUNK:
-            text = text.replace(c, "")
+            text = text.replace(c, " ")
     return text, counts
 
 

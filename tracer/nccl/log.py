@@ -71,9 +71,14 @@ Defined outcomes (each tested):
   address (equal values in two processes are common), so it cannot say whose call it was;
   the prefixed calls of that process keep their numbering (one call short). Counted as
   "unattributed" in the summary (``ParseStats.unattributed``), not as a COLL or non-NCCL line.
-  Text glued before the op name is read from its end when one op name fits
-  (``"doneSend"``: Send); when two fit (``"0x1fAllGather"``: AllGather or Gather after
-  ``"…All"``) it is an issue, no event. INIT lines that lost their prefix are plain text.
+  Text glued before the op name is read from its end when one op name fits and is not the
+  end of a longer one (``"doneSend"``: Send); when two fit (``"0x1fAllGather"``: AllGather
+  or Gather after ``"…All"``), when letters are glued to Reduce, Gather or Scatter
+  (``"stepReduce"``, ``"AlReduce"``: maybe a mangled AllReduce), or when the name is split
+  by or follows punctuation or other non-ASCII text (``"All Reduce"``, ``"Al-Reduce"``) it
+  is an issue, no event (:func:`tracer.nccl.formats.lost_op_name`). A blank or digits
+  before it are foreign text (``"loss 2.5 Reduce"``). INIT lines that lost their prefix are
+  plain text.
 - a line with invalid UTF-8 (files are decoded with ``errors="surrogateescape"``; in-memory
   lines holding lone surrogates): issue naming the byte and column, the line is not parsed;
   the other lines are.

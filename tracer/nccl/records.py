@@ -651,11 +651,11 @@ def _coll_records(m, file: str, line_no: int, prefix: tuple, unattributed: bool 
     if unattributed:
         name, names = fmt.lost_op_name(nccl_op, before)
         if name is None:
-            split = [n for n in names if not nccl_op.endswith(n)]
-            how = (f"split by characters that are not ASCII letters "
-                   f"({(before + nccl_op)[-len(nccl_op) - 8:]!r}: the op "
-                   f"is {' or '.join(names)})" if split else
-                   f"glued to the text before it ({nccl_op!r}: the op is "
+            glued = nccl_op != names[-1]  # letters before the shortest reading
+            how = (f"glued to the text before it ({nccl_op!r}: the op is "
+                   f"{' or '.join(names)})" if glued else
+                   f"split by or after characters that are not ASCII letters "
+                   f"({(before + nccl_op)[-len(nccl_op) - 8:]!r}: the op is "
                    f"{' or '.join(names)})")
             yield issue(file, line_no, f"COLL line without its prefix whose op name is {how}; "
                         "no event", before + m.group(0), len(before))
