@@ -270,3 +270,33 @@ def test_issues_per_line_are_bounded_and_counted():
     assert len(res.issues) == MAX_LINE_ISSUES + 2
     assert res.issues[-2].reason.startswith(f"{999 - MAX_LINE_ISSUES:,d} more issue(s)")
     assert "at end of input" in res.issues[-1].reason
+
+
+def test_long_non_ascii_lines_give_the_same_records_and_readable_issues(tmp_path):
+    """A line over LONG_LINE bytes with non-ASCII text is read one byte a character; its
+    hosts and excerpts are decoded back (an excerpt's own '…' kept), and a record after an
+    incomplete one keeps its prefix (host 'nöde', not None)."""
+    unit = "n\u00f6de:1:1 [0] NCCL INFO " + COLL + " \u00b2 All\u200bReduce: opCount 1 "
+    line = unit * (2 * fmt.LONG_LINE // len(unit.encode()) + 1)
+    path = tmp_path / "long.log"
+    path.write_text(line + "\n" + P + COLL + "\n", encoding="utf-8")
+    res = nccl_logs_to_table(path)
+    hosts = set(res.table.column("host").to_pylist())
+    assert hosts == {"n\u00f6de", "node-01"}
+    assert all("\u00c3" not in i.reason + i.text for i in res.issues)  # no mojibake
+    assert any("n\u00f6de" in i.text for i in res.issues)
+    mem = nccl_logs_to_table([("m", [line + "\n", P + COLL + "\n"])])
+    assert mem.table.num_rows == res.table.num_rows
+    assert [i.reason for i in mem.issues] == [i.reason for i in res.issues]
+
+
+def test_an_excerpt_of_a_long_non_ascii_line_keeps_its_marks():
+    text = fmt.from_byte_text(fmt.excerpt(("\u00e9" * 300).encode().decode("latin-1"), 10))
+    assert text.endswith("more chars)") and "\u00e9" in text and "\u00c3" not in text
+
+
+def test_a_record_after_an_incomplete_one_keeps_its_prefix():
+    res = _parse(P + "AllReduce: opCount 1 sendbuff 0x1 " + P.replace("node-01", "node-02") + COLL,
+                 P + "All-Reduce: opCount 1 " + P.replace("node-01", "node-03") + COLL)
+    assert [e.host for e in res.events] == ["node-02", "node-03"]
+    assert [i.line_no for i in res.issues] == [1, 2]

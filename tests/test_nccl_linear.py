@@ -92,11 +92,13 @@ def test_a_10_mb_line_parses_in_linear_time(tmp_path, kind):
     assert path.stat().st_size >= 10 * 2**20
     res, records = _assert_linear(path)
     assert res.stats.lines == 1
-    if kind == "info":  # the two whole COLL records; the rest are issues, not events
-        # (": opCount" after a run of letters no op name can end is an issue too)
-        assert res.table.num_rows == 2 and len(res.issues) == 5
+    if kind == "info":  # one whole COLL record; the rest are issues, not events: ": opCount"
+        # after a run of letters no op name can end, and the record whose "host:pid:tid"
+        # is megabytes of ":1" (its prefix runs past the window read before a marker)
+        assert res.table.num_rows == 1 and len(res.issues) == 6
+        assert any("prefix runs past" in i.reason for i in res.issues)
         # the record whose count no column holds is an issue at the records layer too
-        assert [r.count for r in records if type(r).__name__ == "CollRecord"] == [8, 8]
+        assert [r.count for r in records if type(r).__name__ == "CollRecord"] == [8]
     else:
         assert res.table.num_rows == 0 and res.stats.torch_lines == 0
         assert all(i.line_no == 1 for i in res.issues)

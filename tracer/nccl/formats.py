@@ -706,8 +706,15 @@ class ByteLine:
 
 def from_byte_text(text: str) -> str:
     """A text cut from a :class:`ByteLine`, decoded back (a character cut at its edge reads
-    as U+FFFD)."""
-    return text.encode("latin-1").decode("utf-8", "replace") if not text.isascii() else text
+    as U+FFFD). Characters beyond U+00FF in it were added by the parser (an excerpt's
+    ``…``), not read from the line: they stay."""
+    if text.isascii():
+        return text
+    return _HIGH_RUN_RE.sub(lambda m: m.group().encode("latin-1").decode("utf-8", "replace"),
+                            text)
+
+
+_HIGH_RUN_RE = re.compile("[\x80-\xff]+")
 
 
 #: A UTF-8 byte-order mark as a :class:`ByteLine` holds it.

@@ -462,7 +462,7 @@ class LineParser:
                             f"{fmt.excerpt(token, None, 64)!r} is not an NCCL op name "
                             f"({_OP_LIST}); no event",
                             line[start:end] if is_mark else line[owned[1] - len(token):end])
-                lo = end
+                lo = start  # the next record's prefix may lie in this text
                 continue
             m = coll_match(line, start, end)
             if m is not None and m.group(9) is not None:
@@ -480,7 +480,7 @@ class LineParser:
                 else:
                     yield issue(file, line_no, "incomplete COLL line (another record starts "
                                 "before its 'stream' field)", line[start:end])
-                lo = end
+                lo = start  # the next record's prefix may lie in this text
             else:
                 lo = start
                 yield from _other_info(line, start, end, file, line_no, prefix, st, problem)
