@@ -181,3 +181,21 @@ def test_nccl_log_given_to_fr_exits_3(shared_fixtures, tmp_path, capsys):
     assert dmuon_trace(["fr", str(log), "--out", str(tmp_path / "e.parquet")]) == 3
     err = capsys.readouterr().err
     assert "no Flight Recorder events" in err and not (tmp_path / "e.parquet").exists()
+
+
+def test_gzipped_malicious_pickle_is_refused_too(tmp_path):
+    """gzip is read decompressed whatever the name; a pickle inside still meets the
+    restricted unpickler (issue 19 item 3)."""
+    import gzip
+
+    marker = tmp_path / "pwned"
+    path = tmp_path / "fr_rank0.json"  # a JSON name, gzip bytes, a pickle inside
+    path.write_bytes(gzip.compress(pickle.dumps({"version": "2.10", "pg_status": {},
+                                                 "entries": [_RunsCode(marker)]})))
+    with pytest.raises(PickleRefused, match="nothing was run"):
+        load_dump(path)
+    assert not marker.exists()
+    cut = tmp_path / "cut.gz"
+    cut.write_bytes(path.read_bytes()[:20])
+    with pytest.raises(ValueError, match="gzip stream ends early"):
+        load_dump(cut)

@@ -124,7 +124,9 @@ def test_1000_long_lines_parse_in_linear_time(tmp_path):
 
 PREFIX_WORDS = ["[", "]", " ", ":", "1", "23", "-", "h", "x", ".", ",", "\t", "0", "[3] ",
                 "h:1:2", ":9:9 ", "[2026-05-05 06:16:47] ", "[2026-05-05T06:16:47.5] ",
-                "2026-05-05 06:16:47"]
+                "2026-05-05 06:16:47", "[2026-05-05T06:16:47Z] ", "[2026-05-05 06:16:47+02:00] ",
+                "[2026-05-05 06:16:47.25 -0530] ", "[2026-05-05 06:16:47 UTC] ", "Z", "+02",
+                "-05:30", " UTC", "+"]
 INIT_WORDS = ["comm 0x1 ", "rank 0 ", "nranks 2 ", "cudaDev 0", "cudaDev -1 ", " ", "-", "- ",
               "Init ", "START", "COMPLETE", "Destroy ", "Abort ", "nccl", "ncclCommInitRank ",
               "x", "\n", " - Init COMPLETE", "commId 0x5 ", "comm comm "]

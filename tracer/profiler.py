@@ -1,7 +1,9 @@
 """torch.profiler (Kineto) Chrome traces -> canonical collective events: a source on every backend.
 
 Input: the JSON that ``torch.profiler.profile(...).export_chrome_trace(path)`` writes (``.json``
-or ``.json.gz``), one file per rank (a folder: every ``*.json`` / ``*.json.gz`` in it). Which
+or ``.json.gz``; gzip is known by its first bytes, whatever the name), one file per rank (a
+folder: every ``*.json`` / ``*.json.gz`` in it; ``dmuon-trace profiler`` names every other
+entry, and every file that is not a trace, as not read). Which
 events carry the collectives depends on the backend; measured on torch 2.13.0 (CPU build, gloo,
 ``tests/test_profiler.py`` on ``../shared/fixtures/profiler/`` and on real runs):
 

@@ -3,9 +3,12 @@
 
 A :class:`LineBlock` is a run of physical lines as one UTF-8 buffer, each line ended by
 ``\\n``. Files are read in binary chunks cut after a line end (:func:`file_blocks`), with the
-line ends Python's text mode would see (``\\r\\n`` and a lone ``\\r`` end a line); in-memory
-``(name, lines)`` inputs are packed :data:`BLOCK_LINES` lines at a time (:func:`line_blocks`),
-one element one line.
+line ends Python's text mode would see (``\\r\\n`` and a lone ``\\r`` end a line),
+decompressed when gzip (by the first bytes, any name); a line longer than :data:`LONG_LINE`
+is a block of its own. In-memory ``(name, lines)`` inputs are packed :data:`BLOCK_LINES` lines
+at a time (:func:`line_blocks`), one element one line. :func:`expand_paths` leaves out, and
+names with their reason, files that are not logs (:func:`skip_reason`); reading that stops
+part-way (a truncated gzip) raises :class:`InputReadError` after the lines before it.
 
 :func:`fast_coll_fields` finds the fast lines of a block with one RE2 pass
 (:data:`tracer.nccl.formats.FAST_COLL_LINE_RE2`), then cuts their fields at spaces with numpy

@@ -12,7 +12,9 @@ Line anatomy::
 
 Anything before the timestamp / host (Ray's ``(RayTrainWorker pid=…)``, mpirun's ``[0] ``,
 another rank's unterminated line) is ignored: records are found by searching for
-``NCCL INFO `` anywhere in a physical line, never anchored at column 0. A COLL message whose
+``NCCL INFO `` anywhere in a physical line, never anchored at column 0. Terminal colours
+(:data:`ANSI_RE`) are removed from a line, and a BOM, CR or NUL before a prefix
+(:data:`LEAD_JUNK`) separates it from the text before, before a line is read. A COLL message whose
 prefix was lost is found by its ``<Op>: opCount`` (:func:`coll_heads`).
 
 Every pattern here runs in linear time on any line: searches start at a literal or a
