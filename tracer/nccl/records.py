@@ -255,15 +255,15 @@ _FIELD_WORDS = {"count": " count ", "count * dtype bytes": " count ", "nranks": 
                 "cudaDev": "["}
 
 
-def range_issue(rec, text: str, prefix_text: str = "") -> ParseIssue | None:
+def range_issue(rec, text: str, prefix: tuple | None = None) -> ParseIssue | None:
     """The issue of ``rec`` when a number does not fit its event-schema column
-    (:func:`range_problem`), showing ``text`` (the record's message, or ``prefix_text`` for
-    the prefix's pid and cudaDev) around that field; ``None`` when all fit."""
+    (:func:`range_problem`), showing ``text`` (the record's message, or ``prefix`` as text
+    for the prefix's pid and cudaDev) around that field; ``None`` when all fit."""
     bad = range_problem(rec)
     if bad is None:
         return None
     name, value, kind = bad
-    shown = prefix_text if name in ("pid", "cudaDev") and prefix_text else text
+    shown = _prefix_shown(prefix) if name in ("pid", "cudaDev") and prefix else text
     at = shown.find(_FIELD_WORDS.get(name, name))
     return issue(rec.file, rec.line_no, f"{name} {fmt.show_int(value)} out of range (the "
                  f"event schema stores it as {kind}); record skipped", shown,
@@ -680,7 +680,7 @@ def _coll_records(m, file: str, line_no: int, prefix: tuple, unattributed: bool 
     rec = CollRecord(file, line_no, op, nccl_op, int(opc, 16) if len(opc) <= 32 else -1,
                      dec(count), datatype, dtype, dec(redop), dec(root), comm,
                      dec(nranks) if nranks else None, host, pid, tid, dev, t_ns, unattributed)
-    bad = range_issue(rec, m.group(0), _prefix_shown(prefix))
+    bad = range_issue(rec, m.group(0), prefix)
     if bad is not None:
         yield bad
         return
