@@ -57,22 +57,30 @@ NAMES = [*SHAPES, "records of distinct comms", "ASCII and one astral"]
 def write_line(path, name: str, size: int) -> int:
     """Write :func:`line` (and a line end) to ``path`` a MB at a time, without holding it;
     returns the line's size in bytes."""
-    piece = 1 << 20
-    n = 0
     with open(path, "wb") as f:
-        if name in ("records of distinct comms", "ASCII and one astral"):
-            data = line(name, size)
-            f.write(data)
-            n = len(data)
-        else:
-            unit = SHAPES[name]
-            reps = size // len(unit)
-            block = unit * max(1, piece // len(unit))
-            per = len(block) // len(unit)
-            while reps:
-                k = min(reps, per)
-                f.write(block if k == per else unit * k)
-                reps -= k
-                n += k * len(unit)
+        n = sum(map(f.write, _pieces(name, size)))
         f.write(b"\n")
     return n
+
+
+def _pieces(name: str, size: int, piece: int = 1 << 20):
+    """:func:`line` in pieces of about ``piece`` bytes."""
+    if name == "records of distinct comms":
+        unit_len = len(P + COLL) + 8
+        total = size // unit_len
+        for lo in range(0, total, piece // unit_len):
+            yield b"".join((P + COLL.replace("0x7f0", f"0x{i:08x}") + " ").encode()
+                           for i in range(lo, min(total, lo + piece // unit_len)))
+        return
+    if name == "ASCII and one astral":
+        yield "\U0001F600".encode()
+        reps, unit = size - 4, b"x"
+    else:
+        unit = SHAPES[name]
+        reps = size // len(unit)
+    per = max(1, piece // len(unit))
+    block = unit * per
+    while reps:
+        k = min(reps, per)
+        yield block if k == per else unit * k
+        reps -= k
