@@ -4,6 +4,7 @@ A script, not a test::
 
     python benchmarks/bench_nccl_parser.py [--lines 2000000] [--ranks 8] [--repeats 5]
         [--passes read,regex,table,parquet] [--no-memory] [--logs DIR]
+    python benchmarks/bench_nccl_parser.py --line-mb 50 [--shapes markers,records]
 
 Generates one log per rank in a temp dir (an INIT line, then COLL lines rendered by the test
 tool tests/tools/nccl_render.py in NCCL 2.21 format), in two cases: ``plain`` (``host:pid:tid
@@ -23,6 +24,20 @@ thread. Per case it times, in this process, ``--repeats`` rounds of (after one w
 memory section, ``--logs DIR`` generates the logs there and reuses them in later runs with the
 same ``--lines`` / ``--ranks`` (each pass checks the line count it reads), for a loaded
 machine where generating 5M lines takes minutes.
+
+Hostile single lines (``--line-mb 50``, issue 19 item 7): instead of the throughput run, one
+line of that many MB per shape of ``tests/tools/nccl_hostile.py`` (repeated markers, op
+heads, records, look-alike op names, INIT lines, colours, non-ASCII text, invalid UTF-8, ...;
+``--shapes`` picks some), each parsed by ``write_nccl_parquet`` (what ``dmuon-trace nccl``
+runs) in a fresh child process after a warm-up on a small log (this process writes the
+line a MB at a time and never holds it: a child's ``ru_maxrss`` starts from its parent's);
+it prints the growth of the child's peak RSS (``ru_maxrss`` from ``resource.getrusage``, and
+``VmHWM``, which starts afresh at ``exec``) and its CPU seconds, and the larger growth as a
+multiple of the line's size. The bound it checks (exit status
+1 when a shape exceeds it): RSS growth <= 3x the line size + 64 MiB (the interpreter's
+allocator and Arrow's pool keep freed memory, and a Parquet row group of rows is held)
++ 1.5 KiB per distinct communicator (state kept for the whole parse, as in any log);
+``tests/test_nccl_memory.py`` asserts the tighter traced bound (tracemalloc) on 2-3 MB lines.
 
 It prints COLL lines per second of CPU time (``time.process_time``: all threads of this
 process) and of wall time, median and best of the rounds, and each path's ratio to ``read``
@@ -233,8 +248,18 @@ def main(argv=None) -> int:
     ap.add_argument("--no-memory", action="store_true", help="skip the memory section")
     ap.add_argument("--logs", default=None, help="folder to generate the logs in and reuse "
                     "them from (default: a temporary folder)")
+    ap.add_argument("--line-mb", type=float, default=None, help="measure the peak RSS of "
+                    "parsing one hostile line of this many MB per shape instead (e.g. 50)")
+    ap.add_argument("--shapes", default=None, help="comma-separated shapes for --line-mb "
+                    "(default: all of tests/tools/nccl_hostile.py)")
     ap.add_argument("--probe", nargs="+", help=argparse.SUPPRESS)  # internal: memory_probe
+    ap.add_argument("--probe-line", nargs=3, help=argparse.SUPPRESS)  # internal: line_probe
     args = ap.parse_args(argv)
+    if args.probe_line:
+        print(json.dumps(line_probe(*args.probe_line)))
+        return 0
+    if args.line_mb is not None:
+        return line_section(args.line_mb, args.shapes, pin(args.cpu))
     names = ["read"] + [n for n in args.passes.split(",") if n and n != "read"]
     names += ["records", "events"] if args.layers else []
     if any(n not in PASSES for n in names):
@@ -305,6 +330,71 @@ def memory_section(paths: list[Path], tmp: Path, n_lines: int, ranks: int, cpu: 
         rows, headers=["log", "events", "ru_maxrss before (MiB)", "ru_maxrss growth (MiB)",
                        "VmHWM growth (MiB)", "Arrow pool peak (MiB)", "Arrow held after (MiB)",
                        "tracemalloc peak (MiB)"], disable_numparse=True)
+
+
+#: The RSS bound ``--line-mb`` checks: growth <= LINE_RSS_FACTOR x line + LINE_RSS_FIXED
+#: + LINE_RSS_PER_COMM x distinct communicators (their state is kept for the whole parse).
+LINE_RSS_FACTOR, LINE_RSS_FIXED, LINE_RSS_PER_COMM = 3.0, 64 * 2**20, 1536
+
+
+def line_probe(path: str, out: str, warm: str) -> dict:
+    """One ``write_nccl_parquet`` of the one-line file ``path`` in this (fresh) process,
+    after a warm-up pass on ``warm``: peak RSS growth and CPU seconds."""
+    write_nccl_parquet([warm], out)
+    rss0, hwm0 = maxrss_kib(), _hwm_kib()
+    c0 = time.process_time()
+    res = write_nccl_parquet([path], out, max_issues=10)
+    cpu = time.process_time() - c0
+    hwm1 = _hwm_kib()
+    return {"rss_growth_kib": maxrss_kib() - rss0, "rss_before_kib": rss0,
+            "hwm_growth_kib": None if hwm0 is None else hwm1 - hwm0, "cpu_s": cpu,
+            "rows": res.rows, "issues": res.issue_count, "comms": len(res.comms)}
+
+
+def line_section(line_mb: float, shapes: str | None, cpu: int) -> int:
+    """The hostile-line table (module docstring); 1 when a shape exceeds the RSS bound."""
+    from tests.tools import nccl_hostile as H
+
+    names = H.NAMES if not shapes else [n.strip() for n in shapes.split(",")]
+    unknown = [n for n in names if n not in H.NAMES]
+    if unknown:
+        raise SystemExit(f"Invalid --shapes {unknown}. Must be among {H.NAMES}.")
+    size = int(line_mb * 1e6)
+    cmd = ["taskset", "-c", str(cpu)] if _has_taskset() else []
+    rows, over = [], []
+    print(f"pinned to CPU {cpu}; one line of {line_mb:g} MB per shape, a child process each",
+          flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        warm = generate(tmp / "warm", 64, 1, False)[0]
+        for name in names:
+            path = tmp / "line.log"
+            n = H.write_line(path, name, size)  # this process never holds the line
+            probe = json.loads(subprocess.run(
+                cmd + [sys.executable, __file__, "--probe-line", str(path),
+                       str(tmp / "out.parquet"), str(warm)],
+                check=True, capture_output=True, text=True).stdout)
+            rss = probe["rss_growth_kib"] * 1024
+            hwm = probe["hwm_growth_kib"]
+            growth = max(rss, hwm * 1024 if hwm is not None else 0)
+            bound = LINE_RSS_FACTOR * n + LINE_RSS_FIXED + LINE_RSS_PER_COMM * probe["comms"]
+            if growth > bound:
+                over.append(name)
+            rows.append([name, f"{n / 2**20:.1f}", f"{rss / 2**20:.1f}",
+                         "n/a" if hwm is None else f"{hwm / 1024:.1f}", f"{growth / n:.2f}",
+                         f"{probe['cpu_s']:.1f}", probe["rows"], probe["issues"],
+                         probe["comms"], "ok" if growth <= bound else "OVER"])
+            print(f"  {name}: {growth / 2**20:.1f} MiB peak RSS growth ({growth / n:.2f}x), "
+                  f"{probe['cpu_s']:.1f} CPU-s", flush=True)
+    print(tabulate(rows, headers=["shape", "line MiB", "ru_maxrss growth MiB",
+                                  "VmHWM growth MiB", "x line (larger)", "CPU s", "events",
+                                  "issues", "comms",
+                                  f"<= {LINE_RSS_FACTOR:g}x + {LINE_RSS_FIXED >> 20} MiB "
+                                  f"+ {LINE_RSS_PER_COMM / 1024:g} KiB/comm"],
+                   disable_numparse=True))
+    if over:
+        print(f"over the bound: {over}")
+    return 1 if over else 0
 
 
 def _has_taskset() -> bool:

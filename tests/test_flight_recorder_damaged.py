@@ -59,9 +59,10 @@ def test_malicious_pickle_in_a_dump_folder_runs_nothing(shared_fixtures, n_event
     assert not marker.exists()
     assert len(read.events) == n_events == 16 and len(read.unreadable) == 1
     assert "notes.txt" in read.unreadable[0] and "nothing was run" in read.unreadable[0]
-    assert dmuon_trace(["fr", str(folder), "--out", str(tmp_path / "e.parquet")]) == 0
+    # a file not read: exit 2, the events of the others written (issue 19 item 4)
+    assert dmuon_trace(["fr", str(folder), "--out", str(tmp_path / "e.parquet")]) == 2
     err = capsys.readouterr().err
-    assert not marker.exists() and "notes.txt" in err
+    assert not marker.exists() and "notes.txt" in err and (tmp_path / "e.parquet").is_file()
     # Only the pickle: nothing found, exit 3, still nothing run.
     (folder / "fr_rank0.json").unlink()
     assert dmuon_trace(["fr", str(folder), "--out", str(tmp_path / "f.parquet")]) == 3
@@ -180,3 +181,21 @@ def test_nccl_log_given_to_fr_exits_3(shared_fixtures, tmp_path, capsys):
     assert dmuon_trace(["fr", str(log), "--out", str(tmp_path / "e.parquet")]) == 3
     err = capsys.readouterr().err
     assert "no Flight Recorder events" in err and not (tmp_path / "e.parquet").exists()
+
+
+def test_gzipped_malicious_pickle_is_refused_too(tmp_path):
+    """gzip is read decompressed whatever the name; a pickle inside still meets the
+    restricted unpickler (issue 19 item 3)."""
+    import gzip
+
+    marker = tmp_path / "pwned"
+    path = tmp_path / "fr_rank0.json"  # a JSON name, gzip bytes, a pickle inside
+    path.write_bytes(gzip.compress(pickle.dumps({"version": "2.10", "pg_status": {},
+                                                 "entries": [_RunsCode(marker)]})))
+    with pytest.raises(PickleRefused, match="nothing was run"):
+        load_dump(path)
+    assert not marker.exists()
+    cut = tmp_path / "cut.gz"
+    cut.write_bytes(path.read_bytes()[:20])
+    with pytest.raises(ValueError, match="gzip stream ends early"):
+        load_dump(cut)

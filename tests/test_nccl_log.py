@@ -387,9 +387,12 @@ def test_rccl_trailing_fields_and_crlf_line_ends():
     assert res.issues == []
 
 
-def test_impossible_timestamp_is_not_a_crash():
+def test_impossible_timestamp_is_an_issue_and_the_event_is_kept():
     res = parse_nccl_logs(_lines("[2026-13-45 99:99:99] " + P + COLL))
-    assert [(e.t_start_ns, e.count) for e in res.events] == [(None, 8)] and res.issues == []
+    assert [(e.t_start_ns, e.count) for e in res.events] == [(None, 8)]
+    (issue,) = res.issues
+    assert (issue.line_no, issue.text) == (1, "[2026-13-45 99:99:99]")
+    assert "no month 13" in issue.reason and "t_start_ns empty" in issue.reason
 
 
 # ------------------------------------------------------------------ lost prefixes (item 7)
@@ -472,7 +475,9 @@ def test_invalid_utf8_line_is_an_issue_with_file_and_line_and_the_rest_parses(tm
 
 @pytest.mark.parametrize("line, reason", [
     (P + COLL.replace("count 8", "count " + "9" * 5000), "count <more than 40 digits> out of"),
-    ("h:" + "1" * 5000 + ":1 [0] NCCL INFO " + COLL, "pid <more than 40 digits> out of"),
+    ("h:" + "1" * 1000 + ":1 [0] NCCL INFO " + COLL, "pid <more than 40 digits> out of"),
+    ("h:" + "1" * 5000 + ":1 [0] NCCL INFO " + COLL, "the 'host:pid:tid [dev]' prefix runs "
+     "past 4,096 characters"),
     (P + COLL.replace("root 0", "root -" + "1" * 99).replace("AllReduce", "Broadcast"),
      "root -<more than 40 digits> out of"),
 ])
@@ -490,6 +495,6 @@ def test_non_ascii_digits_are_not_numbers():
         "\u00b2", P + COLL.replace("count 8", "count \u0663")))
     assert res.events == [] and res.stats.init_lines == 1 and res.stats.torch_lines == 1
     (issue,) = res.issues
-    assert issue.line_no == 3 and "truncated or malformed COLL line" in issue.reason
+    assert issue.line_no == 3 and "malformed COLL line (field 'count'" in issue.reason
     comms = {c.comm: c for c in res.comms}
     assert comms["0xd0"].cuda_dev is None

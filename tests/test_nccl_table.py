@@ -142,7 +142,7 @@ def test_numbers_the_schema_cannot_hold_are_issues():
         (5, f"rank {2**31}")]
 
 
-def test_timestamps_outside_int64_ns_read_as_none():
+def test_timestamps_outside_int64_ns_are_issues_and_read_as_none():
     lines = [R.timestamp_text(2262, 4, 12, 0, 0, 0) + P + COLL,
              R.timestamp_text(1677, 9, 20, 0, 0, 0) + P + COLL,
              R.timestamp_text(1969, 12, 31, 23, 59, 59, "5") + P + COLL,
@@ -150,6 +150,8 @@ def test_timestamps_outside_int64_ns_read_as_none():
              R.timestamp_text(2262, 4, 11, 23, 47, 16, "854775808") + P + COLL]
     res = parse_nccl_logs([("m", lines)])
     assert [e.t_start_ns for e in res.events] == [None, None, -500_000_000, 2**63 - 1, None]
+    assert [(i.line_no, "outside 1677-09-21 .. 2262-04-11" in i.reason) for i in res.issues] == [
+        (1, True), (2, True), (5, True)]
     assert_same([("m", lines)], [("m", lines)])
     with pytest.raises(ValueError, match="2262-04-11"):
         timestamp_ns("9999-01-01 00:00:00")
@@ -196,7 +198,7 @@ def test_parquet_pass_holds_bounded_memory(tmp_path, monkeypatch):
 def test_a_line_longer_than_a_chunk_and_lone_surrogates(tmp_path, monkeypatch):
     monkeypatch.setattr(nccl_columns, "CHUNK_BYTES", 1000)
     path = tmp_path / "long.log"
-    path.write_text("x" * 100_000 + P + COLL + "\n" + P + COLL)
+    path.write_text("x" * 100_000 + " " + P + COLL + "\n" + P + COLL)
     assert [e.source_ref for e in parse_nccl_logs(path).events] == [f"{path}:1", f"{path}:2"]
     assert_same(path, [(str(path), text_lines(path))])
     lines = ["\udcff" + P + COLL, P + COLL]  # invalid UTF-8 in memory: a lone surrogate

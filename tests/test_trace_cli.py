@@ -88,3 +88,95 @@ def test_progress_only_for_big_inputs_on_a_terminal(monkeypatch):
     monkeypatch.setattr(progress.sys, "stderr", Tty())
     assert progress.wants_progress(big) and not progress.wants_progress(big - 1)
     assert not progress.wants_progress(big, enabled=False)
+
+
+# ------------------------------------------------------------ issue 19: gzip, folders, stderr
+
+PROFILER = "profiler/torch2.13cpu_gloo_ws4_profiler_chrome_trace_collective_events_rank0.json"
+FR_JSON = "flight_recorder/torch2.13cpu_gloo_ws4_flight_recorder_dump_fr_trace_json_rank0.json"
+GZ_INPUTS = {"nccl": NCCL_LOG, "fr": FR_JSON, "profiler": PROFILER}
+
+
+@pytest.mark.parametrize("command", sorted(GZ_INPUTS))
+@pytest.mark.parametrize("name", ["rank0.json.gz", "rank0_no_extension"])
+def test_gzip_inputs_are_read_whatever_the_name(shared_fixtures, tmp_path, capsys, command, name):
+    import gzip
+
+    path = tmp_path / name
+    path.write_bytes(gzip.compress((shared_fixtures / GZ_INPUTS[command]).read_bytes()))
+    out = tmp_path / "e.parquet"
+    assert main([command, str(path), "--out", str(out)]) == EXIT_OK, capsys.readouterr().err
+    plain = tmp_path / "p.parquet"
+    assert main([command, str(shared_fixtures / GZ_INPUTS[command]), "--out", str(plain)]) == 0
+    import pyarrow.parquet as pq
+
+    assert pq.read_table(out).num_rows == pq.read_table(plain).num_rows > 0
+
+
+@pytest.mark.parametrize("command", sorted(GZ_INPUTS))
+def test_truncated_gzip_is_named_with_gzip_in_the_reason(shared_fixtures, tmp_path, capsys,
+                                                         command):
+    import gzip
+
+    blob = gzip.compress((shared_fixtures / GZ_INPUTS[command]).read_bytes())
+    path = tmp_path / "cut.gz"
+    path.write_bytes(blob[:len(blob) // 2])
+    rc = main([command, str(path), "--out", str(tmp_path / "e.parquet")])
+    cap = capsys.readouterr()
+    assert rc in (EXIT_BAD_INPUT, EXIT_NOTHING_FOUND)
+    assert "gzip" in cap.out + cap.err and "cut.gz" in cap.out + cap.err
+
+
+@pytest.mark.parametrize("command", sorted(GZ_INPUTS))
+def test_every_folder_entry_is_read_or_named_and_exit_is_2(shared_fixtures, tmp_path, capsys,
+                                                           command):
+    folder = tmp_path / "in"
+    folder.mkdir()
+    good = GZ_INPUTS[command]
+    (folder / ("rank0.json" if command != "nccl" else "rank0.log")).write_bytes(
+        (shared_fixtures / good).read_bytes())
+    (folder / "zz_broken.json").symlink_to(tmp_path / "absent")
+    os.mkfifo(folder / "zz_fifo.json")  # never opened: a read would block
+    (folder / "zz_notes.json").write_bytes(b"\x00\x01binary" * 100)
+    out = tmp_path / "e.parquet"
+    assert main([command, str(folder), "--out", str(out)]) == EXIT_BAD_INPUT
+    cap = capsys.readouterr()
+    assert out.is_file()
+    for name in ("zz_broken.json", "zz_fifo.json", "zz_notes.json"):
+        assert name in cap.out, (name, cap.out)
+    assert "broken symlink" in cap.out and "FIFO" in cap.out
+    assert cap.err.startswith(f"dmuon-trace {command}: error: 3 file(s) not read")
+
+
+@pytest.mark.parametrize("command", ["nccl", "fr", "nsys", "profiler"])
+def test_errors_go_to_stderr_in_every_subcommand(tmp_path, capsys, command):
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    rc = main([command, str(tmp_path / "absent"), "--out", str(tmp_path / "e.parquet")])
+    cap = capsys.readouterr()
+    assert rc == EXIT_BAD_INPUT and cap.out == ""
+    assert cap.err.startswith(f"dmuon-trace {command}: error:") and "absent" in cap.err
+    if command in ("profiler", "nsys"):
+        rc = main([command, str(bad), "--out", str(tmp_path / "e.parquet")])
+        cap = capsys.readouterr()
+        assert rc in (EXIT_BAD_INPUT, EXIT_NOTHING_FOUND)
+        assert cap.err.startswith(f"dmuon-trace {command}: error:") and "bad.json" in cap.err
+        assert f"dmuon-trace {command}: error" not in cap.out
+
+
+def test_gzipped_nsys_export_says_so(shared_fixtures, tmp_path, capsys):
+    import gzip
+
+    path = tmp_path / "report.sqlite.gz"
+    path.write_bytes(gzip.compress((shared_fixtures / NSYS).read_bytes()[:65536]))
+    assert main(["nsys", str(path), "--out", str(tmp_path / "e.parquet")]) == EXIT_BAD_INPUT
+    assert "gzip-compressed" in capsys.readouterr().err
+
+
+def test_profiler_without_events_is_nothing_found(tmp_path, capsys):
+    import json
+
+    (tmp_path / "rank0.json").write_text(json.dumps({"traceEvents": []}))
+    out = tmp_path / "e.parquet"
+    assert main(["profiler", str(tmp_path / "rank0.json"), "--out", str(out)]) == EXIT_NOTHING_FOUND
+    assert "no collective events" in capsys.readouterr().err and not out.exists()

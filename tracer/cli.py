@@ -10,9 +10,14 @@ Subcommands (each module registers its own parser, see ``register_cli`` in it):
 Comparing events with a prediction is ``dmuon-verify check`` (``verify/cli.py``): the tracer
 never imports the harness.
 
-Exit status, every subcommand: 0 events written; 2 bad input or arguments (unreadable file,
-``--out`` a folder or unwritable, ``--strict`` and a damaged entry); 3 nothing found (no
-events in readable inputs, or no readable input). Errors go to stderr, summaries to stdout.
+Exit status, every subcommand: 0 events written, every input read; 2 bad input or arguments
+(a missing path, a damaged export, ``--out`` a folder or unwritable, ``--strict`` and a damaged
+entry: nothing written), or an input file not read or not read to its end (binary, not the
+format, unreadable, a truncated gzip, a FIFO: the events of the other files are written and
+the summary names each such file with its reason); 3 nothing found (no events in the
+readable inputs, or no readable input: nothing written). Gzipped inputs (known by their
+first bytes, whatever the name) are read decompressed by nccl, fr and profiler. Errors go
+to stderr, summaries to stdout.
 """
 
 from __future__ import annotations

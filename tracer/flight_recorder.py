@@ -77,6 +77,7 @@ from tracer.fr_dump import (  # enabling and dumping live there; re-exported (__
     flight_recorder_env,
 )
 from tracer.fr_load import PICKLE_ALLOWED_GLOBALS, PickleRefused, _short, load_dump
+from tracer.inputs import folder_entries, not_regular
 from tracer.progress import byte_progress
 
 __all__ = [
@@ -166,6 +167,9 @@ class FlightRecorderRead:
             come from elsewhere or stay unknown), a pickle loaded with ``allow_pickle``.
         states: number of entries per FR ``state`` (gloo: all ``"scheduled"``).
         files: the dump files read.
+        skipped_files: ``"<file>: <reason>"`` for every file (or folder entry) not read at
+            all: not a dump, a refused pickle, unreadable, a damaged gzip, not a regular file
+            (a FIFO, a broken symlink); each is in ``unreadable`` too.
     """
 
     events: list[CollectiveEvent] = field(default_factory=list)
@@ -173,6 +177,7 @@ class FlightRecorderRead:
     warnings: list[str] = field(default_factory=list)
     states: collections.Counter = field(default_factory=collections.Counter)
     files: list[Path] = field(default_factory=list)
+    skipped_files: list[str] = field(default_factory=list)
 
     def extend(self, other: FlightRecorderRead) -> None:
         """Append ``other``'s results to this one."""
@@ -181,6 +186,12 @@ class FlightRecorderRead:
         self.warnings += other.warnings
         self.states.update(other.states)
         self.files += other.files
+        self.skipped_files += other.skipped_files
+
+    def skip(self, path: str | Path, reason: str) -> None:
+        """Record that the file ``path`` was not read, and why."""
+        self.unreadable.append(f"{path}: {reason}")
+        self.skipped_files.append(f"{path}: {reason}")
 
 
 class _EntryError(Exception):
@@ -505,17 +516,26 @@ def read_flight_recorder(
     return result
 
 
-def _expand(paths: Iterable[str | Path]) -> list[Path]:
+def _expand(paths: Iterable[str | Path], read: FlightRecorderRead | None = None) -> list[Path]:
+    """Files of ``paths``: files as given, every non-hidden entry of a folder. Entries that
+    are not regular files (a FIFO, a broken symlink, a folder behind a symlink) are not
+    opened: recorded in ``read`` (:meth:`FlightRecorderRead.skip`) when given."""
     files: list[Path] = []
     for p in map(Path, paths):
         if p.is_dir():
-            files += sorted(f for f in p.iterdir() if f.is_file() and not f.name.startswith("."))
-        elif p.is_file():
-            files.append(p)
+            found = folder_entries(p)
+        elif p.exists() or p.is_symlink():
+            found = [p]
         else:
             raise ValueError(
                 f"Invalid path {str(p)!r}: does not exist. Must be a dump file or a folder."
             )
+        for f in found:
+            reason = not_regular(f)
+            if reason is None:
+                files.append(f)
+            elif read is not None:
+                read.skip(f, reason)
     return files
 
 
@@ -527,17 +547,22 @@ def read_flight_recorder_paths(
     progress: bool = False,
     allow_pickle: bool = False,
 ) -> FlightRecorderRead:
-    """:func:`read_flight_recorder` over files and folders (every file of a folder).
+    """:func:`read_flight_recorder` over files and folders (every non-hidden entry of a
+    folder; gzipped dumps are read decompressed).
 
-    Files that are not FR dumps (including refused pickles) are listed in ``unreadable``
-    (raised with ``strict``). ``progress`` shows a bar on stderr, by bytes, when the inputs
+    Files that are not FR dumps (including refused pickles, damaged gzip, unreadable files)
+    and folder entries that are not regular files (never opened) are listed in
+    ``skipped_files`` and ``unreadable`` (raised with ``strict``). ``progress`` shows a bar on stderr, by bytes, when the inputs
     exceed :data:`tracer.progress.PROGRESS_MIN_BYTES` and stderr is a terminal.
 
     Raises:
         ValueError: a path does not exist, or (``strict``) anything is unreadable.
     """
-    files = _expand(paths)
     total = FlightRecorderRead()
+    files = _expand(paths, total)
+    if strict and total.skipped_files:
+        raise ValueError(f"Invalid Flight Recorder input {total.skipped_files[0]}. Must be a "
+                         "dump file.")
     with byte_progress(files, desc="fr dumps", enabled=progress) as bar:
         for f in files:
             try:
@@ -546,11 +571,11 @@ def read_flight_recorder_paths(
             except ValueError as exc:
                 if strict:
                     raise
-                total.unreadable.append(f"{f}: {exc}")
+                total.skip(f, str(exc))
             except OSError as exc:  # unreadable file (permissions, vanished): one issue
                 if strict:
                     raise ValueError(f"Invalid Flight Recorder dump {str(f)!r}: {exc}") from None
-                total.unreadable.append(f"{f}: cannot read ({exc})")
+                total.skip(f, f"cannot read ({exc})")
             bar.update(f)
     return total
 
@@ -611,8 +636,13 @@ def summary_lines(read: FlightRecorderRead) -> list[str]:
              f"FR states {dict(read.states)}"]
     lines.append(tabulate(sorted(ops.items()), headers=["op", "events"]))
     lines.append(tabulate(sorted(groups.items()), headers=["group (world ranks)", "events"]))
-    lines.append(f"{len(read.unreadable)} unreadable entries or files")
-    lines += [f"  {u}" for u in read.unreadable]
+    if read.skipped_files:
+        lines.append(f"files not read: {len(read.skipped_files)}")
+        lines += [f"  {u}" for u in read.skipped_files]
+    skipped = set(read.skipped_files)
+    entries = [u for u in read.unreadable if u not in skipped]
+    lines.append(f"{len(entries)} unreadable entries")
+    lines += [f"  {u}" for u in entries]
     if read.warnings:
         lines.append(f"{len(read.warnings)} warnings (values left out, entries kept)")
         lines += [f"  {w}" for w in read.warnings]
@@ -646,11 +676,16 @@ def _cli(args: argparse.Namespace) -> int:
               "nothing written. Are these dumps of torch.distributed's Flight Recorder "
               "(dump_flight_recorder, _dump_fr_trace_json)?", file=sys.stderr)
         return EXIT_NOTHING_FOUND
-    if read.unreadable:
-        print(f"{prog}: warning: {len(read.unreadable)} unreadable entries or files (listed "
-              f"above); first: {read.unreadable[0]}", file=sys.stderr)
+    if read.unreadable and not read.skipped_files:
+        print(f"{prog}: warning: {len(read.unreadable)} unreadable entries (listed above); "
+              f"first: {read.unreadable[0]}", file=sys.stderr)
     out = write_parquet(read.events, args.out)
     print(f"wrote {len(read.events)} events to {out}")
+    if read.skipped_files:
+        print(f"{prog}: error: {len(read.skipped_files)} file(s) not read (listed above; "
+              f"first: {read.skipped_files[0]}); the events of the others were written",
+              file=sys.stderr)
+        return EXIT_BAD_INPUT
     return EXIT_OK
 
 
@@ -681,9 +716,13 @@ def register_cli(subparsers) -> None:
             "that refuses every global (os.system, eval, any class): a crafted pickle runs\n"
             "nothing and is listed as unreadable, naming the file. --allow-pickle lifts\n"
             "this, with a warning.\n\n"
-            "Exit status: 0 events written; 2 bad arguments, a missing path, --out a folder or\n"
-            "unwritable, or --strict and an unreadable entry; 3 no events found (nothing\n"
-            "written)."
+            "Gzipped dumps (known by their first bytes, whatever the name) are read\n"
+            "decompressed. Every entry of a folder is read or named with its reason (not a\n"
+            "dump, a refused pickle, a damaged gzip, not a regular file).\n\n"
+            "Exit status: 0 events written, every file read; 2 bad arguments, a missing path,\n"
+            "--out a folder or unwritable, --strict and an unreadable entry or file (nothing\n"
+            "written), or a file not read (the events of the others are written; the summary\n"
+            "names it); 3 no events found (nothing written)."
         ),
     )
     p.add_argument("paths", nargs="+", metavar="PATH", help="FR dump files or folders")

@@ -12,6 +12,8 @@ import pickle
 import reprlib
 from pathlib import Path
 
+from tracer.inputs import read_bytes
+
 #: Globals a pickled dump may name. torch 2.13's ``_dump_fr_trace()`` pickle and
 #: :func:`dump_flight_recorder`'s re-pickled dump name none at all (dicts, lists, strings,
 #: numbers, None, booleans have their own opcodes); sets are the only builtin a Python pickle of
@@ -57,7 +59,8 @@ class _RestrictedUnpickler(pickle._Unpickler):
 
 
 def load_dump(path: str | Path, *, allow_pickle: bool = False) -> dict:
-    """Load one FR dump: JSON, pickle (``_dump_fr_trace``), or a pickle re-serialised as JSON.
+    """Load one FR dump: JSON, pickle (``_dump_fr_trace``), or a pickle re-serialised as JSON;
+    any of them gzipped (known by its first bytes, whatever the file's name).
 
     A file whose first byte is 0x80 is read as a pickle, through an unpickler that refuses
     every global outside :data:`PICKLE_ALLOWED_GLOBALS` (pure Python, so a damaged memo index
@@ -69,11 +72,12 @@ cannot make it allocate gigabytes), so a crafted file runs nothing (with
 
     Raises:
         PickleRefused: (a ``ValueError``) the pickle names a refused global; nothing ran.
-        ValueError: the file is neither JSON nor pickle, or is not a dict with the
+        ValueError: the file is neither JSON nor pickle (or a truncated or damaged gzip of
+            one), or is not a dict with the
             ``version`` / ``pg_status`` keys of a dump, or its ``entries`` is not a list.
     """
     path = Path(path)
-    raw = path.read_bytes()
+    raw = read_bytes(path, "Flight Recorder dump")  # gzip by its first bytes, any name
     try:
         if raw[:1] == b"\x80":
             if allow_pickle:

@@ -53,6 +53,7 @@ import pandas as pd
 from tabulate import tabulate
 
 from tracer.events import CollectiveEvent, write_parquet
+from tracer.inputs import is_gzip
 from tracer.nsys_payload import COMM_ENTRY_NAME, locate_payload_fields, sizes_unavailable_reason
 
 #: NCCL API range name -> canonical op (NCCL ``src/collectives.cc`` / ``src/enqueue.cc``).
@@ -221,6 +222,15 @@ def probe_export(path: str | Path) -> ExportInfo:
     if not path.is_file():
         raise ValueError(f"Invalid nsys export path={str(path)!r}. Must be an existing file "
                          "written by `nsys export --type sqlite`.")
+    try:
+        gzipped = is_gzip(path)
+    except OSError as exc:
+        raise ValueError(f"Invalid nsys export path={str(path)!r}: cannot read it "
+                         f"({exc}).") from None
+    if gzipped:
+        raise ValueError(f"Invalid nsys export path={str(path)!r}: it is gzip-compressed, and "
+                         "SQLite reads only the plain file. Must be decompressed first (gunzip "
+                         "-k it).")
     try:
         conn = _connect(path)
     except sqlite3.Error as exc:

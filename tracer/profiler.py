@@ -1,7 +1,9 @@
 """torch.profiler (Kineto) Chrome traces -> canonical collective events: a source on every backend.
 
 Input: the JSON that ``torch.profiler.profile(...).export_chrome_trace(path)`` writes (``.json``
-or ``.json.gz``), one file per rank (a folder: every ``*.json`` / ``*.json.gz`` in it). Which
+or ``.json.gz``; gzip is known by its first bytes, whatever the name), one file per rank (a
+folder: every ``*.json`` / ``*.json.gz`` in it; ``dmuon-trace profiler`` names every other
+entry, and every file that is not a trace, as not read). Which
 events carry the collectives depends on the backend; measured on torch 2.13.0 (CPU build, gloo,
 ``tests/test_profiler.py`` on ``../shared/fixtures/profiler/`` and on real runs):
 
@@ -50,11 +52,13 @@ import collections
 import gzip
 import json
 import re
+import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from tracer.events import DTYPE_BYTES, CollectiveEvent, group_id_from_ranks, write_parquet
+from tracer.inputs import GZIP_ERRORS, folder_entries, gzip_problem, is_gzip, not_regular
 
 SOURCE = "profiler"
 PARAM_COMMS = "record_param_comms"
@@ -173,13 +177,14 @@ def _numel(shape: Sequence[int]) -> int:
 
 
 def _load(path: Path) -> dict:
-    opener = gzip.open if path.name.endswith(".gz") else open
     try:
-        with opener(path, "rt") as f:
+        opener = gzip.open if is_gzip(path) else open  # gzip by its first bytes, any name
+        with opener(path, "rt", encoding="utf-8") as f:
             data = json.load(f)
-    except (OSError, json.JSONDecodeError, EOFError) as exc:
-        raise ValueError(f"Invalid profiler trace {str(path)!r}: {exc}. Must be the JSON of "
-                         "torch.profiler's export_chrome_trace (.json or .json.gz).") from exc
+    except GZIP_ERRORS + (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        what = gzip_problem(exc) if not isinstance(exc, (ValueError, RecursionError)) else exc
+        raise ValueError(f"Invalid profiler trace {str(path)!r}: {what}. Must be the JSON of "
+                         "torch.profiler's export_chrome_trace (.json or .json.gz).") from None
     if isinstance(data, list):
         data = {"traceEvents": data}
     if not isinstance(data, dict) or not isinstance(data.get("traceEvents"), list):
@@ -392,8 +397,16 @@ def _number(events: list[CollectiveEvent]) -> None:
         seq[ev.group_id] += 1
 
 
-def trace_files(paths: Iterable[str | Path]) -> list[Path]:
+#: Names of trace files in a folder (other entries of the folder are named as skipped).
+TRACE_SUFFIXES = (".json", ".json.gz")
+
+
+def trace_files(paths: Iterable[str | Path], skipped: list | None = None) -> list[Path]:
     """Files of ``paths``: each file as given, each folder's ``*.json`` / ``*.json.gz`` sorted.
+
+    With ``skipped`` (a list), every other non-hidden entry of a folder is appended to it as
+    ``(path, reason)``, and so is a file that is not a regular file (a FIFO, never opened);
+    without it they are left out, as before.
 
     Raises:
         ValueError: a path does not exist or a folder holds no trace.
@@ -401,26 +414,47 @@ def trace_files(paths: Iterable[str | Path]) -> list[Path]:
     out: list[Path] = []
     for p in map(Path, paths):
         if p.is_dir():
-            found = sorted(f for f in p.iterdir() if f.name.endswith((".json", ".json.gz")))
+            entries = folder_entries(p)
+            found = [f for f in entries if f.name.endswith(TRACE_SUFFIXES)]
+            if skipped is not None:
+                skipped += [(str(f), "not a trace file name (*.json, *.json.gz)")
+                            for f in entries if f not in found]
             if not found:
                 raise ValueError(f"Invalid trace folder {str(p)!r}: no *.json or *.json.gz. Must "
                                  "hold export_chrome_trace files, one per rank.")
-            out += found
-        elif p.is_file():
-            out.append(p)
+        elif p.exists() or p.is_symlink():
+            found = [p]
         else:
             raise ValueError(f"Invalid trace path {str(p)!r}: not found. Must be a file or folder.")
+        for f in found:
+            reason = not_regular(f)
+            if reason is None:
+                out.append(f)
+            elif skipped is not None:
+                skipped.append((str(f), reason))
     return out
 
 
-def read_profiler_traces(paths: Iterable[str | Path]) -> list[ProfilerTrace]:
+def read_profiler_traces(paths: Iterable[str | Path],
+                         skipped: list | None = None) -> list[ProfilerTrace]:
     """:func:`read_profiler_trace` of every file of :func:`trace_files`.
+
+    With ``skipped`` (a list), files that cannot be read as traces (and folder entries that
+    are not traces) are appended to it as ``(path, reason)`` and the others read; without
+    it the first such file raises.
 
     Raises:
         ValueError: as :func:`trace_files` / :func:`read_profiler_trace`, or two files give the
             same rank.
     """
-    traces = [read_profiler_trace(f) for f in trace_files(paths)]
+    traces = []
+    for f in trace_files(paths, skipped):
+        try:
+            traces.append(read_profiler_trace(f))
+        except ValueError as exc:
+            if skipped is None:
+                raise
+            skipped.append((str(f), str(exc)))
     ranks = [t.rank for t in traces if t.rank is not None]
     dup = sorted({r for r in ranks if ranks.count(r) > 1})
     if dup:
@@ -484,24 +518,56 @@ def register_cli(subparsers) -> None:
             "with more than one process group), group_size where known, seq, count (NCCL\n"
             "convention), dtype, root, t_start_ns / t_end_ns (trace clock), source_ref\n"
             "(file#ts).\n\n"
-            "Prints events per op, per group, ranks, backend annotations and issues."
+            "Prints events per op, per group, ranks, backend annotations and issues.\n\n"
+            "Gzipped traces are known by their first bytes, whatever the name. Every other\n"
+            "entry of a folder, and a file that is not a trace, is named with its reason.\n\n"
+            "Exit status: 0 events written, every file read; 2 bad arguments, a missing path,\n"
+            "--out a folder or unwritable, or a file not read (the events of the others are\n"
+            "written), or --strict and an issue; 3 no events found (nothing written)."
         ),
     )
     p.add_argument("paths", nargs="+", metavar="TRACE", help="Chrome trace files or folders")
     p.add_argument("--out", required=True, help="output Parquet file (events)")
     p.add_argument("--strict", action="store_true",
-                   help="exit 1 when anything could not be read (unknown ops, unpaired annotations)")
+                   help="exit 2 when anything could not be read (unknown ops, unpaired "
+                        "annotations, a file that is not a trace); with a file not read, "
+                        "nothing is written")
     p.set_defaults(func=_cli)
 
 
 def _cli(args: argparse.Namespace) -> int:
+    from tracer.cli import EXIT_BAD_INPUT, EXIT_NOTHING_FOUND, EXIT_OK
+
+    prog = "dmuon-trace profiler"
+    skipped: list[tuple[str, str]] = []
     try:
-        traces = read_profiler_traces(args.paths)
+        traces = read_profiler_traces(args.paths, skipped)
+        if args.strict and skipped:
+            raise ValueError(f"Invalid profiler trace {skipped[0][0]!r}: {skipped[0][1]} "
+                             "(--strict: every file must be read)")
     except ValueError as exc:
-        print(f"error: {exc}")
-        return 2
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
     events = [ev for t in traces for ev in t.events]
+    lines = summary_lines(traces)
+    if skipped:
+        lines = [f"files not read: {len(skipped)}", *(f"  {f}: {r}" for f, r in skipped), *lines]
+    print("\n".join(lines))
+    if not events:
+        print(f"{prog}: error: no collective events in {len(traces)} trace(s)"
+              + (f" ({len(skipped)} file(s) not read, first: {skipped[0][0]}: {skipped[0][1]})"
+                 if skipped else "") + "; nothing written", file=sys.stderr)
+        return EXIT_NOTHING_FOUND
     out = write_parquet(events, args.out)
-    print("\n".join(summary_lines(traces)))
     print(f"wrote {len(events)} events to {out}")
-    return 1 if (args.strict and any(t.issues for t in traces)) else 0
+    issues = [i for t in traces for i in t.issues]
+    if skipped:
+        print(f"{prog}: error: {len(skipped)} file(s) not read (listed above; first: "
+              f"{skipped[0][0]}: {skipped[0][1]}); the events of the others were written",
+              file=sys.stderr)
+        return EXIT_BAD_INPUT
+    if args.strict and issues:
+        print(f"{prog}: error: --strict: {len(issues)} issue(s) (listed above); first: "
+              f"{issues[0]}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    return EXIT_OK

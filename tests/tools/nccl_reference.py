@@ -42,7 +42,6 @@ from tracer.nccl.records import (
     iter_nccl_records,
 )
 from tracer.nccl.resolve import Resolver, nranks_issue, proc_key
-from tracer.nccl.table import _range_issue
 
 def reference(sources: list[tuple[str, list[str]]]):
     """``(events, streaming events, issues, stats, comms)`` line by line; ``sources``:
@@ -53,10 +52,6 @@ def reference(sources: list[tuple[str, list[str]]]):
         for rec in iter_nccl_records(lines, file=name, stats=stats):
             if type(rec) is ParseIssue:
                 issues.append(rec)
-                continue
-            bad = _range_issue(rec, name)
-            if bad is not None:
-                issues.append(bad)
             elif type(rec) is InitRecord:
                 r.init(rec)
             elif type(rec) is TorchCommRecord:

@@ -3,9 +3,12 @@
 
 A :class:`LineBlock` is a run of physical lines as one UTF-8 buffer, each line ended by
 ``\\n``. Files are read in binary chunks cut after a line end (:func:`file_blocks`), with the
-line ends Python's text mode would see (``\\r\\n`` and a lone ``\\r`` end a line); in-memory
-``(name, lines)`` inputs are packed :data:`BLOCK_LINES` lines at a time (:func:`line_blocks`),
-one element one line.
+line ends Python's text mode would see (``\\r\\n`` and a lone ``\\r`` end a line),
+decompressed when gzip (by the first bytes, any name); a line longer than :data:`LONG_LINE`
+is a block of its own. In-memory ``(name, lines)`` inputs are packed :data:`BLOCK_LINES` lines
+at a time (:func:`line_blocks`), one element one line. :func:`expand_paths` leaves out, and
+names with their reason, files that are not logs (:func:`skip_reason`); reading that stops
+part-way (a truncated gzip) raises :class:`InputReadError` after the lines before it.
 
 :func:`fast_coll_fields` finds the fast lines of a block with one RE2 pass
 (:data:`tracer.nccl.formats.FAST_COLL_LINE_RE2`), then cuts their fields at spaces with numpy
@@ -19,14 +22,16 @@ import itertools
 import os
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from gzip import GzipFile as _GzipFile
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from tracer.nccl import formats as fmt
 from tracer.events import OPS
+from tracer.inputs import GZIP_ERRORS, folder_entries, gzip_problem, is_gzip, not_regular
+from tracer.nccl import formats as fmt
 
 #: Bytes read per chunk of a file (a block is this plus the rest of its last line).
 CHUNK_BYTES = 2 << 20
@@ -63,41 +68,122 @@ class LineBlock:
         line becomes an issue, see :func:`tracer.nccl.records.invalid_utf8_issue`)."""
         if self.lines is not None:
             return self.lines[i]
-        return self.data[self.starts[i]:self.starts[i + 1] - 1].decode("utf-8",
-                                                                      "surrogateescape")
+        view = memoryview(self.data)[self.starts[i]:self.starts[i + 1] - 1]
+        if len(view) > fmt.LONG_LINE and np.frombuffer(view, np.uint8).max() >= 0x80:
+            return fmt.ByteLine.from_bytes(view)  # one byte a character, see ByteLine
+        return str(view, "utf-8", "surrogateescape")  # decoded in place: no copy
 
 
-def expand_paths(paths: Sequence[str | os.PathLike], *, glob: str | None = None) -> list[Path]:
-    """Files named by ``paths``: files as given; directories recursively, every non-hidden
-    regular file whose first 8 KiB holds no NUL byte (NCCL_DEBUG_FILE names have no fixed
-    extension; binary files such as Parquet or SQLite are skipped), filtered by ``glob``
-    (e.g. ``"*.log"``) if given. Sorted by path.
+#: Bytes of a file's start (decompressed, for gzip) read to tell text from binary.
+SNIFF_BYTES = 8192
+#: Text that makes a file with NUL bytes in its first :data:`SNIFF_BYTES` an NCCL log still
+#: (a crash can leave a zero-filled block in a log): it is read, NUL runs are foreign text.
+NCCL_TEXT = (b"NCCL INFO", b": opCount")
+#: What reading a file can raise (gzip: a truncated or damaged stream too).
+READ_ERRORS = GZIP_ERRORS
+
+
+class InputReadError(OSError):
+    """Reading a file stopped before its end (a truncated or damaged gzip stream, an I/O
+    error): ``line_no`` is the line where it stopped; the lines before it were read."""
+
+    def __init__(self, path, line_no: int, reason: str):
+        super().__init__(f"reading stopped at line {line_no}: {reason}")
+        self.path, self.line_no, self.reason = str(path), line_no, reason
+
+
+def open_input(path: str | Path):
+    """``path`` opened for binary reading, decompressed when it is gzip (by its first bytes,
+    whatever its name)."""
+    return _GzipFile(path, "rb") if is_gzip(path) else open(path, "rb", buffering=0)
+
+
+def skip_reason(path: Path) -> str | None:
+    """Why ``path`` is not read as an NCCL log, or ``None`` when it is: not a regular file
+    (:func:`tracer.inputs.not_regular`), unreadable, a gzip stream damaged at its start, or
+    binary (a NUL byte in its first :data:`SNIFF_BYTES`, decompressed, and no
+    :data:`NCCL_TEXT` there)."""
+    reason = not_regular(path)
+    if reason is not None:
+        return reason
+    try:
+        f = open_input(path)
+    except READ_ERRORS as exc:
+        return f"cannot read ({gzip_problem(exc)})"
+    with f:
+        head, error = read_chunk(f, SNIFF_BYTES)
+    if error is not None and not head:  # a damaged start: nothing to read at all
+        return f"cannot read ({error})"
+    nul = head.find(b"\0")
+    if nul >= 0 and not any(t in head for t in NCCL_TEXT):
+        where = "of its decompressed text " if isinstance(f, _GzipFile) else ""
+        return (f"binary (a NUL byte at offset {nul:,d} {where}and no NCCL text in its first "
+                f"{SNIFF_BYTES // 1024} KiB)")
+    return None  # a stream damaged later is read up to the damage (file_blocks)
+
+
+def read_chunk(f, size: int) -> tuple[bytes, str | None]:
+    """Up to ``size`` bytes of ``f`` (fewer at its end), and why reading stopped early
+    (``None``: it did not). A gzip stream is read a piece at a time (``read1``), so the
+    text before a truncated or damaged part is returned, not lost with the error."""
+    if not isinstance(f, _GzipFile):
+        try:
+            return f.read(size), None
+        except READ_ERRORS as exc:
+            return b"", gzip_problem(exc)
+    pieces, n = [], 0
+    while n < size:
+        try:
+            piece = f.read1(size - n)
+        except READ_ERRORS as exc:
+            return b"".join(pieces), gzip_problem(exc)
+        if not piece:
+            break
+        pieces.append(piece)
+        n += len(piece)
+    return b"".join(pieces), None
+
+
+def expand_paths(paths: Sequence[str | os.PathLike], *, glob: str | None = None,
+                 skipped: list | None = None) -> list[Path]:
+    """Files named by ``paths`` that are read as NCCL logs: files as given; directories
+    recursively, every non-hidden entry (NCCL_DEBUG_FILE names have no fixed extension),
+    filtered by ``glob`` (e.g. ``"*.log"``) if given, sorted by path. Gzip files (by their
+    first bytes) are read decompressed.
+
+    A file that cannot be read as a log (:func:`skip_reason`: binary such as Parquet or
+    SQLite, unreadable, not a regular file) is left out and, when ``skipped`` is given,
+    appended to it as ``(path, reason)``; otherwise a ``ValueError`` names it.
 
     Raises:
-        ValueError: a path does not exist.
+        ValueError: a path does not exist; a file is skipped and ``skipped`` is ``None``.
     """
     out: list[Path] = []
     for p in map(Path, paths):
-        if p.is_file():
-            out.append(p)
-        elif p.is_dir():
-            found = sorted(q for q in p.rglob(glob or "*") if q.is_file()
-                           and not any(part.startswith(".") for part in q.relative_to(p).parts))
-            out.extend(q for q in found if _is_text(q))
+        if p.is_dir():
+            found = folder_entries(p, recursive=True, glob=glob or "*")
+        elif p.exists() or p.is_symlink():
+            found = [p]
         else:
             raise ValueError(f"Invalid NCCL log path {str(p)!r}. Must be an existing file or "
                              "directory.")
+        for q in found:
+            reason = skip_reason(q)
+            if reason is None:
+                out.append(q)
+            elif skipped is None:
+                raise ValueError(f"Invalid NCCL log {str(q)!r}: {reason}. Must be a text "
+                                 "file (or gzip of one).")
+            else:
+                skipped.append((str(q), reason))
     return out
 
 
-def _is_text(path: Path) -> bool:
-    with open(path, "rb") as f:
-        return b"\0" not in f.read(8192)
-
-
-def sources(paths) -> Iterator[tuple[str, Iterator[LineBlock]]]:
+def sources(paths, skipped: list | None = None) -> Iterator[tuple[str, Iterator[LineBlock]]]:
     """``(name, blocks)`` per input: a path, a sequence of paths (directories expanded by
-    :func:`expand_paths`), or ``(name, lines)`` pairs."""
+    :func:`expand_paths`, which appends files it leaves out to ``skipped``), or ``(name,
+    lines)`` pairs. A file's blocks raise :class:`InputReadError` where reading stops early,
+    after the blocks of the lines before."""
     if isinstance(paths, (str, os.PathLike)):
         paths = [paths]
     for item in paths:
@@ -105,13 +191,16 @@ def sources(paths) -> Iterator[tuple[str, Iterator[LineBlock]]]:
             name, lines = item
             yield name, line_blocks(lines)
             continue
-        for path in expand_paths([item]):
+        for path in expand_paths([item], skipped=skipped):
             yield str(path), file_blocks(path)
 
 
 def _block(data: bytes | bytearray, first_line_no: int,
            lines: list[str] | None = None) -> LineBlock:
-    nl = np.flatnonzero(np.frombuffer(data, np.uint8) == _NL)
+    view = np.frombuffer(data, np.uint8)
+    piece = 1 << 20  # line ends found a MiB at a time: no mask as long as a long line
+    nl = np.concatenate([np.flatnonzero(view[k:k + piece] == _NL) + k
+                         for k in range(0, len(view), piece)] or [np.zeros(0, np.int64)])
     starts = np.empty(len(nl) + 1, np.int64)
     starts[0] = 0
     starts[1:] = nl + 1
@@ -124,32 +213,72 @@ def _universal_newlines(data: bytes | bytearray) -> bytes | bytearray:
     return data
 
 
+#: Lines longer than this many bytes are blocks of their own (no other line's columnar pass
+#: looks at their bytes, see :func:`fast_coll_fields`); non-ASCII ones are read as
+#: :class:`tracer.nccl.formats.ByteLine`.
+LONG_LINE = fmt.LONG_LINE
+
+
 def file_blocks(path: str | Path, chunk_bytes: int | None = None) -> Iterator[LineBlock]:
-    """Blocks of the file at ``path``, in order, read ``chunk_bytes`` (default
-    :data:`CHUNK_BYTES`) at a time; memory: one chunk plus its longest line."""
+    """Blocks of the file at ``path`` (decompressed when gzip), in order, read
+    ``chunk_bytes`` (default :data:`CHUNK_BYTES`) at a time; a line longer than
+    :data:`LONG_LINE` is a block of its own. Memory: one chunk plus its longest line.
+
+    Raises:
+        InputReadError: reading stopped early (after the blocks of the lines before it, and
+            the partial line it stopped in as a last block).
+    """
     size = chunk_bytes or CHUNK_BYTES
     line_no = 1
-    rest = b""
-    with open(path, "rb", buffering=0) as f:
+    buf = bytearray()
+    error = None
+    try:
+        f = open_input(path)
+    except READ_ERRORS as exc:
+        raise InputReadError(path, 1, gzip_problem(exc)) from None
+    with f:
         while True:
-            data = bytearray(len(rest) + size)  # read straight after the carried rest
-            data[:len(rest)] = rest
-            end = len(rest) + f.readinto(memoryview(data)[len(rest):])
-            if end == len(rest):
+            start = len(buf)
+            chunk, error = read_chunk(f, size)
+            buf += chunk
+            if error is not None or not chunk:
                 break
+            del chunk
             # cut after the last line end; a final "\r" may be half of "\r\n": keep it
-            cut = max(data.rfind(b"\n", 0, end), data.rfind(b"\r", 0, end - 1)) + 1
-            rest = bytes(data[cut:end])
-            if cut == 0:  # a line longer than a chunk: read more, doubling
-                size = max(size, len(rest))
+            cut = max(buf.rfind(b"\n", start), buf.rfind(b"\r", start, len(buf) - 1)) + 1
+            if cut == 0:  # no line end yet: a line longer than a chunk, read on
                 continue
-            del data[cut:]
-            block = _block(_universal_newlines(data), line_no)
-            line_no += len(block)
-            yield block
-    if rest:
-        data = _universal_newlines(rest)
-        yield _block(data if data.endswith(b"\n") else data + b"\n", line_no)
+            rest = buf[cut:]
+            del buf[cut:]
+            for block in _split_long(_universal_newlines(buf), line_no):
+                line_no += len(block)
+                yield block
+            buf = rest
+    if buf:
+        data = _universal_newlines(buf)
+        yield from _split_long(data if data.endswith(b"\n") else data + b"\n", line_no)
+        line_no += data.count(b"\n") + (not data.endswith(b"\n"))
+    if error is not None:
+        raise InputReadError(path, max(line_no - 1, 1), error)
+
+
+def _split_long(data: bytes | bytearray, first_line_no: int) -> Iterator[LineBlock]:
+    """``data`` (whole lines) as one block, or, when a line is longer than
+    :data:`LONG_LINE`, as blocks where each such line stands alone."""
+    block = _block(data, first_line_no)
+    if len(data) <= LONG_LINE:
+        yield block
+        return
+    lengths = np.diff(block.starts)
+    long = np.flatnonzero(lengths > LONG_LINE)
+    if not len(long):
+        yield block
+        return
+    view = memoryview(data)
+    cuts = sorted({0, len(block), *long.tolist(), *(long + 1).tolist()})
+    for a, b in zip(cuts, cuts[1:]):
+        lo, hi = int(block.starts[a]), int(block.starts[b])
+        yield LineBlock(view[lo:hi], block.starts[a:b + 1] - lo, first_line_no + a)
 
 
 def line_blocks(lines: Iterable[str], block_lines: int | None = None) -> Iterator[LineBlock]:
@@ -193,7 +322,9 @@ class FastFields:
     ``count``: int64 elements per rank; ``datatype``: int64 NCCL enum; ``root``: int64;
     ``comm``: int64 index into ``comms``; ``nranks``: int64, :data:`NULL` where the line has no
     ``[nranks=]``; ``t_ns``: int64 ns since the epoch (UTC) with ``t_valid`` (bool), or both
-    ``None`` when no line of the block has a timestamp.
+    ``None`` when no line of the block has a timestamp; ``t_bad``: the lines whose
+    timestamp cannot be read (an impossible date: an issue, see
+    :func:`tracer.nccl.formats.timestamp_problem`).
     """
 
     line: np.ndarray
@@ -208,6 +339,17 @@ class FastFields:
     nranks: np.ndarray
     t_ns: np.ndarray | None
     t_valid: np.ndarray | None
+    t_bad: np.ndarray | None = None  # a timestamp is there but cannot be read
+
+    def take(self, lo: int, hi: int) -> FastFields | None:
+        """Rows ``lo:hi`` (views; ``None`` when empty)."""
+        if hi <= lo:
+            return None
+        cut = (lambda a: None if a is None else a[lo:hi])
+        return FastFields(self.line[lo:hi], self.prefix[lo:hi], self.prefixes, self.op[lo:hi],
+                          self.count[lo:hi], self.datatype[lo:hi], self.root[lo:hi],
+                          self.comm[lo:hi], self.comms, self.nranks[lo:hi], cut(self.t_ns),
+                          cut(self.t_valid), cut(self.t_bad))
 
 
 def _strings(data, begs: np.ndarray, ends: np.ndarray) -> list[pa.Array]:
@@ -295,6 +437,11 @@ def fast_coll_fields(block: LineBlock) -> FastFields | None:
     line = np.flatnonzero(ok.to_numpy(zero_copy_only=False))
     if not len(line):
         return None
+    short = starts[line + 1] - starts[line] <= fmt.FAST_LINE_MAX
+    if not short.all():
+        line = line[short]
+        if not len(line):
+            return None
     buf = np.frombuffer(data, np.uint8)
     st = starts[line]
     spaces = np.flatnonzero(buf == _SP)
@@ -314,12 +461,13 @@ def fast_coll_fields(block: LineBlock) -> FastFields | None:
     has_n = buf[begs[:, 6]] == _LBRACKET  # "[nranks=" N "]", else "stream"
     nranks = np.full(len(line), NULL)
     nranks[has_n] = _uints(words, begs[has_n, 6] + 8, ends[has_n, 6] - 1)
-    t_ns = t_valid = None
+    t_ns = t_valid = t_bad = None
     if has_ts.any():
         t_ns, t_valid = _timestamps(data, words, buf, st, spaces[first + 1], has_ts)
+        t_bad = has_ts & ~t_valid
     return FastFields(line, prefix_idx, prefixes, op, _uints(words, begs[:, 3], ends[:, 3]),
                       _uints(words, begs[:, 4], ends[:, 4]), np.where(neg, -root, root),
-                      comm_idx, comms, nranks, t_ns, t_valid)
+                      comm_idx, comms, nranks, t_ns, t_valid, t_bad)
 
 
 def source_refs(file: str, line_no: np.ndarray) -> pa.Array:

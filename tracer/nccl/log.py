@@ -71,19 +71,60 @@ Defined outcomes (each tested):
   address (equal values in two processes are common), so it cannot say whose call it was;
   the prefixed calls of that process keep their numbering (one call short). Counted as
   "unattributed" in the summary (``ParseStats.unattributed``), not as a COLL or non-NCCL line.
-  Text glued before the op name is read from its end when one op name fits
-  (``"doneSend"``: Send); when two fit (``"0x1fAllGather"``: AllGather or Gather after
-  ``"…All"``) it is an issue, no event. INIT lines that lost their prefix are plain text.
+  Text glued before the op name is read from its end when one op name fits and is not the
+  end of a longer one (``"doneSend"``: Send); when two fit (``"0x1fAllGather"``: AllGather
+  or Gather after ``"…All"``), when letters are glued to Reduce, Gather or Scatter
+  (``"stepReduce"``, ``"AlReduce"``: maybe a mangled AllReduce), or when the name is split
+  by or follows punctuation or other non-ASCII text (``"All Reduce"``, ``"Al-Reduce"``) it
+  is an issue, no event (:func:`tracer.nccl.formats.lost_op_name`). A blank or digits
+  before it are foreign text (``"loss 2.5 Reduce"``). INIT lines that lost their prefix are
+  plain text.
 - a line with invalid UTF-8 (files are decoded with ``errors="surrogateescape"``; in-memory
   lines holding lone surrogates): issue naming the byte and column, the line is not parsed;
   the other lines are.
+- anything that looks like a COLL record but does not read exactly is an issue with
+  ``file:line`` and an excerpt, never an event of another op. After ``NCCL INFO `` the op
+  name must start the message and be one of :data:`tracer.nccl.formats.NCCL_OP_NAMES`
+  (``All-Reduce:``, ``All Reduce:``, ``All\u200bReduce:``, ``AllReduce :`` are issues: the
+  marker owns the first ``: opCount`` of its message, unless an INIT line ends before it);
+  without a prefix, a name split by characters that are not ASCII letters (``All
+  Reduce``) has two readings and is an issue, like glued text with two readings; a record
+  holding its ``stream`` field whose fields are out of NCCL's format is an issue naming the
+  first such field (not joined with the next lines); ``opCount`` written otherwise
+  (``AllReduce:opCount``) is an issue. Excerpts are at most
+  :data:`tracer.nccl.formats.EXCERPT_CHARS` characters, centred on the field that failed;
+  past :data:`tracer.nccl.records.MAX_LINE_ISSUES` issues on one physical line, the rest
+  are one issue counting them.
 - a number that its event column cannot hold (count or count x dtype bytes >= 2**63; root,
   nranks, cudaDev, INIT rank / nranks, PyTorch Rank outside int32; any number of more than
-  40 digits): issue, record skipped.
-  A timestamp outside 1677-2262 (int64 ns) reads as no timestamp.
+  40 digits), a pointer of more than 64 characters: issue naming the field, with an excerpt
+  around it; record skipped.
+- terminal colours (ANSI escape sequences, anywhere), and a UTF-8 byte-order mark, CR or NUL
+  bytes before a line's text or before a prefix: removed before parsing, counted in
+  ``ParseStats.stripped`` and the summary. A prefix is read from at most the last
+  :data:`tracer.nccl.formats.PREFIX_WINDOW` characters before its marker; a run of text
+  without blanks past that (a glued host of kilobytes, a pid of thousands of digits) is an
+  issue, record skipped.
+- timestamps: ``[YYYY-mm-dd HH:MM:SS[.frac]]``, ``T`` between date and clock, an optional zone
+  (``Z``, ``UTC``, ``+HH``, ``+HHMM``, ``+HH:MM``, converted to UTC). An impossible one
+  (February 30, month 13, outside 1677-2262, the int64 ns range) or a bracketed time in
+  another format right before the host: issue naming the line, event kept with
+  ``t_start_ns`` null.
+- files: gzip (by its first bytes, whatever the name) is read decompressed; a file that is
+  binary (a NUL byte and no NCCL text in its first 8 KiB), unreadable or not a regular file
+  is left out; a gzip stream damaged or truncated part-way is read up to there. Each is
+  listed in the result's ``unread`` with its reason and is an issue (line 0, or the line
+  where reading stopped).
 - NCCL lines of other subsystems (TUNING, P2P, NET, ...), WARN, CALL: counted as ignored.
   Lines without ``NCCL``: plain program output, counted, never issues.
 - ``strict=True``: :class:`NcclLogError` (a ValueError) on the first issue.
+
+Memory on a long physical line: the line (bytes and text), plus a bounded amount (records are
+resolved :data:`tracer.nccl.table.FLUSH_RECORDS` at a time, issue texts are excerpts, the
+Parquet writer holds at most a row group). A line of more than
+:data:`tracer.nccl.formats.LONG_LINE` bytes holding non-ASCII characters is read one byte per
+character (:class:`tracer.nccl.formats.ByteLine`), so its text costs its size in bytes
+whatever its characters; measured bound in ``tests/test_nccl_memory.py``.
 
 Time: linear in the input on any line (no regex search backtracks over a long run; the
 formerly quadratic prefix, INIT and PyTorch patterns are read by anchored or bounded
@@ -96,7 +137,7 @@ import argparse
 import os
 from collections import Counter
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -163,17 +204,29 @@ def iter_nccl_events(paths, *, strict: bool = False, issues: list | None = None,
 
 def _summary(files: list[str], stats: ParseStats, n_events: int, ops: Counter, ranks: list,
              comms: list[CommInfo], issues: list[ParseIssue], issue_count: int,
-             max_issues: int) -> str:
-    """Human-readable summary: events per op, communicators, ranks, issues (file:line)."""
+             max_issues: int, unread: list | None = None) -> str:
+    """Human-readable summary: files left out, events per op, communicators, ranks, issues
+    (file:line)."""
     from tabulate import tabulate
 
     st = stats
-    out = [f"NCCL logs: {len(files)} file(s), {st.lines} lines: {st.coll_lines} COLL, "
+    unread = unread or []
+    out = []
+    if unread:
+        out.append(f"files not read (or not to their end): {len(unread)}")
+        out.extend(f"  {path}: {reason}" for path, reason in unread[:40])
+        if len(unread) > 40:
+            out.append(f"  ... {len(unread) - 40} more")
+    out += [f"NCCL logs: {len(files)} file(s), {st.lines} lines: {st.coll_lines} COLL, "
            f"{st.unattributed} unattributed COLL, "
            f"{st.init_lines} INIT, {st.torch_lines} PyTorch comm, {st.continuation_lines} "
            f"continuation, {sum(st.ignored.values())} other NCCL (ignored: "
            f"{dict(st.ignored) or 'none'}), {st.plain_lines} non-NCCL",
            f"events: {n_events}; ranks of events: {ranks or 'unknown'}"]
+    if st.stripped:
+        out.append("removed before parsing (terminal colours, a byte-order mark, CR or NUL "
+                   "before a prefix; never part of a record): " + ", ".join(
+                       f"{n} {kind}" for kind, n in sorted(st.stripped.items())))
     if ops:
         out.append(tabulate(sorted(ops.items()), headers=["op", "events"]))
     rows = [(c.group_id, c.nranks, c.group_rank, c.rank, c.host, c.pid, c.comm, c.calls,
@@ -214,13 +267,14 @@ class NcclLogResult:
     issues: list[ParseIssue]
     stats: ParseStats
     files: list[str]
+    unread: list[tuple[str, str]] = field(default_factory=list)
 
     def summary(self, max_issues: int = 10) -> str:
         """Human-readable summary: events per op, communicators, ranks, issues (file:line)."""
         ranks = sorted({ev.rank for ev in self.events if ev.rank is not None})
         return _summary(self.files, self.stats, len(self.events),
                         Counter(ev.op for ev in self.events), ranks, self.comms, self.issues,
-                        len(self.issues), max_issues)
+                        len(self.issues), max_issues, self.unread)
 
 
 @dataclass
@@ -233,12 +287,13 @@ class NcclTableResult:
     issues: list[ParseIssue]
     stats: ParseStats
     files: list[str]
+    unread: list[tuple[str, str]] = field(default_factory=list)
 
     def summary(self, max_issues: int = 10) -> str:
         """Human-readable summary: events per op, communicators, ranks, issues (file:line)."""
         ops, ranks = _table_ops_ranks(self.table)
         return _summary(self.files, self.stats, self.table.num_rows, ops, sorted(ranks),
-                        self.comms, self.issues, len(self.issues), max_issues)
+                        self.comms, self.issues, len(self.issues), max_issues, self.unread)
 
 
 def nccl_logs_to_table(paths, *, strict: bool = False) -> NcclTableResult:
@@ -265,7 +320,7 @@ def nccl_logs_to_table(paths, *, strict: bool = False) -> NcclTableResult:
         table = apply_final_fixes(table, np.concatenate(epochs),
                                   parser.resolver.final_fixes())
     return NcclTableResult(table, parser.resolver.comm_infos(), parser.issues, parser.stats,
-                           parser.files)
+                           parser.files, parser.unread)
 
 
 def parse_nccl_logs(paths, *, strict: bool = False) -> NcclLogResult:
@@ -284,7 +339,7 @@ def parse_nccl_logs(paths, *, strict: bool = False) -> NcclLogResult:
     """
     res = nccl_logs_to_table(paths, strict=strict)
     events = [ev for batch in res.table.to_batches() for ev in _events(batch)]
-    return NcclLogResult(events, res.comms, res.issues, res.stats, res.files)
+    return NcclLogResult(events, res.comms, res.issues, res.stats, res.files, res.unread)
 
 
 @dataclass
@@ -302,11 +357,12 @@ class NcclParquetResult:
     issue_count: int
     stats: ParseStats
     files: list[str]
+    unread: list[tuple[str, str]] = field(default_factory=list)
 
     def summary(self, max_issues: int = 10) -> str:
         """Human-readable summary: events per op, communicators, ranks, issues (file:line)."""
         return _summary(self.files, self.stats, self.rows, self.ops, self.ranks, self.comms,
-                        self.issues, self.issue_count, max_issues)
+                        self.issues, self.issue_count, max_issues, self.unread)
 
 
 def write_nccl_parquet(paths, out: str | os.PathLike, *, strict: bool = False,
@@ -334,19 +390,26 @@ def write_nccl_parquet(paths, out: str | os.PathLike, *, strict: bool = False,
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = [out.with_name(f".{out.name}.{os.getpid()}.{k}.tmp") for k in ("rows", "epoch", "fix")]
     parser = EventBatches(strict=strict, keep_issues=max_issues)
-    ops, ranks, rows, seen = Counter(), set(), 0, set()
+    ops, ranks, rows = Counter(), set(), 0
+    seen = np.zeros(0, bool)  # epochs with rows (a bitmap: one byte per epoch)
     try:
         with _writer(tmp[0], BATCH_SCHEMA) as writer, open(tmp[1], "wb") as ef:
             group: list[pa.RecordBatch] = []
             for batch, epoch in parser.batches(paths):
                 group.append(batch)
                 epoch.astype(np.int64).tofile(ef)
-                seen.update(np.flatnonzero(np.bincount(epoch[epoch >= 0])).tolist())
+                hit = epoch[epoch >= 0]
+                if len(hit):
+                    if hit.max() >= len(seen):
+                        seen = np.concatenate([seen, np.zeros(2 * int(hit.max()) + 1 - len(seen),
+                                                              bool)])
+                    seen[hit] = True
                 rows += batch.num_rows
                 if sum(b.num_rows for b in group) >= ROW_GROUP_ROWS:
                     _write_group(writer, group, ops, ranks)
             _write_group(writer, group, ops, ranks)
-        fixes = {e: v for e, v in parser.resolver.final_fixes().items() if e in seen}
+        fixes = {e: v for e, v in parser.resolver.final_fixes().items()
+                 if e < len(seen) and seen[e]}
         if rows and fixes:
             ranks = set()
             _rewrite_fixed(tmp[0], tmp[1], tmp[2], fixes, ranks)
@@ -358,7 +421,7 @@ def write_nccl_parquet(paths, out: str | os.PathLike, *, strict: bool = False,
             p.unlink(missing_ok=True)
     return NcclParquetResult(out if rows else None, rows, ops, sorted(ranks),
                              parser.resolver.comm_infos(), parser.issues, parser.issue_count,
-                             parser.stats, parser.files)
+                             parser.stats, parser.files, parser.unread)
 
 
 def _writer(path: Path, schema: pa.Schema) -> pq.ParquetWriter:
@@ -402,9 +465,20 @@ def _rewrite_fixed(src: Path, epochs: Path, dst: Path, fixes: dict, ranks: set) 
 _EPILOG = """\
 inputs:
   PATH is an NCCL_DEBUG=INFO log (NCCL 2.4-2.30 or RCCL; one file per process, e.g.
-  NCCL_DEBUG_FILE=nccl.%h.%p, or a whole job's mixed stdout) or a directory, read
-  recursively: every non-hidden text file (files with a NUL byte in their first 8 KiB are
-  skipped; restrict with --glob). Capture with NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,COLL.
+  NCCL_DEBUG_FILE=nccl.%h.%p, or a whole job's mixed stdout), gzipped or not (gzip is known
+  by its first bytes, whatever the name), or a directory, read recursively: every
+  non-hidden file (restrict with --glob; the --out file itself is never read). A file that
+  is not a log is left out and named in the summary with its reason: binary (a NUL byte in
+  its first 8 KiB, decompressed, and no NCCL text there), unreadable, not a regular file
+  (FIFO, socket, a folder behind a symlink), a damaged gzip stream. A gzip stream that
+  ends early is read up to there, and named too. Capture with NCCL_DEBUG=INFO
+  NCCL_DEBUG_SUBSYS=INIT,COLL.
+
+  Terminal colours (ANSI escape sequences), a UTF-8 byte-order mark, CR and NUL bytes
+  before a line's prefix are removed before parsing and counted in the summary. A line
+  that looks like a COLL line but does not parse exactly (an op name such as All-Reduce,
+  a field out of NCCL's format, a number no column holds) is an issue with file:line and
+  an excerpt, never an event of another op.
 
 output (--out, Parquet, tracer.events.EVENT_SCHEMA), one row per COLL line:
   op          all_reduce, all_gather, reduce_scatter, broadcast, reduce, send, recv, all_to_all,
@@ -416,13 +490,18 @@ output (--out, Parquet, tracer.events.EVENT_SCHEMA), one row per COLL line:
   seq         0-based call index per communicator per process
   root        root (broadcast, reduce, gather, scatter) or peer (send, recv); else empty
   comm, pid, host, cuda_dev (the bracketed CUDA device, not the rank), source_ref (file:line),
-  t_start_ns  from the NCCL 2.26+ [timestamp] prefix, read as UTC; empty without it
+  t_start_ns  from the NCCL 2.26+ [timestamp] prefix: YYYY-mm-dd HH:MM:SS[.frac], T between
+              date and time allowed, an optional zone (Z, UTC, +HH, +HHMM, +HH:MM) converted
+              to UTC; without a zone read as UTC. Empty without a timestamp; an unreadable
+              one (impossible date, other format) is an issue naming the line.
   A COLL line whose "host:pid:tid [dev] NCCL INFO" prefix was lost (interleaved stdout) is
   an unattributed event: host, pid, rank, group_id and seq empty (see tracer.nccl.log).
 
 exit status:
-  0 events written; 2 bad arguments or path, or --strict and an unreadable line (nothing
-  written); 3 no COLL lines found (nothing written).
+  0 events written, every input read; 2 bad arguments or path, --strict and an unreadable
+  line or file (nothing written), or a file left out or not read to its end (the events of
+  the other files are written; the summary names the files); 3 no COLL lines found
+  (nothing written).
 """
 
 
@@ -436,9 +515,9 @@ def register_cli(subparsers) -> argparse.ArgumentParser:
     p.add_argument("paths", nargs="+", metavar="PATH", help="log files or directories")
     p.add_argument("--out", required=True, help="output Parquet file (events)")
     p.add_argument("--strict", action="store_true",
-                   help="stop with exit status 2 at the first unreadable line")
+                   help="stop with exit status 2 at the first unreadable line or file")
     p.add_argument("--glob", default=None, help="only files matching this pattern in "
-                   "directories (e.g. '*.log'); default: every text file")
+                   "directories (e.g. '*.log'); default: every file")
     p.add_argument("--max-issues", type=int, default=10,
                    help="unreadable lines to print (default 10)")
     p.set_defaults(func=_cli_main)
@@ -448,17 +527,40 @@ def register_cli(subparsers) -> argparse.ArgumentParser:
 def _cli_main(args) -> int:
     import sys
 
+    from tracer.cli import EXIT_BAD_INPUT, EXIT_NOTHING_FOUND, EXIT_OK
+
+    prog = "dmuon-trace nccl"
     try:
-        files = expand_paths(args.paths, glob=args.glob)
+        skipped: list[tuple[str, str]] = []
+        out = Path(args.out).resolve()
+        files = [f for f in expand_paths(args.paths, glob=args.glob, skipped=skipped)
+                 if f.resolve() != out]  # the output of an earlier run in the input folder
+        if args.strict and skipped:
+            raise ValueError(f"Invalid NCCL log {skipped[0][0]!r}: {skipped[0][1]} "
+                             "(--strict: every file must be read)")
         result = write_nccl_parquet(files, args.out, strict=args.strict,
                                     max_issues=max(args.max_issues, 0))
     except ValueError as exc:  # NcclLogError (--strict) included
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    result.unread[:0] = skipped
     print(result.summary(max_issues=args.max_issues))
     if not result.rows:
-        print(f"error: no COLL lines found in {len(files)} file(s); was NCCL_DEBUG=INFO with "
-              "NCCL_DEBUG_SUBSYS including COLL set?", file=sys.stderr)
-        return 3
+        if files:
+            why = (f"no COLL lines found in {len(files)} file(s); was NCCL_DEBUG=INFO with "
+                   "NCCL_DEBUG_SUBSYS including COLL set?")
+        else:
+            why = "no file could be read"
+        if result.unread:
+            why += (f" ({len(result.unread)} file(s) not read, listed above; first: "
+                    f"{result.unread[0][0]}: {result.unread[0][1]})")
+        print(f"{prog}: error: {why}; nothing written", file=sys.stderr)
+        return EXIT_NOTHING_FOUND
     print(f"wrote {result.rows} events to {result.path}")
-    return 0
+    if result.unread:
+        first = result.unread[0]
+        print(f"{prog}: error: {len(result.unread)} file(s) not read or not read to their end "
+              f"(listed above; first: {first[0]}: {first[1]}); the events of the others were "
+              "written", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    return EXIT_OK

@@ -25,6 +25,7 @@ import pyarrow.compute as pc
 from tracer.nccl import formats as fmt
 from tracer.events import DTYPE_BYTES, EVENT_SCHEMA, OPS
 from tracer.nccl.columns import NULL, LineBlock, fast_coll_fields, source_refs, sources
+from tracer.nccl.columns import InputReadError
 from tracer.nccl.records import (
     CollRecord,
     InitRecord,
@@ -33,11 +34,10 @@ from tracer.nccl.records import (
     ParseIssue,
     ParseStats,
     parse_prefix,
+    timestamp_issue,
 )
 from tracer.nccl.resolve import Resolver, proc_key
 
-_I32 = (-(2**31), 2**31)
-_I64 = (-(2**63), 2**63)
 _OPS = pa.array(OPS, pa.string())
 _OP_INDEX = {op: i for i, op in enumerate(OPS)}
 _ROOTED = np.array([op in fmt.ROOTED_OPS for op in OPS])
@@ -45,6 +45,10 @@ _NDT = max(fmt.NCCL_DATATYPES) + 1
 _DTYPES = pa.array([fmt.NCCL_DATATYPES.get(i) for i in range(_NDT)], pa.string())
 _DT_BYTES = np.array([DTYPE_BYTES.get(fmt.NCCL_DATATYPES.get(i), 0) for i in range(_NDT)])
 _SOURCE = pa.array(["nccl_log"], pa.string())
+
+#: Records of one block resolved together at most (a long line holding many records is
+#: resolved in pieces, so memory does not grow with the line).
+FLUSH_RECORDS = 1 << 12
 
 #: Columns of few distinct values, dictionary-encoded in :data:`BATCH_SCHEMA`.
 DICTIONARY_COLUMNS = ("source", "op", "group_id", "dtype", "host", "comm")
@@ -56,30 +60,9 @@ BATCH_SCHEMA = pa.schema([
     if f.name in DICTIONARY_COLUMNS else f for f in EVENT_SCHEMA])
 
 
-def _range_issue(rec, file: str) -> ParseIssue | None:
-    """An issue when a number of ``rec`` does not fit its event-schema column."""
-    if type(rec) is CollRecord:
-        if (rec.count < 2**59 and (rec.nranks or 0) < 2**31 and (rec.pid or 0) < 2**62
-                and -(2**31) <= (rec.cuda_dev or 0) < 2**31 and -(2**31) <= rec.root < 2**31):
-            return None  # the usual case, decided without building the checks
-        checks = [("count", rec.count, _I64), ("nranks", rec.nranks, _I32),
-                  ("pid", rec.pid, _I64), ("cudaDev", rec.cuda_dev, _I32)]
-        if rec.dtype is not None:
-            checks.append(("count * dtype bytes", rec.count * DTYPE_BYTES[rec.dtype], _I64))
-        if rec.op in fmt.ROOTED_OPS:
-            checks.append(("root", rec.root, _I32))
-    elif type(rec) is InitRecord:
-        checks = [("rank", rec.rank, _I32), ("nranks", rec.nranks, _I32)]
-    else:
-        checks = [("Rank", rec.group_rank, _I32)]
-    for name, value, (lo, hi) in checks:
-        if value is not None and not lo <= value < hi:
-            kind = "int32" if hi == _I32[1] else "int64"
-            return ParseIssue(file, rec.line_no, f"{name} {fmt.show_int(value)} out of range "
-                              f"(the event "
-                              f"schema stores it as {kind}); record skipped",
-                              type(rec).__name__)
-    return None
+def _unread_issue(path: str, reason: str) -> ParseIssue:
+    """A file left out or not read to its end, as an issue (line 0: the whole file)."""
+    return ParseIssue(path, 0, f"file not read: {reason}", "")
 
 
 class _Rows:
@@ -121,26 +104,45 @@ class EventBatches:
         self.resolver = Resolver()
         self.stats = ParseStats()
         self.files: list[str] = []
+        self.unread: list[tuple[str, str]] = []
         self.issues: list[ParseIssue] = []
         self.issue_count = 0
         self.strict = strict
         self.keep_issues = keep_issues
 
     def batches(self, paths) -> Iterator[tuple[pa.RecordBatch, np.ndarray]]:
-        """``(batch, epoch)`` per block with events: ``batch`` has :data:`BATCH_SCHEMA`,
-        ``epoch`` (int64, one per row) the communicator epoch of each row."""
-        for name, blocks in sources(paths):
+        """``(batch, epoch)`` per block with events (or per :data:`FLUSH_RECORDS` records of a
+        long line): ``batch`` has :data:`BATCH_SCHEMA`, ``epoch`` (int64, one per row) the
+        communicator epoch of each row. Files left out (binary, unreadable) or not read to
+        their end (a damaged gzip stream) are listed in ``unread`` as ``(path, reason)``; a
+        file that stops early also gives an issue at the line where it stopped."""
+        told = 0  # files of self.unread already reported as issues
+        for name, blocks in sources(paths, skipped=self.unread):
+            told = self._tell_unread(told)
             self.files.append(name)
             parser = LineParser(name, self.stats)
-            for block in blocks:
-                out, error = self._block(name, block, parser)
-                if out is not None:
-                    yield out
-                if error is not None:
-                    raise error
+            stopped = None
+            try:
+                for block in blocks:
+                    yield from self._block(name, block, parser)
+            except InputReadError as exc:
+                stopped = exc
             issue = parser.finish()
             if issue is not None:
                 self._emit([issue])
+            if stopped is not None:
+                self.unread.append((name, f"read up to line {stopped.line_no}: "
+                                          f"{stopped.reason}"))
+                told += 1
+                self._emit([ParseIssue(name, stopped.line_no, f"file not read to its end: "
+                                       f"{stopped.reason}; the lines after are lost", "")])
+        self._tell_unread(told)
+
+    def _tell_unread(self, told: int) -> int:
+        """Issues (line 0) for the files left out since the first ``told`` of ``unread``."""
+        if len(self.unread) > told:
+            self._emit([_unread_issue(*u) for u in self.unread[told:]])
+        return len(self.unread)
 
     def _emit(self, issues: list[ParseIssue]) -> None:
         if issues and self.strict:
@@ -150,40 +152,73 @@ class EventBatches:
         self.issues.extend(issues[:max(room, 0)])
 
     def _block(self, file: str, block: LineBlock, parser: LineParser):
-        """``((batch, epoch) or None, error or None)`` of one block."""
+        """``(batch, epoch)`` of one block, one or more (a long line's records are resolved
+        :data:`FLUSH_RECORDS` at a time); raises the strict-mode error after the rows before
+        it."""
         n = len(block)
         self.stats.lines += n
         fast = fast_coll_fields(block)
         slow = np.ones(n, bool)
+        # colls, barriers, issues: (line, sub, record); issues of fast lines (sub 1: after
+        # an interrupted wrapped line's issue at sub 0, before the line's row)
+        acc: tuple[list, list, list, list] = ([], [], [], [])
+        colls, barriers, issues, fast_issues = acc
         if fast is not None:
             slow[fast.line] = False
             self.stats.coll_lines += len(fast.line)
-        colls: list[tuple] = []  # (line, sub, CollRecord)
-        barriers: list[tuple] = []  # (line, sub, InitRecord | TorchCommRecord)
-        issues: list[tuple] = []  # (line, sub, ParseIssue)
-        first, prev = block.first_line_no, -1
+            if fast.t_bad is not None and fast.t_bad.any():
+                for i in fast.line[fast.t_bad].tolist():
+                    text = block.text(i)
+                    ts = text[1:text.index("]")]
+                    fast_issues.append((i, 1, timestamp_issue(
+                        file, block.first_line_no + i,
+                        (f"[{ts}]", fmt.timestamp_problem(ts), False))))
+        first, prev, done = block.first_line_no, -1, 0  # done: fast rows already resolved
         for i in np.flatnonzero(slow).tolist():
             if i > prev + 1:  # fast lines since the previous slow line
                 issue = parser.interrupt()
                 if issue is not None:
                     issues.append((prev + 1, 0, issue))
-            for sub, rec in enumerate(parser.feed(first + i, block.text(i)), 1):
-                if type(rec) is ParseIssue:
-                    issues.append((i, sub, rec))
-                elif (bad := _range_issue(rec, file)) is not None:
-                    issues.append((i, sub, bad))
-                else:
-                    (colls if type(rec) is CollRecord else barriers).append((i, sub, rec))
+            for sub, rec in enumerate(parser.iter_feed(first + i, block.text(i)), 1):
+                kind = type(rec)
+                (issues if kind is ParseIssue else colls if kind is CollRecord
+                 else barriers).append((i, sub, rec))
+                if len(colls) + len(barriers) + len(issues) >= FLUSH_RECORDS:
+                    upto = 0 if fast is None else int(np.searchsorted(fast.line, i))
+                    yield from self._flush(file, block, fast, done, upto, acc, i)
+                    done = upto
             prev = i
         if prev < n - 1:
             issue = parser.interrupt()
             if issue is not None:
                 issues.append((prev + 1, 0, issue))
-        stride = 2 + max((t[1] for t in colls + barriers + issues), default=0)
-        rows = self._rows(block, fast, colls, stride)
-        if rows is None and not barriers and not issues:
-            return None, None
-        return self._resolve(file, block, rows, barriers, issues, stride)
+        yield from self._flush(file, block, fast, done, 0 if fast is None else len(fast.line),
+                               acc, n)
+
+    def _flush(self, file: str, block: LineBlock, fast, lo: int, hi: int, acc: tuple,
+               line: int):
+        """Resolve fast rows ``lo:hi`` and the records in ``acc`` (emptied), and issues of
+        lines before ``line`` (those of fast lines are kept until their rows go)."""
+        colls, barriers, issues, fast_issues = acc
+        part = None if fast is None else fast.take(lo, hi)
+        k = 0
+        while k < len(fast_issues) and fast_issues[k][0] < line:
+            k += 1
+        now = issues + fast_issues[:k]
+        issues.clear()
+        del fast_issues[:k]
+        stride = 2 + max((t[1] for t in colls + barriers + now), default=0)
+        rows = self._rows(block, part, colls, stride)
+        todo = (list(barriers), now)
+        colls.clear()
+        barriers.clear()
+        if rows is None and not todo[0] and not todo[1]:
+            return
+        out, error = self._resolve(file, block, rows, todo[0], todo[1], stride)
+        if out is not None:
+            yield out
+        if error is not None:
+            raise error
 
     def _rows(self, block: LineBlock, fast, colls: list[tuple], stride: int) -> _Rows | None:
         procs: dict[tuple, int] = {}  # (host, pid, cuda_dev) -> index into self._procs
