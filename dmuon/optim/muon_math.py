@@ -423,17 +423,8 @@ def muon_update_matrices_(
                 f"Invalid param shape={tuple(p.shape)} for matrix_shape={(rows, cols)}. Must "
                 "have at least 2 dims and a whole number of (rows, cols) matrices."
             )
-        for name, t in (("grad", g), ("momentum_buffer", m)):
-            if t.shape != p.shape:
-                raise ValueError(
-                    f"Invalid {name} shape={tuple(t.shape)}. Must equal the param's shape "
-                    f"{tuple(p.shape)}."
-                )
-        for name, value in (("lr", lr), ("weight_decay", weight_decay), ("momentum", momentum)):
-            if not _is_real(value) or value < 0:
-                raise ValueError(f"Invalid {name}={value!r}. Must be a finite float >= 0.")
-    if adjust_lr_fn not in ADJUST_LR_FNS:
-        raise ValueError(f"Invalid {adjust_lr_fn=}. Must be one of {ADJUST_LR_FNS}.")
+        _check_like_param(p, g, m)
+    _check_hparams(lr, weight_decay, momentum, adjust_lr_fn)
     updates = [_momentum_update(g, m, momentum, nesterov) for g, m in zip(grads, momentum_buffers)]
     if sum(p.numel() for p in params) == rows * cols:  # one matrix: torch's own arithmetic
         ortho = [zeropower_via_newtonschulz(updates[0].reshape(rows, cols), ns_coefficients,
@@ -455,12 +446,23 @@ def _check_update(param, grad, momentum_buffer, lr, weight_decay, momentum, adju
             f"Invalid param shape={tuple(param.shape)}. Must be 2-D; Muon only supports 2-D "
             "params (use AdamW for embeddings, norms, biases)."
         )
+    _check_like_param(param, grad, momentum_buffer)
+    _check_hparams(lr, weight_decay, momentum, adjust_lr_fn)
+
+
+def _check_like_param(param, grad, momentum_buffer) -> None:
+    """Raise ``ValueError`` unless the grad and the momentum buffer have the param's shape."""
     for name, t in (("grad", grad), ("momentum_buffer", momentum_buffer)):
         if t.shape != param.shape:
             raise ValueError(
                 f"Invalid {name} shape={tuple(t.shape)}. Must equal the param's shape "
                 f"{tuple(param.shape)}."
             )
+
+
+def _check_hparams(lr, weight_decay, momentum, adjust_lr_fn) -> None:
+    """Raise ``ValueError`` for a negative or non-finite lr, weight_decay or momentum, or an
+    unknown ``adjust_lr_fn``."""
     for name, value in (("lr", lr), ("weight_decay", weight_decay), ("momentum", momentum)):
         if not _is_real(value) or value < 0:
             raise ValueError(f"Invalid {name}={value!r}. Must be a finite float >= 0.")
