@@ -145,16 +145,19 @@ def clear_mesh_caches() -> None:
     repeated-mesh test then fails if a cache is left).
     """
     from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import _redistribute
     from torch.distributed.tensor._collective_utils import MeshTopoInfo
-    from torch.distributed.tensor._redistribute import _gen_transform_infos
     from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 
     _clear_sharding_prop_cache()  # Python LRU of the sharding propagator + the C++ fast path
     propagator = DTensor._op_dispatcher.sharding_propagator
-    for cached in (_gen_transform_infos, MeshTopoInfo.build_from_mesh,
+    for cached in (getattr(_redistribute, "_gen_transform_infos", None),
+                   MeshTopoInfo.build_from_mesh,
                    getattr(propagator, "_propagate_tensor_meta_cached", None)):
         if hasattr(cached, "cache_clear"):
             cached.cache_clear()
+    # keyed by a weak reference to the mesh, but each planner holds the mesh itself
+    getattr(_redistribute, "clear_redistribute_planner_cache", lambda: None)()
     torch.distributed.device_mesh._mesh_resources.mesh_stack.clear()
 
 

@@ -47,21 +47,24 @@ def _new_group_sum():
     return t.tolist()
 
 
-def _census(settle_to=None):
-    """(threads, open fds, live process groups) of this rank. With ``settle_to``, waits up to
-    2 s for the thread count to come down to it (a joined thread leaves /proc a moment later)."""
-    deadline = time.monotonic() + 2
-    while True:
-        threads = len(os.listdir("/proc/self/task"))
-        if settle_to is None or threads <= settle_to[0] or time.monotonic() > deadline:
-            break
-        time.sleep(0.01)
-    return threads, len(os.listdir("/proc/self/fd")), len(_world.pg_map)
+#: gloo threads of the default group alone: two pt_gloo_runloop, one gloo_tcp_loop.
+DEFAULT_GROUP_GLOO_THREADS = 3
 
 
 def _gloo_threads():
     names = [open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")]
     return sum(n in ("pt_gloo_runloop", "gloo_tcp_loop") for n in names)
+
+
+def _census():
+    """(threads, open fds, live process groups, gloo threads) of this rank, once the gloo
+    threads are down to the default group's (a joined thread leaves /proc a moment later; at
+    most 2 s)."""
+    deadline = time.monotonic() + 2
+    while _gloo_threads() > DEFAULT_GROUP_GLOO_THREADS and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return (len(os.listdir("/proc/self/task")), len(os.listdir("/proc/self/fd")),
+            len(_world.pg_map), _gloo_threads())
 
 
 def _groups_and_meshes(destroy_some):
@@ -152,9 +155,11 @@ def test_tasks_leave_no_groups_threads_or_fds_behind(pool4):
     # the DTensor caches forget its meshes (a repeated identical mesh must not get the old,
     # destroyed groups back), and groups a task destroyed itself are skipped.
     generation = pool4.generation
-    pool4.run(_groups_and_meshes, False)  # warm-up: lazily created threads and caches
+    pool4.run(_groups_and_meshes, False)  # the first task: lazily started non-gloo threads
     base = pool4.run(_census)
-    assert all(groups == 1 for _, _, groups in base), base  # only the default group is left
+    # nothing of the first task left either: only the default group and its 3 gloo threads
+    # (a cache that kept the task's mesh would keep its 2 groups' 6 threads)
+    assert all(r[2:] == (1, DEFAULT_GROUP_GLOO_THREADS) for r in base), base
     for i in range(4):
         results = pool4.run(_groups_and_meshes, destroy_some=i % 2 == 1)
         # sum(1..16) replicated, plus each rank's 3 all_reduces of ones (group sizes 2, 2, 4)
@@ -164,17 +169,18 @@ def test_tasks_leave_no_groups_threads_or_fds_behind(pool4):
         live = 2 + (1 if i % 2 else 3)
         assert all(r[2] == 1 + live for r in results), results
         assert all(r[1] >= 3 * live for r in results), results
-    after = pool4.run(_census, settle_to=min(base))
-    assert after == base, f"per rank (threads, fds, groups) grew from {base} to {after}"
+    after = pool4.run(_census)
+    assert after == base, f"per rank (threads, fds, groups, gloo threads): {base} -> {after}"
     assert pool4.generation == generation  # the same workers all along
 
 
 def test_dmuon_groups_are_destroyed_after_the_task(pool4):
     assert pool4.run(_dedicated_hsdp_step) == [1 + 6] * 4  # mesh 2 + DMuon's 4 (HSDP)
     base = pool4.run(_census)
+    assert all(r[2:] == (1, DEFAULT_GROUP_GLOO_THREADS) for r in base), base
     for _ in range(2):
         pool4.run(_dedicated_hsdp_step)
-    assert pool4.run(_census, settle_to=min(base)) == base
+    assert pool4.run(_census) == base
 
 
 def test_global_state_is_restored_after_a_task(pool2):
