@@ -1,5 +1,5 @@
 """The example verify-traffic report of the renderer tests (test_report, test_report_layout,
-test_nvlink): a helper module, so test modules do not import each other.
+test_nvlink, test_verdicts): a helper module, so test modules do not import each other.
 
 It follows the traffic model of docs/spec.md §2 for a small GPT (2 blocks, d=64: per block qkv
 64×192, proj 64×64, fc1 64×256, fc2 256×64, so P_M = 98,304) at W=4 on gloo, all 9 modes, with
