@@ -10,22 +10,7 @@ import sys
 import pytest
 
 from dmuon import annotate
-
-
-class RecordingDomain:
-    """Stands in for ``nvtx.get_domain("DMuon")``: records what DMuon pushes and pops."""
-
-    def __init__(self) -> None:
-        self.calls: list[tuple[str, str | None]] = []
-
-    def get_event_attributes(self, message=None):
-        return message
-
-    def push_range(self, attributes=None):
-        self.calls.append(("push", attributes))
-
-    def pop_range(self):
-        self.calls.append(("pop", None))
+from tests.builders import RecordingDomain
 
 
 @pytest.fixture

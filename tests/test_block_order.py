@@ -8,7 +8,7 @@ from collections import Counter
 import pytest
 
 from dmuon.runtime.order import execution_block_order, order_digest
-from tests.test_predict import _layout
+from tests.builders import tinygpt_layout
 from verify.traffic.predict import RunLayout, dmuon_block_sequence, dmuon_buckets, predict_step
 
 BLOCKS = ("blocks.0", "blocks.1", "blocks.2", "blocks.3")
@@ -50,7 +50,7 @@ def test_digest_names_the_order():
 
 
 def test_predicted_buckets_follow_the_order_and_the_calls_do_not_change():
-    layout = _layout("dmuon-hsdp-z3", 4)
+    layout = tinygpt_layout("dmuon-hsdp-z3", 4)
     order = ("blocks.1", "blocks.0")
     reordered = RunLayout.from_dict(
         {**layout.to_dict(), "dmuon_block_order": list(order)})

@@ -5,7 +5,7 @@ several caps and world sizes: the same buckets, and each block a contiguous inde
 import pytest
 
 from dmuon.ownership.buckets import block_of, bucket_layout
-from tests.test_predict import _layout
+from tests.builders import tinygpt_layout
 from verify.traffic.predict import dmuon_block, dmuon_buckets
 
 
@@ -18,7 +18,7 @@ def test_block_rule_agrees_with_the_predictor(module):
 @pytest.mark.parametrize("mode,world", [("dmuon-z3", 3), ("dmuon-hsdp-z2", 4), ("dmuon-ddp", 4)])
 @pytest.mark.parametrize("cap_bytes", [1, 20_000, 25 * 1024 * 1024])
 def test_runtime_layout_equals_the_predicted_one(mode, world, cap_bytes):
-    layout = _layout(mode, world)
+    layout = tinygpt_layout(mode, world)
     specs, plan = layout.muon_specs(), layout.plan()
     runtime = bucket_layout(specs, plan, cap_bytes)
     predicted = dmuon_buckets(specs, plan, cap_bytes)

@@ -9,42 +9,21 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from dmuon.ownership.plan import ParamSpec
-from tracer.events import CollectiveEvent, to_table, write_parquet
+from tests.builders import CHECK_LAYOUT, measured
+from tracer.events import to_table, write_parquet
 from verify.check import check_events, report_lines
 from verify.cli import main as dmuon_verify
-from verify.traffic.predict import RunLayout, predict_step
-
-LAYOUT = RunLayout(
-    mode="dmuon-z2", replicate_size=1, shard_size=4,
-    params=(ParamSpec(name="fc1.weight", shape=(16, 8), dtype="float32", module="fc1"),
-            ParamSpec(name="fc2.weight", shape=(8, 16), dtype="float32", module="fc2"),
-            ParamSpec(name="fc2.bias", shape=(8,), dtype="float32", module="fc2")),
-    muon_names=("fc1.weight", "fc2.weight"), fsdp_modules=("",), reshard_after_forward=False)
-
-
-def measured(steps: int = 2) -> list[CollectiveEvent]:
-    """What a perfect interposer would record: the prediction, ``steps`` times, per rank."""
-    out, seen = [], {}
-    for _ in range(steps):
-        for e in predict_step(LAYOUT):
-            i = seen[e.rank] = seen.get(e.rank, -1) + 1
-            out.append(CollectiveEvent(
-                source="interposer", op=e.op, rank=e.rank, group_id=e.group_id,
-                group_size=e.group_size, count=e.count, dtype=e.dtype, root=e.root,
-                phase=e.phase, module=e.module, source_ref=f"events_rank{e.rank}.parquet#{i}"))
-    return out
 
 
 @pytest.fixture
 def run_dir(tmp_path):
-    (tmp_path / "layout.json").write_text(json.dumps(LAYOUT.to_dict()))
+    (tmp_path / "layout.json").write_text(json.dumps(CHECK_LAYOUT.to_dict()))
     return tmp_path
 
 
 def test_exact_events_pass_and_steps_are_inferred_per_rank():
     events = measured(3)
-    result = check_events(events, LAYOUT)
+    result = check_events(events, CHECK_LAYOUT)
     assert result["pass"] and result["steps"] == 3 and result["ranks"] == [0, 1, 2, 3]
     assert result["steps_by_rank"] == {0: 3, 1: 3, 2: 3, 3: 3}
     assert result["predicted"] == len(events) and "phase" in result["key"]
@@ -53,19 +32,19 @@ def test_exact_events_pass_and_steps_are_inferred_per_rank():
 def test_dropped_row_is_named_with_its_module_without_steps():
     events = measured(2)
     dropped = next(ev for ev in events if ev.rank == 2 and ev.op == "broadcast")
-    result = check_events([ev for ev in events if ev is not dropped], LAYOUT)
+    result = check_events([ev for ev in events if ev is not dropped], CHECK_LAYOUT)
     assert not result["pass"] and result["steps"] == 2 and not result["unexpected"]
     (call,) = result["missing_calls"]
     assert (call["rank"], call["op"], call["count"], call["n"]) == (2, "broadcast", dropped.count, 1)
     assert call["modules"] == [dropped.module]
-    text = "\n".join(report_lines(result, LAYOUT.mode))
+    text = "\n".join(report_lines(result, CHECK_LAYOUT.mode))
     assert "missing (1):" in text and "rank 2: 1 x broadcast" in text and dropped.module in text
 
 
 def test_duplicated_row_is_named_with_its_source_ref():
     events = measured(2)
     extra = events[5].replace(source_ref="copy#99")
-    result = check_events(events + [extra], LAYOUT)
+    result = check_events(events + [extra], CHECK_LAYOUT)
     assert not result["pass"] and not result["missing"]
     (call,) = result["unexpected_calls"]
     assert call["n"] == 1 and call["source_refs"] == ["copy#99"] and call["rank"] == extra.rank
@@ -73,7 +52,7 @@ def test_duplicated_row_is_named_with_its_source_ref():
 
 def test_partial_rank_set_is_flagged_not_misread():
     events = [ev for ev in measured(2) if ev.rank in (0, 1)]
-    result = check_events(events, LAYOUT)
+    result = check_events(events, CHECK_LAYOUT)
     assert result["partial"] and result["absent_ranks"] == [2, 3] and not result["pass"]
     assert result["steps"] == 2 and not result["missing"] and not result["unexpected"]
     assert "partial rank set: no events for ranks [2, 3]" in "\n".join(report_lines(result, "m"))
@@ -83,21 +62,21 @@ def test_one_null_phase_is_rejected_not_dropped_from_the_key():
     events = measured(1)
     events[3] = events[3].replace(phase=None)
     with pytest.raises(ValueError, match=r"1 of \d+ event\(s\) have no phase \(first: events_rank"):
-        check_events(events, LAYOUT)
+        check_events(events, CHECK_LAYOUT)
 
 
 def test_null_rank_and_null_count_are_rejected():
     events = measured(1)
     with pytest.raises(ValueError, match="rank=None"):
-        check_events(events[:1] + [events[1].replace(rank=None)], LAYOUT)
+        check_events(events[:1] + [events[1].replace(rank=None)], CHECK_LAYOUT)
     with pytest.raises(ValueError, match="count=None"):
-        check_events(events[:1] + [events[1].replace(count=None, msg_bytes=None)], LAYOUT)
+        check_events(events[:1] + [events[1].replace(count=None, msg_bytes=None)], CHECK_LAYOUT)
 
 
 @pytest.mark.parametrize("steps", [0, -1, 1.5, "2"])
 def test_bad_steps_rejected(steps):
     with pytest.raises(ValueError, match="Invalid steps="):
-        check_events(measured(1), LAYOUT, steps)
+        check_events(measured(1), CHECK_LAYOUT, steps)
 
 
 def _write_with(path, events, column, array):

@@ -19,7 +19,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from tests.fuzzing import apply, fast, mutations, slow, time_limit
-from tests.test_check import LAYOUT, measured
+from tests.builders import CHECK_LAYOUT, measured
 from tracer.events import to_table, write_parquet
 from verify.check import check_events
 from verify.cli import main as dmuon_verify
@@ -52,7 +52,7 @@ def _multiset_property(drop, dup):
     events = [ev for i, ev in enumerate(EVENTS) if i not in drop]
     events += [EVENTS[i].replace(source_ref=f"dup#{k}") for k, i in enumerate(dup)]
     with time_limit(20, f"events with rows {drop} dropped and {dup} duplicated"):
-        result = check_events(events, LAYOUT, STEPS)
+        result = check_events(events, CHECK_LAYOUT, STEPS)
     missing = sum(n for _, n in result["missing"])
     unexpected = sum(n for _, n in result["unexpected"])
     key = lambda ev: tuple(getattr(ev, f) for f in FIELDS)  # noqa: E731
@@ -106,7 +106,7 @@ def _cli_case(column_mutation, row_changes, steps, byte_edits):
         pq.write_table(table, path)
         if byte_edits:
             path.write_bytes(apply(path.read_bytes(), byte_edits))
-        (Path(tmp) / "layout.json").write_text(json.dumps(LAYOUT.to_dict()))
+        (Path(tmp) / "layout.json").write_text(json.dumps(CHECK_LAYOUT.to_dict()))
         args = ["check", str(path), "--against", tmp] + ([] if steps is None else ["--steps", str(steps)])
         what = (f"table with column {column_mutation[0] if column_mutation else None!r} mutated, "
                 f"row changes {row_changes!r}, byte edits {byte_edits!r}, steps {steps}")
@@ -142,6 +142,6 @@ def test_dropped_and_duplicated_rows_long(edits):
 
 def test_unmutated_table_passes(tmp_path):
     write_parquet(EVENTS, tmp_path / "e.parquet")
-    (tmp_path / "layout.json").write_text(json.dumps(LAYOUT.to_dict()))
+    (tmp_path / "layout.json").write_text(json.dumps(CHECK_LAYOUT.to_dict()))
     assert _run_cli(["check", str(tmp_path / "e.parquet"), "--against", str(tmp_path)],
                     "the unmutated table")[0] == 0

@@ -14,7 +14,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from tests.fuzzing import apply, fast, mutations, slow, time_limit
-from tests.test_nsys import REAL, _ddl, _gtid
+from tests.nsys_builders import REAL, global_tid, nsys_ddl
 from tracer.events import write_parquet
 from tracer.nsys import NCCL_API_TO_OP, parse_nsys
 
@@ -28,7 +28,7 @@ def real_bytes(shared_fixtures) -> bytes:
 
 @pytest.fixture(scope="module")
 def ddl(shared_fixtures) -> dict[str, str]:
-    return _ddl(shared_fixtures)
+    return nsys_ddl(shared_fixtures)
 
 
 def _parse_and_write(path: Path, what: str) -> None:
@@ -78,7 +78,7 @@ SMALL_INT = st.integers(0, 10_000)
 NAMES = st.sampled_from(sorted(NCCL_API_TO_OP) + [
     "ncclGroupStart", "ncclGroupEnd", "NCCL", "DMuon", "dmuon.phase forward", "dmuon.phase x y",
     "dmuon.broadcast blocks.0 owner=1", "dmuon.window w", "dmuon.reduce m owner=99999999999"])
-GTIDS = st.sampled_from([_gtid(10, 10), _gtid(10, 11), _gtid(20, 20), 0])
+GTIDS = st.sampled_from([global_tid(10, 10), global_tid(10, 11), global_tid(20, 20), 0])
 SOMETIMES = lambda good: good | good | good | ANY  # noqa: E731 - mostly plausible, sometimes any
 
 

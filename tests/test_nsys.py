@@ -17,13 +17,11 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
+from tests.nsys_builders import MAIN, REAL, build_export, global_tid, nsys_ddl
 from tracer.events import OPS, read_parquet
 from tracer.nsys import NCCL_API_TO_OP, parse_nsys, probe_export, register_cli, split_global_tid
 from tracer.nsys_payload import locate_payload_fields
 
-REAL = "nsys/nsys2026.2_h100_2gpu_nccl_sendrecv__nsys-ai_mfu_2gpu_after.sqlite"
-TABLES = ("META_DATA_EXPORT", "StringIds", "NVTX_EVENTS", "CUPTI_ACTIVITY_KIND_KERNEL",
-          "CUPTI_ACTIVITY_KIND_RUNTIME", "NVTX_PAYLOAD_SCHEMAS", "NVTX_PAYLOAD_SCHEMA_ENTRIES")
 
 
 @pytest.fixture(scope="module")
@@ -136,65 +134,12 @@ def test_cli_help_and_bad_input(tmp_path, capsys):
 
 # --- small exports with the real DDL -------------------------------------------------------
 
-def _ddl(shared_fixtures) -> dict[str, str]:
-    conn = sqlite3.connect(f"file:{shared_fixtures / REAL}?mode=ro", uri=True)
-    try:
-        return dict(conn.execute(
-            f"SELECT name, sql FROM sqlite_master WHERE name IN ({','.join('?' * len(TABLES))})",
-            TABLES))
-    finally:
-        conn.close()
-
-
-def _gtid(pid: int, tid: int) -> int:
-    return (1 << 48) | (pid << 24) | tid  # the fixture's globalTids have this form
-
-
-def build_export(path: Path, ddl: dict[str, str], *, meta=None, strings=(), nvtx=(), kernels=(),
-                 runtime=(), entries=(), skip=()) -> Path:
-    """A small export with the real file's DDL. ``nvtx`` rows: (start, end, eventType, text,
-    globalTid, domainId[, binaryData])."""
-    meta = {"EXPORT_PRODUCT_VERSION": "2026.2.1.210", "EXPORT_SCHEMA_VERSION": "3.25.0",
-            "EXPORT_PARAM_INCLUDE_BLOBS": "true"} if meta is None else meta
-    conn = sqlite3.connect(path)
-    for name, sql in ddl.items():
-        if name not in skip:
-            conn.execute(sql)
-    if "META_DATA_EXPORT" not in skip:
-        conn.executemany("INSERT INTO META_DATA_EXPORT VALUES (?, ?)", meta.items())
-    conn.executemany("INSERT INTO StringIds VALUES (?, ?)", strings)
-    if "NVTX_EVENTS" not in skip:
-        for row in nvtx:
-            start, end, etype, text, gtid, dom, *blob = row
-            conn.execute("INSERT INTO NVTX_EVENTS (start, end, eventType, text, globalTid, "
-                         "domainId, binaryData) VALUES (?,?,?,?,?,?,?)",
-                         (start, end, etype, text, gtid, dom, blob[0] if blob else None))
-    for start, end, dev, corr, gpid, name_id in kernels:
-        conn.execute(
-            "INSERT INTO CUPTI_ACTIVITY_KIND_KERNEL (start, end, deviceId, contextId, streamId, "
-            "correlationId, globalPid, demangledName, shortName, registersPerThread, gridX, gridY, "
-            "gridZ, blockX, blockY, blockZ, staticSharedMemory, dynamicSharedMemory, "
-            "localMemoryPerThread, localMemoryTotal, gridId, tensorSizeMinusOneElements) VALUES "
-            "(?,?,?,1,7,?,?,?,?,0,1,1,1,1,1,1,0,0,0,0,0,'')",
-            (start, end, dev, corr, gpid, name_id, name_id))
-    for start, end, gtid, corr, name_id in runtime:
-        conn.execute("INSERT INTO CUPTI_ACTIVITY_KIND_RUNTIME (start, end, eventClass, globalTid, "
-                     "correlationId, nameId, returnValue) VALUES (?,?,0,?,?,?,0)",
-                     (start, end, gtid, corr, name_id))
-    for dom, schema, idx, name, offset in entries:
-        conn.execute("INSERT INTO NVTX_PAYLOAD_SCHEMA_ENTRIES (domainId, schemaId, idx, type, "
-                     "name, offset) VALUES (?,?,?,22,?,?)", (dom, schema, idx, name, offset))
-    conn.commit()
-    conn.close()
-    return path
-
-
 @pytest.fixture(scope="module")
 def ddl(shared_fixtures):
-    return _ddl(shared_fixtures)
+    return nsys_ddl(shared_fixtures)
 
 
-MAIN, AUTOGRAD, OTHER_PROC = _gtid(10, 10), _gtid(10, 11), _gtid(20, 20)
+AUTOGRAD, OTHER_PROC = global_tid(10, 11), global_tid(20, 20)
 NCCL_DOM, DMUON_DOM = 3, 4
 KERNEL_NAME = 1
 
@@ -226,10 +171,10 @@ def _attribution_export(tmp_path, ddl, **kw):
                (3, "vectorized_elementwise_kernel")]
     runtime = [(150, 160, MAIN, 7, 2), (720, 730, MAIN, 8, 2), (1150, 1160, MAIN, 9, 2),
                (20, 30, OTHER_PROC, 9, 2)]  # correlationId 9 repeats in another process
-    kernels = [(5000, 5600, 0, 7, _gtid(10, 0), KERNEL_NAME),
-               (6000, 6300, 0, 8, _gtid(10, 0), KERNEL_NAME),
-               (7000, 7100, 0, 9, _gtid(10, 0), KERNEL_NAME),
-               (7200, 7300, 0, 10, _gtid(10, 0), 3)]  # not an NCCL kernel: ignored
+    kernels = [(5000, 5600, 0, 7, global_tid(10, 0), KERNEL_NAME),
+               (6000, 6300, 0, 8, global_tid(10, 0), KERNEL_NAME),
+               (7000, 7100, 0, 9, global_tid(10, 0), KERNEL_NAME),
+               (7200, 7300, 0, 10, global_tid(10, 0), 3)]  # not an NCCL kernel: ignored
     return build_export(tmp_path / "attr.sqlite", ddl, strings=strings, nvtx=nvtx,
                         kernels=kernels, runtime=runtime, **kw)
 

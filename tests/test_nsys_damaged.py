@@ -9,7 +9,7 @@ import sqlite3
 
 import pytest
 
-from tests.test_nsys import MAIN, REAL, _ddl, _gtid, build_export
+from tests.nsys_builders import MAIN, REAL, build_export, global_tid, nsys_ddl
 from tracer.cli import main as dmuon_trace
 from tracer.events import write_parquet
 from tracer.nsys import parse_nsys
@@ -19,7 +19,7 @@ NCCL_DOM = 3
 
 @pytest.fixture(scope="module")
 def ddl(shared_fixtures):
-    return _ddl(shared_fixtures)
+    return nsys_ddl(shared_fixtures)
 
 
 def _export(tmp_path, ddl, nvtx=None, **kw):
@@ -98,7 +98,8 @@ KERNEL, LAUNCH = 1, 2
 def _with_kernels(tmp_path, ddl):
     strings = [(KERNEL, "ncclDevKernel_AllReduce_RING_LL"), (LAUNCH, "cuLaunchKernelEx")]
     runtime = [(150, 160, MAIN, 7, LAUNCH), (350, 360, MAIN, 8, LAUNCH)]
-    kernels = [(1000, 1500, 0, 7, _gtid(10, 0), KERNEL), (2000, 2100, 0, 8, _gtid(10, 0), KERNEL)]
+    kernels = [(1000, 1500, 0, 7, global_tid(10, 0), KERNEL),
+               (2000, 2100, 0, 8, global_tid(10, 0), KERNEL)]
     return _export(tmp_path, ddl, strings=strings, runtime=runtime, kernels=kernels)
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO_ROOT
-from tests.test_nsys import _ddl, _gtid, build_export
+from tests.nsys_builders import build_export, global_tid, nsys_ddl
 from tracer.events import CollectiveEvent, write_parquet
 from verify.sources import nsys_verify as nv
 
@@ -121,19 +121,19 @@ def _write_run(out_dir: Path) -> None:
 def stub_nsys(tmp_path, monkeypatch, shared_fixtures):
     """main() with nsys replaced: 'profile' writes the run's interposer events, 'export' an
     export built from ``nvtx`` rows (edit the list before calling main)."""
-    ddl = _ddl(shared_fixtures)
-    nvtx = [(0, None, 75, dom, _gtid(pid, pid), i) for pid in PIDS.values()
+    ddl = nsys_ddl(shared_fixtures)
+    nvtx = [(0, None, 75, dom, global_tid(pid, pid), i) for pid in PIDS.values()
             for dom, i in (("NCCL", NCCL_DOM), ("DMuon", DMUON_DOM))]
     for rank, pid in PIDS.items():
         # each mode's window (the runner's dmuon.window range) and a warm-up call before it
-        nvtx += [(9_000, 25_000, 59, "dmuon.window z3", _gtid(pid, pid), DMUON_DOM),
-                 (29_000, 35_000, 59, "dmuon.window ddp", _gtid(pid, pid), DMUON_DOM),
-                 (5_000 + rank, 5_050, 59, "ncclBroadcast", _gtid(pid, pid), NCCL_DOM),
-                 (27_000 + rank, 27_050, 59, "ncclAllReduce", _gtid(pid, pid), NCCL_DOM)]
+        nvtx += [(9_000, 25_000, 59, "dmuon.window z3", global_tid(pid, pid), DMUON_DOM),
+                 (29_000, 35_000, 59, "dmuon.window ddp", global_tid(pid, pid), DMUON_DOM),
+                 (5_000 + rank, 5_050, 59, "ncclBroadcast", global_tid(pid, pid), NCCL_DOM),
+                 (27_000 + rank, 27_050, 59, "ncclAllReduce", global_tid(pid, pid), NCCL_DOM)]
     for i, (_, _, api, _) in enumerate(RUN):
         for rank, pid in PIDS.items():
             t = 10_000 * (i + 1) + rank
-            nvtx.append((t, t + 50, 59, api, _gtid(pid, pid), NCCL_DOM))
+            nvtx.append((t, t + 50, 59, api, global_tid(pid, pid), NCCL_DOM))
 
     def run(cmd, what):
         if what == "profile":
@@ -171,10 +171,10 @@ def test_main_fails_on_a_missing_call(tmp_path, stub_nsys, capsys):
 
 
 def test_main_stops_on_a_process_of_no_rank(tmp_path, stub_nsys, capsys):
-    stub_nsys.append((0, None, 75, "NCCL", _gtid(30, 30), NCCL_DOM))
-    stub_nsys.append((0, None, 75, "DMuon", _gtid(30, 30), DMUON_DOM))
-    stub_nsys.append((9_000, 25_000, 59, "dmuon.window z3", _gtid(30, 30), DMUON_DOM))
-    stub_nsys.append((9_005, 9_009, 59, "ncclAllReduce", _gtid(30, 30), NCCL_DOM))
+    stub_nsys.append((0, None, 75, "NCCL", global_tid(30, 30), NCCL_DOM))
+    stub_nsys.append((0, None, 75, "DMuon", global_tid(30, 30), DMUON_DOM))
+    stub_nsys.append((9_000, 25_000, 59, "dmuon.window z3", global_tid(30, 30), DMUON_DOM))
+    stub_nsys.append((9_005, 9_009, 59, "ncclAllReduce", global_tid(30, 30), NCCL_DOM))
     assert _main(tmp_path) == nv.EXIT_STEP_FAILED
     err = capsys.readouterr().err
     assert "process(es) matching no rank (pid=30: 1 NCCL ranges" in err

@@ -48,7 +48,7 @@ def test_this_machine_reports_why_not():
 
 
 def test_report_renders_nvlink_one_line_or_table():
-    from tests.test_report import example_report
+    from tests.report_builders import example_report
     from verify.report.render import format_markdown
     from verify.report.terminal import format_table
 

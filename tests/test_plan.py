@@ -22,6 +22,7 @@ from dmuon.ownership.plan import (
     plan_ownership,
     specs_from_named_parameters,
 )
+from tests.builders import llama_specs
 from verify.plan.summary import format_plan_summary
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -38,24 +39,6 @@ def gpt_specs(n_layers: int = 12, d: int = 768, dtype: str = "float32") -> list[
     shapes = {"attn.qkv": (3 * d, d), "attn.proj": (d, d), "mlp.fc1": (4 * d, d), "mlp.fc2": (d, 4 * d)}
     return [
         ParamSpec(f"blocks.{i}.{m}.weight", shape, dtype, f"blocks.{i}.{m}")
-        for i in range(n_layers)
-        for m, shape in shapes.items()
-    ]
-
-
-def llama_specs(n_layers: int = 8, d: int = 1024, kv: int = 256, ff: int = 2816) -> list[ParamSpec]:
-    """A LLaMA-like stack with grouped-query attention: matrices of very different NS cost."""
-    shapes = {
-        "attn.q": (d, d),
-        "attn.k": (kv, d),
-        "attn.v": (kv, d),
-        "attn.o": (d, d),
-        "mlp.gate": (ff, d),
-        "mlp.up": (ff, d),
-        "mlp.down": (d, ff),
-    }
-    return [
-        ParamSpec(f"layers.{i}.{m}.weight", shape, "bfloat16", f"layers.{i}.{m}")
         for i in range(n_layers)
         for m, shape in shapes.items()
     ]
@@ -197,7 +180,7 @@ def test_digest_stable_across_processes_and_hash_seeds():
         """
         import random, sys
         sys.path.insert(0, sys.argv[1])
-        from tests.test_plan import llama_specs
+        from tests.builders import llama_specs
         from dmuon.ownership.plan import plan_ownership
         specs = llama_specs(n_layers=3)
         random.Random(int(sys.argv[2])).shuffle(specs)

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.builders import tinygpt_layout
 from tracer.events import CollectiveEvent
 from verify.compare import compare_run
-from verify.workload.model import GPTConfig, TinyGPT
 from verify.run.modes import muon_names
 from verify.traffic.predict import RunLayout, dmuon_block, dmuon_buckets, predict_step
 from verify.traffic.formulas import avg_elems, closed_form, padded_numel
@@ -22,22 +22,6 @@ from verify.traffic.formulas import avg_elems, closed_form, padded_numel
 from dmuon.ownership.plan import specs_from_named_parameters
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def _layout(mode: str, world: int, *, d_model: int = 64, n_heads: int = 4, **extra) -> RunLayout:
-    """The layout ``verify.run.modes.build`` records for TinyGPT (same wrapping, no processes)."""
-    model = TinyGPT(GPTConfig(d_model=d_model, n_heads=n_heads, n_layers=2))
-    specs = tuple(specs_from_named_parameters(model.named_parameters()))
-    targets = muon_names(model)
-    r, n = (2, world // 2) if "hsdp" in mode else (1, world)
-    fsdp = ()
-    if mode != "ddp-muon" and mode != "dmuon-ddp":
-        per_linear = [] if mode.startswith("dmuon-") else sorted(
-            {t.rpartition(".")[0] for t in targets}, key=[s.module for s in specs].index)
-        fsdp = (*per_linear, "blocks.0", "blocks.1", "")
-    reshard = mode.endswith("z3") or mode == "naive-hsdp"
-    return RunLayout(mode=mode, replicate_size=r, shard_size=n, params=specs, muon_names=targets,
-                     fsdp_modules=fsdp, reshard_after_forward=reshard, **extra)
 
 
 def _events(layout: RunLayout, steps: int = 1) -> list[CollectiveEvent]:
@@ -101,8 +85,8 @@ def test_predictor_never_calls_the_runtime():
     # reach the runtime's bucketing, hooks or collectives by any path.
     code = """
 import sys, dmuon, dmuon.ownership.plan
-import tests.test_predict as t
-layout = t._layout("dmuon-hsdp-z3", 4)
+import tests.builders as t
+layout = t.tinygpt_layout("dmuon-hsdp-z3", 4)
 ref = t.predict_step(layout)
 for name, mod in list(sys.modules.items()):
     if name.startswith("dmuon.") and name not in ("dmuon.ownership.plan", "dmuon.optim.muon_math"):
@@ -119,7 +103,7 @@ print("ok", len(ref))
 
 
 def test_buckets_follow_the_documented_rule():
-    layout = _layout("dmuon-z3", 3)
+    layout = tinygpt_layout("dmuon-z3", 3)
     plan = layout.plan()
     buckets = dmuon_buckets(layout.muon_specs(), plan)
     # under the default cap: one bucket per (block, owner, dtype); every Muon param once
@@ -139,7 +123,7 @@ def test_block_rule_and_cap():
     assert dmuon_block("blocks.3.attn.qkv") == "blocks.3"
     assert dmuon_block("layers.0.experts.5.w1") == "layers.0.experts.5"
     assert dmuon_block("head") == "head" and dmuon_block("") == ""
-    layout = _layout("dmuon-z3", 3)
+    layout = tinygpt_layout("dmuon-z3", 3)
     specs, plan = layout.muon_specs(), layout.plan()
     biggest = max(s.numel * 4 for s in specs)
     capped = dmuon_buckets(specs, plan, cap_bytes=biggest)
@@ -161,7 +145,7 @@ def test_block_rule_and_cap():
 def test_dmuon_prediction_equals_closed_form_at_any_world_size(world, mode, ratio):
     # W=3: the TinyGPT matrices (64, 64), (192, 64), (256, 64), (64, 256) are not all
     # divisible by 3, and DMuon's closed form holds exactly anyway (whole matrices move).
-    layout = _layout(mode, world)
+    layout = tinygpt_layout(mode, world)
     if layout.shard_size == 3:
         assert any(s.shape[0] % 3 for s in layout.muon_specs())
     assert _dedicated_avg(layout) == ratio * layout.p_m()
@@ -175,7 +159,7 @@ def test_dmuon_prediction_equals_closed_form_at_any_world_size(world, mode, rati
     ("naive-fsdp2-z2", Fraction(3) * Fraction(2, 3)), ("naive-fsdp2-z3", Fraction(4) * Fraction(2, 3)),
 ])
 def test_naive_baselines_gate_a_padded_closed_form(mode, factor):
-    layout = _layout(mode, 3)
+    layout = tinygpt_layout(mode, 3)
     p_pad = sum(padded_numel(s.shape, 3) for s in layout.muon_specs())
     assert p_pad > layout.p_m()  # 64 rows pad to 66 at N=3
     assert _dedicated_avg(layout) == factor * p_pad
@@ -194,7 +178,7 @@ def test_closed_form_gates_a_predictor_that_drifts(monkeypatch):
     # total).
     import verify.compare as compare
 
-    layout = _layout("dmuon-z2", 3)
+    layout = tinygpt_layout("dmuon-z2", 3)
     drop = next(e for e in predict_step(layout) if e.op == "reduce")
     key = (drop.op, drop.root, drop.count)
     drifted = [e for e in predict_step(layout) if (e.op, e.root, e.count) != key]
@@ -209,7 +193,7 @@ def test_closed_form_gates_a_predictor_that_drifts(monkeypatch):
 
 # --------------------------------------------------------------------------- mixed precision
 def test_mixed_precision_dtypes_per_collective():
-    layout = _layout("dmuon-hsdp-z3", 4, mp_param_dtype="bfloat16", mp_reduce_dtype="float32")
+    layout = tinygpt_layout("dmuon-hsdp-z3", 4, mp_param_dtype="bfloat16", mp_reduce_dtype="float32")
     by = Counter((e.op, e.phase, e.group_size, e.dtype) for e in predict_step(layout)
                  if e.dedicated_count > 0 and e.op in ("broadcast", "reduce"))
     dtypes = {(op, phase): dt for (op, phase, _, dt) in by}
@@ -224,8 +208,8 @@ def test_mixed_precision_dtypes_per_collective():
 
 
 def test_mixed_precision_reduce_defaults_to_param_dtype_and_elements_do_not_change():
-    plain = _layout("dmuon-z2", 4)
-    mp = _layout("dmuon-z2", 4, mp_param_dtype="bfloat16")
+    plain = tinygpt_layout("dmuon-z2", 4)
+    mp = tinygpt_layout("dmuon-z2", 4, mp_param_dtype="bfloat16")
     a, b = predict_step(plain), predict_step(mp)
     assert [(e.rank, e.phase, e.op, e.count) for e in a] == [(e.rank, e.phase, e.op, e.count) for e in b]
     assert {e.dtype for e in b if e.op in ("broadcast", "reduce", "all_gather", "reduce_scatter")} == {"bfloat16"}
@@ -240,10 +224,10 @@ def test_mixed_precision_reduce_defaults_to_param_dtype_and_elements_do_not_chan
 
 
 def test_mixed_precision_layout_round_trips_and_validates():
-    layout = _layout("naive-fsdp2-z2", 2, mp_param_dtype="bfloat16")
+    layout = tinygpt_layout("naive-fsdp2-z2", 2, mp_param_dtype="bfloat16")
     assert RunLayout.from_dict(layout.to_dict()) == layout
     with pytest.raises(ValueError, match=r"Invalid mp_reduce_dtype='bf16'"):
-        _layout("dmuon-z2", 2, mp_reduce_dtype="bf16")
+        tinygpt_layout("dmuon-z2", 2, mp_reduce_dtype="bf16")
     # the naive step gathers the sharded grad, which FSDP2 keeps in the param's dtype
     step = {e.dtype for e in predict_step(layout) if e.phase == "optimizer"}
     assert step == {"float32"}
@@ -331,7 +315,7 @@ def test_ddp_buffer_broadcasts_group_by_dtype_and_bucket():
     # then 40 >= 32; the open int64 group comes last
     assert ddp_buffer_broadcasts(buffers, bucket_bytes=32) == [("float32", 8), ("float32", 10),
                                                                ("int64", 1)]
-    layout = _layout("dmuon-ddp", 2, ddp_buffers=(("float32", 8),))
+    layout = tinygpt_layout("dmuon-ddp", 2, ddp_buffers=(("float32", 8),))
     calls = [e for e in predict_step(layout) if e.phase == "forward" and e.op == "broadcast"
              and e.group_size == 2 and e.dedicated_count == 0]
     assert [(e.rank, e.count, e.root) for e in calls] == [(0, 8, 0), (1, 8, 0)]

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_report import example_report
+from tests.report_builders import example_report
 from verify.report.render import format_markdown, table_rows
 from verify.report.terminal import TERMINAL_COLUMNS, compact_rows, format_table
 

@@ -3,7 +3,7 @@ a report where only that check fails; its last line, the terminal's ``checks:`` 
 Failures sections of report.md and report.json's ``failures`` must all name it. The loss
 check and a mode that raises are also run end to end (tests/test_launch.py).
 
-Reports are built from tests/test_report.py's example (W=4, gloo); no process is started.
+Reports are built from tests/report_builders.py's example (W=4, gloo); no process is started.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import json
 
 import pytest
 
-from tests.test_report import example_report
+from tests.report_builders import example_report
 from verify.report.checks import (
     CHECK_NAMES,
     failures_of_runs,

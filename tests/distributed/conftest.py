@@ -1,9 +1,10 @@
-"""Session-wide process pools for the distributed tests (see ``harness.py``).
+"""Process pools shared by the distributed tests (see ``harness.py``).
 
-``pool2`` and ``pool4`` are created on first use and closed at the end of the session; tests
-share them because starting ranks costs seconds. A task that fails or times out kills that
-pool's workers, and the pool starts fresh ones on the next task, so one failing test does not
-break the others.
+``pool2`` and ``pool4`` are created on first use and closed after the last test of this
+package, not at the end of the session (the single-process tests that run after them need
+neither their CPU nor their memory); tests share them because starting ranks costs seconds. A
+task that fails or times out kills that pool's workers, and the pool starts fresh ones on the
+next task, so one failing test does not break the others.
 """
 
 from __future__ import annotations
@@ -18,15 +19,15 @@ from tests.distributed.harness import DistributedPool
 POOL_TIMEOUT_S = 120
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def pool2() -> Iterator[DistributedPool]:
-    """A 2-rank gloo :class:`DistributedPool`, shared by the whole session."""
+    """A 2-rank gloo :class:`DistributedPool`, shared by the tests of this package."""
     with DistributedPool(2, timeout_s=POOL_TIMEOUT_S) as pool:
         yield pool
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def pool4() -> Iterator[DistributedPool]:
-    """A 4-rank gloo :class:`DistributedPool`, shared by the whole session."""
+    """A 4-rank gloo :class:`DistributedPool`, shared by the tests of this package."""
     with DistributedPool(4, timeout_s=POOL_TIMEOUT_S) as pool:
         yield pool

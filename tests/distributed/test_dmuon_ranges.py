@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from dmuon import annotate
 from tests.distributed.dmuon_tasks import GLOBAL_BATCH, SMALL, corpus, make_model
-from tests.test_annotate import RecordingDomain
+from tests.builders import RecordingDomain
 from tracer.nsys import _SPAN_RE
 from verify.workload.data import local_slice
 from verify.run.modes import build

@@ -8,6 +8,9 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.distributed_c10d import _world
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 from tests.distributed.harness import DistributedPool, RankError, run_distributed
 
@@ -44,6 +47,80 @@ def _new_group_sum():
     return t.tolist()
 
 
+#: gloo threads of the default group alone: two pt_gloo_runloop, one gloo_tcp_loop.
+DEFAULT_GROUP_GLOO_THREADS = 3
+
+
+def _gloo_threads():
+    names = [open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")]
+    return sum(n in ("pt_gloo_runloop", "gloo_tcp_loop") for n in names)
+
+
+def _census():
+    """(threads, open fds, live process groups, gloo threads) of this rank, once the gloo
+    threads are down to the default group's (a joined thread leaves /proc a moment later; at
+    most 2 s)."""
+    deadline = time.monotonic() + 2
+    while _gloo_threads() > DEFAULT_GROUP_GLOO_THREADS and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return (len(os.listdir("/proc/self/task")), len(os.listdir("/proc/self/fd")),
+            len(_world.pg_map), _gloo_threads())
+
+
+def _groups_and_meshes(destroy_some):
+    """What an HSDP DMuon task creates (a 2-D mesh, DMuon-like groups), each used once; with
+    ``destroy_some``, destroys two of its groups itself, out of order (DedicatedParams.close()
+    does that), and the harness must skip those."""
+    rank = dist.get_rank()
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    x = distribute_tensor(torch.arange(16.0).reshape(4, 4), mesh, [Replicate(), Shard(0)])
+    total = (x + 1).redistribute(mesh, [Replicate(), Replicate()]).to_local().sum().item()
+    mine = []
+    for ranks in ([0, 1], [2, 3], [0, 2], [1, 3], [0, 1, 2, 3]):
+        group = dist.new_group(ranks)
+        if rank in ranks:
+            t = torch.ones(1)
+            dist.all_reduce(t, group=group)
+            total += t.item()
+            mine.append(group)
+    if destroy_some:
+        dist.destroy_process_group(mine[2])
+        dist.destroy_process_group(mine[0])
+    return total, _gloo_threads(), len(_world.pg_map)
+
+
+def _dedicated_hsdp_step():
+    """One DMuon HSDP-Z3 step (its own groups plus the 2-D mesh's)."""
+    from tests.distributed import dmuon_tasks as T
+
+    model, _, _, opt = T.build("hsdp-z3")
+    x, y = T.corpus().global_batch(0, T.GLOBAL_BATCH, T.SMALL.seq_len)
+    T._loss(model, x, y).backward()
+    opt.step()
+    return len(_world.pg_map)
+
+
+def _change_globals():
+    os.environ["DMUON_HARNESS_PROBE"] = "1"
+    os.environ.pop("WORLD_SIZE")
+    torch.set_default_dtype(torch.float64)
+    torch.set_default_device("meta")
+    torch.set_grad_enabled(False)
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    torch.nn.modules.module.register_module_forward_hook(lambda *a: None)
+
+
+def _globals():
+    return (os.environ.get("DMUON_HARNESS_PROBE"), os.environ.get("WORLD_SIZE"),
+            torch.get_default_dtype(), torch.empty(1).device.type, torch.is_grad_enabled(),
+            torch.__future__.get_swap_module_params_on_conversion(),
+            len(torch.nn.modules.module._global_forward_hooks))
+
+
+def _destroy_default_group():
+    dist.destroy_process_group()
+
+
 def test_results_in_rank_order(pool4):
     results = pool4.run(_rank_and_sum, 10)
     assert [r[0] for r in results] == [0, 1, 2, 3]
@@ -71,6 +148,53 @@ def test_subgroups_inside_tasks(pool4):
     results = pool4.run(_new_group_sum)
     assert results[:2] == [[3.0, 3.0], [3.0, 3.0]]
     assert results[2:] == [[3.0, 3.0], [4.0, 4.0]]
+
+
+def test_tasks_leave_no_groups_threads_or_fds_behind(pool4):
+    # Every task's groups are destroyed after it (in creation order, the same on every rank),
+    # the DTensor caches forget its meshes (a repeated identical mesh must not get the old,
+    # destroyed groups back), and groups a task destroyed itself are skipped.
+    generation = pool4.generation
+    pool4.run(_groups_and_meshes, False)  # the first task: lazily started non-gloo threads
+    base = pool4.run(_census)
+    # nothing of the first task left either: only the default group and its 3 gloo threads
+    # (a cache that kept the task's mesh would keep its 2 groups' 6 threads)
+    assert all(r[2:] == (1, DEFAULT_GROUP_GLOO_THREADS) for r in base), base
+    for i in range(4):
+        results = pool4.run(_groups_and_meshes, destroy_some=i % 2 == 1)
+        # sum(1..16) replicated, plus each rank's 3 all_reduces of ones (group sizes 2, 2, 4)
+        assert [r[0] for r in results] == [136.0 + 8] * 4
+        # while the task ran: the 2-D mesh's 2 groups + the 3 of its own this rank is in (less
+        # the 2 it destroyed), 3 gloo threads each
+        live = 2 + (1 if i % 2 else 3)
+        assert all(r[2] == 1 + live for r in results), results
+        assert all(r[1] >= 3 * live for r in results), results
+    after = pool4.run(_census)
+    assert after == base, f"per rank (threads, fds, groups, gloo threads): {base} -> {after}"
+    assert pool4.generation == generation  # the same workers all along
+
+
+def test_dmuon_groups_are_destroyed_after_the_task(pool4):
+    assert pool4.run(_dedicated_hsdp_step) == [1 + 6] * 4  # mesh 2 + DMuon's 4 (HSDP)
+    base = pool4.run(_census)
+    assert all(r[2:] == (1, DEFAULT_GROUP_GLOO_THREADS) for r in base), base
+    for _ in range(2):
+        pool4.run(_dedicated_hsdp_step)
+    assert pool4.run(_census) == base
+
+
+def test_global_state_is_restored_after_a_task(pool2):
+    before = pool2.run(_globals)
+    pool2.run(_change_globals)
+    assert pool2.run(_globals) == before
+    assert before[0][:4] == (None, "2", torch.float32, "cpu")
+
+
+def test_task_destroying_the_default_group_replaces_the_workers(pool2):
+    generation = pool2.generation
+    with pytest.raises(RankError, match="the task destroyed the default process group"):
+        pool2.run(_destroy_default_group)
+    assert pool2.run(_census)[0][2] == 1 and pool2.generation == generation + 1
 
 
 def test_exception_carries_rank_traceback_and_pool_recovers(pool2):
