@@ -65,6 +65,7 @@ def dedicate_params(
         use it as a context manager (``with dmuon.dedicate_params(model, mesh) as dm:``):
         hooks, class swaps, DDP's ignore entries and DMuon's process groups (2 on a 1-D mesh,
         4 under HSDP; ``collectives.py``) go; until then they stay, one set per call.
+        Dropping the handle without ``close()`` frees the model but not the groups.
 
     Raises:
         ValueError: ``model`` is already DDP- or FSDP2-wrapped, ``dedicate_params`` was already

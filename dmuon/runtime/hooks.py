@@ -12,6 +12,8 @@ moves: ``.to()`` / ``to_empty()`` reach :meth:`Runtime.before_apply` / :meth:`Ru
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.nn as nn
 from torch.autograd.graph import register_multi_grad_hook
@@ -308,11 +310,19 @@ class Runtime:
         return precision.cast_output(self.mp_policy, output)
 
     def _grad_hook(self, b: Bucket, i: int):
+        # Weak references: a tensor's grad hooks are invisible to Python's garbage collector,
+        # so a strong one here would keep this runtime, its buckets and the model alive after
+        # the user dropped both (a model's GPU memory included).
+        runtime, bucket = weakref.ref(self), weakref.ref(b)
+
         def hook(q: nn.Parameter) -> None:
-            self.begin_backward()
-            b.grad_arrived(i, q, counts=not self.no_sync)
-            if not self.no_sync:
-                self.schedule.advance_reduce(final=False)
+            rt, b = runtime(), bucket()
+            if rt is None or b is None:
+                return
+            rt.begin_backward()
+            b.grad_arrived(i, q, counts=not rt.no_sync)
+            if not rt.no_sync:
+                rt.schedule.advance_reduce(final=False)
 
         return hook
 

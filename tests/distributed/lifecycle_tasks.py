@@ -204,3 +204,18 @@ def close_misuse() -> dict:
     loss = _loss(model, x, y)
     dm.close()
     return {"unreduced": unreduced, "backward_after_close": _error(loss.backward), "closed": dm.closed}
+
+
+def dropped_without_close() -> dict:
+    """A DedicatedParams and its model dropped without close() are garbage (the grad hooks
+    hold the runtime weakly); the process groups stay until close() (documented)."""
+    import weakref
+
+    mesh = _mesh("flat")
+    model = make_model()
+    dm = dmuon.dedicate_params(model, mesh)
+    _one_step(model, dm)
+    refs = {"model": weakref.ref(model), "dm": weakref.ref(dm)}
+    del model, dm
+    gc.collect()
+    return {k: r() is None for k, r in refs.items()}

@@ -67,3 +67,8 @@ def test_close_refuses_unreduced_grads_and_a_later_backward_names_close(pool2):
         assert "close() with grads accumulated under dm.no_sync()" in r["unreduced"], r
         assert "a backward started after DedicatedParams.close()" in r["backward_after_close"], r
         assert r["closed"]
+
+
+def test_a_handle_dropped_without_close_does_not_keep_the_model_alive(pool2):
+    for r in pool2.run_with_timeout(TIMEOUT_S, T.dropped_without_close):
+        assert r == {"model": True, "dm": True}, r
