@@ -20,7 +20,7 @@ import torch
 
 from tracer.crosscheck import FLIGHT_RECORDER_GLOO, Equivalence, crosscheck
 from tracer.events import CollectiveEvent, read_parquet
-from tracer.flight_recorder import (
+from tracer.fr.parse import (
     FR_DTYPES,
     register_cli,
     fr_window,

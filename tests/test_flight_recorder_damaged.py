@@ -14,7 +14,7 @@ import pytest
 
 from tracer.cli import main as dmuon_trace
 from tracer.events import write_parquet
-from tracer.flight_recorder import PickleRefused, load_dump, read_flight_recorder, read_flight_recorder_paths
+from tracer.fr.parse import PickleRefused, load_dump, read_flight_recorder, read_flight_recorder_paths
 
 JSON_DUMP = "flight_recorder/torch2.13cpu_gloo_ws4_flight_recorder_dump_fr_trace_json_rank0.json"
 

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from tests.fuzzing import apply, fast, mutations, slow, time_limit
 from tracer.events import write_parquet
-from tracer.flight_recorder import FR_DTYPES, FR_OPS, read_flight_recorder, summary_lines
+from tracer.fr.parse import FR_DTYPES, FR_OPS, read_flight_recorder, summary_lines
 
 FIXTURES = ("flight_recorder/torch2.13cpu_gloo_ws4_flight_recorder_dump_fr_trace_json_rank0.json",
             "flight_recorder/torch2.13cpu_gloo_ws4_flight_recorder_dump_fr_trace_pickle_rank0.as_json.json")

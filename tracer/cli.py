@@ -3,7 +3,7 @@
 Subcommands (each module registers its own parser, see ``register_cli`` in it):
 
 - ``nccl PATH... --out events.parquet``: NCCL_DEBUG=INFO logs (``tracer.nccl.log``)
-- ``fr PATH... --out events.parquet``: PyTorch Flight Recorder dumps (``tracer.flight_recorder``)
+- ``fr PATH... --out events.parquet``: PyTorch Flight Recorder dumps (``tracer.fr.parse``)
 - ``nsys REPORT.sqlite --out events.parquet``: Nsight Systems SQLite exports (``tracer.nsys``)
 - ``profiler TRACE... --out events.parquet``: torch.profiler Chrome traces (``tracer.profiler``)
 
@@ -37,7 +37,7 @@ EXIT_OK, EXIT_BAD_INPUT, EXIT_NOTHING_FOUND = 0, 2, 3
 #: source is one line here.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "nccl": ("tracer.nccl.log", "NCCL_DEBUG=INFO logs -> events.parquet"),
-    "fr": ("tracer.flight_recorder", "PyTorch Flight Recorder dumps -> events.parquet"),
+    "fr": ("tracer.fr.parse", "PyTorch Flight Recorder dumps -> events.parquet"),
     "nsys": ("tracer.nsys", "Nsight Systems SQLite export -> events.parquet"),
     "profiler": ("tracer.profiler", "torch.profiler (Kineto) Chrome traces -> events.parquet"),
 }

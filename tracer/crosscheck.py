@@ -35,7 +35,7 @@ more (FR keeps the whole process lifetime). ``align`` says which of the other's 
 window, per ``(rank, group_id)``, after dropping the reference's unobservable ops:
 
 - ``"exact"``: the other source covers exactly the window (FR:
-  :func:`tracer.flight_recorder.fr_window` of dumps taken at the window's start and end; nsys:
+  :func:`tracer.fr.parse.fr_window` of dumps taken at the window's start and end; nsys:
   a capture range equal to the window).
   Everything it holds is compared; extra calls fail.
 - ``"tail"``: the other source ends where the window ends (one dump right after the window):
@@ -49,7 +49,7 @@ Within a key, events are compared in the order given: every source emits its cal
 order (one FR dump per rank, in ``record_id`` order). They are deliberately not re-sorted by
 ``seq``: two process groups over the same ranks share a ``group_id`` but FR numbers each on its
 own counter (the seq-mapping ``align`` assumes one process group per ``group_id``; use
-:func:`tracer.flight_recorder.fr_window` with ``"exact"`` otherwise).
+:func:`tracer.fr.parse.fr_window` with ``"exact"`` otherwise).
 
 Calls are paired with :class:`difflib.SequenceMatcher` on (op, size), or on op alone for a
 ``(rank, group_id)`` where the other source lacks some size, so a missing or extra call is

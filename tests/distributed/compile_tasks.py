@@ -14,7 +14,7 @@ from torch.distributed.fsdp import fully_shard
 
 import dmuon
 from tests.distributed import dmuon_tasks as T
-from tracer.flight_recorder import dump_flight_recorder, fr_window, read_flight_recorder
+from tracer.fr.parse import dump_flight_recorder, fr_window, read_flight_recorder
 from verify.workload.data import local_slice
 
 

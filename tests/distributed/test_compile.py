@@ -18,7 +18,7 @@ import torch
 
 from tests.distributed import compile_tasks as C
 from tests.distributed.harness import DistributedPool
-from tracer.flight_recorder import flight_recorder_env
+from tracer.fr.parse import flight_recorder_env
 
 pytestmark = pytest.mark.distributed
 

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from tests.distributed.harness import DistributedPool
 from tracer.crosscheck import crosscheck
 from tracer.events import CollectiveEvent, group_id_from_ranks
-from tracer.flight_recorder import (
+from tracer.fr.parse import (
     dump_flight_recorder,
     flight_recorder_enabled,
     flight_recorder_env,

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from tracer.flight_recorder import flight_recorder_env
+from tracer.fr.parse import flight_recorder_env
 from verify.run.main import VERDICT_FILE, parse_args
 from verify.run.runner import RunConfig
 from verify.workload.data import global_batch_size

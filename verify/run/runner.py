@@ -33,7 +33,7 @@ import dmuon
 from dmuon.ownership.select import assign_params
 from tracer.crosscheck import crosscheck
 from tracer.events import write_parquet
-from tracer.flight_recorder import (
+from tracer.fr.parse import (
     dump_flight_recorder,
     flight_recorder_enabled,
     fr_window,

@@ -1,7 +1,7 @@
 """Load one Flight Recorder dump file, JSON or pickle, without running anything it names.
 
 A pickle goes through a restricted pure-Python unpickler (:data:`PICKLE_ALLOWED_GLOBALS`);
-the parser of the loaded dict is :mod:`tracer.flight_recorder`.
+the parser of the loaded dict is :mod:`tracer.fr.parse`.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ Facts measured on torch 2.13 (CPU build, gloo): recording is on by default and
 is first touched (first process group or first dump), so it must be in the environment before
 ``init_process_group``. gloo registers every group under the pg name ``""`` in ``pg_config``,
 so a dump alone cannot say which ranks a group holds: :func:`dump_flight_recorder` adds a
-``"dmuon"`` block with every group's ranks. Parsing dumps: :mod:`tracer.flight_recorder`.
+``"dmuon"`` block with every group's ranks. Parsing dumps: :mod:`tracer.fr.parse`.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """PyTorch Flight Recorder (FR): parse dumps into :class:`CollectiveEvent`.
 
-Enabling and dumping: :mod:`tracer.fr_dump`; loading a file safely: :mod:`tracer.fr_load`
+Enabling and dumping: :mod:`tracer.fr.dump`; loading a file safely: :mod:`tracer.fr.load`
 (both re-exported here).
 
 FR is a ring buffer in c10d's C++ layer that records every collective a process group issues
@@ -67,7 +67,7 @@ from math import prod
 from pathlib import Path
 
 from tracer.events import DTYPE_BYTES, CollectiveEvent, group_id_from_ranks, write_parquet
-from tracer.fr_dump import (  # enabling and dumping live there; re-exported (__all__)
+from tracer.fr.dump import (  # enabling and dumping live there; re-exported (__all__)
     CONTEXT_KEY,
     DEFAULT_BUFFER_ENTRIES,
     ENV_BUFFER_SIZE,
@@ -76,7 +76,7 @@ from tracer.fr_dump import (  # enabling and dumping live there; re-exported (__
     flight_recorder_enabled,
     flight_recorder_env,
 )
-from tracer.fr_load import PICKLE_ALLOWED_GLOBALS, PickleRefused, _short, load_dump
+from tracer.fr.load import PICKLE_ALLOWED_GLOBALS, PickleRefused, _short, load_dump
 from tracer.inputs import folder_entries, not_regular
 from tracer.progress import byte_progress
 
