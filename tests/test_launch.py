@@ -41,6 +41,17 @@ def test_bad_worker_input_is_one_line_and_exit_2_before_torchrun(tmp_path, capsy
     assert not (tmp_path / "run").exists()  # torchrun never started
 
 
+def test_rank_errors_name_the_ranks_own_error_before_a_peers_broken_connection(tmp_path):
+    from verify.run.launch import rank_errors
+
+    assert rank_errors(tmp_path) == ""
+    (tmp_path / "dmuon-z2").mkdir()
+    (tmp_path / "dmuon-z2" / "error_rank0.txt").write_text(
+        "Traceback...\nRuntimeError: [gloo/transport/tcp/pair.cc:537] Read error: Connection reset by peer\n")
+    (tmp_path / "dmuon-z2" / "error_rank1.txt").write_text("Traceback...\nValueError: rank 1 only\n")
+    assert rank_errors(tmp_path).startswith("FAIL: dmuon-z2 raised on rank 1: ValueError: rank 1 only; ")
+
+
 @pytest.mark.distributed
 def test_verify_traffic_end_to_end_two_processes(tmp_path):
     proc = subprocess.run(

@@ -93,6 +93,25 @@ def resolve_backend(backend: str, gpus: int, nproc: int | None) -> tuple[bool, i
     return False, n
 
 
+#: Texts of errors that a rank gets because a peer left a collective (gloo's TCP transport).
+TRANSPORT_ERRORS = ("gloo/transport", "Connection reset by peer", "Connection closed by peer")
+
+
+def rank_errors(out_dir: Path) -> str:
+    """What the ranks recorded before a worker died (``<mode>/error_rank<r>.txt``, written by
+    ``verify.run.runner`` when a mode raises on a rank): ``"FAIL: <mode> raised on rank r:
+    <exception line>"`` per file, or ``""``. A rank that raised alone leaves the others in a
+    collective that can no longer pair up, so torchrun's failure is often a peer's abort."""
+    found = []
+    for path in sorted(out_dir.glob("*/error_rank*.txt")):
+        lines = [ln for ln in path.read_text(errors="replace").splitlines() if ln.strip()]
+        rank = path.stem.removeprefix("error_rank")
+        found.append(f"FAIL: {path.parent.name} raised on rank {rank}: {lines[-1] if lines else '?'}")
+    # a peer's broken connection is a consequence: the ranks' own errors first
+    found.sort(key=lambda text: any(mark in text for mark in TRANSPORT_ERRORS))
+    return "; ".join(found)
+
+
 def usage_problem(extra: list[str], out_dir: Path, nproc: int) -> str | None:
     """What the workers would refuse before training, checked once here: their arguments
     (``verify.run.main.parse_args``: flags, ``--modes`` names, step counts), a mode set that
@@ -142,7 +161,10 @@ def main(argv: list[str] | None = None) -> int:
     cmd = launch_command(nproc, out_dir, [*extra, "--backend", "nccl" if use_nccl else "gloo"])
     code = subprocess.call(cmd, env=launch_env(use_nccl, out_dir))
     if code != 0:
-        print(f"verify-traffic: torchrun exited with {code} (a worker failed; see above)", file=sys.stderr)
+        raised = rank_errors(out_dir)
+        cause = f"; {raised}" if raised else ""
+        print(f"verify-traffic: torchrun exited with {code} (a worker failed; see above){cause}",
+              file=sys.stderr)
         return code
     verdict = out_dir / VERDICT_FILE
     if not verdict.is_file():
