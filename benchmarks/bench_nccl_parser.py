@@ -37,7 +37,7 @@ multiple of the line's size. The bound it checks (exit status
 1 when a shape exceeds it): RSS growth <= 3x the line size + 64 MiB (the interpreter's
 allocator and Arrow's pool keep freed memory, and a Parquet row group of rows is held)
 + 1.5 KiB per distinct communicator (state kept for the whole parse, as in any log);
-``tests/test_nccl_memory.py`` asserts the tighter traced bound (tracemalloc) on 2-3 MB lines.
+``tests/nccl/test_nccl_memory.py`` asserts the tighter traced bound (tracemalloc) on 2-3 MB lines.
 
 It prints COLL lines per second of CPU time (``time.process_time``: all threads of this
 process) and of wall time, median and best of the rounds, and each path's ratio to ``read``

@@ -1,5 +1,5 @@
-"""``dmuon-plan --model`` factories a new user might pass (tests/test_plan_cli.py,
-tests/test_fuzz_plan_cli.py): one that raises, and models with no 2-D Linear to dedicate."""
+"""``dmuon-plan --model`` factories a new user might pass (tests/run/test_plan_cli.py,
+tests/run/test_fuzz_plan_cli.py): one that raises, and models with no 2-D Linear to dedicate."""
 
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ or ``.json.gz``; gzip is known by its first bytes, whatever the name), one file 
 folder: every ``*.json`` / ``*.json.gz`` in it; ``dmuon-trace profiler`` names every other
 entry, and every file that is not a trace, as not read). Which
 events carry the collectives depends on the backend; measured on torch 2.13.0 (CPU build, gloo,
-``tests/test_profiler.py`` on ``../shared/fixtures/profiler/`` and on real runs):
+``tests/tracer/test_profiler.py`` on ``../shared/fixtures/profiler/`` and on real runs):
 
 - **``record_param_comms``** (``cat`` ``cpu_op``): ProcessGroupNCCL (and MPI / UCC) wrap every
   call in it (``RECORD_PARAM_COMMS`` in ``torch/csrc/distributed/c10d/ParamCommsUtils.hpp``);

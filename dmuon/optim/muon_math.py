@@ -206,7 +206,7 @@ def zeropower_via_newtonschulz_batched(
     Same arithmetic per matrix, with the 2-D form's norm reduction. Tolerance against the
     per-matrix loop: each bfloat16 element equal or one ulp apart (relative 2**-7); on CPU
     torch 2.13 about 1 batch in 20 of small matrices has such an element, because ``bmm``
-    and ``mm`` take different GEMM paths (``tests/test_muon_batched.py``).
+    and ``mm`` take different GEMM paths (``tests/dmuon/test_muon_batched.py``).
 
     Args:
         grads: ``(k, rows, cols)`` tensor, any floating dtype; not modified.

@@ -71,7 +71,7 @@ without blocking the training thread and waited where their result is needed:
 
 The choice is made by the tensors' device (:meth:`Launcher.for_device`); the CUDA branch
 cannot run on the project's CPU machines, so its order of stream operations is tested with
-stand-in stream objects (``tests/test_collectives_streams.py``).
+stand-in stream objects (``tests/dmuon/test_collectives_streams.py``).
 """
 
 from __future__ import annotations

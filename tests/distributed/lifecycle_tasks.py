@@ -145,7 +145,7 @@ def class_swap_behaviour() -> dict:
     fc1 = model.blocks[0].mlp.fc1
     out = {"name": type(fc1).__name__, "isinstance": isinstance(fc1, nn.Linear),
            "exact": type(fc1) is nn.Linear, "repr_same": repr(model) == plain_repr}
-    # (pickling a module DMuon hooks fails on the hooks' closures, as before: tests/test_attach.py)
+    # (pickling a module DMuon hooks fails on the hooks' closures, as before: tests/dmuon/test_attach.py)
     out["deepcopy_exact"] = type(copy.deepcopy(fc1)) is nn.Linear
     flat_before = {b.flat.dtype for b in dm.buckets}
     model.double()  # followed in _apply: re-bound now, before any DMuon call

@@ -2,7 +2,7 @@
 batch follows W, the DMuon closed forms hold at N=3 (Z2 = 4/3, Z3 = 2.0 of P_M), the naive
 baseline is gated on its padded closed form, and torch.profiler is a third source.
 
-The fast, process-free W=3 check of the predictor is ``tests/test_predict.py``."""
+The fast, process-free W=3 check of the predictor is ``tests/verify/test_predict.py``."""
 
 from __future__ import annotations
 

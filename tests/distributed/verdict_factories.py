@@ -1,5 +1,5 @@
 """``--model`` factories that follow the protocol but fail a verify-traffic check
-(tests/test_launch.py): the traffic is exactly right, something else is not."""
+(tests/run/test_launch.py): the traffic is exactly right, something else is not."""
 
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ Each shape is a unit repeated to fill one physical line of a given size: repeate
 op heads, whole records (with and without prefix), op-name look-alikes, INIT and PyTorch
 lines, oversized numbers, terminal colours, and text the parser must only hold (one long
 token, non-ASCII and astral characters, invalid UTF-8). Used by
-``tests/test_nccl_memory.py`` (tracemalloc, a few MB) and by
+``tests/nccl/test_nccl_memory.py`` (tracemalloc, a few MB) and by
 ``benchmarks/bench_nccl_parser.py --line-mb`` (peak RSS of a child, 50 MB). Synthetic text:
 never evidence of what NCCL prints.
 """

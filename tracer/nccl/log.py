@@ -124,11 +124,11 @@ resolved :data:`tracer.nccl.table.FLUSH_RECORDS` at a time, issue texts are exce
 Parquet writer holds at most a row group). A line of more than
 :data:`tracer.nccl.formats.LONG_LINE` bytes holding non-ASCII characters is read one byte per
 character (:class:`tracer.nccl.formats.ByteLine`), so its text costs its size in bytes
-whatever its characters; measured bound in ``tests/test_nccl_memory.py``.
+whatever its characters; measured bound in ``tests/nccl/test_nccl_memory.py``.
 
 Time: linear in the input on any line (no regex search backtracks over a long run; the
 formerly quadratic prefix, INIT and PyTorch patterns are read by anchored or bounded
-matches, see :mod:`tracer.nccl.formats`; ``tests/test_nccl_linear.py``).
+matches, see :mod:`tracer.nccl.formats`; ``tests/nccl/test_nccl_linear.py``).
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ PyTorch ``created ncclComm_`` line was logged) cannot be matched across processe
 keep the ``local:`` group id and fail the cross-check with that reason named.
 
 Not yet run on GPUs: the plumbing is tested with logs rendered from real interposer events by
-the test tool ``tests/tools/nccl_render.py`` (``tests/test_nccl_source.py``).
+the test tool ``tests/tools/nccl_render.py`` (``tests/run/test_nccl_source.py``).
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ Exit codes: 0 pass; 1 cross-check failed; 3 prerequisites missing (no ``nsys`` o
 than 2 GPUs; the message names which); 4 a step failed (workload, export, parse, a mode without
 its window, rank assignment: the message says which, with its exit status or error).
 
-Not yet run on GPUs; ``tests/test_nsys_verify.py`` runs :func:`main` on exports built in the
+Not yet run on GPUs; ``tests/run/test_nsys_verify.py`` runs :func:`main` on exports built in the
 real export's schema with ``nsys`` replaced by a stub.
 """
 

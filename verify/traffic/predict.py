@@ -18,7 +18,7 @@ What is modelled (torch 2.13, measured on gloo by the harness):
   than once per forward (weight sharing, ``RunLayout.module_calls``) is broadcast again for
   every further run (``dmuon/runtime/dedicate.py`` step 2). Independence: this module imports
   ``dmuon.ownership.plan`` (ParamSpec, OwnershipPlan, plan_ownership) and nothing else of ``dmuon``, so a
-  bucketing bug in the runtime is not reproduced here (``tests/test_predict.py`` checks it).
+  bucketing bug in the runtime is not reproduced here (``tests/verify/test_predict.py`` checks it).
 - FSDP2 and DDP: the rules in :mod:`verify.traffic.rules` (shared with the aggregate
   predictor :mod:`verify.traffic.scale`), attributed here to each rank's groups.
 - Naive baselines: one all_gather per Muon param in the optimizer step (``full_tensor()``

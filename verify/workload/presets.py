@@ -16,7 +16,7 @@ every hidden ``nn.Linear`` (attention, MLP, experts, routers) and leaves embeddi
 
 Build a preset with :func:`build_preset` (``device="meta"`` allocates nothing: the way to
 size a 671B model on a laptop). Parameter totals are pinned against the published sizes in
-``tests/test_presets.py``; each config below cites its source.
+``tests/verify/test_presets.py``; each config below cites its source.
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ from verify.traffic.formulas import avg_elems, closed_form, padded_numel
 
 from dmuon.ownership.plan import specs_from_named_parameters
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _events(layout: RunLayout, steps: int = 1) -> list[CollectiveEvent]:

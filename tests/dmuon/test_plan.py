@@ -25,7 +25,7 @@ from dmuon.ownership.plan import (
 from tests.builders import llama_specs
 from verify.plan.summary import format_plan_summary
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 #: Balance bars for the transformer-like sets below (measured values are printed with -s).
 #: LPT's worst case is 4/3; these sets measure <= 1.07 (NS) and <= 1.23 (bytes, the secondary

@@ -17,7 +17,7 @@ from tracer.cli import main as dmuon_trace
 from tracer.events import CollectiveEvent, read_parquet
 from tracer.profiler import profiler_source_events, read_profiler_trace, read_profiler_traces
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 TRACE = "profiler/torch2.13cpu_gloo_ws4_profiler_chrome_trace_collective_events_rank0.json"
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 #: Libraries the runtime must not pull in (the trace tools use them, DMuon does not).
 HEAVY = ("tabulate", "pandas", "pyarrow", "matplotlib")
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 SCRIPT = """
 import importlib, json, pkgutil, sys

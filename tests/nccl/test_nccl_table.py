@@ -3,7 +3,7 @@
 The reference is the line-by-line algorithm the columnar reader replaces (test tool
 tests/tools/nccl_reference.py). Inputs: every real fixture under ../shared/fixtures/nccl/,
 and hypothesis-generated jobs of rendered lines (that tool's :func:`jobs`). The longer fuzz
-run (byte mutations, long lines) is tests/test_fuzz_nccl.py.
+run (byte mutations, long lines) is tests/nccl/test_fuzz_nccl.py.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@
 import ast
 from pathlib import Path
 
-DMUON = Path(__file__).resolve().parents[1] / "dmuon"
+DMUON = Path(__file__).resolve().parents[2] / "dmuon"
 
 #: Private names of torch / the standard library DMuon uses, and where.
 FOREIGN_PRIVATE = {

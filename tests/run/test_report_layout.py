@@ -14,7 +14,7 @@ from tests.report_builders import example_report
 from verify.report.render import format_markdown, table_rows
 from verify.report.terminal import TERMINAL_COLUMNS, compact_rows, format_table
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _with_new_figures(report: dict, scale: float = 1.0) -> dict:

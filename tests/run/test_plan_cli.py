@@ -1,6 +1,6 @@
 """dmuon-plan (verify.plan.cli, verify.plan.args): table, JSON, sweep and PNG on a small preset;
 every bad input exits 2 with one line on stderr, odd meshes warn, models with nothing to
-dedicate get an empty plan. Fuzzing of the arguments: tests/test_fuzz_plan_cli.py."""
+dedicate get an empty plan. Fuzzing of the arguments: tests/run/test_fuzz_plan_cli.py."""
 
 from __future__ import annotations
 

@@ -85,7 +85,7 @@ def test_rising_loss_and_a_raising_mode_are_named_in_the_last_line(tmp_path):
         [sys.executable, "-m", "verify.run.launch", "--nproc", "2", "--out-dir", str(out),
          "--modes", "dmuon-ddp,dmuon-z2", "--steps-warmup", "2", "--steps-measured", "1",
          "--model", "tests.distributed.verdict_factories:rising_loss_raises_under_ddp"],
-        cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=400,
+        cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True, timeout=400,
     )
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
     last = proc.stdout.strip().splitlines()[-1]

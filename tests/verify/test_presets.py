@@ -163,7 +163,7 @@ def test_invalid_configs_raise_clear_errors(make, match):
 
 
 def test_resolve_model_builds_factories_on_meta():
-    model = resolve_model("tests.test_presets:_gpt2_tiny")()
+    model = resolve_model("tests.verify.test_presets:_gpt2_tiny")()
     assert all(p.device.type == "meta" for p in model.parameters())
     assert resolve_model("llama-tiny")().config.d_model == 230
 

@@ -1,7 +1,7 @@
 """Every check of a verify-traffic run names its cause (verify/report/checks.py): for each check,
 a report where only that check fails; its last line, the terminal's ``checks:`` block, the
 Failures sections of report.md and report.json's ``failures`` must all name it. The loss
-check and a mode that raises are also run end to end (tests/test_launch.py).
+check and a mode that raises are also run end to end (tests/run/test_launch.py).
 
 Reports are built from tests/report_builders.py's example (W=4, gloo); no process is started.
 """

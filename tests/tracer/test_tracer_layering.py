@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 FORBIDDEN = ("dmuon", "verify", "torch")
 #: Tracer modules allowed to import torch (it hooks torch.distributed): not dmuon/verify.
 NEEDS_TORCH = {"tracer.interposer"}
