@@ -1,7 +1,7 @@
 """Phase D in your own training script: ``verify.run.record.TrafficWindow`` (docs/verify.md:
 "Verify your own training script"). Run with
 ``torchrun --nproc-per-node 4 examples/own_script.py`` (repo root on PYTHONPATH);
-``tests/distributed/test_record.py`` runs :func:`train` on 2 gloo ranks.
+``tests/distributed/phase_d/test_record.py`` runs :func:`train` on 2 gloo ranks.
 
 The block between the ``docs/verify.md`` markers is that page's example, verbatim (a test
 checks).

@@ -17,7 +17,7 @@ source knows but the reference does not (``... unknown in reference``).
 
 Where a backend *records* a call differently from how it was issued, a :class:`SourceProfile`
 says so; nothing else is forgiven. The only one measured here (torch 2.13.0 CPU build, gloo,
-``tests/distributed/test_flight_recorder_gloo.py``) is :data:`FLIGHT_RECORDER_GLOO`:
+``tests/distributed/phase_d/test_flight_recorder_gloo.py``) is :data:`FLIGHT_RECORDER_GLOO`:
 
 - ``reduce_scatter_tensor`` is recorded as ``gloo:all_reduce`` of the full input:
   reference ``reduce_scatter(count=c)`` == FR ``all_reduce(count=group_size * c)``;

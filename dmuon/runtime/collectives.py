@@ -40,7 +40,7 @@ other rows' and columns' groups, of which this rank is not a member (no backend)
 each membership is one communicator: created at the group's first collective (or with the
 group, split from the default one, when ``init_process_group`` got ``device_id``), with its
 own device buffers (``NCCL_BUFFSIZE`` per channel and peer, 4 MiB by default) and proxy
-thread. Under gloo (measured, ``tests/distributed/test_dmuon_lifecycle.py``) each group holds
+thread. Under gloo (measured, ``tests/distributed/runtime/test_dmuon_lifecycle.py``) each group holds
 3 threads and 5 file descriptors on this rank: +6 threads / +10 fds per 1-D DedicatedParams,
 +12 / +22 per 2x2 HSDP one. :func:`destroy_groups` (``DedicatedParams.close()``) releases
 them: ``dist.destroy_process_group`` shuts each backend down, and gloo's threads and sockets

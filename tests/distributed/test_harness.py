@@ -91,7 +91,7 @@ def _groups_and_meshes(destroy_some):
 
 def _dedicated_hsdp_step():
     """One DMuon HSDP-Z3 step (its own groups plus the 2-D mesh's)."""
-    from tests.distributed import dmuon_tasks as T
+    from tests.distributed.parity import dmuon_tasks as T
 
     model, _, _, opt = T.build("hsdp-z3")
     x, y = T.corpus().global_batch(0, T.GLOBAL_BATCH, T.SMALL.seq_len)

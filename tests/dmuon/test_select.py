@@ -8,7 +8,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from dmuon.api import setup_digest
 from dmuon.ownership.plan import plan_ownership, specs_from_named_parameters
 from dmuon.ownership.select import HEAD_NAMES, adamw_matrices, assign_params, select_params
-from tests.distributed.api_tasks import GPT2Like
+from tests.distributed.api.api_tasks import GPT2Like
 
 
 def _selected(model: nn.Module) -> list[str]:

@@ -79,12 +79,12 @@ def test_rising_loss_and_a_raising_mode_are_named_in_the_last_line(tmp_path):
     """A user model with exactly right traffic whose loss rises (dmuon-z2), and whose loss_fn
     raises under DDP in its first measured step (dmuon-ddp, run first): both are reported,
     each by name; the mode after the one that raised still runs and its traffic still matches
-    (that the failed window's recorders are closed: tests/distributed/test_record.py)."""
+    (that the failed window's recorders are closed: tests/distributed/phase_d/test_record.py)."""
     out = tmp_path / "run"
     proc = subprocess.run(
         [sys.executable, "-m", "verify.run.launch", "--nproc", "2", "--out-dir", str(out),
          "--modes", "dmuon-ddp,dmuon-z2", "--steps-warmup", "2", "--steps-measured", "1",
-         "--model", "tests.distributed.verdict_factories:rising_loss_raises_under_ddp"],
+         "--model", "tests.distributed.phase_d.verdict_factories:rising_loss_raises_under_ddp"],
         cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True, timeout=400,
     )
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -10,7 +10,7 @@ break count and each distinct reason with the frame that caused it. docs/user-gu
 
 from __future__ import annotations
 
-from tests.distributed import compile_tasks as C
+from tests.distributed.parity import compile_tasks as C
 from tests.distributed.harness import DistributedPool, RankError
 
 

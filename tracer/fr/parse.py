@@ -14,7 +14,7 @@ FR is a ring buffer in c10d's C++ layer that records every collective a process 
 
 returned as JSON bytes by ``torch._C._distributed_c10d._dump_fr_trace_json()`` or pickle bytes
 by ``_dump_fr_trace()``. Facts measured on torch 2.13 gloo (4 ranks, every collective on the
-world and on a subgroup; see ``tests/distributed/test_flight_recorder_gloo.py``):
+world and on a subgroup; see ``tests/distributed/phase_d/test_flight_recorder_gloo.py``):
 
 - Recording is on by default; ``TORCH_FR_BUFFER_SIZE=0`` turns it off. The size is read once
   per process, when the recorder is first touched (first process group or first dump), so it

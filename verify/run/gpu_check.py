@@ -46,7 +46,7 @@ PARITY_STEPS = 3
 #: the oracle's op for op and on CPU/gloo the runs are bit-identical (tested). On a GPU, cuBLAS
 #: may pick other kernels for DMuon's and FSDP2's differently allocated buffers; a one-ulp
 #: difference can flip a bf16 rounding in Newton–Schulz, which the 10-step multi-rank parity
-#: tests measure at 3-11% (tests/distributed/test_dmuon_parity.py). 3 steps: 5% is generous
+#: tests measure at 3-11% (tests/distributed/parity/test_dmuon_parity.py). 3 steps: 5% is generous
 #: for that and far below a wrong update (order 100%).
 PARITY_RTOL = 0.05
 #: Warm-up and measured steps of the traffic part (small: W = 1 only checks the log path).

@@ -1,0 +1,42 @@
+"""Bad input gets a clear error on every rank (never a hang); edge cases work."""
+
+import pytest
+import torch
+
+from tests.distributed.parity import dmuon_tasks as T
+
+pytestmark = pytest.mark.distributed
+
+CASES = {
+    "non_2d_param": ("ValueError", "of shape (32,): Muon needs a matrix, a stack of matrices"),
+    "param_not_in_model": ("ValueError", "not a parameter of the model"),
+    "mesh_3d": ("ValueError", "ndim=3"),
+    "mesh_axes_swapped": ("ValueError", "mesh_dim_names=('shard', 'replicate')"),
+    "mesh_not_world": ("ValueError", "W = R * N = 2 must equal the world size 4"),
+    "plan_mismatch": ("RuntimeError", "bucket_cap_mb or device type) differs across ranks"),
+    "bucket_cap_mismatch": ("RuntimeError", "bucket_cap_mb or device type) differs across ranks"),
+    "already_ddp": ("ValueError", "already wrapped by DDP or FSDP2"),
+    "optimizer_missing_params": ("ValueError", "are not among them"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_bad_input_raises_clear_error_on_every_rank(pool4, case):
+    kind, text = CASES[case]
+    for rank, message in enumerate(pool4.run_with_timeout(60, T.expect_error, case)):
+        assert message.startswith(kind) and text in message, (rank, message)
+
+
+def test_fewer_matrices_than_ranks(pool4):
+    results = pool4.run(T.fewer_matrices_than_ranks, 3)
+    assert sorted(r["owned"] for r in results) == [0, 0, 1, 1]
+    assert sum(r["ns_calls"] for r in results) == 3 * 2
+    assert results[0]["losses"][-1] < results[0]["losses"][0]
+
+
+def test_param_unused_on_every_rank_gets_grad_none_and_no_update(pool4):
+    results = pool4.run_with_timeout(60, T.unused_param)
+    owner = [r for r in results if r["owns_b"]]
+    assert len(owner) == 1
+    assert owner[0]["b_grad"] is None and owner[0]["unchanged"]  # no weight decay applied
+    assert owner[0]["second_grad"] and owner[0]["momentum"]  # used in step 2: updated

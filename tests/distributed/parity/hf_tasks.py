@@ -1,0 +1,99 @@
+"""Hugging Face models from tiny configs (no download) under DMuon, and a single-process oracle.
+
+Qwen3-MoE as transformers 5 stores it: fused 3-D expert stacks
+(``mlp.experts.gate_up_proj (E, 2I, H)``, ``mlp.experts.down_proj (E, H, I)``) and a router
+``mlp.gate.weight (E, H)`` that is not an ``nn.Linear``; Llama for the dense case. DMuon's
+default selection must dedicate every one of them; the oracle applies ``torch.optim.Muon`` to
+every matrix (each expert slice its own 2-D parameter: ``verify.run.baselines.MatrixMuon``)
+and ``torch.optim.AdamW`` to the rest, on the same global batch.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+from torch.nn.parallel import DistributedDataParallel
+
+import dmuon
+from dmuon.ownership.select import assign_params
+from tests.distributed.parity.dmuon_tasks import ADAMW_LR, MUON_LR, _mesh
+from verify.run.baselines import MatrixMuon
+
+VOCAB, SEQ, ROWS_PER_RANK, STEPS = 64, 8, 2, 3
+
+
+def make_model(kind: str):
+    """A tiny ``qwen3-moe`` (2 layers of 4 experts, top-2) or ``llama`` (2 layers), seed 0."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(0)
+    common = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=8, max_position_embeddings=SEQ,
+                  tie_word_embeddings=False)
+    if kind == "qwen3-moe":
+        config = Qwen3MoeConfig(**common, intermediate_size=48, moe_intermediate_size=16,
+                                num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1)
+        return Qwen3MoeForCausalLM(config)
+    if kind == "llama":
+        return LlamaForCausalLM(LlamaConfig(**common, intermediate_size=48))
+    raise ValueError(f"Invalid kind={kind!r}. Must be 'qwen3-moe' or 'llama'.")
+
+
+def batch(step: int, rank: int) -> torch.Tensor:
+    """Rank ``rank``'s token ids at ``step``: (ROWS_PER_RANK, SEQ), a pure function of both."""
+    g = torch.Generator().manual_seed(10_000 * step + rank)
+    return torch.randint(0, VOCAB, (ROWS_PER_RANK, SEQ), generator=g)
+
+
+def _loss(model, ids):
+    return model(input_ids=ids, labels=ids).loss
+
+
+def muon_matrices(model) -> dict[str, tuple[int, int]]:
+    """The default Muon params of ``model`` and their matrix shapes."""
+    return {a.name: a.matrix for a in assign_params(model) if a.optimizer == "muon"}
+
+
+def oracle(kind: str, world: int) -> dict:
+    """One process: MatrixMuon (torch.optim.Muon over every matrix) + AdamW, loss = the mean of
+    the W ranks' losses; returns the initial and final params."""
+    model = make_model(kind)
+    init = {n: p.detach().clone() for n, p in model.named_parameters()}
+    named = dict(model.named_parameters())
+    matrices = muon_matrices(model)
+    muon = MatrixMuon([named[n] for n in matrices], list(matrices.values()), lr=MUON_LR)
+    adamw = torch.optim.AdamW([p for n, p in named.items() if n not in matrices], lr=ADAMW_LR)
+    for step in range(STEPS):
+        (sum(_loss(model, batch(step, r)) for r in range(world)) / world).backward()
+        for opt in (muon, adamw):
+            opt.step()
+            opt.zero_grad()
+    return {"init": init, "final": {n: p.detach().clone() for n, p in model.named_parameters()},
+            "muon": matrices}
+
+
+def train(kind: str, mode: str) -> dict:
+    """DMuon with the default selection in ``mode`` (ddp, z2, z3, hsdp-z3) for STEPS steps:
+    the dedicated params this rank owns, the assignments and the Newton–Schulz count."""
+    rank = dist.get_rank()
+    mesh = _mesh("hsdp" if mode.startswith("hsdp") else "flat")
+    model = make_model(kind)
+    dm = dmuon.dedicate_params(model, mesh, reshard_after_forward=mode.endswith("z3"))
+    if mode == "ddp":
+        wrapped = DistributedDataParallel(model)
+    else:
+        fully_shard(model, mesh=mesh, ignored_params=set(dm))
+        wrapped = model
+    opt = dmuon.DMuon(wrapped.parameters(), dedicated=dm, lr=MUON_LR, adamw_lr=ADAMW_LR)
+    for step in range(STEPS):
+        _loss(wrapped, batch(step, rank)).backward()
+        opt.step()
+        opt.zero_grad()
+    dm.wait_pending()
+    owned = {id(p) for p in dm.owned()}
+    return {
+        "owned": {n: p.detach().clone() for n, p in model.named_parameters() if id(p) in owned},
+        "assignments": [a.as_row() for a in dm.assignments()],
+        "ns_calls": opt.ns_calls,
+    }

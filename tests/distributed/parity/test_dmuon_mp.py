@@ -1,0 +1,53 @@
+"""Mixed precision under DMuon (issue 13, failure 3): dedicate_params(..., mp_policy=
+MixedPrecisionPolicy(...)) as fully_shard takes it. Owners keep fp32 masters and momentum,
+forward computes in bf16, broadcasts send bf16 and reduces run in reduce_dtype; the traffic
+equals the prediction and the dedicated bytes of forward and backward halve."""
+
+import pytest
+import torch
+
+from tests.distributed.runtime import runtime_tasks as T
+from tests.distributed.phase_d import traffic_tasks
+from tracer.events import DTYPE_BYTES
+from verify.compare import compare_run
+
+pytestmark = pytest.mark.distributed
+
+TIMEOUT_S = 120
+
+
+def test_mp_masters_fp32_compute_bf16_and_z2_equals_z3(pool4):
+    runs = {m: pool4.run_with_timeout(TIMEOUT_S, T.train_mp, m) for m in ("z2", "z3", "hsdp-z3", "ddp")}
+    for mode, results in runs.items():
+        for r in results:
+            assert r["registered"] == ["torch.float32"], mode  # the master / registered params
+            assert r["momentum"] in ([], ["torch.float32"]), mode
+            out_dtype = "torch.float32" if mode == "ddp" else "torch.bfloat16"  # ddp: output_dtype
+            assert {o for _, o in r["seen"]} == {out_dtype}, (mode, r["seen"])
+            assert r["losses"][-1] < r["losses"][0], mode
+    merged = {m: {n: t for r in rs for n, t in r["params"].items()} for m, rs in runs.items()}
+    assert all(torch.equal(merged["z2"][n], merged["z3"][n]) for n in merged["z2"])
+    assert all(t.dtype == torch.float32 for t in merged["z3"].values())
+
+
+def _dedicated_bytes(events, phases=("forward", "backward")) -> int:
+    """Bytes of DMuon's broadcasts and reduces (every rank, all measured steps)."""
+    return sum(ev.count * DTYPE_BYTES[ev.dtype] for ev in events
+               if ev.phase in phases and ev.op in ("broadcast", "reduce"))
+
+
+@pytest.mark.parametrize("mode", [
+    "dmuon-hsdp-z3",  # every DMuon phase: forward, re-broadcast, both reduces, replicate
+    pytest.param("dmuon-z3", marks=pytest.mark.slow),
+    pytest.param("dmuon-ddp", marks=pytest.mark.slow),
+])
+def test_mp_traffic_equals_prediction_and_dedicated_bytes_halve(pool4, mode):
+    measured = {}
+    for mp in (None, "bf16"):
+        results = pool4.run_with_timeout(TIMEOUT_S, traffic_tasks.measure_mode, mode, mixed_precision=mp)
+        events = [ev for r in results for ev in r["events"]]
+        run = compare_run(results[0]["layout"], events, steps=2, ns_calls=sum(r["ns_calls"] for r in results))
+        assert run["missing"] == [] and run["unexpected"] == [], (mp, run["missing"][:3], run["unexpected"][:3])
+        assert run["pass"], mp
+        measured[mp] = _dedicated_bytes(events)
+    assert measured["bf16"] * 2 == measured[None]

@@ -1,0 +1,83 @@
+"""``verify-traffic --model pkg:factory`` at W=2 on the model structures of issue 18
+(``examples/experts.py``, ``examples/structures.py``): 3-D expert stacks inside P_M with the
+closed forms unchanged, a block run twice per forward (weight sharing: Z3 and FSDP2 send it
+again, the P_M^r term), a plain MLP as an ``nn.ModuleList`` of bare ``nn.Linear`` (the naive
+FSDP2 mode wraps each Linear once) and a conv net. Each run trains 2 + 2 steps per mode; the
+default set runs the modes that exercise each structure, ``slow`` all of them."""
+
+import pytest
+
+from tests.distributed.phase_d import record_tasks
+from verify.report.render import format_markdown
+from verify.traffic.formulas import MODES
+
+pytestmark = pytest.mark.distributed
+
+TIMEOUT_S = 240
+W2_MODES = tuple(m for m in MODES if "hsdp" not in m)
+
+
+def _run(pool, tmp_path, modes, model):
+    report = pool.run_with_timeout(TIMEOUT_S, record_tasks.run_user_model, str(tmp_path), tuple(modes),
+                                   model, False)[0]
+    assert report["pass"], [(r["mode"], r["missing"][:3], r["unexpected"][:3], r["loss_first"], r["loss_last"],
+                             r["closed_form_matches"], {k: s["pass"] for k, s in r["sources"].items()}) for r in report["runs"]
+                            if not r["pass"]]
+    return report, {r["mode"]: r for r in report["runs"]}
+
+
+@pytest.mark.parametrize("modes", [("dmuon-z3", "naive-fsdp2-z3", "zero1-muon"),
+                                   pytest.param(W2_MODES, marks=pytest.mark.slow)], ids=["some", "all"])
+def test_expert_stacks_are_inside_p_m_with_the_closed_forms_unchanged(pool2, tmp_path, modes):
+    report, runs = _run(pool2, tmp_path, modes, "examples.experts:factory")
+    # P_M = inp 24x20 + 2 layers x (router 5x24 + two 5x24x40 stacks) = 19,920
+    assert {r["p_m"] for r in runs.values()} == {19_920}
+    assert report["params"]["muon_elems"] == 19_920 and len(report["params"]["muon"]) == 7
+    assert [e["name"] for e in report["params"]["adamw"]] == ["norm.weight", "norm.bias",
+                                                              "head.weight", "head.bias"]
+    assert runs["dmuon-z3"]["ratio_to_p_m"] == pytest.approx(1.5)  # 3(N-1)/N at N=2
+    assert runs["dmuon-z3"]["closed_form"] == "3(N-1)/N"
+    # Newton–Schulz per step: inp 1 + 2 x (router 1 + 5 + 5 expert slices), once each
+    assert runs["dmuon-z3"]["ns_calls_per_step"] == 23
+    assert runs["naive-fsdp2-z3"]["ns_calls_per_step"] == 2 * 23  # every rank, every matrix
+    report.update(run_id="experts", created_utc="-")
+    md = format_markdown(report)
+    assert "## Muon and AdamW params" in md and "stack of 5 (24, 40) matrices (MoELayer)" in md
+    assert "d_model" not in report["config"] and "seq_len" not in report["config"]
+
+
+@pytest.mark.parametrize("modes", [("dmuon-z3", "naive-fsdp2-z2", "naive-fsdp2-z3"),
+                                   pytest.param(W2_MODES, marks=pytest.mark.slow)], ids=["some", "all"])
+def test_a_block_run_twice_per_forward_is_sent_again_as_predicted(pool2, tmp_path, modes):
+    _, runs = _run(pool2, tmp_path, modes, "examples.structures:shared_block")
+    block0 = 2 * 50 * 70  # blocks.0's two matrices run twice: P_M^r
+    for mode in ("dmuon-z3", "naive-fsdp2-z3", "naive-fsdp2-z2"):
+        assert runs[mode]["p_m_reused"] == block0, mode
+    assert runs["dmuon-z3"]["closed_form"] == "3(N-1)/N + (N-1)/N·P_M^r"
+    # forward: blocks 0, 1 and 0 again broadcast; backward: one re-broadcast and one reduce each
+    fwd = runs["dmuon-z3"]["phases"]["forward"]["measured_avg_elems"]
+    assert fwd == pytest.approx(0.5 * (runs["dmuon-z3"]["p_m"] + block0))
+    if "dmuon-z2" in runs:  # Z2 keeps the block between its two runs: nothing sent again
+        assert runs["dmuon-z2"]["ratio_to_p_m"] == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("model", ["linear_list", "conv_net"])
+def test_bare_linear_list_and_conv_net(pool2, tmp_path, model):
+    _, runs = _run(pool2, tmp_path, ("naive-fsdp2-z3", "dmuon-z3"), f"examples.structures:{model}")
+    # linear_list: 4 Linear weights (20-48-40-48-10); conv_net: 2 Conv2d, 1 Conv1d (head: AdamW)
+    p_m = {"linear_list": 48 * 20 + 40 * 48 + 48 * 40 + 10 * 48, "conv_net": 6 * 9 + 8 * 6 * 9 + 8 * 8 * 3}
+    assert runs["dmuon-z3"]["p_m"] == p_m[model]
+
+
+@pytest.mark.parametrize("modes", [("dmuon-ddp", "dmuon-z3"), pytest.param(W2_MODES, marks=pytest.mark.slow)],
+                         ids=["some", "all"])
+def test_hf_qwen3_moe(pool2, tmp_path, modes):
+    """transformers 5's Qwen3-MoE: fused 3-D experts and routers inside P_M; its rotary buffers
+    make DDP broadcast from rank 0 before every forward (predicted: RunLayout.ddp_buffers)."""
+    pytest.importorskip("transformers")
+    report, runs = _run(pool2, tmp_path, modes, "examples.hf_moe:factory")
+    muon = {e["name"]: e for e in report["params"]["muon"]}
+    assert {n for n in muon if ".mlp." in n} == {
+        f"model.layers.{i}.mlp.{p}" for i in range(2)
+        for p in ("experts.gate_up_proj", "experts.down_proj", "gate.weight")}
+    assert runs["dmuon-z3"]["ratio_to_p_m"] == pytest.approx(1.5)

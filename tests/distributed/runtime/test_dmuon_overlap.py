@@ -1,0 +1,67 @@
+"""Forward prefetch and Z3's backward re-broadcast prefetch (issue 9), from the interposer's
+ordered events on 4 gloo ranks, 3 transformer blocks: block j+1's first broadcast is issued
+before block j's forward returns, and (Z3) block j-1's last re-broadcast before block j's
+first grad arrives.
+``prefetch_depth=0`` is the control: there the same checks fail."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.distributed.runtime import overlap_tasks as T
+
+pytestmark = pytest.mark.distributed
+
+TIMEOUT_S = 90
+
+
+def _forward_prefetched(r) -> bool:
+    return all(r["first_fwd"][j + 1] < r["returned"][j] for j in range(len(r["returned"]) - 1))
+
+
+def _backward_prefetched(r) -> bool:
+    return all(r["last_rb"][j - 1] < r["first_grad"][j] for j in range(1, len(r["first_grad"])))
+
+
+@pytest.mark.parametrize("mode", ["z3", "hsdp-z2"])
+def test_next_bucket_broadcast_is_in_flight_while_a_module_computes(pool4, mode):
+    for r in pool4.run_with_timeout(TIMEOUT_S, T.broadcast_positions, mode, 1):
+        assert _forward_prefetched(r), r
+        if mode == "z3":
+            assert _backward_prefetched(r), r
+
+
+def test_without_prefetch_each_broadcast_waits_for_its_module(pool4):
+    for r in pool4.run_with_timeout(TIMEOUT_S, T.broadcast_positions, "z3", 0):
+        assert not _forward_prefetched(r) and not _backward_prefetched(r), r
+
+
+@pytest.mark.parametrize("mode", ["z3", "hsdp-z2"])
+def test_no_reduce_is_waited_on_before_the_last_one_is_issued(pool4, mode):
+    for log in pool4.run_with_timeout(TIMEOUT_S, T.reduce_issue_and_wait_order, mode):
+        issues = [k for kind, k in log if kind == "issue"]
+        waits = [k for kind, k in log if kind == "wait"]
+        assert len(issues) > 1 and sorted(waits) == issues, log  # each waited once
+        assert log.index(("wait", waits[0])) > log.index(("issue", issues[-1])), log
+
+
+@pytest.mark.parametrize("mode", ["z3", "hsdp-z3"])
+def test_prefetch_depth_changes_no_bits(pool4, mode):
+    ref = pool4.run_with_timeout(TIMEOUT_S, T.train_with_depth, mode, 0)
+    for depth in (1, 3):
+        got = pool4.run_with_timeout(TIMEOUT_S, T.train_with_depth, mode, depth)
+        for a, b in zip(ref, got):
+            assert a.keys() == b.keys() and a
+            assert all(torch.equal(a[n], b[n]) for n in a), (mode, depth)
+
+
+@pytest.mark.parametrize("mode", ["z3", "hsdp-z2"])
+def test_grads_live_in_one_flat_buffer_per_bucket(pool4, mode):
+    """Issue 9, backward: a bucket's grads are views of one persistent flat buffer (no
+    torch.cat per step); no_sync micro-batches accumulate into it in place; owners read the
+    reduced average there; non-holders free it at a known point (after the reduce wait)."""
+    for r in pool4.run_with_timeout(TIMEOUT_S, T.grad_buffer_layout, mode):
+        assert r["accumulated_in_buffer"] and all(r["accumulated_in_buffer"]), r
+        assert r["owner_grad_in_buffer"] and all(r["owner_grad_in_buffer"]), r
+        assert r["non_holder_freed"] and all(r["non_holder_freed"]), r
