@@ -1,10 +1,13 @@
 """Step time of every Muon implementation of the harness, side by side (issue: DMuon's step time).
 
-One invocation, ``--world-size`` forked gloo ranks (``tests/distributed/harness.py``), two
+One invocation, ``--world-size`` forked gloo ranks (``tests/distributed/harness.py``), three
 models:
 
 - ``mlp``: ``--mlp-layers`` x Linear(``--mlp-dim``, ``--mlp-dim``) + ReLU blocks and a 16-way
   head, ``--mlp-batch`` random rows per rank (the model of the issue's table);
+- ``latency``: the same MLP at ``--latency-layers`` x (``--latency-dim``)² with
+  ``--latency-batch`` rows per rank (default 12 x 64², 8 rows: a step made of many small
+  matrices, where each collective's fixed cost dominates; issue 20's latency-bound row);
 - ``tinygpt``: the ``make verify-traffic`` model (``verify/workload/model.py`` defaults, byte tokens of
   the standard library, 2 sequences per rank).
 
@@ -32,7 +35,7 @@ Printed per model and implementation:
 Targets (issue 9, W=4, medians of the per-round ratios to zero1-muon): dmuon-ddp, dmuon-z2,
 dmuon-hsdp-z2 <= 1.0; dmuon-z3, dmuon-hsdp-z3 <= 1.15, with a PASS/FAIL column.
 
-Usage: ``python benchmarks/bench_step.py [--world-size 4] [--rounds 7] [--models mlp,tinygpt]``.
+Usage: ``python benchmarks/bench_step.py [--world-size 4] [--rounds 7] [--models mlp,tinygpt,latency]``.
 """
 
 from __future__ import annotations
@@ -97,13 +100,16 @@ def _implementations(world: int) -> list[str]:
 def _batches(model_name: str, args):
     """``batch(step) -> (x, y)`` of this rank, identical for every implementation."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    if model_name == "mlp":
+    if model_name in ("mlp", "latency"):
+        dim, layers, rows = ((args.mlp_dim, args.mlp_layers, args.mlp_batch) if model_name == "mlp"
+                             else (args.latency_dim, args.latency_layers, args.latency_batch))
+
         def mlp_batch(step: int):
             g = torch.Generator().manual_seed(1000 * step + rank)
-            x = torch.randn(args.mlp_batch, args.mlp_dim, generator=g)
-            return x, torch.randint(0, MLP_CLASSES, (args.mlp_batch,), generator=g)
+            x = torch.randn(rows, dim, generator=g)
+            return x, torch.randint(0, MLP_CLASSES, (rows,), generator=g)
 
-        return (lambda: MLP(args.mlp_dim, args.mlp_layers)), mlp_batch
+        return (lambda: MLP(dim, layers)), mlp_batch
     cfg = GPTConfig()
     corpus = ByteCorpus.from_stdlib(CORPUS_BYTES)
 
@@ -189,18 +195,21 @@ def _summarise(per_rank: list[dict]) -> list[dict]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--world-size", type=int, default=4)
-    parser.add_argument("--models", default="mlp,tinygpt", help="comma-separated: mlp, tinygpt")
+    parser.add_argument("--models", default="mlp,tinygpt,latency", help="comma-separated: mlp, tinygpt, latency")
     parser.add_argument("--rounds", type=int, default=7, help="interleaved rounds (>= 5 for a median)")
     parser.add_argument("--steps", type=int, default=3, help="steps per implementation per round")
     parser.add_argument("--warmup", type=int, default=3, help="steps per implementation before timing")
     parser.add_argument("--mlp-dim", type=int, default=256)
     parser.add_argument("--mlp-layers", type=int, default=4)
     parser.add_argument("--mlp-batch", type=int, default=32, help="rows per rank")
+    parser.add_argument("--latency-dim", type=int, default=64)
+    parser.add_argument("--latency-layers", type=int, default=12)
+    parser.add_argument("--latency-batch", type=int, default=8, help="rows per rank")
     parser.add_argument("--json", type=Path, help="also write the rows as JSON here")
     args = parser.parse_args(argv)
     models = args.models.split(",")
-    if unknown := [m for m in models if m not in ("mlp", "tinygpt")]:
-        parser.error(f"Invalid --models entries {unknown}. Must be among mlp, tinygpt.")
+    if unknown := [m for m in models if m not in ("mlp", "tinygpt", "latency")]:
+        parser.error(f"Invalid --models entries {unknown}. Must be among mlp, tinygpt, latency.")
     if min(args.rounds, args.steps, args.world_size - 1) < 1 or args.warmup < 2:
         parser.error(f"Invalid {args.rounds=}, {args.steps=}, {args.world_size=} or {args.warmup=}. "
                      "Must be rounds, steps >= 1, world size >= 2, warmup >= 2.")
