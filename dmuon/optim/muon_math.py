@@ -318,56 +318,16 @@ def muon_update_(
         ValueError: non-2-D or mismatched shapes, negative or non-finite hyperparameters, and
             anything :func:`zeropower_via_newtonschulz` / :func:`adjust_lr` reject.
     """
-    _check_update(param, grad, momentum_buffer, lr, weight_decay, momentum, adjust_lr_fn)
-    update = _momentum_update(grad, momentum_buffer, momentum, nesterov)
-    update = zeropower_via_newtonschulz(update, ns_coefficients, ns_steps, eps)
-    _apply_update(param, update, lr, weight_decay, adjust_lr_fn)
-
-
-@torch.no_grad()
-def muon_update_batched_(
-    params: Sequence[Tensor],
-    grads: Sequence[Tensor],
-    momentum_buffers: Sequence[Tensor],
-    *,
-    lr: float,
-    weight_decay: float,
-    momentum: float,
-    nesterov: bool,
-    ns_coefficients: Sequence[float] | Sequence[Sequence[float]],
-    ns_steps: int,
-    eps: float,
-    adjust_lr_fn: str | None,
-) -> None:
-    """:func:`muon_update_` of ``k`` same-shape params at once: the per-param momentum
-    update, one :func:`zeropower_via_newtonschulz_batched` over the stacked updates (one
-    extra copy of ``k`` updates), then the per-param weight decay and update.
-
-    Args:
-        params, grads, momentum_buffers: ``k >= 1`` tensors each, all of one shape.
-        lr, weight_decay, momentum, nesterov, ns_coefficients, ns_steps, eps, adjust_lr_fn:
-            as :func:`muon_update_`.
-
-    Raises:
-        ValueError: the lists differ in length, are empty, or hold different shapes, and
-            what :func:`muon_update_` rejects.
-    """
-    if not params or not len(params) == len(grads) == len(momentum_buffers):
+    if param.ndim != 2:
         raise ValueError(
-            f"Invalid lengths {len(params)=}, {len(grads)=}, {len(momentum_buffers)=}. Must "
-            "be equal and >= 1 (one grad and momentum buffer per param)."
+            f"Invalid param shape={tuple(param.shape)}. Must be 2-D; Muon only supports 2-D "
+            "params (use AdamW for embeddings, norms, biases)."
         )
-    shapes = {tuple(p.shape) for p in params}
-    if len(shapes) != 1:
-        raise ValueError(f"Invalid param shapes {sorted(shapes)}. Must all be equal to batch.")
-    for p, g, m in zip(params, grads, momentum_buffers):
-        _check_update(p, g, m, lr, weight_decay, momentum, adjust_lr_fn)
-    updates = torch.stack(
-        [_momentum_update(g, m, momentum, nesterov) for g, m in zip(grads, momentum_buffers)]
+    muon_update_matrices_(
+        [param], [grad], [momentum_buffer], matrix_shape=tuple(param.shape), lr=lr,
+        weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
+        ns_coefficients=ns_coefficients, ns_steps=ns_steps, eps=eps, adjust_lr_fn=adjust_lr_fn,
     )
-    ortho = zeropower_via_newtonschulz_batched(updates, ns_coefficients, ns_steps, eps)
-    for p, u in zip(params, ortho):
-        _apply_update(p, u, lr, weight_decay, adjust_lr_fn)
 
 
 @torch.no_grad()
@@ -439,17 +399,6 @@ def muon_update_matrices_(
         p.add_(u.reshape(p.shape), alpha=alpha)
 
 
-def _check_update(param, grad, momentum_buffer, lr, weight_decay, momentum, adjust_lr_fn) -> None:
-    """Raise ``ValueError`` for what :func:`muon_update_` rejects before touching anything."""
-    if param.ndim != 2:
-        raise ValueError(
-            f"Invalid param shape={tuple(param.shape)}. Must be 2-D; Muon only supports 2-D "
-            "params (use AdamW for embeddings, norms, biases)."
-        )
-    _check_like_param(param, grad, momentum_buffer)
-    _check_hparams(lr, weight_decay, momentum, adjust_lr_fn)
-
-
 def _check_like_param(param, grad, momentum_buffer) -> None:
     """Raise ``ValueError`` unless the grad and the momentum buffer have the param's shape."""
     for name, t in (("grad", grad), ("momentum_buffer", momentum_buffer)):
@@ -474,12 +423,6 @@ def _momentum_update(grad: Tensor, momentum_buffer: Tensor, momentum: float, nes
     """``B = m B + (1 - m) g`` in place; the update (Nesterov: ``g`` lerped towards ``B``)."""
     momentum_buffer.lerp_(grad, 1 - momentum)
     return grad.lerp(momentum_buffer, momentum) if nesterov else momentum_buffer
-
-
-def _apply_update(param: Tensor, update: Tensor, lr: float, weight_decay: float, adjust_lr_fn) -> None:
-    """Decoupled weight decay with the raw ``lr``, then ``param -= adjusted lr * update``."""
-    param.mul_(1 - lr * weight_decay)
-    param.add_(update, alpha=-adjust_lr(lr, adjust_lr_fn, param.shape))
 
 
 def _check_dims(rows, cols) -> tuple[int, int]:

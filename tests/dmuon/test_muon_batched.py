@@ -10,7 +10,7 @@ import torch
 from dmuon.optim.muon_math import (
     MUON_DEFAULTS,
     muon_update_,
-    muon_update_batched_,
+    muon_update_matrices_,
     zeropower_via_newtonschulz,
     zeropower_via_newtonschulz_batched,
 )
@@ -44,7 +44,7 @@ def test_batched_update_matches_the_loop(nesterov):
     ref = [[t.clone() for t in ts] for ts in (params, grads, bufs)]
     for p, g, m in zip(*ref):
         muon_update_(p, g, m, nesterov=nesterov, **HP)
-    muon_update_batched_(params, grads, bufs, nesterov=nesterov, **HP)
+    muon_update_matrices_(params, grads, bufs, matrix_shape=(48, 16), nesterov=nesterov, **HP)
     assert all(torch.equal(a, b) for a, b in zip(bufs, ref[2]))  # momentum: same ops, same bits
     step_ulp = HP["lr"] * 3**0.5 * 2**-7 * 1.25  # adjusted lr x one ulp of an update <= 1.25
     for a, b in zip(params, ref[0]):
@@ -53,10 +53,10 @@ def test_batched_update_matches_the_loop(nesterov):
 
 def test_bad_batches_raise():
     a, b = torch.zeros(4, 4), torch.zeros(4, 8)
-    with pytest.raises(ValueError, match="Must all be equal"):
-        muon_update_batched_([a, b], [a, b], [a, b], nesterov=True, **HP)
+    with pytest.raises(ValueError, match="whole number of"):
+        muon_update_matrices_([a, b], [a, b], [a, b], matrix_shape=(4, 3), nesterov=True, **HP)
     with pytest.raises(ValueError, match="Invalid lengths"):
-        muon_update_batched_([], [], [], nesterov=True, **HP)
+        muon_update_matrices_([], [], [], matrix_shape=(4, 4), nesterov=True, **HP)
     with pytest.raises(ValueError, match="Must be 3-D"):
         zeropower_via_newtonschulz_batched(a, HP["ns_coefficients"], 5, 1e-7)
 
@@ -65,7 +65,6 @@ def test_bad_batches_raise():
 def test_stack_and_conv_updates_equal_torch_muon_over_each_matrix(nesterov):
     """A (3, 8, 12) stack and a (6, 2, 3, 3) conv weight stepped by muon_update_matrices_
     against torch.optim.Muon given each slice / the flattened view as its own 2-D param."""
-    from dmuon.optim.muon_math import muon_update_matrices_
 
     torch.manual_seed(0)
     stack, conv = torch.randn(3, 8, 12), torch.randn(6, 2, 3, 3)
@@ -92,7 +91,6 @@ def test_stack_and_conv_updates_equal_torch_muon_over_each_matrix(nesterov):
 
 
 def test_matrices_update_rejects_a_partial_matrix():
-    from dmuon.optim.muon_math import muon_update_matrices_
 
     p = torch.zeros(2, 5)
     with pytest.raises(ValueError, match="whole number of"):
