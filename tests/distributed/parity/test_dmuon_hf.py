@@ -1,15 +1,17 @@
 """DMuon on Hugging Face models (transformers 5, tiny configs, no download) against a
 single-process oracle (``hf_tasks``): Qwen3-MoE's 3-D expert stacks and routers are dedicated
-by default, and after 3 steps every Muon param of every mode sits within a few percent of the
-oracle's displacement.
+by default, and after 3 steps every Muon param of every mode sits within 1% of the oracle's
+displacement.
 
 Tolerance: the ranks sum the same fp32 gradients in another order than one process does, and
 DMuon orthogonalizes an expert stack's slices in one bf16 ``bmm`` chain where the oracle runs
 one ``mm`` chain per slice (one bf16 ulp apart at most, ``muon_math``); top-2 routing can
 turn such a difference into a visible one. Measured max |p - oracle| / max |oracle - init|
 per Muon param over 3 steps on this CPU build: 0 (bit-identical) in DDP, Z2, Z3, HSDP-Z2 and
-HSDP-Z3 on both models. DIST_TOL is 5%, the order of the dense matrices' distance when the
-trajectories do part (1.3-3.8% with the experts on AdamW). With the Linear-only selection of
+HSDP-Z3 on both models (the oracle accumulates W micro-batches, the ranks' summation order).
+DIST_TOL is 1%: room for one bf16 ulp (2**-8 relative) in one step's update of a few
+elements, well below where the trajectories part (1.3-3.8% for the dense matrices with the
+experts on AdamW). With the Linear-only selection of
 before, the expert stacks and routers sat 60-86% of the displacement away.
 """
 
@@ -21,7 +23,7 @@ from tests.distributed.parity import hf_tasks as H  # noqa: E402
 
 pytestmark = pytest.mark.distributed
 
-DIST_TOL = 0.05
+DIST_TOL = 0.01
 TIMEOUT_S = 120
 
 
