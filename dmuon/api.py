@@ -109,8 +109,8 @@ def dedicate_params(
         )
     cap_bytes = _bucket_cap_bytes(bucket_cap_mb)
     topology = topology_from_mesh(mesh)
-    named = select_params(model, params, predicate)
     assignments = assign_params(model, params, predicate)
+    named = select_params(model, params, predicate, assignments)
     if not named:
         warnings.warn(
             f"dmuon.dedicate_params found no Muon target in {type(model).__name__}: nothing is "

@@ -279,9 +279,13 @@ def _explicit_ids(entries, params) -> set[int]:
 
 
 def select_params(
-    model: nn.Module, params, predicate: Predicate | None
+    model: nn.Module, params, predicate: Predicate | None,
+    assignments: list[Assignment] | None = None,
 ) -> list[tuple[str, nn.Parameter, str]]:
     """(name, param, module name) of the dedicated params, validated, in model order.
+
+    ``assignments``: :func:`assign_params`'s result for the same arguments, when the caller
+    already has it (computed here otherwise).
 
     Raises:
         ValueError: a name or tensor in ``params`` that is not the model's, or a selected
@@ -289,7 +293,9 @@ def select_params(
             different modules (:func:`shared_params`).
     """
     entries = {v[0]: v for v in _named_with_modules(model).values()}
-    selected = [a for a in assign_params(model, params, predicate) if a.optimizer == MUON]
+    if assignments is None:
+        assignments = assign_params(model, params, predicate)
+    selected = [a for a in assignments if a.optimizer == MUON]
     shared = shared_params(model)
     for a in selected:
         p = entries[a.name][1]
