@@ -198,6 +198,7 @@ from dmuon.runtime import attach, checkpoint, collectives
 from dmuon.ownership.buckets import DEFAULT_BUCKET_CAP_MB
 from dmuon.ownership.plan import OwnershipPlan
 from dmuon.runtime.hooks import Runtime, in_backward
+from dmuon.runtime.tp import make_groups as tp_groups
 from dmuon.runtime.state import Grads, TrainingState
 from dmuon.ownership.topology import Topology
 
@@ -234,6 +235,7 @@ class DedicatedParams:
         bucket_cap_bytes: int = DEFAULT_BUCKET_CAP_MB * 1024 * 1024,
         prefetch_depth: int = 1,
         assignments: list | None = None,
+        tp=None,
     ) -> None:
         self._assignments = list(assignments or ())
         self.bucket_cap_bytes = bucket_cap_bytes
@@ -245,7 +247,9 @@ class DedicatedParams:
         for _, p, _ in named:
             collectives.check_param_device(p.device, topology.shard_group, "the dedicated params")
         self._model = model
-        self._groups = collectives.make_groups(_mesh_rows(mesh, topology))
+        self.tp = tp  # dmuon.runtime.tp.TPLayout on a TP mesh, else None
+        self._groups = (tp_groups(mesh) if tp is not None
+                        else collectives.make_groups(_mesh_rows(mesh, topology)))
         self._runtime: Runtime | None = Runtime(model, named, topology, plan, self._groups,
                                 reshard_after_forward=reshard_after_forward, mp_policy=mp_policy,
                                 bucket_cap_bytes=bucket_cap_bytes, prefetch_depth=prefetch_depth)

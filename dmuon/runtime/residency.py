@@ -22,6 +22,8 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from dmuon.runtime import tp
+
 #: Tensor attributes a freed param may still answer (metadata and autograd bookkeeping).
 _SAFE_ATTRS = frozenset({
     "shape", "dtype", "device", "requires_grad", "grad", "is_leaf", "grad_fn", "ndim",
@@ -146,8 +148,9 @@ def is_allocated(flat: torch.Tensor) -> bool:
 
 def flatten_into_views(params: list[nn.Parameter]) -> torch.Tensor:
     """Copy ``params`` into one new flat buffer (their device and dtype) and make their
-    ``.data`` views into it (a freed param's values are not copied: it has none). Returns the
-    buffer, shape ``(sum of numel,)``.
+    ``.data`` views into it (a freed param's values are not copied: it has none). A TP
+    param (a DTensor) contributes its local shard, and its ``_local_tensor`` becomes the view
+    (``tp.py``). Returns the buffer, shape ``(sum of local numel,)``.
 
     Raises:
         ValueError: the params differ in device or dtype.
@@ -159,15 +162,16 @@ def flatten_into_views(params: list[nn.Parameter]) -> torch.Tensor:
             f"Invalid bucket: params on {sorted(map(str, kinds))}. Must share one device and "
             "dtype: apply .to() to the whole model."
         )
-    flat = torch.empty(sum(p.numel() for p in params), dtype=first.dtype, device=first.device)
+    flat = torch.empty(sum(tp.local(p).numel() for p in params), dtype=first.dtype, device=first.device)
     offset = 0
     with torch.no_grad():
         for p in params:
-            n = p.numel()
-            view = flat[offset : offset + n].view(p.shape)
+            data = tp.local(p)
+            n = data.numel()
+            view = flat[offset : offset + n].view(data.shape)
             if not is_freed(p):  # a freed param has no values to keep
-                view.copy_(p.data)
-            p.data = view
+                view.copy_(data.data)
+            tp.set_local(p, view)
             offset += n
     return flat
 
@@ -179,13 +183,13 @@ def is_bound(params: list[nn.Parameter], flat: torch.Tensor) -> bool:
         return False
     if not is_allocated(flat):
         return all(is_freed(p) or p.device.type == "meta" for p in params) and all(
-            p.untyped_storage().nbytes() == 0 for p in params
+            tp.local(p).untyped_storage().nbytes() == 0 for p in params
         )
     if flat.device.type == "meta":
         return True
     base = flat.data_ptr()
     offset = 0
-    for p in params:
+    for p in map(tp.local, params):
         if p.data_ptr() != base + offset * flat.element_size() or not p.is_contiguous():
             return False
         offset += p.numel()
