@@ -107,3 +107,40 @@ def test_tp_bad_input_raises_on_every_rank_before_any_collective(pool4, case, ex
     results = pool4.run_with_timeout(TIMEOUT_S, T.expect_error, case)
     for rank, msg in enumerate(results):
         assert msg.startswith("ValueError") and expected in msg, (rank, msg)
+
+
+def _momenta(results, key):
+    """name -> the momentum buffers the ranks hold (one per holding rank)."""
+    out = {}
+    for r in results:
+        for n, t in r[key]["momenta"].items():
+            out.setdefault(n, []).append(t)
+    return out
+
+
+def test_tp_dcp_resume_same_size_bit_identical_and_at_another_data_parallel_size(pool4, pool2, tmp_path):
+    """Saved by Z3 × TP at W = 4 (N = 2, T = 2) after 2 steps; loaded by a fresh run at W = 4
+    and at W = 2 (N = 1, T = 2): every param and every momentum (full shape, on its new
+    Newton–Schulz rank) loads exactly; 2 more steps then equal the uninterrupted run bitwise at
+    the same size, and within fp32 ulps at the other size (its data-parallel mean sums 1
+    slice instead of 2)."""
+    root = str(tmp_path / "ckpt")
+    saved = pool4.run_with_timeout(TIMEOUT_S, T.dcp_save, "z3", root, 2, 2)
+    resumed = {4: pool4.run_with_timeout(TIMEOUT_S, T.dcp_load, "z3", root, 2, 2),
+               2: pool2.run_with_timeout(TIMEOUT_S, T.dcp_load, "z3", root, 2, 2)}
+    ref, ref_momenta = saved[0]["saved"]["params"], _momenta(saved, "saved")
+    for world, results in resumed.items():
+        for r in results:
+            assert all(torch.equal(r["loaded"]["params"][n], ref[n]) for n in ref), world
+            assert r["loaded"]["ns_calls"] == 0, world  # loading did not step
+        loaded = _momenta(results, "loaded")
+        assert loaded.keys() == ref_momenta.keys(), world
+        for n, bufs in loaded.items():  # TP: one full-shape buffer; replicated over TP: T
+            assert len(bufs) == len(ref_momenta[n]), (world, n)
+            assert all(torch.equal(b, ref_momenta[n][0]) for b in bufs), (world, n)
+        final, want = results[0]["final"], saved[0]["final"]
+        if world == 4:
+            assert all(torch.equal(final[n], want[n]) for n in want)
+        else:
+            for n in want:
+                torch.testing.assert_close(final[n], want[n], rtol=0, atol=1e-6)

@@ -147,6 +147,63 @@ def full_params(model, dm) -> dict[str, torch.Tensor]:
     return out
 
 
+def run_steps(model, opt, mesh, start: int, steps: int) -> list[float]:
+    """Steps ``start .. start + steps - 1`` on this rank's slice of each global batch (the
+    TP ranks of one data-parallel index share it); returns the local losses."""
+    idx, dp_size = dp_index(mesh)
+    rows = GLOBAL_BATCH // dp_size
+    losses = []
+    for step in range(start, start + steps):
+        x, y = batch(step)
+        loss = loss_of(model, x[idx * rows:(idx + 1) * rows], y[idx * rows:(idx + 1) * rows])
+        loss.backward()
+        losses.append(loss.item())
+        opt.step()
+        opt.zero_grad()
+    return losses
+
+
+def momenta(opt, dm) -> dict[str, torch.Tensor]:
+    """The momentum buffers this rank keeps (full shape for TP matrices), by name."""
+    return {n: opt.state[p]["momentum_buffer"].clone() for n, p in zip(dm.names, dm.params)
+            if "momentum_buffer" in opt.state.get(p, {})}
+
+
+def dcp_save(mode: str, root: str, before: int, after: int) -> dict:
+    """Train ``before`` steps, save with DCP (get_state_dict + dcp.save), record the full
+    params and momenta, then train ``after`` more steps (the uninterrupted reference)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model, dm, opt, mesh = build(mode)
+    run_steps(model, opt, mesh, 0, before)
+    model_sd, optim_sd = get_state_dict(model, opt)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=root)
+    saved = {"params": full_params(model, dm), "momenta": momenta(opt, dm)}
+    run_steps(model, opt, mesh, before, after)
+    out = {"saved": saved, "final": full_params(model, dm)}
+    dm.close()
+    return out
+
+
+def dcp_load(mode: str, root: str, before: int, after: int) -> dict:
+    """A fresh run (any data-parallel size) loads the DCP checkpoint (get_state_dict,
+    dcp.load, set_state_dict), records what it loaded and trains the remaining steps."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model, dm, opt, mesh = build(mode)
+    model_sd, optim_sd = get_state_dict(model, opt)
+    dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=root)
+    set_state_dict(model, opt, model_state_dict=model_sd, optim_state_dict=optim_sd)
+    loaded = {"params": full_params(model, dm), "momenta": momenta(opt, dm),
+              "ns_calls": opt.ns_calls}
+    run_steps(model, opt, mesh, before, after)
+    out = {"loaded": loaded, "final": full_params(model, dm)}
+    dm.close()
+    return out
+
+
 def train(mode: str, steps: int, *, mp: bool = False, checkpoint_blocks: bool = False) -> dict:
     """Train ``steps`` steps under DMuon × TP; the full params, and where NS and momentum ran."""
     model, dm, opt, mesh = build(mode, mp=mp)
@@ -156,18 +213,10 @@ def train(mode: str, steps: int, *, mp: bool = False, checkpoint_blocks: bool = 
         for block in model.blocks:
             fwd = block.forward
             block.forward = lambda x, fwd=fwd: checkpoint(fwd, x, use_reentrant=False)
-    idx, dp_size = dp_index(mesh)
-    rows = GLOBAL_BATCH // dp_size
-    losses, seen = [], set()
+    seen = set()
     hook = model.blocks[0].up.register_forward_hook(
         lambda m, args, out: seen.add(str(out.dtype)))
-    for step in range(steps):
-        x, y = batch(step)
-        loss = loss_of(model, x[idx * rows:(idx + 1) * rows], y[idx * rows:(idx + 1) * rows])
-        loss.backward()
-        losses.append(loss.item())
-        opt.step()
-        opt.zero_grad()
+    losses = run_steps(model, opt, mesh, 0, steps)
     hook.remove()
     momentum = {n: tuple(opt.state[p]["momentum_buffer"].shape)
                 for n, p in zip(dm.names, dm.params) if "momentum_buffer" in opt.state.get(p, {})}
