@@ -260,7 +260,7 @@ def _train_mode(mode: str, config: RunConfig, corpus: ByteCorpus, progress,
             mode, make_model, config.device, config.tp,
             tokens_per_rank=batch // dp * config.seq_len, muon_lr=MUON_LR, adamw_lr=ADAMW_LR)
         built = Built(tp_model, tp_opt, tp_layout, tp_dm)
-        loss_fn = tp_modes.tp_loss(ByteCorpus.from_stdlib(), global_batch=batch,
+        loss_fn = tp_modes.tp_loss(corpus or ByteCorpus.from_stdlib(), global_batch=batch,
                                    seq_len=config.seq_len, seed=config.seed, tp=config.tp)
         tagging = tp_modes.tp_phase()
     else:
