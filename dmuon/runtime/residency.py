@@ -171,9 +171,18 @@ def flatten_into_views(params: list[nn.Parameter]) -> torch.Tensor:
             view = flat[offset : offset + n].view(data.shape)
             if not is_freed(p):  # a freed param has no values to keep
                 view.copy_(data.data)
-            tp.set_local(p, view)
+            _set_data(p, view)
             offset += n
     return flat
+
+
+def _set_data(p: nn.Parameter, view: torch.Tensor) -> None:
+    """Make ``view`` (the local shard's shape) the data of ``p``: a TP DTensor's local tensor
+    (as FSDP2 re-points its sharded DTensors), a plain tensor's ``.data``."""
+    if tp.is_tp(p):
+        p._local_tensor = view
+    else:
+        p.data = view
 
 
 def is_bound(params: list[nn.Parameter], flat: torch.Tensor) -> bool:

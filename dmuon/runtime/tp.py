@@ -10,9 +10,9 @@ what only TP needs, so that the data-parallel runtime stays the same on every TP
 - the plan (:func:`plan_tp`): the existing planner over ``(R, N·T)`` slots, slot
   ``s' = s·T + t`` meaning "data-parallel owner ``(r, s)``, Newton–Schulz on TP rank ``t``";
 - DMuon's process groups with the ``tp`` channel (:func:`make_groups`);
-- the local-tensor accessors the buckets use (:func:`local`, :func:`set_local`, :func:`like`):
-  a TP param stays a ``DTensor`` (the TP modules' forwards need one) whose ``_local_tensor``
-  is a view into DMuon's flat buffer.
+- the local-tensor accessors the buckets use (:func:`local`, :func:`like`): a TP param stays a
+  ``DTensor`` (the TP modules' forwards need one) whose local tensor is a view into DMuon's
+  flat buffer (``residency.flatten_into_views`` makes it so).
 
 The step's gather / Newton–Schulz / scatter is :mod:`dmuon.optim.tp_step`.
 """
@@ -47,17 +47,12 @@ def is_tp(t: torch.Tensor) -> bool:
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
-    """This rank's shard of a DTensor (its ``_local_tensor``), else ``t`` itself."""
-    return t._local_tensor if isinstance(t, DTensor) else t
-
-
-def set_local(p: torch.Tensor, t: torch.Tensor) -> None:
-    """Make ``t`` (the local shard's shape) the data of ``p``: a DTensor's ``_local_tensor``,
-    a plain tensor's ``.data``."""
-    if isinstance(p, DTensor):
-        p._local_tensor = t
-    else:
-        p.data = t
+    """This rank's shard of a DTensor (``to_local()`` outside autograd: the DTensor's own
+    local tensor, no graph node), else ``t`` itself."""
+    if not isinstance(t, DTensor):
+        return t
+    with torch.no_grad():
+        return t.to_local()
 
 
 def like(p: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
