@@ -190,7 +190,8 @@ a DTensor is replicated over TP.
   its groups); on it DMuon runs steps 1-6 exactly as written, with W read as the
   data-parallel size R·N (the divisor of step 5: the T ranks of a TP group see the same
   batch) and every bucket holding the params' local shards (a TP param's ``_local_tensor`` is
-  its view into the flat buffer; it stays a DTensor, which the TP forwards need). Owner
+  its view into the flat buffer; it stays a DTensor, which the TP forwards need; the bucket
+  cap counts the local shards' bytes). Owner
   ``g = r·N + s``, holders and bucket contents are the same in every column, so the
   per-column call sequences are those of a plain DMuon with every TP matrix n/T elements.
   Channels ``broadcast`` / ``reduce`` / ``replicate`` are this column's groups; ``world`` spans
