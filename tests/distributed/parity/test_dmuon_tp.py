@@ -144,3 +144,18 @@ def test_tp_dcp_resume_same_size_bit_identical_and_at_another_data_parallel_size
         else:
             for n in want:
                 torch.testing.assert_close(final[n], want[n], rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("mode", ["z3", "hsdp-z2"])
+def test_tp_clip_grad_norm_counts_every_element_once(pool4, mode):
+    """The total norm equals torch's over the full model (TP shards once, matrices replicated
+    over TP once, FSDP2's 1-D and 2-D DTensors), and the clipped step matches the oracle's."""
+    max_norm = 0.05  # below the measured norm: the grads are scaled
+    ref = T.oracle_clip(max_norm)
+    results = pool4.run_with_timeout(TIMEOUT_S, T.clip_total_norm, mode, max_norm)
+    assert ref["total"] > max_norm
+    init = T.make_model().state_dict()
+    for r in results:
+        assert r["total"] == pytest.approx(ref["total"], rel=1e-5)
+    errs = _rel_err(results[0]["params"], init, ref["params"])
+    assert max(errs.values()) <= ADAMW_REL_TOL, errs

@@ -263,3 +263,34 @@ def expect_error(case: str) -> str:
     except Exception as e:  # noqa: BLE001 - the test inspects it
         return f"{type(e).__name__}: {e}"
     return "no error"
+
+
+def clip_total_norm(mode: str, max_norm: float) -> dict:
+    """One backward under DMuon x TP, then ``opt.clip_grad_norm_``; the total norm and, after
+    ``step()``, the full params (the clipped grads' update)."""
+    model, dm, opt, mesh = build(mode)
+    idx, dp_size = dp_index(mesh)
+    rows = GLOBAL_BATCH // dp_size
+    x, y = batch(0)
+    loss_of(model, x[idx * rows:(idx + 1) * rows], y[idx * rows:(idx + 1) * rows]).backward()
+    total = opt.clip_grad_norm_(max_norm)
+    opt.step()
+    out = {"total": total.item(), "params": full_params(model, dm)}
+    dm.close()
+    return out
+
+
+def oracle_clip(max_norm: float) -> dict:
+    """The single-process oracle of :func:`clip_total_norm`: torch's clip_grad_norm_ over
+    every param, then one Muon + AdamW step."""
+    model = make_model()
+    named = dict(model.named_parameters())
+    muon_names = targets(model)
+    muon = torch.optim.Muon([named[n] for n in muon_names], lr=MUON_LR)
+    adamw = torch.optim.AdamW([p for n, p in named.items() if n not in muon_names], lr=ADAMW_LR)
+    x, y = batch(0)
+    loss_of(model, x, y).backward()
+    total = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    muon.step()
+    adamw.step()
+    return {"total": total.item(), "params": {n: p.detach().clone() for n, p in named.items()}}
