@@ -159,3 +159,40 @@ def test_tp_clip_grad_norm_counts_every_element_once(pool4, mode):
         assert r["total"] == pytest.approx(ref["total"], rel=1e-5)
     errs = _rel_err(results[0]["params"], init, ref["params"])
     assert max(errs.values()) <= ADAMW_REL_TOL, errs
+
+
+def test_tp_buckets_hold_local_shards_and_the_predictor_derives_them(pool4):
+    """The bucket cap counts local shard bytes (dedicate.py, "Tensor parallelism"): at a cap of
+    2,100 bytes two 1 KiB local shards of one owner share a bucket, which their 2 KiB full
+    matrices could not. Phase D's predictor (verify/traffic/tp.py) derives the same buckets
+    from the documented rule and the planner alone."""
+    from verify.traffic.predict import dmuon_buckets
+    from verify.traffic.tp import TPRunLayout
+    from dmuon.ownership.plan import specs_from_named_parameters
+
+    cap_mb = 2100 / 2**20
+    runtime = pool4.run_with_timeout(TIMEOUT_S, T.bucket_names, cap_mb)
+    assert all(r == runtime[0] for r in runtime)
+    model = T.make_model()
+    names = T.targets(model)
+    layout = TPRunLayout(
+        mode="dmuon-z2", replicate_size=1, shard_size=2,
+        params=tuple(specs_from_named_parameters(model.named_parameters())), muon_names=tuple(names),
+        dmuon_bucket_cap_bytes=int(cap_mb * 2**20), tp_size=TP_SIZE,
+        tp_dims=tuple((f"blocks.{i}.{m}.weight", d) for i in range(T.LAYERS)
+                      for m, d in (("up", 0), ("down", 1))))
+    col = layout.column()
+    predicted = [b.names for b in dmuon_buckets(col.muon_specs(), col.plan(), col.dmuon_bucket_cap_bytes)]
+    assert sorted(predicted) == sorted(runtime[0])
+    assert any(len(b) > 1 for b in runtime[0])  # shards shared a bucket
+
+
+@pytest.mark.slow  # an 8-rank pool of its own (about 10 s on 2 cores); 2 x 1 x 2 runs in make test
+@pytest.mark.parametrize("mode", ["hsdp-z2", "hsdp-z3"])
+def test_hsdp_tp_2x2x2_on_8_ranks(oracle, mode):
+    from tests.distributed.conftest import POOL_TIMEOUT_S
+    from tests.distributed.harness import DistributedPool
+
+    init, ref = oracle
+    with DistributedPool(8, timeout_s=POOL_TIMEOUT_S) as pool8:
+        _check_run(pool8.run(T.train, mode, STEPS), init, ref)

@@ -294,3 +294,11 @@ def oracle_clip(max_norm: float) -> dict:
     muon.step()
     adamw.step()
     return {"total": total.item(), "params": {n: p.detach().clone() for n, p in named.items()}}
+
+
+def bucket_names(bucket_cap_mb: float) -> list[tuple[str, ...]]:
+    """The runtime's buckets (names, index order) of Z2 x TP with ``bucket_cap_mb``."""
+    model, dm, _, _ = build("z2", bucket_cap_mb=bucket_cap_mb)
+    out = [tuple(b.names) for b in dm.buckets]
+    dm.close()
+    return out
