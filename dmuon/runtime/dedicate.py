@@ -429,7 +429,8 @@ class DedicatedParams:
         return self._live("block_order").block_order()
 
     def owned(self) -> list[nn.Parameter]:
-        """Params whose global owner is this rank (the only ones this rank steps)."""
+        """Params whose global owner is this rank (the only ones this rank steps). On a TP
+        mesh: every rank of the owner's TP group (each holds and steps its shard)."""
         return [p for b in self._live("owned()").buckets if b.is_owner for p in b.params]
 
     def _bucket_of(self, p: nn.Parameter, what: str):

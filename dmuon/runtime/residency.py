@@ -106,21 +106,25 @@ def _convert_freed(sub: type, func, args, kwargs) -> torch.Tensor:
 
 
 def mark_freed(p: nn.Parameter, why: str) -> None:
-    """Switch ``p`` to its guard class (``why`` names the param and rank in the error)."""
+    """Switch ``p`` to its guard class (``why`` names the param and rank in the error). A TP
+    DTensor's local tensor is guarded too (``to_local()`` hands it out without a torch
+    function call)."""
     if p.device.type == "meta":
         return  # meta tensors have no memory to misread: nothing to guard
-    cls = type(p)
-    if cls not in _FREED_CLASSES.values():
-        _WHY[id(p)] = why
-        p.__class__ = _freed_class(cls)
+    for t in (p, p._local_tensor) if tp.is_tp(p) else (p,):
+        cls = type(t)
+        if cls not in _FREED_CLASSES.values():
+            _WHY[id(t)] = why
+            t.__class__ = _freed_class(cls)
 
 
 def mark_resident(p: nn.Parameter) -> None:
     """Undo :func:`mark_freed` (a no-op for a resident param)."""
-    cls = type(p)
-    if cls in _FREED_CLASSES.values():
-        p.__class__ = cls.__mro__[1]
-        _WHY.pop(id(p), None)
+    for t in (p, p._local_tensor) if tp.is_tp(p) else (p,):
+        cls = type(t)
+        if cls in _FREED_CLASSES.values():
+            t.__class__ = cls.__mro__[1]
+            _WHY.pop(id(t), None)
 
 
 def is_freed(p: torch.Tensor) -> bool:

@@ -47,12 +47,9 @@ def is_tp(t: torch.Tensor) -> bool:
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
-    """This rank's shard of a DTensor (``to_local()`` outside autograd: the DTensor's own
-    local tensor, no graph node), else ``t`` itself."""
-    if not isinstance(t, DTensor):
-        return t
-    with torch.no_grad():
-        return t.to_local()
+    """This rank's shard of a DTensor (the tensor its ops run on, not ``to_local()``, which
+    returns a new view for a Parameter and a graph node under autograd), else ``t`` itself."""
+    return t._local_tensor if isinstance(t, DTensor) else t
 
 
 def like(p: torch.Tensor, t: torch.Tensor) -> torch.Tensor:

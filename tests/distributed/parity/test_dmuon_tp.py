@@ -196,3 +196,10 @@ def test_hsdp_tp_2x2x2_on_8_ranks(oracle, mode):
     init, ref = oracle
     with DistributedPool(8, timeout_s=POOL_TIMEOUT_S) as pool8:
         _check_run(pool8.run(T.train, mode, STEPS), init, ref)
+
+
+def test_tp_z3_freed_shards_raise_a_clear_error_until_sync_params(pool4):
+    for r in pool4.run_with_timeout(TIMEOUT_S, T.freed_read):
+        assert set(r["fine"]) == {n for n in r["fine"] + list(r["errors"]) if r["holder"][n]}
+        assert r["errors"] and all("dm.sync_params()" in e for e in r["errors"].values())
+        assert r["after"] == 2 * T.LAYERS  # every TP param readable after sync_params

@@ -302,3 +302,31 @@ def bucket_names(bucket_cap_mb: float) -> list[tuple[str, ...]]:
     out = [tuple(b.names) for b in dm.buckets]
     dm.close()
     return out
+
+
+def freed_read(mode: str = "z3") -> dict:
+    """After one Z3 x TP step, read every dedicated TP param on every rank: a non-holder's
+    (storage freed) raises DMuon's error instead of reading freed memory; after
+    ``dm.sync_params()`` every read works."""
+    model, dm, opt, mesh = build(mode)
+    idx, dp_size = dp_index(mesh)
+    rows = GLOBAL_BATCH // dp_size
+    x, y = batch(0)
+    loss_of(model, x[idx * rows:(idx + 1) * rows], y[idx * rows:(idx + 1) * rows]).backward()
+    opt.step()
+    opt.zero_grad()
+    model(x[:2])  # a forward: Z3 non-holders free again after it
+    errors, fine = {}, []
+    for n, p in zip(dm.names, dm.params):
+        if isinstance(p, DTensor):
+            try:
+                p.to_local().sum()
+                fine.append(n)
+            except RuntimeError as e:
+                errors[n] = str(e)
+    dm.sync_params()
+    after = [float(p.to_local().sum()) for p in dm.params if isinstance(p, DTensor)]
+    holder = {n: dm.owner_of(p) % dm.topology.shard_size == dm.topology.shard_index
+              for n, p in zip(dm.names, dm.params)}
+    dm.close()
+    return {"errors": errors, "fine": fine, "holder": holder, "after": len(after)}
