@@ -134,6 +134,14 @@ def dedicate_params(
                                          {n for n, p, _ in named if tp.is_tp(p)})
         tp_layout = tp.layout(mesh, full, ns_rank,
                               {n: tp.shard_dim(p) for n, p, _ in named if tp.is_tp(p)})
+        if named and not ns_rank:
+            warnings.warn(
+                f"dmuon.dedicate_params got a mesh with a 'tp' axis of size "
+                f"{mesh[tp.TP_AXIS].size()} but no dedicated param is a TP DTensor: every matrix "
+                "is stepped in each TP column (that many Newton–Schulz runs of it). Parallelize "
+                "the blocks on mesh['tp'] (parallelize_module) before dedicate_params.",
+                stacklevel=2,
+            )
     else:
         plan = plan_ownership(specs, topology.mesh_shape)
     digest = setup_digest(tp_layout.full_plan if tp_layout else plan, named,

@@ -162,8 +162,7 @@ def check_model(model: nn.Module, mesh: DeviceMesh | None, dedicated: set[str]) 
             continue
         T = tp_mesh.size()
         pl = tuple(p.placements)
-        ok = len(pl) == 1 and isinstance(pl[0], Shard) and p.ndim == 2 and pl[0].dim % 2 in (0, 1)
-        if not ok:
+        if not (len(pl) == 1 and type(pl[0]) is Shard and p.ndim == 2):
             raise ValueError(
                 f"Invalid tensor-parallel param {name!r}: shape {tuple(p.shape)}, placements "
                 f"{pl} on mesh['tp']. DMuon's Muon matrices under TP must be 2-D with "

@@ -102,6 +102,7 @@ def test_tp_mixed_precision_fp32_masters_bf16_compute_and_z2_equals_z3(pool4):
     ("no_tp_axis", "already wrapped by DDP or FSDP2"),
     ("bad_names", "Must be ('shard', 'tp')"),
     ("fsdp_wrapped", "already wrapped by DDP or FSDP2"),
+    ("strided_shard", "placement Shard(0) (ColwiseParallel) or Shard(1)"),
 ])
 def test_tp_bad_input_raises_on_every_rank_before_any_collective(pool4, case, expected):
     results = pool4.run_with_timeout(TIMEOUT_S, T.expect_error, case)
@@ -203,3 +204,8 @@ def test_tp_z3_freed_shards_raise_a_clear_error_until_sync_params(pool4):
         assert set(r["fine"]) == {n for n in r["fine"] + list(r["errors"]) if r["holder"][n]}
         assert r["errors"] and all("dm.sync_params()" in e for e in r["errors"].values())
         assert r["after"] == 2 * T.LAYERS  # every TP param readable after sync_params
+
+
+def test_tp_mesh_without_tp_params_warns(pool4):
+    for msgs in pool4.run_with_timeout(TIMEOUT_S, T.warns_without_tp_params):
+        assert len(msgs) == 1 and "Parallelize the blocks on mesh['tp']" in msgs[0]

@@ -256,6 +256,13 @@ def expect_error(case: str) -> str:
         elif case == "bad_names":
             parallelize(model, mesh)
             mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        elif case == "strided_shard":
+            from torch.distributed.tensor.placement_types import _StridedShard
+
+            parallelize(model, mesh)
+            up = model.blocks[0].up
+            up.weight = nn.Parameter(DTensor.from_local(up.weight.to_local(), mesh["tp"],
+                                                        [_StridedShard(0, split_factor=2)], run_check=False))
         elif case == "fsdp_wrapped":
             parallelize(model, mesh)
             fully_shard(model, mesh=mesh["shard"])
@@ -330,3 +337,15 @@ def freed_read(mode: str = "z3") -> dict:
               for n, p in zip(dm.names, dm.params)}
     dm.close()
     return {"errors": errors, "fine": fine, "holder": holder, "after": len(after)}
+
+
+def warns_without_tp_params() -> list[str]:
+    """dedicate_params on a TP mesh with a model nothing parallelized: the warning texts."""
+    import warnings
+
+    mesh = tp_mesh("z")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        dm = dmuon.dedicate_params(make_model(), mesh)
+    dm.close()
+    return [str(w.message) for w in caught if "'tp' axis" in str(w.message)]
