@@ -56,6 +56,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
     parser.add_argument("--mixed-precision", choices=["bf16", "fp16"], default=None,
                         help="MixedPrecisionPolicy(param_dtype=...) for DMuon and fully_shard")
+    parser.add_argument("--coalesce", choices=["auto", "block", "all"], default="auto",
+                        help="DMuon's dedicate_params(coalesce=...): blocks sharing collectives "
+                        "(docs/traffic-model.md, 'Coalescing'; 'block' = one call per bucket)")
     args = parser.parse_args(argv)
     unknown = [m for m in args.modes.split(",") if m not in MODES]
     if unknown:
@@ -95,6 +98,7 @@ def main(argv: list[str] | None = None) -> int:
         device="cuda" if use_cuda else "cpu",
         model=args.model,
         mixed_precision=args.mixed_precision,
+        coalesce=args.coalesce,
     )
     rank = dist.get_rank()
     modes = runnable_modes(config, dist.get_world_size())

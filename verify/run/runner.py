@@ -88,6 +88,7 @@ class RunConfig:
         profiler: record the measured steps with ``torch.profiler`` too (CPU activities,
             shapes), a third source matched one to one against the interposer.
         mixed_precision: ``None`` or a key of ``verify.run.modes.MIXED_PRECISION`` (``"bf16"``).
+        coalesce: DMuon's ``dedicate_params(coalesce=...)``: ``"auto"``, ``"block"`` or ``"all"``.
     """
 
     modes: tuple[str, ...] = MODES
@@ -105,6 +106,7 @@ class RunConfig:
     profiler: bool = True
     model: str = "tinygpt"
     mixed_precision: str | None = None
+    coalesce: str = "auto"
 
 
 def runnable_modes(config: RunConfig, world_size: int) -> list[str]:
@@ -241,7 +243,7 @@ def _train_mode(mode: str, config: RunConfig, corpus: ByteCorpus, progress,
         made.append(source.factory())
         return made[-1][0]
 
-    built = build(mode, make_model, config.device, config.mixed_precision)
+    built = build(mode, make_model, config.device, config.mixed_precision, config.coalesce)
     loss_fn = made[-1][1]
     model, opt = built.model, built.optimizer
     out = Path(config.out_dir) / mode
