@@ -306,7 +306,12 @@ class Fused:
         self._pending = None
         with torch.no_grad():
             for dst, src in self._copies:
-                dst.copy_(src)
+                # a collective writing ``dst`` in place does not bump its version counter; this
+                # copy must not either: backward saved the compute params (views of ``dst``)
+                # and a Z3 re-broadcast refills them in backward (FSDP2 does the same in its
+                # all_gather copy-out)
+                with torch.autograd._unsafe_preserve_version_counter(dst):
+                    dst.copy_(src)
         self._copies = []
 
 
