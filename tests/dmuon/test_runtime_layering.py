@@ -19,6 +19,7 @@ FOREIGN_PRIVATE = {
     "_current_graph_task_id": {"hooks.py"},
     "_execution_engine": {"hooks.py"},  # queue_callback: the end of backward
     "_parameters": {"copies.py"},  # nn.Module's registry (FSDP2 swaps it the same way)
+    "_unsafe_preserve_version_counter": {"collectives.py"},  # aligned copy-out (as FSDP2 does)
     "_apply": {"attach.py"},  # super()._apply in the move-following subclass
     "_reconstructor": {"attach.py"},  # copyreg: pickling as the original class
     "_set_params_and_buffers_to_ignore_for_model": {"attach.py"},  # DDP's ignore list

@@ -526,10 +526,11 @@ def reused_elems(layout: RunLayout) -> int:
     (``verify.traffic.formulas.ClosedForm.reuse_phases``)."""
     if not layout.module_calls:
         return 0
-    if layout.is_dmuon:  # the unit's runs (_unit_runs: the most runs of any of its blocks)
+    if layout.is_dmuon:  # the unit's runs: the most runs of any of its blocks (_unit_runs)
         specs = layout.muon_specs()
         unit_of = {b: u for u in dmuon_units(specs, layout.dmuon_coalesce_bytes) for b in u}
-        return sum((_unit_runs(layout, unit_of[dmuon_block(p.module)]) - 1) * p.numel for p in specs)
+        return sum((max(layout.calls_of(b) for b in unit_of[dmuon_block(p.module)]) - 1) * p.numel
+                   for p in specs)
     if not layout.fsdp_modules:
         return 0
     n, muon = layout.shard_size, set(layout.muon_names)
