@@ -9,7 +9,7 @@ import warnings
 import torch
 import torch.nn as nn
 
-from dmuon.runtime import attach, collectives
+from dmuon.runtime import attach, collectives, tp
 from dmuon.ownership.buckets import DEFAULT_BUCKET_CAP_MB, coalesce_target_bytes
 from dmuon.runtime.dedicate import DedicatedParams
 from dmuon.ownership.plan import OwnershipPlan, plan_ownership, specs_from_named_parameters
@@ -38,7 +38,10 @@ def dedicate_params(
 
     Args:
         model: the bare ``nn.Module`` (not yet DDP / FSDP2 wrapped), identical on all ranks.
-        mesh: a 1-D ``DeviceMesh`` (DDP, FSDP2) or a 2-D one named ``("replicate", "shard")`` (HSDP).
+        mesh: a 1-D ``DeviceMesh`` (DDP, FSDP2) or a 2-D one named ``("replicate", "shard")``
+            (HSDP); with tensor parallelism, the whole mesh named ``("shard", "tp")`` or
+            ``("replicate", "shard", "tp")`` whose ``mesh["tp"]`` the model's blocks were
+            parallelized on (``parallelize_module``; ``dmuon/runtime/tp.py``).
         params: optional explicit dedicated params (Parameters or names) of at least 2 dims;
             default: ``predicate``.
         predicate: ``f(name, param, module) -> bool``; default :func:`default_predicate`
@@ -79,7 +82,9 @@ def dedicate_params(
         Dropping the handle without ``close()`` frees the model but not the groups.
 
     Raises:
-        ValueError: ``model`` is already DDP- or FSDP2-wrapped, ``dedicate_params`` was already
+        ValueError: ``model`` is already DDP- or FSDP2-wrapped (a DTensor param not on the
+            TP mesh's ``"tp"`` axis), a dedicated TP param is not a 2-D ``Shard(0)`` /
+            ``Shard(1)`` matrix whose sharded dim the TP size divides (``tp.check_model``), ``dedicate_params`` was already
             called on it, a dedicated param has fewer than 2 dims, is frozen or not in the model,
             ``reshard_after_forward`` is not a bool, ``bucket_cap_mb`` is not a positive
             number, ``prefetch_depth`` is not an int >= 0, ``coalesce`` is not one of
@@ -97,9 +102,9 @@ def dedicate_params(
     """
     from torch.nn.parallel import DistributedDataParallel
 
-    if isinstance(model, DistributedDataParallel) or any(
+    if isinstance(model, DistributedDataParallel) or (not tp.is_tp_mesh(mesh) and any(
         type(p).__name__ == "DTensor" for p in model.parameters()
-    ):
+    )):
         raise ValueError(
             f"Invalid model of type {type(model).__name__}: already wrapped by DDP or FSDP2. "
             "Call dmuon.dedicate_params on the bare model first, then wrap it with "
@@ -121,7 +126,7 @@ def dedicate_params(
         )
     cap_bytes = _bucket_cap_bytes(bucket_cap_mb)
     coalesce_target_bytes(coalesce, "gloo")  # validates, before anything else
-    topology = topology_from_mesh(mesh)
+    topology = tp.topology(mesh) if tp.is_tp_mesh(mesh) else topology_from_mesh(mesh)
     assignments = assign_params(model, params, predicate)
     named = select_params(model, params, predicate, assignments)
     if not named:
@@ -134,11 +139,27 @@ def dedicate_params(
         )
     _warn_adamw_matrices(assignments)
     matrices = {a.name: a.matrix for a in assignments if a.matrix is not None}
-    plan = plan_ownership(specs_from_named_parameters(((n, p) for n, p, _ in named), matrices),
-                          topology.mesh_shape)
+    specs = specs_from_named_parameters(((n, p) for n, p, _ in named), matrices)
+    tp_layout = None
+    if tp.is_tp_mesh(mesh):  # TP: dedicate.py, "Tensor parallelism"; checked before any collective
+        tp.check_model(model, mesh, {n for n, _, _ in named})
+        full, plan, ns_rank = tp.plan_tp(specs, topology.mesh_shape, mesh[tp.TP_AXIS].size(),
+                                         {n for n, p, _ in named if tp.is_tp(p)})
+        tp_layout = tp.layout(mesh, full, ns_rank,
+                              {n: tp.shard_dim(p) for n, p, _ in named if tp.is_tp(p)})
+    else:
+        plan = plan_ownership(specs, topology.mesh_shape)
     on_cuda = any(p.device.type == "cuda" for _, p, _ in named)
     coalesce_bytes = coalesce_target_bytes(coalesce, "nccl" if on_cuda else "gloo")
-    digest = setup_digest(plan, named, reshard_after_forward, mp_policy, cap_bytes, coalesce_bytes)
+    if tp_layout is not None:  # TP: one unit per block (coalescing local shards is not built)
+        if coalesce not in ("auto", "block"):
+            raise ValueError(
+                f"Invalid coalesce={coalesce!r} with a tensor-parallel mesh. Must be 'auto' or "
+                "'block': under TP DMuon keeps one unit per block (docs/traffic-model.md, "
+                "'Coalescing').")
+        coalesce_bytes = 0
+    digest = setup_digest(tp_layout.full_plan if tp_layout else plan, named,
+                          reshard_after_forward, mp_policy, cap_bytes, coalesce_bytes)
     collectives.check_plan_agreement(
         digest, "setup (ownership plan, reshard_after_forward, mp_policy, bucket_cap_mb, "
         "coalesce or device type)"
@@ -146,7 +167,7 @@ def dedicate_params(
     return DedicatedParams(model, named, topology, plan, reshard_after_forward, mesh=mesh,
                            mp_policy=mp_policy, bucket_cap_bytes=cap_bytes,
                            prefetch_depth=prefetch_depth, coalesce_bytes=coalesce_bytes,
-                           assignments=assignments)
+                           assignments=assignments, tp=tp_layout)
 
 
 #: At most this many params are named in the AdamW-matrices warning (the rest are counted).

@@ -36,6 +36,7 @@ from verify.traffic.predict import (
     reused_elems,
 )
 from verify.traffic.formulas import PADDED_MODES, avg_elems, closed_form, closed_form_p_m
+from verify.traffic.tp import predict_tp_step, tp_closed_form, tp_ns_calls_per_step
 
 
 def event_key(ev: CollectiveEvent) -> tuple:
@@ -78,7 +79,8 @@ def compare_run(
     if steps < 1:
         raise ValueError(f"Invalid steps={steps}. Must be >= 1.")
     w = layout.world_size
-    predicted: list[Expected] = predict_step(layout)
+    tp = getattr(layout, "tp_size", 1) > 1  # tensor parallel: verify/traffic/tp.py
+    predicted: list[Expected] = predict_tp_step(layout) if tp else predict_step(layout)
     pred_counter = Counter()
     share: dict[tuple, float] = {}
     module_of: dict[tuple, str | None] = {}
@@ -91,13 +93,16 @@ def compare_run(
     unexpected = meas_counter - pred_counter
 
     phases: dict[str, dict] = {}
-    form = closed_form(layout.mode, layout.shard_size, layout.replicate_size)
     p_m = layout.p_m()
-    numels = owner_numels(layout.muon_specs(), layout.plan()) if layout.mode == "zero1-muon" else None
-    cf_p_m = closed_form_p_m(layout.mode, [s.shape for s in layout.muon_specs()], layout.shard_size,
-                             numels)
+    if tp:  # the TP forms are exact at P_M (the harness refuses FSDP2 padding under TP)
+        form, cf_p_m, p_m_r = tp_closed_form(layout), p_m, 0
+    else:
+        form = closed_form(layout.mode, layout.shard_size, layout.replicate_size)
+        numels = owner_numels(layout.muon_specs(), layout.plan()) if layout.mode == "zero1-muon" else None
+        cf_p_m = closed_form_p_m(layout.mode, [s.shape for s in layout.muon_specs()], layout.shard_size,
+                                 numels)
+        p_m_r = reused_elems(layout)
     padded = layout.mode in PADDED_MODES and cf_p_m != p_m
-    p_m_r = reused_elems(layout)
     per_rank = defaultdict(float)
     total_measured = 0.0
     meas_phase = defaultdict(float)
@@ -140,7 +145,7 @@ def compare_run(
     measured_avg = sum(meas_phase.values()) / (w * steps)
     predicted_avg = sum(pred_phase.values()) / w
     ns_per_step = ns_calls / steps
-    ns_expected = ns_calls_per_step(layout)
+    ns_expected = tp_ns_calls_per_step(layout) if tp else ns_calls_per_step(layout)
     closed_ok = _close(measured_avg, form.total_at(cf_p_m, p_m_r), cf_p_m) and all(
         ph["closed_form_matches"] for ph in phases.values()
     )
@@ -150,6 +155,7 @@ def compare_run(
         world_size=w,
         shard_size=layout.shard_size,
         replicate_size=layout.replicate_size,
+        tp_size=getattr(layout, "tp_size", 1),
         p_m=p_m,
         measured_avg_elems=measured_avg,
         predicted_avg_elems=predicted_avg,

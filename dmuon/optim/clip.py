@@ -8,8 +8,10 @@ different norm on every rank. Here the total p-norm of all grads is
               + (the other params' grads)^p
 
 where the other params' part is what ``torch.nn.utils.get_total_norm`` gives: for FSDP2
-DTensor grads the norm over the whole (sharded) tensor, for DDP's replicated plain grads the
-local norm, the same on every rank. ``p = inf`` takes maxima instead of sums. Every grad,
+DTensor grads the norm over the whole (sharded) tensor (one reduction per mesh: FSDP2 × TP
+holds 1-D and 2-D DTensors), for DDP's replicated plain grads the local norm, the same on every
+rank. On a TP mesh a rank's owned part is its TP shards' elements, plus the grads replicated
+over TP on TP index 0 only, so every element counts once. ``p = inf`` takes maxima instead of sums. Every grad,
 dedicated (owners) and other, is then scaled by ``min(1, max_norm / (total + 1e-6))``, as
 ``torch.nn.utils.clip_grad_norm_`` does (torch 2.13, ``torch/nn/utils/clip_grad.py``).
 """
@@ -24,9 +26,20 @@ from torch.distributed.tensor import DTensor
 
 from dmuon import annotate
 
-from dmuon.runtime import collectives
+from dmuon.runtime import collectives, tp
 from dmuon.runtime.dedicate import DedicatedParams
 from dmuon.runtime.state import TrainingState
+
+
+def _counted(dm: DedicatedParams, dedicated: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """The owned dedicated grads this rank adds to the norm, each element of every matrix
+    once over the W ranks. TP meshes: a TP param's local shard (its TP group's owners hold the
+    T shards), a param replicated over TP on TP index 0 only (each TP column's owner holds it)."""
+    if dm.tp is None:
+        return [g for g in (q.grad for q in dedicated) if g is not None]
+    name_of = dict(zip(map(id, dm.params), dm.names))
+    return [tp.local(q.grad) for q in dedicated if q.grad is not None
+            and (name_of[id(q)] in dm.tp.ns_rank or dm.tp.index == 0)]
 
 
 def clip_grad_norm_(
@@ -73,11 +86,12 @@ def clip_grad_norm_(
             "and before optimizer.step(), on every rank."
         )
     mine = [g for g in (q.grad for q in dedicated) if g is not None]
+    counted = _counted(dm, dedicated)
     inf = math.isinf(p)
     world = dm.groups.world
     device = collectives.collective_device(world)
-    if mine:
-        part = torch.nn.utils.get_total_norm(mine, p).to(device=device, dtype=torch.float32)
+    if counted:
+        part = torch.nn.utils.get_total_norm(counted, p).to(device=device, dtype=torch.float32)
         local = part if inf else part.pow(p)
     else:
         local = torch.zeros((), dtype=torch.float32, device=device)
@@ -86,8 +100,10 @@ def clip_grad_norm_(
     ded = local.cpu()
     grads = [q.grad for q in others if q.grad is not None]
     rest = torch.zeros((), dtype=torch.float32)
-    for kind in (True, False):  # DTensor grads (FSDP2), then plain ones (DDP)
-        group = [g for g in grads if isinstance(g, DTensor) == kind]
+    meshes: dict[object, list[torch.Tensor]] = {}  # DTensor grads by mesh (FSDP2; FSDP2 x TP: two)
+    for g in grads:
+        meshes.setdefault(g.device_mesh if isinstance(g, DTensor) else None, []).append(g)
+    for group in meshes.values():  # DTensor grads (one norm reduction per mesh), plain ones (DDP)
         if group:
             n = torch.nn.utils.get_total_norm(group, p)
             n = (n.full_tensor() if isinstance(n, DTensor) else n).float().cpu()

@@ -29,6 +29,7 @@ from dmuon.runtime import checkpoint
 from dmuon.runtime.dedicate import DedicatedParams
 from dmuon.optim.hparams import validate_adamw, validate_muon
 from dmuon.optim.muon_math import MUON_DEFAULTS, muon_update_matrices_
+from dmuon.optim.tp_step import tp_step
 
 
 class DMuon(Optimizer):
@@ -123,6 +124,7 @@ class DMuon(Optimizer):
         self._owned = {id(p) for p in dedicated.owned()}
         # Module of each dedicated matrix: its Newton–Schulz span names it, like the comm spans.
         self._module_of = {id(p): dedicated.unit_of(p) for p in dedicated.params}
+        self._name_of = dict(zip(map(id, dedicated.params), dedicated.names))
         # Muon's view of each dedicated param: (rows, cols) of one matrix (stack or conv layout)
         spec_of = {sp.name: sp for sp in dedicated.plan.specs}
         self._matrix_of = {id(p): spec_of[n].matrix_shape
@@ -230,15 +232,18 @@ class DMuon(Optimizer):
         the per-matrix path (torch.optim.Muon's arithmetic). One span per batch, named after
         its first param's module."""
         batches: dict[tuple, list[torch.Tensor]] = {}
+        tp_names = self.dedicated.tp.ns_rank if self.dedicated.tp is not None else {}
         for p in group["params"]:
-            if id(p) not in self._owned or p.grad is None:
-                continue
+            if id(p) not in self._owned or p.grad is None or self._name_of[id(p)] in tp_names:
+                continue  # TP-sharded params: tp_step below
             state = self.state[p]
             if "momentum_buffer" not in state:
                 state["momentum_buffer"] = self.new_momentum(p)
             batches.setdefault((self._matrix_of[id(p)], p.dtype, p.device), []).append(p)
         hparams = {k: group[k] for k in ("lr", "weight_decay", "momentum", "nesterov",
                                          "ns_coefficients", "ns_steps", "eps", "adjust_lr_fn")}
+        if tp_names:  # gather, Newton–Schulz on the full matrix, scatter (tp_step.py)
+            self.ns_calls += tp_step(self, group, self._owned, hparams)
         for (matrix, _, _), params in batches.items():
             grads = [p.grad for p in params]
             bufs = [self.state[p]["momentum_buffer"] for p in params]

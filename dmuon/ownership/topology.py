@@ -94,8 +94,9 @@ def topology_from_mesh(mesh: DeviceMesh) -> Topology:
     if mesh.ndim not in (1, 2):
         raise ValueError(
             f"Invalid mesh with ndim={mesh.ndim} (shape {tuple(mesh.shape)}). Must be 1-D "
-            "(DDP, FSDP2) or 2-D ('replicate', 'shard') for HSDP; DMuon does not compose with "
-            "a third mesh axis (e.g. tensor parallel) yet: pass the data-parallel sub-mesh."
+            "(DDP, FSDP2) or 2-D ('replicate', 'shard') for HSDP; a mesh with a tensor-parallel "
+            "axis must name it 'tp' (('shard', 'tp') or ('replicate', 'shard', 'tp'): "
+            "dmuon/runtime/tp.py)."
         )
     # Size and membership before any get_group(): a rank outside the mesh gets an IndexError
     # from DeviceMesh.get_group, while the ranks inside would go on to the plan agreement.

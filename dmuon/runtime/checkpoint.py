@@ -63,6 +63,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn as nn
 
+from dmuon.runtime.tp import full_momentum, is_tp, momentum_params
+
 if TYPE_CHECKING:
     from dmuon.runtime.attach import HookSet
     from dmuon.runtime.dedicate import DedicatedParams
@@ -113,13 +115,20 @@ def _before_load(dm: DedicatedParams, prefix: str, local_metadata: dict) -> None
 
 
 # ------------------------------------------------------------------------------ optimizer side
+def _momentum_owned(dm) -> set[int]:
+    """ids of the dedicated params whose momentum this rank keeps: its owned params; under
+    TP, a TP-sharded param's only on the rank of its owner's TP group that runs its
+    Newton–Schulz (full shape, ``dmuon/optim/tp_step.py``)."""
+    return momentum_params(dm, {id(p) for p in dm.owned()})
+
+
 def complete_state(opt) -> None:
     """Create every state entry a :class:`~dmuon.optim.optimizer.DMuon` reports (see the module docstring).
 
     Entries that exist are kept. New ones hold what the first ``step()`` would create: zero
     momentum on owners, ``{}`` on non-owners, AdamW's zero moments and step 0.
     """
-    owned = {id(p) for p in opt.dedicated.owned()}
+    owned = _momentum_owned(opt.dedicated)
     for group in opt.param_groups:
         for p in group["params"]:
             if not p.requires_grad:
@@ -127,7 +136,7 @@ def complete_state(opt) -> None:
             state = opt.state[p]  # creates {} where missing
             if group["algorithm"] == "muon":
                 if id(p) in owned and MOMENTUM_KEY not in state:
-                    state[MOMENTUM_KEY] = opt.new_momentum(p)
+                    state[MOMENTUM_KEY] = (full_momentum(p) if is_tp(p) else opt.new_momentum(p))
             elif not state:
                 state.update(opt.new_adamw_state(p))
 
@@ -156,7 +165,7 @@ def filter_loaded_state(opt, state_dict: dict[str, Any]) -> dict[str, Any]:
             "(the Muon group, then the AdamW group)."
         )
     dm = opt.dedicated
-    owned = {id(p) for p in dm.owned()}
+    owned = _momentum_owned(dm)
     name_of = dict(zip(map(id, dm.params), dm.names))
     state = dict(state_dict["state"])
     muon = next(i for i, g in enumerate(opt.param_groups) if g["algorithm"] == "muon")

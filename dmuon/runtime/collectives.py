@@ -176,6 +176,7 @@ class DMuonGroups:
     reduce: dist.ProcessGroup
     replicate: dist.ProcessGroup | None
     world: dist.ProcessGroup
+    tp: dist.ProcessGroup | None = None  # TP meshes only: this rank's TP group (``tp.py``)
 
 
 def make_groups(rows: list[list[int]]) -> DMuonGroups:
@@ -213,10 +214,10 @@ def synchronize(device: torch.device) -> None:
 def destroy_groups(groups: DMuonGroups) -> None:
     """Destroy DMuon's groups of this rank (``dist.destroy_process_group``, which shuts each
     backend down: gloo's threads and sockets, NCCL's communicator). Every rank, the same
-    order (broadcast, reduce, replicate, world): NCCL's abort was a collective in some
+    order (broadcast, reduce, replicate, world, tp): NCCL's abort was a collective in some
     versions, which is why torch shuts groups down in a fixed order too."""
     seen: list[dist.ProcessGroup] = []
-    for g in (groups.broadcast, groups.reduce, groups.replicate, groups.world):
+    for g in (groups.broadcast, groups.reduce, groups.replicate, groups.world, groups.tp):
         if g is not None and all(g is not s for s in seen):
             seen.append(g)
             dist.destroy_process_group(g)

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from dmuon.runtime import residency
+from dmuon.runtime import residency, tp
 from dmuon.runtime.collectives import Pending
 from dmuon.runtime.state import Copy, Grads, Replica, check
 
@@ -113,8 +113,10 @@ class Bucket:
                 self.lp.copy_(self.flat)
             self.compute, offset = [], 0
             for p in self.params:
-                self.compute.append(nn.Parameter(self.lp[offset : offset + p.numel()].view(p.shape)))
-                offset += p.numel()
+                shape = tp.local(p).shape  # TP: the compute param is a DTensor like p
+                n = shape.numel()
+                self.compute.append(nn.Parameter(tp.like(p, self.lp[offset : offset + n].view(shape))))
+                offset += n
             self.master = Copy.STALE if keep_master else Copy.FREED  # a new master copy's state
             if not keep_master and not self.is_holder:
                 self._free_master_storage()
@@ -304,7 +306,7 @@ class Bucket:
             g = self.grad_flat = torch.empty(self.numel + len(self.params), dtype=self.lp.dtype,
                                              device=self.lp.device)
             self.grad_views, offset = [], 0
-            for p in self.params:
+            for p in map(tp.local, self.params):  # TP: views of the local shards
                 self.grad_views.append(g[offset : offset + p.numel()].view(p.shape))
                 offset += p.numel()
         else:
@@ -321,10 +323,10 @@ class Bucket:
             self.arrived.add(i)
         self.grad_buffer()
         view, g = self.grad_views[i], q.grad
-        if g is not None and not _is_view(g, view):
+        if g is not None and not _is_view(tp.local(g), view):
             with torch.no_grad():
-                view.copy_(g)
-            q.grad = view
+                view.copy_(tp.local(tp.placed_like(q, g)))
+            q.grad = tp.like(q, view)
 
     def reduce_buffer(self, reduce_dtype: torch.dtype | None) -> torch.Tensor:
         """The buffer to reduce: every local grad (zeros where none), then the usage
@@ -335,8 +337,8 @@ class Bucket:
             for q, view in zip(self.compute, self.grad_views):
                 if q.grad is None:
                     view.zero_()
-                elif not _is_view(q.grad, view):
-                    view.copy_(q.grad)
+                elif not _is_view(tp.local(q.grad), view):
+                    view.copy_(tp.local(tp.placed_like(q, q.grad)))
             if all(self.used):
                 usage.fill_(1)
             elif not any(self.used):
@@ -377,11 +379,11 @@ class Bucket:
             buf.div_(world_size)
         offset = 0
         for p, count in zip(self.params, counts):
-            n = p.numel()
-            g = buf[offset : offset + n].view_as(p)
+            n = tp.local(p).numel()
+            g = buf[offset : offset + n].view_as(tp.local(p))
             if not same:  # mixed precision: the master grad, averaged in its dtype
                 g = g.to(p.dtype).div_(world_size)
-            p.grad = g if count > 0 or p.grad is not None else None
+            p.grad = tp.like(p, g) if count > 0 or p.grad is not None else None
             offset += n
 
     def pass_ended(self) -> None:

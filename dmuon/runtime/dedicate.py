@@ -199,6 +199,52 @@ Outside the step:
   names DMuon added to DDP's ignore list and destroys DMuon's process groups (in a fixed
   order). The state becomes CLOSED; every later use of the handle raises.
 
+Tensor parallelism (``tp.py``, ``dmuon/optim/tp_step.py``). The mesh is ``("shard", "tp")``
+(N × T) or ``("replicate", "shard", "tp")`` (R × N × T), W = R·N·T; rank ``(r, s, t)``. The
+model's blocks were parallelized on ``mesh["tp"]`` first (``parallelize_module``); a
+dedicated TP param is a 2-D DTensor ``Shard(d)``, d in {0, 1}, whose dim d T divides, and rank
+``(r, s, t)`` holds shard t of it (n/T elements of a matrix of n). A dedicated param that is not
+a DTensor is replicated over TP.
+
+- **Per TP column, the protocol above, unchanged, on the local shards.** The ranks with TP
+  index t form a data-parallel mesh R × N (``mesh["shard"]`` / ``mesh["replicate"]`` give
+  its groups); on it DMuon runs steps 1-6 exactly as written, with W read as the
+  data-parallel size R·N (the divisor of step 5: the T ranks of a TP group see the same
+  batch) and every bucket holding the params' local shards (a TP param's ``_local_tensor`` is
+  its view into the flat buffer; it stays a DTensor, which the TP forwards need; the bucket
+  cap counts the local shards' bytes). Owner
+  ``g = r·N + s``, holders and bucket contents are the same in every column, so the
+  per-column call sequences are those of a plain DMuon with every TP matrix n/T elements.
+  Channels ``broadcast`` / ``reduce`` / ``replicate`` are this column's groups; ``world`` spans
+  all W ranks (step 7); a new channel ``tp`` is this rank's TP group ``(r, s, *)``.
+- **Plan.** The planner balances the full matrices' Newton–Schulz cost over W slots, as a
+  ``(R, N·T)`` mesh: slot ``s' = s·T + t_o`` makes ``(r, s)`` the owner and ``t_o`` the TP
+  index of the rank that runs Newton–Schulz (the **NS rank**); the ranks agree on this plan.
+- **Step 6 for a TP param** (``optimizer.step()``, channel ``tp``, phase ``optimizer``).
+  After step 5 every rank ``(r, s, t)`` of the owner's TP group holds the averaged gradient
+  of its shard. Per NS rank ``t_o`` of that group (ascending) and per (dtype, device), one
+  ``gather`` to ``t_o`` of the concatenated local grads of the TP params it runs NS for
+  (model order; count = the sum of their n/T), all issued before any is waited; the NS rank
+  concatenates the T shards along d, runs ``torch.optim.Muon``'s momentum (full-shape
+  buffer, kept on the NS rank only) and Newton–Schulz on the full matrix; then one
+  ``scatter`` from ``t_o`` of the update shards (the same count, the param's dtype); every
+  rank applies its shard, ``p.mul_(1 - lr·wd); p.add_(u, alpha=-adjust_lr(lr, full shape))``.
+  Params without a grad (usage 0) take no part. A dedicated param replicated over TP is
+  stepped by its owner in every column (T identical Newton–Schulz runs). Then the copies
+  become stale and HSDP owners broadcast as in step 6, per column.
+- **Traffic** (docs/traffic-model.md, "Tensor parallelism"): the data-parallel terms are those
+  of a plain DMuon at P_M/T (TP matrices) per column; the step adds a gather and a scatter of
+  (T-1)/T·n per TP matrix, (T-1)/(T·W)·P_M each on the W-average. Newton–Schulz: once per TP
+  matrix per step across the whole mesh.
+- **Why a gather to one rank, not an all_gather with NS on every TP rank**: an all_gather
+  moves (T-1)·n per matrix instead of (T-1)/T·n plus the scatter's (T-1)/T·n, and runs NS T
+  times; the gather/scatter pair moves 2(T-1)/T·n and runs NS once, and the plan spreads the NS
+  ranks over all W ranks.
+- **Unsupported** (``ValueError`` on every rank before any collective, ``tp.check_model``): a
+  DTensor param not on ``mesh["tp"]`` (an FSDP2-wrapped model), a dedicated TP param that is not
+  2-D or whose placement is not ``Shard(0)`` / ``Shard(1)`` (e.g. ``Replicate()``), or whose
+  sharded dim T does not divide; a mesh whose names are not the two above.
+
 Limit (blocking backends such as gloo): a module that runs on some ranks only is flushed by
 the next driver every rank runs (e.g. the MoE block around its experts) or by the root's
 end. If another library's blocking collective (an FSDP2 all_gather of a later block) comes
@@ -220,6 +266,7 @@ from dmuon.ownership import buckets
 from dmuon.ownership.buckets import DEFAULT_BUCKET_CAP_MB
 from dmuon.ownership.plan import OwnershipPlan
 from dmuon.runtime.hooks import Runtime, in_backward
+from dmuon.runtime.tp import make_groups as tp_groups
 from dmuon.runtime.state import Grads, TrainingState
 from dmuon.ownership.topology import Topology
 
@@ -259,6 +306,7 @@ class DedicatedParams:
         prefetch_depth: int = 1,
         coalesce_bytes: int = 0,
         assignments: list | None = None,
+        tp=None,
     ) -> None:
         self._assignments = list(assignments or ())
         self.bucket_cap_bytes = bucket_cap_bytes
@@ -271,7 +319,9 @@ class DedicatedParams:
         for _, p, _ in named:
             collectives.check_param_device(p.device, topology.shard_group, "the dedicated params")
         self._model = model
-        self._groups = collectives.make_groups(_mesh_rows(mesh, topology))
+        self.tp = tp  # dmuon.runtime.tp.TPLayout on a TP mesh, else None
+        self._groups = (tp_groups(mesh) if tp is not None
+                        else collectives.make_groups(_mesh_rows(mesh, topology)))
         self._runtime: Runtime | None = Runtime(model, named, topology, plan, self._groups,
                                 reshard_after_forward=reshard_after_forward, mp_policy=mp_policy,
                                 bucket_cap_bytes=bucket_cap_bytes, prefetch_depth=prefetch_depth,
@@ -375,7 +425,8 @@ class DedicatedParams:
 
     @property
     def params(self) -> list[nn.Parameter]:
-        """The dedicated params (plain tensors, never DTensors), in model order."""
+        """The dedicated params, in model order: plain tensors, or (TP meshes) the model's own
+        TP DTensors, whose local shards DMuon manages."""
         by_name = {n: p for b in self._live("params").buckets for n, p in zip(b.names, b.params)}
         return [by_name[n] for n in self.names]
 
@@ -405,7 +456,8 @@ class DedicatedParams:
         return self._live("block_order").block_order()
 
     def owned(self) -> list[nn.Parameter]:
-        """Params whose global owner is this rank (the only ones this rank steps)."""
+        """Params whose global owner is this rank (the only ones this rank steps). On a TP
+        mesh: every rank of the owner's TP group (each holds and steps its shard)."""
         return [p for b in self._live("owned()").buckets if b.is_owner for p in b.params]
 
     def _bucket_of(self, p: nn.Parameter, what: str):

@@ -19,7 +19,7 @@ import torch.nn as nn
 from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_leaves
 
-from dmuon.runtime import attach, collectives, order, precision
+from dmuon.runtime import attach, collectives, order, precision, tp
 from dmuon.ownership.buckets import bucket_layout
 from dmuon.runtime.copies import Bucket
 from dmuon.ownership.plan import OwnershipPlan, specs_from_named_parameters
@@ -88,7 +88,8 @@ class Runtime:
     def _build_buckets(self, named, plan: OwnershipPlan, cap_bytes: int, coalesce_bytes: int) -> list[Bucket]:
         topology, modules = self.topology, self._modules
         by_name = {n: p for n, p, _ in named}
-        specs = specs_from_named_parameters((n, p) for n, p, _ in named)
+        # TP: buckets hold local shards, so the cap counts their bytes (dedicate.py, TP)
+        specs = specs_from_named_parameters((n, tp.local(p)) for n, p, _ in named)
         buckets = []
         for i, spec in enumerate(bucket_layout(specs, plan, cap_bytes, coalesce_bytes)):
             r, s = topology.coords(spec.owner)

@@ -22,6 +22,8 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from dmuon.runtime import tp
+
 #: Tensor attributes a freed param may still answer (metadata and autograd bookkeeping).
 _SAFE_ATTRS = frozenset({
     "shape", "dtype", "device", "requires_grad", "grad", "is_leaf", "grad_fn", "ndim",
@@ -104,21 +106,25 @@ def _convert_freed(sub: type, func, args, kwargs) -> torch.Tensor:
 
 
 def mark_freed(p: nn.Parameter, why: str) -> None:
-    """Switch ``p`` to its guard class (``why`` names the param and rank in the error)."""
+    """Switch ``p`` to its guard class (``why`` names the param and rank in the error). A TP
+    DTensor's local tensor is guarded too (``to_local()`` hands it out without a torch
+    function call)."""
     if p.device.type == "meta":
         return  # meta tensors have no memory to misread: nothing to guard
-    cls = type(p)
-    if cls not in _FREED_CLASSES.values():
-        _WHY[id(p)] = why
-        p.__class__ = _freed_class(cls)
+    for t in (p, p._local_tensor) if tp.is_tp(p) else (p,):
+        cls = type(t)
+        if cls not in _FREED_CLASSES.values():
+            _WHY[id(t)] = why
+            t.__class__ = _freed_class(cls)
 
 
 def mark_resident(p: nn.Parameter) -> None:
     """Undo :func:`mark_freed` (a no-op for a resident param)."""
-    cls = type(p)
-    if cls in _FREED_CLASSES.values():
-        p.__class__ = cls.__mro__[1]
-        _WHY.pop(id(p), None)
+    for t in (p, p._local_tensor) if tp.is_tp(p) else (p,):
+        cls = type(t)
+        if cls in _FREED_CLASSES.values():
+            t.__class__ = cls.__mro__[1]
+            _WHY.pop(id(t), None)
 
 
 def is_freed(p: torch.Tensor) -> bool:
@@ -146,8 +152,9 @@ def is_allocated(flat: torch.Tensor) -> bool:
 
 def flatten_into_views(params: list[nn.Parameter]) -> torch.Tensor:
     """Copy ``params`` into one new flat buffer (their device and dtype) and make their
-    ``.data`` views into it (a freed param's values are not copied: it has none). Returns the
-    buffer, shape ``(sum of numel,)``.
+    ``.data`` views into it (a freed param's values are not copied: it has none). A TP
+    param (a DTensor) contributes its local shard, and its ``_local_tensor`` becomes the view
+    (``tp.py``). Returns the buffer, shape ``(sum of local numel,)``.
 
     Raises:
         ValueError: the params differ in device or dtype.
@@ -159,17 +166,27 @@ def flatten_into_views(params: list[nn.Parameter]) -> torch.Tensor:
             f"Invalid bucket: params on {sorted(map(str, kinds))}. Must share one device and "
             "dtype: apply .to() to the whole model."
         )
-    flat = torch.empty(sum(p.numel() for p in params), dtype=first.dtype, device=first.device)
+    flat = torch.empty(sum(tp.local(p).numel() for p in params), dtype=first.dtype, device=first.device)
     offset = 0
     with torch.no_grad():
         for p in params:
-            n = p.numel()
-            view = flat[offset : offset + n].view(p.shape)
+            data = tp.local(p)
+            n = data.numel()
+            view = flat[offset : offset + n].view(data.shape)
             if not is_freed(p):  # a freed param has no values to keep
-                view.copy_(p.data)
-            p.data = view
+                view.copy_(data.data)
+            _set_data(p, view)
             offset += n
     return flat
+
+
+def _set_data(p: nn.Parameter, view: torch.Tensor) -> None:
+    """Make ``view`` (the local shard's shape) the data of ``p``: a TP DTensor's local tensor
+    (as FSDP2 re-points its sharded DTensors), a plain tensor's ``.data``."""
+    if tp.is_tp(p):
+        p._local_tensor = view
+    else:
+        p.data = view
 
 
 def is_bound(params: list[nn.Parameter], flat: torch.Tensor) -> bool:
@@ -179,13 +196,13 @@ def is_bound(params: list[nn.Parameter], flat: torch.Tensor) -> bool:
         return False
     if not is_allocated(flat):
         return all(is_freed(p) or p.device.type == "meta" for p in params) and all(
-            p.untyped_storage().nbytes() == 0 for p in params
+            tp.local(p).untyped_storage().nbytes() == 0 for p in params
         )
     if flat.device.type == "meta":
         return True
     base = flat.data_ptr()
     offset = 0
-    for p in params:
+    for p in map(tp.local, params):
         if p.data_ptr() != base + offset * flat.element_size() or not p.is_contiguous():
             return False
         offset += p.numel()

@@ -178,6 +178,9 @@ def build_parser(defaults, presets, sweep_worlds) -> argparse.ArgumentParser:
     what.add_argument("--sweep", action="store_true",
                       help=f"W = {sweep_worlds[0]}..{sweep_worlds[-1]}: 1-D and, above one node, "
                            "HSDP with N = --gpus-per-node")
+    p.add_argument("--tp", type=_gpus, default=1, metavar="T",
+                   help="tensor-parallel degree: the mesh is R x N x T (W = R·N·T) and the report "
+                        "adds the TP terms and the NS balance with TP (verify/plan/tp.py)")
     p.add_argument("--json", action="store_true",
                    help="print JSON (schema_version, dtype, element_bytes, units, warnings, "
                         "cost_model, reports) instead of the table")

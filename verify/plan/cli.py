@@ -34,6 +34,7 @@ import torch.nn as nn
 from tabulate import tabulate
 
 from dmuon.ownership.plan import OwnershipPlan, plan_ownership, specs_from_named_parameters
+from verify.plan.tp import format_tp, tp_report
 from dmuon.ownership.select import matrix_shapes, select_params
 from tracer.events import DTYPE_BYTES
 
@@ -436,6 +437,11 @@ def _plan(args) -> tuple[list[dict], list[dict] | None, CostModel, ModelLayout, 
     ml = ModelLayout(model, args.model, None if args.dtype == MODEL_DTYPE else args.dtype)
     swept = sweep(ml, cm) if args.sweep or args.png else None
     reports = swept if args.sweep else [report(ml, args.mesh, cm)]
+    if args.tp > 1:  # tensor parallelism (verify/plan/tp.py)
+        if args.sweep or not ml.muon_specs:
+            raise UsageError("Invalid --tp with --sweep or a model without Muon targets. Give "
+                             "--mesh RxN with --tp T (the mesh is R x N x T).")
+        reports[0]["tp"] = tp_report(ml.muon_specs, args.mesh, args.tp)
     return reports, swept, cm, ml, warnings
 
 
@@ -464,6 +470,8 @@ def main(argv=None) -> int:
         print(format_sweep(reports, cm))
     else:
         print(format_report(reports[0], cm))
+        if "tp" in reports[0]:
+            print(format_tp(reports[0]["tp"]))
     if args.png and not args.json:
         print(f"wrote {args.png}")
     return 0

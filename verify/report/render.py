@@ -10,7 +10,7 @@ size", f = 2(n-1)/n for all_reduce and (n-1)/n otherwise, from nccl-tests
 always shown in its own column, never mixed with the averages.
 
 Glossary: W = world size, N = shard-group size (``shard_size``), R = replicate-group size
-(``replicate_size``), P_M = elements of dedicated params (``p_m``), NS = Newton–Schulz.
+(``replicate_size``), T = tensor-parallel degree (``tp_size``, 1 without TP), P_M = elements of dedicated params (``p_m``), NS = Newton–Schulz.
 """
 
 from __future__ import annotations
@@ -219,13 +219,14 @@ def table_rows(report: Mapping) -> tuple[list[str], list[list[str]]]:
 
 
 def all_params_rows(report: Mapping, two_line: bool = False) -> tuple[list[str], list[list[str]]]:
-    headers = ["mode", "W", "N", "R", "P_M [elem]", "all params measured avg [elem]",
+    headers = ["mode", "W", "N", "R", "T", "P_M [elem]", "all params measured avg [elem]",
                "all params predicted avg [elem]", "loss first", "loss last"]
     if two_line:
-        headers = ["mode", "W", "N", "R", "P_M\n[elem]", "all params measured\navg [elem]",
+        headers = ["mode", "W", "N", "R", "T", "P_M\n[elem]", "all params measured\navg [elem]",
                    "all params predicted\navg [elem]", "loss\nfirst", "loss\nlast"]
     rows = [
         [run["mode"], run["world_size"], run["shard_size"], run["replicate_size"],
+         run.get("tp_size", 1),
          fmt_elems(run["p_m"]), fmt_elems(run["total_measured_avg_elems"]),
          fmt_elems(run["total_predicted_avg_elems"]), _fmt_loss(run["loss_first"]),
          _fmt_loss(run["loss_last"])]

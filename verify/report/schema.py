@@ -121,13 +121,14 @@ PARAM_KEYS: dict[str, tuple] = {
     "numel": (int,),
     "reason": (str,),
 }
-#: Optional per-run keys: ``wire`` (verify.traffic.wire.wire_report), ``bytes``
+#: Optional per-run keys: ``tp_size`` (T of a tensor-parallel run, verify/traffic/tp.py),
+#: ``wire`` (verify.traffic.wire.wire_report), ``bytes``
 #: (``{"measured_avg_bytes"|"predicted_avg_bytes": {phase|"total": {dtype: bytes}}}``),
 #: ``timing`` (verify.run.steptime.timing_report), ``checks`` (``[{"check", "pass", "detail"}]``,
 #: verify.report.checks; derived from the figures where absent) and ``loss_falls`` (the run is
 #: gated on its loss).
-OPTIONAL_RUN_KEYS: dict[str, tuple] = {"wire": (dict,), "bytes": (dict,), "timing": (dict,),
-                                       "checks": (list,), "loss_falls": (bool,)}
+OPTIONAL_RUN_KEYS: dict[str, tuple] = {"tp_size": (int,), "wire": (dict,), "bytes": (dict,),
+                                       "timing": (dict,), "checks": (list,), "loss_falls": (bool,)}
 CHECK_KEYS: dict[str, tuple] = {"check": (str,), "pass": (bool,), "detail": (str,)}
 FAILURE_KEYS: dict[str, tuple] = {"mode": (str,), "check": (str,), "detail": (str,)}
 WIRE_KEYS: dict[str, tuple] = {

@@ -59,7 +59,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--coalesce", choices=["auto", "block", "all"], default="auto",
                         help="DMuon's dedicate_params(coalesce=...): blocks sharing collectives "
                         "(docs/traffic-model.md, 'Coalescing'; 'block' = one call per bucket)")
+    parser.add_argument("--tp", type=int, default=1,
+                        help="tensor-parallel degree T: the TP-capable modes (dmuon-z2, dmuon-z3, "
+                             "naive-fsdp2-z2, naive-fsdp2-z3) on a (W/T) x T mesh ('shard', 'tp'), "
+                             "the built-in model's MLPs tensor parallel (verify/run/tp_modes.py)")
     args = parser.parse_args(argv)
+    if args.tp < 1:
+        parser.error(f"Invalid --tp {args.tp}. Must be >= 1 (1: no tensor parallelism).")
+    if args.tp > 1 and (args.model != BUILTIN or args.mixed_precision):
+        parser.error("--tp > 1 runs the built-in model only, without --mixed-precision "
+                     "(verify/run/tp_modes.py).")
     unknown = [m for m in args.modes.split(",") if m not in MODES]
     if unknown:
         parser.error(f"Invalid --modes entries {unknown}. Must be among {list(MODES)}.")
@@ -99,6 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         model=args.model,
         mixed_precision=args.mixed_precision,
         coalesce=args.coalesce,
+        tp=args.tp,
     )
     rank = dist.get_rank()
     modes = runnable_modes(config, dist.get_world_size())

@@ -89,6 +89,8 @@ class RunConfig:
             shapes), a third source matched one to one against the interposer.
         mixed_precision: ``None`` or a key of ``verify.run.modes.MIXED_PRECISION`` (``"bf16"``).
         coalesce: DMuon's ``dedicate_params(coalesce=...)``: ``"auto"``, ``"block"`` or ``"all"``.
+        tp: tensor-parallel degree T; > 1 runs the TP-capable modes on a (W/T) × T mesh
+            (``verify.run.tp_modes``; built-in model, no mixed precision).
     """
 
     modes: tuple[str, ...] = MODES
@@ -107,11 +109,16 @@ class RunConfig:
     model: str = "tinygpt"
     mixed_precision: str | None = None
     coalesce: str = "auto"
+    tp: int = 1
 
 
 def runnable_modes(config: RunConfig, world_size: int) -> list[str]:
     """The modes of ``config`` this world size can run (``verify.workload.usermodel.skip_reasons``)."""
     skipped = skip_reasons(config.modes, world_size)
+    if config.tp > 1:  # TP (verify.run.tp_modes): only the TP-capable modes
+        from verify.traffic.tp import TP_MODES
+
+        return [m for m in config.modes if m in TP_MODES]
     return [m for m in config.modes if m not in skipped]
 
 
@@ -243,8 +250,24 @@ def _train_mode(mode: str, config: RunConfig, corpus: ByteCorpus, progress,
         made.append(source.factory())
         return made[-1][0]
 
-    built = build(mode, make_model, config.device, config.mixed_precision, config.coalesce)
-    loss_fn = made[-1][1]
+    tagging = contextlib.nullcontext()
+    if config.tp > 1:  # tensor parallel (verify.run.tp_modes)
+        from verify.run import tp_modes
+        from verify.run.modes import ADAMW_LR, MUON_LR, Built
+
+        batch = global_batch_size(dist.get_world_size(), per_rank=config.batch_per_rank,
+                                  global_batch=config.global_batch)
+        dp = dist.get_world_size() // config.tp
+        tp_model, tp_opt, tp_layout, tp_dm = tp_modes.build_tp(
+            mode, make_model, config.device, config.tp,
+            tokens_per_rank=batch // dp * config.seq_len, muon_lr=MUON_LR, adamw_lr=ADAMW_LR)
+        built = Built(tp_model, tp_opt, tp_layout, tp_dm)
+        loss_fn = tp_modes.tp_loss(corpus or ByteCorpus.from_stdlib(), global_batch=batch,
+                                   seq_len=config.seq_len, seed=config.seed, tp=config.tp)
+        tagging = tp_modes.tp_phase()
+    else:
+        built = build(mode, make_model, config.device, config.mixed_precision, config.coalesce)
+        loss_fn = made[-1][1]
     model, opt = built.model, built.optimizer
     out = Path(config.out_dir) / mode
     losses, step_bounds, step_times = [], [], []
@@ -256,17 +279,18 @@ def _train_mode(mode: str, config: RunConfig, corpus: ByteCorpus, progress,
     recorder = BlockOrderRecorder(bare_model(model), blocks, built.layout.fsdp_modules)
     ns_before = 0
     try:
-        for step in range(config.steps_warmup + config.steps_measured):
-            if step == config.steps_warmup:
-                ns_before = opt.ns_calls
-                window.open(drain=built.dedicated.wait_pending if built.dedicated is not None else None)
-            before = sample()
-            losses.append(loss_step(model, opt, loss_fn, rank, step))
-            if step >= config.steps_warmup:
-                after = sample()
-                step_times.append(StepTime.between(before, after))
-                step_bounds.append((before.wall_ns, after.wall_ns))  # the interposer's clock
-            progress(1)
+        with tagging:
+            for step in range(config.steps_warmup + config.steps_measured):
+                if step == config.steps_warmup:
+                    ns_before = opt.ns_calls
+                    window.open(drain=built.dedicated.wait_pending if built.dedicated is not None else None)
+                before = sample()
+                losses.append(loss_step(model, opt, loss_fn, rank, step))
+                if step >= config.steps_warmup:
+                    after = sample()
+                    step_times.append(StepTime.between(before, after))
+                    step_bounds.append((before.wall_ns, after.wall_ns))  # the interposer's clock
+                progress(1)
     except BaseException:
         window.abort()
         raise

@@ -57,3 +57,22 @@ def measure_with_swapped_params(mode: str, **config) -> dict:
         return {**measure_mode(mode, **config), "swapped_modules": chosen[0]}
     finally:
         runtime.bucket_layout = original
+
+
+def measure_with_shifted_ns_rank(mode: str, **config) -> dict:
+    """``measure_mode`` under TP with every Newton–Schulz rank moved to TP index 0 (a plan
+    bug: training stays correct, the gathers / scatters merge at one root). The
+    independent TP predictor (verify/traffic/tp.py) must flag the calls. Patches the name
+    ``dmuon.api`` resolves; fails loudly if the runtime no longer has it."""
+    from unittest import mock
+
+    from dmuon.runtime import tp
+
+    original = tp.plan_tp
+
+    def shifted(specs, mesh_shape, t, tp_names):
+        full, dp, ns_rank = original(specs, mesh_shape, t, tp_names)
+        return full, dp, {n: 0 for n in ns_rank}
+
+    with mock.patch.object(tp, "plan_tp", shifted):
+        return measure_mode(mode, **config)

@@ -1,0 +1,112 @@
+"""The Muon step of TP-sharded dedicated params (protocol: ``dedicate.py``, "Tensor parallelism").
+
+After the data-parallel reduces, every rank ``(r, s, t)`` of the owner's TP group holds the
+averaged gradient of its own shard (``.grad``, a DTensor). For each TP rank ``t_o`` of the
+group that runs Newton–Schulz for at least one of the group's owned params (the plan's
+``ns_rank``), and each (dtype, device) of those params, in that order:
+
+1. **gather** (channel ``tp``, phase ``optimizer``): every rank of the group sends the
+   concatenation of its local grad shards of those params (model order, each flattened) to
+   group rank ``t_o`` (``dist.gather``); all gathers are issued before any is waited.
+2. rank ``t_o`` rebuilds each full gradient (the T shards concatenated along the sharded
+   dim), and runs ``torch.optim.Muon``'s momentum and Newton–Schulz on the full matrix; the
+   momentum buffer (full shape, the param's dtype) lives on ``t_o`` only.
+3. **scatter** (channel ``tp``, phase ``optimizer``): rank ``t_o`` sends each rank its shards
+   of the updates, concatenated the same way, in the param's dtype (``dist.scatter``).
+4. every rank applies its shard: ``p.mul_(1 - lr·wd)`` then ``p.add_(u, alpha=-adjusted lr)``,
+   the lr adjusted with the **full** matrix shape, as ``torch.optim.Muon`` on the full matrix.
+
+Params without a grad (unused on every rank: reduced usage 0) take no part, on every rank of
+the group alike (their usage sums are equal: the TP ranks of a group run the same modules).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from dmuon import annotate
+from dmuon.optim.muon_math import _momentum_update, adjust_lr, zeropower_via_newtonschulz
+from dmuon.runtime import tp
+from dmuon.runtime.tp import full_momentum
+
+MOMENTUM_KEY = "momentum_buffer"
+
+
+def tp_step(opt, group: dict, owned: set[int], hparams: dict) -> int:
+    """Steps 1-4 above for the owned TP params with a grad. Returns the number of matrices
+    orthogonalized on this rank."""
+    dm = opt.dedicated
+    layout, tpg = dm.tp, dm.groups.tp
+    name_of = dict(zip(map(id, dm.params), dm.names))
+    batches: dict[tuple, list[torch.Tensor]] = {}
+    for p in group["params"]:
+        n = name_of.get(id(p))
+        if id(p) in owned and n in layout.ns_rank and p.grad is not None:
+            key = (layout.ns_rank[n], p.dtype, tp.local(p).device)
+            batches.setdefault(key, []).append(p)
+    if not batches:
+        return 0
+    T, me = layout.size, layout.index
+    keys = sorted(batches, key=lambda k: (k[0], str(k[1]), str(k[2])))
+    gathered = {}
+    with annotate.phase("optimizer"):
+        for key in keys:  # 1. every gather issued, then waited
+            root, params = key[0], batches[key]
+            send = torch.cat([tp.local(p.grad).reshape(-1) for p in params])
+            recv = [torch.empty_like(send) for _ in range(T)] if me == root else None
+            with annotate.span("dmuon.tp_gather", module=dm.block_of(params[0]),
+                               owner=dm.owner_of(params[0])):
+                work = dist.gather(send, recv, group=tpg, group_dst=root, async_op=True)
+            gathered[key] = (work, send, recv)
+        count, scatters = 0, []
+        for key in keys:
+            root, params = key[0], batches[key]
+            work, send, recv = gathered[key]
+            work.wait()
+            chunks = None
+            if me == root:  # 2. momentum and Newton-Schulz on the full matrices
+                chunks = _updates(opt, params, recv, layout, name_of, hparams)
+                count += len(params)
+            out = torch.empty_like(send)
+            with annotate.span("dmuon.tp_scatter", module=dm.block_of(params[0]),
+                               owner=dm.owner_of(params[0])):
+                work = dist.scatter(out, chunks, group=tpg, group_src=root, async_op=True)
+            scatters.append((work, out, params))
+        lr, wd, fn = hparams["lr"], hparams["weight_decay"], hparams["adjust_lr_fn"]
+        for work, out, params in scatters:  # 4. each rank applies its shards
+            work.wait()
+            offset = 0
+            for p in params:
+                data = tp.local(p)
+                u = out[offset : offset + data.numel()].view_as(data)
+                data.mul_(1 - lr * wd)
+                data.add_(u, alpha=-adjust_lr(lr, fn, tuple(p.shape)))
+                offset += data.numel()
+    return count
+
+
+def _updates(opt, params, recv, layout, name_of, hparams) -> list[torch.Tensor]:
+    """On the Newton–Schulz rank: the full grads from the gathered shards, momentum, NS; the
+    update shards for each TP rank, concatenated in ``params`` order (the scatter list)."""
+    T = layout.size
+    shards: list[list[torch.Tensor]] = [[] for _ in range(T)]
+    offset = 0
+    for p in params:
+        local_shape = tp.local(p).shape
+        n = local_shape.numel()
+        d = layout.shard_dims[name_of[id(p)]]
+        grad = torch.cat([recv[t][offset : offset + n].view(local_shape) for t in range(T)], dim=d)
+        state = opt.state[p]
+        if MOMENTUM_KEY not in state:
+            state[MOMENTUM_KEY] = full_momentum(p)
+        with annotate.span("dmuon.newton_schulz", module=opt.dedicated.block_of(p),
+                           owner=opt.dedicated.owner_of(p)):
+            update = _momentum_update(grad, state[MOMENTUM_KEY], hparams["momentum"],
+                                      hparams["nesterov"])
+            update = zeropower_via_newtonschulz(update, hparams["ns_coefficients"],
+                                                hparams["ns_steps"], hparams["eps"])
+        for t, piece in enumerate(update.to(p.dtype).chunk(T, dim=d)):
+            shards[t].append(piece.reshape(-1))
+        offset += n
+    return [torch.cat(s) for s in shards]

@@ -1,0 +1,78 @@
+"""The TP predictor (verify/traffic/tp.py) without processes: its independence from the
+runtime, its closed forms at other (N, T) than the measured 2 x 2, and the protocol's call
+counts (one gather and one scatter per NS rank of each owner's TP group)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from fractions import Fraction
+
+import pytest
+
+from dmuon.ownership.plan import specs_from_named_parameters
+from tests.verify.test_predict import REPO, _ALLOWED_DMUON, _imports
+from verify.run.modes import muon_names
+from verify.traffic.formulas import avg_elems
+from verify.traffic.tp import TP_MODES, TPRunLayout, predict_tp_step, tp_closed_form, tp_ns_calls_per_step
+from verify.workload.model import GPTConfig, TinyGPT
+
+
+def tp_layout(mode: str, n: int, t: int) -> TPRunLayout:
+    """TinyGPT (d=64, 2 layers) as ``verify.run.tp_modes`` lays it out: MLPs tensor parallel."""
+    model = TinyGPT(GPTConfig(d_model=64, n_heads=4, n_layers=2))
+    specs = tuple(specs_from_named_parameters(model.named_parameters()))
+    targets = muon_names(model)
+    dims = tuple((f"blocks.{i}.mlp.{m}.weight", d) for i in range(2) for m, d in (("fc1", 0), ("fc2", 1)))
+    acts = tuple((f"blocks.{i}.mlp.{m}", s, 2 * 64 * 64, "float32") for i in range(2)
+                 for m, s in (("fc1", "colwise"), ("fc2", "rowwise")))
+    if mode.startswith("naive-"):
+        fsdp = (*sorted({x.rpartition(".")[0] for x in targets}, key=[s.module for s in specs].index), "")
+    else:
+        fsdp = ("",)
+    return TPRunLayout(mode=mode, replicate_size=1, shard_size=n, params=specs, muon_names=targets,
+                       fsdp_modules=fsdp, reshard_after_forward=mode.endswith("z3"), tp_size=t,
+                       tp_dims=dims, tp_activations=acts)
+
+
+def test_tp_predictor_imports_only_the_planner_from_dmuon():
+    seen, todo, dmuon_imports = set(), ["verify.traffic.tp"], set()
+    while todo:
+        mod = todo.pop()
+        if mod in seen:
+            continue
+        seen.add(mod)
+        for name in _imports(REPO / (mod.replace(".", "/") + ".py")):
+            if name == "dmuon" or name.startswith("dmuon."):
+                dmuon_imports.add(name)
+            elif name.startswith(("verify.", "tracer.")) and (REPO / (name.replace(".", "/") + ".py")).is_file():
+                todo.append(name)
+    assert "verify.traffic.predict" in seen
+    assert dmuon_imports == _ALLOWED_DMUON, dmuon_imports
+
+
+@pytest.mark.parametrize("mode", TP_MODES)
+@pytest.mark.parametrize("n, t", [(2, 2), (4, 2), (2, 4), (1, 4)])
+def test_tp_prediction_equals_the_closed_form(mode, n, t):
+    layout = tp_layout(mode, n, t)
+    w = n * t
+    by_phase: dict[str, Fraction] = Counter()
+    for e in predict_tp_step(layout):
+        assert 0 <= e.rank < w
+        share = Fraction(e.dedicated_count, e.count) if e.count else 0
+        by_phase[e.phase] += Fraction(avg_elems(e.op, e.count, e.group_size)) * share / w
+    form, p_m = tp_closed_form(layout), layout.p_m()
+    for phase in ("forward", "backward", "optimizer", "tp"):
+        assert float(by_phase[phase]) == pytest.approx(form.at(phase, p_m), rel=1e-12, abs=1e-9), phase
+    assert tp_ns_calls_per_step(layout) == (4 + t * 4 if mode.startswith("dmuon-") else w * 8)
+
+
+def test_tp_step_one_gather_and_scatter_per_ns_rank_of_each_owner():
+    layout = tp_layout("dmuon-z3", 2, 2)
+    calls = predict_tp_step(layout)
+    owner, ns = layout._dp_owner(), layout.ns_rank()
+    for rank in range(layout.world_size):
+        roots = {ns[n] for n in ns if owner[n] == rank // layout.tp_size}
+        mine = Counter(e.op for e in calls if e.rank == rank and e.phase == "optimizer")
+        assert mine == {"gather": len(roots), "scatter": len(roots)} if roots else not mine, rank
+    # DTensor's calls: per rank, per block, one forward and one backward all_reduce
+    assert Counter(e.op for e in calls if e.phase == "tp") == {"all_reduce": 4 * 2 * 2}

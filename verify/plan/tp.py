@@ -1,0 +1,117 @@
+"""``dmuon-plan --tp T``: DMuon × tensor parallelism on an (R, N, T) mesh.
+
+Derived from the documented protocol (``dmuon/runtime/dedicate.py``, "Tensor parallelism";
+``docs/traffic-model.md``, "Tensor parallelism"), not from the runtime. Which matrices are
+TP-sharded: every Muon matrix of a 2-D param one of whose dims T divides (torchtitan's plan
+shards every block Linear with ``ColwiseParallel`` / ``RowwiseParallel``; an output dim that
+T divides is taken as ``Shard(0)``, else the input dim as ``Shard(1)``); the others (3-D expert
+stacks, conv weights, dims T divides neither) are replicated over TP and stepped in every TP
+column.
+
+Figures per rank per step, elements (``*_elems``) on the W-average of docs/spec.md §2:
+
+- ``dp_elems``: DMuon's data-parallel terms at P_loc = P_TP/T + P_rep;
+- ``tp_gather_elems`` = ``tp_scatter_elems`` = (T-1)/(T·W)·P_TP (phase ``optimizer``);
+- ``ns_max_over_mean``: the NS balance of the plan over the W = R·N·T ranks (the planner on
+  ``(R, N·T)`` slots, ``dmuon.ownership.plan.plan_ownership``), where a replicated matrix
+  counts on every rank of its owner's TP group.
+"""
+
+from __future__ import annotations
+
+from dmuon.ownership.plan import plan_ownership
+
+def _dp_factor(mode: str, r: int, n: int) -> tuple[str, float]:
+    """DMuon's data-parallel closed form of ``mode`` on (R, N): (text, factor of P_loc)."""
+    if mode == "dmuon-z2":
+        return "2(N-1)/N", 2 * (n - 1) / n
+    if mode == "dmuon-z3":
+        return "3(N-1)/N", 3 * (n - 1) / n
+    w = r * n
+    if mode == "dmuon-hsdp-z2":
+        return "2(RN-1)/(RN)", 2 * (w - 1) / w
+    return "(2(RN-1)/(RN) + (N-1)/N)", 2 * (w - 1) / w + (n - 1) / n  # dmuon-hsdp-z3
+
+
+def tp_modes(r: int) -> tuple[str, ...]:
+    """DMuon's modes on an (R, N, T) mesh: Z2 / Z3 (R = 1) or the HSDP ones (R > 1)."""
+    return ("dmuon-z2", "dmuon-z3") if r == 1 else ("dmuon-hsdp-z2", "dmuon-hsdp-z3")
+
+
+def tp_sharded(spec, t: int) -> int | None:
+    """The dim (0 or 1) a Muon param is TP-sharded on under the module docstring's rule, or
+    ``None`` (replicated over TP)."""
+    if len(spec.shape) != 2 or spec.matrices != 1:
+        return None
+    if spec.shape[0] % t == 0:
+        return 0
+    return 1 if spec.shape[1] % t == 0 else None
+
+
+def tp_report(muon_specs, mesh: tuple[int, int], t: int) -> dict:
+    """The TP section of one mesh: the plan's NS balance over W = R·N·T and, per mode, the
+    data-parallel and TP step terms (module docstring)."""
+    r, n = mesh
+    w = r * n * t
+    tp_names = {sp.name for sp in muon_specs if tp_sharded(sp, t) is not None}
+    p_m = sum(sp.numel for sp in muon_specs)
+    p_tp = sum(sp.numel for sp in muon_specs if sp.name in tp_names)
+    p_rep = p_m - p_tp
+    p_loc = p_tp / t + p_rep
+    plan = plan_ownership(list(muon_specs), (r, n * t))
+    load = [0.0] * w  # NS cost per rank (r, s, t) in slot order r·N·T + s·T + t
+    for sp in muon_specs:
+        g = plan.owner[sp.name]
+        cost = plan.ns_cost[sp.name]
+        if sp.name in tp_names:
+            load[g] += cost
+        else:  # replicated: its owner (r, s) in every TP column
+            base = g - g % t
+            for k in range(t):
+                load[base + k] += cost
+    mean = sum(load) / w if w else 0.0
+    gather = (t - 1) / (t * w) * p_tp
+    modes = []
+    for mode in tp_modes(r):
+        text, factor = _dp_factor(mode, r, n)
+        dp = factor * p_loc
+        modes.append({
+            "mode": mode,
+            "closed_form": f"{text} · P_loc + 2(T-1)/(T·W) · P_TP",
+            "dp_elems": dp,
+            "tp_gather_elems": gather,
+            "tp_scatter_elems": gather,
+            "ded_avg_elems": dp + 2 * gather,
+            "ns_calls": sum(sp.matrices for sp in muon_specs if sp.name in tp_names)
+            + t * sum(sp.matrices for sp in muon_specs if sp.name not in tp_names),
+        })
+    return {
+        "tp": t, "world_size": w, "mesh": {"replicate": r, "shard": n, "tp": t},
+        "p_m": p_m, "p_tp": p_tp, "p_rep": p_rep, "p_loc": p_loc,
+        "tp_matrices": len(tp_names), "replicated_matrices": len(muon_specs) - len(tp_names),
+        "ns_max_over_mean": max(load) / mean if mean else 0.0,
+        "ns_idle_ranks": sum(1 for x in load if x == 0),
+        "modes": modes,
+    }
+
+
+def format_tp(rep: dict) -> str:
+    """The TP section as text."""
+    m = rep["mesh"]
+    p_m = rep["p_m"] or 1
+    lines = [
+        f"tensor parallel: mesh {m['replicate']}x{m['shard']}x{m['tp']} (R x N x T, W = "
+        f"{rep['world_size']}); {rep['tp_matrices']} TP-sharded Muon params (P_TP = "
+        f"{rep['p_tp']:,} elements), {rep['replicated_matrices']} replicated over TP (P_rep = "
+        f"{rep['p_rep']:,}); P_loc = P_TP/T + P_rep = {rep['p_loc']:,.0f}",
+        f"  NS balance over all W ranks (planner on (R, N·T) slots): max/mean "
+        f"{rep['ns_max_over_mean']:.3f}, idle ranks {rep['ns_idle_ranks']}",
+    ]
+    for mode in rep["modes"]:
+        lines.append(
+            f"  {mode['mode']}: {mode['closed_form']} = {mode['ded_avg_elems'] / p_m:.4f}·P_M "
+            f"(data-parallel {mode['dp_elems'] / p_m:.4f}, gather {mode['tp_gather_elems'] / p_m:.4f}"
+            f", scatter {mode['tp_scatter_elems'] / p_m:.4f}); NS calls/step {mode['ns_calls']}")
+    lines.append("  (docs/traffic-model.md, 'Tensor parallelism'; DTensor's own activation "
+                 "collectives are not included)")
+    return "\n".join(lines)

@@ -1,0 +1,249 @@
+"""``--tp T``: the harness's modes on an ``("shard", "tp")`` mesh of (W/T) × T.
+
+The built-in TinyGPT's MLPs are tensor parallel (torch's ``parallelize_module``:
+``mlp.fc1`` ``ColwiseParallel``, ``mlp.fc2`` ``RowwiseParallel``, on ``mesh["tp"]``); the
+attention matrices stay replicated over TP. Then, in torchtitan's order:
+
+- ``dmuon-z2`` / ``dmuon-z3``: ``dmuon.dedicate_params(model, mesh)`` on the whole mesh, then
+  ``fully_shard(model, mesh=mesh["shard"], ignored_params=set(dm))``, ``DMuon``;
+- ``naive-fsdp2-z2`` / ``naive-fsdp2-z3`` (the baseline): ``fully_shard`` of each module holding
+  a Muon param and of the root on ``mesh["shard"]`` (FSDP2 × TP), and :class:`NaiveTPMuon`,
+  which all_gathers each full gradient in the step and runs Newton–Schulz on every rank.
+
+The data-parallel index of rank ``s·T + t`` is s: the T ranks of a TP group read the same
+rows of the global batch (:func:`tp_loss`). DTensor's own collectives (redistributions inside
+the TP layers' forward and backward) are tagged with phase ``tp`` (:func:`tp_phase`), except
+inside the optimizer step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.optim import Optimizer
+
+import dmuon
+from dmuon import annotate
+from dmuon.optim.muon_math import MUON_DEFAULTS, adjust_lr, zeropower_via_newtonschulz
+from dmuon.ownership.plan import specs_from_named_parameters
+from dmuon.ownership.select import matrix_shapes, select_params
+from tracer.context import current_phase
+from verify.traffic.tp import TP_MODES, TPRunLayout
+from verify.workload.data import local_slice
+
+#: The TP plan of the built-in TinyGPT's blocks (module name within a block -> style).
+TP_PLAN = {"mlp.fc1": "colwise", "mlp.fc2": "rowwise"}
+
+
+def tp_mesh(world: int, tp: int, device: str):
+    """The ``("shard", "tp")`` mesh (W/T, T).
+
+    Raises:
+        ValueError: T < 2 or T does not divide W.
+    """
+    if tp < 2 or world % tp:
+        raise ValueError(f"Invalid --tp {tp} at W={world}. Must be >= 2 and divide W (mesh (W/T, T)).")
+    return init_device_mesh(device, (world // tp, tp), mesh_dim_names=("shard", "tp"))
+
+
+def parallelize_blocks(model: nn.Module, mesh) -> list[tuple[str, str]]:
+    """Apply :data:`TP_PLAN` to every block; returns ``(module, style)`` in model order.
+
+    Raises:
+        ValueError: the model has no ``blocks`` with those modules (``--tp`` needs the
+            built-in model), or T does not divide a sharded dim.
+    """
+    blocks = getattr(model, "blocks", None)
+    if not isinstance(blocks, nn.ModuleList) or not blocks:
+        raise ValueError("Invalid --model for --tp: the TP plan needs the built-in TinyGPT "
+                         "(blocks.<i>.mlp.fc1 / fc2).")
+    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    out = []
+    for i, block in enumerate(blocks):
+        mods = dict(block.named_modules())
+        for name, style in TP_PLAN.items():
+            lin = mods.get(name)
+            if not isinstance(lin, nn.Linear):
+                raise ValueError(f"Invalid --model for --tp: blocks.{i} has no Linear {name}.")
+            out.append((f"blocks.{i}.{name}", style))
+        parallelize_module(block, mesh["tp"], {n: styles[s]() for n, s in TP_PLAN.items()})
+    return out
+
+
+@contextlib.contextmanager
+def tp_phase():
+    """Tag DTensor's redistributions with phase ``tp`` (outside the optimizer step) while
+    the block runs: wraps ``redistribute_local_tensor`` where torch 2.13's DTensor calls it
+    (``_redistribute``, ``_api``, ``_dispatch``), and restores it on exit."""
+    import torch.distributed.tensor._api as api
+    import torch.distributed.tensor._dispatch as dispatch
+    import torch.distributed.tensor._redistribute as red
+
+    original = red.redistribute_local_tensor
+
+    def tagged(*args, **kwargs):
+        if current_phase() == "optimizer":
+            return original(*args, **kwargs)
+        with annotate.phase("tp"):
+            return original(*args, **kwargs)
+
+    mods = (red, api, dispatch)
+    for m in mods:
+        m.redistribute_local_tensor = tagged
+    try:
+        yield
+    finally:
+        for m in mods:
+            m.redistribute_local_tensor = original
+
+
+def tp_loss(corpus, *, global_batch: int, seq_len: int, seed: int, tp: int) -> Callable:
+    """``loss_fn(model, rank, step)``: next-byte cross-entropy on the rows of data-parallel
+    index ``rank // T`` of ``W / T`` (the TP group's shared rows)."""
+
+    def loss_fn(model: nn.Module, rank: int, step: int) -> torch.Tensor:
+        x, y = corpus.global_batch(step, global_batch, seq_len, seed=seed)
+        dp = dist.get_world_size() // tp
+        x, y = local_slice(x, rank // tp, dp), local_slice(y, rank // tp, dp)
+        device = next(p for p in model.parameters()).device
+        logits = model(x.to(device))
+        return nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), y.to(device).reshape(-1))
+
+    return loss_fn
+
+
+class NaiveTPMuon(Optimizer):
+    """The FSDP2 × TP baseline's Muon: every rank gathers every full gradient and runs
+    ``torch.optim.Muon``'s arithmetic on it, then applies its own piece of the update.
+
+    Per Muon param, in order: ``all_gather_single`` of the FSDP2 shard of the grad over
+    the shard axis (count: the shard's elements), then, for a TP param, of the TP shard over
+    the TP group (count n/T); momentum (full shape) and Newton–Schulz on every rank.
+
+    Args:
+        params: DTensor params: FSDP2 ``Shard(0)`` on the shard axis, with or without a TP
+            ``Shard(d)`` on ``mesh["tp"]``; dim 0 of the (TP-local) param divisible by N.
+        tp_dims: name -> d of the TP params; names: the params' names.
+        shard_group, tp_group: the groups of ``mesh["shard"]`` and ``mesh["tp"]``.
+
+    Raises:
+        ValueError: a param is not such a DTensor.
+    """
+
+    def __init__(self, named: list[tuple[str, nn.Parameter]], tp_dims: dict[str, int],
+                 shard_group, tp_group, **hyper) -> None:
+        super().__init__([p for _, p in named], {**MUON_DEFAULTS, **hyper})
+        self._name = {id(p): n for n, p in named}
+        self._tp_dims = tp_dims
+        self._groups = (shard_group, tp_group)
+        self.ns_calls = 0
+        for n, p in named:
+            if not isinstance(p, DTensor):
+                raise ValueError(f"Invalid param {n!r}: must be an FSDP2 DTensor (fully_shard).")
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        shard_group, tp_group = self._groups
+        n_shard, t = dist.get_world_size(shard_group), dist.get_world_size(tp_group)
+        s, ti = dist.get_group_rank(shard_group, dist.get_rank()), dist.get_group_rank(tp_group, dist.get_rank())
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                name = self._name[id(p)]
+                local = p.grad.to_local().contiguous()
+                full_local = local.new_empty((local.shape[0] * n_shard, *local.shape[1:]))
+                dist.all_gather_single(full_local, local, group=shard_group)
+                d = self._tp_dims.get(name)
+                if d is None:
+                    full = full_local
+                else:
+                    stacked = full_local.new_empty((full_local.shape[0] * t, *full_local.shape[1:]))
+                    dist.all_gather_single(stacked, full_local, group=tp_group)
+                    full = torch.cat(stacked.chunk(t, dim=0), dim=d) if d else stacked
+                state = self.state[p]
+                if "momentum_buffer" not in state:
+                    state["momentum_buffer"] = torch.zeros_like(full)
+                buf = state["momentum_buffer"]
+                buf.lerp_(full, 1 - group["momentum"])
+                update = full.lerp(buf, group["momentum"]) if group["nesterov"] else buf
+                with annotate.span("naive.newton_schulz"):
+                    ortho = zeropower_via_newtonschulz(update, group["ns_coefficients"],
+                                                       group["ns_steps"], group["eps"])
+                self.ns_calls += 1
+                piece = ortho if d is None else ortho.chunk(t, dim=d)[ti]
+                piece = piece.chunk(n_shard, dim=0)[s].to(p.dtype)
+                data = p.to_local()
+                data.mul_(1 - group["lr"] * group["weight_decay"])
+                data.add_(piece, alpha=-adjust_lr(group["lr"], group["adjust_lr_fn"], tuple(full.shape)))
+
+
+def build_tp(mode: str, make_model: Callable[[], nn.Module], device: str, tp: int, *,
+             tokens_per_rank: int, muon_lr: float, adamw_lr: float):
+    """Build ``mode`` (one of :data:`verify.traffic.tp.TP_MODES`) on the TP mesh.
+
+    Args:
+        tokens_per_rank: batch rows x sequence length of one data-parallel slice (the
+            numel of a TP layer's activation is that times its features).
+
+    Returns:
+        ``(model, optimizer, layout, dm)``; ``dm`` is None for the baselines.
+
+    Raises:
+        ValueError: a mode without TP support, a bad ``tp``, or a dim that N or T does not divide.
+    """
+    from verify.run.modes import _Pair, _fsdp_wrap, muon_names
+
+    if mode not in TP_MODES:
+        raise ValueError(f"Invalid mode {mode!r} with --tp. Must be one of {TP_MODES}.")
+    world = dist.get_world_size()
+    mesh = tp_mesh(world, tp, device)
+    model = make_model().to(device)
+    targets = muon_names(model)
+    specs = tuple(specs_from_named_parameters(model.named_parameters(), matrix_shapes(model, targets)))
+    layers = parallelize_blocks(model, mesh)
+    named = dict(model.named_parameters())
+    tp_dims = tuple((n, p.placements[0].dim) for n, p in named.items()
+                    if isinstance(p, DTensor) and n in targets)
+    dtype = str(next(iter(named.values())).dtype).removeprefix("torch.")
+    modules = dict(model.named_modules())
+    acts = tuple((m, style, tokens_per_rank * (modules[m].in_features if style == "colwise"
+                                                else modules[m].out_features), dtype)
+                 for m, style in layers)
+    n = world // tp
+    for spec in specs:  # the closed forms assume no FSDP2 padding of the local shards
+        if spec.name in targets:
+            rows = spec.shape[0] // (tp if dict(tp_dims).get(spec.name) == 0 else 1)
+            if rows % n:
+                raise ValueError(f"Invalid --tp {tp} at W={world}: {spec.name} has {rows} local "
+                                 f"rows, not a multiple of N={n}.")
+    reshard = mode.endswith("z3")
+
+    def layout(fsdp_modules) -> TPRunLayout:
+        return TPRunLayout(mode=mode, replicate_size=1, shard_size=n, params=specs,
+                           muon_names=targets, fsdp_modules=fsdp_modules,
+                           reshard_after_forward=reshard, tp_size=tp, tp_dims=tp_dims,
+                           tp_activations=acts)
+
+    if mode.startswith("dmuon-"):
+        dm = dmuon.dedicate_params(model, mesh, params=list(targets), reshard_after_forward=reshard)
+        fsdp_modules = _fsdp_wrap(model, mesh["shard"], reshard, set(dm), [], None, blocks=False)
+        opt = dmuon.DMuon(model.parameters(), dedicated=dm, lr=muon_lr, adamw_lr=adamw_lr)
+        return model, opt, layout(fsdp_modules), dm
+    holders = {t.rpartition(".")[0] for t in targets} - {""}
+    model_order = [s.module for s in specs]
+    linear_modules = sorted(holders, key=lambda m: (-m.count("."), model_order.index(m)))
+    fsdp_modules = _fsdp_wrap(model, mesh["shard"], reshard, set(), linear_modules, None)
+    named = dict(model.named_parameters())
+    muon = NaiveTPMuon([(t, named[t]) for t in targets], dict(tp_dims), mesh["shard"].get_group(),
+                       mesh["tp"].get_group(), lr=muon_lr)
+    adamw = torch.optim.AdamW([p for n_, p in named.items() if n_ not in targets], lr=adamw_lr)
+    return model, _Pair(muon, adamw, lambda: muon.ns_calls), layout(fsdp_modules), None

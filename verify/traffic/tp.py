@@ -1,0 +1,234 @@
+"""The prediction of a tensor-parallel (TP) run: mesh ``("shard", "tp")`` = N × T, W = N·T.
+
+Derived from the documented protocol (``dmuon/runtime/dedicate.py``, "Tensor parallelism";
+``docs/traffic-model.md``, "Tensor parallelism") and the planner, never from the runtime
+(this module imports ``dmuon.ownership.plan`` and nothing else of ``dmuon``):
+
+- **Per TP column** t (world ranks ``s·T + t``), every data-parallel call of the plain
+  prediction (:func:`verify.traffic.predict.predict_step`) on a layout whose TP params have
+  their local shapes (dim d divided by T): FSDP2's all_gathers / reduce_scatters of the
+  local shards, DMuon's broadcasts and reduces of buckets of local shards, the naive step's
+  all_gather over the shard axis. DMuon's owners come from the TP plan: the planner on the
+  full matrices over ``(1, N·T)`` slots, slot ``s·T + t_o`` = owner s, NS rank t_o.
+- **DMuon's step** (phase ``optimizer``, the owner's TP group ``{s·T + t'}``): per NS rank
+  t_o (and dtype) with at least one TP param of that owner, one ``gather`` to group rank t_o
+  and one ``scatter`` from it, count = the sum of those params' n/T.
+- **The naive TP baseline's step**: after the shard-axis all_gather of each Muon param's
+  grad, a TP param's TP shards are all_gathered over its TP group (count n/T) on every rank.
+- **DTensor's TP calls** (phase ``tp``): per forward run of a ``RowwiseParallel`` layer one
+  all_reduce of its output (Partial -> Replicate), per backward of a ``ColwiseParallel`` layer
+  one all_reduce of its input's grad (Partial -> Replicate), over the TP group, of the numel
+  listed in :attr:`TPRunLayout.tp_activations` (batch rows x sequence x features, from the
+  shapes). They move activations: no dedicated share.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from dmuon.ownership.plan import OwnershipPlan, ParamSpec, plan_ownership
+from tracer.events import group_id_from_ranks
+
+from verify.traffic.formulas import ClosedForm
+from verify.traffic.predict import Expected, RunLayout, dmuon_buckets, predict_step
+
+#: Modes that run with TP (``--tp T``): DMuon Z2 / Z3 and the naive FSDP2 × TP baselines.
+TP_MODES = ("naive-fsdp2-z2", "naive-fsdp2-z3", "dmuon-z2", "dmuon-z3")
+
+
+@dataclass(frozen=True)
+class TPRunLayout(RunLayout):
+    """A :class:`RunLayout` on an ``N × T`` mesh (``shard_size`` = N, ``replicate_size`` = 1).
+
+    Attributes (besides RunLayout's, whose ``params`` keep their full shapes):
+        tp_size: T.
+        tp_dims: ``(name, d)`` of every TP-sharded param (``Shard(d)`` on ``mesh["tp"]``).
+        tp_activations: ``(module, style, numel, dtype)`` per TP layer in model order:
+            ``style`` ``"colwise"`` (numel = its input's per-rank elements: the backward
+            all_reduce) or ``"rowwise"`` (its output's: the forward all_reduce).
+    """
+
+    tp_size: int = 1
+    tp_dims: tuple[tuple[str, int], ...] = ()
+    tp_activations: tuple[tuple[str, str, int, str], ...] = ()
+
+    @property
+    def world_size(self) -> int:
+        return self.replicate_size * self.shard_size * self.tp_size
+
+    def tp_names(self) -> dict[str, int]:
+        return dict(self.tp_dims)
+
+    def to_dict(self) -> dict:
+        d = super().to_dict()
+        d["tp_dims"] = [list(x) for x in self.tp_dims]
+        d["tp_activations"] = [list(x) for x in self.tp_activations]
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> TPRunLayout:
+        base = RunLayout.from_dict({k: v for k, v in d.items()
+                                    if k not in ("tp_size", "tp_dims", "tp_activations")})
+        return cls(**{f.name: getattr(base, f.name) for f in dataclasses.fields(RunLayout)},
+                   tp_size=int(d["tp_size"]),
+                   tp_dims=tuple((n, int(k)) for n, k in d.get("tp_dims", ())),
+                   tp_activations=tuple((m, s, int(c), t) for m, s, c, t in d.get("tp_activations", ())))
+
+    # ----------------------------------------------------------------------- plan
+    def full_plan(self) -> OwnershipPlan:
+        """The planner on the full matrices over ``(R, N·T)`` slots (the documented TP plan)."""
+        return plan_ownership(self.muon_specs(), (self.replicate_size, self.shard_size * self.tp_size))
+
+    def ns_rank(self) -> dict[str, int]:
+        """TP param -> the TP index t_o of its Newton–Schulz rank."""
+        tp, plan = self.tp_names(), self.full_plan()
+        return {n: plan.owner[n] % (self.shard_size * self.tp_size) % self.tp_size for n in tp}
+
+    def local_specs(self) -> tuple[ParamSpec, ...]:
+        """Every param with its per-rank (local) shape: a TP param's dim d divided by T."""
+        tp = self.tp_names()
+        out = []
+        for p in self.params:
+            if p.name in tp:
+                shape = list(p.shape)
+                shape[tp[p.name]] //= self.tp_size
+                p = dataclasses.replace(p, shape=tuple(shape))
+            out.append(p)
+        return tuple(out)
+
+    def column(self) -> _ColumnLayout:
+        """The data-parallel layout of one TP column: local shapes, owners from the TP plan."""
+        base = {f.name: getattr(self, f.name) for f in dataclasses.fields(RunLayout)}
+        base["params"] = self.local_specs()
+        return _ColumnLayout(**base, tp_plan_owner=tuple(self._dp_owner().items()))
+
+    def _dp_owner(self) -> dict[str, int]:
+        nt, t = self.shard_size * self.tp_size, self.tp_size
+        out = {}
+        for name, g in self.full_plan().owner.items():
+            r, sp = divmod(g, nt)
+            out[name] = r * self.shard_size + sp // t
+        return out
+
+
+@dataclass(frozen=True)
+class _ColumnLayout(RunLayout):
+    """One TP column's data-parallel layout; its plan's owners are the TP plan's."""
+
+    tp_plan_owner: tuple[tuple[str, int], ...] = ()
+
+    def plan(self) -> OwnershipPlan:
+        return OwnershipPlan(mesh_shape=(self.replicate_size, self.shard_size),
+                             specs=tuple(self.muon_specs()), owner=dict(self.tp_plan_owner))
+
+
+def _world(layout: TPRunLayout, col_rank: int, t: int) -> int:
+    """World rank of column rank ``col_rank`` (``r·N + s``) of TP column t."""
+    return col_rank * layout.tp_size + t
+
+
+def tp_group(layout: TPRunLayout, rank: int) -> list[int]:
+    """World ranks of ``rank``'s TP group, in t order."""
+    base = rank - rank % layout.tp_size
+    return [base + k for k in range(layout.tp_size)]
+
+
+def predict_tp_step(layout: TPRunLayout) -> list[Expected]:
+    """Every call of one step on every rank of a TP run (module docstring)."""
+    t_size = layout.tp_size
+    col = layout.column()
+    col_calls = predict_step(col)
+    out: list[Expected] = []
+    for t in range(t_size):
+        for e in col_calls:
+            members = _column_group(col, e)
+            ranks = [_world(layout, m, t) for m in members]
+            out.append(dataclasses.replace(e, rank=_world(layout, e.rank, t),
+                                           group_id=group_id_from_ranks(ranks)))
+    tp = layout.tp_names()
+    local = {p.name: p for p in layout.local_specs()}
+    for rank in range(layout.world_size):
+        gid = group_id_from_ranks(tp_group(layout, rank))
+        # DTensor's own calls (phase "tp")
+        for module, style, numel, dtype in layout.tp_activations:
+            phase = "forward" if style == "rowwise" else "backward"
+            runs = layout.calls_of(module) if phase == "forward" else 1
+            for _ in range(runs):
+                out.append(Expected(rank, "tp", "all_reduce", gid, t_size, numel, dtype, None, module, 0))
+        if layout.is_dmuon:
+            out += _dmuon_tp_step(layout, rank, gid, local)
+        elif layout.mode.startswith("naive-"):
+            for p in layout.muon_specs():
+                if p.name in tp:
+                    c = local[p.name].numel
+                    out.append(Expected(rank, "optimizer", "all_gather", gid, t_size, c, p.dtype, None, p.name, c))
+    return out
+
+
+def _dmuon_tp_step(layout: TPRunLayout, rank: int, gid: str, local: dict) -> list[Expected]:
+    """DMuon's gather and scatter of ``rank``'s TP group (module docstring)."""
+    n, t_size = layout.shard_size, layout.tp_size
+    col_rank = rank // t_size
+    s_me = col_rank % n
+    owner = layout._dp_owner()
+    ns = layout.ns_rank()
+    counts: dict[tuple[int, str], int] = {}
+    for p in layout.muon_specs():
+        if p.name in ns and owner[p.name] % n == s_me and owner[p.name] // n == col_rank // n:
+            key = (ns[p.name], p.dtype)
+            counts[key] = counts.get(key, 0) + local[p.name].numel
+    out = []
+    for (root, dtype), c in sorted(counts.items()):
+        out.append(Expected(rank, "optimizer", "gather", gid, t_size, c, dtype, root, None, c))
+        out.append(Expected(rank, "optimizer", "scatter", gid, t_size, c, dtype, root, None, c))
+    return out
+
+
+def _column_group(col: RunLayout, e: Expected) -> list[int]:
+    """Column ranks of the group of a column call (shard row, replicate column or the world)."""
+    from verify.traffic.predict import replicate_ranks, shard_ranks
+
+    n, r = col.shard_size, col.replicate_size
+    for ranks in (shard_ranks(e.rank, n), replicate_ranks(e.rank, n, r), list(range(n * r))):
+        if group_id_from_ranks(ranks) == e.group_id:
+            return ranks
+    raise ValueError(f"Invalid column call {e}: its group is not a shard, replicate or world group.")
+
+
+def tp_ns_calls_per_step(layout: TPRunLayout) -> int:
+    """NS calls per step over all ranks: DMuon once per TP matrix and T times per matrix
+    replicated over TP (once per column); the naive baselines W times every matrix."""
+    specs = layout.muon_specs()
+    if not layout.is_dmuon:
+        return layout.world_size * sum(p.matrices for p in specs)
+    tp = layout.tp_names()
+    return sum(p.matrices * (1 if p.name in tp else layout.tp_size) for p in specs)
+
+
+def tp_closed_form(layout: TPRunLayout) -> ClosedForm:
+    """The closed form of docs/traffic-model.md, "Tensor parallelism", for ``layout``, as
+    factors of P_M per phase (so that :meth:`ClosedForm.at` evaluates it at P_M):
+
+    - DMuon Z2: forward (N-1)/N·P_loc, backward (N-1)/N·P_loc, optimizer 2(T-1)/(T·W)·P_TP;
+      Z3 adds (N-1)/N·P_loc in backward;
+    - naive FSDP2 × TP Z2: forward, backward and optimizer (N-1)/N·P_loc each, plus
+      (T-1)/T·P_TP in optimizer; Z3 adds (N-1)/N·P_loc in backward;
+
+    with P_TP the TP-sharded Muon elements, P_loc = P_TP/T + P_rep, W = N·T.
+    """
+    n, t, w = layout.shard_size, layout.tp_size, layout.world_size
+    tp = layout.tp_names()
+    specs = layout.muon_specs()
+    p_m = sum(p.numel for p in specs) or 1
+    p_tp = sum(p.numel for p in specs if p.name in tp)
+    p_loc = p_tp / t + (p_m - p_tp)
+    a = (n - 1) / n * p_loc / p_m
+    z3 = layout.reshard_after_forward
+    if layout.is_dmuon:
+        step = 2 * (t - 1) / (t * w) * p_tp / p_m
+        text = f"{3 if z3 else 2}(N-1)/N·P_loc + 2(T-1)/(T·W)·P_TP"
+        return ClosedForm(text, {"forward": a, "backward": (2 if z3 else 1) * a, "optimizer": step})
+    step = a + (t - 1) / t * p_tp / p_m
+    text = f"{4 if z3 else 3}(N-1)/N·P_loc + (T-1)/T·P_TP"
+    return ClosedForm(text, {"forward": a, "backward": (2 if z3 else 1) * a, "optimizer": step})
