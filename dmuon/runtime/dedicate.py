@@ -455,6 +455,40 @@ class DedicatedParams:
         until the first ``step()``, then the agreed execution order (module docstring, step 7)."""
         return self._live("block_order").block_order()
 
+    def coalescing(self) -> dict:
+        """How the blocks share collectives on this rank (docs/traffic-model.md, "Coalescing").
+
+        Returns a dict: ``target_bytes`` (the unit target ``coalesce`` resolved to);
+        ``units``: one row per unit in bucket order, ``{"name", "blocks", "bytes", "aligned"}``
+        (``bytes``: its dedicated params in their own dtype); ``calls_per_step``: DMuon's
+        collectives this rank takes part in per step outside the first, by protocol step
+        (``forward``, ``backward`` (Z3 re-broadcasts and reduces), ``replicate``; an aligned
+        group counts one call per channel); ``z3_peak_bytes``: under Z3 the most compute-copy
+        bytes this rank holds at once for buckets it does not hold between steps, over
+        consecutive pairs of units (a unit plus the next, which prefetch may fill while it
+        runs; ``prefetch_depth`` > 1 can reach further), 0 under Z2.
+        """
+        rt = self._live("coalescing()")
+        units: dict[str, dict] = {}
+        for b in rt.buckets:
+            row = units.setdefault(b.module_name, {"name": b.module_name, "blocks": b.blocks,
+                                                   "bytes": 0, "aligned": b.aligned, "_free": 0})
+            row["bytes"] += b.numel * b.flat.element_size()
+            if not b.is_holder:
+                row["_free"] += b.numel * b.lp.element_size()
+        calls = len({id(rt.schedule.groups_of.get(id(b), b)) for b in rt.buckets})
+        replicate = 0
+        if self.topology.replicate_size > 1:
+            held = [b for b in rt.buckets if b.is_holder]
+            replicate = 2 * len({id(rt.schedule.groups_of.get(id(b), b)) for b in held})
+        z3 = self.reshard_after_forward
+        free = [row.pop("_free") for row in units.values()]
+        peak = max((a + b for a, b in zip(free, free[1:] + [0])), default=0) if z3 else 0
+        return {"target_bytes": self.coalesce_bytes, "units": list(units.values()),
+                "calls_per_step": {"forward": calls, "backward": calls * (2 if z3 else 1) + replicate // 2,
+                                   "replicate": replicate // 2},
+                "z3_peak_bytes": peak}
+
     def owned(self) -> list[nn.Parameter]:
         """Params whose global owner is this rank (the only ones this rank steps). On a TP
         mesh: every rank of the owner's TP group (each holds and steps its shard)."""

@@ -66,6 +66,7 @@ def train(mode: str, coalesce: str, steps: int = 3, bf16: bool = False) -> dict:
     ops = Counter((e.op, e.phase) for e in ip.events if e.phase in ("forward", "backward", "replicate")
                   and e.module is not None and e.module.startswith("blocks"))
     out = {"params": {n: p.detach().float().clone() for n, p in model.named_parameters() if p in dm},
-           "aligned": [b.aligned for b in dm.buckets], "ops": dict(ops), "groups": len(groups - {None})}
+           "aligned": [b.aligned for b in dm.buckets], "ops": dict(ops), "groups": len(groups - {None}),
+           "coalescing": dm.coalescing()}
     dm.close()
     return out

@@ -38,6 +38,14 @@ def test_aligned_group_trains_like_per_bucket_calls(pool4, mode):
     assert all(coalesced[0]["aligned"]) and not any(per_block[0]["aligned"])
     assert coalesced[0]["ops"] == EXPECTED_ALL[mode]
     assert per_block[0]["ops"] == EXPECTED_BLOCK[mode]
+    for run in (coalesced, per_block):  # dm.coalescing() reports the calls the interposer saw
+        by_phase = {ph: sum(k for (op, p), k in run[0]["ops"].items() if p == ph)
+                    for ph in ("forward", "backward", "replicate")}
+        assert run[0]["coalescing"]["calls_per_step"] == by_phase
+    units = coalesced[0]["coalescing"]["units"]
+    assert len(units) == 1 and units[0]["aligned"] and units[0]["bytes"] == T.BLOCKS * T.D * T.D * 4
+    peak = coalesced[0]["coalescing"]["z3_peak_bytes"]  # Z3: the 6 of 8 matrices rank 0 does not hold
+    assert peak == (6 * T.D * T.D * 4 if mode == "z3" else 0)
     for a, b in zip(coalesced, per_block):  # every rank holds the same values after sync
         assert _max_rel(a["params"], b["params"]) < REL_TOL
     assert _max_rel(coalesced[0]["params"], coalesced[3]["params"]) == 0.0
