@@ -32,6 +32,11 @@ Printed per model and implementation:
   ranks) / median step time. DDP's C++ reducer waits are not visible to the interposer, so
   for ddp-muon and the DDP part of dmuon-ddp / zero1-muon this is a lower bound.
 
+DMuon runs with ``coalesce="auto"`` (docs/traffic-model.md, "Coalescing"); each DMuon mode
+also runs as ``<mode>/block`` with ``coalesce="block"`` (one unit per block, the layout before
+coalescing) in the same rounds, so before and after are measured side by side
+(``--no-per-block`` skips them).
+
 Targets (issue 9, W=4, medians of the per-round ratios to zero1-muon): dmuon-ddp, dmuon-z2,
 dmuon-hsdp-z2 <= 1.0; dmuon-z3, dmuon-hsdp-z3 <= 1.15, with a PASS/FAIL column.
 
@@ -92,9 +97,15 @@ class MLP(nn.Module):
         return self.head(x)
 
 
-def _implementations(world: int) -> list[str]:
+#: Suffix of the DMuon rows built with ``coalesce="block"`` (one unit per block: the layout
+#: before coalescing), run in the same invocation as the default ``"auto"`` rows.
+PER_BLOCK = "/block"
+
+
+def _implementations(world: int, per_block: bool) -> list[str]:
     hsdp = world >= 4 and world % 2 == 0
-    return [m for m in (*BASELINES, *DMUON) if hsdp or "hsdp" not in m]
+    extra = tuple(m + PER_BLOCK for m in DMUON) if per_block else ()
+    return [m for m in (*BASELINES, *DMUON, *extra) if hsdp or "hsdp" not in m]
 
 
 def _batches(model_name: str, args):
@@ -123,11 +134,12 @@ def _batches(model_name: str, args):
 def _rank_task(model_name: str, args) -> dict:
     world = dist.get_world_size()
     make_model, batch = _batches(model_name, args)
-    impls = _implementations(world)
+    impls = _implementations(world, args.per_block)
     built = {}
     for mode in impls:
         torch.manual_seed(0)
-        built[mode] = build(mode, make_model)
+        built[mode] = build(mode.removesuffix(PER_BLOCK), make_model,
+                            coalesce="block" if mode.endswith(PER_BLOCK) else "auto")
     step = 0
     for mode in impls:
         for _ in range(args.warmup):
@@ -197,6 +209,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--world-size", type=int, default=4)
     parser.add_argument("--models", default="mlp,tinygpt,latency", help="comma-separated: mlp, tinygpt, latency")
     parser.add_argument("--rounds", type=int, default=7, help="interleaved rounds (>= 5 for a median)")
+    parser.add_argument("--no-per-block", dest="per_block", action="store_false",
+                        help=f"skip the DMuon rows with coalesce='block' ('{PER_BLOCK}': the layout before "
+                        "coalescing, run beside the default coalesce='auto' rows)")
     parser.add_argument("--steps", type=int, default=3, help="steps per implementation per round")
     parser.add_argument("--warmup", type=int, default=3, help="steps per implementation before timing")
     parser.add_argument("--mlp-dim", type=int, default=256)

@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 
 from dmuon.runtime import attach, collectives, tp
-from dmuon.ownership.buckets import DEFAULT_BUCKET_CAP_MB
+from dmuon.ownership.buckets import DEFAULT_BUCKET_CAP_MB, coalesce_target_bytes
 from dmuon.runtime.dedicate import DedicatedParams
 from dmuon.ownership.plan import OwnershipPlan, plan_ownership, specs_from_named_parameters
 from dmuon.ownership.select import Predicate, adamw_matrices, assign_params, select_params
@@ -27,6 +27,7 @@ def dedicate_params(
     mp_policy=None,
     bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
     prefetch_depth: int = 1,
+    coalesce: str | int = "auto",
 ) -> DedicatedParams:
     """Give every Muon-target matrix of ``model`` one owner rank and install DMuon's hooks.
 
@@ -62,6 +63,16 @@ def dedicate_params(
             broadcasts (and Z3's backward re-broadcasts, in backward order) are issued,
             asynchronously; ``0`` issues each when it is needed. Changes when calls are
             issued, never which (docs/performance.md, "Overlap").
+        coalesce: how many blocks share collectives (``dmuon/ownership/buckets.py``, "unit";
+            docs/traffic-model.md, "Coalescing"): ``"auto"`` (default) joins consecutive
+            blocks while a unit holds at most the backend's α/β bytes (2 MB on CPU / gloo,
+            3.6 MB on CUDA / NCCL: ``buckets.LINK_COSTS``, by the params' device), where a
+            call costs as much in fixed latency as in bytes; ``"block"`` one unit per block
+            and one call per bucket (most overlap, most calls); ``"all"`` one unit for the
+            whole model (fewest calls; under Z3 a non-holder then holds every dedicated param
+            during forward); or a byte count. A unit whose buckets are one per rank of equal
+            size moves in one all_gather / reduce_scatter instead of one broadcast / reduce
+            per bucket. Changes which calls carry the bytes, never the bytes per rank.
 
     Returns:
         The :class:`DedicatedParams` handle. Release it with ``dm.close()`` on every rank, or
@@ -76,10 +87,11 @@ def dedicate_params(
             ``Shard(1)`` matrix whose sharded dim the TP size divides (``tp.check_model``), ``dedicate_params`` was already
             called on it, a dedicated param has fewer than 2 dims, is frozen or not in the model,
             ``reshard_after_forward`` is not a bool, ``bucket_cap_mb`` is not a positive
-            number, ``prefetch_depth`` is not an int >= 0, or the mesh is invalid (see
+            number, ``prefetch_depth`` is not an int >= 0, ``coalesce`` is not one of
+            ``"auto"``, ``"block"``, ``"all"`` or an int >= 0, or the mesh is invalid (see
             ``topology_from_mesh``). All checked locally, before any collective.
         RuntimeError: the ranks computed different setups (plan, ``reshard_after_forward``,
-            mixed-precision policy, bucket cap, devices: :func:`setup_digest`), checked with one
+            mixed-precision policy, bucket cap, coalescing, devices: :func:`setup_digest`), checked with one
             all_gather of the digest before any other DMuon collective.
 
     Warns:
@@ -113,6 +125,7 @@ def dedicate_params(
             "broadcast is issued ahead of the module that needs them; 1 is the default)."
         )
     cap_bytes = _bucket_cap_bytes(bucket_cap_mb)
+    coalesce_target_bytes(coalesce, "gloo")  # validates, before anything else
     topology = tp.topology(mesh) if tp.is_tp_mesh(mesh) else topology_from_mesh(mesh)
     assignments = assign_params(model, params, predicate)
     named = select_params(model, params, predicate, assignments)
@@ -144,14 +157,25 @@ def dedicate_params(
             )
     else:
         plan = plan_ownership(specs, topology.mesh_shape)
+    on_cuda = any(p.device.type == "cuda" for _, p, _ in named)
+    coalesce_bytes = coalesce_target_bytes(coalesce, "nccl" if on_cuda else "gloo")
+    if tp_layout is not None:  # TP: one unit per block (coalescing local shards is not built)
+        if coalesce not in ("auto", "block"):
+            raise ValueError(
+                f"Invalid coalesce={coalesce!r} with a tensor-parallel mesh. Must be 'auto' or "
+                "'block': under TP DMuon keeps one unit per block (docs/traffic-model.md, "
+                "'Coalescing').")
+        coalesce_bytes = 0
     digest = setup_digest(tp_layout.full_plan if tp_layout else plan, named,
-                          reshard_after_forward, mp_policy, cap_bytes)
+                          reshard_after_forward, mp_policy, cap_bytes, coalesce_bytes)
     collectives.check_plan_agreement(
-        digest, "setup (ownership plan, reshard_after_forward, mp_policy, bucket_cap_mb or device type)"
+        digest, "setup (ownership plan, reshard_after_forward, mp_policy, bucket_cap_mb, "
+        "coalesce or device type)"
     )
     return DedicatedParams(model, named, topology, plan, reshard_after_forward, mesh=mesh,
                            mp_policy=mp_policy, bucket_cap_bytes=cap_bytes,
-                           prefetch_depth=prefetch_depth, assignments=assignments, tp=tp_layout)
+                           prefetch_depth=prefetch_depth, coalesce_bytes=coalesce_bytes,
+                           assignments=assignments, tp=tp_layout)
 
 
 #: At most this many params are named in the AdamW-matrices warning (the rest are counted).
@@ -210,14 +234,15 @@ def setup_digest(
     reshard_after_forward: bool,
     mp_policy=None,
     bucket_cap_bytes: int = DEFAULT_BUCKET_CAP_MB * 1024 * 1024,
+    coalesce_bytes: int = 0,
 ) -> str:
     """sha256 (64 hex chars) of everything the ranks' collective schedules depend on.
 
     Covers the ownership plan (names, shapes, dtypes, mesh shape: :meth:`OwnershipPlan.digest`),
     ``reshard_after_forward`` (Z2 on one rank and Z3 on another would pair a backward
     re-broadcast with a reduce and hang), the mixed-precision policy (its dtypes set the
-    message sizes), the bucket cap (it sets the buckets) and each dedicated param's device
-    type.
+    message sizes), the bucket cap and the coalescing target (they set the buckets) and each
+    dedicated param's device type.
 
     Raises:
         ValueError: ``reshard_after_forward`` is not a bool.
@@ -232,6 +257,7 @@ def setup_digest(
         "reshard_after_forward": reshard_after_forward,
         "mp_policy": _policy_fields(mp_policy),
         "bucket_cap_bytes": bucket_cap_bytes,
+        "coalesce_bytes": coalesce_bytes,
         "devices": sorted({p.device.type for _, p, _ in named}),
     }
     text = json.dumps(setup, sort_keys=True, separators=(",", ":"), default=str)

@@ -123,7 +123,7 @@ class DMuon(Optimizer):
         self.ns_calls = 0
         self._owned = {id(p) for p in dedicated.owned()}
         # Module of each dedicated matrix: its Newton–Schulz span names it, like the comm spans.
-        self._module_of = {id(p): dedicated.block_of(p) for p in dedicated.params}
+        self._module_of = {id(p): dedicated.unit_of(p) for p in dedicated.params}
         self._name_of = dict(zip(map(id, dedicated.params), dedicated.names))
         # Muon's view of each dedicated param: (rows, cols) of one matrix (stack or conv layout)
         spec_of = {sp.name: sp for sp in dedicated.plan.specs}

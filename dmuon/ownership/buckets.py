@@ -1,23 +1,39 @@
 """Bucket layout: which dedicated params travel together in one collective (pure).
 
-A **block** is the part of the model whose dedicated params share collectives: for a param
-of module ``m``, the longest prefix of ``m``'s dotted name whose last component is an
-integer (an element of a ``ModuleList`` / ``Sequential``: ``blocks.3`` for
-``blocks.3.attn.qkv``, ``layers.0.experts.5`` for ``layers.0.experts.5.w1``); a module with
-no such prefix (``head``, the root ``""``) is its own block (:func:`block_of`).
+A **block** is the part of the model whose dedicated params share hooks: for a param of
+module ``m``, the longest prefix of ``m``'s dotted name whose last component is an integer
+(an element of a ``ModuleList`` / ``Sequential``: ``blocks.3`` for ``blocks.3.attn.qkv``,
+``layers.0.experts.5`` for ``layers.0.experts.5.w1``); a module with no such prefix
+(``head``, the root ``""``) is its own block (:func:`block_of`).
 
-A **bucket** is the dedicated params of one block with the same global owner and dtype, in
-model order, cut into consecutive runs of at most ``cap_bytes`` (bytes of the params' own
-dtype; a param larger than the cap is a bucket of its own). :func:`bucket_layout` lists them
-in model order (first appearance), so the buckets of any module's subtree are a contiguous
-range; after the first step DMuon renumbers them block by block in the blocks' execution
-order (``order.py``, ``dedicate.py`` step 7). DMuon's runtime (``dedicate.py``) uses
-:func:`bucket_layout`; the traffic predictor (``verify/traffic/predict.py``) implements the same
-documented rule on its own.
+A **unit** is a run of consecutive blocks (model order of their first dedicated param) whose
+dedicated params share collectives, chosen by the α-β cost of a call (:func:`unit_layout`,
+docs/traffic-model.md "Coalescing"): walking the blocks in model order, a block joins the
+current unit while the unit's bytes (the params' own dtype) plus the block's stay at most
+``target_bytes``; otherwise it starts a new unit. ``target_bytes = 0`` gives one unit per
+block; :func:`coalesce_target_bytes` turns ``dedicate_params``' ``coalesce`` into the target
+(``"auto"``: the backend's half-bandwidth size α/β, :data:`LINK_COSTS`). A unit is named by
+its first block.
+
+A **bucket** is the dedicated params of one unit with the same global owner and dtype, in
+model order, cut into consecutive runs of at most ``cap_bytes`` (a param larger than the cap
+is a bucket of its own). Within a unit the buckets are ordered by dtype (first appearance),
+then by owner: first appearance, except in an **aligned** dtype group (only when
+``target_bytes > 0``: ``coalesce="block"`` keeps one call per bucket): exactly one bucket
+per global owner ``g`` in ``[0, W)`` (none split by the cap), all with the same ``numel``
+and the same number of params. Its buckets are ordered by ``(s, r)`` (shard index, then
+replicate index, ``g = r * N + s``) and move in one ``all_gather`` / ``reduce_scatter`` per
+channel instead of one ``broadcast`` / ``reduce`` each (protocol in
+``dmuon/runtime/dedicate.py``). :func:`bucket_layout` lists units in model order, so the
+buckets of any module's subtree are a contiguous range; after the first step DMuon
+renumbers them unit by unit in the execution order (``order.py``, ``dedicate.py`` step 7).
+DMuon's runtime (``hooks.py``) uses :func:`bucket_layout`; the traffic predictor
+(``verify/traffic/predict.py``) implements the same documented rule on its own.
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -26,17 +42,54 @@ from dmuon.ownership.plan import OwnershipPlan, ParamSpec
 #: Default bucket cap, in MiB (DDP's ``bucket_cap_mb`` default).
 DEFAULT_BUCKET_CAP_MB = 25
 
+#: ``coalesce`` values besides a byte count: ``"auto"`` (the backend's α/β), ``"block"`` (one
+#: unit per block, no coalescing), ``"all"`` (one unit for the whole model).
+COALESCE_MODES = ("auto", "block", "all")
+
+
+@dataclass(frozen=True)
+class LinkCost:
+    """The α-β cost of one collective call: ``alpha_us + bytes / (gbps * 1e9)`` seconds.
+
+    :attr:`half_bytes` is α/β, the message size at which a call spends as long on its fixed
+    cost as on moving bytes (Hockney's n½): below it a call is latency-bound and coalescing
+    pays, above it the saving is less than half a call and per-block calls keep their
+    overlap with compute.
+    """
+
+    alpha_us: float
+    gbps: float
+
+    @property
+    def half_bytes(self) -> int:
+        return int(self.alpha_us * 1e-6 * self.gbps * 1e9)
+
+
+#: Documented defaults per backend (docs/traffic-model.md, "Coalescing"): ``nccl`` = the
+#: intra-node NVLink figures ``dmuon-plan`` assumes (10 µs per call, 360 GB/s bus bandwidth,
+#: ``verify.traffic.scale.CostModel``); ``gloo`` = measured on a 2-core CPU machine at W=4
+#: (``benchmarks/bench_gloo_call_cost.py``: 1-5 ms per reduce / all_gather / reduce_scatter
+#: call whatever its size up to 64K elements, about 1 GB/s beyond). Any other backend uses
+#: ``nccl``'s.
+LINK_COSTS = {"nccl": LinkCost(alpha_us=10.0, gbps=360.0), "gloo": LinkCost(alpha_us=2000.0, gbps=1.0)}
+
 
 @dataclass(frozen=True)
 class BucketSpec:
-    """One bucket: ``numel`` elements of ``dtype`` (torch name) owned by global index ``owner``;
-    ``module`` is the block (see the module docstring)."""
+    """One bucket: ``numel`` elements of ``dtype`` (torch name) owned by global index ``owner``.
+
+    ``module`` is its unit (named by the unit's first block), ``blocks`` the unit's blocks in
+    model order; ``aligned`` whether it belongs to an aligned dtype group of its unit (module
+    docstring).
+    """
 
     module: str
     owner: int
     dtype: str
     names: tuple[str, ...]
     numel: int
+    blocks: tuple[str, ...] = ()
+    aligned: bool = False
 
 
 def block_of(module: str) -> str:
@@ -48,27 +101,97 @@ def block_of(module: str) -> str:
     return module
 
 
-def bucket_layout(specs: Sequence[ParamSpec], plan: OwnershipPlan, cap_bytes: int) -> list[BucketSpec]:
-    """Buckets in model order (module docstring).
+def coalesce_target_bytes(coalesce: str | int, backend: str) -> int:
+    """The unit target of ``dedicate_params(coalesce=...)`` on ``backend`` (module docstring).
+
+    Args:
+        coalesce: ``"auto"`` (``LINK_COSTS[backend].half_bytes``), ``"block"`` (0), ``"all"``
+            (no limit) or a byte count >= 0.
+        backend: the process group backend name (``"nccl"``, ``"gloo"``, ...).
+
+    Raises:
+        ValueError: ``coalesce`` is none of these.
+    """
+    if coalesce == "auto":
+        return LINK_COSTS.get(backend, LINK_COSTS["nccl"]).half_bytes
+    if coalesce == "block":
+        return 0
+    if coalesce == "all":
+        return sys.maxsize
+    if isinstance(coalesce, bool) or not isinstance(coalesce, int) or coalesce < 0:
+        raise ValueError(
+            f"Invalid coalesce={coalesce!r}. Must be one of {COALESCE_MODES} or a byte count "
+            ">= 0 (the most bytes of dedicated params per unit of blocks sharing collectives)."
+        )
+    return coalesce
+
+
+def unit_layout(specs: Sequence[ParamSpec], target_bytes: int) -> dict[str, tuple[str, ...]]:
+    """Block -> the blocks of its unit, in model order (module docstring).
+
+    Args:
+        specs: the dedicated params in model order.
+        target_bytes: the most bytes per unit of more than one block (>= 0).
+    """
+    sizes: dict[str, int] = {}
+    for spec in specs:
+        block = block_of(spec.module)
+        sizes[block] = sizes.get(block, 0) + spec.nbytes
+    units: list[list[str]] = []
+    unit_bytes = 0
+    for block, nbytes in sizes.items():
+        if units and unit_bytes + nbytes <= target_bytes:
+            units[-1].append(block)
+            unit_bytes += nbytes
+        else:
+            units.append([block])
+            unit_bytes = nbytes
+    return {block: tuple(unit) for unit in units for block in unit}
+
+
+def bucket_layout(specs: Sequence[ParamSpec], plan: OwnershipPlan, cap_bytes: int,
+                  target_bytes: int = 0) -> list[BucketSpec]:
+    """Buckets in model order of their units (module docstring).
 
     Args:
         specs: the dedicated params in model order (``model.named_parameters()`` order).
         plan: the ownership plan computed from the same specs.
         cap_bytes: bucket cap in bytes of the params' dtype (> 0).
+        target_bytes: unit target (:func:`unit_layout`); 0: one unit per block.
 
     Raises:
         KeyError: a spec is not in the plan.
     """
-    assert cap_bytes > 0, cap_bytes
-    members: dict[tuple[str, int, str], list[list[ParamSpec]]] = {}
+    assert cap_bytes > 0 and target_bytes >= 0, (cap_bytes, target_bytes)
+    replicas, shards = plan.mesh_shape
+    world = replicas * shards
+    units = unit_layout(specs, target_bytes)
+    # unit -> dtype -> owner -> runs of params (dicts keep first appearance)
+    members: dict[str, dict[str, dict[int, list[list[ParamSpec]]]]] = {}
     for spec in specs:
-        runs = members.setdefault((block_of(spec.module), plan.owner[spec.name], spec.dtype), [[]])
+        blocks = units[block_of(spec.module)]
+        runs = members.setdefault(blocks[0], {}).setdefault(spec.dtype, {}).setdefault(
+            plan.owner[spec.name], [[]])
         run = runs[-1]
         if run and (sum(s.nbytes for s in run) + spec.nbytes) > cap_bytes:
             runs.append(run := [])
         run.append(spec)
-    return [
-        BucketSpec(block, owner, dtype, tuple(s.name for s in run), sum(s.numel for s in run))
-        for (block, owner, dtype), runs in members.items()
-        for run in runs
-    ]
+    layout = []
+    for unit, by_dtype in members.items():
+        blocks = units[unit]
+        for dtype, by_owner in by_dtype.items():
+            aligned = target_bytes > 0 and _aligned(by_owner, world)
+            owners = sorted(by_owner, key=lambda g: (g % shards, g // shards)) if aligned else by_owner
+            for owner in owners:
+                for run in by_owner[owner]:
+                    layout.append(BucketSpec(unit, owner, dtype, tuple(s.name for s in run),
+                                             sum(s.numel for s in run), blocks, aligned))
+    return layout
+
+
+def _aligned(by_owner: dict[int, list[list[ParamSpec]]], world: int) -> bool:
+    """One run per owner of ``[0, world)``, equal element and param counts (world > 1)."""
+    if world < 2 or sorted(by_owner) != list(range(world)) or any(len(r) != 1 for r in by_owner.values()):
+        return False
+    shapes = {(sum(s.numel for s in runs[0]), len(runs[0])) for runs in by_owner.values()}
+    return len(shapes) == 1

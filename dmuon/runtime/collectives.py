@@ -240,6 +240,19 @@ def reduce_sum_(buf: torch.Tensor, dst: int, group: dist.ProcessGroup, *, async_
     return dist.reduce(buf, group_dst=dst, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
 
 
+def all_gather_(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup, *, async_op: bool = False):
+    """``out`` (n * inp.numel(),) <- every member's ``inp`` in group-rank order
+    (``all_gather_into_tensor``; count = ``inp.numel()``). Returns the ``Work`` when ``async_op``."""
+    return dist.all_gather_into_tensor(out, inp, group=group, async_op=async_op)
+
+
+def reduce_scatter_sum_(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup, *,
+                        async_op: bool = False):
+    """``out`` (inp.numel() / n,) <- the sum over ``group`` of this member's chunk of ``inp``
+    (``reduce_scatter_tensor``; count = ``out.numel()``). Returns the ``Work`` when ``async_op``."""
+    return dist.reduce_scatter_tensor(out, inp, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+
+
 def all_reduce_max_(buf: torch.Tensor, group: dist.ProcessGroup) -> None:
     """Elementwise maximum of ``buf`` over ``group``, in place on every member (synchronous)."""
     dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=group)
@@ -274,6 +287,33 @@ class Pending:
             self._wait_stream().wait_event(self._event)
             self._event = None
         self._keep = ()
+
+
+class Fused:
+    """One issued call shared by several buckets (an aligned group's ``all_gather`` /
+    ``reduce_scatter``): :meth:`wait` waits it once, then copies each ``(dst, src)`` pair's
+    result out of the call's staging buffer (on the current stream, after the wait), so
+    every bucket of the group holds its part; calling it again is a no-op."""
+
+    __slots__ = ("_pending", "_copies")
+
+    def __init__(self, pending: Pending, copies: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        self._pending, self._copies = pending, copies
+
+    def wait(self) -> None:
+        if self._pending is None:
+            return
+        self._pending.wait()
+        self._pending = None
+        with torch.no_grad():
+            for dst, src in self._copies:
+                # a collective writing ``dst`` in place does not bump its version counter; this
+                # copy must not either: backward saved the compute params (views of ``dst``)
+                # and a Z3 re-broadcast refills them in backward (FSDP2 does the same in its
+                # all_gather copy-out)
+                with torch.autograd._unsafe_preserve_version_counter(dst):
+                    dst.copy_(src)
+        self._copies = []
 
 
 class Launcher:
@@ -336,6 +376,16 @@ class Launcher:
     def reduce(self, buf: torch.Tensor, dst: int, group: dist.ProcessGroup, channel: str = "reduce") -> Pending:
         """:func:`reduce_sum_` issued asynchronously."""
         return self.launch(channel, lambda async_op: reduce_sum_(buf, dst, group, async_op=async_op), buf)
+
+
+    def all_gather(self, out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup, channel: str) -> Pending:
+        """:func:`all_gather_` issued asynchronously."""
+        return self.launch(channel, lambda async_op: all_gather_(out, inp, group, async_op=async_op), out, inp)
+
+    def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup, channel: str) -> Pending:
+        """:func:`reduce_scatter_sum_` issued asynchronously."""
+        return self.launch(channel, lambda async_op: reduce_scatter_sum_(out, inp, group, async_op=async_op),
+                           out, inp)
 
 
 def all_gather_digests(digest: str, group: dist.ProcessGroup | None, span: str) -> list[str]:

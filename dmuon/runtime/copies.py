@@ -35,7 +35,10 @@ class Bucket:
 
     Args:
         index: position in the bucket order (changed by renumbering).
-        module_name, module: the block (``buckets.py``) and its module.
+        module_name, module: the unit (``buckets.py``; its first block) and its module.
+        blocks: the unit's blocks (dotted names, model order).
+        aligned: member of an aligned group (one ``all_gather`` / ``reduce_scatter`` for
+            the group's buckets: ``schedule.py``).
         owner: global owner index ``g = r * N + s``; ``shard_owner`` = ``s`` (group rank of
             the holder in each shard group), ``replicate_owner`` = ``r``.
         names, params, param_modules: the params (model order), with the module each is
@@ -46,11 +49,12 @@ class Bucket:
             compute param (registered here, moved when the compute params change).
     """
 
-    def __init__(self, *, index: int, module_name: str, module: nn.Module, owner: int,
-                 shard_owner: int, replicate_owner: int, names: list[str],
+    def __init__(self, *, index: int, module_name: str, module: nn.Module, blocks: tuple[str, ...],
+                 aligned: bool, owner: int, shard_owner: int, replicate_owner: int, names: list[str],
                  params: list[nn.Parameter], param_modules: list[nn.Module], is_holder: bool,
                  is_owner: bool, frees: bool, on_grad: Callable[[Bucket, int], Callable]) -> None:
         self.index, self.module_name, self.module = index, module_name, module
+        self.blocks, self.aligned = tuple(blocks) or (module_name,), aligned
         self.owner, self.shard_owner, self.replicate_owner = owner, shard_owner, replicate_owner
         self.names, self.params, self.param_modules = names, params, param_modules
         self.is_holder, self.is_owner, self._frees = is_holder, is_owner, frees

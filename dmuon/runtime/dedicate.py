@@ -17,12 +17,31 @@ Glossary (see ``topology.py`` for the mesh terms):
   index; they keep the full param between steps (for 1-D meshes the holder is the owner).
 - **block**: the longest prefix of a param's module name ending in an integer component (a
   ``ModuleList`` element such as ``blocks.3``), else the module itself (``buckets.block_of``).
-- **bucket**: the dedicated params of one block with the same owner and dtype, cut into runs
-  of at most ``bucket_cap_mb`` (``buckets.bucket_layout``), numbered ``0 .. B-1`` block by
-  block in the **block order**: model order until the end of the first ``step()``, then the
-  order in which the blocks' forwards first ran, agreed across ranks (step 7, rule in
-  ``order.py``); within a block, model order. Their data are views into one flat buffer
-  (``residency.py``), so one collective moves them all. A bucket's ``module`` is its block.
+- **unit**: a run of consecutive blocks (model order) whose params share collectives, as
+  many as fit ``dedicate_params``' ``coalesce`` target (``buckets.unit_layout``; by default
+  the backend's α/β bytes, where a call's fixed cost equals its transfer time). Without
+  coalescing (``coalesce="block"``) every block is its own unit. Named by its first block.
+- **bucket**: the dedicated params of one unit with the same owner and dtype, cut into runs
+  of at most ``bucket_cap_mb`` (``buckets.bucket_layout``), numbered ``0 .. B-1`` unit by
+  unit in the **block order**: model order until the end of the first ``step()``, then the
+  order in which the units' blocks first ran, agreed across ranks (step 7, rule in
+  ``order.py``); within a unit, the layout's order. Their data are views into one flat
+  buffer (``residency.py``), so one collective moves them all. A bucket's ``module`` is its
+  unit (its first block's module); the unit's blocks are ``blocks``.
+- **aligned group**: the buckets of one unit and dtype when they are exactly one per global
+  owner, of equal ``numel`` and param count (and ``coalesce`` is not ``"block"``), ordered by
+  ``(s, r)``. Every call below that would move each of its buckets separately moves the whole
+  group in one call instead: a forward broadcast or Z3 re-broadcast becomes one
+  **all_gather** over the shard axis (each rank's input: the R buckets of its shard index, in
+  ``r`` order; count ``R * numel``), a shard reduce one **reduce_scatter** (sum) over the
+  shard axis (input: the group's reduce buffers in group order; each rank keeps its R
+  buckets' sums; count ``R * (numel + params)``), an HSDP replicate reduce one
+  **reduce_scatter** over the replicate axis (input: the holder's R buckets; the owner keeps
+  its own; count ``numel + params``) and step 6's replicate broadcast one **all_gather** over
+  the replicate axis (input: the owner's bucket; count ``numel``). The call is issued where
+  the group's first bucket in the walk's direction would be (forward and step 6: its lowest
+  index; backward: its highest) and replaces the group's calls there; each bytes-per-rank
+  figure equals that of the calls it replaces. ``sync_params`` still broadcasts per bucket.
 - **copy state** (``state.Copy``, one per bucket): where the non-holders' compute copy
   stands: ``FREED`` (no storage), ``STALE``, ``IN_FLIGHT`` (a broadcast is writing it) or
   ``VALID`` (equal to the owner's current values, allocated). Every rank tracks the same
@@ -66,8 +85,9 @@ Per step (docs/spec.md §1):
    Exactly one broadcast per bucket not VALID per forward, issued in index order on every
    rank (``prefetch_depth`` moves when a call is issued, never which or in what order).
 2. **after forward**, Z3 (``reshard_after_forward=True``): a driver's post-hook frees the
-   non-holders' storage of the buckets in its subtree that the cursor passed; the root's
-   post-hook frees the rest. Every bucket is then FREED on every rank. **Reuse**: a block
+   non-holders' storage of the buckets in its subtree that the cursor passed and whose
+   unit's blocks have all finished their forward in this pass (a unit of several blocks
+   stays until its last block ran); the root's post-hook frees the rest. Every bucket is then FREED on every rank. **Reuse**: a block
    whose forward runs again in the same forward (weight sharing) finds its buckets FREED;
    its pre-hook broadcasts each of them again from its holder (phase ``forward``, issued
    and waited there: ``Schedule.refill``), as FSDP2 re-gathers a reused module, and its
@@ -117,8 +137,9 @@ Per step (docs/spec.md §1):
 7. **block order** (first ``step()`` only; channel ``world``, phase ``setup``, span
    ``dmuon.order_agreement``). During the first forward after ``dedicate_params`` (state
    FORWARD; activation-checkpoint recompute and later forwards are not recorded, a forward
-   that raised is recorded again) each block records its name when its forward pre-hook
-   first runs (the root block: the root's pre-hook). In the first ``step()``, after the
+   that raised is recorded again) each block records its unit's name when its forward
+   pre-hook first runs (the root block: the root's pre-hook); ``order.py``'s rule then runs
+   on units, a unit's drivers being those of all its blocks. In the first ``step()``, after the
    update and before step 6's replicate broadcasts (every call of the step has then been
    waited on, so no call in flight can pair with a renumbered bucket; every rank reaches
    this point at the same place of its call sequence; the next forward is the first to use
@@ -126,7 +147,7 @@ Per step (docs/spec.md §1):
    if the record already follows it, else the blocks that ran in that order then the others
    in model order, and model order when some driver's buckets would not be contiguous)
    and all_gathers its sha256 (32 bytes per rank, all W ranks). If every digest is the same,
-   the buckets are renumbered in that order (block by block, model order within a block);
+   the buckets are renumbered in that order (unit by unit, layout order within a unit);
    every later call sequence (steps 1-6, ``sync_params``) follows the new indices. If they
    differ (e.g. a module ran on some ranks only, out of model order), every rank warns once
    with the same text (the ranks holding each digest) and keeps model order. No other call:
@@ -241,6 +262,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from dmuon.runtime import attach, checkpoint, collectives
+from dmuon.ownership import buckets
 from dmuon.ownership.buckets import DEFAULT_BUCKET_CAP_MB
 from dmuon.ownership.plan import OwnershipPlan
 from dmuon.runtime.hooks import Runtime, in_backward
@@ -266,6 +288,8 @@ class DedicatedParams:
         topology: this rank's :class:`~dmuon.ownership.topology.Topology`.
         reshard_after_forward: ``True`` for Z3 (non-holders free after forward), ``False`` for Z2.
         bucket_cap_bytes, prefetch_depth: the knobs given to ``dedicate_params``.
+        coalesce_bytes: the unit target in bytes (``dedicate_params``' ``coalesce``,
+            resolved by ``buckets.coalesce_target_bytes``).
     """
 
     def __init__(
@@ -280,12 +304,14 @@ class DedicatedParams:
         mp_policy=None,
         bucket_cap_bytes: int = DEFAULT_BUCKET_CAP_MB * 1024 * 1024,
         prefetch_depth: int = 1,
+        coalesce_bytes: int = 0,
         assignments: list | None = None,
         tp=None,
     ) -> None:
         self._assignments = list(assignments or ())
         self.bucket_cap_bytes = bucket_cap_bytes
         self.prefetch_depth = prefetch_depth
+        self.coalesce_bytes = coalesce_bytes
         self.names = [n for n, _, _ in named]
         self.plan = plan
         self.topology = topology
@@ -298,7 +324,8 @@ class DedicatedParams:
                         else collectives.make_groups(_mesh_rows(mesh, topology)))
         self._runtime: Runtime | None = Runtime(model, named, topology, plan, self._groups,
                                 reshard_after_forward=reshard_after_forward, mp_policy=mp_policy,
-                                bucket_cap_bytes=bucket_cap_bytes, prefetch_depth=prefetch_depth)
+                                bucket_cap_bytes=bucket_cap_bytes, prefetch_depth=prefetch_depth,
+                                coalesce_bytes=coalesce_bytes)
         self._hooks = attach.HookSet()
         self._runtime.install(self._hooks)
         checkpoint.install(model, self, self._hooks)
@@ -428,6 +455,40 @@ class DedicatedParams:
         until the first ``step()``, then the agreed execution order (module docstring, step 7)."""
         return self._live("block_order").block_order()
 
+    def coalescing(self) -> dict:
+        """How the blocks share collectives on this rank (docs/traffic-model.md, "Coalescing").
+
+        Returns a dict: ``target_bytes`` (the unit target ``coalesce`` resolved to);
+        ``units``: one row per unit in bucket order, ``{"name", "blocks", "bytes", "aligned"}``
+        (``bytes``: its dedicated params in their own dtype); ``calls_per_step``: DMuon's
+        collectives this rank takes part in per step outside the first, by protocol step
+        (``forward``, ``backward`` (Z3 re-broadcasts and reduces), ``replicate``; an aligned
+        group counts one call per channel); ``z3_peak_bytes``: under Z3 the most compute-copy
+        bytes this rank holds at once for buckets it does not hold between steps, over
+        consecutive pairs of units (a unit plus the next, which prefetch may fill while it
+        runs; ``prefetch_depth`` > 1 can reach further), 0 under Z2.
+        """
+        rt = self._live("coalescing()")
+        units: dict[str, dict] = {}
+        for b in rt.buckets:
+            row = units.setdefault(b.module_name, {"name": b.module_name, "blocks": b.blocks,
+                                                   "bytes": 0, "aligned": b.aligned, "_free": 0})
+            row["bytes"] += b.numel * b.flat.element_size()
+            if not b.is_holder:
+                row["_free"] += b.numel * b.lp.element_size()
+        calls = len({id(rt.schedule.groups_of.get(id(b), b)) for b in rt.buckets})
+        replicate = 0
+        if self.topology.replicate_size > 1:
+            held = [b for b in rt.buckets if b.is_holder]
+            replicate = 2 * len({id(rt.schedule.groups_of.get(id(b), b)) for b in held})
+        z3 = self.reshard_after_forward
+        free = [row.pop("_free") for row in units.values()]
+        peak = max((a + b for a, b in zip(free, free[1:] + [0])), default=0) if z3 else 0
+        return {"target_bytes": self.coalesce_bytes, "units": list(units.values()),
+                "calls_per_step": {"forward": calls, "backward": calls * (2 if z3 else 1) + replicate // 2,
+                                   "replicate": replicate // 2},
+                "z3_peak_bytes": peak}
+
     def owned(self) -> list[nn.Parameter]:
         """Params whose global owner is this rank (the only ones this rank steps). On a TP
         mesh: every rank of the owner's TP group (each holds and steps its shard)."""
@@ -450,12 +511,23 @@ class DedicatedParams:
         return self._bucket_of(p, "owner_of()").owner
 
     def block_of(self, p: nn.Parameter) -> str:
-        """The block (``buckets.py``) of a dedicated param: the module its spans name.
+        """The block (``buckets.py``) of a dedicated param.
 
         Raises:
             ValueError: ``p`` is not a dedicated param.
         """
-        return self._bucket_of(p, "block_of()").module_name
+        b = self._bucket_of(p, "block_of()")
+        name = b.names[next(i for i, q in enumerate(b.params) if q is p)]
+        return buckets.block_of(name.rpartition(".")[0])
+
+    def unit_of(self, p: nn.Parameter) -> str:
+        """The unit (``buckets.py``: the blocks that share its collectives, named by the
+        first) of a dedicated param: the module its spans name.
+
+        Raises:
+            ValueError: ``p`` is not a dedicated param.
+        """
+        return self._bucket_of(p, "unit_of()").module_name
 
     # ------------------------------------------------------------------ between steps
     @contextmanager

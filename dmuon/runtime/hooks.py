@@ -41,7 +41,7 @@ class Runtime:
     def __init__(self, model: nn.Module, named: list[tuple[str, nn.Parameter, str]],
                  topology: Topology, plan: OwnershipPlan, groups: collectives.DMuonGroups, *,
                  reshard_after_forward: bool, mp_policy, bucket_cap_bytes: int,
-                 prefetch_depth: int) -> None:
+                 prefetch_depth: int, coalesce_bytes: int = 0) -> None:
         self.root = model
         self.topology = topology
         self.reshard_after_forward = reshard_after_forward
@@ -52,14 +52,18 @@ class Runtime:
         self.order = order.OrderRecorder()
         self.order_agreed = False
         self._modules = dict(model.named_modules())
-        buckets = self._build_buckets(named, plan, bucket_cap_bytes)
+        buckets = self._build_buckets(named, plan, bucket_cap_bytes, coalesce_bytes)
         self.schedule = Schedule(buckets, groups, prefetch_depth=prefetch_depth,
                                  reshard_after_forward=reshard_after_forward,
                                  reduce_dtype=reduce_dtype, world_size=topology.world_size)
-        self.model_blocks = self.block_order()  # model order (protocol step 7)
+        self.model_blocks = self.unit_order()  # model order (protocol step 7)
+        self._ran: set[str] = set()  # blocks whose forward finished in this forward (Z3)
         self._applying = 0  # depth of followed _apply calls in progress
         self._moved: dict[int, Bucket] = {}  # buckets an _apply touched, not re-bound yet
         self._rebound: dict[int, Bucket] = {}  # re-bound since the last forward (recast there)
+        # unit -> the drivers of all its blocks (order.py's contiguity rule, the spans)
+        self._drivers = {b.module_name: list(dict.fromkeys(d for block in b.blocks for d in order.drivers_of(block)))
+                         for b in buckets}
         self._index()
         for b in buckets:
             b.make_compute(self.param_dtype)
@@ -73,20 +77,25 @@ class Runtime:
     def state(self) -> TrainingState:
         return self.pass_state.state
 
-    def block_order(self) -> tuple[str, ...]:
+    def unit_order(self) -> tuple[str, ...]:
+        """The units (``buckets.py``; one per block without coalescing) in bucket order."""
         return tuple(dict.fromkeys(b.module_name for b in self.buckets))
 
+    def block_order(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(block for b in self.buckets for block in b.blocks))
+
     # ------------------------------------------------------------------ construction
-    def _build_buckets(self, named, plan: OwnershipPlan, cap_bytes: int) -> list[Bucket]:
+    def _build_buckets(self, named, plan: OwnershipPlan, cap_bytes: int, coalesce_bytes: int) -> list[Bucket]:
         topology, modules = self.topology, self._modules
         by_name = {n: p for n, p, _ in named}
         # TP: buckets hold local shards, so the cap counts their bytes (dedicate.py, TP)
         specs = specs_from_named_parameters((n, tp.local(p)) for n, p, _ in named)
         buckets = []
-        for i, spec in enumerate(bucket_layout(specs, plan, cap_bytes)):
+        for i, spec in enumerate(bucket_layout(specs, plan, cap_bytes, coalesce_bytes)):
             r, s = topology.coords(spec.owner)
             buckets.append(Bucket(
                 index=i, module_name=spec.module, module=modules[spec.module], owner=spec.owner,
+                blocks=spec.blocks, aligned=spec.aligned,
                 shard_owner=s, replicate_owner=r, names=list(spec.names),
                 params=[by_name[n] for n in spec.names],
                 param_modules=[modules[n.rpartition(".")[0]] for n in spec.names],
@@ -103,19 +112,26 @@ class Runtime:
         self._leaf: dict[nn.Module, list[Bucket]] = {}
         # followed module (holds params, or a block) -> its buckets
         self._followed: dict[nn.Module, list[Bucket]] = {}
+        # driver -> the blocks in its subtree (its post-forward means they all finished)
+        self._blocks_under: dict[nn.Module, set[str]] = {}
         count: dict[nn.Module, int] = {}
         for b in self.buckets:
-            self._own.setdefault(b.module, []).append(b)
-            for m in dict.fromkeys([*b.param_modules, b.module]):
+            block_modules = [self._modules[block] for block in b.blocks]
+            for m in block_modules:  # a unit's buckets are every one of its blocks' own
+                self._own.setdefault(m, []).append(b)
+            for m in dict.fromkeys([*b.param_modules, *block_modules]):
                 self._followed.setdefault(m, []).append(b)
             for m in dict.fromkeys(b.param_modules):
                 if m is not self.root:
                     self._leaf.setdefault(m, []).append(b)
-            for driver in order.drivers_of(b.module_name):
+            for driver in self._drivers[b.module_name]:
                 m = self._modules[driver]
                 lo, hi = self._span.get(m, (b.index, b.index))
                 self._span[m] = (min(lo, b.index), max(hi, b.index))
                 count[m] = count.get(m, 0) + 1
+            for block in b.blocks:
+                for driver in order.drivers_of(block):
+                    self._blocks_under.setdefault(self._modules[driver], set()).add(block)
         # a driver's hooks cover one index range: order.py keeps every driver contiguous
         assert all(hi - lo + 1 == count[m] for m, (lo, hi) in self._span.items())
 
@@ -187,6 +203,7 @@ class Runtime:
             b.recast()
         self._rebound.clear()
         self._enter(S.FORWARD)
+        self._ran.clear()
         self.order.begin()
         for b in self.buckets:  # mixed precision: non-holders' master copies (sync) go
             b.drop_master()
@@ -249,7 +266,7 @@ class Runtime:
             return  # recompute of a checkpointed root
         self.begin_forward()
         if module in self._own:  # buckets of the root module itself
-            self.order.note("")
+            self.order.note(self._own[module][0].module_name)
             self.schedule.advance_forward(max(b.index for b in self._own[module]))
         else:  # nothing needed yet: the first buckets fly during the root's own prologue
             self.schedule.issue_forward(self.schedule.prefetch_depth - 1)
@@ -285,8 +302,10 @@ class Runtime:
         if self.state != S.FORWARD or not self.reshard_after_forward:
             return  # recompute, or Z2
         lo, hi = self._span[module]
+        self._ran |= self._blocks_under[module]
         for b in self.buckets[lo : min(hi, self.schedule.cursors.fwd_waited - 1) + 1]:
-            self.schedule.free(b)
+            if self._ran.issuperset(b.blocks):  # a unit stays until all its blocks ran
+                self.schedule.free(b)
         self._on_first_grad(output, lambda: self._pre_backward(lo))
 
     def _pre_backward(self, lo: int) -> None:
@@ -341,7 +360,8 @@ class Runtime:
             b.step_consumed()
         if not self.order_agreed:
             self.order_agreed = True  # no call is in flight: every call of the step was waited
-            blocks = order.agree(self.model_blocks, self.order.recorded, self.schedule.groups.world)
+            blocks = order.agree(self.model_blocks, self.order.recorded, self.schedule.groups.world,
+                                 self._drivers)
             if blocks != self.model_blocks:
                 position = {name: i for i, name in enumerate(blocks)}
                 self.schedule.reorder(sorted(self.buckets, key=lambda b: position[b.module_name]))

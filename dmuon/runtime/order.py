@@ -16,8 +16,9 @@ forward pre-hook first ran in the first forward after ``dedicate_params`` (the r
    root) must cover a contiguous run of the candidate (its hooks cover one index range);
    if one does not, the result is ``model_blocks``.
 
-Buckets are then ordered by their block's position in the result, and within a block keep
-their model order. The traffic predictor (``verify/traffic/predict.py``) implements the same rule on
+With coalescing the names are units (``buckets.py``): a unit is recorded when any of its
+blocks first runs, and its drivers are those of all its blocks. Buckets are then ordered by
+their unit's position in the result, and within a unit keep their order. The traffic predictor (``verify/traffic/predict.py``) implements the same rule on
 its own.
 """
 
@@ -26,7 +27,7 @@ from __future__ import annotations
 import hashlib
 import json
 import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch.distributed as dist
 
@@ -39,22 +40,26 @@ def drivers_of(block: str) -> list[str]:
     return [".".join(parts[:k]) for k in range(1, len(parts) + 1)]
 
 
-def contiguous_drivers(blocks: Sequence[str]) -> bool:
-    """Whether every driver's blocks form one contiguous run of ``blocks``."""
+def contiguous_drivers(blocks: Sequence[str], drivers: Mapping[str, Sequence[str]] | None = None) -> bool:
+    """Whether every driver's blocks form one contiguous run of ``blocks`` (``drivers``: name
+    -> its drivers, for units of several blocks; default :func:`drivers_of`)."""
     positions: dict[str, list[int]] = {}
     for i, block in enumerate(blocks):
-        for driver in drivers_of(block):
+        for driver in dict.fromkeys(drivers[block] if drivers is not None else drivers_of(block)):
             positions.setdefault(driver, []).append(i)
     return all(p[-1] - p[0] + 1 == len(p) for p in positions.values())
 
 
-def execution_block_order(model_blocks: Sequence[str], recorded: Sequence[str]) -> tuple[str, ...]:
+def execution_block_order(model_blocks: Sequence[str], recorded: Sequence[str],
+                          drivers: Mapping[str, Sequence[str]] | None = None) -> tuple[str, ...]:
     """The block order buckets follow (module docstring, steps 1-4).
 
     Args:
-        model_blocks: every block holding buckets, in model order (distinct names).
+        model_blocks: every block (or unit) holding buckets, in model order (distinct names).
         recorded: block names in the order their forward first ran (repeats and unknown
             names are ignored).
+        drivers: name -> its drivers: for a unit, those of every block in it (default:
+            :func:`drivers_of` of the name).
 
     Returns:
         A permutation of ``model_blocks``.
@@ -66,7 +71,7 @@ def execution_block_order(model_blocks: Sequence[str], recorded: Sequence[str]) 
     if all(where[a] < where[b] for a, b in zip(ran, ran[1:])):
         return model
     candidate = ran + tuple(b for b in model if b not in set(ran))
-    return candidate if contiguous_drivers(candidate) else model
+    return candidate if contiguous_drivers(candidate, drivers) else model
 
 
 def order_digest(blocks: Sequence[str]) -> str:
@@ -101,11 +106,12 @@ class OrderRecorder:
             self._active, self.done = False, True
 
 
-def agree(model_blocks: Sequence[str], recorded: Sequence[str], world: dist.ProcessGroup) -> tuple[str, ...]:
+def agree(model_blocks: Sequence[str], recorded: Sequence[str], world: dist.ProcessGroup,
+          drivers: Mapping[str, Sequence[str]] | None = None) -> tuple[str, ...]:
     """The block order every rank derives from its record, if all ranks derived the same one
     (one all_gather of the 32-byte digests on DMuon's ``world`` group); else ``model_blocks``,
     after every rank warned with the same text (which ranks hold which digest)."""
-    proposal = execution_block_order(model_blocks, recorded)
+    proposal = execution_block_order(model_blocks, recorded, drivers)
     digests = collectives.all_gather_order_digests(order_digest(proposal), world)
     if len(set(digests)) == 1:
         return proposal

@@ -69,6 +69,20 @@ class Schedule:
         self.world_size = world_size
         self.cursors = Cursors(len(buckets))
         self._launchers: dict[torch.device, collectives.Launcher] = {}
+        self._index_groups()
+
+    def _index_groups(self) -> None:
+        """id(bucket) -> its aligned group (``buckets.py``): the consecutive aligned buckets
+        of one unit and dtype, in index order (one call moves them all)."""
+        self.groups_of: dict[int, list[Bucket]] = {}
+        run: list[Bucket] = []
+        for b in [*self.buckets, None]:
+            if run and (b is None or not b.aligned or (b.module_name, b.flat.dtype) != (run[0].module_name, run[0].flat.dtype)):
+                for m in run:
+                    self.groups_of[id(m)] = run
+                run = []
+            if b is not None and b.aligned:
+                run.append(b)
 
     def reset(self) -> None:
         """A pass starts: every cursor back to its start."""
@@ -80,6 +94,7 @@ class Schedule:
         self.buckets[:] = buckets
         for i, b in enumerate(self.buckets):
             b.index = i
+        self._index_groups()
 
     # ------------------------------------------------------------------ forward (step 1)
     def advance_forward(self, last: int) -> None:
@@ -104,11 +119,13 @@ class Schedule:
 
     def refill(self, b: Bucket) -> None:
         """Z3 reuse: a block whose forward runs again in the same forward finds ``b`` freed;
-        broadcast it again from its holder (phase ``forward``, issued and waited here), as
-        FSDP2 re-gathers a reused module. Every rank runs the block as often."""
+        broadcast it again from its holder (phase ``forward``, issued and waited here; an
+        aligned group's all_gather), as FSDP2 re-gathers a reused module. Every rank runs
+        the block as often."""
         self.wait_replicate(b)
         self._broadcast(b, "forward")
-        b.wait_broadcast()
+        for m in self.groups_of.get(id(b), [b]):
+            m.wait_broadcast()
 
     # ------------------------------------------------------------------ backward (steps 3-5)
     def advance_rebroadcast(self, first: int) -> None:
@@ -131,14 +148,20 @@ class Schedule:
         c = self.cursors
         while c.reduced < len(self.buckets):
             b = self.buckets[len(self.buckets) - 1 - c.reduced]
-            if not final and len(b.arrived) < len(b.params):
+            members = self.groups_of.get(id(b), [b])  # b is an aligned group's last
+            if not final and any(len(m.arrived) < len(m.params) for m in members):
                 return
-            buf = b.reduce_buffer(self.reduce_dtype)
-            with annotate.phase("backward"), annotate.span("dmuon.reduce", module=b.module_name, owner=b.owner):
-                work = self._launcher(buf).reduce(buf, b.shard_owner, self.groups.reduce)
-            b.reduce_issued(work, buf)
-            self.free(b)  # Z3: its module's backward is done (its grads arrived)
-            c.reduced += 1
+            bufs = [m.reduce_buffer(self.reduce_dtype) for m in members]
+            with annotate.phase("backward"), annotate.span("dmuon.reduce", module=b.module_name,
+                                                           owner=None if b.aligned else b.owner):
+                if b.aligned:
+                    work = self._reduce_scatter(members, bufs, lambda m: m.is_holder, self.groups.reduce, "reduce")
+                else:
+                    work = self._launcher(bufs[0]).reduce(bufs[0], b.shard_owner, self.groups.reduce)
+            for m, buf in zip(members, bufs):
+                m.reduce_issued(work, buf)
+                self.free(m)  # Z3: its module's backward is done (its grads arrived)
+            c.reduced += len(members)
 
     def finish_reduces(self) -> None:
         """Wait for every shard reduce, run the HSDP replicate reduces (issued as each shard
@@ -148,12 +171,19 @@ class Schedule:
         replicate_works = []
         for b in self.buckets[::-1]:
             buf = b.wait_reduce()
-            if rep is not None and b.is_holder:
-                with annotate.phase("backward"), annotate.span(
-                    "dmuon.reduce", module=b.module_name, owner=b.owner
-                ):
+            members = self.groups_of.get(id(b))
+            if rep is None or not b.is_holder or (members is not None and b is not _held(members)[-1]):
+                continue
+            with annotate.phase("backward"), annotate.span(
+                "dmuon.reduce", module=b.module_name, owner=None if b.aligned else b.owner
+            ):
+                if members is None:
                     replicate_works.append(
                         self._launcher(buf).reduce(buf, b.replicate_owner, rep, channel="replicate"))
+                else:  # this rank's R held buckets, summed over the replicate axis to their owners
+                    held = [m for m in members if m.is_holder]
+                    replicate_works.append(self._reduce_scatter(
+                        held, [m.wait_reduce() for m in held], lambda m: m.is_owner, rep, "replicate"))
         for work in replicate_works:
             work.wait()
         owned = [b for b in self.buckets if b.is_owner]
@@ -183,11 +213,20 @@ class Schedule:
             return
         with annotate.phase("replicate"):
             for b in self.buckets:
-                if b.is_holder:
-                    with annotate.span("dmuon.replicate_broadcast", module=b.module_name, owner=b.owner):
+                members = self.groups_of.get(id(b))
+                if not b.is_holder or (members is not None and b is not _held(members)[0]):
+                    continue
+                with annotate.span("dmuon.replicate_broadcast", module=b.module_name,
+                                   owner=None if b.aligned else b.owner):
+                    if members is None:
                         work = self._launcher(b.flat).broadcast(
                             b.flat, b.replicate_owner, self.groups.replicate, channel="replicate")
-                    b.replicate_issued(work)
+                    else:  # the owner's bucket to the other holders of its shard index
+                        held = _held(members)
+                        work = self._all_gather(held, [m.flat for m in held], lambda m: m.is_owner,
+                                                self.groups.replicate, "replicate")
+                for m in _held(members) if members is not None else [b]:
+                    m.replicate_issued(work)
 
     def sync(self) -> None:
         """``sync_params``: every bucket whose copies are not all current is broadcast from
@@ -211,12 +250,40 @@ class Schedule:
 
     def _broadcast(self, b: Bucket, phase: str) -> None:
         """Holder -> shard group, the compute copy, asynchronously (waited by
-        :meth:`Bucket.wait_broadcast`)."""
-        buf = b.receive_buffer(master=False)
+        :meth:`Bucket.wait_broadcast`); for an aligned bucket, its whole group in one
+        all_gather over the shard axis (every member's held buckets, in group order)."""
+        members = self.groups_of.get(id(b), [b])
+        for m in members:  # HSDP: the held buckets' values must have landed before they are sent
+            self.wait_replicate(m)
+        assert all(m.copy is b.copy for m in members), [m.copy for m in members]
+        bufs = [m.receive_buffer(master=False) for m in members]
         name = "dmuon.broadcast" if phase == "forward" else "dmuon.rebroadcast"
-        with annotate.phase(phase), annotate.span(name, module=b.module_name, owner=b.owner):
-            work = self._launcher(buf).broadcast(buf, b.shard_owner, self.groups.broadcast)
-        b.broadcast_issued(work)
+        with annotate.phase(phase), annotate.span(name, module=b.module_name,
+                                                  owner=None if b.aligned else b.owner):
+            if b.aligned:
+                work = self._all_gather(members, bufs, lambda m: m.is_holder, self.groups.broadcast, "broadcast")
+            else:
+                work = self._launcher(bufs[0]).broadcast(bufs[0], b.shard_owner, self.groups.broadcast)
+        for m in members:
+            m.broadcast_issued(work)
+
+    def _all_gather(self, members: list[Bucket], bufs: list[torch.Tensor], mine, group, channel: str):
+        """One all_gather of ``bufs`` (group order; the ``mine(m)`` ones, consecutive, are
+        this rank's input) into a staging buffer; the others' are copied out at the wait."""
+        inp = _cat([buf for m, buf in zip(members, bufs) if mine(m)])
+        out = torch.empty(sum(buf.numel() for buf in bufs), dtype=inp.dtype, device=inp.device)
+        pending = self._launcher(inp).all_gather(out, inp, group, channel)
+        return collectives.Fused(pending, [(buf, piece) for m, buf, piece in
+                                           zip(members, bufs, _split(out, bufs)) if not mine(m)])
+
+    def _reduce_scatter(self, members: list[Bucket], bufs: list[torch.Tensor], mine, group, channel: str):
+        """One reduce_scatter (sum) of ``bufs`` concatenated in group order; this rank's
+        chunk (the ``mine(m)`` buffers, consecutive) is copied into them at the wait."""
+        inp = torch.cat(bufs)
+        kept = [buf for m, buf in zip(members, bufs) if mine(m)]
+        out = torch.empty(sum(buf.numel() for buf in kept), dtype=inp.dtype, device=inp.device)
+        pending = self._launcher(inp).reduce_scatter(out, inp, group, channel)
+        return collectives.Fused(pending, list(zip(kept, _split(out, kept))))
 
     def _launcher(self, t: torch.Tensor) -> collectives.Launcher:
         """The :class:`~dmuon.runtime.collectives.Launcher` for ``t``'s device (streams on CUDA)."""
@@ -224,3 +291,17 @@ class Schedule:
         if launcher is None:
             launcher = self._launchers[t.device] = collectives.Launcher(t.device)
         return launcher
+
+
+def _held(members: list[Bucket]) -> list[Bucket]:
+    """The buckets of an aligned group this rank holds (its shard index's R, consecutive)."""
+    return [m for m in members if m.is_holder]
+
+
+def _cat(bufs: list[torch.Tensor]) -> torch.Tensor:
+    return bufs[0] if len(bufs) == 1 else torch.cat(bufs)
+
+
+def _split(flat: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``flat`` cut into consecutive views of ``like``'s sizes."""
+    return list(torch.split(flat, [t.numel() for t in like]))

@@ -4,9 +4,10 @@ several caps and world sizes: the same buckets, and each block a contiguous inde
 
 import pytest
 
-from dmuon.ownership.buckets import block_of, bucket_layout
+from dmuon.ownership.buckets import LINK_COSTS, block_of, bucket_layout, coalesce_target_bytes, unit_layout
+from dmuon.ownership.plan import ParamSpec, plan_ownership
 from tests.builders import tinygpt_layout
-from verify.traffic.predict import dmuon_block, dmuon_buckets
+from verify.traffic.predict import dmuon_block, dmuon_buckets, dmuon_coalesce_bytes
 
 
 @pytest.mark.parametrize("module", ["", "head", "blocks.3", "blocks.3.attn.qkv",
@@ -30,3 +31,59 @@ def test_runtime_layout_equals_the_predicted_one(mode, world, cap_bytes):
         assert idx == list(range(idx[0], idx[-1] + 1)), (block, idx)
     for b in runtime:
         assert len(b.names) == 1 or b.numel * 4 <= cap_bytes
+
+
+def _key(b):
+    return (b.module, b.owner, b.dtype, b.names, b.numel, tuple(b.blocks), b.aligned)
+
+
+@pytest.mark.parametrize("mode,world", [("dmuon-z3", 4), ("dmuon-hsdp-z2", 4), ("dmuon-ddp", 2)])
+@pytest.mark.parametrize("target", [0, 20_000, 200_000, 2**63 - 1])
+def test_coalesced_layout_equals_the_predicted_one(mode, world, target):
+    layout = tinygpt_layout(mode, world)
+    specs, plan = layout.muon_specs(), layout.plan()
+    runtime = bucket_layout(specs, plan, 25 * 1024 * 1024, target)
+    predicted = dmuon_buckets(specs, plan, 25 * 1024 * 1024, coalesce_bytes=target)
+    assert sorted(map(_key, runtime)) == sorted(map(_key, predicted))  # aligned: (s, r) order
+    units = [b.module for b in runtime]
+    assert units == sorted(units, key=units.index)  # each unit one contiguous range
+
+
+def _specs(shapes, dtype="float32"):
+    """``blocks.i.fc`` Linear weights of the given shapes, in order."""
+    return [ParamSpec(f"blocks.{i}.fc.weight", tuple(s), dtype, f"blocks.{i}.fc") for i, s in enumerate(shapes)]
+
+
+def test_units_join_consecutive_blocks_up_to_the_target():
+    specs = _specs([(64, 64)] * 5)  # 16 KiB each
+    assert len(set(unit_layout(specs, 0).values())) == 5  # "block": one unit per block
+    units = unit_layout(specs, 40_000)  # two blocks fit (32 KiB), three do not
+    assert units["blocks.0"] == units["blocks.1"] == ("blocks.0", "blocks.1")
+    assert units["blocks.4"] == ("blocks.4",)
+    assert set(unit_layout(specs, coalesce_target_bytes("all", "gloo")).values()) == {
+        tuple(f"blocks.{i}" for i in range(5))}
+
+
+def test_an_aligned_group_is_one_bucket_per_owner_in_shard_then_replicate_order():
+    specs = _specs([(32, 32)] * 8)
+    plan = plan_ownership(specs, (2, 2))  # HSDP 2x2: g = r * 2 + s
+    layout = bucket_layout(specs, plan, 25 * 1024 * 1024, 2**40)
+    assert len(layout) == 4 and all(b.aligned for b in layout)
+    assert [(b.owner % 2, b.owner // 2) for b in layout] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    # coalesce="block" keeps one call per bucket even where a unit could be aligned
+    assert not any(b.aligned for b in bucket_layout(specs, plan, 25 * 1024 * 1024, 0))
+    # unequal sizes: per-owner buckets, not aligned
+    uneven = _specs([(32, 32)] * 3 + [(32, 64)])
+    assert not any(b.aligned for b in bucket_layout(uneven, plan_ownership(uneven, (1, 4)), 2**30, 2**40))
+
+
+@pytest.mark.parametrize("bad", ["fast", -1, 1.5, True, None])
+def test_coalesce_values_are_checked(bad):
+    with pytest.raises(ValueError, match="Invalid coalesce="):
+        coalesce_target_bytes(bad, "gloo")
+
+
+def test_auto_target_is_the_documented_half_bandwidth_size():
+    assert coalesce_target_bytes("auto", "gloo") == dmuon_coalesce_bytes("auto", "gloo") == 2_000_000
+    assert coalesce_target_bytes("auto", "nccl") == dmuon_coalesce_bytes("auto", "nccl") == 3_600_000
+    assert LINK_COSTS["nccl"].half_bytes == 3_600_000

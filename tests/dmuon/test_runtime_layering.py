@@ -19,6 +19,7 @@ FOREIGN_PRIVATE = {
     "_current_graph_task_id": {"hooks.py"},
     "_execution_engine": {"hooks.py"},  # queue_callback: the end of backward
     "_parameters": {"copies.py"},  # nn.Module's registry (FSDP2 swaps it the same way)
+    "_unsafe_preserve_version_counter": {"collectives.py"},  # aligned copy-out (as FSDP2 does)
     # a TP DTensor's local shard: read in tp.py (to_local() makes a new view of a Parameter's),
     # re-pointed in residency.py (as FSDP2 re-points its sharded DTensors)
     "_local_tensor": {"residency.py", "tp.py"},

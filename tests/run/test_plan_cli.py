@@ -35,9 +35,12 @@ def test_json_report_matches_the_aggregate(capsys):
     assert [m["mode"] for m in rep["modes"]] == ["naive-hsdp", "dmuon-hsdp-z2", "dmuon-hsdp-z3"]
     ml = ModelLayout(build_preset("llama-tiny"), "llama-tiny")
     for row in rep["modes"]:
-        st = step_traffic(ml.layout(row["mode"], 2, 2))
-        assert row["ded_avg_bytes"] == pytest.approx(st.ded_avg_bytes)
-        assert row["calls_max"] == st.calls_max
+        st = step_traffic(ml.layout(row["mode"], 2, 2, row["coalesce_bytes"] or 0))
+        per_block = step_traffic(ml.layout(row["mode"], 2, 2))
+        assert row["ded_avg_bytes"] == pytest.approx(st.ded_avg_bytes) == pytest.approx(per_block.ded_avg_bytes)
+        assert row["calls_max"] == st.calls_max and row["calls_max_per_block"] == per_block.calls_max
+        if row["mode"].startswith("dmuon"):  # llama-tiny's blocks are far below 3.6 MB
+            assert row["coalesce_bytes"] == 3_600_000 and row["calls_max"] < row["calls_max_per_block"]
         assert row["closed_form_elems"] == pytest.approx(st.closed_form_elems())
     z2 = rep["modes"][1]
     assert z2["ded_avg_elems"] == pytest.approx(2 * 3 / 4 * rep["p_m"])  # 2(W-1)/W

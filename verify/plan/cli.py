@@ -98,7 +98,7 @@ class ModelLayout:
                                     key=lambda m: (-m.count("."), order[m])))
         self.n_params = sum(p.numel for p in self.params)
 
-    def layout(self, mode: str, r: int, n: int) -> RunLayout:
+    def layout(self, mode: str, r: int, n: int, coalesce_bytes: int = 0) -> RunLayout:
         if "ddp" in mode or mode.startswith("zero1"):
             units = ()
         else:
@@ -107,6 +107,7 @@ class ModelLayout:
             mode="ddp-muon" if mode.startswith("zero1") else mode, replicate_size=r, shard_size=n,
             params=self.params, muon_names=self.muon_names, fsdp_modules=units,
             reshard_after_forward=mode.endswith("z3") or mode == "naive-hsdp",
+            dmuon_coalesce_bytes=coalesce_bytes if mode.startswith("dmuon") else 0,
         )
 
 
@@ -179,8 +180,12 @@ def report(ml: ModelLayout, mesh: tuple[int, int], cm: CostModel) -> dict:
     plan = plan_ownership(ml.muon_specs, mesh)
     plan_s = time.perf_counter() - t0
     rows = []
+    # DMuon's coalesce="auto" on NCCL, from this cost model: units of up to α·bandwidth bytes
+    # (docs/traffic-model.md, "Coalescing"); "block" is one unit per block
+    target = int(cm.intra_alpha_us * 1e-6 * cm.intra_gbps * 1e9)
     for mode in layout_modes(r):
-        st = step_traffic(ml.layout(mode, r, n), plan, mode=mode)
+        st = step_traffic(ml.layout(mode, r, n, target), plan, mode=mode)
+        per_block = step_traffic(ml.layout(mode, r, n), plan, mode=mode) if mode.startswith("dmuon") else st
         comm = cm.busiest_comm_s(st)
         ns = cm.ns_s(ns_flops_busiest(st, plan))
         rows.append({
@@ -193,6 +198,8 @@ def report(ml: ModelLayout, mesh: tuple[int, int], cm: CostModel) -> dict:
             "total_avg_bytes": st.total_avg_bytes,
             "calls_max": st.calls_max,
             "calls_avg": st.calls_avg,
+            "calls_max_per_block": per_block.calls_max,
+            "coalesce_bytes": target if mode.startswith("dmuon") else None,
             "ns_calls": st.ns_calls,
             "param_bytes_max": st.param_bytes_max,
             "momentum_bytes_max": st.momentum_bytes_max,
@@ -238,7 +245,7 @@ def format_report(rep: dict, cm: CostModel) -> str:
         )
     headers = [
         "mode", "closed form", "ded elems/rank ÷ P_M", "vs closed", "ded GiB/rank avg",
-        "ded GiB busiest", "all GiB/rank avg", "calls/step (busiest)", "NS calls",
+        "ded GiB busiest", "all GiB/rank avg", "calls/step busiest (DMuon: per block -> coalesced)", "NS calls",
         "param GiB/rank", "momentum GiB/rank", "comm ms", "NS ms", "step ms (no overlap)",
     ]
     body = [
@@ -246,7 +253,7 @@ def format_report(rep: dict, cm: CostModel) -> str:
             m["mode"], m["closed_form"], f"{m['ded_avg_elems'] / rep['p_m']:.4f}",
             f"{m['ded_avg_elems'] / m['closed_form_elems']:.4f}" if m["closed_form_elems"] else "-",
             _gib(m["ded_avg_bytes"]), _gib(m["ded_max_bytes"]), _gib(m["total_avg_bytes"]),
-            m["calls_max"], m["ns_calls"], _gib(m["param_bytes_max"]), _gib(m["momentum_bytes_max"]),
+            _calls(m), m["ns_calls"], _gib(m["param_bytes_max"]), _gib(m["momentum_bytes_max"]),
             _ms(m["comm_s"]), _ms(m["ns_s"]), _ms(m["step_s"]),
         ]
         for m in rep["modes"]
@@ -260,6 +267,13 @@ def format_report(rep: dict, cm: CostModel) -> str:
         "Z3 keeps the owners' share) and Muon momentum. " + _cost_text(cm)
     )
     return "\n".join(lines)
+
+
+def _calls(m: dict) -> str:
+    """Calls per step of the busiest rank; DMuon modes: per block -> coalesced."""
+    if m["calls_max_per_block"] == m["calls_max"]:
+        return str(m["calls_max"])
+    return f"{m['calls_max_per_block']} -> {m['calls_max']}"
 
 
 def _cost_text(cm: CostModel) -> str:
@@ -292,7 +306,7 @@ def format_sweep(reports: list[dict], cm: CostModel) -> str:
         for m in rep["modes"]:
             body.append([
                 rep["world_size"], _mesh_text(rep), m["mode"], _gib(m["ded_avg_bytes"]),
-                m["calls_max"], _ms(m["ns_s"]), _ms(m["comm_s"]), _ms(m["step_s"]),
+                _calls(m), _ms(m["ns_s"]), _ms(m["comm_s"]), _ms(m["step_s"]),
                 _gib(m["param_bytes_max"]), ns["idle_owners"],
                 f"{ns['max_flops'] / ns['lower_bound_flops']:.3f}",
             ])
@@ -380,6 +394,8 @@ UNITS: dict[str, str] = {
     "param_dtypes": "elements per dtype the collectives carry",
     "calls_max": "collective calls per training step of the busiest rank",
     "calls_avg": "collective calls per training step, mean over ranks",
+    "calls_max_per_block": "calls_max with DMuon's coalesce='block' (one unit per block): the before of coalescing",
+    "coalesce_bytes": "DMuon's unit target in bytes (coalesce='auto': intra α x intra bandwidth); null for other modes",
     "ns_calls": "Newton–Schulz calls per training step, all ranks together",
     "max_over_mean": "ratio of the busiest owner's NS FLOPs to the mean",
     "idle_owners": "ranks that own no matrix",

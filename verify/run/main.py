@@ -56,6 +56,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
     parser.add_argument("--mixed-precision", choices=["bf16", "fp16"], default=None,
                         help="MixedPrecisionPolicy(param_dtype=...) for DMuon and fully_shard")
+    parser.add_argument("--coalesce", choices=["auto", "block", "all"], default="auto",
+                        help="DMuon's dedicate_params(coalesce=...): blocks sharing collectives "
+                        "(docs/traffic-model.md, 'Coalescing'; 'block' = one call per bucket)")
     parser.add_argument("--tp", type=int, default=1,
                         help="tensor-parallel degree T: the TP-capable modes (dmuon-z2, dmuon-z3, "
                              "naive-fsdp2-z2, naive-fsdp2-z3) on a (W/T) x T mesh ('shard', 'tp'), "
@@ -104,6 +107,7 @@ def main(argv: list[str] | None = None) -> int:
         device="cuda" if use_cuda else "cpu",
         model=args.model,
         mixed_precision=args.mixed_precision,
+        coalesce=args.coalesce,
         tp=args.tp,
     )
     rank = dist.get_rank()

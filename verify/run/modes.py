@@ -22,7 +22,7 @@ from dmuon.ownership.select import matrix_shapes, select_params
 from dmuon.ownership.plan import specs_from_named_parameters
 
 from verify.run.baselines import MatrixMuon, NaiveShardedMuon, ZeroOneMuon
-from verify.traffic.predict import RunLayout
+from verify.traffic.predict import RunLayout, dmuon_coalesce_bytes
 from verify.workload.usermodel import block_names
 
 #: Hyper-parameters every mode uses (Muon's and AdamW's torch defaults except the lrs).
@@ -126,9 +126,11 @@ def _fsdp_wrap(model: nn.Module, mesh, reshard: bool, ignored: set, per_linear: 
 
 
 def build(mode: str, make_model: Callable[[], nn.Module], device: str = "cpu",
-          mixed_precision: str | None = None) -> Built:
+          mixed_precision: str | None = None, coalesce: str = "auto") -> Built:
     """Build ``mode`` on this rank: wrap ``make_model()`` and create its optimizer.
 
+    ``coalesce``: DMuon's ``dedicate_params(coalesce=...)`` (the layout gets the target the
+    documented rule gives for it: :func:`verify.traffic.predict.dmuon_coalesce_bytes`).
     ``mixed_precision`` (``"bf16"``, ``"fp16"``): DMuon modes get a ``MixedPrecisionPolicy``
     (dmuon-ddp with ``output_dtype=float32``, since DDP keeps the rest in fp32) and every
     ``fully_shard`` call the same policy; DDP and the baselines' DDP stay fp32.
@@ -158,6 +160,7 @@ def build(mode: str, make_model: Callable[[], nn.Module], device: str = "cpu",
             fsdp_modules=fsdp_modules,
             reshard_after_forward=reshard_flag,
             ddp_bucket_cap_bytes=DDP_BUCKET_CAP_MB * 1024 * 1024,
+            dmuon_coalesce_bytes=dmuon_coalesce_bytes(coalesce, "nccl" if device.startswith("cuda") else "gloo"),
             mp_param_dtype=mp_name if (mode.startswith("dmuon-") or fsdp_modules) else None,
             ddp_buffers=buffers if mode in ("ddp-muon", "zero1-muon", "dmuon-ddp") else (),
         )
@@ -168,7 +171,7 @@ def build(mode: str, make_model: Callable[[], nn.Module], device: str = "cpu",
     if mode.startswith("dmuon-"):
         dm_mp = mp_policy(mixed_precision, output_dtype=torch.float32) if mode == "dmuon-ddp" else mp
         dm = dmuon.dedicate_params(model, mesh, params=list(targets), reshard_after_forward=reshard,
-                                   mp_policy=dm_mp)
+                                   mp_policy=dm_mp, coalesce=coalesce)
         if mode == "dmuon-ddp":
             model = DistributedDataParallel(model, bucket_cap_mb=DDP_BUCKET_CAP_MB)
             fsdp_modules = ()

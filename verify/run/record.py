@@ -95,6 +95,7 @@ def layout_from_job(model: nn.Module, dedicated: dmuon.DedicatedParams,
     common = dict(replicate_size=topo.replicate_size, shard_size=topo.shard_size,
                   muon_names=tuple(dedicated.names),
                   dmuon_bucket_cap_bytes=int(dedicated.bucket_cap_bytes),
+                  dmuon_coalesce_bytes=int(dedicated.coalesce_bytes),
                   dmuon_block_order=tuple(block_order))
     if isinstance(model, DistributedDataParallel):
         if topo.replicate_size != 1:

@@ -88,6 +88,7 @@ class RunConfig:
         profiler: record the measured steps with ``torch.profiler`` too (CPU activities,
             shapes), a third source matched one to one against the interposer.
         mixed_precision: ``None`` or a key of ``verify.run.modes.MIXED_PRECISION`` (``"bf16"``).
+        coalesce: DMuon's ``dedicate_params(coalesce=...)``: ``"auto"``, ``"block"`` or ``"all"``.
         tp: tensor-parallel degree T; > 1 runs the TP-capable modes on a (W/T) × T mesh
             (``verify.run.tp_modes``; built-in model, no mixed precision).
     """
@@ -107,6 +108,7 @@ class RunConfig:
     profiler: bool = True
     model: str = "tinygpt"
     mixed_precision: str | None = None
+    coalesce: str = "auto"
     tp: int = 1
 
 
@@ -264,7 +266,7 @@ def _train_mode(mode: str, config: RunConfig, corpus: ByteCorpus, progress,
                                    seq_len=config.seq_len, seed=config.seed, tp=config.tp)
         tagging = tp_modes.tp_phase()
     else:
-        built = build(mode, make_model, config.device, config.mixed_precision)
+        built = build(mode, make_model, config.device, config.mixed_precision, config.coalesce)
         loss_fn = made[-1][1]
     model, opt = built.model, built.optimizer
     out = Path(config.out_dir) / mode

@@ -69,6 +69,8 @@ class RunLayout:
             ``bucket_cap_mb`` was given explicitly (torch 2.13 then uses the same cap),
             1 MiB for DDP's defaults (:func:`ddp_buckets`).
         dmuon_bucket_cap_bytes: DMuon's ``bucket_cap_mb`` in bytes (``dmuon_buckets``).
+        dmuon_coalesce_bytes: DMuon's unit target in bytes (``dedicate_params``' ``coalesce``,
+            :func:`dmuon_coalesce_bytes`); 0: one unit per block.
         root_auto_reshard: the root was wrapped without ``reshard_after_forward`` (FSDP2 then
             keeps it unsharded after forward).
         mp_param_dtype: mixed precision's param dtype (torch name, e.g. ``"bfloat16"``) or
@@ -101,6 +103,7 @@ class RunLayout:
     ddp_bucket_cap_bytes: int = 25 * 1024 * 1024
     ddp_first_bucket_cap_bytes: int | None = None
     dmuon_bucket_cap_bytes: int = 25 * 1024 * 1024
+    dmuon_coalesce_bytes: int = 0
     root_auto_reshard: bool = True
     mp_param_dtype: str | None = None
     mp_reduce_dtype: str | None = None
@@ -217,16 +220,33 @@ def replicate_ranks(rank: int, n: int, r_size: int) -> list[int]:
     return [i * n + s for i in range(r_size)]
 
 
+#: ``coalesce="auto"``'s unit target per backend, from the documented α-β defaults
+#: (docs/traffic-model.md, "Coalescing": α·bandwidth; gloo 2 ms x 1 GB/s, NCCL 10 µs x
+#: 360 GB/s), written here independently of ``dmuon/ownership/buckets.py``.
+DMUON_AUTO_COALESCE_BYTES = {"gloo": 2_000_000, "nccl": 3_600_000}
+
+
+def dmuon_coalesce_bytes(coalesce: str | int, backend: str) -> int:
+    """The unit target of ``dedicate_params(coalesce=...)`` (docs/traffic-model.md)."""
+    if coalesce == "auto":
+        return DMUON_AUTO_COALESCE_BYTES.get(backend, DMUON_AUTO_COALESCE_BYTES["nccl"])
+    return {"block": 0, "all": 2**63 - 1}.get(coalesce, coalesce)
+
+
 @dataclass(frozen=True)
 class DMuonBucket:
     """One predicted DMuon bucket: what one broadcast / reduce of the protocol moves.
 
     Attributes:
-        module: the block holding the params (:func:`dmuon_block`; "" for the root).
+        module: its unit, named by the unit's first block (:func:`dmuon_block`; "" for the
+            root); without coalescing the block holding the params.
         owner: global owner index g = r * N + s (``OwnershipPlan.owner``).
         dtype: the params' own dtype (torch name).
         names: member params in model order.
         numel: elements of all members.
+        blocks: the unit's blocks.
+        aligned: one bucket per owner of equal numel and param count in its unit and dtype,
+            moved by one all_gather / reduce_scatter (``dmuon/runtime/dedicate.py``).
     """
 
     module: str
@@ -234,6 +254,8 @@ class DMuonBucket:
     dtype: str
     names: tuple[str, ...]
     numel: int
+    blocks: tuple[str, ...] = ()
+    aligned: bool = False
 
 
 def dmuon_block(module: str) -> str:
@@ -286,9 +308,27 @@ def dmuon_model_blocks(specs: Sequence[ParamSpec]) -> tuple[str, ...]:
     return tuple(dict.fromkeys(dmuon_block(s.module) for s in specs))
 
 
+def dmuon_units(specs: Sequence[ParamSpec], target_bytes: int) -> list[tuple[str, ...]]:
+    """DMuon's units (docs/traffic-model.md, "Coalescing"): blocks in model order, each
+    joining the previous unit while that unit's bytes plus its own stay <= ``target_bytes``."""
+    sizes: dict[str, int] = {}
+    for spec in specs:
+        block = dmuon_block(spec.module)
+        sizes[block] = sizes.get(block, 0) + spec.numel * DTYPE_BYTES[spec.dtype]
+    units: list[list[str]] = []
+    total = 0
+    for block, size in sizes.items():
+        if not units or total + size > target_bytes:
+            units.append([])
+            total = 0
+        units[-1].append(block)
+        total += size
+    return [tuple(u) for u in units]
+
+
 def dmuon_buckets(specs: Sequence[ParamSpec], plan: OwnershipPlan,
                   cap_bytes: int = 25 * 1024 * 1024,
-                  block_order: Sequence[str] = ()) -> list[DMuonBucket]:
+                  block_order: Sequence[str] = (), coalesce_bytes: int = 0) -> list[DMuonBucket]:
     """DMuon's buckets from the documented rule (docs/spec.md §1, ``dmuon/ownership/buckets.py``).
 
     A bucket is the dedicated params of one block (:func:`dmuon_block`) with the same global
@@ -305,6 +345,7 @@ def dmuon_buckets(specs: Sequence[ParamSpec], plan: OwnershipPlan,
     """
     if cap_bytes < 1:
         raise ValueError(f"Invalid {cap_bytes=}. Must be >= 1 (DMuon's bucket_cap_mb in bytes).")
+    unit_of = {block: unit for unit in dmuon_units(specs, coalesce_bytes) for block in unit}
     members: dict[tuple[str, int, str], list[list[ParamSpec]]] = {}
     for spec in specs:
         if spec.name not in plan.owner:
@@ -313,21 +354,29 @@ def dmuon_buckets(specs: Sequence[ParamSpec], plan: OwnershipPlan,
                 f"planned params {list(plan.owner)[:3]}...; plan and specs must come from the "
                 "same layout."
             )
-        key = (dmuon_block(spec.module), plan.owner[spec.name], spec.dtype)
+        key = (unit_of[dmuon_block(spec.module)][0], plan.owner[spec.name], spec.dtype)
         runs = members.setdefault(key, [[]])
         size = spec.numel * DTYPE_BYTES[spec.dtype]
         if runs[-1] and sum(p.numel * DTYPE_BYTES[p.dtype] for p in runs[-1]) + size > cap_bytes:
             runs.append([])
         runs[-1].append(spec)
+    world = plan.mesh_shape[0] * plan.mesh_shape[1]
+    aligned: set[tuple[str, str]] = set()  # (unit, dtype) groups moved by one call per channel
+    if coalesce_bytes > 0 and world > 1:
+        for unit, dtype in {(u, d) for u, _, d in members}:
+            runs = [members.get((unit, g, dtype), []) for g in range(world)]
+            if all(len(r) == 1 for r in runs) and len({(sum(p.numel for p in r[0]), len(r[0])) for r in runs}) == 1:
+                aligned.add((unit, dtype))
     buckets = [
-        DMuonBucket(block, owner, dtype, tuple(p.name for p in ps), sum(p.numel for p in ps))
-        for (block, owner, dtype), runs in members.items()
+        DMuonBucket(unit, owner, dtype, tuple(p.name for p in ps), sum(p.numel for p in ps),
+                    unit_of[unit], (unit, dtype) in aligned)
+        for (unit, owner, dtype), runs in members.items()
         for ps in runs
     ]
     model = dmuon_model_blocks(specs)
     sequence = dmuon_block_sequence(model, block_order)
     if sequence != model:
-        buckets.sort(key=lambda b: sequence.index(b.module))
+        buckets.sort(key=lambda b: min(sequence.index(x) for x in b.blocks))
     return buckets
 
 
@@ -341,12 +390,16 @@ def _dmuon_calls(layout: RunLayout, rank: int) -> list[Expected]:
     def add(phase, op, gid, gsize, b, dtype, root, extra=0):
         out.append(Expected(rank, phase, op, gid, gsize, b.numel + extra, dtype, root, b.module, b.numel))
 
+    grouped: dict[tuple[str, str], list[DMuonBucket]] = {}
     for b in dmuon_buckets(layout.muon_specs(), layout.plan(), layout.dmuon_bucket_cap_bytes,
-                           layout.dmuon_block_order):
+                           layout.dmuon_block_order, layout.dmuon_coalesce_bytes):
+        if b.aligned:
+            grouped.setdefault((b.module, b.dtype), []).append(b)
+            continue
         r_own, s_own = divmod(b.owner, n)
         cast, red = layout.cast_dtype(b.dtype), layout.reduce_dtype(b.dtype)
-        # Z3 frees after each run of the block: a reused block is broadcast once per run
-        runs = layout.calls_of(b.module) if layout.reshard_after_forward else 1
+        # Z3 frees after each run of the unit: a reused block is broadcast once per run
+        runs = _unit_runs(layout, b.blocks)
         for _ in range(runs):
             add("forward", "broadcast", sid, n, b, cast, s_own)
         if layout.reshard_after_forward:
@@ -358,7 +411,34 @@ def _dmuon_calls(layout: RunLayout, rank: int) -> list[Expected]:
         if r_size > 1 and s_me == s_own:
             add("backward", "reduce", rid, r_size, b, red, r_own, usage)
             add("replicate", "broadcast", rid, r_size, b, b.dtype, r_own)
+    # an aligned group: one bucket per owner, C elements and u params each; one all_gather /
+    # reduce_scatter per channel moves them all (count = what each member sends / keeps)
+    for (unit, dtype), group in grouped.items():
+        c, usage = group[0].numel, len(group[0].names)
+        held = c * r_size  # this shard index's R buckets
+        cast, red = layout.cast_dtype(dtype), layout.reduce_dtype(dtype)
+
+        def put(phase, op, gid, gsize, count, dt, dedicated):
+            out.append(Expected(rank, phase, op, gid, gsize, count, dt, None, unit, dedicated))
+
+        for _ in range(_unit_runs(layout, group[0].blocks)):
+            put("forward", "all_gather", sid, n, held, cast, held)
+        if layout.reshard_after_forward:
+            put("backward", "all_gather", sid, n, held, cast, held)
+        put("backward", "reduce_scatter", sid, n, r_size * (c + usage), red, held)
+        if r_size > 1:
+            put("backward", "reduce_scatter", rid, r_size, c + usage, red, c)
+            put("replicate", "all_gather", rid, r_size, c, dtype, c)
     return out
+
+
+def _unit_runs(layout: RunLayout, blocks: Sequence[str]) -> int:
+    """Forward broadcasts of a bucket per step: under Z3 one per run of its unit (a unit is
+    freed once all its blocks ran; a block that runs again afterwards, weight sharing, gets
+    it broadcast again: the most runs of any of its blocks), under Z2 one."""
+    if not layout.reshard_after_forward:
+        return 1
+    return max(layout.calls_of(block) for block in blocks)
 
 
 def _axis_calls(layout: RunLayout, rank: int, calls: list[AxisCall]) -> list[Expected]:
@@ -446,8 +526,11 @@ def reused_elems(layout: RunLayout) -> int:
     (``verify.traffic.formulas.ClosedForm.reuse_phases``)."""
     if not layout.module_calls:
         return 0
-    if layout.is_dmuon:
-        return sum((layout.calls_of(dmuon_block(p.module)) - 1) * p.numel for p in layout.muon_specs())
+    if layout.is_dmuon:  # the unit's runs: the most runs of any of its blocks (_unit_runs)
+        specs = layout.muon_specs()
+        unit_of = {b: u for u in dmuon_units(specs, layout.dmuon_coalesce_bytes) for b in u}
+        return sum((max(layout.calls_of(b) for b in unit_of[dmuon_block(p.module)]) - 1) * p.numel
+                   for p in specs)
     if not layout.fsdp_modules:
         return 0
     n, muon = layout.shard_size, set(layout.muon_names)

@@ -209,7 +209,12 @@ def _dmuon(layout: RunLayout, plan: OwnershipPlan) -> tuple[Tally, dict[int, Tal
     usage element per param (no dedicated payload)."""
     n, r = layout.shard_size, layout.replicate_size
     common, extra = Tally(), defaultdict(Tally)
-    for b in dmuon_buckets(layout.muon_specs(), plan, layout.dmuon_bucket_cap_bytes):
+    groups: dict[tuple[str, str], list] = {}
+    for b in dmuon_buckets(layout.muon_specs(), plan, layout.dmuon_bucket_cap_bytes,
+                           coalesce_bytes=layout.dmuon_coalesce_bytes):
+        if b.aligned:  # one all_gather / reduce_scatter per channel for the group (below)
+            groups.setdefault((b.module, b.dtype), []).append(b)
+            continue
         g, dtype, numel = b.owner, b.dtype, b.numel
         cast, red = _dtype_bytes(layout.cast_dtype(dtype)), _dtype_bytes(layout.reduce_dtype(dtype))
         runs = layout.calls_of(b.module) if layout.reshard_after_forward else 1  # Z3 reuse
@@ -222,6 +227,18 @@ def _dmuon(layout: RunLayout, plan: OwnershipPlan) -> tuple[Tally, dict[int, Tal
             col = extra[g % n]
             col.add("backward", "reduce", "replicate", r, numel + usage, red, numel)
             col.add("replicate", "broadcast", "replicate", r, numel, _dtype_bytes(dtype), numel)
+    for (_, dtype), group in groups.items():
+        c, usage, blocks = group[0].numel, len(group[0].names), group[0].blocks
+        cast, red = _dtype_bytes(layout.cast_dtype(dtype)), _dtype_bytes(layout.reduce_dtype(dtype))
+        runs = max(layout.calls_of(x) for x in blocks) if layout.reshard_after_forward else 1
+        common.add("forward", "all_gather", "shard", n, r * c, cast, r * c, times=runs)
+        if layout.reshard_after_forward:
+            common.add("backward", "all_gather", "shard", n, r * c, cast, r * c)
+        common.add("backward", "reduce_scatter", "shard", n, r * (c + usage), red, r * c)
+        if r > 1:
+            for s_col in range(n):
+                extra[s_col].add("backward", "reduce_scatter", "replicate", r, c + usage, red, c)
+                extra[s_col].add("replicate", "all_gather", "replicate", r, c, _dtype_bytes(dtype), c)
     return common, dict(extra)
 
 

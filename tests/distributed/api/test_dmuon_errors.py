@@ -13,8 +13,10 @@ CASES = {
     "mesh_3d": ("ValueError", "ndim=3"),
     "mesh_axes_swapped": ("ValueError", "mesh_dim_names=('shard', 'replicate')"),
     "mesh_not_world": ("ValueError", "W = R * N = 2 must equal the world size 4"),
-    "plan_mismatch": ("RuntimeError", "bucket_cap_mb or device type) differs across ranks"),
-    "bucket_cap_mismatch": ("RuntimeError", "bucket_cap_mb or device type) differs across ranks"),
+    "plan_mismatch": ("RuntimeError", "coalesce or device type) differs across ranks"),
+    "bucket_cap_mismatch": ("RuntimeError", "coalesce or device type) differs across ranks"),
+    "coalesce_mismatch": ("RuntimeError", "coalesce or device type) differs across ranks"),
+    "coalesce_invalid": ("ValueError", "Invalid coalesce='fastest'. Must be one of ('auto', 'block', 'all')"),
     "already_ddp": ("ValueError", "already wrapped by DDP or FSDP2"),
     "optimizer_missing_params": ("ValueError", "are not among them"),
 }

@@ -178,6 +178,10 @@ def expect_error(case: str) -> str:
             dmuon.dedicate_params(model, _mesh("flat"))
         elif case == "bucket_cap_mismatch":  # the same model, rank 1 another bucket cap
             dmuon.dedicate_params(model, _mesh("flat"), bucket_cap_mb=25 if rank != 1 else 1)
+        elif case == "coalesce_mismatch":  # rank 1 coalesces differently: other buckets
+            dmuon.dedicate_params(model, _mesh("flat"), coalesce="auto" if rank != 1 else "block")
+        elif case == "coalesce_invalid":
+            dmuon.dedicate_params(model, _mesh("flat"), coalesce="fastest")
         elif case == "already_ddp":
             dmuon.dedicate_params(DistributedDataParallel(model), _mesh("flat"))
         elif case == "optimizer_missing_params":

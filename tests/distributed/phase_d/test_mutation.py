@@ -15,12 +15,13 @@ pytestmark = pytest.mark.distributed
 
 
 def test_swapped_bucket_members_fail_naming_the_collectives(pool2):
-    results = pool2.run(traffic_tasks.measure_with_swapped_params, "dmuon-z2")
+    results = pool2.run(traffic_tasks.measure_with_swapped_params, "dmuon-z2", coalesce="block")
     layout = results[0]["layout"]
     events = [ev for r in results for ev in r["events"]]
     run = compare_run(layout, events, steps=2, ns_calls=sum(r["ns_calls"] for r in results))
     assert not run["pass"]
-    buckets = dmuon_buckets(layout.muon_specs(), layout.plan())
+    buckets = dmuon_buckets(layout.muon_specs(), layout.plan(), layout.dmuon_bucket_cap_bytes,
+                            coalesce_bytes=layout.dmuon_coalesce_bytes)
     mod_a, mod_b = results[0]["swapped_modules"]
     a = next(x for x in buckets if x.module == mod_a)
     b = next(x for x in buckets if x.module == mod_b and x.owner != a.owner)

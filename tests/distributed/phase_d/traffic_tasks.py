@@ -35,8 +35,8 @@ def measure_with_swapped_params(mode: str, **config) -> dict:
 
     chosen: list[tuple[str, str]] = []
 
-    def swapped(specs, plan, cap_bytes):
-        buckets = list(original(specs, plan, cap_bytes))
+    def swapped(specs, plan, cap_bytes, *coalesce):
+        buckets = list(original(specs, plan, cap_bytes, *coalesce))
         keys = Counter((x.numel, x.owner) for x in buckets)
         # the first pair whose swap changes the multiset of (count, root): a swap between two
         # pairs of equal sizes and owners would be invisible in any trace (no module names)

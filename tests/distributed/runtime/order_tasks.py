@@ -55,7 +55,7 @@ def _build(z3: bool, hsdp: bool = False):
     mesh = (init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard")) if hsdp
             else init_device_mesh("cpu", (world,)))
     model = Permuted()
-    dm = dmuon.dedicate_params(model, mesh, reshard_after_forward=z3)
+    dm = dmuon.dedicate_params(model, mesh, reshard_after_forward=z3, coalesce="block")  # per-block order
     opt = dmuon.DMuon(model.parameters(), dedicated=dm, lr=0.02, adamw_lr=3e-3)
     return model, dm, opt
 
@@ -87,7 +87,7 @@ def reordered_step(z3: bool, model_order: bool = False, hsdp: bool = False) -> d
 
     original = order.execution_block_order
     if model_order:
-        order.execution_block_order = lambda model_blocks, recorded: tuple(model_blocks)
+        order.execution_block_order = lambda model_blocks, recorded, drivers=None: tuple(model_blocks)
     try:
         model, dm, opt = _build(z3, hsdp)
         recorder = BlockOrderRecorder(model, blocks_of(dm.names))

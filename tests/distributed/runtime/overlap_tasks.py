@@ -23,7 +23,7 @@ def broadcast_positions(mode: str, prefetch_depth: int) -> dict:
     recorded when block j's forward returned; ``first_grad[j]``: when block j's first
     dedicated grad arrived.
     """
-    wrapped, model, dm, opt = build(mode, config=THREE_BLOCKS, prefetch_depth=prefetch_depth)
+    wrapped, model, dm, opt = build(mode, config=THREE_BLOCKS, prefetch_depth=prefetch_depth, coalesce="block")
     x, y = batch(0, THREE_BLOCKS)
     _loss(wrapped, x, y).backward()
     opt.step()
@@ -66,7 +66,7 @@ def reduce_issue_and_wait_order(mode: str) -> list[tuple[str, int]]:
     listed)."""
     import dmuon.runtime.collectives as seam
 
-    wrapped, model, dm, opt = build(mode, config=THREE_BLOCKS)
+    wrapped, model, dm, opt = build(mode, config=THREE_BLOCKS, coalesce="block")
     log: list[tuple[str, int]] = []
     original = seam.reduce_sum_
 
@@ -103,7 +103,7 @@ def train_with_depth(mode: str, prefetch_depth: int, steps: int = 2) -> dict:
     """Owned params after ``steps`` steps with the given ``prefetch_depth``."""
     from tests.distributed.runtime.runtime_tasks import _train_steps
 
-    wrapped, model, dm, opt = build(mode, config=THREE_BLOCKS, prefetch_depth=prefetch_depth)
+    wrapped, model, dm, opt = build(mode, config=THREE_BLOCKS, prefetch_depth=prefetch_depth, coalesce="block")
     return _train_steps(wrapped, model, dm, opt, steps)
 
 
@@ -115,7 +115,7 @@ def grad_buffer_layout(mode: str) -> dict:
     the buffer's storage freed). Returns the checks and the owned params after step 2."""
     import torch
 
-    wrapped, model, dm, opt = build(mode, config=THREE_BLOCKS)
+    wrapped, model, dm, opt = build(mode, config=THREE_BLOCKS, coalesce="block")
 
     def inside(g, flat) -> bool:
         lo = flat.data_ptr()

@@ -1,0 +1,72 @@
+"""Rank-side tasks for the coalescing tests: a stack of equal blocks trained with
+``coalesce="block"`` and ``"all"`` (an aligned group: one all_gather / reduce_scatter per
+channel instead of one broadcast / reduce per bucket)."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.nn.parallel import DistributedDataParallel
+
+import dmuon
+from tests.distributed.parity.dmuon_tasks import _mesh
+from tracer.interposer import Interposer
+
+BLOCKS, D = 8, 16
+
+
+class Stack(nn.Module):
+    """``BLOCKS`` equal blocks (Linear(D, D) + tanh): at W=4 every rank owns two matrices."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(D, D), nn.Tanh()) for _ in range(BLOCKS))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def train(mode: str, coalesce: str, steps: int = 3, bf16: bool = False) -> dict:
+    """``steps`` steps of ``mode`` (ddp, z2, z3, hsdp-z2, hsdp-z3); the last step recorded by the
+    interposer. Returns every rank's full dedicated params (after ``sync_params``), the
+    aligned flags, and the last step's DMuon calls as ``(op, phase) -> count``."""
+    mesh = _mesh("hsdp" if mode.startswith("hsdp") else "flat")
+    model = Stack()
+    reshard = mode.endswith("z3")
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
+    dm = dmuon.dedicate_params(model, mesh, reshard_after_forward=reshard, coalesce=coalesce, mp_policy=mp)
+    if mode == "ddp":
+        wrapped = DistributedDataParallel(model)
+    else:
+        fully_shard(model, mesh=mesh, ignored_params=set(dm), mp_policy=mp or MixedPrecisionPolicy())
+        wrapped = model
+    opt = dmuon.DMuon(wrapped.parameters(), dedicated=dm, lr=0.05, adamw_lr=1e-2)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    ip = Interposer()
+    for step in range(steps):
+        g = torch.Generator().manual_seed(step)
+        x = torch.randn(4 * world, D, generator=g)[rank * 4 : (rank + 1) * 4]
+        if step == steps - 1:
+            ip.__enter__()
+        wrapped(x).float().pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        if step == steps - 1:
+            dm.wait_pending()
+            ip.__exit__(None, None, None)
+    dm.sync_params()
+    groups = {dm.groups.broadcast, dm.groups.reduce, dm.groups.replicate}
+    ops = Counter((e.op, e.phase) for e in ip.events if e.phase in ("forward", "backward", "replicate")
+                  and e.module is not None and e.module.startswith("blocks"))
+    out = {"params": {n: p.detach().float().clone() for n, p in model.named_parameters() if p in dm},
+           "aligned": [b.aligned for b in dm.buckets], "ops": dict(ops), "groups": len(groups - {None}),
+           "coalescing": dm.coalescing()}
+    dm.close()
+    return out
