@@ -108,7 +108,10 @@ def dedicate_params(
         raise ValueError(
             f"Invalid model of type {type(model).__name__}: already wrapped by DDP or FSDP2. "
             "Call dmuon.dedicate_params on the bare model first, then wrap it with "
-            "DistributedDataParallel(model) or fully_shard(..., ignored_params=set(dm))."
+            "DistributedDataParallel(model) or fully_shard(..., ignored_params=set(dm)). A "
+            "tensor-parallel model (DTensor params from parallelize_module) needs the whole "
+            "mesh, named ('shard', 'tp') or ('replicate', 'shard', 'tp'), whose mesh['tp'] "
+            "its blocks were parallelized on."
         )
     already = attach.dedicated_names(model)
     if already:

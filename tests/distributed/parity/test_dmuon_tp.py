@@ -99,7 +99,7 @@ def test_tp_mixed_precision_fp32_masters_bf16_compute_and_z2_equals_z3(pool4):
 @pytest.mark.parametrize("case, expected", [
     ("replicate_placement", "placement Shard(0) (ColwiseParallel) or Shard(1)"),
     ("not_dividing", "33 is not a multiple of 2"),
-    ("no_tp_axis", "already wrapped by DDP or FSDP2"),
+    ("no_tp_axis", "needs the whole mesh, named ('shard', 'tp')"),
     ("bad_names", "Must be ('shard', 'tp')"),
     ("fsdp_wrapped", "already wrapped by DDP or FSDP2"),
     ("strided_shard", "placement Shard(0) (ColwiseParallel) or Shard(1)"),
@@ -209,3 +209,12 @@ def test_tp_z3_freed_shards_raise_a_clear_error_until_sync_params(pool4):
 def test_tp_mesh_without_tp_params_warns(pool4):
     for msgs in pool4.run_with_timeout(TIMEOUT_S, T.warns_without_tp_params):
         assert len(msgs) == 1 and "Parallelize the blocks on mesh['tp']" in msgs[0]
+
+
+def test_tp_no_sync_accumulation_equals_one_big_batch(pool4):
+    """Two micro-batches, the first under dm.no_sync(), equal one step on both halves: the
+    grads accumulate in the local shards' grad buffers and are reduced once per column."""
+    acc = pool4.run_with_timeout(TIMEOUT_S, T.train_accumulated, "z3")
+    one = pool4.run_with_timeout(TIMEOUT_S, T.train, "z3", 1)
+    for n, t in one[0]["params"].items():
+        torch.testing.assert_close(acc[0][n], t, rtol=0, atol=1e-6)

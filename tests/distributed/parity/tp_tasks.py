@@ -349,3 +349,21 @@ def warns_without_tp_params() -> list[str]:
         dm = dmuon.dedicate_params(make_model(), mesh)
     dm.close()
     return [str(w.message) for w in caught if "'tp' axis" in str(w.message)]
+
+
+def train_accumulated(mode: str) -> dict[str, torch.Tensor]:
+    """One step of batch 0 as two micro-batches (each half of this rank's rows, loss halved),
+    the first inside ``dm.no_sync()``; the full params after it."""
+    model, dm, opt, mesh = build(mode)
+    idx, dp_size = dp_index(mesh)
+    rows = GLOBAL_BATCH // dp_size
+    x, y = batch(0)
+    x, y = x[idx * rows:(idx + 1) * rows], y[idx * rows:(idx + 1) * rows]
+    half = rows // 2
+    with dm.no_sync():
+        (loss_of(model, x[:half], y[:half]) / 2).backward()
+    (loss_of(model, x[half:], y[half:]) / 2).backward()
+    opt.step()
+    out = full_params(model, dm)
+    dm.close()
+    return out
