@@ -4,6 +4,7 @@ counts (one gather and one scatter per NS rank of each owner's TP group)."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 from fractions import Fraction
 
@@ -76,3 +77,20 @@ def test_tp_step_one_gather_and_scatter_per_ns_rank_of_each_owner():
         assert mine == {"gather": len(roots), "scatter": len(roots)} if roots else not mine, rank
     # DTensor's calls: per rank, per block, one forward and one backward all_reduce
     assert Counter(e.op for e in calls if e.phase == "tp") == {"all_reduce": 4 * 2 * 2}
+
+
+@pytest.mark.parametrize("mode", ["dmuon-hsdp-z2", "dmuon-hsdp-z3"])
+@pytest.mark.parametrize("n, t", [(2, 2), (1, 2), (2, 4)])
+def test_hsdp_tp_prediction_equals_the_closed_form(mode, n, t):
+    layout = dataclasses.replace(tp_layout(mode, n, t), replicate_size=2)
+    w = 2 * n * t
+    by_phase: dict[str, Fraction] = Counter()
+    for e in predict_tp_step(layout):
+        assert 0 <= e.rank < w
+        share = Fraction(e.dedicated_count, e.count) if e.count else 0
+        by_phase[e.phase] += Fraction(avg_elems(e.op, e.count, e.group_size)) * share / w
+    form, p_m = tp_closed_form(layout), layout.p_m()
+    assert set(by_phase) <= {"forward", "backward", "optimizer", "replicate", "tp"}
+    for phase in ("forward", "backward", "optimizer", "replicate"):
+        assert float(by_phase[phase]) == pytest.approx(form.at(phase, p_m), rel=1e-12, abs=1e-9), phase
+    assert by_phase["replicate"] > 0

@@ -115,8 +115,15 @@ def main(argv: list[str] | None = None) -> int:
     modes = runnable_modes(config, dist.get_world_size())
     bar = None
     if rank == 0:
-        for mode, why in skip_reasons(config.modes, dist.get_world_size()).items():
-            print(f"skipping {mode}: {why}", flush=True)
+        if config.tp > 1:  # tensor parallel: verify.traffic.tp.tp_skip_reason
+            from verify.traffic.tp import tp_skip_reason
+
+            reasons = {m: tp_skip_reason(m, dist.get_world_size(), config.tp) for m in config.modes}
+        else:
+            reasons = skip_reasons(config.modes, dist.get_world_size())
+        for mode, why in reasons.items():
+            if why:
+                print(f"skipping {mode}: {why}", flush=True)
         bar = tqdm(total=len(modes) * (config.steps_warmup + config.steps_measured), desc="training steps", unit="step")
     try:
         report = run_all(config, progress=bar.update if bar else None)

@@ -116,9 +116,9 @@ def runnable_modes(config: RunConfig, world_size: int) -> list[str]:
     """The modes of ``config`` this world size can run (``verify.workload.usermodel.skip_reasons``)."""
     skipped = skip_reasons(config.modes, world_size)
     if config.tp > 1:  # TP (verify.run.tp_modes): only the TP-capable modes
-        from verify.traffic.tp import TP_MODES
+        from verify.traffic.tp import tp_skip_reason
 
-        return [m for m in config.modes if m in TP_MODES]
+        return [m for m in config.modes if tp_skip_reason(m, world_size, config.tp) is None]
     return [m for m in config.modes if m not in skipped]
 
 
@@ -367,7 +367,7 @@ def run_all(config: RunConfig, progress=None) -> dict | None:
     rank, world = dist.get_rank(), dist.get_world_size()
     modes = runnable_modes(config, world)
     if not modes:
-        reasons = "; ".join(f"{m}: {why}" for m, why in skip_reasons(config.modes, world).items())
+        reasons = "; ".join(f"{m}: {why}" for m, why in _skipped(config, world).items())
         raise ValueError(f"Invalid --modes for W={world}: no mode can run ({reasons}).")
     source = _source(config, None)
     validate_source(source, config.seed)  # on every rank, before any training collective
@@ -411,10 +411,20 @@ def run_all(config: RunConfig, progress=None) -> dict | None:
         "config": report_config(config),
         "model": source.name,
         "params": _params(source, config.seed),
-        "skipped": [{"mode": m, "reason": why} for m, why in skip_reasons(config.modes, world).items()],
+        "skipped": [{"mode": m, "reason": why} for m, why in _skipped(config, world).items()],
         "runs": runs,
         "failures": failures,
     }
+
+
+def _skipped(config: RunConfig, world: int) -> dict[str, str]:
+    """``{mode: reason}`` of the modes of ``config`` that did not run at W = ``world``."""
+    if config.tp > 1:
+        from verify.traffic.tp import tp_skip_reason
+
+        reasons = {m: tp_skip_reason(m, world, config.tp) for m in config.modes}
+        return {m: why for m, why in reasons.items() if why}
+    return skip_reasons(config.modes, world)
 
 
 def _finite(x: float) -> float | None:

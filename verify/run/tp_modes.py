@@ -6,6 +6,8 @@ attention matrices stay replicated over TP. Then, in torchtitan's order:
 
 - ``dmuon-z2`` / ``dmuon-z3``: ``dmuon.dedicate_params(model, mesh)`` on the whole mesh, then
   ``fully_shard(model, mesh=mesh["shard"], ignored_params=set(dm))``, ``DMuon``;
+  ``dmuon-hsdp-z2`` / ``dmuon-hsdp-z3`` the same on a ``("replicate", "shard", "tp")`` mesh
+  (2, W/(2T), T), ``fully_shard`` on ``mesh["replicate", "shard"]``;
 - ``naive-fsdp2-z2`` / ``naive-fsdp2-z3`` (the baseline): ``fully_shard`` of each module holding
   a Muon param and of the root on ``mesh["shard"]`` (FSDP2 × TP), and :class:`NaiveTPMuon`,
   which all_gathers each full gradient in the step and runs Newton–Schulz on every rank.
@@ -43,14 +45,18 @@ from verify.workload.data import local_slice
 TP_PLAN = {"mlp.fc1": "colwise", "mlp.fc2": "rowwise"}
 
 
-def tp_mesh(world: int, tp: int, device: str):
-    """The ``("shard", "tp")`` mesh (W/T, T).
+def tp_mesh(world: int, tp: int, device: str, hsdp: bool = False):
+    """The ``("shard", "tp")`` mesh (W/T, T), or (``hsdp``) ``("replicate", "shard", "tp")``
+    (2, W/(2T), T).
 
     Raises:
-        ValueError: T < 2 or T does not divide W.
+        ValueError: T < 2 or T does not divide W (or 2T, for ``hsdp``).
     """
-    if tp < 2 or world % tp:
-        raise ValueError(f"Invalid --tp {tp} at W={world}. Must be >= 2 and divide W (mesh (W/T, T)).")
+    if tp < 2 or world % (tp * (2 if hsdp else 1)):
+        raise ValueError(f"Invalid --tp {tp} at W={world}. Must be >= 2 and divide W (HSDP: W/2).")
+    if hsdp:
+        return init_device_mesh(device, (2, world // (2 * tp), tp),
+                                mesh_dim_names=("replicate", "shard", "tp"))
     return init_device_mesh(device, (world // tp, tp), mesh_dim_names=("shard", "tp"))
 
 
@@ -205,7 +211,10 @@ def build_tp(mode: str, make_model: Callable[[], nn.Module], device: str, tp: in
     if mode not in TP_MODES:
         raise ValueError(f"Invalid mode {mode!r} with --tp. Must be one of {TP_MODES}.")
     world = dist.get_world_size()
-    mesh = tp_mesh(world, tp, device)
+    hsdp = "hsdp" in mode
+    mesh = tp_mesh(world, tp, device, hsdp)
+    dp_mesh = mesh["replicate", "shard"] if hsdp else mesh["shard"]
+    r_size = 2 if hsdp else 1
     model = make_model().to(device)
     targets = muon_names(model)
     specs = tuple(specs_from_named_parameters(model.named_parameters(), matrix_shapes(model, targets)))
@@ -218,7 +227,7 @@ def build_tp(mode: str, make_model: Callable[[], nn.Module], device: str, tp: in
     acts = tuple((m, style, tokens_per_rank * (modules[m].in_features if style == "colwise"
                                                 else modules[m].out_features), dtype)
                  for m, style in layers)
-    n = world // tp
+    n = world // tp // r_size
     for spec in specs:  # the closed forms assume no FSDP2 padding of the local shards
         if spec.name in targets:
             rows = spec.shape[0] // (tp if dict(tp_dims).get(spec.name) == 0 else 1)
@@ -228,14 +237,14 @@ def build_tp(mode: str, make_model: Callable[[], nn.Module], device: str, tp: in
     reshard = mode.endswith("z3")
 
     def layout(fsdp_modules) -> TPRunLayout:
-        return TPRunLayout(mode=mode, replicate_size=1, shard_size=n, params=specs,
+        return TPRunLayout(mode=mode, replicate_size=r_size, shard_size=n, params=specs,
                            muon_names=targets, fsdp_modules=fsdp_modules,
                            reshard_after_forward=reshard, tp_size=tp, tp_dims=tp_dims,
                            tp_activations=acts)
 
     if mode.startswith("dmuon-"):
         dm = dmuon.dedicate_params(model, mesh, params=list(targets), reshard_after_forward=reshard)
-        fsdp_modules = _fsdp_wrap(model, mesh["shard"], reshard, set(dm), [], None, blocks=False)
+        fsdp_modules = _fsdp_wrap(model, dp_mesh, reshard, set(dm), [], None, blocks=False)
         opt = dmuon.DMuon(model.parameters(), dedicated=dm, lr=muon_lr, adamw_lr=adamw_lr)
         return model, opt, layout(fsdp_modules), dm
     holders = {t.rpartition(".")[0] for t in targets} - {""}

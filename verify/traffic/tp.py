@@ -1,15 +1,17 @@
-"""The prediction of a tensor-parallel (TP) run: mesh ``("shard", "tp")`` = N × T, W = N·T.
+"""The prediction of a tensor-parallel (TP) run: mesh ``("shard", "tp")`` = N × T or
+``("replicate", "shard", "tp")`` = R × N × T, W = R·N·T, rank ``(r·N + s)·T + t``.
 
 Derived from the documented protocol (``dmuon/runtime/dedicate.py``, "Tensor parallelism";
 ``docs/traffic-model.md``, "Tensor parallelism") and the planner, never from the runtime
 (this module imports ``dmuon.ownership.plan`` and nothing else of ``dmuon``):
 
-- **Per TP column** t (world ranks ``s·T + t``), every data-parallel call of the plain
+- **Per TP column** t (world ranks ``(r·N + s)·T + t``), every data-parallel call of the plain
   prediction (:func:`verify.traffic.predict.predict_step`) on a layout whose TP params have
   their local shapes (dim d divided by T): FSDP2's all_gathers / reduce_scatters of the
   local shards, DMuon's broadcasts and reduces of buckets of local shards, the naive step's
-  all_gather over the shard axis. DMuon's owners come from the TP plan: the planner on the
-  full matrices over ``(1, N·T)`` slots, slot ``s·T + t_o`` = owner s, NS rank t_o.
+  all_gather over the shard axis; HSDP's replicate-axis calls. DMuon's owners come from the TP
+  plan: the planner on the full matrices over ``(R, N·T)`` slots, slot ``s·T + t_o`` of row r
+  = owner ``r·N + s``, NS rank t_o.
 - **DMuon's step** (phase ``optimizer``, the owner's TP group ``{s·T + t'}``): per NS rank
   t_o (and dtype) with at least one TP param of that owner, one ``gather`` to group rank t_o
   and one ``scatter`` from it, count = the sum of those params' n/T.
@@ -30,16 +32,27 @@ from dataclasses import dataclass
 from dmuon.ownership.plan import OwnershipPlan, ParamSpec, plan_ownership
 from tracer.events import group_id_from_ranks
 
-from verify.traffic.formulas import ClosedForm
+from verify.traffic.formulas import ClosedForm, closed_form
 from verify.traffic.predict import Expected, RunLayout, dmuon_buckets, predict_step
 
 #: Modes that run with TP (``--tp T``): DMuon Z2 / Z3 and the naive FSDP2 × TP baselines.
-TP_MODES = ("naive-fsdp2-z2", "naive-fsdp2-z3", "dmuon-z2", "dmuon-z3")
+TP_MODES = ("naive-fsdp2-z2", "naive-fsdp2-z3", "dmuon-z2", "dmuon-z3", "dmuon-hsdp-z2", "dmuon-hsdp-z3")
+
+
+def tp_skip_reason(mode: str, world_size: int, tp: int) -> str | None:
+    """Why ``mode`` cannot run with ``--tp tp`` at W = ``world_size`` (``None``: it can).
+    HSDP × TP runs on a (2, W/(2T), T) mesh: it needs W/T even and >= 4."""
+    if mode not in TP_MODES:
+        return f"no tensor-parallel variant (--tp runs {', '.join(TP_MODES)})"
+    dp = world_size // tp
+    if "hsdp" in mode and (dp < 4 or dp % 2):
+        return f"HSDP x TP runs on a (2, W/(2T), T) mesh: needs W/T even and >= 4, have W/T={dp}"
+    return None
 
 
 @dataclass(frozen=True)
 class TPRunLayout(RunLayout):
-    """A :class:`RunLayout` on an ``N × T`` mesh (``shard_size`` = N, ``replicate_size`` = 1).
+    """A :class:`RunLayout` on an ``R × N × T`` mesh (``replicate_size`` = R, ``shard_size`` = N).
 
     Attributes (besides RunLayout's, whose ``params`` keep their full shapes):
         tp_size: T.
@@ -208,27 +221,26 @@ def tp_ns_calls_per_step(layout: TPRunLayout) -> int:
 
 def tp_closed_form(layout: TPRunLayout) -> ClosedForm:
     """The closed form of docs/traffic-model.md, "Tensor parallelism", for ``layout``, as
-    factors of P_M per phase (so that :meth:`ClosedForm.at` evaluates it at P_M):
+    factors of P_M per phase (so that :meth:`ClosedForm.at` evaluates it at P_M): the mode's
+    data-parallel form of docs/spec.md §2 (:func:`verify.traffic.formulas.closed_form` at N, R)
+    evaluated at P_loc = P_TP/T + P_rep, plus in phase ``optimizer``
 
-    - DMuon Z2: forward (N-1)/N·P_loc, backward (N-1)/N·P_loc, optimizer 2(T-1)/(T·W)·P_TP;
-      Z3 adds (N-1)/N·P_loc in backward;
-    - naive FSDP2 × TP Z2: forward, backward and optimizer (N-1)/N·P_loc each, plus
-      (T-1)/T·P_TP in optimizer; Z3 adds (N-1)/N·P_loc in backward;
+    - DMuon: the gather and the scatter, 2(T-1)/(T·W)·P_TP;
+    - the naive baseline: the TP all_gather of every full gradient, (T-1)/T·P_TP;
 
-    with P_TP the TP-sharded Muon elements, P_loc = P_TP/T + P_rep, W = N·T.
+    with P_TP the TP-sharded Muon elements and W = R·N·T.
     """
-    n, t, w = layout.shard_size, layout.tp_size, layout.world_size
+    n, r, t, w = layout.shard_size, layout.replicate_size, layout.tp_size, layout.world_size
     tp = layout.tp_names()
     specs = layout.muon_specs()
     p_m = sum(p.numel for p in specs) or 1
     p_tp = sum(p.numel for p in specs if p.name in tp)
-    p_loc = p_tp / t + (p_m - p_tp)
-    a = (n - 1) / n * p_loc / p_m
-    z3 = layout.reshard_after_forward
+    loc = (p_tp / t + (p_m - p_tp)) / p_m
+    base = closed_form(layout.mode, n, r)
+    phases = {ph: f * loc for ph, f in base.phases.items()}
     if layout.is_dmuon:
-        step = 2 * (t - 1) / (t * w) * p_tp / p_m
-        text = f"{3 if z3 else 2}(N-1)/N·P_loc + 2(T-1)/(T·W)·P_TP"
-        return ClosedForm(text, {"forward": a, "backward": (2 if z3 else 1) * a, "optimizer": step})
-    step = a + (t - 1) / t * p_tp / p_m
-    text = f"{4 if z3 else 3}(N-1)/N·P_loc + (T-1)/T·P_TP"
-    return ClosedForm(text, {"forward": a, "backward": (2 if z3 else 1) * a, "optimizer": step})
+        step, text = 2 * (t - 1) / (t * w) * p_tp / p_m, "2(T-1)/(T·W)·P_TP"
+    else:
+        step, text = (t - 1) / t * p_tp / p_m, "(T-1)/T·P_TP"
+    phases["optimizer"] = phases.get("optimizer", 0.0) + step
+    return ClosedForm(f"{base.text}·P_loc + {text}", phases)

@@ -32,7 +32,7 @@ def _assert_profiler_matches(results):
     check = crosscheck(*profiler_source_events(ref, prof)[:2], source="profiler", backend="gloo")
     assert check.passed and check.matched == len(ref), check.lines()[:10]
     untyped = [e for e in prof if e.dtype is None]
-    assert all(e.op == "scatter" and e.rank % 2 != e.root for e in untyped), untyped[:3]
+    assert all(e.op == "scatter" and e.rank % 2 != e.root for e in untyped), untyped[:3]  # T = 2
 
 
 def _run(pool, task, mode):
@@ -68,3 +68,21 @@ def test_tp_predictor_catches_a_runtime_ns_rank_bug(pool4):
     assert not run["pass"]
     moved = {(c["op"], c["phase"]) for c in run["missing"] + run["unexpected"]}
     assert moved and moved <= {("gather", "optimizer"), ("scatter", "optimizer")}, moved
+
+
+@pytest.mark.slow  # an 8-rank pool of its own; at W = 4, HSDP x TP would have N = 1
+@pytest.mark.parametrize("mode, ratio", [("dmuon-hsdp-z2", 13 / 12), ("dmuon-hsdp-z3", 17 / 12)])
+def test_hsdp_tp_2x2x2_exact(mode, ratio):
+    """(2, 2, 2) = ("replicate", "shard", "tp"), W = 8: P_loc = 65,536 = 2/3·P_M;
+    2(RN-1)/(RN)·P_loc + 2(T-1)/(T·W)·P_TP = 98,304 + 8,192 = 13/12·P_M (Z3: + (N-1)/N·P_loc)."""
+    from tests.distributed.conftest import POOL_TIMEOUT_S
+    from tests.distributed.harness import DistributedPool
+
+    with DistributedPool(8, timeout_s=POOL_TIMEOUT_S) as pool8:
+        run, results, events = _run(pool8, traffic_tasks.measure_mode, mode)
+    assert run["missing"] == [] and run["unexpected"] == [], (run["missing"][:5], run["unexpected"][:5])
+    assert (run["tp_size"], run["replicate_size"], run["shard_size"]) == (2, 2, 2)
+    assert run["ratio_to_p_m"] == pytest.approx(ratio, rel=1e-12)
+    assert run["phases"]["replicate"]["measured_avg_elems"] > 0
+    assert run["closed_form_matches"] and run["pass"]
+    _assert_profiler_matches(results)
