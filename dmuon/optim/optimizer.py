@@ -125,6 +125,7 @@ class DMuon(Optimizer):
         # Module of each dedicated matrix: its Newton–Schulz span names it, like the comm spans.
         self._module_of = {id(p): dedicated.unit_of(p) for p in dedicated.params}
         self._name_of = dict(zip(map(id, dedicated.params), dedicated.names))
+        self._tp_launchers: dict = {}  # TP step: one collectives.Launcher per device
         # Muon's view of each dedicated param: (rows, cols) of one matrix (stack or conv layout)
         spec_of = {sp.name: sp for sp in dedicated.plan.specs}
         self._matrix_of = {id(p): spec_of[n].matrix_shape
@@ -243,7 +244,7 @@ class DMuon(Optimizer):
         hparams = {k: group[k] for k in ("lr", "weight_decay", "momentum", "nesterov",
                                          "ns_coefficients", "ns_steps", "eps", "adjust_lr_fn")}
         if tp_names:  # gather, Newton–Schulz on the full matrix, scatter (tp_step.py)
-            self.ns_calls += tp_step(self, group, self._owned, hparams)
+            self.ns_calls += tp_step(self, group, self._owned, hparams, self._tp_launchers)
         for (matrix, _, _), params in batches.items():
             grads = [p.grad for p in params]
             bufs = [self.state[p]["momentum_buffer"] for p in params]

@@ -27,15 +27,20 @@ import torch.distributed as dist
 
 from dmuon import annotate
 from dmuon.optim.muon_math import _momentum_update, adjust_lr, zeropower_via_newtonschulz
-from dmuon.runtime import tp
+from dmuon.runtime import collectives, tp
 from dmuon.runtime.tp import full_momentum
 
 MOMENTUM_KEY = "momentum_buffer"
 
 
-def tp_step(opt, group: dict, owned: set[int], hparams: dict) -> int:
+def tp_step(opt, group: dict, owned: set[int], hparams: dict,
+            launchers: dict[torch.device, collectives.Launcher]) -> int:
     """Steps 1-4 above for the owned TP params with a grad. Returns the number of matrices
-    orthogonalized on this rank."""
+    orthogonalized on this rank.
+
+    ``launchers``: the optimizer's :class:`~dmuon.runtime.collectives.Launcher` per device
+    (created here on first use; channel ``tp``): work handles on gloo, a side stream and
+    events on CUDA, as every other DMuon call."""
     dm = opt.dedicated
     layout, tpg = dm.tp, dm.groups.tp
     name_of = dict(zip(map(id, dm.params), dm.names))
@@ -55,9 +60,11 @@ def tp_step(opt, group: dict, owned: set[int], hparams: dict) -> int:
             root, params = key[0], batches[key]
             send = torch.cat([tp.local(p.grad).reshape(-1) for p in params])
             recv = [torch.empty_like(send) for _ in range(T)] if me == root else None
+            launcher = _launcher(launchers, send.device)
             with annotate.span("dmuon.tp_gather", module=dm.block_of(params[0]),
                                owner=dm.owner_of(params[0])):
-                work = dist.gather(send, recv, group=tpg, group_dst=root, async_op=True)
+                work = launcher.launch("tp", lambda async_op, send=send, recv=recv, root=root: dist.gather(
+                    send, recv, group=tpg, group_dst=root, async_op=async_op), send, *(recv or ()))
             gathered[key] = (work, send, recv)
         count, scatters = 0, []
         for key in keys:
@@ -71,7 +78,9 @@ def tp_step(opt, group: dict, owned: set[int], hparams: dict) -> int:
             out = torch.empty_like(send)
             with annotate.span("dmuon.tp_scatter", module=dm.block_of(params[0]),
                                owner=dm.owner_of(params[0])):
-                work = dist.scatter(out, chunks, group=tpg, group_src=root, async_op=True)
+                work = _launcher(launchers, out.device).launch(
+                    "tp", lambda async_op, out=out, chunks=chunks, root=root: dist.scatter(
+                        out, chunks, group=tpg, group_src=root, async_op=async_op), out, *(chunks or ()))
             scatters.append((work, out, params))
         lr, wd, fn = hparams["lr"], hparams["weight_decay"], hparams["adjust_lr_fn"]
         for work, out, params in scatters:  # 4. each rank applies its shards
@@ -84,6 +93,12 @@ def tp_step(opt, group: dict, owned: set[int], hparams: dict) -> int:
                 data.add_(u, alpha=-adjust_lr(lr, fn, tuple(p.shape)))
                 offset += data.numel()
     return count
+
+
+def _launcher(launchers: dict, device: torch.device) -> collectives.Launcher:
+    if device not in launchers:
+        launchers[device] = collectives.Launcher(device)
+    return launchers[device]
 
 
 def _updates(opt, params, recv, layout, name_of, hparams) -> list[torch.Tensor]:
