@@ -33,7 +33,8 @@ from pathlib import Path
 
 from tracer.events import CollectiveEvent, read_parquet
 
-from verify.traffic.predict import Expected, RunLayout, predict_step
+from verify.traffic.predict import Expected, RunLayout
+from verify.traffic.tp import layout_from_dict, predict_calls
 
 EXIT_OK, EXIT_MISMATCH, EXIT_BAD_INPUT = 0, 1, 2
 #: Fields every event needs for a comparison; ``count`` / ``dtype`` may be null on barriers.
@@ -58,7 +59,7 @@ def load_layout(path: str | Path) -> RunLayout:
             "verify-traffic run (traces/<run-id>/<mode>/) or its layout.json."
         )
     try:
-        return RunLayout.from_dict(json.loads(path.read_text()))
+        return layout_from_dict(json.loads(path.read_text()))  # a TP run's too
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ValueError(f"Invalid --against {str(path)!r}: not JSON ({exc}). Must be the "
                          "layout.json written by verify-traffic.") from None
@@ -133,7 +134,7 @@ def check_events(
     fields = _key_fields(events)
     key = lambda x: tuple(getattr(x, f) for f in fields)  # noqa: E731
     pred: dict[int, list[Expected]] = defaultdict(list)
-    for e in predict_step(layout):
+    for e in predict_calls(layout):  # TP layouts too (verify/traffic/tp.py)
         pred[e.rank].append(e)
     meas: dict[int, list[CollectiveEvent]] = defaultdict(list)
     for ev in events:

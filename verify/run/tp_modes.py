@@ -193,12 +193,16 @@ class NaiveTPMuon(Optimizer):
 
 
 def build_tp(mode: str, make_model: Callable[[], nn.Module], device: str, tp: int, *,
-             tokens_per_rank: int, muon_lr: float, adamw_lr: float):
+             tokens_per_rank: int, muon_lr: float, adamw_lr: float,
+             mixed_precision: str | None = None):
     """Build ``mode`` (one of :data:`verify.traffic.tp.TP_MODES`) on the TP mesh.
 
     Args:
         tokens_per_rank: batch rows x sequence length of one data-parallel slice (the
             numel of a TP layer's activation is that times its features).
+        mixed_precision: ``None`` or ``"bf16"`` / ``"fp16"``: the same
+            ``MixedPrecisionPolicy`` for ``dedicate_params`` and every ``fully_shard``
+            (``verify.run.modes.mp_policy``); DTensor's activations then travel in it.
 
     Returns:
         ``(model, optimizer, layout, dm)``; ``dm`` is None for the baselines.
@@ -206,7 +210,7 @@ def build_tp(mode: str, make_model: Callable[[], nn.Module], device: str, tp: in
     Raises:
         ValueError: a mode without TP support, a bad ``tp``, or a dim that N or T does not divide.
     """
-    from verify.run.modes import _Pair, _fsdp_wrap, muon_names
+    from verify.run.modes import _Pair, _fsdp_wrap, mp_policy, muon_names
 
     if mode not in TP_MODES:
         raise ValueError(f"Invalid mode {mode!r} with --tp. Must be one of {TP_MODES}.")
@@ -222,7 +226,9 @@ def build_tp(mode: str, make_model: Callable[[], nn.Module], device: str, tp: in
     named = dict(model.named_parameters())
     tp_dims = tuple((n, p.placements[0].dim) for n, p in named.items()
                     if isinstance(p, DTensor) and n in targets)
-    dtype = str(next(iter(named.values())).dtype).removeprefix("torch.")
+    mp = mp_policy(mixed_precision)
+    mp_name = str(mp.param_dtype).removeprefix("torch.") if mp is not None else None
+    dtype = mp_name or str(next(iter(named.values())).dtype).removeprefix("torch.")
     modules = dict(model.named_modules())
     acts = tuple((m, style, tokens_per_rank * (modules[m].in_features if style == "colwise"
                                                 else modules[m].out_features), dtype)
@@ -240,17 +246,18 @@ def build_tp(mode: str, make_model: Callable[[], nn.Module], device: str, tp: in
         return TPRunLayout(mode=mode, replicate_size=r_size, shard_size=n, params=specs,
                            muon_names=targets, fsdp_modules=fsdp_modules,
                            reshard_after_forward=reshard, tp_size=tp, tp_dims=tp_dims,
-                           tp_activations=acts)
+                           tp_activations=acts, mp_param_dtype=mp_name)
 
     if mode.startswith("dmuon-"):
-        dm = dmuon.dedicate_params(model, mesh, params=list(targets), reshard_after_forward=reshard)
-        fsdp_modules = _fsdp_wrap(model, dp_mesh, reshard, set(dm), [], None, blocks=False)
+        dm = dmuon.dedicate_params(model, mesh, params=list(targets), reshard_after_forward=reshard,
+                                   mp_policy=mp)
+        fsdp_modules = _fsdp_wrap(model, dp_mesh, reshard, set(dm), [], mp, blocks=False)
         opt = dmuon.DMuon(model.parameters(), dedicated=dm, lr=muon_lr, adamw_lr=adamw_lr)
         return model, opt, layout(fsdp_modules), dm
     holders = {t.rpartition(".")[0] for t in targets} - {""}
     model_order = [s.module for s in specs]
     linear_modules = sorted(holders, key=lambda m: (-m.count("."), model_order.index(m)))
-    fsdp_modules = _fsdp_wrap(model, mesh["shard"], reshard, set(), linear_modules, None)
+    fsdp_modules = _fsdp_wrap(model, mesh["shard"], reshard, set(), linear_modules, mp)
     named = dict(model.named_parameters())
     muon = NaiveTPMuon([(t, named[t]) for t in targets], dict(tp_dims), mesh["shard"].get_group(),
                        mesh["tp"].get_group(), lr=muon_lr)

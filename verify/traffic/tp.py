@@ -209,6 +209,18 @@ def _column_group(col: RunLayout, e: Expected) -> list[int]:
     raise ValueError(f"Invalid column call {e}: its group is not a shard, replicate or world group.")
 
 
+def predict_calls(layout: RunLayout) -> list[Expected]:
+    """Every call of one step: :func:`predict_tp_step` for a TP layout (``tp_size`` > 1),
+    else :func:`verify.traffic.predict.predict_step`."""
+    return predict_tp_step(layout) if getattr(layout, "tp_size", 1) > 1 else predict_step(layout)
+
+
+def layout_from_dict(d: dict) -> RunLayout:
+    """A ``layout.json``'s layout: :meth:`TPRunLayout.from_dict` when it has ``tp_size``,
+    else :meth:`RunLayout.from_dict`."""
+    return TPRunLayout.from_dict(d) if "tp_size" in d else RunLayout.from_dict(d)
+
+
 def tp_ns_calls_per_step(layout: TPRunLayout) -> int:
     """NS calls per step over all ranks: DMuon once per TP matrix and T times per matrix
     replicated over TP (once per column); the naive baselines W times every matrix."""

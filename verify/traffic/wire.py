@@ -205,12 +205,13 @@ def dedicated_traffic(layout, events: list[CollectiveEvent], steps: int) -> dict
     Returns:
         ``{"wire": wire_report(...), "bytes": {"measured_avg_bytes": {phase: {dtype: B}},
         "predicted_avg_bytes": {...}}}``; the dedicated share of each call comes from the
-        prediction (``verify.traffic.predict.predict_step``), unmatched events count as 0.
+        prediction (``verify.traffic.predict.predict_step``; ``verify.traffic.tp.predict_tp_step``
+        for a TP layout), unmatched events count as 0.
     """
     from verify.compare import event_key
-    from verify.traffic.predict import predict_step
+    from verify.traffic.tp import predict_calls  # TP layouts too (verify/traffic/tp.py)
 
-    predicted = predict_step(layout)
+    predicted = predict_calls(layout)
     share = {e.key(): (e.dedicated_count / e.count if e.count else 0.0) for e in predicted}
 
     def share_of(ev: CollectiveEvent) -> float:

@@ -63,6 +63,35 @@ def test_tp_exact_collectives_closed_form_and_sources(pool4, mode):
     _assert_profiler_matches(results)
 
 
+@pytest.mark.parametrize("mp", [None, "bf16"])
+def test_tp_bytes_wire_and_dmuon_verify_check_follow_the_tp_prediction(pool4, tmp_path, mp):
+    """The report's bytes (per phase and dtype) and dmuon-verify check use the TP prediction:
+    measured bytes equal predicted bytes; under bf16 DMuon's broadcasts and reduces of the
+    local shards travel in bf16, the step's gather / scatter in the fp32 master dtype; the
+    layout.json of a TP run reloads as a TP layout."""
+    import json
+
+    from verify.check import check_events, load_layout
+    from verify.traffic.wire import dedicated_traffic
+
+    results = pool4.run_with_timeout(TIMEOUT_S, traffic_tasks.measure_mode, "dmuon-z3", tp=2,
+                                     mixed_precision=mp)
+    events = [ev for r in results for ev in r["events"]]
+    layout = results[0]["layout"]
+    got = dedicated_traffic(layout, events, 2)["bytes"]
+    measured, predicted = got["measured_avg_bytes"], got["predicted_avg_bytes"]
+    assert measured.keys() == predicted.keys() and measured
+    for phase in measured:
+        assert measured[phase] == pytest.approx(predicted[phase], rel=1e-12), phase
+    cast = "bfloat16" if mp else "float32"
+    assert set(measured["forward"]) == {cast} and set(measured["optimizer"]) == {"float32"}
+    path = tmp_path / "layout.json"
+    path.write_text(json.dumps(layout.to_dict()))
+    reloaded = load_layout(path)
+    assert reloaded == layout
+    assert check_events(events, reloaded, steps=2)["pass"]
+
+
 def test_tp_predictor_catches_a_runtime_ns_rank_bug(pool4):
     run, _, _ = _run(pool4, traffic_tasks.measure_with_shifted_ns_rank, "dmuon-z2")
     assert not run["pass"]
