@@ -61,8 +61,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "(docs/traffic-model.md, 'Coalescing'; 'block' = one call per bucket)")
     parser.add_argument("--tp", type=int, default=1,
                         help="tensor-parallel degree T: the TP-capable modes (dmuon-z2, dmuon-z3, "
-                             "naive-fsdp2-z2, naive-fsdp2-z3) on a (W/T) x T mesh ('shard', 'tp'), "
-                             "the built-in model's MLPs tensor parallel (verify/run/tp_modes.py)")
+                             "naive-fsdp2-z2, naive-fsdp2-z3 on a (W/T) x T mesh ('shard', 'tp'); "
+                             "dmuon-hsdp-z2/z3 on (2, W/(2T), T) where W/T is even and >= 4), the "
+                             "built-in model's MLPs tensor parallel (verify/run/tp_modes.py)")
     args = parser.parse_args(argv)
     if args.tp < 1:
         parser.error(f"Invalid --tp {args.tp}. Must be >= 1 (1: no tensor parallelism).")

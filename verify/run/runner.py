@@ -90,7 +90,7 @@ class RunConfig:
         mixed_precision: ``None`` or a key of ``verify.run.modes.MIXED_PRECISION`` (``"bf16"``).
         coalesce: DMuon's ``dedicate_params(coalesce=...)``: ``"auto"``, ``"block"`` or ``"all"``.
         tp: tensor-parallel degree T; > 1 runs the TP-capable modes on a (W/T) × T mesh
-            (``verify.run.tp_modes``; built-in model, no mixed precision).
+            (``verify.run.tp_modes``; built-in model only).
     """
 
     modes: tuple[str, ...] = MODES
