@@ -4,6 +4,9 @@
 - :func:`shared_block`: weight sharing, a block called twice in one forward
   (``blocks.0``, ``blocks.1``, then ``blocks.0`` again, ALBERT-style).
 - :func:`linear_list`: a plain MLP written as an ``nn.ModuleList`` of bare ``nn.Linear``.
+- :func:`equal_blocks`: four identical residual blocks after a fixed input projection:
+  DMuon's default coalescing makes them one aligned unit (one all_gather and one
+  reduce_scatter per step instead of a broadcast and a reduce per owner).
 - :func:`conv_net`: a small conv net (``Conv1d`` / ``Conv2d`` weights: Muon on the
   ``(out, in·k…)`` flattened view).
 
@@ -78,6 +81,25 @@ class ConvNet(nn.Module):
         return self.head(h.flatten(1))
 
 
+class EqualBlocks(nn.Module):
+    """A fixed random (20, 50) projection (a buffer: not trained, not dedicated), four
+    identical residual blocks (``Block``: 50x70 and 70x50 weights), a LayerNorm and a Linear
+    head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("proj", torch.randn(D_IN, D_MODEL) / D_IN**0.5)
+        self.blocks = nn.ModuleList(Block() for _ in range(4))
+        self.norm = nn.LayerNorm(D_MODEL)
+        self.head = nn.Linear(D_MODEL, D_OUT)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x @ self.proj
+        for block in self.blocks:
+            h = block(h)
+        return self.head(self.norm(h))
+
+
 def fixed_loss(model: nn.Module, rank: int, step: int) -> torch.Tensor:
     """:func:`examples.my_model.loss_fn` on step 0's batch of ``rank`` at every step."""
     return loss_fn(model, rank, 0)
@@ -91,9 +113,13 @@ def linear_list() -> tuple[nn.Module, object]:
     return LinearList(), fixed_loss
 
 
+def equal_blocks() -> tuple[nn.Module, object]:
+    return EqualBlocks(), loss_fn
+
+
 def conv_net() -> tuple[nn.Module, object]:
     return ConvNet(), fixed_loss
 
 
-__all__ = ["BATCH_PER_RANK", "ConvNet", "LinearList", "SharedBlockMLP", "conv_net", "linear_list",
-           "fixed_loss", "shared_block"]
+__all__ = ["BATCH_PER_RANK", "ConvNet", "EqualBlocks", "LinearList", "SharedBlockMLP", "conv_net",
+           "equal_blocks", "linear_list", "fixed_loss", "shared_block"]

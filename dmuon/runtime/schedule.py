@@ -10,6 +10,8 @@ asynchronous call through the launcher, on DMuon's own groups.
 
 from __future__ import annotations
 
+from itertools import groupby
+
 import torch
 
 from dmuon import annotate
@@ -75,14 +77,10 @@ class Schedule:
         """id(bucket) -> its aligned group (``buckets.py``): the consecutive aligned buckets
         of one unit and dtype, in index order (one call moves them all)."""
         self.groups_of: dict[int, list[Bucket]] = {}
-        run: list[Bucket] = []
-        for b in [*self.buckets, None]:
-            if run and (b is None or not b.aligned or (b.module_name, b.flat.dtype) != (run[0].module_name, run[0].flat.dtype)):
-                for m in run:
-                    self.groups_of[id(m)] = run
-                run = []
-            if b is not None and b.aligned:
-                run.append(b)
+        for (aligned, _, _), run in groupby(self.buckets, lambda b: (b.aligned, b.module_name, b.flat.dtype)):
+            if aligned:
+                run = list(run)
+                self.groups_of.update((id(m), run) for m in run)
 
     def reset(self) -> None:
         """A pass starts: every cursor back to its start."""
@@ -181,7 +179,7 @@ class Schedule:
                     replicate_works.append(
                         self._launcher(buf).reduce(buf, b.replicate_owner, rep, channel="replicate"))
                 else:  # this rank's R held buckets, summed over the replicate axis to their owners
-                    held = [m for m in members if m.is_holder]
+                    held = _held(members)
                     replicate_works.append(self._reduce_scatter(
                         held, [m.wait_reduce() for m in held], lambda m: m.is_owner, rep, "replicate"))
         for work in replicate_works:

@@ -86,3 +86,14 @@ def test_hf_qwen3_moe(pool2, tmp_path, modes):
         f"model.layers.{i}.mlp.{p}" for i in range(2)
         for p in ("experts.gate_up_proj", "experts.down_proj", "gate.weight")}
     assert runs["dmuon-z3"]["ratio_to_p_m"] == pytest.approx(1.5)
+
+
+def test_equal_blocks_move_as_one_aligned_unit(pool2, tmp_path):
+    """Four identical blocks at W=2: one unit under coalesce="auto" whose buckets (one per
+    owner, 4 matrices each) move in one all_gather per forward, checked like every layout:
+    measured = predicted = closed form, three sources one to one."""
+    _, runs = _run(pool2, tmp_path, ("dmuon-ddp", "dmuon-z3"), "examples.structures:equal_blocks")
+    assert runs["dmuon-z3"]["p_m"] == 4 * 2 * 50 * 70
+    for mode in ("dmuon-ddp", "dmuon-z3"):  # 2 measured steps x 2 ranks x one all_gather
+        assert runs[mode]["phases"]["forward"]["collectives_measured"] == 4
+    assert runs["dmuon-z3"]["closed_form"] == "3(N-1)/N"
