@@ -242,7 +242,9 @@ def probe_export(path: str | Path) -> ExportInfo:
         tables = {n: tuple(r[1] for r in conn.execute(f'PRAGMA table_info("{n}")')) for n in names}
         meta = {str(k): str(v) for k, v in conn.execute(
             "SELECT name, value FROM META_DATA_EXPORT")} if "META_DATA_EXPORT" in tables else {}
-    except sqlite3.DatabaseError as exc:
+    except (sqlite3.DatabaseError, UnicodeDecodeError) as exc:
+        # a damaged schema can make SQLite's own error text undecodable: Python then raises
+        # UnicodeDecodeError for the message (found by tests/tracer/test_fuzz_nsys.py)
         raise ValueError(f"Invalid nsys export path={str(path)!r}: not an SQLite file ({exc}). "
                          "Must be written by `nsys export --type sqlite`.") from None
     finally:
@@ -569,7 +571,8 @@ def parse_nsys(path: str | Path, *, allow_unknown_schema: bool = False,
         launches = _load_launches(conn, info, sorted(set(int(c) for c in kernels["correlation_id"])),
                                   ref, issues)
         fields = locate_payload_fields(conn, info.tables, {int(d) for _, d in nccl_keys})
-    except sqlite3.Error as exc:  # corrupt pages, truncated file, a table of another shape
+    except (sqlite3.Error, UnicodeDecodeError) as exc:  # corrupt pages, truncated file, a
+        # table of another shape; or an error text SQLite wrote with the damaged bytes
         raise ValueError(
             f"Invalid nsys export {str(info.path)!r}: SQLite failed while reading it "
             f"({type(exc).__name__}: {exc}); the file is damaged or truncated. Must be a "

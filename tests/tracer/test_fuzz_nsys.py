@@ -71,6 +71,12 @@ def test_byte_mutations_of_the_real_export_long(real_bytes, edits):
     _mutated(real_bytes, edits)
 
 
+def test_a_schema_byte_that_breaks_sqlites_error_text_is_a_clear_error(real_bytes):
+    """Found by the long profile: 0x80 in the schema page makes SQLite's own error message
+    undecodable (UnicodeDecodeError from ``execute``); it must name the file like any damage."""
+    _mutated(real_bytes, [("set", 0.016304164917378693, b"\x80")])
+
+
 # --------------------------------------------------------------------------- grammar
 ANY = (st.none() | st.integers(-(2 ** 63), 2 ** 63 - 1) | st.floats(allow_nan=True)
        | st.text(max_size=6) | st.binary(max_size=6))
