@@ -162,13 +162,6 @@ def dedicate_params(
         plan = plan_ownership(specs, topology.mesh_shape)
     on_cuda = any(p.device.type == "cuda" for _, p, _ in named)
     coalesce_bytes = coalesce_target_bytes(coalesce, "nccl" if on_cuda else "gloo")
-    if tp_layout is not None:  # TP: one unit per block (coalescing local shards is not built)
-        if coalesce not in ("auto", "block"):
-            raise ValueError(
-                f"Invalid coalesce={coalesce!r} with a tensor-parallel mesh. Must be 'auto' or "
-                "'block': under TP DMuon keeps one unit per block (docs/traffic-model.md, "
-                "'Coalescing').")
-        coalesce_bytes = 0
     digest = setup_digest(tp_layout.full_plan if tp_layout else plan, named,
                           reshard_after_forward, mp_policy, cap_bytes, coalesce_bytes)
     collectives.check_plan_agreement(

@@ -67,9 +67,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.tp < 1:
         parser.error(f"Invalid --tp {args.tp}. Must be >= 1 (1: no tensor parallelism).")
-    if args.tp > 1 and (args.model != BUILTIN or args.coalesce == "all"):
-        parser.error("--tp > 1 runs the built-in model only, and DMuon keeps one unit per "
-                     "block under TP (--coalesce auto or block; verify/run/tp_modes.py).")
+    if args.tp > 1 and args.model != BUILTIN:
+        parser.error("--tp > 1 runs the built-in model only (its TP plan is fixed: "
+                     "verify/run/tp_modes.py).")
     unknown = [m for m in args.modes.split(",") if m not in MODES]
     if unknown:
         parser.error(f"Invalid --modes entries {unknown}. Must be among {list(MODES)}.")

@@ -261,7 +261,7 @@ def _train_mode(mode: str, config: RunConfig, corpus: ByteCorpus, progress,
         tp_model, tp_opt, tp_layout, tp_dm = tp_modes.build_tp(
             mode, make_model, config.device, config.tp,
             tokens_per_rank=batch // dp * config.seq_len, muon_lr=MUON_LR, adamw_lr=ADAMW_LR,
-            mixed_precision=config.mixed_precision)
+            mixed_precision=config.mixed_precision, coalesce=config.coalesce)
         built = Built(tp_model, tp_opt, tp_layout, tp_dm)
         loss_fn = tp_modes.tp_loss(corpus or ByteCorpus.from_stdlib(), global_batch=batch,
                                    seq_len=config.seq_len, seed=config.seed, tp=config.tp)

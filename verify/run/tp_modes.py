@@ -39,6 +39,7 @@ from dmuon.ownership.plan import specs_from_named_parameters
 from dmuon.ownership.select import matrix_shapes, select_params
 from tracer.context import current_phase
 from verify.traffic.tp import TP_MODES, TPRunLayout
+from verify.traffic.predict import dmuon_coalesce_bytes
 from verify.workload.data import local_slice
 
 #: The TP plan of the built-in TinyGPT's blocks (module name within a block -> style).
@@ -194,7 +195,7 @@ class NaiveTPMuon(Optimizer):
 
 def build_tp(mode: str, make_model: Callable[[], nn.Module], device: str, tp: int, *,
              tokens_per_rank: int, muon_lr: float, adamw_lr: float,
-             mixed_precision: str | None = None):
+             mixed_precision: str | None = None, coalesce: str = "auto"):
     """Build ``mode`` (one of :data:`verify.traffic.tp.TP_MODES`) on the TP mesh.
 
     Args:
@@ -203,6 +204,9 @@ def build_tp(mode: str, make_model: Callable[[], nn.Module], device: str, tp: in
         mixed_precision: ``None`` or ``"bf16"`` / ``"fp16"``: the same
             ``MixedPrecisionPolicy`` for ``dedicate_params`` and every ``fully_shard``
             (``verify.run.modes.mp_policy``); DTensor's activations then travel in it.
+        coalesce: DMuon's ``dedicate_params(coalesce=...)``; units form over the local
+            shards' bytes (the layout gets the documented target,
+            :func:`verify.traffic.predict.dmuon_coalesce_bytes`).
 
     Returns:
         ``(model, optimizer, layout, dm)``; ``dm`` is None for the baselines.
@@ -246,11 +250,13 @@ def build_tp(mode: str, make_model: Callable[[], nn.Module], device: str, tp: in
         return TPRunLayout(mode=mode, replicate_size=r_size, shard_size=n, params=specs,
                            muon_names=targets, fsdp_modules=fsdp_modules,
                            reshard_after_forward=reshard, tp_size=tp, tp_dims=tp_dims,
-                           tp_activations=acts, mp_param_dtype=mp_name)
+                           tp_activations=acts, mp_param_dtype=mp_name,
+                           dmuon_coalesce_bytes=dmuon_coalesce_bytes(
+                               coalesce, "nccl" if device.startswith("cuda") else "gloo"))
 
     if mode.startswith("dmuon-"):
         dm = dmuon.dedicate_params(model, mesh, params=list(targets), reshard_after_forward=reshard,
-                                   mp_policy=mp)
+                                   mp_policy=mp, coalesce=coalesce)
         fsdp_modules = _fsdp_wrap(model, dp_mesh, reshard, set(dm), [], mp, blocks=False)
         opt = dmuon.DMuon(model.parameters(), dedicated=dm, lr=muon_lr, adamw_lr=adamw_lr)
         return model, opt, layout(fsdp_modules), dm

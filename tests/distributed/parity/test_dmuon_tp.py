@@ -186,6 +186,11 @@ def test_tp_buckets_hold_local_shards_and_the_predictor_derives_them(pool4):
     predicted = [b.names for b in dmuon_buckets(col.muon_specs(), col.plan(), col.dmuon_bucket_cap_bytes)]
     assert sorted(predicted) == sorted(runtime[0])
     assert any(len(b) > 1 for b in runtime[0])  # shards shared a bucket
+    # coalescing ("all": one unit) forms units over the same local shards, as predicted
+    coalesced = pool4.run_with_timeout(TIMEOUT_S, T.bucket_names, 25, "all")[0]
+    units = [b.names for b in dmuon_buckets(col.muon_specs(), col.plan(), 25 * 2**20,
+                                            coalesce_bytes=2**63 - 1)]
+    assert sorted(units) == sorted(coalesced) and len(coalesced) < len(runtime[0])
 
 
 @pytest.mark.slow  # an 8-rank pool of its own (about 10 s on 2 cores); 2 x 1 x 2 runs in make test

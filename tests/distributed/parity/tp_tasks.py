@@ -303,9 +303,9 @@ def oracle_clip(max_norm: float) -> dict:
     return {"total": total.item(), "params": {n: p.detach().clone() for n, p in named.items()}}
 
 
-def bucket_names(bucket_cap_mb: float) -> list[tuple[str, ...]]:
+def bucket_names(bucket_cap_mb: float, coalesce="block") -> list[tuple[str, ...]]:
     """The runtime's buckets (names, index order) of Z2 x TP with ``bucket_cap_mb``."""
-    model, dm, _, _ = build("z2", bucket_cap_mb=bucket_cap_mb)
+    model, dm, _, _ = build("z2", bucket_cap_mb=bucket_cap_mb, coalesce=coalesce)
     out = [tuple(b.names) for b in dm.buckets]
     dm.close()
     return out
