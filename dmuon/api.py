@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 
 from dmuon.runtime import attach, collectives, tp
-from dmuon.ownership.buckets import DEFAULT_BUCKET_CAP_MB, coalesce_target_bytes
+from dmuon.ownership.buckets import DEFAULT_BUCKET_CAP_MB, Coalescing, resolve_coalesce
 from dmuon.runtime.dedicate import DedicatedParams
 from dmuon.ownership.plan import OwnershipPlan, plan_ownership, specs_from_named_parameters
 from dmuon.ownership.select import Predicate, adamw_matrices, assign_params, select_params
@@ -128,7 +128,7 @@ def dedicate_params(
             "broadcast is issued ahead of the module that needs them; 1 is the default)."
         )
     cap_bytes = _bucket_cap_bytes(bucket_cap_mb)
-    coalesce_target_bytes(coalesce, "gloo")  # validates, before anything else
+    resolve_coalesce(coalesce, "gloo")  # validates, before anything else
     topology = tp.topology(mesh) if tp.is_tp_mesh(mesh) else topology_from_mesh(mesh)
     assignments = assign_params(model, params, predicate)
     named = select_params(model, params, predicate, assignments)
@@ -161,16 +161,16 @@ def dedicate_params(
     else:
         plan = plan_ownership(specs, topology.mesh_shape)
     on_cuda = any(p.device.type == "cuda" for _, p, _ in named)
-    coalesce_bytes = coalesce_target_bytes(coalesce, "nccl" if on_cuda else "gloo")
+    coalescing = resolve_coalesce(coalesce, "nccl" if on_cuda else "gloo")
     digest = setup_digest(tp_layout.full_plan if tp_layout else plan, named,
-                          reshard_after_forward, mp_policy, cap_bytes, coalesce_bytes)
+                          reshard_after_forward, mp_policy, cap_bytes, coalescing)
     collectives.check_plan_agreement(
         digest, "setup (ownership plan, reshard_after_forward, mp_policy, bucket_cap_mb, "
         "coalesce or device type)"
     )
     return DedicatedParams(model, named, topology, plan, reshard_after_forward, mesh=mesh,
                            mp_policy=mp_policy, bucket_cap_bytes=cap_bytes,
-                           prefetch_depth=prefetch_depth, coalesce_bytes=coalesce_bytes,
+                           prefetch_depth=prefetch_depth, coalescing=coalescing,
                            assignments=assignments, tp=tp_layout)
 
 
@@ -230,14 +230,15 @@ def setup_digest(
     reshard_after_forward: bool,
     mp_policy=None,
     bucket_cap_bytes: int = DEFAULT_BUCKET_CAP_MB * 1024 * 1024,
-    coalesce_bytes: int = 0,
+    coalescing: Coalescing = Coalescing(0),
 ) -> str:
     """sha256 (64 hex chars) of everything the ranks' collective schedules depend on.
 
     Covers the ownership plan (names, shapes, dtypes, mesh shape: :meth:`OwnershipPlan.digest`),
     ``reshard_after_forward`` (Z2 on one rank and Z3 on another would pair a backward
     re-broadcast with a reduce and hang), the mixed-precision policy (its dtypes set the
-    message sizes), the bucket cap and the coalescing target (they set the buckets) and each
+    message sizes), the bucket cap and the coalescing (:class:`~dmuon.ownership.buckets.Coalescing`:
+    with the cap they set the buckets) and each
     dedicated param's device type.
 
     Raises:
@@ -253,7 +254,7 @@ def setup_digest(
         "reshard_after_forward": reshard_after_forward,
         "mp_policy": _policy_fields(mp_policy),
         "bucket_cap_bytes": bucket_cap_bytes,
-        "coalesce_bytes": coalesce_bytes,
+        "coalesce_bytes": [coalescing.target_bytes, coalescing.aligned_max_bytes],
         "devices": sorted({p.device.type for _, p, _ in named}),
     }
     text = json.dumps(setup, sort_keys=True, separators=(",", ":"), default=str)

@@ -11,8 +11,8 @@ dedicated params share collectives, chosen by the α-β cost of a call (:func:`u
 docs/traffic-model.md "Coalescing"): walking the blocks in model order, a block joins the
 current unit while the unit's bytes (the params' own dtype) plus the block's stay at most
 ``target_bytes``; otherwise it starts a new unit. ``target_bytes = 0`` gives one unit per
-block; :func:`coalesce_target_bytes` turns ``dedicate_params``' ``coalesce`` into the target
-(``"auto"``: the backend's half-bandwidth size α/β, :data:`LINK_COSTS`). A unit is named by
+block; :func:`resolve_coalesce` turns ``dedicate_params``' ``coalesce`` into the target
+(``"auto"``: the backend's half-bandwidth size α/β, :data:`LINK_COSTS`; :func:`resolve_coalesce`). A unit is named by
 its first block.
 
 A **bucket** is the dedicated params of one unit with the same global owner and dtype, in
@@ -21,7 +21,8 @@ is a bucket of its own). Within a unit the buckets are ordered by dtype (first a
 then by owner: first appearance, except in an **aligned** dtype group (only when
 ``target_bytes > 0``: ``coalesce="block"`` keeps one call per bucket): exactly one bucket
 per global owner ``g`` in ``[0, W)`` (none split by the cap), all with the same ``numel``
-and the same number of params. Its buckets are ordered by ``(s, r)`` (shard index, then
+and the same number of params, each at most the backend's ``aligned_max_bytes``
+(:data:`LINK_COSTS`: 64 KiB on gloo, no limit on NCCL). Its buckets are ordered by ``(s, r)`` (shard index, then
 replicate index, ``g = r * N + s``) and move in one ``all_gather`` / ``reduce_scatter`` per
 channel instead of one ``broadcast`` / ``reduce`` each (protocol in
 ``dmuon/runtime/dedicate.py``). :func:`bucket_layout` lists units in model order, so the
@@ -49,7 +50,8 @@ COALESCE_MODES = ("auto", "block", "all")
 
 @dataclass(frozen=True)
 class LinkCost:
-    """The α-β cost of one collective call: ``alpha_us + bytes / (gbps * 1e9)`` seconds.
+    """The α-β cost of one collective call: ``alpha_us + bytes / (gbps * 1e9)`` seconds, and
+    the largest bucket (bytes) an aligned group may have on this backend.
 
     :attr:`half_bytes` is α/β, the message size at which a call spends as long on its fixed
     cost as on moving bytes (Hockney's n½): below it a call is latency-bound and coalescing
@@ -59,6 +61,7 @@ class LinkCost:
 
     alpha_us: float
     gbps: float
+    aligned_max_bytes: int = sys.maxsize
 
     @property
     def half_bytes(self) -> int:
@@ -67,11 +70,25 @@ class LinkCost:
 
 #: Documented defaults per backend (docs/traffic-model.md, "Coalescing"): ``nccl`` = the
 #: intra-node NVLink figures ``dmuon-plan`` assumes (10 µs per call, 360 GB/s bus bandwidth,
-#: ``verify.traffic.scale.CostModel``); ``gloo`` = measured on a 2-core CPU machine at W=4
+#: ``verify.traffic.scale.CostModel``); every call kind costs alike, so aligned groups have no
+#: size limit. ``gloo`` = measured on a 2-core CPU machine at W=4
 #: (``benchmarks/bench_gloo_call_cost.py``: 1-5 ms per reduce / all_gather / reduce_scatter
-#: call whatever its size up to 64K elements, about 1 GB/s beyond). Any other backend uses
-#: ``nccl``'s.
-LINK_COSTS = {"nccl": LinkCost(alpha_us=10.0, gbps=360.0), "gloo": LinkCost(alpha_us=2000.0, gbps=1.0)}
+#: call whatever its size up to 64K elements, about 1 GB/s beyond); aligned groups only up to
+#: 64 KiB per bucket: gloo runs reduce_scatter as an all_reduce of the whole input and its
+#: broadcast is one message round, and with 256 KiB buckets the aligned calls measured slower
+#: end to end than per-bucket calls that overlap the blocks' compute
+#: (``benchmarks/bench_step.py --models mlp``). Any other backend uses ``nccl``'s.
+LINK_COSTS = {"nccl": LinkCost(alpha_us=10.0, gbps=360.0),
+              "gloo": LinkCost(alpha_us=2000.0, gbps=1.0, aligned_max_bytes=64 * 1024)}
+
+
+@dataclass(frozen=True)
+class Coalescing:
+    """What ``dedicate_params(coalesce=...)`` resolves to on a backend: the unit target and the
+    largest bucket of an aligned group, both in bytes (module docstring)."""
+
+    target_bytes: int
+    aligned_max_bytes: int = sys.maxsize
 
 
 @dataclass(frozen=True)
@@ -101,29 +118,33 @@ def block_of(module: str) -> str:
     return module
 
 
-def coalesce_target_bytes(coalesce: str | int, backend: str) -> int:
-    """The unit target of ``dedicate_params(coalesce=...)`` on ``backend`` (module docstring).
+def resolve_coalesce(coalesce: str | int, backend: str) -> Coalescing:
+    """What ``dedicate_params(coalesce=...)`` means on ``backend`` (module docstring).
 
     Args:
-        coalesce: ``"auto"`` (``LINK_COSTS[backend].half_bytes``), ``"block"`` (0), ``"all"``
-            (no limit) or a byte count >= 0.
-        backend: the process group backend name (``"nccl"``, ``"gloo"``, ...).
+        coalesce: ``"auto"`` (target ``LINK_COSTS[backend].half_bytes``), ``"block"`` (0),
+            ``"all"`` (no limit) or a target in bytes >= 0.
+        backend: the process group backend name (``"nccl"``, ``"gloo"``, ...); it also sets
+            the aligned groups' size limit (:data:`LINK_COSTS`).
 
     Raises:
         ValueError: ``coalesce`` is none of these.
     """
+    cost = LINK_COSTS.get(backend, LINK_COSTS["nccl"])
     if coalesce == "auto":
-        return LINK_COSTS.get(backend, LINK_COSTS["nccl"]).half_bytes
-    if coalesce == "block":
-        return 0
-    if coalesce == "all":
-        return sys.maxsize
-    if isinstance(coalesce, bool) or not isinstance(coalesce, int) or coalesce < 0:
+        target = cost.half_bytes
+    elif coalesce == "block":
+        target = 0
+    elif coalesce == "all":
+        target = sys.maxsize
+    elif isinstance(coalesce, bool) or not isinstance(coalesce, int) or coalesce < 0:
         raise ValueError(
             f"Invalid coalesce={coalesce!r}. Must be one of {COALESCE_MODES} or a byte count "
             ">= 0 (the most bytes of dedicated params per unit of blocks sharing collectives)."
         )
-    return coalesce
+    else:
+        target = coalesce
+    return Coalescing(target, cost.aligned_max_bytes)
 
 
 def unit_layout(specs: Sequence[ParamSpec], target_bytes: int) -> dict[str, tuple[str, ...]]:
@@ -150,7 +171,7 @@ def unit_layout(specs: Sequence[ParamSpec], target_bytes: int) -> dict[str, tupl
 
 
 def bucket_layout(specs: Sequence[ParamSpec], plan: OwnershipPlan, cap_bytes: int,
-                  target_bytes: int = 0) -> list[BucketSpec]:
+                  target_bytes: int = 0, aligned_max_bytes: int = sys.maxsize) -> list[BucketSpec]:
     """Buckets in model order of their units (module docstring).
 
     Args:
@@ -158,6 +179,7 @@ def bucket_layout(specs: Sequence[ParamSpec], plan: OwnershipPlan, cap_bytes: in
         plan: the ownership plan computed from the same specs.
         cap_bytes: bucket cap in bytes of the params' dtype (> 0).
         target_bytes: unit target (:func:`unit_layout`); 0: one unit per block.
+        aligned_max_bytes: the largest bucket of an aligned group (its own dtype's bytes).
 
     Raises:
         KeyError: a spec is not in the plan.
@@ -180,7 +202,7 @@ def bucket_layout(specs: Sequence[ParamSpec], plan: OwnershipPlan, cap_bytes: in
     for unit, by_dtype in members.items():
         blocks = units[unit]
         for dtype, by_owner in by_dtype.items():
-            aligned = target_bytes > 0 and _aligned(by_owner, world)
+            aligned = target_bytes > 0 and _aligned(by_owner, world, aligned_max_bytes)
             owners = sorted(by_owner, key=lambda g: (g % shards, g // shards)) if aligned else by_owner
             for owner in owners:
                 for run in by_owner[owner]:
@@ -189,9 +211,10 @@ def bucket_layout(specs: Sequence[ParamSpec], plan: OwnershipPlan, cap_bytes: in
     return layout
 
 
-def _aligned(by_owner: dict[int, list[list[ParamSpec]]], world: int) -> bool:
-    """One run per owner of ``[0, world)``, equal element and param counts (world > 1)."""
+def _aligned(by_owner: dict[int, list[list[ParamSpec]]], world: int, max_bytes: int) -> bool:
+    """One run per owner of ``[0, world)``, equal element and param counts (world > 1), each
+    run at most ``max_bytes``."""
     if world < 2 or sorted(by_owner) != list(range(world)) or any(len(r) != 1 for r in by_owner.values()):
         return False
     shapes = {(sum(s.numel for s in runs[0]), len(runs[0])) for runs in by_owner.values()}
-    return len(shapes) == 1
+    return len(shapes) == 1 and sum(s.nbytes for s in next(iter(by_owner.values()))[0]) <= max_bytes

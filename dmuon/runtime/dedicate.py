@@ -29,8 +29,9 @@ Glossary (see ``topology.py`` for the mesh terms):
   buffer (``residency.py``), so one collective moves them all. A bucket's ``module`` is its
   unit (its first block's module); the unit's blocks are ``blocks``.
 - **aligned group**: the buckets of one unit and dtype when they are exactly one per global
-  owner, of equal ``numel`` and param count (and ``coalesce`` is not ``"block"``), ordered by
-  ``(s, r)``. Every call below that would move each of its buckets separately moves the whole
+  owner, of equal ``numel`` and param count, each at most the backend's aligned size limit
+  (``buckets.LINK_COSTS``: 64 KiB on gloo, none on NCCL), and ``coalesce`` is not
+  ``"block"``; ordered by ``(s, r)``. Every call below that would move each of its buckets separately moves the whole
   group in one call instead: a forward broadcast or Z3 re-broadcast becomes one
   **all_gather** over the shard axis (each rank's input: the R buckets of its shard index, in
   ``r`` order; count ``R * numel``), a shard reduce one **reduce_scatter** (sum) over the
@@ -288,8 +289,9 @@ class DedicatedParams:
         topology: this rank's :class:`~dmuon.ownership.topology.Topology`.
         reshard_after_forward: ``True`` for Z3 (non-holders free after forward), ``False`` for Z2.
         bucket_cap_bytes, prefetch_depth: the knobs given to ``dedicate_params``.
-        coalesce_bytes: the unit target in bytes (``dedicate_params``' ``coalesce``,
-            resolved by ``buckets.coalesce_target_bytes``).
+        coalesce_bytes, aligned_max_bytes: the unit target and the aligned groups' bucket
+            limit in bytes (``dedicate_params``' ``coalesce`` resolved by
+            ``buckets.resolve_coalesce``).
     """
 
     def __init__(
@@ -304,14 +306,15 @@ class DedicatedParams:
         mp_policy=None,
         bucket_cap_bytes: int = DEFAULT_BUCKET_CAP_MB * 1024 * 1024,
         prefetch_depth: int = 1,
-        coalesce_bytes: int = 0,
+        coalescing: buckets.Coalescing = buckets.Coalescing(0),
         assignments: list | None = None,
         tp=None,
     ) -> None:
         self._assignments = list(assignments or ())
         self.bucket_cap_bytes = bucket_cap_bytes
         self.prefetch_depth = prefetch_depth
-        self.coalesce_bytes = coalesce_bytes
+        self.coalesce_bytes = coalescing.target_bytes
+        self.aligned_max_bytes = coalescing.aligned_max_bytes
         self.names = [n for n, _, _ in named]
         self.plan = plan
         self.topology = topology
@@ -325,7 +328,7 @@ class DedicatedParams:
         self._runtime: Runtime | None = Runtime(model, named, topology, plan, self._groups,
                                 reshard_after_forward=reshard_after_forward, mp_policy=mp_policy,
                                 bucket_cap_bytes=bucket_cap_bytes, prefetch_depth=prefetch_depth,
-                                coalesce_bytes=coalesce_bytes)
+                                coalescing=coalescing)
         self._hooks = attach.HookSet()
         self._runtime.install(self._hooks)
         checkpoint.install(model, self, self._hooks)
@@ -458,7 +461,8 @@ class DedicatedParams:
     def coalescing(self) -> dict:
         """How the blocks share collectives on this rank (docs/traffic-model.md, "Coalescing").
 
-        Returns a dict: ``target_bytes`` (the unit target ``coalesce`` resolved to);
+        Returns a dict: ``target_bytes`` (the unit target ``coalesce`` resolved to),
+        ``aligned_max_bytes`` (the largest bucket an aligned group may have on this backend);
         ``units``: one row per unit in bucket order, ``{"name", "blocks", "bytes", "aligned"}``
         (``bytes``: its dedicated params in their own dtype); ``calls_per_step``: DMuon's
         collectives this rank takes part in per step outside the first, by protocol step
@@ -484,7 +488,8 @@ class DedicatedParams:
         z3 = self.reshard_after_forward
         free = [row.pop("_free") for row in units.values()]
         peak = max((a + b for a, b in zip(free, free[1:] + [0])), default=0) if z3 else 0
-        return {"target_bytes": self.coalesce_bytes, "units": list(units.values()),
+        return {"target_bytes": self.coalesce_bytes, "aligned_max_bytes": self.aligned_max_bytes,
+                "units": list(units.values()),
                 "calls_per_step": {"forward": calls, "backward": calls * (2 if z3 else 1) + replicate // 2,
                                    "replicate": replicate // 2},
                 "z3_peak_bytes": peak}

@@ -20,7 +20,7 @@ from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_leaves
 
 from dmuon.runtime import attach, collectives, order, precision, tp
-from dmuon.ownership.buckets import bucket_layout
+from dmuon.ownership.buckets import Coalescing, bucket_layout
 from dmuon.runtime.copies import Bucket
 from dmuon.ownership.plan import OwnershipPlan, specs_from_named_parameters
 from dmuon.runtime.schedule import Schedule
@@ -41,7 +41,7 @@ class Runtime:
     def __init__(self, model: nn.Module, named: list[tuple[str, nn.Parameter, str]],
                  topology: Topology, plan: OwnershipPlan, groups: collectives.DMuonGroups, *,
                  reshard_after_forward: bool, mp_policy, bucket_cap_bytes: int,
-                 prefetch_depth: int, coalesce_bytes: int = 0) -> None:
+                 prefetch_depth: int, coalescing: Coalescing = Coalescing(0)) -> None:
         self.root = model
         self.topology = topology
         self.reshard_after_forward = reshard_after_forward
@@ -52,7 +52,7 @@ class Runtime:
         self.order = order.OrderRecorder()
         self.order_agreed = False
         self._modules = dict(model.named_modules())
-        buckets = self._build_buckets(named, plan, bucket_cap_bytes, coalesce_bytes)
+        buckets = self._build_buckets(named, plan, bucket_cap_bytes, coalescing)
         self.schedule = Schedule(buckets, groups, prefetch_depth=prefetch_depth,
                                  reshard_after_forward=reshard_after_forward,
                                  reduce_dtype=reduce_dtype, world_size=topology.world_size)
@@ -85,13 +85,14 @@ class Runtime:
         return tuple(dict.fromkeys(block for b in self.buckets for block in b.blocks))
 
     # ------------------------------------------------------------------ construction
-    def _build_buckets(self, named, plan: OwnershipPlan, cap_bytes: int, coalesce_bytes: int) -> list[Bucket]:
+    def _build_buckets(self, named, plan: OwnershipPlan, cap_bytes: int, coalescing: Coalescing) -> list[Bucket]:
         topology, modules = self.topology, self._modules
         by_name = {n: p for n, p, _ in named}
         # TP: buckets hold local shards, so the cap counts their bytes (dedicate.py, TP)
         specs = specs_from_named_parameters((n, tp.local(p)) for n, p, _ in named)
         buckets = []
-        for i, spec in enumerate(bucket_layout(specs, plan, cap_bytes, coalesce_bytes)):
+        for i, spec in enumerate(bucket_layout(specs, plan, cap_bytes, coalescing.target_bytes,
+                                               coalescing.aligned_max_bytes)):
             r, s = topology.coords(spec.owner)
             buckets.append(Bucket(
                 index=i, module_name=spec.module, module=modules[spec.module], owner=spec.owner,

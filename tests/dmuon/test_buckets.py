@@ -4,10 +4,10 @@ several caps and world sizes: the same buckets, and each block a contiguous inde
 
 import pytest
 
-from dmuon.ownership.buckets import LINK_COSTS, block_of, bucket_layout, coalesce_target_bytes, unit_layout
+from dmuon.ownership.buckets import LINK_COSTS, block_of, bucket_layout, resolve_coalesce, unit_layout
 from dmuon.ownership.plan import ParamSpec, plan_ownership
 from tests.builders import tinygpt_layout
-from verify.traffic.predict import dmuon_block, dmuon_buckets, dmuon_coalesce_bytes
+from verify.traffic.predict import dmuon_aligned_max_bytes, dmuon_block, dmuon_buckets, dmuon_coalesce_bytes
 
 
 @pytest.mark.parametrize("module", ["", "head", "blocks.3", "blocks.3.attn.qkv",
@@ -39,11 +39,13 @@ def _key(b):
 
 @pytest.mark.parametrize("mode,world", [("dmuon-z3", 4), ("dmuon-hsdp-z2", 4), ("dmuon-ddp", 2)])
 @pytest.mark.parametrize("target", [0, 20_000, 200_000, 2**63 - 1])
-def test_coalesced_layout_equals_the_predicted_one(mode, world, target):
+@pytest.mark.parametrize("aligned_max", [1, 2**63 - 1])
+def test_coalesced_layout_equals_the_predicted_one(mode, world, target, aligned_max):
     layout = tinygpt_layout(mode, world)
     specs, plan = layout.muon_specs(), layout.plan()
-    runtime = bucket_layout(specs, plan, 25 * 1024 * 1024, target)
-    predicted = dmuon_buckets(specs, plan, 25 * 1024 * 1024, coalesce_bytes=target)
+    runtime = bucket_layout(specs, plan, 25 * 1024 * 1024, target, aligned_max)
+    predicted = dmuon_buckets(specs, plan, 25 * 1024 * 1024, coalesce_bytes=target,
+                              aligned_max_bytes=aligned_max)
     assert sorted(map(_key, runtime)) == sorted(map(_key, predicted))  # aligned: (s, r) order
     units = [b.module for b in runtime]
     assert units == sorted(units, key=units.index)  # each unit one contiguous range
@@ -60,7 +62,7 @@ def test_units_join_consecutive_blocks_up_to_the_target():
     units = unit_layout(specs, 40_000)  # two blocks fit (32 KiB), three do not
     assert units["blocks.0"] == units["blocks.1"] == ("blocks.0", "blocks.1")
     assert units["blocks.4"] == ("blocks.4",)
-    assert set(unit_layout(specs, coalesce_target_bytes("all", "gloo")).values()) == {
+    assert set(unit_layout(specs, resolve_coalesce("all", "gloo").target_bytes).values()) == {
         tuple(f"blocks.{i}" for i in range(5))}
 
 
@@ -72,6 +74,9 @@ def test_an_aligned_group_is_one_bucket_per_owner_in_shard_then_replicate_order(
     assert [(b.owner % 2, b.owner // 2) for b in layout] == [(0, 0), (0, 1), (1, 0), (1, 1)]
     # coalesce="block" keeps one call per bucket even where a unit could be aligned
     assert not any(b.aligned for b in bucket_layout(specs, plan, 25 * 1024 * 1024, 0))
+    # buckets (2 x 32 x 32 fp32 = 8 KiB) above the backend's aligned limit move per bucket
+    assert not any(b.aligned for b in bucket_layout(specs, plan, 25 * 1024 * 1024, 2**40, 8191))
+    assert all(b.aligned for b in bucket_layout(specs, plan, 25 * 1024 * 1024, 2**40, 8192))
     # unequal sizes: per-owner buckets, not aligned
     uneven = _specs([(32, 32)] * 3 + [(32, 64)])
     assert not any(b.aligned for b in bucket_layout(uneven, plan_ownership(uneven, (1, 4)), 2**30, 2**40))
@@ -80,10 +85,12 @@ def test_an_aligned_group_is_one_bucket_per_owner_in_shard_then_replicate_order(
 @pytest.mark.parametrize("bad", ["fast", -1, 1.5, True, None])
 def test_coalesce_values_are_checked(bad):
     with pytest.raises(ValueError, match="Invalid coalesce="):
-        coalesce_target_bytes(bad, "gloo")
+        resolve_coalesce(bad, "gloo")
 
 
 def test_auto_target_is_the_documented_half_bandwidth_size():
-    assert coalesce_target_bytes("auto", "gloo") == dmuon_coalesce_bytes("auto", "gloo") == 2_000_000
-    assert coalesce_target_bytes("auto", "nccl") == dmuon_coalesce_bytes("auto", "nccl") == 3_600_000
+    for backend, target, aligned_max in (("gloo", 2_000_000, 65536), ("nccl", 3_600_000, 2**63 - 1)):
+        got = resolve_coalesce("auto", backend)
+        assert got.target_bytes == dmuon_coalesce_bytes("auto", backend) == target
+        assert got.aligned_max_bytes == dmuon_aligned_max_bytes(backend) == aligned_max
     assert LINK_COSTS["nccl"].half_bytes == 3_600_000

@@ -22,7 +22,7 @@ from dmuon.ownership.select import matrix_shapes, select_params
 from dmuon.ownership.plan import specs_from_named_parameters
 
 from verify.run.baselines import MatrixMuon, NaiveShardedMuon, ZeroOneMuon
-from verify.traffic.predict import RunLayout, dmuon_coalesce_bytes
+from verify.traffic.predict import RunLayout, dmuon_aligned_max_bytes, dmuon_coalesce_bytes
 from verify.workload.usermodel import block_names
 
 #: Hyper-parameters every mode uses (Muon's and AdamW's torch defaults except the lrs).
@@ -146,6 +146,7 @@ def build(mode: str, make_model: Callable[[], nn.Module], device: str = "cpu",
     mesh = _mesh(mode, world, device)
     r_size, n = (mesh.shape if mesh.ndim == 2 else (1, world))
     reshard = mode.endswith("z3") or mode == "naive-hsdp"
+    backend = "nccl" if device.startswith("cuda") else "gloo"  # DMuon's coalescing depends on it
 
     # DDP broadcasts the module's buffers from rank 0 before every forward
     buffers = tuple((str(b.dtype).removeprefix("torch."), b.numel()) for _, b in model.named_buffers())
@@ -160,7 +161,8 @@ def build(mode: str, make_model: Callable[[], nn.Module], device: str = "cpu",
             fsdp_modules=fsdp_modules,
             reshard_after_forward=reshard_flag,
             ddp_bucket_cap_bytes=DDP_BUCKET_CAP_MB * 1024 * 1024,
-            dmuon_coalesce_bytes=dmuon_coalesce_bytes(coalesce, "nccl" if device.startswith("cuda") else "gloo"),
+            dmuon_coalesce_bytes=dmuon_coalesce_bytes(coalesce, backend),
+            dmuon_aligned_max_bytes=dmuon_aligned_max_bytes(backend),
             mp_param_dtype=mp_name if (mode.startswith("dmuon-") or fsdp_modules) else None,
             ddp_buffers=buffers if mode in ("ddp-muon", "zero1-muon", "dmuon-ddp") else (),
         )

@@ -96,6 +96,7 @@ def layout_from_job(model: nn.Module, dedicated: dmuon.DedicatedParams,
                   muon_names=tuple(dedicated.names),
                   dmuon_bucket_cap_bytes=int(dedicated.bucket_cap_bytes),
                   dmuon_coalesce_bytes=int(dedicated.coalesce_bytes),
+                  dmuon_aligned_max_bytes=int(dedicated.aligned_max_bytes),
                   dmuon_block_order=tuple(block_order))
     if isinstance(model, DistributedDataParallel):
         if topo.replicate_size != 1:

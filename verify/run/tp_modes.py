@@ -39,7 +39,7 @@ from dmuon.ownership.plan import specs_from_named_parameters
 from dmuon.ownership.select import matrix_shapes, select_params
 from tracer.context import current_phase
 from verify.traffic.tp import TP_MODES, TPRunLayout
-from verify.traffic.predict import dmuon_coalesce_bytes
+from verify.traffic.predict import dmuon_aligned_max_bytes, dmuon_coalesce_bytes
 from verify.workload.data import local_slice
 
 #: The TP plan of the built-in TinyGPT's blocks (module name within a block -> style).
@@ -245,14 +245,15 @@ def build_tp(mode: str, make_model: Callable[[], nn.Module], device: str, tp: in
                 raise ValueError(f"Invalid --tp {tp} at W={world}: {spec.name} has {rows} local "
                                  f"rows, not a multiple of N={n}.")
     reshard = mode.endswith("z3")
+    backend = "nccl" if device.startswith("cuda") else "gloo"  # DMuon's coalescing depends on it
 
     def layout(fsdp_modules) -> TPRunLayout:
         return TPRunLayout(mode=mode, replicate_size=r_size, shard_size=n, params=specs,
                            muon_names=targets, fsdp_modules=fsdp_modules,
                            reshard_after_forward=reshard, tp_size=tp, tp_dims=tp_dims,
                            tp_activations=acts, mp_param_dtype=mp_name,
-                           dmuon_coalesce_bytes=dmuon_coalesce_bytes(
-                               coalesce, "nccl" if device.startswith("cuda") else "gloo"))
+                           dmuon_coalesce_bytes=dmuon_coalesce_bytes(coalesce, backend),
+                           dmuon_aligned_max_bytes=dmuon_aligned_max_bytes(backend))
 
     if mode.startswith("dmuon-"):
         dm = dmuon.dedicate_params(model, mesh, params=list(targets), reshard_after_forward=reshard,

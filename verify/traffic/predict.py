@@ -52,6 +52,10 @@ from verify.traffic.formulas import MODES
 from verify.traffic.rules import AxisCall, ddp_buckets, ddp_calls, fsdp_calls, fsdp_groups, padded_shard_numel
 
 
+#: "No limit" for the byte targets below (``coalesce="all"``, NCCL's aligned groups).
+NO_LIMIT = 2**63 - 1
+
+
 @dataclass(frozen=True)
 class RunLayout:
     """Everything the predictor needs about one run (no tensors, no process groups).
@@ -71,6 +75,8 @@ class RunLayout:
         dmuon_bucket_cap_bytes: DMuon's ``bucket_cap_mb`` in bytes (``dmuon_buckets``).
         dmuon_coalesce_bytes: DMuon's unit target in bytes (``dedicate_params``' ``coalesce``,
             :func:`dmuon_coalesce_bytes`); 0: one unit per block.
+        dmuon_aligned_max_bytes: the largest bucket of an aligned group
+            (:func:`dmuon_aligned_max_bytes`).
         root_auto_reshard: the root was wrapped without ``reshard_after_forward`` (FSDP2 then
             keeps it unsharded after forward).
         mp_param_dtype: mixed precision's param dtype (torch name, e.g. ``"bfloat16"``) or
@@ -104,6 +110,7 @@ class RunLayout:
     ddp_first_bucket_cap_bytes: int | None = None
     dmuon_bucket_cap_bytes: int = 25 * 1024 * 1024
     dmuon_coalesce_bytes: int = 0
+    dmuon_aligned_max_bytes: int = NO_LIMIT
     root_auto_reshard: bool = True
     mp_param_dtype: str | None = None
     mp_reduce_dtype: str | None = None
@@ -224,13 +231,21 @@ def replicate_ranks(rank: int, n: int, r_size: int) -> list[int]:
 #: (docs/traffic-model.md, "Coalescing": α·bandwidth; gloo 2 ms x 1 GB/s, NCCL 10 µs x
 #: 360 GB/s), written here independently of ``dmuon/ownership/buckets.py``.
 DMUON_AUTO_COALESCE_BYTES = {"gloo": 2_000_000, "nccl": 3_600_000}
+#: The largest bucket of an aligned group per backend (docs/traffic-model.md, "Coalescing"):
+#: 64 KiB on gloo, no limit elsewhere.
+DMUON_ALIGNED_MAX_BYTES = {"gloo": 64 * 1024}
+
+
+def dmuon_aligned_max_bytes(backend: str) -> int:
+    """The aligned groups' bucket limit on ``backend`` (docs/traffic-model.md)."""
+    return DMUON_ALIGNED_MAX_BYTES.get(backend, NO_LIMIT)
 
 
 def dmuon_coalesce_bytes(coalesce: str | int, backend: str) -> int:
     """The unit target of ``dedicate_params(coalesce=...)`` (docs/traffic-model.md)."""
     if coalesce == "auto":
         return DMUON_AUTO_COALESCE_BYTES.get(backend, DMUON_AUTO_COALESCE_BYTES["nccl"])
-    return {"block": 0, "all": 2**63 - 1}.get(coalesce, coalesce)
+    return {"block": 0, "all": NO_LIMIT}.get(coalesce, coalesce)
 
 
 @dataclass(frozen=True)
@@ -328,7 +343,8 @@ def dmuon_units(specs: Sequence[ParamSpec], target_bytes: int) -> list[tuple[str
 
 def dmuon_buckets(specs: Sequence[ParamSpec], plan: OwnershipPlan,
                   cap_bytes: int = 25 * 1024 * 1024,
-                  block_order: Sequence[str] = (), coalesce_bytes: int = 0) -> list[DMuonBucket]:
+                  block_order: Sequence[str] = (), coalesce_bytes: int = 0,
+                  aligned_max_bytes: int = NO_LIMIT) -> list[DMuonBucket]:
     """DMuon's buckets from the documented rule (docs/spec.md §1, ``dmuon/ownership/buckets.py``).
 
     A bucket is the dedicated params of one block (:func:`dmuon_block`) with the same global
@@ -365,7 +381,9 @@ def dmuon_buckets(specs: Sequence[ParamSpec], plan: OwnershipPlan,
     if coalesce_bytes > 0 and world > 1:
         for unit, dtype in {(u, d) for u, _, d in members}:
             runs = [members.get((unit, g, dtype), []) for g in range(world)]
-            if all(len(r) == 1 for r in runs) and len({(sum(p.numel for p in r[0]), len(r[0])) for r in runs}) == 1:
+            sizes = {(sum(p.numel for p in r[0]), len(r[0])) for r in runs if len(r) == 1}
+            if all(len(r) == 1 for r in runs) and len(sizes) == 1 and \
+                    next(iter(sizes))[0] * DTYPE_BYTES[dtype] <= aligned_max_bytes:
                 aligned.add((unit, dtype))
     buckets = [
         DMuonBucket(unit, owner, dtype, tuple(p.name for p in ps), sum(p.numel for p in ps),
@@ -392,7 +410,8 @@ def _dmuon_calls(layout: RunLayout, rank: int) -> list[Expected]:
 
     grouped: dict[tuple[str, str], list[DMuonBucket]] = {}
     for b in dmuon_buckets(layout.muon_specs(), layout.plan(), layout.dmuon_bucket_cap_bytes,
-                           layout.dmuon_block_order, layout.dmuon_coalesce_bytes):
+                           layout.dmuon_block_order, layout.dmuon_coalesce_bytes,
+                           layout.dmuon_aligned_max_bytes):
         if b.aligned:
             grouped.setdefault((b.module, b.dtype), []).append(b)
             continue

@@ -211,7 +211,8 @@ def _dmuon(layout: RunLayout, plan: OwnershipPlan) -> tuple[Tally, dict[int, Tal
     common, extra = Tally(), defaultdict(Tally)
     groups: dict[tuple[str, str], list] = {}
     for b in dmuon_buckets(layout.muon_specs(), plan, layout.dmuon_bucket_cap_bytes,
-                           coalesce_bytes=layout.dmuon_coalesce_bytes):
+                           coalesce_bytes=layout.dmuon_coalesce_bytes,
+                           aligned_max_bytes=layout.dmuon_aligned_max_bytes):
         if b.aligned:  # one all_gather / reduce_scatter per channel for the group (below)
             groups.setdefault((b.module, b.dtype), []).append(b)
             continue
