@@ -10,7 +10,10 @@ A **unit** is a run of consecutive blocks (model order of their first dedicated 
 dedicated params share collectives, chosen by the α-β cost of a call (:func:`unit_layout`,
 docs/traffic-model.md "Coalescing"): walking the blocks in model order, a block joins the
 current unit while the unit's bytes (the params' own dtype) plus the block's stay at most
-``target_bytes``; otherwise it starts a new unit. ``target_bytes = 0`` gives one unit per
+``target_bytes``; otherwise it starts a new unit. A unit of several blocks is kept only if it
+needs fewer calls per channel than its blocks would as units of their own (an aligned group
+counts one call, any other bucket one each): blocks whose owners all differ and that do not
+form an aligned group would only lose their per-block overlap, so they stay alone. ``target_bytes = 0`` gives one unit per
 block; :func:`resolve_coalesce` turns ``dedicate_params``' ``coalesce`` into the target
 (``"auto"``: the backend's half-bandwidth size α/β, :data:`LINK_COSTS`; :func:`resolve_coalesce`). A unit is named by
 its first block.
@@ -185,9 +188,29 @@ def bucket_layout(specs: Sequence[ParamSpec], plan: OwnershipPlan, cap_bytes: in
         KeyError: a spec is not in the plan.
     """
     assert cap_bytes > 0 and target_bytes >= 0, (cap_bytes, target_bytes)
+    units = unit_layout(specs, target_bytes)
+    if target_bytes == 0:
+        return _layout(specs, plan, cap_bytes, units, 0)
+    # a unit of several blocks stays only if it saves calls; else its blocks stand alone
+    joined = _layout(specs, plan, cap_bytes, units, aligned_max_bytes)
+    alone = _layout(specs, plan, cap_bytes, {b: (b,) for b in units}, 0)
+    kept = {u for u in {b.module for b in joined}
+            if len(units[u]) > 1 and _calls(joined, {u}) < _calls(alone, set(units[u]))}
+    final = {b: (units[b] if units[b][0] in kept else (b,)) for b in units}
+    return _layout(specs, plan, cap_bytes, final, aligned_max_bytes)
+
+
+def _calls(layout: list[BucketSpec], units: set[str]) -> int:
+    """Calls per channel of the buckets of ``units``: one per aligned group, else per bucket."""
+    members = [b for b in layout if b.module in units]
+    return len({(b.module, b.dtype) if b.aligned else id(b) for b in members})
+
+
+def _layout(specs: Sequence[ParamSpec], plan: OwnershipPlan, cap_bytes: int,
+            units: dict[str, tuple[str, ...]], aligned_max_bytes: int) -> list[BucketSpec]:
+    """Buckets of the given units (``aligned_max_bytes`` 0: none aligned)."""
     replicas, shards = plan.mesh_shape
     world = replicas * shards
-    units = unit_layout(specs, target_bytes)
     # unit -> dtype -> owner -> runs of params (dicts keep first appearance)
     members: dict[str, dict[str, dict[int, list[list[ParamSpec]]]]] = {}
     for spec in specs:
@@ -202,7 +225,7 @@ def bucket_layout(specs: Sequence[ParamSpec], plan: OwnershipPlan, cap_bytes: in
     for unit, by_dtype in members.items():
         blocks = units[unit]
         for dtype, by_owner in by_dtype.items():
-            aligned = target_bytes > 0 and _aligned(by_owner, world, aligned_max_bytes)
+            aligned = aligned_max_bytes > 0 and _aligned(by_owner, world, aligned_max_bytes)
             owners = sorted(by_owner, key=lambda g: (g % shards, g // shards)) if aligned else by_owner
             for owner in owners:
                 for run in by_owner[owner]:

@@ -94,3 +94,18 @@ def test_auto_target_is_the_documented_half_bandwidth_size():
         assert got.target_bytes == dmuon_coalesce_bytes("auto", backend) == target
         assert got.aligned_max_bytes == dmuon_aligned_max_bytes(backend) == aligned_max
     assert LINK_COSTS["nccl"].half_bytes == 3_600_000
+
+
+@pytest.mark.parametrize("aligned_max", [0, 8 * 1024, 2**63 - 1])
+def test_a_unit_that_saves_no_call_splits_into_its_blocks(aligned_max):
+    """Four blocks owned by four ranks: joined they need four calls unless aligned, as many
+    as alone, so they stay one unit each (their per-block overlap is kept); aligned they
+    need one. The predictor derives the same from the rule."""
+    specs = _specs([(32, 32)] * 4)  # 4 KiB each
+    plan = plan_ownership(specs, (1, 4))
+    runtime = bucket_layout(specs, plan, 2**30, 2**40, aligned_max)
+    predicted = dmuon_buckets(specs, plan, 2**30, coalesce_bytes=2**40, aligned_max_bytes=aligned_max)
+    assert sorted(map(_key, runtime)) == sorted(map(_key, predicted))
+    joined = aligned_max >= 4096
+    assert {len(b.blocks) for b in runtime} == ({4} if joined else {1})
+    assert all(b.aligned for b in runtime) == joined

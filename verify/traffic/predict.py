@@ -324,8 +324,9 @@ def dmuon_model_blocks(specs: Sequence[ParamSpec]) -> tuple[str, ...]:
 
 
 def dmuon_units(specs: Sequence[ParamSpec], target_bytes: int) -> list[tuple[str, ...]]:
-    """DMuon's units (docs/traffic-model.md, "Coalescing"): blocks in model order, each
-    joining the previous unit while that unit's bytes plus its own stay <= ``target_bytes``."""
+    """DMuon's candidate units (docs/traffic-model.md, "Coalescing"): blocks in model order,
+    each joining the previous unit while that unit's bytes plus its own stay <=
+    ``target_bytes``. :func:`dmuon_buckets` then splits a unit that saves no call."""
     sizes: dict[str, int] = {}
     for spec in specs:
         block = dmuon_block(spec.module)
@@ -361,8 +362,6 @@ def dmuon_buckets(specs: Sequence[ParamSpec], plan: OwnershipPlan,
     """
     if cap_bytes < 1:
         raise ValueError(f"Invalid {cap_bytes=}. Must be >= 1 (DMuon's bucket_cap_mb in bytes).")
-    unit_of = {block: unit for unit in dmuon_units(specs, coalesce_bytes) for block in unit}
-    members: dict[tuple[str, int, str], list[list[ParamSpec]]] = {}
     for spec in specs:
         if spec.name not in plan.owner:
             raise ValueError(
@@ -370,6 +369,29 @@ def dmuon_buckets(specs: Sequence[ParamSpec], plan: OwnershipPlan,
                 f"planned params {list(plan.owner)[:3]}...; plan and specs must come from the "
                 "same layout."
             )
+    units = dmuon_units(specs, coalesce_bytes)
+    if coalesce_bytes > 0:  # a unit of several blocks stays only if it needs fewer calls
+        singles = [(b,) for u in units for b in u]
+        per_block = _calls_by_unit(_grouped(specs, plan, cap_bytes, singles, 0))
+        joined = _calls_by_unit(_grouped(specs, plan, cap_bytes, units, aligned_max_bytes))
+        units = [piece for u in units for piece in
+                 ([u] if len(u) == 1 or joined[u[0]] < sum(per_block[b] for b in u) else [(b,) for b in u])]
+    buckets = _grouped(specs, plan, cap_bytes, units, aligned_max_bytes if coalesce_bytes > 0 else 0)
+    model = dmuon_model_blocks(specs)
+    sequence = dmuon_block_sequence(model, block_order)
+    if sequence != model:
+        buckets.sort(key=lambda b: min(sequence.index(x) for x in b.blocks))
+    return buckets
+
+
+def _grouped(specs: Sequence[ParamSpec], plan: OwnershipPlan, cap_bytes: int,
+             units: Sequence[tuple[str, ...]], aligned_max_bytes: int) -> list[DMuonBucket]:
+    """The buckets of ``units`` (model order): per (unit, owner, dtype), cut at ``cap_bytes``;
+    aligned where a unit's dtype has one bucket per owner of equal size and param count, at
+    most ``aligned_max_bytes`` (0: never)."""
+    unit_of = {block: unit for unit in units for block in unit}
+    members: dict[tuple[str, int, str], list[list[ParamSpec]]] = {}
+    for spec in specs:
         key = (unit_of[dmuon_block(spec.module)][0], plan.owner[spec.name], spec.dtype)
         runs = members.setdefault(key, [[]])
         size = spec.numel * DTYPE_BYTES[spec.dtype]
@@ -378,24 +400,31 @@ def dmuon_buckets(specs: Sequence[ParamSpec], plan: OwnershipPlan,
         runs[-1].append(spec)
     world = plan.mesh_shape[0] * plan.mesh_shape[1]
     aligned: set[tuple[str, str]] = set()  # (unit, dtype) groups moved by one call per channel
-    if coalesce_bytes > 0 and world > 1:
+    if aligned_max_bytes > 0 and world > 1:
         for unit, dtype in {(u, d) for u, _, d in members}:
             runs = [members.get((unit, g, dtype), []) for g in range(world)]
             sizes = {(sum(p.numel for p in r[0]), len(r[0])) for r in runs if len(r) == 1}
             if all(len(r) == 1 for r in runs) and len(sizes) == 1 and \
                     next(iter(sizes))[0] * DTYPE_BYTES[dtype] <= aligned_max_bytes:
                 aligned.add((unit, dtype))
-    buckets = [
+    return [
         DMuonBucket(unit, owner, dtype, tuple(p.name for p in ps), sum(p.numel for p in ps),
                     unit_of[unit], (unit, dtype) in aligned)
         for (unit, owner, dtype), runs in members.items()
         for ps in runs
     ]
-    model = dmuon_model_blocks(specs)
-    sequence = dmuon_block_sequence(model, block_order)
-    if sequence != model:
-        buckets.sort(key=lambda b: min(sequence.index(x) for x in b.blocks))
-    return buckets
+
+
+def _calls_by_unit(buckets: list[DMuonBucket]) -> dict[str, int]:
+    """Unit -> its calls per channel: one per aligned (unit, dtype) group, one per other bucket."""
+    calls: dict[str, int] = {}
+    seen: set[tuple[str, str]] = set()
+    for b in buckets:
+        if b.aligned and (b.module, b.dtype) in seen:
+            continue
+        seen.add((b.module, b.dtype))
+        calls[b.module] = calls.get(b.module, 0) + 1
+    return calls
 
 
 def _dmuon_calls(layout: RunLayout, rank: int) -> list[Expected]:
@@ -546,10 +575,10 @@ def reused_elems(layout: RunLayout) -> int:
     if not layout.module_calls:
         return 0
     if layout.is_dmuon:  # the unit's runs: the most runs of any of its blocks (_unit_runs)
-        specs = layout.muon_specs()
-        unit_of = {b: u for u in dmuon_units(specs, layout.dmuon_coalesce_bytes) for b in u}
-        return sum((max(layout.calls_of(b) for b in unit_of[dmuon_block(p.module)]) - 1) * p.numel
-                   for p in specs)
+        buckets = dmuon_buckets(layout.muon_specs(), layout.plan(), layout.dmuon_bucket_cap_bytes,
+                                coalesce_bytes=layout.dmuon_coalesce_bytes,
+                                aligned_max_bytes=layout.dmuon_aligned_max_bytes)
+        return sum((max(layout.calls_of(x) for x in b.blocks) - 1) * b.numel for b in buckets)
     if not layout.fsdp_modules:
         return 0
     n, muon = layout.shard_size, set(layout.muon_names)
