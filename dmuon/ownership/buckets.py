@@ -10,13 +10,13 @@ A **unit** is a run of consecutive blocks (model order of their first dedicated 
 dedicated params share collectives, chosen by the α-β cost of a call (:func:`unit_layout`,
 docs/traffic-model.md "Coalescing"): walking the blocks in model order, a block joins the
 current unit while the unit's bytes (the params' own dtype) plus the block's stay at most
-``target_bytes``; otherwise it starts a new unit. A unit of several blocks is kept only if it
-needs fewer calls per channel than its blocks would as units of their own (an aligned group
-counts one call, any other bucket one each): blocks whose owners all differ and that do not
-form an aligned group would only lose their per-block overlap, so they stay alone. ``target_bytes = 0`` gives one unit per
-block; :func:`resolve_coalesce` turns ``dedicate_params``' ``coalesce`` into the target
-(``"auto"``: the backend's half-bandwidth size α/β, :data:`LINK_COSTS`; :func:`resolve_coalesce`). A unit is named by
-its first block.
+``target_bytes``; otherwise it starts a new unit. A unit of several blocks is kept only if
+it needs fewer calls per channel than its blocks would as units of their own (an aligned
+group counts one call, any other bucket one each): blocks whose owners all differ and that
+do not form an aligned group would only lose their per-block overlap, so they stay alone.
+``target_bytes = 0`` gives one unit per block; :func:`resolve_coalesce` turns
+``dedicate_params``' ``coalesce`` into the target (``"auto"``: the backend's half-bandwidth
+size α/β, :data:`LINK_COSTS`). A unit is named by its first block.
 
 A **bucket** is the dedicated params of one unit with the same global owner and dtype, in
 model order, cut into consecutive runs of at most ``cap_bytes`` (a param larger than the cap
@@ -25,13 +25,13 @@ then by owner: first appearance, except in an **aligned** dtype group (only when
 ``target_bytes > 0``: ``coalesce="block"`` keeps one call per bucket): exactly one bucket
 per global owner ``g`` in ``[0, W)`` (none split by the cap), all with the same ``numel``
 and the same number of params, each at most the backend's ``aligned_max_bytes``
-(:data:`LINK_COSTS`: 64 KiB on gloo, no limit on NCCL). Its buckets are ordered by ``(s, r)`` (shard index, then
-replicate index, ``g = r * N + s``) and move in one ``all_gather`` / ``reduce_scatter`` per
-channel instead of one ``broadcast`` / ``reduce`` each (protocol in
-``dmuon/runtime/dedicate.py``). :func:`bucket_layout` lists units in model order, so the
-buckets of any module's subtree are a contiguous range; after the first step DMuon
-renumbers them unit by unit in the execution order (``order.py``, ``dedicate.py`` step 7).
-DMuon's runtime (``hooks.py``) uses :func:`bucket_layout`; the traffic predictor
+(:data:`LINK_COSTS`: 64 KiB on gloo, no limit on NCCL). Its buckets are ordered by
+``(s, r)`` (shard index, then replicate index, ``g = r * N + s``) and move in one
+``all_gather`` / ``reduce_scatter`` per channel instead of one ``broadcast`` / ``reduce``
+each (protocol in ``dmuon/runtime/dedicate.py``). :func:`bucket_layout` lists units in model
+order, so the buckets of any module's subtree are a contiguous range; after the first step
+DMuon renumbers them unit by unit in the execution order (``order.py``, ``dedicate.py``
+step 7). DMuon's runtime (``hooks.py``) uses :func:`bucket_layout`; the traffic predictor
 (``verify/traffic/predict.py``) implements the same documented rule on its own.
 """
 

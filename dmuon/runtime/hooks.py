@@ -62,8 +62,8 @@ class Runtime:
         self._moved: dict[int, Bucket] = {}  # buckets an _apply touched, not re-bound yet
         self._rebound: dict[int, Bucket] = {}  # re-bound since the last forward (recast there)
         # unit -> the drivers of all its blocks (order.py's contiguity rule, the spans)
-        self._drivers = {b.module_name: list(dict.fromkeys(d for block in b.blocks for d in order.drivers_of(block)))
-                         for b in buckets}
+        self._drivers = {b.module_name: list(dict.fromkeys(
+            d for block in b.blocks for d in order.drivers_of(block))) for b in buckets}
         self._index()
         for b in buckets:
             b.make_compute(self.param_dtype)
@@ -85,7 +85,8 @@ class Runtime:
         return tuple(dict.fromkeys(block for b in self.buckets for block in b.blocks))
 
     # ------------------------------------------------------------------ construction
-    def _build_buckets(self, named, plan: OwnershipPlan, cap_bytes: int, coalescing: Coalescing) -> list[Bucket]:
+    def _build_buckets(self, named, plan: OwnershipPlan, cap_bytes: int,
+                       coalescing: Coalescing) -> list[Bucket]:
         topology, modules = self.topology, self._modules
         by_name = {n: p for n, p, _ in named}
         # TP: buckets hold local shards, so the cap counts their bytes (dedicate.py, TP)

@@ -77,7 +77,8 @@ class Schedule:
         """id(bucket) -> its aligned group (``buckets.py``): the consecutive aligned buckets
         of one unit and dtype, in index order (one call moves them all)."""
         self.groups_of: dict[int, list[Bucket]] = {}
-        for (aligned, _, _), run in groupby(self.buckets, lambda b: (b.aligned, b.module_name, b.flat.dtype)):
+        key = lambda b: (b.aligned, b.module_name, b.flat.dtype)  # noqa: E731
+        for (aligned, _, _), run in groupby(self.buckets, key):
             if aligned:
                 run = list(run)
                 self.groups_of.update((id(m), run) for m in run)
@@ -153,7 +154,8 @@ class Schedule:
             with annotate.phase("backward"), annotate.span("dmuon.reduce", module=b.module_name,
                                                            owner=None if b.aligned else b.owner):
                 if b.aligned:
-                    work = self._reduce_scatter(members, bufs, lambda m: m.is_holder, self.groups.reduce, "reduce")
+                    work = self._reduce_scatter(members, bufs, lambda m: m.is_holder,
+                                                self.groups.reduce, "reduce")
                 else:
                     work = self._launcher(bufs[0]).reduce(bufs[0], b.shard_owner, self.groups.reduce)
             for m, buf in zip(members, bufs):
@@ -259,7 +261,8 @@ class Schedule:
         with annotate.phase(phase), annotate.span(name, module=b.module_name,
                                                   owner=None if b.aligned else b.owner):
             if b.aligned:
-                work = self._all_gather(members, bufs, lambda m: m.is_holder, self.groups.broadcast, "broadcast")
+                work = self._all_gather(members, bufs, lambda m: m.is_holder,
+                                        self.groups.broadcast, "broadcast")
             else:
                 work = self._launcher(bufs[0]).broadcast(bufs[0], b.shard_owner, self.groups.broadcast)
         for m in members:
