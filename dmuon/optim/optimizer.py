@@ -136,7 +136,8 @@ class DMuon(Optimizer):
     @staticmethod
     def new_momentum(p: torch.Tensor) -> torch.Tensor:
         """A fresh Muon momentum buffer for ``p``: zeros of ``p``'s shape and dtype, as
-        ``torch.optim.Muon`` creates at a param's first step."""
+        ``torch.optim.Muon`` creates at a param's first step (DMuon creates it when the
+        optimizer is built; a step after a move casts it to the param's dtype and device)."""
         return torch.zeros_like(p, memory_format=torch.preserve_format)
 
     @staticmethod
@@ -240,6 +241,7 @@ class DMuon(Optimizer):
             state = self.state[p]
             if "momentum_buffer" not in state:
                 state["momentum_buffer"] = self.new_momentum(p)
+            _follow_param(p, state, ("momentum_buffer",))
             batches.setdefault((self._matrix_of[id(p)], p.dtype, p.device), []).append(p)
         hparams = {k: group[k] for k in ("lr", "weight_decay", "momentum", "nesterov",
                                          "ns_coefficients", "ns_steps", "eps", "adjust_lr_fn")}
@@ -261,6 +263,7 @@ class DMuon(Optimizer):
             state = self.state[p]
             if not state:
                 state.update(self.new_adamw_state(p))
+            _follow_param(p, state, ("exp_avg", "exp_avg_sq"))
             params.append(p)
             grads.append(p.grad)
             exp_avgs.append(state["exp_avg"])
@@ -286,3 +289,13 @@ class DMuon(Optimizer):
             eps=group["eps"],
             maximize=False,
         )
+
+
+def _follow_param(p: torch.Tensor, state: dict, keys: tuple[str, ...]) -> None:
+    """State created before a move (``DMuon`` builds it at construction, for DCP's templates)
+    takes the param's current dtype and device: ``model.double()`` or ``.to(device)`` between
+    building the optimizer and a step, as ``Optimizer.load_state_dict`` casts loaded state."""
+    for key in keys:
+        t = state[key]
+        if t.dtype != p.dtype or t.device != p.device:
+            state[key] = t.to(device=p.device, dtype=p.dtype)

@@ -115,6 +115,8 @@ def _updates(opt, params, recv, layout, name_of, hparams) -> list[torch.Tensor]:
         state = opt.state[p]
         if MOMENTUM_KEY not in state:
             state[MOMENTUM_KEY] = full_momentum(p)
+        elif state[MOMENTUM_KEY].dtype != grad.dtype or state[MOMENTUM_KEY].device != grad.device:
+            state[MOMENTUM_KEY] = state[MOMENTUM_KEY].to(device=grad.device, dtype=grad.dtype)  # a move
         with annotate.span("dmuon.newton_schulz", module=opt.dedicated.block_of(p),
                            owner=opt.dedicated.owner_of(p)):
             update = _momentum_update(grad, state[MOMENTUM_KEY], hparams["momentum"],

@@ -470,7 +470,9 @@ class DedicatedParams:
         group counts one call per channel); ``z3_peak_bytes``: under Z3 the most compute-copy
         bytes this rank holds at once for buckets it does not hold between steps, over
         consecutive pairs of units (a unit plus the next, which prefetch may fill while it
-        runs; ``prefetch_depth`` > 1 can reach further), 0 under Z2.
+        runs; ``prefetch_depth`` > 1 can reach further), when every block runs in the
+        forward: a unit with a block that does not run stays allocated until the end of the
+        forward (docs/traffic-model.md, "Z3 memory bound"); 0 under Z2.
         """
         rt = self._live("coalescing()")
         units: dict[str, dict] = {}

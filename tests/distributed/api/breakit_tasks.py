@@ -67,7 +67,11 @@ def z3_peak_with_skipped_blocks(coalesce, skip: tuple[int, ...]) -> dict:
         model(torch.randn(4, D)).pow(2).mean().backward()
         opt.step()
         opt.zero_grad()
+    skipped_units = {b.module_name for b in dm.buckets
+                     if any(x.split(".")[:2] == ["blocks", str(i)] for i in skip for x in b.blocks)}
     out = {"measured": max(seen), "reported": dm.coalescing()["z3_peak_bytes"],
-           "target": dm.coalesce_bytes}
+           "target": dm.coalesce_bytes,
+           "skipped_units_bytes": sum(b.numel * b.flat.element_size() for b in dm.buckets
+                                      if not b.is_holder and b.module_name in skipped_units)}
     dm.close()
     return out
