@@ -7,6 +7,7 @@
 - :func:`equal_blocks`: four identical residual blocks after a fixed input projection:
   DMuon's default coalescing makes them one aligned unit (one all_gather and one
   reduce_scatter per step instead of a broadcast and a reduce per owner).
+- :func:`frozen_input`: the same with a frozen input Linear (``requires_grad=False``).
 - :func:`conv_net`: a small conv net (``Conv1d`` / ``Conv2d`` weights: Muon on the
   ``(out, in·k…)`` flattened view).
 
@@ -117,9 +118,29 @@ def equal_blocks() -> tuple[nn.Module, object]:
     return EqualBlocks(), loss_fn
 
 
+class FrozenInput(EqualBlocks):
+    """:class:`EqualBlocks` with a trainable-shaped but frozen ``inp`` Linear(20, 50) instead of
+    the buffer (a frozen layer: DDP skips it, FSDP2 gathers it and reduces no grad for it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        del self.proj
+        self.inp = nn.Linear(D_IN, D_MODEL, bias=False).requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(self.norm(h))
+
+
+def frozen_input() -> tuple[nn.Module, object]:
+    return FrozenInput(), loss_fn
+
+
 def conv_net() -> tuple[nn.Module, object]:
     return ConvNet(), fixed_loss
 
 
-__all__ = ["BATCH_PER_RANK", "ConvNet", "EqualBlocks", "LinearList", "SharedBlockMLP", "conv_net",
-           "equal_blocks", "linear_list", "fixed_loss", "shared_block"]
+__all__ = ["BATCH_PER_RANK", "ConvNet", "EqualBlocks", "FrozenInput", "LinearList", "SharedBlockMLP",
+           "conv_net", "equal_blocks", "frozen_input", "linear_list", "fixed_loss", "shared_block"]

@@ -4,6 +4,7 @@ world size (padded for the naive baselines), mixed precision, and the comparison
 from __future__ import annotations
 
 import ast
+import dataclasses
 import subprocess
 import sys
 from collections import Counter
@@ -19,7 +20,7 @@ from verify.run.modes import muon_names
 from verify.traffic.predict import RunLayout, dmuon_block, dmuon_buckets, predict_step
 from verify.traffic.formulas import avg_elems, closed_form, padded_numel
 
-from dmuon.ownership.plan import specs_from_named_parameters
+from dmuon.ownership.plan import ParamSpec, specs_from_named_parameters
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -320,3 +321,21 @@ def test_ddp_buffer_broadcasts_group_by_dtype_and_bucket():
              and e.group_size == 2 and e.dedicated_count == 0]
     assert [(e.rank, e.count, e.root) for e in calls] == [(0, 8, 0), (1, 8, 0)]
     assert RunLayout.from_dict(layout.to_dict()) == layout
+
+
+def test_frozen_params_leave_ddp_buckets_and_fsdp_reductions():
+    """``RunLayout.frozen_names``: DDP's all_reduce and FSDP2's reduce_scatter / replicate
+    all_reduce skip a frozen param; FSDP2's all_gather still moves it."""
+    from verify.traffic.rules import ddp_calls, fsdp_calls
+
+    params = (ParamSpec("inp.weight", (50, 20), "float32", "inp"),
+              ParamSpec("fc.weight", (50, 50), "float32", "fc"))
+    base = dict(replicate_size=2, shard_size=2, params=params, muon_names=(), fsdp_modules=("",))
+    trained = RunLayout(mode="ddp-muon", **base)
+    frozen = dataclasses.replace(trained, frozen_names=("inp.weight",))
+    assert [c.count for c in ddp_calls(trained, set())] == [3500]
+    assert [c.count for c in ddp_calls(frozen, set())] == [2500]
+    ops = lambda layout: {(c.op, c.count) for c in fsdp_calls(layout, set())}  # noqa: E731
+    assert ops(trained) == {("all_gather", 1750), ("reduce_scatter", 1750), ("all_reduce", 1750)}
+    assert ops(frozen) == {("all_gather", 1750), ("reduce_scatter", 1250), ("all_reduce", 1250)}
+    assert RunLayout.from_dict(frozen.to_dict()).frozen_names == ("inp.weight",)

@@ -147,6 +147,7 @@ def build(mode: str, make_model: Callable[[], nn.Module], device: str = "cpu",
     r_size, n = (mesh.shape if mesh.ndim == 2 else (1, world))
     reshard = mode.endswith("z3") or mode == "naive-hsdp"
     backend = "nccl" if device.startswith("cuda") else "gloo"  # DMuon's coalescing depends on it
+    frozen = tuple(name for name, p in model.named_parameters() if not p.requires_grad)
 
     # DDP broadcasts the module's buffers from rank 0 before every forward
     buffers = tuple((str(b.dtype).removeprefix("torch."), b.numel()) for _, b in model.named_buffers())
@@ -165,6 +166,7 @@ def build(mode: str, make_model: Callable[[], nn.Module], device: str = "cpu",
             dmuon_aligned_max_bytes=dmuon_aligned_max_bytes(backend),
             mp_param_dtype=mp_name if (mode.startswith("dmuon-") or fsdp_modules) else None,
             ddp_buffers=buffers if mode in ("ddp-muon", "zero1-muon", "dmuon-ddp") else (),
+            frozen_names=frozen,
         )
 
     mp = mp_policy(mixed_precision)

@@ -92,7 +92,9 @@ def layout_from_job(model: nn.Module, dedicated: dmuon.DedicatedParams,
                          "given to dmuon.dedicate_params (Z3: True, Z2: False).")
     # Muon's matrix shape of each dedicated param, as DMuon planned it (the plan's specs)
     matrices = {sp.name: sp.matrix_shape for sp in dedicated.plan.specs}
+    bare = model.module if isinstance(model, DistributedDataParallel) else model
     common = dict(replicate_size=topo.replicate_size, shard_size=topo.shard_size,
+                  frozen_names=tuple(n for n, p in bare.named_parameters() if not p.requires_grad),
                   muon_names=tuple(dedicated.names),
                   dmuon_bucket_cap_bytes=int(dedicated.bucket_cap_bytes),
                   dmuon_coalesce_bytes=int(dedicated.coalesce_bytes),

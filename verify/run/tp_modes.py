@@ -246,12 +246,13 @@ def build_tp(mode: str, make_model: Callable[[], nn.Module], device: str, tp: in
                                  f"rows, not a multiple of N={n}.")
     reshard = mode.endswith("z3")
     backend = "nccl" if device.startswith("cuda") else "gloo"  # DMuon's coalescing depends on it
+    frozen = tuple(name for name, p in model.named_parameters() if not p.requires_grad)
 
     def layout(fsdp_modules) -> TPRunLayout:
         return TPRunLayout(mode=mode, replicate_size=r_size, shard_size=n, params=specs,
                            muon_names=targets, fsdp_modules=fsdp_modules,
                            reshard_after_forward=reshard, tp_size=tp, tp_dims=tp_dims,
-                           tp_activations=acts, mp_param_dtype=mp_name,
+                           tp_activations=acts, mp_param_dtype=mp_name, frozen_names=frozen,
                            dmuon_coalesce_bytes=dmuon_coalesce_bytes(coalesce, backend),
                            dmuon_aligned_max_bytes=dmuon_aligned_max_bytes(backend))
 

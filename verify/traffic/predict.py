@@ -97,6 +97,9 @@ class RunLayout:
         ddp_buffers: ``(dtype, numel)`` of the buffers DDP broadcasts from rank 0 before
             every forward (``broadcast_buffers=True``), in ``named_buffers()`` order; ``()``
             when the module has none or the mode has no DDP.
+        frozen_names: params with ``requires_grad=False``: DDP leaves them out of its
+            buckets; FSDP2 still all_gathers them but reduces only params with a grad
+            (:mod:`verify.traffic.rules`). Never dedicated.
     """
 
     mode: str
@@ -117,6 +120,7 @@ class RunLayout:
     dmuon_block_order: tuple[str, ...] = ()
     module_calls: tuple[tuple[str, int], ...] = ()
     ddp_buffers: tuple[tuple[str, int], ...] = ()
+    frozen_names: tuple[str, ...] = ()
 
     def calls_of(self, module: str) -> int:
         """How many times ``module``'s forward runs per forward (:attr:`module_calls`; 1)."""
@@ -180,6 +184,7 @@ class RunLayout:
         kwargs["dmuon_block_order"] = tuple(kwargs.get("dmuon_block_order", ()))
         kwargs["module_calls"] = tuple((m, int(c)) for m, c in kwargs.get("module_calls", ()))
         kwargs["ddp_buffers"] = tuple((d, int(n)) for d, n in kwargs.get("ddp_buffers", ()))
+        kwargs["frozen_names"] = tuple(kwargs.get("frozen_names", ()))
         return cls(params=params, **kwargs)
 
     def muon_specs(self) -> list[ParamSpec]:

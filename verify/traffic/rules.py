@@ -130,7 +130,7 @@ def fsdp_calls(layout: RunLayout, ignored: set[str]) -> list[AxisCall]:
             ``mp_param_dtype`` to gather them in one).
     """
     n, r = layout.shard_size, layout.replicate_size
-    muon = set(layout.muon_names)
+    muon, frozen = set(layout.muon_names), set(layout.frozen_names)
     out: list[AxisCall] = []
     for module, managed in fsdp_groups(layout, ignored):
         dtypes = {layout.cast_dtype(p.dtype) for p in managed}
@@ -143,19 +143,24 @@ def fsdp_calls(layout: RunLayout, ignored: set[str]) -> list[AxisCall]:
         red = layout.reduce_dtype(managed[0].dtype)  # own dtypes agree when no mp is set
         count = sum(padded_shard_numel(p.shape, n) for p in managed)
         ded = sum(padded_shard_numel(p.shape, n) for p in managed if p.name in muon)
+        # gradient reductions cover the params with a grad (FSDP2's fsdp_params_with_grad)
+        trained = [p for p in managed if p.name not in frozen]
+        grad_count = sum(padded_shard_numel(p.shape, n) for p in trained)
         keeps_unsharded = module == "" and layout.root_auto_reshard
         runs = layout.calls_of(module)
         reshards = layout.reshard_after_forward and not keeps_unsharded
 
-        def add(phase: str, op: str, axis: str, size: int, dt: str, times: int = 1) -> None:
-            out.extend([AxisCall(phase, op, axis, size, count, dt, ded, module)] * times)
+        def add(phase: str, op: str, axis: str, size: int, dt: str, times: int = 1,
+                elems: int = count) -> None:
+            out.extend([AxisCall(phase, op, axis, size, elems, dt, ded, module)] * times)
 
         if n > 1:
             add("forward", "all_gather", "shard", n, dtype, runs if reshards else 1)
             add("backward", "all_gather", "shard", n, dtype, runs if reshards else runs - 1)
-            add("backward", "reduce_scatter", "shard", n, red)
-        if r > 1:
-            add("backward", "all_reduce", "replicate", r, red)
+            if trained:
+                add("backward", "reduce_scatter", "shard", n, red, elems=grad_count)
+        if r > 1 and trained:
+            add("backward", "all_reduce", "replicate", r, red, elems=grad_count)
     return out
 
 
@@ -187,7 +192,8 @@ def ddp_buckets(params: Sequence[ParamSpec], cap_bytes: int,
 def ddp_calls(layout: RunLayout, ignored: set[str]) -> list[AxisCall]:
     """DDP's all_reduces of one step on every rank, bucket by bucket (module docstring)."""
     muon = set(layout.muon_names)
-    buckets = ddp_buckets([p for p in layout.params if p.name not in ignored],
+    skip = ignored | set(layout.frozen_names)  # DDP buckets only params that require grad
+    buckets = ddp_buckets([p for p in layout.params if p.name not in skip],
                           layout.ddp_bucket_cap_bytes, layout.ddp_first_bucket_cap_bytes)
     return [
         AxisCall("forward", "broadcast", "world", layout.world_size, count, dtype, 0, None, root=0)

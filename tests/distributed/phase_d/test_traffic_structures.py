@@ -97,3 +97,11 @@ def test_equal_blocks_move_as_one_aligned_unit(pool2, tmp_path):
     for mode in ("dmuon-ddp", "dmuon-z3"):  # 2 measured steps x 2 ranks x one all_gather
         assert runs[mode]["phases"]["forward"]["collectives_measured"] == 4
     assert runs["dmuon-z3"]["closed_form"] == "3(N-1)/N"
+
+
+def test_a_frozen_layer_is_gathered_but_not_reduced_as_predicted(pool2, tmp_path):
+    """A frozen input Linear (requires_grad=False): DDP leaves it out of its buckets, FSDP2
+    all_gathers it but reduce-scatters no grad for it. Before the predictor knew
+    (``RunLayout.frozen_names``), every mode failed on it."""
+    _, runs = _run(pool2, tmp_path, ("ddp-muon", "naive-fsdp2-z2", "dmuon-z2"), "examples.structures:frozen_input")
+    assert runs["dmuon-z2"]["p_m"] == 4 * 2 * 50 * 70  # the frozen inp is not dedicated
