@@ -94,8 +94,12 @@ class EqualBlocks(nn.Module):
         self.norm = nn.LayerNorm(D_MODEL)
         self.head = nn.Linear(D_MODEL, D_OUT)
 
+    def embed(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, D_IN) -> (B, D_MODEL), not trained."""
+        return x @ self.proj
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x @ self.proj
+        h = self.embed(x)
         for block in self.blocks:
             h = block(h)
         return self.head(self.norm(h))
@@ -127,11 +131,8 @@ class FrozenInput(EqualBlocks):
         del self.proj
         self.inp = nn.Linear(D_IN, D_MODEL, bias=False).requires_grad_(False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.inp(x)
-        for block in self.blocks:
-            h = block(h)
-        return self.head(self.norm(h))
+    def embed(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inp(x)
 
 
 def frozen_input() -> tuple[nn.Module, object]:

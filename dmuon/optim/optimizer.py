@@ -241,7 +241,7 @@ class DMuon(Optimizer):
             state = self.state[p]
             if "momentum_buffer" not in state:
                 state["momentum_buffer"] = self.new_momentum(p)
-            _follow_param(p, state, ("momentum_buffer",))
+            checkpoint.follow_moves(state, ("momentum_buffer",), p)
             batches.setdefault((self._matrix_of[id(p)], p.dtype, p.device), []).append(p)
         hparams = {k: group[k] for k in ("lr", "weight_decay", "momentum", "nesterov",
                                          "ns_coefficients", "ns_steps", "eps", "adjust_lr_fn")}
@@ -263,7 +263,7 @@ class DMuon(Optimizer):
             state = self.state[p]
             if not state:
                 state.update(self.new_adamw_state(p))
-            _follow_param(p, state, ("exp_avg", "exp_avg_sq"))
+            checkpoint.follow_moves(state, ("exp_avg", "exp_avg_sq"), p)
             params.append(p)
             grads.append(p.grad)
             exp_avgs.append(state["exp_avg"])
@@ -290,12 +290,3 @@ class DMuon(Optimizer):
             maximize=False,
         )
 
-
-def _follow_param(p: torch.Tensor, state: dict, keys: tuple[str, ...]) -> None:
-    """State created before a move (``DMuon`` builds it at construction, for DCP's templates)
-    takes the param's current dtype and device: ``model.double()`` or ``.to(device)`` between
-    building the optimizer and a step, as ``Optimizer.load_state_dict`` casts loaded state."""
-    for key in keys:
-        t = state[key]
-        if t.dtype != p.dtype or t.device != p.device:
-            state[key] = t.to(device=p.device, dtype=p.dtype)

@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from dmuon import annotate
 from dmuon.optim.muon_math import _momentum_update, adjust_lr, zeropower_via_newtonschulz
-from dmuon.runtime import collectives, tp
+from dmuon.runtime import checkpoint, collectives, tp
 from dmuon.runtime.tp import full_momentum
 
 MOMENTUM_KEY = "momentum_buffer"
@@ -115,8 +115,7 @@ def _updates(opt, params, recv, layout, name_of, hparams) -> list[torch.Tensor]:
         state = opt.state[p]
         if MOMENTUM_KEY not in state:
             state[MOMENTUM_KEY] = full_momentum(p)
-        elif state[MOMENTUM_KEY].dtype != grad.dtype or state[MOMENTUM_KEY].device != grad.device:
-            state[MOMENTUM_KEY] = state[MOMENTUM_KEY].to(device=grad.device, dtype=grad.dtype)  # a move
+        checkpoint.follow_moves(state, (MOMENTUM_KEY,), grad)  # full shape: follow the grad
         with annotate.span("dmuon.newton_schulz", module=opt.dedicated.block_of(p),
                            owner=opt.dedicated.owner_of(p)):
             update = _momentum_update(grad, state[MOMENTUM_KEY], hparams["momentum"],

@@ -66,6 +66,34 @@ class Topology:
         return divmod(g, self.shard_size)
 
 
+def check_initialized() -> None:
+    """Raise ``RuntimeError`` unless ``torch.distributed`` is initialised."""
+    if not dist.is_initialized():
+        raise RuntimeError(
+            "torch.distributed is not initialised: call dist.init_process_group (torchrun sets "
+            "the environment) before dmuon.dedicate_params."
+        )
+
+
+def check_spans_world(mesh: DeviceMesh, size_name: str, example: str) -> None:
+    """Raise ``ValueError`` unless ``mesh`` covers the whole world and holds this rank.
+
+    Checked before any ``get_group()``: a rank outside the mesh gets an IndexError from
+    ``DeviceMesh.get_group``, while the ranks inside would go on to the plan agreement.
+    ``size_name`` names the mesh size in the message (``"W = R * N"``), ``example`` a mesh
+    that would do.
+    """
+    world = dist.get_world_size()
+    if mesh.size() != world or mesh.get_coordinate() is None:
+        raise ValueError(
+            f"Invalid mesh of shape {tuple(mesh.shape)}: {size_name} = {mesh.size()} "
+            f"must equal the world size {world} (mesh ranks {mesh.mesh.flatten().tolist()[:8]}"
+            f"{'...' if mesh.size() > 8 else ''}; this rank {dist.get_rank()} is "
+            f"{'in' if mesh.get_coordinate() is not None else 'not in'} it). DMuon's owners "
+            f"span the whole job; build the mesh over every rank, e.g. {example}."
+        )
+
+
 def topology_from_mesh(mesh: DeviceMesh) -> Topology:
     """Validate ``mesh`` and read this rank's topology from it.
 
@@ -86,11 +114,7 @@ def topology_from_mesh(mesh: DeviceMesh) -> Topology:
             "init_device_mesh('cuda', (world_size,)) or init_device_mesh('cuda', (R, N), "
             "mesh_dim_names=('replicate', 'shard'))."
         )
-    if not dist.is_initialized():
-        raise RuntimeError(
-            "torch.distributed is not initialised: call dist.init_process_group (torchrun sets "
-            "the environment) before dmuon.dedicate_params."
-        )
+    check_initialized()
     if mesh.ndim not in (1, 2):
         raise ValueError(
             f"Invalid mesh with ndim={mesh.ndim} (shape {tuple(mesh.shape)}). Must be 1-D "
@@ -98,18 +122,7 @@ def topology_from_mesh(mesh: DeviceMesh) -> Topology:
             "axis must name it 'tp' (('shard', 'tp') or ('replicate', 'shard', 'tp'): "
             "dmuon/runtime/tp.py)."
         )
-    # Size and membership before any get_group(): a rank outside the mesh gets an IndexError
-    # from DeviceMesh.get_group, while the ranks inside would go on to the plan agreement.
-    world = dist.get_world_size()
-    if mesh.size() != world or mesh.get_coordinate() is None:
-        raise ValueError(
-            f"Invalid mesh of shape {tuple(mesh.shape)}: W = R * N = {mesh.size()} "
-            f"must equal the world size {world} (mesh ranks {mesh.mesh.flatten().tolist()[:8]}"
-            f"{'...' if mesh.size() > 8 else ''}; this rank {dist.get_rank()} is "
-            f"{'in' if mesh.get_coordinate() is not None else 'not in'} it). DMuon's owners "
-            "span the whole job; build the mesh over every rank, e.g. "
-            "init_device_mesh(device, (dist.get_world_size(),))."
-        )
+    check_spans_world(mesh, "W = R * N", "init_device_mesh(device, (dist.get_world_size(),))")
     if mesh.ndim == 1:
         group = mesh.get_group()
         ranks = tuple(dist.get_process_group_ranks(group))

@@ -141,6 +141,16 @@ def complete_state(opt) -> None:
                 state.update(opt.new_adamw_state(p))
 
 
+def follow_moves(state: dict, keys: tuple[str, ...], like: torch.Tensor) -> None:
+    """State :func:`complete_state` built before a move (``model.double()`` or ``.to(device)``
+    between building the optimizer and a step) takes ``like``'s dtype and device, as
+    ``Optimizer.load_state_dict`` casts loaded state; a no-op when they already agree."""
+    for key in keys:
+        t = state[key]
+        if t.dtype != like.dtype or t.device != like.device:
+            state[key] = t.to(device=like.device, dtype=like.dtype)
+
+
 def filter_loaded_state(opt, state_dict: dict[str, Any]) -> dict[str, Any]:
     """The part of an optimizer ``state_dict`` this rank keeps; raise if momentum is missing.
 

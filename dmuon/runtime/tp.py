@@ -28,7 +28,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from dmuon.ownership.plan import OwnershipPlan, ParamSpec, plan_ownership
-from dmuon.ownership.topology import Topology
+from dmuon.ownership.topology import Topology, check_initialized, check_spans_world
 
 #: Name of the tensor-parallel mesh axis.
 TP_AXIS = "tp"
@@ -84,19 +84,9 @@ def check_mesh(mesh: DeviceMesh) -> None:
             "mesh_dim_names=('shard', 'tp')); parallelize the blocks on mesh['tp'] and pass "
             "the whole mesh to dmuon.dedicate_params."
         )
-    if not dist.is_initialized():
-        raise RuntimeError(
-            "torch.distributed is not initialised: call dist.init_process_group (torchrun sets "
-            "the environment) before dmuon.dedicate_params."
-        )
-    world = dist.get_world_size()
-    if mesh.size() != world or mesh.get_coordinate() is None:
-        raise ValueError(
-            f"Invalid mesh of shape {tuple(mesh.shape)} ({names}): its {mesh.size()} ranks must "
-            f"be the whole world of {world} ranks and hold this rank {dist.get_rank()}. Build "
-            "it over every rank, e.g. init_device_mesh(device, (W // T, T), "
-            "mesh_dim_names=('shard', 'tp'))."
-        )
+    check_initialized()
+    check_spans_world(mesh, "W = R * N * T", "init_device_mesh(device, (W // T, T), "
+                      "mesh_dim_names=('shard', 'tp'))")
 
 
 def _grid(mesh: DeviceMesh) -> list[list[list[int]]]:

@@ -62,10 +62,12 @@ def _imports(path: Path) -> set[str]:
     return names
 
 
-def test_predictor_imports_only_the_planner_from_dmuon():
-    # The predictor and every harness module it reaches (transitively) may take the planner's
-    # output from dmuon and nothing else: no bucketing, hooks or collectives of the runtime.
-    seen, todo, dmuon_imports = set(), ["verify.traffic.predict"], set()
+@pytest.mark.parametrize("predictor", ["verify.traffic.predict", "verify.traffic.tp"])
+def test_predictor_imports_only_the_planner_from_dmuon(predictor):
+    # The predictor (and the TP one) and every harness module it reaches (transitively) may
+    # take the planner's output from dmuon and nothing else: no bucketing, hooks or
+    # collectives of the runtime.
+    seen, todo, dmuon_imports = set(), [predictor], set()
     while todo:
         mod = todo.pop()
         if mod in seen:
@@ -76,7 +78,7 @@ def test_predictor_imports_only_the_planner_from_dmuon():
                 dmuon_imports.add(name)
             elif name.startswith(("verify.", "tracer.")) and (REPO / (name.replace(".", "/") + ".py")).is_file():
                 todo.append(name)
-    assert "verify.traffic.formulas" in seen and "tracer.events" in seen
+    assert {"verify.traffic.predict", "verify.traffic.formulas", "tracer.events"} <= seen
     assert dmuon_imports == _ALLOWED_DMUON, dmuon_imports
 
 

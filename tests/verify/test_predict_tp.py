@@ -11,7 +11,6 @@ from fractions import Fraction
 import pytest
 
 from dmuon.ownership.plan import specs_from_named_parameters
-from tests.verify.test_predict import REPO, _ALLOWED_DMUON, _imports
 from verify.run.modes import muon_names
 from verify.traffic.formulas import avg_elems
 from verify.traffic.tp import TP_MODES, TPRunLayout, predict_tp_step, tp_closed_form, tp_ns_calls_per_step
@@ -35,36 +34,30 @@ def tp_layout(mode: str, n: int, t: int) -> TPRunLayout:
                        tp_dims=dims, tp_activations=acts)
 
 
-def test_tp_predictor_imports_only_the_planner_from_dmuon():
-    seen, todo, dmuon_imports = set(), ["verify.traffic.tp"], set()
-    while todo:
-        mod = todo.pop()
-        if mod in seen:
-            continue
-        seen.add(mod)
-        for name in _imports(REPO / (mod.replace(".", "/") + ".py")):
-            if name == "dmuon" or name.startswith("dmuon."):
-                dmuon_imports.add(name)
-            elif name.startswith(("verify.", "tracer.")) and (REPO / (name.replace(".", "/") + ".py")).is_file():
-                todo.append(name)
-    assert "verify.traffic.predict" in seen
-    assert dmuon_imports == _ALLOWED_DMUON, dmuon_imports
-
-
-@pytest.mark.parametrize("mode", TP_MODES)
-@pytest.mark.parametrize("n, t", [(2, 2), (4, 2), (2, 4), (1, 4)])
-def test_tp_prediction_equals_the_closed_form(mode, n, t):
-    layout = tp_layout(mode, n, t)
-    w = n * t
+def _by_phase(layout: TPRunLayout) -> dict[str, Fraction]:
+    """Exact W-average of the dedicated share of the predicted calls, per phase."""
+    w = layout.world_size
     by_phase: dict[str, Fraction] = Counter()
     for e in predict_tp_step(layout):
         assert 0 <= e.rank < w
         share = Fraction(e.dedicated_count, e.count) if e.count else 0
         by_phase[e.phase] += Fraction(avg_elems(e.op, e.count, e.group_size)) * share / w
-    form, p_m = tp_closed_form(layout), layout.p_m()
-    for phase in ("forward", "backward", "optimizer", "tp"):
+    return by_phase
+
+
+@pytest.mark.parametrize("mode, r, n, t", [
+    *((m, 1, n, t) for m in TP_MODES for n, t in ((2, 2), (4, 2), (2, 4), (1, 4))),
+    *((m, 2, n, t) for m in ("dmuon-hsdp-z2", "dmuon-hsdp-z3") for n, t in ((2, 2), (1, 2), (2, 4))),
+])
+def test_tp_prediction_equals_the_closed_form(mode, r, n, t):
+    layout = dataclasses.replace(tp_layout(mode, n, t), replicate_size=r)
+    by_phase, form, p_m = _by_phase(layout), tp_closed_form(layout), layout.p_m()
+    assert set(by_phase) <= {"forward", "backward", "optimizer", "replicate", "tp"}
+    for phase in ("forward", "backward", "optimizer", "replicate", "tp"):
         assert float(by_phase[phase]) == pytest.approx(form.at(phase, p_m), rel=1e-12, abs=1e-9), phase
-    assert tp_ns_calls_per_step(layout) == (4 + t * 4 if mode.startswith("dmuon-") else w * 8)
+    assert (by_phase["replicate"] > 0) == (r > 1)
+    if r == 1:
+        assert tp_ns_calls_per_step(layout) == (4 + t * 4 if mode.startswith("dmuon-") else n * t * 8)
 
 
 def test_tp_step_one_gather_and_scatter_per_ns_rank_of_each_owner():
@@ -77,20 +70,3 @@ def test_tp_step_one_gather_and_scatter_per_ns_rank_of_each_owner():
         assert mine == {"gather": len(roots), "scatter": len(roots)} if roots else not mine, rank
     # DTensor's calls: per rank, per block, one forward and one backward all_reduce
     assert Counter(e.op for e in calls if e.phase == "tp") == {"all_reduce": 4 * 2 * 2}
-
-
-@pytest.mark.parametrize("mode", ["dmuon-hsdp-z2", "dmuon-hsdp-z3"])
-@pytest.mark.parametrize("n, t", [(2, 2), (1, 2), (2, 4)])
-def test_hsdp_tp_prediction_equals_the_closed_form(mode, n, t):
-    layout = dataclasses.replace(tp_layout(mode, n, t), replicate_size=2)
-    w = 2 * n * t
-    by_phase: dict[str, Fraction] = Counter()
-    for e in predict_tp_step(layout):
-        assert 0 <= e.rank < w
-        share = Fraction(e.dedicated_count, e.count) if e.count else 0
-        by_phase[e.phase] += Fraction(avg_elems(e.op, e.count, e.group_size)) * share / w
-    form, p_m = tp_closed_form(layout), layout.p_m()
-    assert set(by_phase) <= {"forward", "backward", "optimizer", "replicate", "tp"}
-    for phase in ("forward", "backward", "optimizer", "replicate"):
-        assert float(by_phase[phase]) == pytest.approx(form.at(phase, p_m), rel=1e-12, abs=1e-9), phase
-    assert by_phase["replicate"] > 0
