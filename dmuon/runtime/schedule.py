@@ -77,11 +77,13 @@ class Schedule:
         """id(bucket) -> its aligned group (``buckets.py``): the consecutive aligned buckets
         of one unit and dtype, in index order (one call moves them all)."""
         self.groups_of: dict[int, list[Bucket]] = {}
+        self.held_of: dict[int, list[Bucket]] = {}  # id(group) -> the members this rank holds
         key = lambda b: (b.aligned, b.module_name, b.flat.dtype)  # noqa: E731
         for (aligned, _, _), run in groupby(self.buckets, key):
             if aligned:
                 run = list(run)
                 self.groups_of.update((id(m), run) for m in run)
+                self.held_of[id(run)] = [m for m in run if m.is_holder]  # its shard index's R
 
     def reset(self) -> None:
         """A pass starts: every cursor back to its start."""
@@ -171,17 +173,16 @@ class Schedule:
         replicate_works = []
         for b in self.buckets[::-1]:
             buf = b.wait_reduce()
-            members = self.groups_of.get(id(b))
-            if rep is None or not b.is_holder or (members is not None and b is not _held(members)[-1]):
-                continue
+            held = self._held(b)
+            if rep is None or not b.is_holder or b is not held[-1]:
+                continue  # an aligned group: once, at its last held bucket in this order
             with annotate.phase("backward"), annotate.span(
                 "dmuon.reduce", module=b.module_name, owner=None if b.aligned else b.owner
             ):
-                if members is None:
+                if not b.aligned:
                     replicate_works.append(
                         self._launcher(buf).reduce(buf, b.replicate_owner, rep, channel="replicate"))
                 else:  # this rank's R held buckets, summed over the replicate axis to their owners
-                    held = _held(members)
                     replicate_works.append(self._reduce_scatter(
                         held, [m.wait_reduce() for m in held], lambda m: m.is_owner, rep, "replicate"))
         for work in replicate_works:
@@ -194,6 +195,12 @@ class Schedule:
             n = len(b.params) if b.is_owner else 0
             b.reduced(counts[k : k + n], self.world_size)
             k += n
+
+    def _held(self, b: Bucket) -> list[Bucket]:
+        """The buckets this rank holds that move with ``b``: its aligned group's held
+        members (its shard index's R, consecutive), else ``b`` alone."""
+        members = self.groups_of.get(id(b))
+        return [b] if members is None else self.held_of[id(members)]
 
     # ------------------------------------------------------------------ residency
     def free(self, b: Bucket) -> None:
@@ -213,19 +220,18 @@ class Schedule:
             return
         with annotate.phase("replicate"):
             for b in self.buckets:
-                members = self.groups_of.get(id(b))
-                if not b.is_holder or (members is not None and b is not _held(members)[0]):
-                    continue
+                held = self._held(b)
+                if not b.is_holder or b is not held[0]:
+                    continue  # an aligned group: once, at its first held bucket
                 with annotate.span("dmuon.replicate_broadcast", module=b.module_name,
                                    owner=None if b.aligned else b.owner):
-                    if members is None:
+                    if not b.aligned:
                         work = self._launcher(b.flat).broadcast(
                             b.flat, b.replicate_owner, self.groups.replicate, channel="replicate")
                     else:  # the owner's bucket to the other holders of its shard index
-                        held = _held(members)
                         work = self._all_gather(held, [m.flat for m in held], lambda m: m.is_owner,
                                                 self.groups.replicate, "replicate")
-                for m in _held(members) if members is not None else [b]:
+                for m in held:
                     m.replicate_issued(work)
 
     def sync(self) -> None:
@@ -292,11 +298,6 @@ class Schedule:
         if launcher is None:
             launcher = self._launchers[t.device] = collectives.Launcher(t.device)
         return launcher
-
-
-def _held(members: list[Bucket]) -> list[Bucket]:
-    """The buckets of an aligned group this rank holds (its shard index's R, consecutive)."""
-    return [m for m in members if m.is_holder]
 
 
 def _cat(bufs: list[torch.Tensor]) -> torch.Tensor:
