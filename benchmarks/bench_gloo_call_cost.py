@@ -11,7 +11,12 @@ DMuon issues them. Printed per kind (medians over rounds): wall ms per call on r
 CPU ms per call summed over the W processes (``time.process_time``: every thread, gloo's
 included). With W processes on fewer cores, the CPU sum is what a call costs the step.
 
-Usage: ``python benchmarks/bench_gloo_call_cost.py [--world-size 4] [--rounds 5]``.
+``--aligned``: instead, for each bucket size of ``--sizes-kib``, what an aligned group of
+W buckets costs per way of moving it (docs/traffic-model.md, "Coalescing"): W broadcasts
+(one per owner, all issued then waited) against one ``all_gather``, and W reduces against
+one ``reduce_scatter``; wall ms on rank 0, medians over interleaved rounds.
+
+Usage: ``python benchmarks/bench_gloo_call_cost.py [--world-size 4] [--rounds 5] [--aligned]``.
 """
 
 from __future__ import annotations
@@ -64,6 +69,43 @@ def _rank_task(args) -> dict:
                 calls[kind]().wait()
             out[kind].append(((time.process_time() - c0) / args.iters * 1e3,
                               (time.perf_counter() - w0) / args.iters * 1e3))
+    dist.destroy_process_group(group)
+    return out
+
+
+ALIGNED = ("W x broadcast", "all_gather", "W x reduce", "reduce_scatter")
+
+
+def _aligned_task(args) -> dict:
+    """Rank task of ``--aligned``: wall ms per way of moving W buckets, per bucket size."""
+    torch.set_num_threads(1)
+    world, rank = dist.get_world_size(), dist.get_rank()
+    group = dist.new_group(list(range(world)))
+    out = {}
+    for kib in args.sizes_kib:
+        numel = kib * 256  # fp32
+        bufs = [torch.ones(numel) for _ in range(world)]
+        gathered, flat, mine = torch.empty(world * numel), torch.ones(world * numel), torch.empty(numel)
+        ways = {
+            ALIGNED[0]: lambda: [w.wait() for w in [dist.broadcast(bufs[i], group_src=i, group=group,
+                                                                   async_op=True) for i in range(world)]],
+            ALIGNED[1]: lambda: dist.all_gather_single(gathered, bufs[rank], group=group, async_op=True).wait(),
+            ALIGNED[2]: lambda: [w.wait() for w in [dist.reduce(bufs[i], group_dst=i, group=group,
+                                                                async_op=True) for i in range(world)]],
+            ALIGNED[3]: lambda: dist.reduce_scatter_single(mine, flat, group=group, async_op=True).wait(),
+        }
+        for way in ways.values():  # warm-up
+            way()
+        times = {k: [] for k in ways}
+        for r in range(args.rounds):
+            for k in (ALIGNED if r % 2 == 0 else ALIGNED[::-1]):
+                dist.barrier(group=group)
+                t0 = time.perf_counter()
+                for _ in range(args.iters):
+                    ways[k]()
+                times[k].append((time.perf_counter() - t0) / args.iters * 1e3)
+        out[kib] = {k: statistics.median(v) for k, v in times.items()}
+    dist.destroy_process_group(group)
     return out
 
 
@@ -73,7 +115,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--iters", type=int, default=30, help="calls per kind per round")
     parser.add_argument("--numel", type=int, default=65536, help="fp32 elements per bucket")
+    parser.add_argument("--aligned", action="store_true",
+                        help="compare W broadcasts / reduces with one all_gather / reduce_scatter")
+    parser.add_argument("--sizes-kib", type=int, nargs="+", default=[4, 16, 64, 256, 1024],
+                        help="bucket sizes for --aligned, KiB of fp32")
     args = parser.parse_args(argv)
+    if args.aligned:
+        if min(args.rounds, args.iters, args.world_size - 1, *args.sizes_kib) < 1:
+            parser.error("Invalid --rounds, --iters, --world-size or --sizes-kib. Must be >= 1 "
+                         "(world size >= 2).")
+        with DistributedPool(args.world_size, timeout_s=900) as pool:
+            rank0 = pool.run(_aligned_task, args)[0]
+        print(f"gloo, W={args.world_size}, an aligned group of W buckets, wall ms on rank 0, "
+              f"{args.rounds} rounds x {args.iters}, torch {torch.__version__}")
+        print(tabulate([[kib, *(rank0[kib][k] for k in ALIGNED)] for kib in args.sizes_kib],
+                       headers=["KiB per bucket", *ALIGNED], floatfmt=".2f"))
+        return 0
     if min(args.rounds, args.iters, args.numel, args.world_size - 1) < 1:
         parser.error(f"Invalid {args.rounds=}, {args.iters=}, {args.numel=} or {args.world_size=}. "
                      "Must be >= 1 (world size >= 2).")

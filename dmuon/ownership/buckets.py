@@ -75,8 +75,9 @@ class LinkCost:
 #: intra-node NVLink figures ``dmuon-plan`` assumes (10 µs per call, 360 GB/s bus bandwidth,
 #: ``verify.traffic.scale.CostModel``); every call kind costs alike, so aligned groups have no
 #: size limit. ``gloo`` = measured on a 2-core CPU machine at W=4
-#: (``benchmarks/bench_gloo_call_cost.py``: 1-5 ms per reduce / all_gather / reduce_scatter
-#: call whatever its size up to 64K elements, about 1 GB/s beyond); aligned groups only up to
+#: (``benchmarks/bench_gloo_call_cost.py --aligned``: 2-5 ms per reduce / all_gather /
+#: reduce_scatter call whatever its size up to 256 KiB; β a round figure, about 1 GB/s for
+#: large messages); aligned groups only up to
 #: 64 KiB per bucket: gloo runs reduce_scatter as an all_reduce of the whole input and its
 #: broadcast is one message round, and with 256 KiB buckets the aligned calls measured slower
 #: end to end than per-bucket calls that overlap the blocks' compute
