@@ -12,6 +12,7 @@ import torch.nn as nn
 from dmuon.runtime import attach, collectives, tp
 from dmuon.ownership.buckets import DEFAULT_BUCKET_CAP_MB, Coalescing, resolve_coalesce
 from dmuon.runtime.dedicate import DedicatedParams
+from dmuon.runtime.rest import check_rest
 from dmuon.ownership.plan import OwnershipPlan, plan_ownership, specs_from_named_parameters
 from dmuon.ownership.select import Predicate, adamw_matrices, assign_params, select_params
 from dmuon.ownership.topology import topology_from_mesh
@@ -28,6 +29,7 @@ def dedicate_params(
     bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB,
     prefetch_depth: int = 1,
     coalesce: str | int = "auto",
+    rest: str = "wrapper",
 ) -> DedicatedParams:
     """Give every Muon-target matrix of ``model`` one owner rank and install DMuon's hooks.
 
@@ -73,6 +75,14 @@ def dedicate_params(
             during forward); or a byte count. A unit whose buckets are one per rank of equal
             size moves in one all_gather / reduce_scatter instead of one broadcast / reduce
             per bucket. Changes which calls carry the bytes, never the bytes per rank.
+        rest: who handles the params DMuon does not dedicate (norms, biases, embeddings,
+            heads). ``"wrapper"`` (default): DDP or FSDP2, wrapped after this call.
+            ``"replicate"``: DMuon keeps them replicated like DDP (rank 0's values broadcast
+            at the first forward, grads averaged by one all_reduce per dtype at the end of
+            each backward; ``dmuon/runtime/rest.py``) and the model is not wrapped at all:
+            one call per step instead of FSDP2's two, for a rest whose calls are
+            latency-bound; its memory is not sharded (docs/user-guide.md, "Who handles the
+            rest"). Not on TP meshes.
 
     Returns:
         The :class:`DedicatedParams` handle. Release it with ``dm.close()`` on every rank, or
@@ -88,10 +98,12 @@ def dedicate_params(
             called on it, a dedicated param has fewer than 2 dims, is frozen or not in the model,
             ``reshard_after_forward`` is not a bool, ``bucket_cap_mb`` is not a positive
             number, ``prefetch_depth`` is not an int >= 0, ``coalesce`` is not one of
-            ``"auto"``, ``"block"``, ``"all"`` or an int >= 0, or the mesh is invalid (see
+            ``"auto"``, ``"block"``, ``"all"`` or an int >= 0, ``rest`` is not ``"wrapper"``
+            or ``"replicate"`` (or ``"replicate"`` on a TP mesh, or with an ``mp_policy``
+            that sets ``param_dtype`` but not ``output_dtype``), or the mesh is invalid (see
             ``topology_from_mesh``). All checked locally, before any collective.
         RuntimeError: the ranks computed different setups (plan, ``reshard_after_forward``,
-            mixed-precision policy, bucket cap, coalescing, devices: :func:`setup_digest`), checked with one
+            mixed-precision policy, bucket cap, coalescing, rest, devices: :func:`setup_digest`), checked with one
             all_gather of the digest before any other DMuon collective.
 
     Warns:
@@ -129,6 +141,7 @@ def dedicate_params(
         )
     cap_bytes = _bucket_cap_bytes(bucket_cap_mb)
     resolve_coalesce(coalesce, "gloo")  # validates, before anything else
+    _check_rest(rest, mesh, mp_policy)
     topology = tp.topology(mesh) if tp.is_tp_mesh(mesh) else topology_from_mesh(mesh)
     assignments = assign_params(model, params, predicate)
     named = select_params(model, params, predicate, assignments)
@@ -162,16 +175,43 @@ def dedicate_params(
         plan = plan_ownership(specs, topology.mesh_shape)
     on_cuda = any(p.device.type == "cuda" for _, p, _ in named)
     coalescing = resolve_coalesce(coalesce, "nccl" if on_cuda else "gloo")
+    dedicated = {n for n, _, _ in named}
+    rest_params = ([(n, p) for n, p in model.named_parameters() if n not in dedicated]
+                   if rest == "replicate" else [])
     digest = setup_digest(tp_layout.full_plan if tp_layout else plan, named,
-                          reshard_after_forward, mp_policy, cap_bytes, coalescing)
+                          reshard_after_forward, mp_policy, cap_bytes, coalescing, rest_params)
     collectives.check_plan_agreement(
         digest, "setup (ownership plan, reshard_after_forward, mp_policy, bucket_cap_mb, "
-        "coalesce or device type)"
+        "coalesce, rest or device type)"
     )
     return DedicatedParams(model, named, topology, plan, reshard_after_forward, mesh=mesh,
                            mp_policy=mp_policy, bucket_cap_bytes=cap_bytes,
                            prefetch_depth=prefetch_depth, coalescing=coalescing,
-                           assignments=assignments, tp=tp_layout)
+                           assignments=assignments, tp=tp_layout, rest=rest)
+
+
+def _check_rest(rest, mesh, mp_policy) -> None:
+    """Validate ``rest`` against the mesh and the policy (local, before any collective).
+
+    Raises:
+        ValueError: see :func:`dedicate_params`.
+    """
+    check_rest(rest)
+    if rest != "replicate":
+        return
+    if tp.is_tp_mesh(mesh):
+        raise ValueError(
+            "Invalid rest='replicate' on a mesh with a 'tp' axis: the rest of a tensor-parallel "
+            "model holds TP DTensors, which DMuon does not replicate. Use rest='wrapper' "
+            "(fully_shard on mesh['shard'])."
+        )
+    if getattr(mp_policy, "param_dtype", None) is not None and getattr(mp_policy, "output_dtype", None) is None:
+        raise ValueError(
+            f"Invalid mp_policy={mp_policy!r} with rest='replicate': the rest computes in its own "
+            "dtype (as under DDP), so the dedicated modules must hand it their outputs in that "
+            "dtype. Set output_dtype (e.g. MixedPrecisionPolicy(param_dtype=torch.bfloat16, "
+            "output_dtype=torch.float32)), or use rest='wrapper'."
+        )
 
 
 #: At most this many params are named in the AdamW-matrices warning (the rest are counted).
@@ -231,6 +271,7 @@ def setup_digest(
     mp_policy=None,
     bucket_cap_bytes: int = DEFAULT_BUCKET_CAP_MB * 1024 * 1024,
     coalescing: Coalescing = Coalescing(0),
+    rest_params: list[tuple[str, torch.Tensor]] = (),
 ) -> str:
     """sha256 (64 hex chars) of everything the ranks' collective schedules depend on.
 
@@ -238,8 +279,10 @@ def setup_digest(
     ``reshard_after_forward`` (Z2 on one rank and Z3 on another would pair a backward
     re-broadcast with a reduce and hang), the mixed-precision policy (its dtypes set the
     message sizes), the bucket cap and the coalescing (:class:`~dmuon.ownership.buckets.Coalescing`:
-    with the cap they set the buckets) and each
-    dedicated param's device type.
+    with the cap they set the buckets), each
+    dedicated param's device type, and under ``rest="replicate"`` the rest's names, shapes,
+    dtypes and ``requires_grad`` (they set its all_reduce's size; ``rest_params`` empty
+    otherwise).
 
     Raises:
         ValueError: ``reshard_after_forward`` is not a bool.
@@ -256,6 +299,7 @@ def setup_digest(
         "bucket_cap_bytes": bucket_cap_bytes,
         "coalesce_bytes": [coalescing.target_bytes, coalescing.aligned_max_bytes],
         "devices": sorted({p.device.type for _, p, _ in named}),
+        "rest": [[n, list(p.shape), str(p.dtype), p.requires_grad] for n, p in rest_params],
     }
     text = json.dumps(setup, sort_keys=True, separators=(",", ":"), default=str)
     return hashlib.sha256(text.encode("ascii")).hexdigest()

@@ -19,7 +19,9 @@ every rank, independent of the other channels:
   owner's replicate broadcasts;
 - ``world``: all W ranks (HSDP only; on a 1-D mesh ``reduce`` spans the world): once, at
   the end of the first step, the block-order agreement (:func:`all_gather_order_digests`);
-  and, when the user clips, ``DMuon.clip_grad_norm_``'s one-element all_reduce (``clip.py``).
+  when the user clips, ``DMuon.clip_grad_norm_``'s one-element all_reduce (``clip.py``);
+  with ``rest="replicate"``, the rest's broadcast from rank 0 at the first forward and its
+  grads' all_reduce at the end of each backward (``rest.py``; on the ``reduce`` stream).
 
 Over the same ranks as the mesh's groups, so a trace names them the same way (sorted ranks).
 
@@ -381,6 +383,10 @@ class Launcher:
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup, channel: str) -> Pending:
         """:func:`all_gather_` issued asynchronously."""
         return self.launch(channel, lambda async_op: all_gather_(out, inp, group, async_op=async_op), out, inp)
+
+    def all_reduce(self, buf: torch.Tensor, group: dist.ProcessGroup, channel: str) -> Pending:
+        """:func:`all_reduce_sum_` issued asynchronously."""
+        return self.launch(channel, lambda async_op: all_reduce_sum_(buf, group, async_op=async_op), buf)
 
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup, channel: str) -> Pending:
         """:func:`reduce_scatter_sum_` issued asynchronously."""

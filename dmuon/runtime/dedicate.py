@@ -267,6 +267,7 @@ from dmuon.ownership import buckets
 from dmuon.ownership.buckets import DEFAULT_BUCKET_CAP_MB
 from dmuon.ownership.plan import OwnershipPlan
 from dmuon.runtime.hooks import Runtime, in_backward
+from dmuon.runtime.rest import ReplicatedRest
 from dmuon.runtime.tp import make_groups as tp_groups
 from dmuon.runtime.state import Grads, TrainingState
 from dmuon.ownership.topology import Topology
@@ -292,6 +293,9 @@ class DedicatedParams:
         coalesce_bytes, aligned_max_bytes: the unit target and the aligned groups' bucket
             limit in bytes (``dedicate_params``' ``coalesce`` resolved by
             ``buckets.resolve_coalesce``).
+        rest: who handles the params that are not dedicated: ``"wrapper"`` (DDP / FSDP2) or
+            ``"replicate"`` (DMuon, ``rest.py``); ``rest_names``: those params in model order
+            under ``"replicate"``, else empty.
     """
 
     def __init__(
@@ -309,6 +313,7 @@ class DedicatedParams:
         coalescing: buckets.Coalescing = buckets.Coalescing(0),
         assignments: list | None = None,
         tp=None,
+        rest: str = "wrapper",
     ) -> None:
         self._assignments = list(assignments or ())
         self.bucket_cap_bytes = bucket_cap_bytes
@@ -329,10 +334,19 @@ class DedicatedParams:
                                 reshard_after_forward=reshard_after_forward, mp_policy=mp_policy,
                                 bucket_cap_bytes=bucket_cap_bytes, prefetch_depth=prefetch_depth,
                                 coalescing=coalescing)
+        self.rest = rest
+        self.rest_names: list[str] = []
+        if rest == "replicate":
+            replicated = ReplicatedRest(model, set(self.names), self._groups.world)
+            self.rest_names = replicated.names
+            for p in replicated.params():
+                collectives.check_param_device(p.device, topology.shard_group, "the rest's params")
+            self._runtime.rest = replicated
         self._hooks = attach.HookSet()
         self._runtime.install(self._hooks)
         checkpoint.install(model, self, self._hooks)
-        self._ddp_ignored_before = attach.ignore_in_ddp(model, self.names)
+        # rest="replicate": DDP must not handle the rest either (wrap nothing)
+        self._ddp_ignored_before = attach.ignore_in_ddp(model, self.names + self.rest_names)
         attach.mark_dedicated(p for _, p, _ in named)
 
     # ------------------------------------------------------------------ lifecycle
@@ -384,7 +398,7 @@ class DedicatedParams:
         if sync:  # block until the calls finished; after an exception, shutdown aborts them
             rt.schedule.drain()
         self._hooks.remove_all()
-        attach.unignore_in_ddp(self._model, self.names, self._ddp_ignored_before)
+        attach.unignore_in_ddp(self._model, self.names + self.rest_names, self._ddp_ignored_before)
         attach.release_dedicated(self.params)
         rt.close()
         groups, self._groups, self._runtime = self._groups, None, None
@@ -472,7 +486,9 @@ class DedicatedParams:
         consecutive pairs of units (a unit plus the next, which prefetch may fill while it
         runs; ``prefetch_depth`` > 1 can reach further), when every block runs in the
         forward: a unit with a block that does not run stays allocated until the end of the
-        forward (docs/traffic-model.md, "Z3 memory bound"); 0 under Z2.
+        forward (docs/traffic-model.md, "Z3 memory bound"); 0 under Z2; ``rest``: ``{"mode",
+        "params", "bytes"}``, the rest DMuon replicates (``rest="replicate"``: its all_reduces,
+        one per dtype, count in ``backward``; 0 params under ``"wrapper"``).
         """
         rt = self._live("coalescing()")
         units: dict[str, dict] = {}
@@ -490,11 +506,16 @@ class DedicatedParams:
         z3 = self.reshard_after_forward
         free = [row.pop("_free") for row in units.values()]
         peak = max((a + b for a, b in zip(free, free[1:] + [0])), default=0) if z3 else 0
+        rest = rt.rest.params() if rt.rest is not None else []
+        rest_calls = len({p.dtype for p in rest if p.requires_grad})  # one all_reduce per dtype
         return {"target_bytes": self.coalesce_bytes, "aligned_max_bytes": self.aligned_max_bytes,
                 "units": list(units.values()),
-                "calls_per_step": {"forward": calls, "backward": calls * (2 if z3 else 1) + replicate // 2,
+                "calls_per_step": {"forward": calls,
+                                   "backward": calls * (2 if z3 else 1) + replicate // 2 + rest_calls,
                                    "replicate": replicate // 2},
-                "z3_peak_bytes": peak}
+                "z3_peak_bytes": peak,
+                "rest": {"mode": self.rest, "params": len(rest),
+                         "bytes": sum(p.numel() * p.element_size() for p in rest)}}
 
     def owned(self) -> list[nn.Parameter]:
         """Params whose global owner is this rank (the only ones this rank steps). On a TP

@@ -22,6 +22,7 @@ from torch.utils._pytree import tree_leaves
 from dmuon.runtime import attach, collectives, order, precision, tp
 from dmuon.ownership.buckets import Coalescing, bucket_layout
 from dmuon.runtime.copies import Bucket
+from dmuon.runtime.rest import ReplicatedRest
 from dmuon.ownership.plan import OwnershipPlan, specs_from_named_parameters
 from dmuon.runtime.schedule import Schedule
 from dmuon.runtime.state import Copy, Grads, StateMachine, TrainingState
@@ -49,6 +50,7 @@ class Runtime:
         self.param_dtype, reduce_dtype = precision.dtypes(mp_policy)
         self.pass_state = StateMachine()
         self.no_sync = False
+        self.rest: ReplicatedRest | None = None  # rest="replicate" (rest.py), set by DedicatedParams
         self.order = order.OrderRecorder()
         self.order_agreed = False
         self._modules = dict(model.named_modules())
@@ -187,6 +189,8 @@ class Runtime:
         old = self.pass_state.recover()
         for b in self.buckets:
             b.abort(drop_grads=old == S.BACKWARD)
+        if self.rest is not None:
+            self.rest.abort(drop_grads=old == S.BACKWARD)
         self._end_iteration()
 
     def _end_iteration(self) -> None:
@@ -204,6 +208,8 @@ class Runtime:
         for b in self._rebound.values():
             b.recast()
         self._rebound.clear()
+        if self.rest is not None:
+            self.rest.begin_forward()  # checks the rest is unwrapped; broadcasts it once
         self._enter(S.FORWARD)
         self._ran.clear()
         self.order.begin()
@@ -256,7 +262,11 @@ class Runtime:
             self.schedule.advance_rebroadcast(0)
         if not self.no_sync:
             self.schedule.advance_reduce(final=True)
+            if self.rest is not None:  # after the last shard reduce, waited with them
+                self.rest.issue(self.schedule.launcher)
             self.schedule.finish_reduces()
+            if self.rest is not None:
+                self.rest.finish(self.topology.world_size)
         for b in self.buckets:
             b.pass_ended()
             self.schedule.free(b)

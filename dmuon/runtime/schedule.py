@@ -159,7 +159,7 @@ class Schedule:
                     work = self._reduce_scatter(members, bufs, lambda m: m.is_holder,
                                                 self.groups.reduce, "reduce")
                 else:
-                    work = self._launcher(bufs[0]).reduce(bufs[0], b.shard_owner, self.groups.reduce)
+                    work = self.launcher(bufs[0]).reduce(bufs[0], b.shard_owner, self.groups.reduce)
             for m, buf in zip(members, bufs):
                 m.reduce_issued(work, buf)
                 self.free(m)  # Z3: its module's backward is done (its grads arrived)
@@ -181,7 +181,7 @@ class Schedule:
             ):
                 if not b.aligned:
                     replicate_works.append(
-                        self._launcher(buf).reduce(buf, b.replicate_owner, rep, channel="replicate"))
+                        self.launcher(buf).reduce(buf, b.replicate_owner, rep, channel="replicate"))
                 else:  # this rank's R held buckets, summed over the replicate axis to their owners
                     replicate_works.append(self._reduce_scatter(
                         held, [m.wait_reduce() for m in held], lambda m: m.is_owner, rep, "replicate"))
@@ -226,7 +226,7 @@ class Schedule:
                 with annotate.span("dmuon.replicate_broadcast", module=b.module_name,
                                    owner=None if b.aligned else b.owner):
                     if not b.aligned:
-                        work = self._launcher(b.flat).broadcast(
+                        work = self.launcher(b.flat).broadcast(
                             b.flat, b.replicate_owner, self.groups.replicate, channel="replicate")
                     else:  # the owner's bucket to the other holders of its shard index
                         work = self._all_gather(held, [m.flat for m in held], lambda m: m.is_owner,
@@ -270,7 +270,7 @@ class Schedule:
                 work = self._all_gather(members, bufs, lambda m: m.is_holder,
                                         self.groups.broadcast, "broadcast")
             else:
-                work = self._launcher(bufs[0]).broadcast(bufs[0], b.shard_owner, self.groups.broadcast)
+                work = self.launcher(bufs[0]).broadcast(bufs[0], b.shard_owner, self.groups.broadcast)
         for m in members:
             m.broadcast_issued(work)
 
@@ -279,7 +279,7 @@ class Schedule:
         this rank's input) into a staging buffer; the others' are copied out at the wait."""
         inp = _cat([buf for m, buf in zip(members, bufs) if mine(m)])
         out = torch.empty(sum(buf.numel() for buf in bufs), dtype=inp.dtype, device=inp.device)
-        pending = self._launcher(inp).all_gather(out, inp, group, channel)
+        pending = self.launcher(inp).all_gather(out, inp, group, channel)
         return collectives.Fused(pending, [(buf, piece) for m, buf, piece in
                                            zip(members, bufs, _split(out, bufs)) if not mine(m)])
 
@@ -289,10 +289,10 @@ class Schedule:
         inp = torch.cat(bufs)
         kept = [buf for m, buf in zip(members, bufs) if mine(m)]
         out = torch.empty(sum(buf.numel() for buf in kept), dtype=inp.dtype, device=inp.device)
-        pending = self._launcher(inp).reduce_scatter(out, inp, group, channel)
+        pending = self.launcher(inp).reduce_scatter(out, inp, group, channel)
         return collectives.Fused(pending, list(zip(kept, _split(out, kept))))
 
-    def _launcher(self, t: torch.Tensor) -> collectives.Launcher:
+    def launcher(self, t: torch.Tensor) -> collectives.Launcher:
         """The :class:`~dmuon.runtime.collectives.Launcher` for ``t``'s device (streams on CUDA)."""
         launcher = self._launchers.get(t.device)
         if launcher is None:

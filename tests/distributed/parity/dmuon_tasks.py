@@ -74,7 +74,7 @@ def build(mode: str, config=SMALL, wrap: bool = True, **dm_kw):
     model = make_model(config)
     reshard = mode.endswith("z3")
     dm = dmuon.dedicate_params(model, mesh, reshard_after_forward=reshard, **dm_kw)
-    if not wrap:
+    if not wrap or dm.rest == "replicate":  # DMuon handles the rest: nothing to wrap
         wrapped = model
     elif mode == "ddp":
         wrapped = DistributedDataParallel(model)

@@ -1,0 +1,173 @@
+"""The rest, replicated by DMuon: ``dedicate_params(rest="replicate")``.
+
+"The rest" is every param of the model that is not dedicated (norms, biases, embeddings,
+heads: what AdamW steps). By default (``rest="wrapper"``) DDP or FSDP2 handles it. With
+``rest="replicate"`` DMuon does, the way DDP would, and nothing wraps the model:
+
+- every rank keeps the whole rest (params, grads and AdamW state are replicated, as under
+  DDP), and every rank runs the same AdamW update on it;
+- **first forward** (channel ``world``, phase ``setup``, span ``dmuon.rest_broadcast``):
+  group rank 0 broadcasts every param of the rest, trainable or frozen, one call per dtype
+  (model order of first appearance), each of ``sum(numel)`` elements, so ranks that
+  initialised differently start equal (DDP broadcasts at construction; DMuon waits for the
+  first forward so that a model built on the meta device and initialised after
+  ``dedicate_params`` is covered);
+- **end of each backward outside** ``no_sync()`` (channel ``world``, phase ``backward``,
+  span ``dmuon.rest_all_reduce``): one ``all_reduce`` (sum) per dtype of the trainable rest
+  (model order of first appearance) over all W ranks, issued after the step's last shard
+  reduce and waited with the reduces; it carries ``sum(numel) + len(params)`` elements: the
+  grads (zeros where this rank has none), then one usage element per param (1 where this
+  rank has a grad), as the dedicated reduces do (``dedicate.py`` step 4). Each param's grad
+  becomes the sum / W, or stays ``None`` where no rank had one.
+
+Per step that is one call where FSDP2 would make two (an all_gather in forward and a
+reduce_scatter in backward) and DDP one per 25 MiB bucket: for a rest small enough that its
+calls are latency-bound (docs/user-guide.md, "Who handles the rest"). Its memory is not
+sharded: ``param + grad + 2 AdamW moments`` of the rest on every rank.
+
+Mixed precision: the rest computes in its own dtype, as under DDP (DMuon's policy applies to
+dedicated params only; give it ``output_dtype`` = the rest's dtype so the dedicated modules
+hand their outputs back in it). Buffers are not synchronised (as under FSDP2).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from dmuon import annotate
+from dmuon.runtime import collectives
+
+#: ``dedicate_params``' ``rest`` values.
+REST_MODES = ("wrapper", "replicate")
+
+
+def check_rest(rest) -> str:
+    """``rest`` itself, validated.
+
+    Raises:
+        ValueError: not one of :data:`REST_MODES`.
+    """
+    if not isinstance(rest, str) or rest not in REST_MODES:
+        raise ValueError(
+            f"Invalid rest={rest!r}. Must be 'wrapper' (the default: DDP or FSDP2 handles the "
+            "params DMuon does not dedicate) or 'replicate' (DMuon keeps them replicated and "
+            "averages their grads with one all_reduce per step; wrap nothing)."
+        )
+    return rest
+
+
+class ReplicatedRest:
+    """The rest of one model, replicated (module docstring).
+
+    Params are looked up by name at each use, so a param the user replaces (``to_empty``,
+    ``m.weight = nn.Parameter(...)``) is followed; one that a wrapper replaced by a DTensor
+    raises.
+
+    Args:
+        model: the bare model given to ``dedicate_params``.
+        dedicated: names of the dedicated params.
+        group: DMuon's ``world`` group (all W ranks).
+    """
+
+    def __init__(self, model: nn.Module, dedicated: set[str], group: dist.ProcessGroup) -> None:
+        modules = dict(model.named_modules())
+        self.names = [n for n, _ in model.named_parameters() if n not in dedicated]
+        self._slots = [(modules[n.rpartition(".")[0]], n.rpartition(".")[2]) for n in self.names]
+        self._group = group
+        self._broadcast_done = False
+        self._pending: list[tuple[collectives.Pending, torch.Tensor, list[nn.Parameter]]] = []
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def params(self) -> list[nn.Parameter]:
+        """The rest's current params (model order).
+
+        Raises:
+            ValueError: one was replaced by a DTensor (the model was wrapped by FSDP2).
+        """
+        out = []
+        for name, (module, attr) in zip(self.names, self._slots):
+            p = module._parameters.get(attr)
+            if p is None or type(p).__name__ == "DTensor":
+                raise ValueError(
+                    f"Invalid model: the param {name!r} is {'gone' if p is None else 'a DTensor'}, "
+                    "but dedicate_params(rest='replicate') handles it: with rest='replicate' "
+                    "DMuon replicates every param it does not dedicate, so the model must not be "
+                    "wrapped by fully_shard or DistributedDataParallel. Drop the wrapper, or use "
+                    "rest='wrapper'."
+                )
+            out.append(p)
+        return out
+
+    def nbytes(self) -> int:
+        """Bytes of the rest's params (their own dtypes)."""
+        return sum(p.numel() * p.element_size() for p in self.params())
+
+    # ------------------------------------------------------------------ first forward
+    def begin_forward(self) -> None:
+        """Each forward: check the rest is still ours (:meth:`params`); the first forward
+        also broadcasts group rank 0's values of the whole rest to every rank (synchronous,
+        one broadcast per dtype)."""
+        params = self.params()
+        if self._broadcast_done:
+            return
+        self._broadcast_done = True
+        with torch.no_grad(), annotate.phase("setup"), annotate.span("dmuon.rest_broadcast"):
+            for group in _by_dtype(params):
+                flat = torch.cat([p.detach().reshape(-1) for p in group])
+                collectives.broadcast_(flat, 0, self._group)
+                for p, part in zip(group, torch.split(flat, [p.numel() for p in group])):
+                    p.copy_(part.view_as(p))
+
+    # ------------------------------------------------------------------ backward
+    def issue(self, launcher_of) -> None:
+        """End of a backward outside ``no_sync``: pack and issue one async ``all_reduce`` per
+        dtype (``launcher_of(tensor)`` gives the device's launcher)."""
+        trainable = [p for p in self.params() if p.requires_grad]
+        for params in _by_dtype(trainable):
+            n = sum(p.numel() for p in params)
+            buf = torch.empty(n + len(params), dtype=params[0].dtype, device=params[0].device)
+            with torch.no_grad():
+                for p, view in zip(params, torch.split(buf[:n], [p.numel() for p in params])):
+                    view.copy_(p.grad.reshape(-1)) if p.grad is not None else view.zero_()
+                buf[n:].copy_(torch.tensor([p.grad is not None for p in params]))
+            with annotate.phase("backward"), annotate.span("dmuon.rest_all_reduce"):
+                work = launcher_of(buf).all_reduce(buf, self._group, channel="reduce")
+            self._pending.append((work, buf, params))
+
+    def finish(self, world_size: int) -> None:
+        """Wait for the all_reduces; each param's grad becomes the average (in place into a
+        kept grad tensor), or stays ``None`` where no rank produced one."""
+        pending, self._pending = self._pending, []
+        for work, buf, params in pending:
+            work.wait()
+            n = sum(p.numel() for p in params)
+            usage = buf[n:].tolist()
+            with torch.no_grad():
+                buf[:n].div_(world_size)
+                for p, view, used in zip(params, torch.split(buf[:n], [p.numel() for p in params]), usage):
+                    if p.grad is not None:
+                        p.grad.copy_(view.view_as(p.grad))
+                    elif used > 0:
+                        p.grad = view.view_as(p)
+
+    def abort(self, drop_grads: bool) -> None:
+        """After an exception: wait for what is in flight; an aborted backward drops the
+        rest's grads (a step must not use one rank's partial grads)."""
+        for work, _, _ in self._pending:
+            work.wait()
+        self._pending = []
+        if drop_grads:
+            for p in self.params():
+                p.grad = None
+
+
+def _by_dtype(params: list[nn.Parameter]) -> list[list[nn.Parameter]]:
+    """``params`` grouped by dtype, groups in order of first appearance."""
+    groups: dict[torch.dtype, list[nn.Parameter]] = {}
+    for p in params:
+        groups.setdefault(p.dtype, []).append(p)
+    return list(groups.values())
