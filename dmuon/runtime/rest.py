@@ -35,6 +35,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.fsdp import FSDPModule
 
 from dmuon import annotate
 from dmuon.runtime import collectives
@@ -75,6 +76,9 @@ class ReplicatedRest:
         modules = dict(model.named_modules())
         self.names = [n for n, _ in model.named_parameters() if n not in dedicated]
         self._slots = [(modules[n.rpartition(".")[0]], n.rpartition(".")[2]) for n in self.names]
+        # the rest's holders and their ancestors: none may become an FSDP2 module
+        prefixes = {".".join(n.split(".")[:i]) for n in self.names for i in range(n.count(".") + 1)}
+        self._holders = [(name, modules[name]) for name in sorted(prefixes)]
         self._group = group
         self._broadcast_done = False
         self._pending: list[tuple[collectives.Pending, torch.Tensor, list[nn.Parameter]]] = []
@@ -86,8 +90,18 @@ class ReplicatedRest:
         """The rest's current params (model order).
 
         Raises:
-            ValueError: one was replaced by a DTensor (the model was wrapped by FSDP2).
+            ValueError: one was replaced by a DTensor or a module holding one was wrapped by
+                ``fully_shard`` (which shards them and swaps them in only for its forward).
         """
+        wrapped = next((name for name, m in self._holders if isinstance(m, FSDPModule)), None)
+        if wrapped is not None:
+            raise ValueError(
+                f"Invalid model: module {wrapped or '<root>'!r} was wrapped by fully_shard, but "
+                f"dedicate_params(rest='replicate') handles the params it holds (e.g. "
+                f"{self.names[0]!r}). With rest='replicate' DMuon replicates every param it does "
+                "not dedicate, so the model must not be wrapped by fully_shard or "
+                "DistributedDataParallel. Drop the wrapper, or use rest='wrapper'."
+            )
         out = []
         for name, (module, attr) in zip(self.names, self._slots):
             p = module._parameters.get(attr)
