@@ -104,7 +104,7 @@ class ReplicatedRest:
             )
         out = []
         for name, (module, attr) in zip(self.names, self._slots):
-            p = module._parameters.get(attr)
+            p = getattr(module, attr, None)
             if p is None or type(p).__name__ == "DTensor":
                 raise ValueError(
                     f"Invalid model: the param {name!r} is {'gone' if p is None else 'a DTensor'}, "

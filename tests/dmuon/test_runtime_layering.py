@@ -54,7 +54,7 @@ def test_only_copies_changes_params_and_only_it_imports_residency():
                     writers.setdefault(kind, set()).add(name)
             if isinstance(node, ast.ImportFrom) and any(a.name == "residency" for a in node.names):
                 importers.add(name)
-    assert writers["grad"] == {"copies.py"}
+    assert writers["grad"] == {"copies.py", "rest.py"}  # rest.py: the replicated rest's grads only
     assert writers["_parameters[]"] == {"copies.py"}
     assert writers["data"] == {"residency.py"}  # flatten_into_views, called by copies.py only
     assert writers["__class__"] == {"residency.py", "attach.py"}
