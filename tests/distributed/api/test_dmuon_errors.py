@@ -16,6 +16,7 @@ CASES = {
     "plan_mismatch": ("RuntimeError", "coalesce, rest or device type) differs across ranks"),
     "bucket_cap_mismatch": ("RuntimeError", "coalesce, rest or device type) differs across ranks"),
     "coalesce_mismatch": ("RuntimeError", "coalesce, rest or device type) differs across ranks"),
+    "rest_mismatch": ("RuntimeError", "coalesce, rest or device type) differs across ranks"),
     "coalesce_invalid": ("ValueError", "Invalid coalesce='fastest'. Must be one of ('auto', 'block', 'all')"),
     "already_ddp": ("ValueError", "already wrapped by DDP or FSDP2"),
     "optimizer_missing_params": ("ValueError", "are not among them"),

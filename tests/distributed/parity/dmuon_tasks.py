@@ -180,6 +180,8 @@ def expect_error(case: str) -> str:
             dmuon.dedicate_params(model, _mesh("flat"), bucket_cap_mb=25 if rank != 1 else 1)
         elif case == "coalesce_mismatch":  # rank 1 coalesces differently: other buckets
             dmuon.dedicate_params(model, _mesh("flat"), coalesce="auto" if rank != 1 else "block")
+        elif case == "rest_mismatch":  # rank 1 leaves the rest to a wrapper: no rest all_reduce
+            dmuon.dedicate_params(model, _mesh("flat"), rest="replicate" if rank != 1 else "wrapper")
         elif case == "coalesce_invalid":
             dmuon.dedicate_params(model, _mesh("flat"), coalesce="fastest")
         elif case == "already_ddp":
