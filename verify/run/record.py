@@ -81,7 +81,8 @@ def layout_from_job(model: nn.Module, dedicated: dmuon.DedicatedParams,
 
     Raises:
         ValueError: ``dedicated`` is not a ``DedicatedParams``, the wrapping is neither DDP nor
-            FSDP2 (under ``rest="wrapper"``), or a non-root FSDP2 group's ``reshard_after_forward`` differs from DMuon's.
+            FSDP2 (under ``rest="wrapper"``), or a non-root FSDP2 group's
+            ``reshard_after_forward`` differs from DMuon's.
     """
     if not isinstance(dedicated, dmuon.DedicatedParams):
         raise ValueError(f"Invalid dedicated={type(dedicated).__name__}. Must be the "
