@@ -35,7 +35,11 @@ Printed per model and implementation:
 DMuon runs with ``coalesce="auto"`` (docs/traffic-model.md, "Coalescing"); each DMuon mode
 also runs as ``<mode>/block`` with ``coalesce="block"`` (one unit per block, the layout before
 coalescing) in the same rounds, so before and after are measured side by side
-(``--no-per-block`` skips them).
+(``--no-per-block`` skips them). Each DMuon mode also runs as ``<mode>/rest`` with
+``dedicate_params(rest="replicate")`` (and ``coalesce="auto"``): DMuon keeps the params it does
+not dedicate replicated and all-reduces their grads itself (one call per dtype per step,
+``dmuon/runtime/rest.py``), and nothing wraps the model, against the default rows where DDP or
+FSDP2 handles them (``--no-rest`` skips them). Without a wrapper dmuon-ddp/rest is dmuon-z2/rest.
 
 Targets (issue 9, W=4, medians of the per-round ratios to zero1-muon): dmuon-ddp, dmuon-z2,
 dmuon-hsdp-z2 <= 1.0; dmuon-z3, dmuon-hsdp-z3 <= 1.15, with a PASS/FAIL column.
@@ -100,12 +104,24 @@ class MLP(nn.Module):
 #: Suffix of the DMuon rows built with ``coalesce="block"`` (one unit per block: the layout
 #: before coalescing), run in the same invocation as the default ``"auto"`` rows.
 PER_BLOCK = "/block"
+#: Suffix of the DMuon rows built with ``rest="replicate"`` (DMuon replicates the rest; nothing
+#: wraps the model), run in the same invocation as the default ``rest="wrapper"`` rows.
+REST = "/rest"
 
 
-def _implementations(world: int, per_block: bool) -> list[str]:
+def _implementations(world: int, per_block: bool, rest: bool = True) -> list[str]:
     hsdp = world >= 4 and world % 2 == 0
     extra = tuple(m + PER_BLOCK for m in DMUON) if per_block else ()
+    extra += tuple(m + REST for m in DMUON) if rest else ()
     return [m for m in (*BASELINES, *DMUON, *extra) if hsdp or "hsdp" not in m]
+
+
+def _build(mode: str, make_model):
+    """``mode`` of :func:`_implementations` built by ``verify.run.modes.build``: its suffix
+    picks DMuon's ``coalesce`` (``/block``) or ``rest`` (``/rest``)."""
+    base = mode.removesuffix(PER_BLOCK).removesuffix(REST)
+    return build(base, make_model, coalesce="block" if mode.endswith(PER_BLOCK) else "auto",
+                 rest="replicate" if mode.endswith(REST) else "wrapper")
 
 
 def _batches(model_name: str, args):
@@ -134,12 +150,11 @@ def _batches(model_name: str, args):
 def _rank_task(model_name: str, args) -> dict:
     world = dist.get_world_size()
     make_model, batch = _batches(model_name, args)
-    impls = _implementations(world, args.per_block)
+    impls = _implementations(world, args.per_block, args.rest)
     built = {}
     for mode in impls:
         torch.manual_seed(0)
-        built[mode] = build(mode.removesuffix(PER_BLOCK), make_model,
-                            coalesce="block" if mode.endswith(PER_BLOCK) else "auto")
+        built[mode] = _build(mode, make_model)
     step = 0
     for mode in impls:
         for _ in range(args.warmup):
@@ -212,6 +227,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-per-block", dest="per_block", action="store_false",
                         help=f"skip the DMuon rows with coalesce='block' ('{PER_BLOCK}': the layout before "
                         "coalescing, run beside the default coalesce='auto' rows)")
+    parser.add_argument("--no-rest", dest="rest", action="store_false",
+                        help=f"skip the DMuon rows with rest='replicate' ('{REST}': DMuon all-reduces "
+                        "the params it does not dedicate and nothing wraps the model, run beside the "
+                        "default rows where DDP / FSDP2 handle them)")
     parser.add_argument("--steps", type=int, default=3, help="steps per implementation per round")
     parser.add_argument("--warmup", type=int, default=3, help="steps per implementation before timing")
     parser.add_argument("--mlp-dim", type=int, default=256)

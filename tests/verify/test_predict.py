@@ -17,7 +17,7 @@ from tests.builders import tinygpt_layout
 from tracer.events import CollectiveEvent
 from verify.compare import compare_run
 from verify.run.modes import muon_names
-from verify.traffic.predict import RunLayout, dmuon_block, dmuon_buckets, predict_step
+from verify.traffic.predict import RunLayout, dmuon_block, dmuon_buckets, ns_calls_per_step, predict_step
 from verify.traffic.formulas import avg_elems, closed_form, padded_numel
 
 from dmuon.ownership.plan import ParamSpec, specs_from_named_parameters
@@ -341,3 +341,82 @@ def test_frozen_params_leave_ddp_buckets_and_fsdp_reductions():
     assert ops(trained) == {("all_gather", 1750), ("reduce_scatter", 1750), ("all_reduce", 1750)}
     assert ops(frozen) == {("all_gather", 1750), ("reduce_scatter", 1250), ("all_reduce", 1250)}
     assert RunLayout.from_dict(frozen.to_dict()).frozen_names == ("inp.weight",)
+
+
+# --------------------------------------------------------------------------- rest="replicate"
+def _replicated(layout: RunLayout, **extra) -> RunLayout:
+    """``layout`` as ``verify.run.modes.build`` records it under ``rest="replicate"``."""
+    return dataclasses.replace(layout, fsdp_modules=(), ddp_buffers=(), dmuon_rest="replicate", **extra)
+
+
+@pytest.mark.parametrize("mode, world", [("dmuon-z2", 4), ("dmuon-z3", 3), ("dmuon-ddp", 2),
+                                         ("dmuon-hsdp-z2", 4), ("dmuon-hsdp-z3", 6)])
+def test_replicated_rest_is_one_world_all_reduce_and_no_wrapper_call(mode, world):
+    """dmuon/runtime/rest.py's docstring: per step one all_reduce of the trainable rest over
+    all W ranks in backward (grads + one usage element per param); no DDP or FSDP2 call; the
+    dedicated calls and so the closed form unchanged."""
+    wrapped = tinygpt_layout(mode, world)
+    layout = _replicated(wrapped)
+    calls = predict_step(layout)
+    rest = [p for p in layout.params if p.name not in layout.muon_names]
+    world_gid = ",".join(map(str, range(world)))
+    extra = [e for e in calls if e.dedicated_count == 0]
+    assert [(e.rank, e.phase, e.op, e.group_id, e.group_size, e.count, e.dtype, e.root, e.module)
+            for e in extra] == [(r, "backward", "all_reduce", world_gid, world,
+                                 sum(p.numel for p in rest) + len(rest), "float32", None, None)
+                                for r in range(world)]
+    # DMuon's own calls (the only ones with a Muon share: the wrappers ignore the dedicated
+    # params) are those of the wrapped layout
+    assert Counter(e.key() for e in calls if e.dedicated_count > 0) == \
+        Counter(e.key() for e in predict_step(wrapped) if e.dedicated_count > 0)
+    assert _dedicated_avg(layout) == _dedicated_avg(wrapped)  # the closed forms concern P_M only
+    run = compare_run(layout, _events(layout, 2), steps=2, ns_calls=2 * ns_calls_per_step(layout))
+    assert run["pass"] and run["closed_form_matches"]
+
+
+def test_replicated_rest_groups_by_dtype_keeps_own_dtype_and_skips_frozen():
+    """One all_reduce per dtype in model order of first appearance, in the params' own dtype
+    under mixed precision; frozen params leave it; a dtype with only frozen params has none."""
+    params = (ParamSpec("emb.weight", (10, 8), "float32", "emb"),
+              ParamSpec("blocks.0.fc.weight", (8, 8), "float32", "blocks.0.fc"),
+              ParamSpec("blocks.0.norm.weight", (8,), "bfloat16", "blocks.0.norm"),
+              ParamSpec("blocks.0.fc.bias", (8,), "float32", "blocks.0.fc"),
+              ParamSpec("blocks.0.gate", (4,), "float16", "blocks.0"),
+              ParamSpec("head.bias", (3,), "bfloat16", "head"))
+    layout = RunLayout(mode="dmuon-z3", replicate_size=1, shard_size=2, params=params,
+                       muon_names=("blocks.0.fc.weight",), mp_param_dtype="bfloat16",
+                       frozen_names=("emb.weight", "blocks.0.gate"), dmuon_rest="replicate")
+    rest = [(e.op, e.count, e.dtype) for e in predict_step(layout) if e.rank == 0 and e.dedicated_count == 0]
+    # bf16 first (emb is frozen), then fp32 (the bias); float16 holds only the frozen gate
+    assert rest == [("all_reduce", 8 + 3 + 2, "bfloat16"), ("all_reduce", 8 + 1, "float32")]
+    unfrozen = dataclasses.replace(layout, frozen_names=())
+    rest = [(e.count, e.dtype) for e in predict_step(unfrozen) if e.rank == 0 and e.dedicated_count == 0]
+    assert rest == [(80 + 8 + 2, "float32"), (8 + 3 + 2, "bfloat16"), (4 + 1, "float16")]
+    # the dedicated broadcasts follow mp_param_dtype as before; only the rest keeps its own
+    assert {e.dtype for e in predict_step(layout) if e.dedicated_count > 0} == {"bfloat16"}
+    assert RunLayout.from_dict(layout.to_dict()) == layout
+
+
+def test_replicated_rest_layout_validates_and_old_layouts_load_as_wrapper():
+    layout = tinygpt_layout("dmuon-z2", 2)
+    d = layout.to_dict()
+    del d["dmuon_rest"]  # a layout.json written before the field
+    assert RunLayout.from_dict(d).dmuon_rest == "wrapper"
+    with pytest.raises(ValueError, match="dmuon_rest='copy'"):
+        dataclasses.replace(layout, fsdp_modules=(), dmuon_rest="copy")
+    with pytest.raises(ValueError, match="nothing wrapped"):  # FSDP2 groups left in
+        dataclasses.replace(layout, dmuon_rest="replicate")
+    with pytest.raises(ValueError, match="nothing wrapped"):  # not a DMuon mode
+        RunLayout(mode="ddp-muon", replicate_size=1, shard_size=2, params=layout.params,
+                  muon_names=layout.muon_names, dmuon_rest="replicate")
+
+
+def test_verify_traffic_rest_flag():
+    from verify.run.main import parse_args
+
+    assert parse_args(["--out-dir", "x"]).rest == "wrapper"
+    assert parse_args(["--out-dir", "x", "--rest", "replicate"]).rest == "replicate"
+    with pytest.raises(SystemExit):  # DMuon does not replicate a TP model's rest
+        parse_args(["--out-dir", "x", "--rest", "replicate", "--tp", "2"])
+    with pytest.raises(SystemExit):
+        parse_args(["--out-dir", "x", "--rest", "ddp"])

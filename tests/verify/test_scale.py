@@ -178,3 +178,15 @@ def test_aggregate_equals_exact_list_for_stacks_and_weight_sharing(mode, factory
     assert agg.ns_calls == ns_calls_per_step(layout)
     if mode.startswith("dmuon-"):  # DMuon moves whole params: the closed form holds at any N
         assert agg.ded_avg_elems == pytest.approx(agg.closed_form_elems(), rel=REL)
+
+
+@pytest.mark.parametrize("mode, mesh", [("dmuon-z2", (1, 4)), ("dmuon-z3", (1, 3)), ("dmuon-hsdp-z3", (2, 3)),
+                                        ("dmuon-ddp", (1, 4))])
+def test_aggregate_equals_exact_list_with_replicated_rest(mode, mesh):
+    # rest="replicate": the shared rule (rules.rest_calls) in both predictors, no wrapper calls
+    layout = dataclasses.replace(_layout(mode, *mesh), fsdp_modules=(), dmuon_rest="replicate")
+    exact, agg = _from_exact_list(layout), step_traffic(layout)
+    assert agg.total_avg_elems == pytest.approx(exact["total_avg"], rel=REL)
+    assert agg.ded_avg_elems == pytest.approx(exact["ded_avg"], rel=REL)
+    assert agg.calls_avg == pytest.approx(exact["calls_avg"], rel=REL)
+    assert agg.calls_max == exact["calls_max"]

@@ -59,6 +59,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--coalesce", choices=["auto", "block", "all"], default="auto",
                         help="DMuon's dedicate_params(coalesce=...): blocks sharing collectives "
                         "(docs/traffic-model.md, 'Coalescing'; 'block' = one call per bucket)")
+    parser.add_argument("--rest", choices=["wrapper", "replicate"], default="wrapper",
+                        help="DMuon's dedicate_params(rest=...) in the DMuon modes: 'wrapper' (FSDP2, "
+                        "or DDP in dmuon-ddp, handles the params DMuon does not dedicate) or "
+                        "'replicate' (DMuon all-reduces them itself, one call per dtype per step, "
+                        "and nothing wraps the model)")
     parser.add_argument("--tp", type=int, default=1,
                         help="tensor-parallel degree T: the TP-capable modes (dmuon-z2, dmuon-z3, "
                              "naive-fsdp2-z2, naive-fsdp2-z3 on a (W/T) x T mesh ('shard', 'tp'); "
@@ -70,6 +75,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.tp > 1 and args.model != BUILTIN:
         parser.error("--tp > 1 runs the built-in model only (its TP plan is fixed: "
                      "verify/run/tp_modes.py).")
+    if args.tp > 1 and args.rest != "wrapper":
+        parser.error("--rest replicate runs without --tp (DMuon does not replicate a tensor-"
+                     "parallel model's rest; dedicate_params refuses it on a mesh with a 'tp' axis).")
     unknown = [m for m in args.modes.split(",") if m not in MODES]
     if unknown:
         parser.error(f"Invalid --modes entries {unknown}. Must be among {list(MODES)}.")
@@ -109,6 +117,7 @@ def main(argv: list[str] | None = None) -> int:
         model=args.model,
         mixed_precision=args.mixed_precision,
         coalesce=args.coalesce,
+        rest=args.rest,
         tp=args.tp,
     )
     rank = dist.get_rank()

@@ -22,7 +22,7 @@ from dmuon.ownership.select import matrix_shapes, select_params
 from dmuon.ownership.plan import specs_from_named_parameters
 
 from verify.run.baselines import MatrixMuon, NaiveShardedMuon, ZeroOneMuon
-from verify.traffic.predict import RunLayout, dmuon_aligned_max_bytes, dmuon_coalesce_bytes
+from verify.traffic.predict import DMUON_REST_MODES, RunLayout, dmuon_aligned_max_bytes, dmuon_coalesce_bytes
 from verify.workload.usermodel import block_names
 
 #: Hyper-parameters every mode uses (Muon's and AdamW's torch defaults except the lrs).
@@ -126,7 +126,7 @@ def _fsdp_wrap(model: nn.Module, mesh, reshard: bool, ignored: set, per_linear: 
 
 
 def build(mode: str, make_model: Callable[[], nn.Module], device: str = "cpu",
-          mixed_precision: str | None = None, coalesce: str = "auto") -> Built:
+          mixed_precision: str | None = None, coalesce: str = "auto", rest: str = "wrapper") -> Built:
     """Build ``mode`` on this rank: wrap ``make_model()`` and create its optimizer.
 
     ``coalesce``: DMuon's ``dedicate_params(coalesce=...)`` (the layout gets the target the
@@ -134,10 +134,16 @@ def build(mode: str, make_model: Callable[[], nn.Module], device: str = "cpu",
     ``mixed_precision`` (``"bf16"``, ``"fp16"``): DMuon modes get a ``MixedPrecisionPolicy``
     (dmuon-ddp with ``output_dtype=float32``, since DDP keeps the rest in fp32) and every
     ``fully_shard`` call the same policy; DDP and the baselines' DDP stay fp32.
+    ``rest``: the DMuon modes' ``dedicate_params(rest=...)`` (other modes ignore it). With
+    ``"replicate"`` DMuon keeps the non-dedicated params itself and the model is wrapped by
+    neither DDP nor ``fully_shard`` (dmuon-ddp then runs like dmuon-z2); under mixed precision
+    the policy gets ``output_dtype=float32``, the rest's dtype, as dmuon-ddp's does.
 
     Raises:
         ValueError: unknown mode or a world size the mode cannot use.
     """
+    if rest not in DMUON_REST_MODES:
+        raise ValueError(f"Invalid rest={rest!r}. Must be one of {DMUON_REST_MODES}.")
     world = dist.get_world_size()
     model = make_model().to(device)
     targets = muon_names(model)
@@ -148,6 +154,7 @@ def build(mode: str, make_model: Callable[[], nn.Module], device: str = "cpu",
     reshard = mode.endswith("z3") or mode == "naive-hsdp"
     backend = "nccl" if device.startswith("cuda") else "gloo"  # DMuon's coalescing depends on it
     frozen = tuple(name for name, p in model.named_parameters() if not p.requires_grad)
+    replicated = mode.startswith("dmuon-") and rest == "replicate"  # nothing wraps the model
 
     # DDP broadcasts the module's buffers from rank 0 before every forward
     buffers = tuple((str(b.dtype).removeprefix("torch."), b.numel()) for _, b in model.named_buffers())
@@ -165,18 +172,23 @@ def build(mode: str, make_model: Callable[[], nn.Module], device: str = "cpu",
             dmuon_coalesce_bytes=dmuon_coalesce_bytes(coalesce, backend),
             dmuon_aligned_max_bytes=dmuon_aligned_max_bytes(backend),
             mp_param_dtype=mp_name if (mode.startswith("dmuon-") or fsdp_modules) else None,
-            ddp_buffers=buffers if mode in ("ddp-muon", "zero1-muon", "dmuon-ddp") else (),
+            ddp_buffers=buffers if mode in ("ddp-muon", "zero1-muon", "dmuon-ddp") and not replicated else (),
             frozen_names=frozen,
+            dmuon_rest="replicate" if replicated else "wrapper",
         )
 
     mp = mp_policy(mixed_precision)
     mp_name = str(mp.param_dtype).removeprefix("torch.") if mp is not None else None
 
     if mode.startswith("dmuon-"):
-        dm_mp = mp_policy(mixed_precision, output_dtype=torch.float32) if mode == "dmuon-ddp" else mp
+        # the rest stays fp32 under DDP and when DMuon replicates it: outputs back in fp32
+        fp32_rest = mode == "dmuon-ddp" or replicated
+        dm_mp = mp_policy(mixed_precision, output_dtype=torch.float32) if fp32_rest else mp
         dm = dmuon.dedicate_params(model, mesh, params=list(targets), reshard_after_forward=reshard,
-                                   mp_policy=dm_mp, coalesce=coalesce)
-        if mode == "dmuon-ddp":
+                                   mp_policy=dm_mp, coalesce=coalesce, rest=rest)
+        if replicated:
+            fsdp_modules = ()
+        elif mode == "dmuon-ddp":
             model = DistributedDataParallel(model, bucket_cap_mb=DDP_BUCKET_CAP_MB)
             fsdp_modules = ()
         else:

@@ -26,7 +26,8 @@ What is checked: the collectives every rank issued in the window (the interposer
 (``verify.traffic.predict.predict_step`` on a :class:`~verify.traffic.predict.RunLayout` read from the live
 objects: the model's parameter shapes, ``dm``'s dedicated params, mesh and Z2/Z3 flag, and the
 wrapping: ``DistributedDataParallel`` and its bucket cap, or the modules wrapped with
-``fully_shard`` and whether each reshards after forward), the W-average against the closed
+``fully_shard`` and whether each reshards after forward, or none under
+``dedicate_params(rest="replicate")``), the W-average against the closed
 form, and Newton–Schulz calls. Rank 0 writes ``report.json``, ``report.md`` and
 ``traffic.png`` to ``out_dir`` (``verify.report.render``), the same files as ``make verify-traffic``.
 
@@ -80,7 +81,8 @@ def layout_from_job(model: nn.Module, dedicated: dmuon.DedicatedParams,
 
     Raises:
         ValueError: ``dedicated`` is not a ``DedicatedParams``, the wrapping is neither DDP nor
-            FSDP2, or a non-root FSDP2 group's ``reshard_after_forward`` differs from DMuon's.
+            FSDP2 (under ``rest="wrapper"``), or a non-root FSDP2 group's
+            ``reshard_after_forward`` differs from DMuon's.
     """
     if not isinstance(dedicated, dmuon.DedicatedParams):
         raise ValueError(f"Invalid dedicated={type(dedicated).__name__}. Must be the "
@@ -100,6 +102,12 @@ def layout_from_job(model: nn.Module, dedicated: dmuon.DedicatedParams,
                   dmuon_coalesce_bytes=int(dedicated.coalesce_bytes),
                   dmuon_aligned_max_bytes=int(dedicated.aligned_max_bytes),
                   dmuon_block_order=tuple(block_order))
+    hsdp = topo.replicate_size > 1
+    mode = f"dmuon-{'hsdp-' if hsdp else ''}{'z3' if z3 else 'z2'}"
+    if getattr(dedicated, "rest", "wrapper") == "replicate":  # DMuon keeps the rest: no wrapper
+        specs = tuple(specs_from_named_parameters(bare.named_parameters(), matrices))
+        return RunLayout(mode=mode, params=specs, reshard_after_forward=z3, dmuon_rest="replicate",
+                         **common)
     if isinstance(model, DistributedDataParallel):
         if topo.replicate_size != 1:
             raise ValueError("Invalid wrapping: DistributedDataParallel with a 2-D DMuon mesh. "
@@ -130,8 +138,6 @@ def layout_from_job(model: nn.Module, dedicated: dmuon.DedicatedParams,
                          f"{sorted(inner)} while dedicate_params uses {z3}. Must use the same "
                          "setting everywhere (the predictor models one flag).")
     specs = tuple(specs_from_named_parameters(model.named_parameters(), matrices))
-    hsdp = topo.replicate_size > 1
-    mode = f"dmuon-{'hsdp-' if hsdp else ''}{'z3' if z3 else 'z2'}"
     return RunLayout(mode=mode, params=specs, fsdp_modules=tuple(n for n, _ in wrapped),
                      reshard_after_forward=z3, root_auto_reshard="" in flags and not flags[""],
                      **common)

@@ -89,6 +89,9 @@ class RunConfig:
             shapes), a third source matched one to one against the interposer.
         mixed_precision: ``None`` or a key of ``verify.run.modes.MIXED_PRECISION`` (``"bf16"``).
         coalesce: DMuon's ``dedicate_params(coalesce=...)``: ``"auto"``, ``"block"`` or ``"all"``.
+        rest: DMuon's ``dedicate_params(rest=...)``: ``"wrapper"`` (DDP / FSDP2 handle the
+            non-dedicated params) or ``"replicate"`` (DMuon does; the DMuon modes wrap nothing;
+            ``verify.run.modes.build``). Not with ``tp`` > 1.
         tp: tensor-parallel degree T; > 1 runs the TP-capable modes on a (W/T) × T mesh
             (``verify.run.tp_modes``; built-in model only).
     """
@@ -109,6 +112,7 @@ class RunConfig:
     model: str = "tinygpt"
     mixed_precision: str | None = None
     coalesce: str = "auto"
+    rest: str = "wrapper"
     tp: int = 1
 
 
@@ -252,6 +256,9 @@ def _train_mode(mode: str, config: RunConfig, corpus: ByteCorpus, progress,
 
     tagging = contextlib.nullcontext()
     if config.tp > 1:  # tensor parallel (verify.run.tp_modes)
+        if config.rest != "wrapper":
+            raise ValueError(f"Invalid rest={config.rest!r} with tp={config.tp}. Must be 'wrapper' "
+                             "under TP (dedicate_params refuses rest='replicate' on a 'tp' mesh).")
         from verify.run import tp_modes
         from verify.run.modes import ADAMW_LR, MUON_LR, Built
 
@@ -267,7 +274,8 @@ def _train_mode(mode: str, config: RunConfig, corpus: ByteCorpus, progress,
                                    seq_len=config.seq_len, seed=config.seed, tp=config.tp)
         tagging = tp_modes.tp_phase()
     else:
-        built = build(mode, make_model, config.device, config.mixed_precision, config.coalesce)
+        built = build(mode, make_model, config.device, config.mixed_precision, config.coalesce,
+                      config.rest)
         loss_fn = made[-1][1]
     model, opt = built.model, built.optimizer
     out = Path(config.out_dir) / mode

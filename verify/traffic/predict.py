@@ -21,6 +21,11 @@ What is modelled (torch 2.13, measured on gloo by the harness):
   bucketing bug in the runtime is not reproduced here (``tests/verify/test_predict.py`` checks it).
 - FSDP2 and DDP: the rules in :mod:`verify.traffic.rules` (shared with the aggregate
   predictor :mod:`verify.traffic.scale`), attributed here to each rank's groups.
+- DMuon's replicated rest (``RunLayout.dmuon_rest == "replicate"``): no DDP or FSDP2 call at
+  all; one world all_reduce per dtype of the trainable rest in backward
+  (:func:`verify.traffic.rules.rest_calls`). Its one-time first-forward broadcast (phase
+  ``setup``) is not part of a step, like DMuon's block-order agreement and DDP's bucket
+  rebuild: the harness measures after warm-up steps.
 - Naive baselines: one all_gather per Muon param in the optimizer step (``full_tensor()``
   of the Shard(0) gradient; per-rank count ceil(d0/N)·(d1·…), an expert stack or a conv
   weight included).
@@ -49,8 +54,19 @@ from dmuon.ownership.plan import OwnershipPlan, ParamSpec, plan_ownership
 from tracer.events import DTYPE_BYTES, group_id_from_ranks
 
 from verify.traffic.formulas import MODES
-from verify.traffic.rules import AxisCall, ddp_buckets, ddp_calls, fsdp_calls, fsdp_groups, padded_shard_numel
+from verify.traffic.rules import (
+    AxisCall,
+    ddp_buckets,
+    ddp_calls,
+    fsdp_calls,
+    fsdp_groups,
+    padded_shard_numel,
+    rest_calls,
+)
 
+
+#: ``dedicate_params``' ``rest`` values (``RunLayout.dmuon_rest``).
+DMUON_REST_MODES = ("wrapper", "replicate")
 
 #: "No limit" for the byte targets below (``coalesce="all"``, NCCL's aligned groups).
 NO_LIMIT = 2**63 - 1
@@ -100,6 +116,10 @@ class RunLayout:
         frozen_names: params with ``requires_grad=False``: DDP leaves them out of its
             buckets; FSDP2 still all_gathers them but reduces only params with a grad
             (:mod:`verify.traffic.rules`). Never dedicated.
+        dmuon_rest: DMuon's ``dedicate_params(rest=...)``: ``"wrapper"`` (DDP or FSDP2 handles
+            the non-dedicated params: ``fsdp_modules``, or DDP in ``dmuon-ddp``) or
+            ``"replicate"`` (DMuon all-reduces them itself and nothing wraps the model:
+            ``fsdp_modules`` and ``ddp_buffers`` must be empty; DMuon modes only).
     """
 
     mode: str
@@ -121,6 +141,7 @@ class RunLayout:
     module_calls: tuple[tuple[str, int], ...] = ()
     ddp_buffers: tuple[tuple[str, int], ...] = ()
     frozen_names: tuple[str, ...] = ()
+    dmuon_rest: str = "wrapper"
 
     def calls_of(self, module: str) -> int:
         """How many times ``module``'s forward runs per forward (:attr:`module_calls`; 1)."""
@@ -139,6 +160,14 @@ class RunLayout:
                     f"Invalid {name}={value!r}. Must be None or a torch dtype name among "
                     f"{sorted(DTYPE_BYTES)} (str(torch.bfloat16) without 'torch.')."
                 )
+        if self.dmuon_rest not in DMUON_REST_MODES:
+            raise ValueError(f"Invalid dmuon_rest={self.dmuon_rest!r}. Must be one of {DMUON_REST_MODES}.")
+        if self.dmuon_rest == "replicate" and (not self.is_dmuon or self.fsdp_modules or self.ddp_buffers):
+            raise ValueError(
+                f"Invalid layout: dmuon_rest='replicate' with mode={self.mode!r}, "
+                f"fsdp_modules={self.fsdp_modules!r}, ddp_buffers={self.ddp_buffers!r}. Must be a "
+                "DMuon mode with nothing wrapped (DMuon replicates the rest itself)."
+            )
 
     def cast_dtype(self, own: str) -> str:
         """Dtype of a param's forward / backward gather or broadcast (mixed precision)."""
@@ -548,7 +577,9 @@ def predict_step(layout: RunLayout) -> list[Expected]:
     for rank in range(layout.world_size):
         if layout.is_dmuon:
             out += _dmuon_calls(layout, rank)
-        if layout.mode == "zero1-muon":
+        if layout.is_dmuon and layout.dmuon_rest == "replicate":  # nothing wraps the model
+            out += _axis_calls(layout, rank, rest_calls(layout))
+        elif layout.mode == "zero1-muon":
             out += _axis_calls(layout, rank, ddp_calls(layout, set(layout.muon_names)))
             out += _zero1_step_calls(layout, rank)
         elif layout.mode in ("ddp-muon", "dmuon-ddp"):

@@ -29,6 +29,15 @@ Rules (torch 2.13; the per-call accounting is :mod:`verify.traffic.formulas`):
   250 MiB of buffers (``broadcast_buffers=True``, DDP's ``_sync_buffers`` through
   ``dist._broadcast_coalesced``, whose ``take_tensors`` groups by dtype and closes a group
   once it reaches the bucket size; :func:`ddp_buffer_broadcasts`).
+- **DMuon's replicated rest** (``dedicate_params(rest="replicate")``, ``RunLayout.dmuon_rest``;
+  documented in ``dmuon/runtime/rest.py``'s docstring and written here from that text): nothing
+  wraps the model, so neither of the rules above applies. Per step one all_reduce (sum) over
+  the world per dtype of the *trainable* non-dedicated params (dtype groups in model order of
+  first appearance), phase ``backward``, in the params' own dtype (mixed precision does not
+  apply to the rest), carrying ``sum(numel) + len(params)`` elements: the grads, then one
+  usage element per param (:func:`rest_calls`). No Muon payload. Its first-forward
+  broadcast of the whole rest (phase ``setup``) is a one-time call, like DMuon's block-order
+  agreement, outside any steady step.
 """
 
 from __future__ import annotations
@@ -203,4 +212,21 @@ def ddp_calls(layout: RunLayout, ignored: set[str]) -> list[AxisCall]:
                  sum(p.numel for p in bucket), bucket[0].dtype,
                  sum(p.numel for p in bucket if p.name in muon), None)
         for bucket in buckets
+    ]
+
+
+def rest_calls(layout: RunLayout) -> list[AxisCall]:
+    """DMuon's all_reduces of its replicated rest in one step on every rank (module docstring);
+    ``[]`` unless a DMuon mode runs with ``dmuon_rest == "replicate"``."""
+    if not (layout.is_dmuon and layout.dmuon_rest == "replicate"):
+        return []
+    skip = set(layout.muon_names) | set(layout.frozen_names)  # dedicated, or without a grad
+    groups: dict[str, list[ParamSpec]] = {}
+    for p in layout.params:
+        if p.name not in skip:
+            groups.setdefault(p.dtype, []).append(p)
+    return [
+        AxisCall("backward", "all_reduce", "world", layout.world_size,
+                 sum(p.numel for p in members) + len(members), dtype, 0, None)
+        for dtype, members in groups.items()
     ]

@@ -33,7 +33,7 @@ import torch
 from dmuon.ownership.plan import OwnershipPlan, ParamSpec, plan_ownership
 
 from verify.traffic.predict import RunLayout, dmuon_buckets, ns_calls_per_step, owner_numels, reused_elems
-from verify.traffic.rules import AxisCall, ddp_calls, fsdp_calls, padded_shard_numel
+from verify.traffic.rules import AxisCall, ddp_calls, fsdp_calls, padded_shard_numel, rest_calls
 from verify.traffic.formulas import MODES, avg_elems, closed_form
 
 #: Every mode :func:`step_traffic` knows: the harness's (``zero1-muon`` included).
@@ -257,7 +257,9 @@ def _muon_bytes(layout: RunLayout) -> int:
 def _build_dmuon(layout: RunLayout, plan: OwnershipPlan) -> StepTraffic:
     common, extra = _dmuon(layout, plan)
     ded = set(layout.muon_names)
-    if layout.mode == "dmuon-ddp":
+    if layout.dmuon_rest == "replicate":  # DMuon all-reduces the rest; nothing wraps the model
+        _add(common, rest_calls(layout))
+    elif layout.mode == "dmuon-ddp":
         _add(common, ddp_calls(layout, ded))
     else:
         _add(common, fsdp_calls(layout, ded))

@@ -83,8 +83,9 @@ def blocked_in_collective(sleep_s: float) -> dict:
     return {"wall_ns": step.wall_ns, "blocked_ns": step.blocked_ns}
 
 
-def ddp_window(out_dir: str) -> dict:
-    """The own-script window on DMuon + DDP (examples.my_model)."""
+def ddp_window(out_dir: str, rest: str = "wrapper") -> dict:
+    """The own-script window on DMuon + DDP (examples.my_model); with ``rest="replicate"``
+    DMuon keeps the rest and nothing wraps the model."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.nn.parallel import DistributedDataParallel
 
@@ -94,8 +95,8 @@ def ddp_window(out_dir: str) -> dict:
     rank = dist.get_rank()
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     bare = ResidualMLP()
-    dm = dmuon.dedicate_params(bare, mesh, reshard_after_forward=False)
-    model = DistributedDataParallel(bare)
+    dm = dmuon.dedicate_params(bare, mesh, reshard_after_forward=False, rest=rest)
+    model = DistributedDataParallel(bare) if rest == "wrapper" else bare
     opt = dmuon.DMuon(model.parameters(), dedicated=dm, lr=0.02, adamw_lr=3e-3)
     window = TrafficWindow(model, dm, opt, out_dir=out_dir)
     for step in range(4):

@@ -104,6 +104,16 @@ def test_own_script_window_on_ddp(pool2, tmp_path):
     assert run["ratio_to_p_m"] == pytest.approx(1.0)  # 2(N-1)/N at N=2
 
 
+def test_own_script_window_with_replicated_rest(pool2, tmp_path):
+    # rest="replicate", nothing wrapped: the layout read from the live job has no wrapper and
+    # the rest's world all_reduce (its setup broadcast ran before the window)
+    report = pool2.run(record_tasks.ddp_window, str(tmp_path), "replicate")[0]
+    run = report["runs"][0]
+    assert run["mode"] == "dmuon-z2" and report["pass"], run["missing"] + run["unexpected"]
+    assert run["ratio_to_p_m"] == pytest.approx(1.0)  # the closed form is unchanged
+    assert run["total_measured_avg_elems"] > run["measured_avg_elems"]  # the rest's all_reduce
+
+
 def test_exposed_time_is_the_wait_inside_a_collective(pool2):
     """Rank 0 waits ~0.3 s in all_reduce for a sleeping rank 1: blocked time sees the wait."""
     r0, r1 = pool2.run(record_tasks.blocked_in_collective, 0.3)

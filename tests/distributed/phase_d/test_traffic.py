@@ -6,6 +6,9 @@ W-averaged Muon-param traffic against the closed forms of docs/spec.md §2, and 
 torch.profiler's record of the same steps matches the interposer one to one (a third source).
 """
 
+import json
+import math
+
 import pytest
 
 from tests.distributed.phase_d import traffic_tasks
@@ -95,3 +98,25 @@ def test_dmuon_verify_check_passes_on_a_run_and_names_a_dropped_call(pool2, tmp_
     assert dmuon_verify(["check", files[0], str(tmp_path / "rank1.parquet"), "--against", run_dir]) == 1
     out = capsys.readouterr().out
     assert "missing (1)" in out and "rank 1: 1 x reduce" in out and "FAIL" in out
+
+
+def test_w4_replicated_rest_verdict_passes(pool4, tmp_path):
+    """verify-traffic --rest replicate: DMuon all-reduces the rest itself and nothing wraps the
+    model; measured = predicted = closed form (unchanged: it concerns P_M only), three sources."""
+    report = pool4.run(traffic_tasks.verdict, str(tmp_path), ("dmuon-z2", "dmuon-hsdp-z3"),
+                       rest="replicate")[0]
+    assert report["pass"], report["failures"]
+    assert report["config"]["rest"] == "replicate"
+    runs = {r["mode"]: r for r in report["runs"]}
+    assert set(runs) == {"dmuon-z2", "dmuon-hsdp-z3"}
+    for mode, run in runs.items():
+        assert run["ratio_to_p_m"] == pytest.approx(EXPECTED_RATIO_W4[mode], rel=1e-12)
+        assert all(run["sources"][s]["pass"] for s in ("interposer", "flight_recorder", "profiler"))
+        layout = json.loads((tmp_path / mode / "layout.json").read_text())
+        assert layout["dmuon_rest"] == "replicate" and layout["fsdp_modules"] == []
+        # the rest's all_reduce is the only traffic outside P_M: W-average 2(W-1)/W of
+        # (rest elements + one usage element per rest param), plus the dedicated reduces' usage
+        rest = [p for p in layout["params"] if p["name"] not in layout["muon_names"]]
+        elems = sum(math.prod(p["shape"]) for p in rest) + len(rest)
+        extra = run["total_measured_avg_elems"] - run["measured_avg_elems"]
+        assert extra == pytest.approx(1.5 * elems, abs=64)  # + the dedicated reduces' usage

@@ -105,3 +105,14 @@ def test_a_frozen_layer_is_gathered_but_not_reduced_as_predicted(pool2, tmp_path
     (``RunLayout.frozen_names``), every mode failed on it."""
     _, runs = _run(pool2, tmp_path, ("ddp-muon", "naive-fsdp2-z2", "dmuon-z2"), "examples.structures:frozen_input")
     assert runs["dmuon-z2"]["p_m"] == 4 * 2 * 50 * 70  # the frozen inp is not dedicated
+
+
+def test_a_frozen_layer_leaves_the_replicated_rest_all_reduce(pool2, tmp_path):
+    """rest="replicate": the frozen input Linear is not dedicated and has no grad, so it is not
+    in DMuon's all_reduce of the rest (the prediction leaves it out; a wrong count would fail)."""
+    from tests.distributed.phase_d import traffic_tasks
+
+    report = pool2.run_with_timeout(TIMEOUT_S, traffic_tasks.verdict, str(tmp_path), ("dmuon-z2", "dmuon-z3"),
+                                    model="examples.structures:frozen_input", rest="replicate",
+                                    profiler=False)[0]
+    assert report["pass"], report["failures"]

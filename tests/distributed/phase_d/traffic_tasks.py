@@ -76,3 +76,11 @@ def measure_with_shifted_ns_rank(mode: str, **config) -> dict:
 
     with mock.patch.object(tp, "plan_tp", shifted):
         return measure_mode(mode, **config)
+
+
+def verdict(out_dir: str, modes: tuple[str, ...], **config) -> dict | None:
+    """``run_all`` (what ``make verify-traffic`` runs on each rank) on ``modes``: the report on
+    rank 0, ``None`` elsewhere."""
+    from verify.run.runner import run_all
+
+    return run_all(RunConfig(modes=modes, steps_warmup=2, steps_measured=2, out_dir=out_dir, **config))
