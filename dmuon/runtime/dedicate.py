@@ -340,7 +340,7 @@ class DedicatedParams:
             replicated = ReplicatedRest(model, set(self.names), self._groups.world)
             self.rest_names = replicated.names
             for p in replicated.params():
-                collectives.check_param_device(p.device, topology.shard_group, "the rest's params")
+                collectives.check_param_device(p.device, self._groups.world, "the rest's params")
             self._runtime.rest = replicated
         self._hooks = attach.HookSet()
         self._runtime.install(self._hooks)

@@ -6,14 +6,14 @@ heads: what AdamW steps). By default (``rest="wrapper"``) DDP or FSDP2 handles i
 
 - every rank keeps the whole rest (params, grads and AdamW state are replicated, as under
   DDP), and every rank runs the same AdamW update on it;
-- **first forward** (channel ``world``, phase ``setup``, span ``dmuon.rest_broadcast``):
+- **first forward** (DMuon's ``world`` group, phase ``setup``, span ``dmuon.rest_broadcast``):
   group rank 0 broadcasts every param of the rest, trainable or frozen, one call per dtype
   (model order of first appearance), each of ``sum(numel)`` elements, so ranks that
   initialised differently start equal (DDP broadcasts at construction; DMuon waits for the
   first forward so that a model built on the meta device and initialised after
   ``dedicate_params`` is covered);
-- **end of each backward outside** ``no_sync()`` (channel ``world``, phase ``backward``,
-  span ``dmuon.rest_all_reduce``): one ``all_reduce`` (sum) per dtype of the trainable rest
+- **end of each backward outside** ``no_sync()`` (DMuon's ``world`` group, on the ``reduce``
+  channel's stream under CUDA, phase ``backward``, span ``dmuon.rest_all_reduce``): one ``all_reduce`` (sum) per dtype of the trainable rest
   (model order of first appearance) over all W ranks, issued after the step's last shard
   reduce and waited with the reduces; it carries ``sum(numel) + len(params)`` elements: the
   grads (zeros where this rank has none), then one usage element per param (1 where this
@@ -159,14 +159,14 @@ class ReplicatedRest:
         for work, buf, params in pending:
             work.wait()
             n = sum(p.numel() for p in params)
-            usage = buf[n:].tolist()
+            usage = buf[n:].tolist()  # only "> 0" is read: exact in any dtype (bf16 too)
             with torch.no_grad():
                 buf[:n].div_(world_size)
                 for p, view, used in zip(params, torch.split(buf[:n], [p.numel() for p in params]), usage):
                     if p.grad is not None:
                         p.grad.copy_(view.view_as(p.grad))
-                    elif used > 0:
-                        p.grad = view.view_as(p)
+                    elif used > 0:  # a fresh grad laid out like p (as autograd would make it)
+                        p.grad = torch.empty_like(p).copy_(view.view_as(p))
 
     def abort(self, drop_grads: bool) -> None:
         """After an exception: wait for what is in flight; an aborted backward drops the
