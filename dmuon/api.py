@@ -100,7 +100,9 @@ def dedicate_params(
             number, ``prefetch_depth`` is not an int >= 0, ``coalesce`` is not one of
             ``"auto"``, ``"block"``, ``"all"`` or an int >= 0, ``rest`` is not ``"wrapper"``
             or ``"replicate"`` (or ``"replicate"`` on a TP mesh, or with an ``mp_policy``
-            that sets ``param_dtype`` but not ``output_dtype``), or the mesh is invalid (see
+            that sets ``param_dtype`` but not ``output_dtype``, or one whose ``param_dtype``
+            would meet a rest param of another dtype in a module holding a dedicated param:
+            a Linear's bias), or the mesh is invalid (see
             ``topology_from_mesh``). All checked locally, before any collective.
         RuntimeError: the ranks computed different setups (plan, ``reshard_after_forward``,
             mixed-precision policy, bucket cap, coalescing, rest, devices: :func:`setup_digest`), checked with one
@@ -178,6 +180,8 @@ def dedicate_params(
     dedicated = {n for n, _, _ in named}
     rest_params = ([(n, p) for n, p in model.named_parameters() if n not in dedicated]
                    if rest == "replicate" else [])
+    if rest_params and getattr(mp_policy, "param_dtype", None) is not None:
+        _check_rest_beside_dedicated(model, dedicated, mp_policy.param_dtype)
     digest = setup_digest(tp_layout.full_plan if tp_layout else plan, named,
                           reshard_after_forward, mp_policy, cap_bytes, coalescing, rest_params)
     collectives.check_plan_agreement(
@@ -188,6 +192,30 @@ def dedicate_params(
                            mp_policy=mp_policy, bucket_cap_bytes=cap_bytes,
                            prefetch_depth=prefetch_depth, coalescing=coalescing,
                            assignments=assignments, tp=tp_layout, rest=rest)
+
+
+def _check_rest_beside_dedicated(model: nn.Module, dedicated: set[str], param_dtype) -> None:
+    """``rest="replicate"`` with a ``param_dtype``: no module may hold both a dedicated param
+    (cast to ``param_dtype`` for its forward) and a floating-point param of the rest (kept in
+    its own dtype), or that forward mixes dtypes (a Linear's bf16 weight and fp32 bias).
+
+    Raises:
+        ValueError: naming the module and both params.
+    """
+    for name, module in model.named_modules():
+        prefix = f"{name}." if name else ""
+        mine = [prefix + n for n, _ in module.named_parameters(recurse=False)]
+        cast = [n for n in mine if n in dedicated]
+        kept = [n for n in mine if n not in dedicated and model.get_parameter(n).is_floating_point()
+                and model.get_parameter(n).dtype != param_dtype]
+        if cast and kept:
+            raise ValueError(
+                f"Invalid mp_policy with rest='replicate': module {name or '<root>'!r} holds the "
+                f"dedicated {cast[0]!r} (cast to {param_dtype} for its forward) and the rest's "
+                f"{kept[0]!r}, which rest='replicate' keeps in {model.get_parameter(kept[0]).dtype}, "
+                "so its forward would mix dtypes. Use rest='wrapper' (fully_shard casts the rest "
+                "too), or no param_dtype."
+            )
 
 
 def _check_rest(rest, mesh, mp_policy) -> None:

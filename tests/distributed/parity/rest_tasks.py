@@ -173,6 +173,11 @@ def bad_input(case: str) -> str:
         elif case == "mp":
             dmuon.dedicate_params(model, mesh, rest="replicate",
                                   mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+        elif case == "mp_bias":  # a dedicated Linear weight beside its fp32 bias (the rest)
+            torch.manual_seed(0)
+            biased = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+            dmuon.dedicate_params(biased, mesh, rest="replicate", mp_policy=MixedPrecisionPolicy(
+                param_dtype=torch.bfloat16, output_dtype=torch.float32))
         elif case == "wrapped":
             dm = dmuon.dedicate_params(model, mesh, rest="replicate")
             fully_shard(model, mesh=mesh, ignored_params=set(dm))

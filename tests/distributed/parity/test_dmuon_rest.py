@@ -79,6 +79,7 @@ def test_dcp_resume_is_exact(pool4, mode):
 @pytest.mark.parametrize("case, expected", [
     ("value", "ValueError: Invalid rest='shard'. Must be 'wrapper'"),
     ("mp", "ValueError: Invalid mp_policy="),
+    ("mp_bias", "ValueError: Invalid mp_policy with rest='replicate': module '0' holds the dedicated '0.weight'"),
     ("wrapped", "ValueError: Invalid model: module '<root>' was wrapped by fully_shard"),
 ])
 def test_misuse_raises_on_every_rank(pool4, case, expected):
