@@ -95,30 +95,17 @@ class ReplicatedRest:
         """
         wrapped = next((name for name, m in self._holders if isinstance(m, FSDPModule)), None)
         if wrapped is not None:
-            raise ValueError(
-                f"Invalid model: module {wrapped or '<root>'!r} was wrapped by fully_shard, but "
-                f"dedicate_params(rest='replicate') handles the params it holds (e.g. "
-                f"{self.names[0]!r}). With rest='replicate' DMuon replicates every param it does "
-                "not dedicate, so the model must not be wrapped by fully_shard or "
-                "DistributedDataParallel. Drop the wrapper, or use rest='wrapper'."
-            )
+            _refuse(f"module {wrapped or '<root>'!r} was wrapped by fully_shard, but "
+                    f"dedicate_params(rest='replicate') handles the params it holds (e.g. "
+                    f"{self.names[0]!r})")
         out = []
         for name, (module, attr) in zip(self.names, self._slots):
             p = getattr(module, attr, None)
             if p is None or type(p).__name__ == "DTensor":
-                raise ValueError(
-                    f"Invalid model: the param {name!r} is {'gone' if p is None else 'a DTensor'}, "
-                    "but dedicate_params(rest='replicate') handles it: with rest='replicate' "
-                    "DMuon replicates every param it does not dedicate, so the model must not be "
-                    "wrapped by fully_shard or DistributedDataParallel. Drop the wrapper, or use "
-                    "rest='wrapper'."
-                )
+                _refuse(f"the param {name!r} is {'gone' if p is None else 'a DTensor'}, but "
+                        "dedicate_params(rest='replicate') handles it")
             out.append(p)
         return out
-
-    def nbytes(self) -> int:
-        """Bytes of the rest's params (their own dtypes)."""
-        return sum(p.numel() * p.element_size() for p in self.params())
 
     # ------------------------------------------------------------------ first forward
     def begin_forward(self) -> None:
@@ -177,6 +164,14 @@ class ReplicatedRest:
         if drop_grads:
             for p in self.params():
                 p.grad = None
+
+
+def _refuse(what: str) -> None:
+    raise ValueError(
+        f"Invalid model: {what}. With rest='replicate' DMuon replicates every param it does not "
+        "dedicate, so the model must not be wrapped by fully_shard or DistributedDataParallel. "
+        "Drop the wrapper, or use rest='wrapper'."
+    )
 
 
 def _by_dtype(params: list[nn.Parameter]) -> list[list[nn.Parameter]]:
