@@ -12,7 +12,7 @@ import torch.nn as nn
 from dmuon.runtime import attach, collectives, tp
 from dmuon.ownership.buckets import DEFAULT_BUCKET_CAP_MB, Coalescing, resolve_coalesce
 from dmuon.runtime.dedicate import DedicatedParams
-from dmuon.runtime.rest import check_rest
+from dmuon.runtime import rest as replicated_rest
 from dmuon.ownership.plan import OwnershipPlan, plan_ownership, specs_from_named_parameters
 from dmuon.ownership.select import Predicate, adamw_matrices, assign_params, select_params
 from dmuon.ownership.topology import topology_from_mesh
@@ -143,7 +143,7 @@ def dedicate_params(
         )
     cap_bytes = _bucket_cap_bytes(bucket_cap_mb)
     resolve_coalesce(coalesce, "gloo")  # validates, before anything else
-    _check_rest(rest, mesh, mp_policy)
+    replicated_rest.check_rest(rest, mesh, mp_policy)
     topology = tp.topology(mesh) if tp.is_tp_mesh(mesh) else topology_from_mesh(mesh)
     assignments = assign_params(model, params, predicate)
     named = select_params(model, params, predicate, assignments)
@@ -178,10 +178,9 @@ def dedicate_params(
     on_cuda = any(p.device.type == "cuda" for _, p, _ in named)
     coalescing = resolve_coalesce(coalesce, "nccl" if on_cuda else "gloo")
     dedicated = {n for n, _, _ in named}
-    rest_params = ([(n, p) for n, p in model.named_parameters() if n not in dedicated]
-                   if rest == "replicate" else [])
+    rest_params = replicated_rest.rest_of(model, dedicated) if rest == "replicate" else []
     if rest_params and getattr(mp_policy, "param_dtype", None) is not None:
-        _check_rest_beside_dedicated(model, dedicated, mp_policy.param_dtype)
+        replicated_rest.check_dtypes(model, dedicated, mp_policy.param_dtype)
     digest = setup_digest(tp_layout.full_plan if tp_layout else plan, named,
                           reshard_after_forward, mp_policy, cap_bytes, coalescing, rest_params)
     collectives.check_plan_agreement(
@@ -191,55 +190,8 @@ def dedicate_params(
     return DedicatedParams(model, named, topology, plan, reshard_after_forward, mesh=mesh,
                            mp_policy=mp_policy, bucket_cap_bytes=cap_bytes,
                            prefetch_depth=prefetch_depth, coalescing=coalescing,
-                           assignments=assignments, tp=tp_layout, rest=rest)
-
-
-def _check_rest_beside_dedicated(model: nn.Module, dedicated: set[str], param_dtype) -> None:
-    """``rest="replicate"`` with a ``param_dtype``: no module may hold both a dedicated param
-    (cast to ``param_dtype`` for its forward) and a floating-point param of the rest (kept in
-    its own dtype), or that forward mixes dtypes (a Linear's bf16 weight and fp32 bias).
-
-    Raises:
-        ValueError: naming the module and both params.
-    """
-    for name, module in model.named_modules():
-        prefix = f"{name}." if name else ""
-        mine = [prefix + n for n, _ in module.named_parameters(recurse=False)]
-        cast = [n for n in mine if n in dedicated]
-        kept = [n for n in mine if n not in dedicated and model.get_parameter(n).is_floating_point()
-                and model.get_parameter(n).dtype != param_dtype]
-        if cast and kept:
-            raise ValueError(
-                f"Invalid mp_policy with rest='replicate': module {name or '<root>'!r} holds the "
-                f"dedicated {cast[0]!r} (cast to {param_dtype} for its forward) and the rest's "
-                f"{kept[0]!r}, which rest='replicate' keeps in {model.get_parameter(kept[0]).dtype}, "
-                "so its forward would mix dtypes. Use rest='wrapper' (fully_shard casts the rest "
-                "too), or no param_dtype."
-            )
-
-
-def _check_rest(rest, mesh, mp_policy) -> None:
-    """Validate ``rest`` against the mesh and the policy (local, before any collective).
-
-    Raises:
-        ValueError: see :func:`dedicate_params`.
-    """
-    check_rest(rest)
-    if rest != "replicate":
-        return
-    if tp.is_tp_mesh(mesh):
-        raise ValueError(
-            "Invalid rest='replicate' on a mesh with a 'tp' axis: the rest of a tensor-parallel "
-            "model holds TP DTensors, which DMuon does not replicate. Use rest='wrapper' "
-            "(fully_shard on mesh['shard'])."
-        )
-    if getattr(mp_policy, "param_dtype", None) is not None and getattr(mp_policy, "output_dtype", None) is None:
-        raise ValueError(
-            f"Invalid mp_policy={mp_policy!r} with rest='replicate': the rest computes in its own "
-            "dtype (as under DDP), so the dedicated modules must hand it their outputs in that "
-            "dtype. Set output_dtype (e.g. MixedPrecisionPolicy(param_dtype=torch.bfloat16, "
-            "output_dtype=torch.float32)), or use rest='wrapper'."
-        )
+                           assignments=assignments, tp=tp_layout,
+                           rest=[n for n, _ in rest_params] if rest == "replicate" else None)
 
 
 #: At most this many params are named in the AdamW-matrices warning (the rest are counted).

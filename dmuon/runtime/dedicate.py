@@ -294,8 +294,9 @@ class DedicatedParams:
             limit in bytes (``dedicate_params``' ``coalesce`` resolved by
             ``buckets.resolve_coalesce``).
         rest: who handles the params that are not dedicated: ``"wrapper"`` (DDP / FSDP2) or
-            ``"replicate"`` (DMuon, ``rest.py``); ``rest_names``: those params in model order
-            under ``"replicate"``, else empty.
+            ``"replicate"`` (DMuon, ``rest.py``; the constructor's ``rest`` is then their
+            names, else ``None``); ``rest_names``: those params in model order under
+            ``"replicate"``, else empty.
     """
 
     def __init__(
@@ -313,7 +314,7 @@ class DedicatedParams:
         coalescing: buckets.Coalescing = buckets.Coalescing(0),
         assignments: list | None = None,
         tp=None,
-        rest: str = "wrapper",
+        rest: list[str] | None = None,
     ) -> None:
         self._assignments = list(assignments or ())
         self.bucket_cap_bytes = bucket_cap_bytes
@@ -330,18 +331,15 @@ class DedicatedParams:
         self.tp = tp  # dmuon.runtime.tp.TPLayout on a TP mesh, else None
         self._groups = (tp_groups(mesh) if tp is not None
                         else collectives.make_groups(_mesh_rows(mesh, topology)))
+        self.rest = "wrapper" if rest is None else "replicate"
+        self.rest_names = list(rest or ())
+        replicated = None if rest is None else ReplicatedRest(model, self.rest_names, self._groups.world)
+        for p in replicated.params() if replicated is not None else ():
+            collectives.check_param_device(p.device, self._groups.world, "the rest's params")
         self._runtime: Runtime | None = Runtime(model, named, topology, plan, self._groups,
                                 reshard_after_forward=reshard_after_forward, mp_policy=mp_policy,
                                 bucket_cap_bytes=bucket_cap_bytes, prefetch_depth=prefetch_depth,
-                                coalescing=coalescing)
-        self.rest = rest
-        self.rest_names: list[str] = []
-        if rest == "replicate":
-            replicated = ReplicatedRest(model, set(self.names), self._groups.world)
-            self.rest_names = replicated.names
-            for p in replicated.params():
-                collectives.check_param_device(p.device, self._groups.world, "the rest's params")
-            self._runtime.rest = replicated
+                                coalescing=coalescing, rest=replicated)
         self._hooks = attach.HookSet()
         self._runtime.install(self._hooks)
         checkpoint.install(model, self, self._hooks)

@@ -42,7 +42,8 @@ class Runtime:
     def __init__(self, model: nn.Module, named: list[tuple[str, nn.Parameter, str]],
                  topology: Topology, plan: OwnershipPlan, groups: collectives.DMuonGroups, *,
                  reshard_after_forward: bool, mp_policy, bucket_cap_bytes: int,
-                 prefetch_depth: int, coalescing: Coalescing = Coalescing(0)) -> None:
+                 prefetch_depth: int, coalescing: Coalescing = Coalescing(0),
+                 rest: ReplicatedRest | None = None) -> None:
         self.root = model
         self.topology = topology
         self.reshard_after_forward = reshard_after_forward
@@ -50,7 +51,7 @@ class Runtime:
         self.param_dtype, reduce_dtype = precision.dtypes(mp_policy)
         self.pass_state = StateMachine()
         self.no_sync = False
-        self.rest: ReplicatedRest | None = None  # rest="replicate" (rest.py), set by DedicatedParams
+        self.rest = rest  # rest="replicate" (rest.py), else None
         self.order = order.OrderRecorder()
         self.order_agreed = False
         self._modules = dict(model.named_modules())

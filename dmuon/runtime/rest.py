@@ -38,17 +38,19 @@ import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule
 
 from dmuon import annotate
-from dmuon.runtime import collectives
+from dmuon.runtime import collectives, tp
 
 #: ``dedicate_params``' ``rest`` values.
 REST_MODES = ("wrapper", "replicate")
 
 
-def check_rest(rest) -> str:
-    """``rest`` itself, validated.
+def check_rest(rest, mesh, mp_policy) -> None:
+    """Validate ``rest`` against the mesh and the mixed-precision policy (local, before any
+    collective).
 
     Raises:
-        ValueError: not one of :data:`REST_MODES`.
+        ValueError: ``rest`` is not one of :data:`REST_MODES`; or ``"replicate"`` on a TP
+            mesh, or with a policy that sets ``param_dtype`` but not ``output_dtype``.
     """
     if not isinstance(rest, str) or rest not in REST_MODES:
         raise ValueError(
@@ -56,7 +58,51 @@ def check_rest(rest) -> str:
             "params DMuon does not dedicate) or 'replicate' (DMuon keeps them replicated and "
             "averages their grads with one all_reduce per step; wrap nothing)."
         )
-    return rest
+    if rest != "replicate":
+        return
+    if tp.is_tp_mesh(mesh):
+        raise ValueError(
+            "Invalid rest='replicate' on a mesh with a 'tp' axis: the rest of a tensor-parallel "
+            "model holds TP DTensors, which DMuon does not replicate. Use rest='wrapper' "
+            "(fully_shard on mesh['shard'])."
+        )
+    if getattr(mp_policy, "param_dtype", None) is not None and getattr(mp_policy, "output_dtype", None) is None:
+        raise ValueError(
+            f"Invalid mp_policy={mp_policy!r} with rest='replicate': the rest computes in its own "
+            "dtype (as under DDP), so the dedicated modules must hand it their outputs in that "
+            "dtype. Set output_dtype (e.g. MixedPrecisionPolicy(param_dtype=torch.bfloat16, "
+            "output_dtype=torch.float32)), or use rest='wrapper'."
+        )
+
+
+def rest_of(model: nn.Module, dedicated: set[str]) -> list[tuple[str, nn.Parameter]]:
+    """The rest: ``(name, param)`` of every param of ``model`` not in ``dedicated``, model
+    order (``named_parameters``: a tied param once)."""
+    return [(n, p) for n, p in model.named_parameters() if n not in dedicated]
+
+
+def check_dtypes(model: nn.Module, dedicated: set[str], param_dtype: torch.dtype) -> None:
+    """``rest="replicate"`` with a ``param_dtype``: no module may hold both a dedicated param
+    (cast to ``param_dtype`` for its forward) and a floating-point param of the rest in another
+    dtype (kept in it), or that forward mixes dtypes (a Linear's bf16 weight and fp32 bias).
+
+    Raises:
+        ValueError: naming the module and both params.
+    """
+    for name, module in model.named_modules():
+        prefix = f"{name}." if name else ""
+        mine = [(prefix + n, p) for n, p in module.named_parameters(recurse=False)]
+        cast = [n for n, _ in mine if n in dedicated]
+        kept = [(n, p.dtype) for n, p in mine
+                if n not in dedicated and p.is_floating_point() and p.dtype != param_dtype]
+        if cast and kept:
+            raise ValueError(
+                f"Invalid mp_policy with rest='replicate': module {name or '<root>'!r} holds the "
+                f"dedicated {cast[0]!r} (cast to {param_dtype} for its forward) and the rest's "
+                f"{kept[0][0]!r}, which rest='replicate' keeps in {kept[0][1]}, so its forward "
+                "would mix dtypes. Use rest='wrapper' (fully_shard casts the rest too), or no "
+                "param_dtype."
+            )
 
 
 class ReplicatedRest:
@@ -68,13 +114,13 @@ class ReplicatedRest:
 
     Args:
         model: the bare model given to ``dedicate_params``.
-        dedicated: names of the dedicated params.
+        names: the rest's names (:func:`rest_of`).
         group: DMuon's ``world`` group (all W ranks).
     """
 
-    def __init__(self, model: nn.Module, dedicated: set[str], group: dist.ProcessGroup) -> None:
+    def __init__(self, model: nn.Module, names: list[str], group: dist.ProcessGroup) -> None:
         modules = dict(model.named_modules())
-        self.names = [n for n, _ in model.named_parameters() if n not in dedicated]
+        self.names = list(names)
         self._slots = [(modules[n.rpartition(".")[0]], n.rpartition(".")[2]) for n in self.names]
         # the rest's holders and their ancestors: none may become an FSDP2 module
         prefixes = {".".join(n.split(".")[:i]) for n in self.names for i in range(n.count(".") + 1)}
@@ -82,9 +128,6 @@ class ReplicatedRest:
         self._group = group
         self._broadcast_done = False
         self._pending: list[tuple[collectives.Pending, torch.Tensor, list[nn.Parameter]]] = []
-
-    def __len__(self) -> int:
-        return len(self.names)
 
     def params(self) -> list[nn.Parameter]:
         """The rest's current params (model order).

@@ -104,7 +104,7 @@ def layout_from_job(model: nn.Module, dedicated: dmuon.DedicatedParams,
                   dmuon_block_order=tuple(block_order))
     hsdp = topo.replicate_size > 1
     mode = f"dmuon-{'hsdp-' if hsdp else ''}{'z3' if z3 else 'z2'}"
-    if getattr(dedicated, "rest", "wrapper") == "replicate":  # DMuon keeps the rest: no wrapper
+    if dedicated.rest == "replicate":  # DMuon keeps the rest: no wrapper
         specs = tuple(specs_from_named_parameters(bare.named_parameters(), matrices))
         return RunLayout(mode=mode, params=specs, reshard_after_forward=z3, dmuon_rest="replicate",
                          **common)
