@@ -4,6 +4,7 @@ the model."""
 
 from __future__ import annotations
 
+import shutil
 import tempfile
 
 import torch
@@ -45,7 +46,8 @@ def one_step_calls(mode: str) -> dict:
     rest = [p for n, p in model.named_parameters() if n in set(dm.rest_names)]
     out = {"events": [(e.op, e.phase, e.group_size, e.count, e.dtype, e.module) for e in ip.events],
            "rest_numel": sum(p.numel() for p in rest), "rest_params": len(rest),
-           "rest_names": list(dm.rest_names), "coalescing": dm.coalescing()}
+           "rest_names": list(dm.rest_names), "dedicated": list(dm.names),
+           "all_names": [n for n, _ in model.named_parameters()], "coalescing": dm.coalescing()}
     dm.close()
     return out
 
@@ -160,6 +162,9 @@ def checkpoint_resume(mode: str) -> dict:
     diff = max((a - b).abs().max().item() for a, b in zip(model.parameters(), model2.parameters()))
     dm.close()
     dm2.close()
+    dist.barrier()
+    if dist.get_rank() == 0:
+        shutil.rmtree(shared[0])
     return {"losses": losses, "diff": diff}
 
 

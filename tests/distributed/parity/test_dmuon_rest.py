@@ -40,8 +40,10 @@ def test_one_all_reduce_per_step_and_no_wrapper_calls(pool4, mode):
         assert calls["backward"] == sum(1 for e in r["events"] if e[1] == "backward")
         assert r["coalescing"]["rest"] == {"mode": "replicate", "params": r["rest_params"],
                                            "bytes": 4 * r["rest_numel"]}
-    assert "tok_emb.weight" in results[0]["rest_names"] and not any(
-        n.endswith(("attn.qkv.weight", "mlp.fc.weight")) for n in results[0]["rest_names"])
+    r = results[0]  # the rest and the dedicated params partition the model's params, in model order
+    assert sorted(r["rest_names"] + r["dedicated"]) == sorted(r["all_names"])
+    assert r["rest_names"] == [n for n in r["all_names"] if n not in r["dedicated"]]
+    assert "tok_emb.weight" in r["rest_names"] and r["dedicated"]
 
 
 def test_the_first_forward_broadcasts_rank0s_rest(pool4):
