@@ -88,11 +88,16 @@ Per step (docs/spec.md §1):
 2. **after forward**, Z3 (``reshard_after_forward=True``): a driver's post-hook frees the
    non-holders' storage of the buckets in its subtree that the cursor passed and whose
    unit's blocks have all finished their forward in this pass (a unit of several blocks
-   stays until its last block ran); the root's post-hook frees the rest. Every bucket is then FREED on every rank. **Reuse**: a block
-   whose forward runs again in the same forward (weight sharing) finds its buckets FREED;
+   stays until its last block ran); the root's post-hook frees the rest. **Except the last
+   unit** (the unit of bucket ``B-1``, the last to run once the block order holds): when the
+   forward runs with grad enabled, its buckets stay VALID into the backward, which needs
+   them first (as FSDP2 keeps its root's params after forward); under ``no_grad`` they are
+   freed too. Every other bucket is then FREED on every rank. **Reuse**: a block
+   whose forward runs again in the same forward (weight sharing) finds its buckets FREED
+   (the last unit's: VALID, no call);
    its pre-hook broadcasts each of them again from its holder (phase ``forward``, issued
    and waited there: ``Schedule.refill``), as FSDP2 re-gathers a reused module, and its
-   post-hook frees them again. Every rank must run the block the same number of times (as
+   post-hook frees them again (the last unit's stay). Every rank must run the block the same number of times (as
    under FSDP2). Under Z2 the buckets stay VALID: no call. A module *inside* a block that
    runs outside its block's forward after the block's buckets were freed reads the freed
    guard and raises.
@@ -100,7 +105,8 @@ Per step (docs/spec.md §1):
    the buckets in reverse index order. A driver's pre-backward hook (its outputs' first
    grad) advances it to the driver's first bucket; activation-checkpoint recompute (a
    driver's forward while backward runs) does the same and neither frees nor broadcasts in
-   forward; the end of backward flushes the rest. Each bucket is re-broadcast exactly once,
+   forward; the end of backward flushes the rest. Each bucket that is not VALID (all but
+   the last unit's, step 2) is re-broadcast exactly once,
    issued ``prefetch_depth`` buckets ahead in that reverse order (asynchronous, waited when
    the cursor reaches it). A bucket's storage is never freed while a broadcast into it is
    in flight (the free waits for it first).

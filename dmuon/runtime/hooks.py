@@ -217,18 +217,24 @@ class Runtime:
         for b in self.buckets:  # mixed precision: non-holders' master copies (sync) go
             b.drop_master()
 
-    def _end_forward(self) -> None:
+    def _end_forward(self, backward_follows: bool) -> None:
         self.order.end()
         self.schedule.advance_forward(len(self.buckets) - 1)
         for b in self.buckets:
-            self.schedule.free(b)
+            if not (backward_follows and self._last_unit(b)):
+                self.schedule.free(b)
         self._enter(S.FORWARD_DONE)
+
+    def _last_unit(self, b) -> bool:
+        """Whether ``b`` is in the unit of the last bucket index: under Z3 it stays allocated
+        from its forward into the backward that needs it first (protocol, step 2)."""
+        return b.module_name == self.buckets[-1].module_name
 
     def begin_backward(self) -> None:
         if self.state == S.BACKWARD:
             return
         if self.state == S.FORWARD:
-            self._end_forward()
+            self._end_forward(backward_follows=True)
         if self.state == S.CLOSED:
             raise RuntimeError(
                 "DMuon: a backward started after DedicatedParams.close(): the forward ran "
@@ -287,7 +293,7 @@ class Runtime:
     def _root_post_forward(self, module: nn.Module, args, output) -> None:
         if self.state != S.FORWARD:
             return  # recompute
-        self._end_forward()
+        self._end_forward(backward_follows=torch.is_grad_enabled())
         self._on_first_grad(output, self._root_pre_backward)
 
     def _root_pre_backward(self) -> None:
@@ -316,9 +322,10 @@ class Runtime:
             return  # recompute, or Z2
         lo, hi = self._span[module]
         self._ran |= self._blocks_under[module]
+        keep_last = torch.is_grad_enabled()
         for b in self.buckets[lo : min(hi, self.schedule.cursors.fwd_waited - 1) + 1]:
-            if self._ran.issuperset(b.blocks):  # a unit stays until all its blocks ran
-                self.schedule.free(b)
+            if self._ran.issuperset(b.blocks) and not (keep_last and self._last_unit(b)):
+                self.schedule.free(b)  # a unit stays until all its blocks ran
         self._on_first_grad(output, lambda: self._pre_backward(lo))
 
     def _pre_backward(self, lo: int) -> None:
