@@ -484,7 +484,8 @@ class DedicatedParams:
         ``units``: one row per unit in bucket order, ``{"name", "blocks", "bytes", "aligned"}``
         (``bytes``: its dedicated params in their own dtype); ``calls_per_step``: DMuon's
         collectives this rank takes part in per step outside the first, by protocol step
-        (``forward``, ``backward`` (Z3 re-broadcasts and reduces), ``replicate``; an aligned
+        (``forward``, ``backward`` (Z3 re-broadcasts of every unit but the last, and
+        reduces), ``replicate``; an aligned
         group counts one call per channel); ``z3_peak_bytes``: under Z3 the most compute-copy
         bytes this rank holds at once for buckets it does not hold between steps, over
         consecutive pairs of units (a unit plus the next, which prefetch may fill while it
@@ -502,11 +503,17 @@ class DedicatedParams:
             row["bytes"] += b.numel * b.flat.element_size()
             if not b.is_holder:
                 row["_free"] += b.numel * b.lp.element_size()
-        calls = len({id(rt.schedule.groups_of.get(id(b), b)) for b in rt.buckets})
+        def calls_of(buckets) -> int:  # an aligned group counts once
+            return len({id(rt.schedule.groups_of.get(id(b), b)) for b in buckets})
+
+        calls = calls_of(rt.buckets)
+        # Z3 re-broadcasts every unit but the last (module docstring, step 2)
+        rebroadcasts = calls - calls_of(b for b in rt.buckets
+                                        if b.module_name == rt.buckets[-1].module_name)
         replicate = 0
         if self.topology.replicate_size > 1:
             held = [b for b in rt.buckets if b.is_holder]
-            replicate = 2 * len({id(rt.schedule.groups_of.get(id(b), b)) for b in held})
+            replicate = 2 * calls_of(held)
         z3 = self.reshard_after_forward
         free = [row.pop("_free") for row in units.values()]
         peak = max((a + b for a, b in zip(free, free[1:] + [0])), default=0) if z3 else 0
@@ -515,7 +522,8 @@ class DedicatedParams:
         return {"target_bytes": self.coalesce_bytes, "aligned_max_bytes": self.aligned_max_bytes,
                 "units": list(units.values()),
                 "calls_per_step": {"forward": calls,
-                                   "backward": calls * (2 if z3 else 1) + replicate // 2 + rest_calls,
+                                   "backward": calls + (rebroadcasts if z3 else 0) + replicate // 2
+                                   + rest_calls,
                                    "replicate": replicate // 2},
                 "z3_peak_bytes": peak,
                 "rest": {"mode": self.rest, "params": len(rest),

@@ -322,7 +322,8 @@ def freed_read(mode: str = "z3") -> dict:
     loss_of(model, x[idx * rows:(idx + 1) * rows], y[idx * rows:(idx + 1) * rows]).backward()
     opt.step()
     opt.zero_grad()
-    model(x[:2])  # a forward: Z3 non-holders free again after it
+    with torch.no_grad():  # a forward with no backward to follow: Z3 non-holders free
+        model(x[:2])       # every unit after it, the last one too (protocol step 2)
     errors, fine = {}, []
     for n, p in zip(dm.names, dm.params):
         if isinstance(p, DTensor):

@@ -17,9 +17,11 @@ def broadcast_positions(mode: str, prefetch_depth: int) -> dict:
     """One step after a warm-up step, under the interposer, on a 3-block model.
 
     Every bucket is invalid on every rank after a step, so the k-th forward broadcast is
-    bucket k and the k-th Z3 re-broadcast is bucket B-1-k. Returns per block j (positions in
-    the interposer's event list): ``first_fwd[j]`` / ``last_rb[j]``: the forward broadcast of
-    block j's first bucket / the re-broadcast of its last bucket; ``returned[j]``: events
+    bucket k; Z3 keeps the last block's buckets after forward (protocol step 2), so the k-th
+    Z3 re-broadcast is bucket B-1-L-k, L the last block's buckets. Returns per block j
+    (positions in the interposer's event list): ``first_fwd[j]`` / ``last_rb[j]``: the
+    forward broadcast of block j's first bucket / the re-broadcast of its last bucket (None
+    for the last block); ``returned[j]``: events
     recorded when block j's forward returned; ``first_grad[j]``: when block j's first
     dedicated grad arrived.
     """
@@ -54,8 +56,10 @@ def broadcast_positions(mode: str, prefetch_depth: int) -> dict:
     forward = [k for k, ph in ops if ph == "forward"]
     backward = [k for k, ph in ops if ph == "backward"][::-1]  # by bucket index
     assert len(forward) == len(dm.buckets), (len(forward), len(dm.buckets))
+    if dm.reshard_after_forward:  # every bucket but the last block's, none twice
+        assert len(backward) == len(dm.buckets) - len(spans[-1]), (len(backward), spans)
     return {"first_fwd": [forward[s[0]] for s in spans],
-            "last_rb": [backward[s[-1]] for s in spans] if backward else None,
+            "last_rb": [backward[s[-1]] for s in spans[:-1]] + [None] if backward else None,
             "returned": returned, "first_grad": first_grad}
 
 
@@ -145,3 +149,32 @@ def grad_buffer_layout(mode: str) -> dict:
                     for n, p in zip(b.names, b.params)}
     out["torch"] = torch.__version__
     return out
+
+
+def copies_after_forward(mode: str) -> dict:
+    """Z3, one unit per block: the non-holders' copy state of every block's buckets after a
+    forward with grad enabled, after its backward and after a forward under ``no_grad``
+    (protocol step 2: only the last unit stays allocated into the backward). Values are
+    ``{block: ["VALID" / "FREED" per bucket this rank does not hold]}``."""
+    import torch
+
+    wrapped, model, dm, opt = build(mode, config=THREE_BLOCKS, coalesce="block")
+
+    def states() -> dict:
+        out: dict[str, list[str]] = {}
+        for b in dm.buckets:
+            if not b.is_holder:
+                out.setdefault(b.module_name, []).append(b.copy.name)
+        return out
+
+    x, y = batch(0, THREE_BLOCKS)
+    loss = _loss(wrapped, x, y)
+    after_forward = states()
+    loss.backward()
+    after_backward = states()
+    opt.step()
+    opt.zero_grad()
+    with torch.no_grad():
+        _loss(wrapped, x, y)
+    return {"forward": after_forward, "backward": after_backward, "no_grad": states(),
+            "last": dm.buckets[-1].module_name}

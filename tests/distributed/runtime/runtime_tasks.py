@@ -331,10 +331,11 @@ class _Reuse(nn.Module):
     def __init__(self):
         super().__init__()
         self.a = nn.Linear(8, 8, bias=False)
+        self.b = nn.Linear(8, 8, bias=False)
         self.out = nn.Linear(8, 2)
 
     def forward(self, x):
-        return self.out(self.a(torch.relu(self.a(x))))
+        return self.out(self.b(self.a(torch.relu(self.a(x)))))
 
 
 REUSE_STEPS, REUSE_ROWS = 3, 8
@@ -345,11 +346,11 @@ def _reuse_batch(step: int) -> torch.Tensor:
 
 
 def reuse_oracle() -> dict:
-    """One process: torch.optim.Muon on ``a.weight`` (called twice per forward), AdamW on the
-    rest, the global batch."""
+    """One process: torch.optim.Muon on ``a.weight`` (called twice per forward) and
+    ``b.weight``, AdamW on the rest, the global batch."""
     torch.manual_seed(0)
     model = _Reuse()
-    muon = torch.optim.Muon([model.a.weight], lr=MUON_LR)
+    muon = torch.optim.Muon([model.a.weight, model.b.weight], lr=MUON_LR)
     adamw = torch.optim.AdamW(list(model.out.parameters()), lr=ADAMW_LR)
     for step in range(REUSE_STEPS):
         model(_reuse_batch(step)).square().mean().backward()
@@ -359,15 +360,16 @@ def reuse_oracle() -> dict:
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def z3_module_reuse(mode: str) -> dict:
-    """A module called twice in one forward (``a``), DMuon + DDP, Z2 or Z3: the values of
-    every param after REUSE_STEPS steps (``sync_params`` first) and the DMuon broadcasts
-    of the last step's forward (Z3 re-broadcasts ``a``'s bucket for its second call)."""
+def z3_module_reuse(mode: str, coalesce: str = "block") -> dict:
+    """A module called twice in one forward (``a``, then ``b`` once), DMuon + DDP, Z2 or Z3:
+    the values of every param after REUSE_STEPS steps (``sync_params`` first) and the
+    units of the DMuon forward broadcasts of the last step, in order (Z3 broadcasts ``a``'s
+    bucket again for its second call unless its unit is the last, which stays allocated)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     model = _Reuse()
-    dm = dmuon.dedicate_params(model, _mesh("flat"), params=[model.a.weight],
-                               reshard_after_forward=mode == "z3")
+    dm = dmuon.dedicate_params(model, _mesh("flat"), params=[model.a.weight, model.b.weight],
+                               reshard_after_forward=mode == "z3", coalesce=coalesce)
     wrapped = DistributedDataParallel(model)
     opt = dmuon.DMuon(wrapped.parameters(), dedicated=dm, lr=MUON_LR, adamw_lr=ADAMW_LR)
     spans = []
@@ -382,7 +384,7 @@ def z3_module_reuse(mode: str) -> dict:
         opt.zero_grad()
     dm.sync_params()
     return {"values": {n: p.detach().clone() for n, p in model.named_parameters()},
-            "forward_broadcasts": sum(s.name == "dmuon.broadcast" for s in spans)}
+            "forward_broadcasts": [s.module for s in spans if s.name == "dmuon.broadcast"]}
 
 
 def to_while_replicating(mode: str, move: bool, d: int = 512) -> dict:

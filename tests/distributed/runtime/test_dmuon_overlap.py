@@ -65,3 +65,18 @@ def test_grads_live_in_one_flat_buffer_per_bucket(pool4, mode):
         assert r["accumulated_in_buffer"] and all(r["accumulated_in_buffer"]), r
         assert r["owner_grad_in_buffer"] and all(r["owner_grad_in_buffer"]), r
         assert r["non_holder_freed"] and all(r["non_holder_freed"]), r
+
+
+@pytest.mark.parametrize("mode", ["z3", "hsdp-z3"])
+def test_z3_keeps_only_the_last_unit_between_forward_and_backward(pool4, mode):
+    """Protocol step 2: after a forward with grad enabled a non-holder holds the last unit
+    (the backward needs it first) and nothing else; after backward, and after a forward
+    under no_grad (no backward follows), it holds nothing."""
+    results = pool4.run_with_timeout(TIMEOUT_S, T.copies_after_forward, mode)
+    assert any("blocks.2" in r["forward"] for r in results)  # some rank does not hold it
+    for r in results:
+        assert r["last"] == "blocks.2" and r["forward"], r
+        for block, copies in r["forward"].items():
+            assert set(copies) == ({"VALID"} if block == r["last"] else {"FREED"}), r
+        for when in ("backward", "no_grad"):
+            assert {c for copies in r[when].values() for c in copies} == {"FREED"}, (when, r)

@@ -5,6 +5,8 @@ messages that tracer.nsys parses back (recorded through a stand-in NVTX domain).
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch.distributed as dist
 
@@ -23,11 +25,16 @@ ISSUE_RANGES = {"dmuon.broadcast", "dmuon.rebroadcast", "dmuon.reduce", "dmuon.r
                 "dmuon.newton_schulz", "dmuon.replicate_broadcast"}
 
 
+TWO_BLOCKS = dataclasses.replace(SMALL, n_layers=2)
+
+
 def _ranges_of_last_step(mode: str, steps: int) -> dict:
     """Train ``steps`` steps; spans and NVTX pushes of the last one (the replicate wait of an
     HSDP step waits for the previous step's broadcast, so the first step has none)."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    built = build(mode, lambda: make_model(SMALL))
+    # two blocks, one unit each: Z3 re-broadcasts every unit but the last (protocol step 2),
+    # so a one-unit model has no re-broadcast
+    built = build(mode, lambda: make_model(TWO_BLOCKS), coalesce="block")
     spans, fake = [], RecordingDomain()
     saved = annotate._NVTX_DOMAIN, annotate.nvtx_enabled()
     try:
@@ -36,7 +43,7 @@ def _ranges_of_last_step(mode: str, steps: int) -> dict:
                 annotate.add_span_listener(spans.append)
                 annotate._NVTX_DOMAIN = fake
                 annotate.set_nvtx_enabled(True)
-            x, y = corpus().global_batch(step, GLOBAL_BATCH, SMALL.seq_len)
+            x, y = corpus().global_batch(step, GLOBAL_BATCH, TWO_BLOCKS.seq_len)
             train_step(built.model, built.optimizer, local_slice(x, rank, world), local_slice(y, rank, world))
     finally:
         annotate.remove_span_listener(spans.append)

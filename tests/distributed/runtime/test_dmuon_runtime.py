@@ -94,13 +94,19 @@ def test_no_sync_accumulation_equals_one_backward(pool4, mode):
 
 
 def test_module_called_twice_per_forward_trains_like_torch_in_z2_and_z3(pool2):
-    """Weight reuse: Z3 broadcasts the reused block again for its second call (2 forward
-    broadcasts, Z2 keeps it: 1); both equal each other bit for bit and the torch oracle."""
+    """Weight reuse: Z3 broadcasts the reused block ``a`` again for its second call (Z2 keeps
+    it); when ``a`` shares the last unit with ``b`` (coalesce "auto": one unit), Z3 keeps
+    that unit after each call (protocol step 2) and sends it once. All equal each other bit
+    for bit and the torch oracle."""
     ref = T.reuse_oracle()
     z2 = pool2.run_with_timeout(TIMEOUT_S, T.z3_module_reuse, "z2")
     z3 = pool2.run_with_timeout(TIMEOUT_S, T.z3_module_reuse, "z3")
-    for r2, r3 in zip(z2, z3):
-        assert (r2["forward_broadcasts"], r3["forward_broadcasts"]) == (1, 2)
+    z3_last = pool2.run_with_timeout(TIMEOUT_S, T.z3_module_reuse, "z3", "auto")
+    for r2, r3, r3_last in zip(z2, z3, z3_last):
+        assert r2["forward_broadcasts"] == ["a", "b"]
+        assert r3["forward_broadcasts"] == ["a", "b", "a"]  # b prefetched before a runs again
+        assert r3_last["forward_broadcasts"] == ["a"]  # the unit of a and b, named by a
         for name, want in ref.items():
             assert torch.equal(r2["values"][name], r3["values"][name]), name
+            assert torch.equal(r2["values"][name], r3_last["values"][name]), name
             torch.testing.assert_close(r3["values"][name], want, rtol=1e-4, atol=1e-5)
