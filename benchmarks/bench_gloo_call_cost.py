@@ -14,7 +14,9 @@ included). With W processes on fewer cores, the CPU sum is what a call costs the
 ``--aligned``: instead, for each bucket size of ``--sizes-kib``, what an aligned group of
 W buckets costs per way of moving it (docs/traffic-model.md, "Coalescing"): W broadcasts
 (one per owner, all issued then waited) against one ``all_gather``, and W reduces against
-one ``reduce_scatter``; wall ms on rank 0, medians over interleaved rounds.
+one ``reduce_scatter``, beside one ``all_reduce`` of the W buckets (DDP's way: on NCCL's
+ring twice the bytes per rank of the reduce_scatter, docs/traffic-model.md); wall ms on rank
+0, medians over interleaved rounds.
 
 Usage: ``python benchmarks/bench_gloo_call_cost.py [--world-size 4] [--rounds 5] [--aligned]``.
 """
@@ -73,7 +75,7 @@ def _rank_task(args) -> dict:
     return out
 
 
-ALIGNED = ("W x broadcast", "all_gather", "W x reduce", "reduce_scatter")
+ALIGNED = ("W x broadcast", "all_gather", "W x reduce", "reduce_scatter", "all_reduce")
 
 
 def _aligned_task(args) -> dict:
@@ -93,6 +95,8 @@ def _aligned_task(args) -> dict:
             ALIGNED[2]: lambda: [w.wait() for w in [dist.reduce(bufs[i], group_dst=i, group=group,
                                                                 async_op=True) for i in range(world)]],
             ALIGNED[3]: lambda: dist.reduce_scatter_single(mine, flat, group=group, async_op=True).wait(),
+            # what DDP moves the same grads with: twice the bytes per rank on NCCL's ring
+            ALIGNED[4]: lambda: dist.all_reduce(flat, group=group, async_op=True).wait(),
         }
         for way in ways.values():  # warm-up
             way()

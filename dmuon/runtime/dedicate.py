@@ -89,10 +89,10 @@ Per step (docs/spec.md §1):
    non-holders' storage of the buckets in its subtree that the cursor passed and whose
    unit's blocks have all finished their forward in this pass (a unit of several blocks
    stays until its last block ran); the root's post-hook frees the rest. **Except the last
-   unit** (the unit of bucket ``B-1``, the last to run once the block order holds): when the
-   forward runs with grad enabled, its buckets stay VALID into the backward, which needs
-   them first (as FSDP2 keeps its root's params after forward); under ``no_grad`` they are
-   freed too. Every other bucket is then FREED on every rank. **Reuse**: a block
+   unit** (the unit of bucket ``B-1``, the last to run once the block order holds): its
+   drivers never free it; the root's post-hook frees it only when the root's forward ran
+   under ``no_grad`` (no backward follows), else its buckets stay VALID into the backward,
+   which needs them first (as FSDP2 keeps its root's params after forward). Every other bucket is then FREED on every rank. **Reuse**: a block
    whose forward runs again in the same forward (weight sharing) finds its buckets FREED
    (the last unit's: VALID, no call);
    its pre-hook broadcasts each of them again from its holder (phase ``forward``, issued

@@ -322,10 +322,11 @@ class Runtime:
             return  # recompute, or Z2
         lo, hi = self._span[module]
         self._ran |= self._blocks_under[module]
-        keep_last = torch.is_grad_enabled()
         for b in self.buckets[lo : min(hi, self.schedule.cursors.fwd_waited - 1) + 1]:
-            if self._ran.issuperset(b.blocks) and not (keep_last and self._last_unit(b)):
-                self.schedule.free(b)  # a unit stays until all its blocks ran
+            # a unit stays until all its blocks ran; the last one until the root's end decides
+            # (a reentrant-checkpointed block runs under no_grad inside a forward with grad)
+            if self._ran.issuperset(b.blocks) and not self._last_unit(b):
+                self.schedule.free(b)
         self._on_first_grad(output, lambda: self._pre_backward(lo))
 
     def _pre_backward(self, lo: int) -> None:
