@@ -53,8 +53,11 @@ COALESCE_MODES = ("auto", "block", "all")
 
 @dataclass(frozen=True)
 class LinkCost:
-    """The α-β cost of one collective call: ``alpha_us + bytes / (gbps * 1e9)`` seconds, and
-    the largest bucket (bytes) an aligned group may have on this backend.
+    """The α-β cost of one collective call: ``alpha_us + bytes / (gbps * 1e9)`` seconds, the
+    largest bucket (bytes) an aligned group may have on this backend, and whether DMuon runs
+    its reductions as gathers (``reduce_by_gather``: a reduce as a gather to the root, a
+    reduce_scatter as an all_to_all, each summed locally by the receiver; the elements each
+    rank sends and receives are the same on the W-average, docs/traffic-model.md).
 
     :attr:`half_bytes` is α/β, the message size at which a call spends as long on its fixed
     cost as on moving bytes (Hockney's n½): below it a call is latency-bound and coalescing
@@ -65,6 +68,7 @@ class LinkCost:
     alpha_us: float
     gbps: float
     aligned_max_bytes: int = sys.maxsize
+    reduce_by_gather: bool = False
 
     @property
     def half_bytes(self) -> int:
@@ -81,18 +85,27 @@ class LinkCost:
 #: 64 KiB per bucket: gloo runs reduce_scatter as an all_reduce of the whole input and its
 #: broadcast is one message round, and with 256 KiB buckets the aligned calls measured slower
 #: end to end than per-bucket calls that overlap the blocks' compute
-#: (``benchmarks/bench_step.py --models mlp``). Any other backend uses ``nccl``'s.
+#: (``benchmarks/bench_step.py --models mlp``). gloo's reduce and reduce_scatter run several
+#: message rounds (an all_reduce-like exchange), so on gloo DMuon reduces by gather: W
+#: gathers (one per owner) + local sums took 2.4-3.6 ms against 8.9-11.8 ms for W reduces,
+#: and an all_to_all + local sum 2.5-3.2 ms against 5.2-6.4 ms for a reduce_scatter, at 16-256
+#: KiB per bucket (``benchmarks/bench_gloo_call_cost.py --aligned``, W=4, 2 cores). NCCL's
+#: reduce and reduce_scatter are single pipelined passes and stay. Any other backend uses
+#: ``nccl``'s.
 LINK_COSTS = {"nccl": LinkCost(alpha_us=10.0, gbps=360.0),
-              "gloo": LinkCost(alpha_us=2000.0, gbps=1.0, aligned_max_bytes=64 * 1024)}
+              "gloo": LinkCost(alpha_us=2000.0, gbps=1.0, aligned_max_bytes=64 * 1024,
+                               reduce_by_gather=True)}
 
 
 @dataclass(frozen=True)
 class Coalescing:
     """What ``dedicate_params(coalesce=...)`` resolves to on a backend: the unit target and the
-    largest bucket of an aligned group, both in bytes (module docstring)."""
+    largest bucket of an aligned group, both in bytes (module docstring), and how the
+    backend's reductions run (:attr:`LinkCost.reduce_by_gather`)."""
 
     target_bytes: int
     aligned_max_bytes: int = sys.maxsize
+    reduce_by_gather: bool = False
 
 
 @dataclass(frozen=True)
@@ -148,7 +161,7 @@ def resolve_coalesce(coalesce: str | int, backend: str) -> Coalescing:
         )
     else:
         target = coalesce
-    return Coalescing(target, cost.aligned_max_bytes)
+    return Coalescing(target, cost.aligned_max_bytes, cost.reduce_by_gather)
 
 
 def unit_layout(specs: Sequence[ParamSpec], target_bytes: int) -> dict[str, tuple[str, ...]]:

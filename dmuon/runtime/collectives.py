@@ -255,6 +255,34 @@ def reduce_scatter_sum_(out: torch.Tensor, inp: torch.Tensor, group: dist.Proces
     return dist.reduce_scatter_tensor(out, inp, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
 
 
+def gather_(buf: torch.Tensor, rows: torch.Tensor | None, dst: int, group: dist.ProcessGroup, *,
+            async_op: bool = False):
+    """Every member's ``buf`` into row ``i`` (its group rank) of ``rows`` (n, buf.numel()) on
+    group rank ``dst`` (``dist.gather``; count = ``buf.numel()``; ``rows`` None elsewhere).
+    Returns the ``Work`` when ``async_op``."""
+    out = list(rows.unbind(0)) if rows is not None else None
+    return dist.gather(buf, out, group_dst=dst, group=group, async_op=async_op)
+
+
+def all_to_all_(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup, *, async_op: bool = False):
+    """Chunk ``j`` of ``inp`` (n equal chunks) to group rank ``j``; ``out``'s chunk ``i`` from
+    group rank ``i`` (``all_to_all_single``; count = ``inp.numel() / n``). Returns the ``Work``
+    when ``async_op``."""
+    return dist.all_to_all_single(out, inp, group=group, async_op=async_op)
+
+
+def sum_rows_(out: torch.Tensor, rows: torch.Tensor) -> None:
+    """``out`` <- the sum of ``rows`` (n, out.numel()) over dim 0, in a fixed order: adjacent
+    pairs, level by level (n = 4: (r0 + r1) + (r2 + r3)), the order of an HSDP mesh whose
+    shard groups are consecutive ranks, so a 1-D and a 2-D reduction of the same grads sum
+    alike."""
+    while rows.shape[0] > 1:
+        even = rows.shape[0] // 2 * 2
+        summed = rows[0:even:2] + rows[1:even:2]
+        rows = torch.cat([summed, rows[even:]]) if even < rows.shape[0] else summed
+    out.copy_(rows[0].view_as(out))
+
+
 def all_reduce_max_(buf: torch.Tensor, group: dist.ProcessGroup) -> None:
     """Elementwise maximum of ``buf`` over ``group``, in place on every member (synchronous)."""
     dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=group)
@@ -318,6 +346,28 @@ class Fused:
         self._copies = []
 
 
+class Summed:
+    """A sum over a group run as a gather / all_to_all of the members' buffers (``rows``, one
+    per group rank) and a local :func:`sum_rows_` into ``dst`` at :meth:`wait`, after the
+    call's own wait (on the current stream); a member that receives nothing has ``rows``
+    None. Calling it again is a no-op."""
+
+    __slots__ = ("_pending", "_dst", "_rows")
+
+    def __init__(self, pending: Pending, dst: torch.Tensor, rows: torch.Tensor | None) -> None:
+        self._pending, self._dst, self._rows = pending, dst, rows
+
+    def wait(self) -> None:
+        if self._pending is None:
+            return
+        self._pending.wait()
+        self._pending = None
+        if self._rows is not None:
+            with torch.no_grad():
+                sum_rows_(self._dst, self._rows)
+            self._rows = None
+
+
 class Launcher:
     """Issues DMuon's asynchronous collectives on one device (module docstring, "Asynchrony").
 
@@ -325,6 +375,10 @@ class Launcher:
         device: the device of the tensors the calls move (:func:`collective_device`).
         accel: the accelerator module whose streams to use (``torch.cuda``) or ``None`` for
             work handles; default: ``torch.cuda`` for a CUDA device. Tests pass a stand-in.
+        reduce_by_gather: run :meth:`reduce` as a gather to the root and :meth:`reduce_scatter`
+            as an all_to_all, each followed by a local sum (:class:`Summed`): the same
+            elements sent and received on the W-average, in one message round instead of the
+            backend's multi-round reduction (``buckets.LinkCost.reduce_by_gather``: gloo).
 
     Raises:
         ValueError: ``accel`` given for a CPU device.
@@ -333,8 +387,9 @@ class Launcher:
     #: Side-stream priority (FSDP2 gives its all_gather stream high priority too).
     STREAM_PRIORITY = -1
 
-    def __init__(self, device: torch.device, accel: Any = None) -> None:
+    def __init__(self, device: torch.device, accel: Any = None, reduce_by_gather: bool = False) -> None:
         device = torch.device(device)
+        self.reduce_by_gather = reduce_by_gather
         if accel is None and device.type == "cuda":
             accel = torch.cuda
         if accel is not None and device.type == "cpu":
@@ -375,10 +430,18 @@ class Launcher:
         """:func:`broadcast_` issued asynchronously."""
         return self.launch(channel, lambda async_op: broadcast_(buf, src, group, async_op=async_op), buf)
 
-    def reduce(self, buf: torch.Tensor, dst: int, group: dist.ProcessGroup, channel: str = "reduce") -> Pending:
-        """:func:`reduce_sum_` issued asynchronously."""
-        return self.launch(channel, lambda async_op: reduce_sum_(buf, dst, group, async_op=async_op), buf)
-
+    def reduce(self, buf: torch.Tensor, dst: int, group: dist.ProcessGroup,
+               channel: str = "reduce") -> Pending | Summed:
+        """:func:`reduce_sum_` issued asynchronously (``reduce_by_gather``: :func:`gather_`
+        to ``dst``, summed into ``buf`` there at the wait)."""
+        if not self.reduce_by_gather:
+            return self.launch(channel, lambda async_op: reduce_sum_(buf, dst, group, async_op=async_op), buf)
+        rows = None
+        if dist.get_rank(group) == dst:
+            rows = torch.empty((dist.get_world_size(group), buf.numel()), dtype=buf.dtype, device=buf.device)
+        pending = self.launch(channel, lambda async_op: gather_(buf, rows, dst, group, async_op=async_op),
+                              buf, *([] if rows is None else [rows]))
+        return Summed(pending, buf, rows)
 
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup, channel: str) -> Pending:
         """:func:`all_gather_` issued asynchronously."""
@@ -388,10 +451,17 @@ class Launcher:
         """:func:`all_reduce_sum_` issued asynchronously."""
         return self.launch(channel, lambda async_op: all_reduce_sum_(buf, group, async_op=async_op), buf)
 
-    def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup, channel: str) -> Pending:
-        """:func:`reduce_scatter_sum_` issued asynchronously."""
-        return self.launch(channel, lambda async_op: reduce_scatter_sum_(out, inp, group, async_op=async_op),
-                           out, inp)
+    def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup,
+                       channel: str) -> Pending | Summed:
+        """:func:`reduce_scatter_sum_` issued asynchronously (``reduce_by_gather``:
+        :func:`all_to_all_`, this rank's n chunks summed into ``out`` at the wait)."""
+        if not self.reduce_by_gather:
+            return self.launch(channel, lambda async_op: reduce_scatter_sum_(out, inp, group, async_op=async_op),
+                               out, inp)
+        rows = torch.empty((dist.get_world_size(group), out.numel()), dtype=inp.dtype, device=inp.device)
+        pending = self.launch(channel, lambda async_op: all_to_all_(rows.view(-1), inp, group, async_op=async_op),
+                              rows, inp)
+        return Summed(pending, out, rows)
 
 
 def all_gather_digests(digest: str, group: dist.ProcessGroup | None, span: str) -> list[str]:

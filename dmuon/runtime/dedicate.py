@@ -126,7 +126,13 @@ Per step (docs/spec.md §1):
    reduce sends the buffer itself (no ``torch.cat``). Holders keep it between steps (the
    owner's ``.grad`` are its views); non-holders free its storage after the reduce wait.
    Grad states (``state.Grads``): a grad hook makes the bucket LOCAL, the issue REDUCING,
-   the wait below REDUCED.
+   the wait below REDUCED. **On gloo** (``buckets.LINK_COSTS``: ``reduce_by_gather``) every
+   reduce of this step, shard and replicate, is a **gather** to the same root of the same
+   ``numel + len(params)`` elements, and every aligned group's reduce_scatter an
+   **all_to_all** of the same input (count: the chunk each member keeps); the receiver sums
+   the members' rows at the wait, adjacent pairs level by level (``collectives.sum_rows_``).
+   Each rank sends and receives the same elements on the W-average (docs/traffic-model.md),
+   in one message round where gloo's reduce and reduce_scatter take several.
 5. **after the reduces** (local): the owner divides the reduced grads by W and sets
    ``.grad``, or ``None`` for a param whose reduced usage is 0 (unused on every rank: no
    update, as ``torch.optim.Muon``; any positive sum of 0/1 values stays positive in every
@@ -327,6 +333,7 @@ class DedicatedParams:
         self.prefetch_depth = prefetch_depth
         self.coalesce_bytes = coalescing.target_bytes
         self.aligned_max_bytes = coalescing.aligned_max_bytes
+        self.reduce_by_gather = coalescing.reduce_by_gather
         self.names = [n for n, _, _ in named]
         self.plan = plan
         self.topology = topology
@@ -481,6 +488,8 @@ class DedicatedParams:
 
         Returns a dict: ``target_bytes`` (the unit target ``coalesce`` resolved to),
         ``aligned_max_bytes`` (the largest bucket an aligned group may have on this backend);
+        ``reduce_by_gather`` (reduces run as gathers and reduce_scatters as all_to_alls, each
+        summed by the receiver: gloo; module docstring, step 4);
         ``units``: one row per unit in bucket order, ``{"name", "blocks", "bytes", "aligned"}``
         (``bytes``: its dedicated params in their own dtype); ``calls_per_step``: DMuon's
         collectives this rank takes part in per step outside the first, by protocol step
@@ -520,6 +529,7 @@ class DedicatedParams:
         rest = rt.rest.params() if rt.rest is not None else []
         rest_calls = len({p.dtype for p in rest if p.requires_grad})  # one all_reduce per dtype
         return {"target_bytes": self.coalesce_bytes, "aligned_max_bytes": self.aligned_max_bytes,
+                "reduce_by_gather": self.reduce_by_gather,
                 "units": list(units.values()),
                 "calls_per_step": {"forward": calls,
                                    "backward": calls + (rebroadcasts if z3 else 0) + replicate // 2

@@ -58,7 +58,8 @@ class Runtime:
         buckets = self._build_buckets(named, plan, bucket_cap_bytes, coalescing)
         self.schedule = Schedule(buckets, groups, prefetch_depth=prefetch_depth,
                                  reshard_after_forward=reshard_after_forward,
-                                 reduce_dtype=reduce_dtype, world_size=topology.world_size)
+                                 reduce_dtype=reduce_dtype, world_size=topology.world_size,
+                                 reduce_by_gather=coalescing.reduce_by_gather)
         self.model_blocks = self.unit_order()  # model order (protocol step 7)
         self._ran: set[str] = set()  # blocks whose forward finished in this forward (Z3)
         self._applying = 0  # depth of followed _apply calls in progress

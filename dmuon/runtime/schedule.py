@@ -57,11 +57,14 @@ class Schedule:
         reshard_after_forward: Z3 (non-holders free after forward and re-receive in backward).
         reduce_dtype: dtype of the reduces (``None``: the grads' own).
         world_size: W, the divisor of the reduced grads.
+        reduce_by_gather: reduces as gathers, reduce_scatters as all_to_alls, each summed by
+            the receiver (``collectives.Launcher``; ``buckets.LinkCost``: gloo).
     """
 
     def __init__(self, buckets: list[Bucket], groups: collectives.DMuonGroups, *,
                  prefetch_depth: int, reshard_after_forward: bool,
-                 reduce_dtype: torch.dtype | None, world_size: int) -> None:
+                 reduce_dtype: torch.dtype | None, world_size: int,
+                 reduce_by_gather: bool = False) -> None:
         assert all(b.index == i for i, b in enumerate(buckets))
         self.buckets = buckets
         self.groups = groups
@@ -69,6 +72,7 @@ class Schedule:
         self.reshard_after_forward = reshard_after_forward
         self.reduce_dtype = reduce_dtype
         self.world_size = world_size
+        self.reduce_by_gather = reduce_by_gather
         self.cursors = Cursors(len(buckets))
         self._launchers: dict[torch.device, collectives.Launcher] = {}
         self._index_groups()
@@ -296,7 +300,8 @@ class Schedule:
         """The :class:`~dmuon.runtime.collectives.Launcher` for ``t``'s device (streams on CUDA)."""
         launcher = self._launchers.get(t.device)
         if launcher is None:
-            launcher = self._launchers[t.device] = collectives.Launcher(t.device)
+            launcher = self._launchers[t.device] = collectives.Launcher(
+                t.device, reduce_by_gather=self.reduce_by_gather)
         return launcher
 
 

@@ -4,7 +4,9 @@ channel instead of one broadcast / reduce per bucket)."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
@@ -13,6 +15,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 import dmuon
+from dmuon.ownership import buckets
 from tests.distributed.parity.dmuon_tasks import _mesh
 from tracer.interposer import Interposer
 
@@ -33,15 +36,30 @@ class Stack(nn.Module):
         return x
 
 
-def train(mode: str, coalesce: str, steps: int = 3, bf16: bool = False) -> dict:
+@contextmanager
+def gloo_reductions(by_gather: bool):
+    """gloo's entry of ``buckets.LINK_COSTS`` with ``reduce_by_gather`` set as given (False:
+    NCCL's reduce / reduce_scatter, so a CPU run covers the ops a GPU run issues)."""
+    saved = buckets.LINK_COSTS["gloo"]
+    buckets.LINK_COSTS["gloo"] = dataclasses.replace(saved, reduce_by_gather=by_gather)
+    try:
+        yield
+    finally:
+        buckets.LINK_COSTS["gloo"] = saved
+
+
+def train(mode: str, coalesce: str, steps: int = 3, bf16: bool = False, by_gather: bool = True) -> dict:
     """``steps`` steps of ``mode`` (ddp, z2, z3, hsdp-z2, hsdp-z3); the last step recorded by the
     interposer. Returns every rank's full dedicated params (after ``sync_params``), the
-    aligned flags, and the last step's DMuon calls as ``(op, phase) -> count``."""
+    aligned flags, and the last step's DMuon calls as ``(op, phase) -> count``. ``by_gather``:
+    gloo's reductions as gathers / all_to_alls (its default) or as reduces / reduce_scatters."""
     mesh = _mesh("hsdp" if mode.startswith("hsdp") else "flat")
     model = Stack()
     reshard = mode.endswith("z3")
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
-    dm = dmuon.dedicate_params(model, mesh, reshard_after_forward=reshard, coalesce=coalesce, mp_policy=mp)
+    with gloo_reductions(by_gather):
+        dm = dmuon.dedicate_params(model, mesh, reshard_after_forward=reshard, coalesce=coalesce,
+                                   mp_policy=mp)
     if mode == "ddp":
         wrapped = DistributedDataParallel(model)
     else:

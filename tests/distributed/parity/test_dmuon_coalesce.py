@@ -25,17 +25,28 @@ EXPECTED_BLOCK = {
 }
 
 
+#: gloo's reductions (``buckets.LinkCost.reduce_by_gather``): reduce -> gather, reduce_scatter
+#: -> all_to_all, the same counts
+BY_GATHER = {"reduce": "gather", "reduce_scatter": "all_to_all"}
+
+
+def _expected(table: dict, by_gather: bool) -> dict:
+    return {(BY_GATHER.get(op, op) if by_gather else op, phase): k for (op, phase), k in table.items()}
+
+
 def _max_rel(a: dict, b: dict) -> float:
     return max(float((a[n] - b[n]).abs().max() / b[n].abs().max()) for n in b)
 
 
+@pytest.mark.parametrize("by_gather", [True, False], ids=["gloo-gather", "nccl-ops"])
 @pytest.mark.parametrize("mode", ["ddp", "z3", "hsdp-z2"])
-def test_aligned_group_trains_like_per_bucket_calls(pool4, mode):
-    coalesced = pool4.run(T.train, mode, "all")
-    per_block = pool4.run(T.train, mode, "block")
+def test_aligned_group_trains_like_per_bucket_calls(pool4, mode, by_gather):
+    coalesced = pool4.run(T.train, mode, "all", by_gather=by_gather)
+    per_block = pool4.run(T.train, mode, "block", by_gather=by_gather)
     assert all(coalesced[0]["aligned"]) and not any(per_block[0]["aligned"])
-    assert coalesced[0]["ops"] == EXPECTED_ALL[mode]
-    assert per_block[0]["ops"] == EXPECTED_BLOCK[mode]
+    assert coalesced[0]["ops"] == _expected(EXPECTED_ALL[mode], by_gather)
+    assert per_block[0]["ops"] == _expected(EXPECTED_BLOCK[mode], by_gather)
+    assert coalesced[0]["coalescing"]["reduce_by_gather"] is by_gather
     for run in (coalesced, per_block):  # dm.coalescing() reports the calls the interposer saw
         by_phase = {ph: sum(k for (op, p), k in run[0]["ops"].items() if p == ph)
                     for ph in ("forward", "backward", "replicate")}
@@ -44,8 +55,9 @@ def test_aligned_group_trains_like_per_bucket_calls(pool4, mode):
     assert len(units) == 1 and units[0]["aligned"] and units[0]["bytes"] == T.BLOCKS * T.D * T.D * 4
     peak = coalesced[0]["coalescing"]["z3_peak_bytes"]  # Z3: the 6 of 8 matrices rank 0 does not hold
     assert peak == (6 * T.D * T.D * 4 if mode == "z3" else 0)
-    # gloo sums a reduce_scatter's chunks in the same rank order as the reduces it replaces:
-    # the two layouts are bit-identical (measured in every mode, fp32 and bf16)
+    # a reduce_scatter's chunks are summed in the same rank order as the reduces it replaces
+    # (gloo's own, and DMuon's sum_rows_ by gather): the two layouts are bit-identical
+    # (measured in every mode, fp32 and bf16)
     for a, b in zip(coalesced, per_block):  # every rank holds the same values after sync
         assert _max_rel(a["params"], b["params"]) == 0.0
     assert _max_rel(coalesced[0]["params"], coalesced[3]["params"]) == 0.0
@@ -54,7 +66,7 @@ def test_aligned_group_trains_like_per_bucket_calls(pool4, mode):
 def test_aligned_group_under_hsdp_z3_and_bf16(pool4):
     coalesced = pool4.run(T.train, "hsdp-z3", "all", 3, True)
     per_block = pool4.run(T.train, "hsdp-z3", "block", 3, True)
-    assert coalesced[0]["ops"] == {("all_gather", "forward"): 1, ("reduce_scatter", "backward"): 2,
+    assert coalesced[0]["ops"] == {("all_gather", "forward"): 1, ("all_to_all", "backward"): 2,
                                    ("all_gather", "replicate"): 1}  # the one unit is the last
     for a, b in zip(coalesced, per_block):  # bf16 compute copies, fp32 masters: bit-identical too
         assert _max_rel(a["params"], b["params"]) == 0.0
