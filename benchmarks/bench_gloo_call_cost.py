@@ -14,9 +14,10 @@ included). With W processes on fewer cores, the CPU sum is what a call costs the
 ``--aligned``: instead, for each bucket size of ``--sizes-kib``, what an aligned group of
 W buckets costs per way of moving it (docs/traffic-model.md, "Coalescing"): W broadcasts
 (one per owner, all issued then waited) against one ``all_gather``, and W reduces against
-one ``reduce_scatter``, beside one ``all_reduce`` of the W buckets (DDP's way: on NCCL's
-ring twice the bytes per rank of the reduce_scatter, docs/traffic-model.md); wall ms on rank
-0, medians over interleaved rounds.
+one ``reduce_scatter``, beside DMuon's gloo reductions (``collectives.Launcher`` with
+``reduce_by_gather``: W gathers, one all_to_all, each with its local sum) and one
+``all_reduce`` of the W buckets (DDP's way: on NCCL's ring twice the bytes per rank of the
+reduce_scatter, docs/traffic-model.md); wall ms on rank 0, medians over interleaved rounds.
 
 Usage: ``python benchmarks/bench_gloo_call_cost.py [--world-size 4] [--rounds 5] [--aligned]``.
 """
@@ -34,6 +35,7 @@ import torch.distributed as dist
 from tabulate import tabulate
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from dmuon.runtime import collectives  # noqa: E402
 from tests.distributed.harness import DistributedPool  # noqa: E402
 
 KINDS = ("broadcast", "reduce", "all_gather", "reduce_scatter", "all_reduce_12xint32")
@@ -75,7 +77,8 @@ def _rank_task(args) -> dict:
     return out
 
 
-ALIGNED = ("W x broadcast", "all_gather", "W x reduce", "reduce_scatter", "all_reduce")
+ALIGNED = ("W x broadcast", "all_gather", "W x reduce", "W x gather+sum", "reduce_scatter",
+           "all_to_all+sum", "all_reduce")
 
 
 def _aligned_task(args) -> dict:
@@ -88,15 +91,20 @@ def _aligned_task(args) -> dict:
         numel = kib * 256  # fp32
         bufs = [torch.ones(numel) for _ in range(world)]
         gathered, flat, mine = torch.empty(world * numel), torch.ones(world * numel), torch.empty(numel)
+        gather_launcher = collectives.Launcher(torch.device("cpu"), reduce_by_gather=True)
         ways = {
             ALIGNED[0]: lambda: [w.wait() for w in [dist.broadcast(bufs[i], group_src=i, group=group,
                                                                    async_op=True) for i in range(world)]],
             ALIGNED[1]: lambda: dist.all_gather_single(gathered, bufs[rank], group=group, async_op=True).wait(),
             ALIGNED[2]: lambda: [w.wait() for w in [dist.reduce(bufs[i], group_dst=i, group=group,
                                                                 async_op=True) for i in range(world)]],
-            ALIGNED[3]: lambda: dist.reduce_scatter_single(mine, flat, group=group, async_op=True).wait(),
+            # DMuon's gloo reductions (collectives.Launcher(reduce_by_gather=True))
+            ALIGNED[3]: lambda: [w.wait() for w in [gather_launcher.reduce(bufs[i], i, group)
+                                                    for i in range(world)]],
+            ALIGNED[4]: lambda: dist.reduce_scatter_single(mine, flat, group=group, async_op=True).wait(),
+            ALIGNED[5]: lambda: gather_launcher.reduce_scatter(mine, flat, group, "reduce").wait(),
             # what DDP moves the same grads with: twice the bytes per rank on NCCL's ring
-            ALIGNED[4]: lambda: dist.all_reduce(flat, group=group, async_op=True).wait(),
+            ALIGNED[6]: lambda: dist.all_reduce(flat, group=group, async_op=True).wait(),
         }
         for way in ways.values():  # warm-up
             way()

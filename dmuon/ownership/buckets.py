@@ -87,8 +87,8 @@ class LinkCost:
 #: end to end than per-bucket calls that overlap the blocks' compute
 #: (``benchmarks/bench_step.py --models mlp``). gloo's reduce and reduce_scatter run several
 #: message rounds (an all_reduce-like exchange), so on gloo DMuon reduces by gather: W
-#: gathers (one per owner) + local sums took 2.4-3.6 ms against 8.9-11.8 ms for W reduces,
-#: and an all_to_all + local sum 2.5-3.2 ms against 5.2-6.4 ms for a reduce_scatter, at 16-256
+#: gathers (one per owner) + local sums took 3.3-6.0 ms against 9.0-10.1 ms for W reduces,
+#: and an all_to_all + local sum 2.7-3.0 ms against 6.7-8.2 ms for a reduce_scatter, at 16-256
 #: KiB per bucket (``benchmarks/bench_gloo_call_cost.py --aligned``, W=4, 2 cores). NCCL's
 #: reduce and reduce_scatter are single pipelined passes and stay. Any other backend uses
 #: ``nccl``'s.
