@@ -12,11 +12,13 @@ What is modelled (torch 2.13, measured on gloo by the harness):
   of one block (a ``ModuleList`` element) with the same global owner and dtype, cut at
   ``bucket_cap_mb`` and ordered block by block in the recorded execution order
   (:func:`dmuon_buckets`, :func:`dmuon_block_sequence`); per bucket a
-  forward broadcast over the shard axis from its holder; Z3 re-broadcast in backward; reduce
-  to the holder over the shard axis, then (HSDP) to the owner over the replicate axis; (HSDP)
-  the owner's replicate broadcast after the step; under Z3, a block whose forward runs more
-  than once per forward (weight sharing, ``RunLayout.module_calls``) is broadcast again for
-  every further run (``dmuon/runtime/dedicate.py`` step 2). Independence: this module imports
+  forward broadcast over the shard axis from its holder; Z3 re-broadcast in backward, except
+  for the last unit in that order, which Z3 keeps allocated from its forward into the backward
+  (:func:`kept_unit`); reduce to the holder over the shard axis, then (HSDP) to the owner over
+  the replicate axis; (HSDP) the owner's replicate broadcast after the step; under Z3, a block
+  whose forward runs more than once per forward (weight sharing, ``RunLayout.module_calls``)
+  is broadcast again for every further run unless its unit is the kept one
+  (``dmuon/runtime/dedicate.py`` steps 2-3, :func:`dmuon_broadcasts`). Independence: this module imports
   ``dmuon.ownership.plan`` (ParamSpec, OwnershipPlan, plan_ownership) and nothing else of ``dmuon``, so a
   bucketing bug in the runtime is not reproduced here (``tests/verify/test_predict.py`` checks it).
 - FSDP2 and DDP: the rules in :mod:`verify.traffic.rules` (shared with the aggregate
@@ -104,7 +106,7 @@ class RunLayout:
             step, as the harness recorded it with its own hooks (``verify.run.block_order``);
             ``()`` = model order (also when the ranks' orders disagree). DMuon numbers its
             buckets by it (:func:`dmuon_block_sequence`); the calls of a step, a multiset,
-            do not depend on it.
+            depend on it only through the unit Z3 keeps, the last one (:func:`kept_unit`).
         module_calls: ``(module, calls)`` of the DMuon blocks and ``fully_shard`` modules
             whose forward ran more than once in one forward (weight sharing), as the
             harness counted them with its own hooks (``verify.run.block_order``); every other
@@ -389,7 +391,8 @@ def dmuon_buckets(specs: Sequence[ParamSpec], plan: OwnershipPlan,
     DMuon's index order: model order, or, when ``block_order`` (the recorded execution
     order, ``RunLayout.dmuon_block_order``) yields another block sequence
     (:func:`dmuon_block_sequence`), block by block in that sequence, model order within a
-    block. The order does not matter to the comparison, which is a multiset.
+    block. The comparison is a multiset: the order matters to it only through the last
+    unit, which Z3 keeps (:func:`kept_unit`).
 
     Raises:
         ValueError: a spec has no owner in ``plan``, or ``cap_bytes`` < 1.
