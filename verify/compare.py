@@ -96,8 +96,10 @@ def compare_run(
 
     phases: dict[str, dict] = {}
     p_m = layout.p_m()
-    if tp:  # the TP forms are exact at P_M (the harness refuses FSDP2 padding under TP)
-        form, cf_p_m, p_m_r, p_m_k = tp_closed_form(layout), p_m, 0, 0
+    if tp:  # the TP forms are exact at P_M (the harness refuses FSDP2 padding under TP) and
+        # hold their P_loc^L term already: p_m_k, one column's kept elements, is reported only
+        form, cf_p_m, p_m_r = tp_closed_form(layout), p_m, 0
+        p_m_k = kept_elems(layout.column())
     else:
         form = closed_form(layout.mode, layout.shard_size, layout.replicate_size)
         numels = owner_numels(layout.muon_specs(), layout.plan()) if layout.mode == "zero1-muon" else None

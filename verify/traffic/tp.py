@@ -235,9 +235,9 @@ def tp_closed_form(layout: TPRunLayout) -> ClosedForm:
     """The closed form of docs/traffic-model.md, "Tensor parallelism", for ``layout``, as
     factors of P_M per phase (so that :meth:`ClosedForm.at` evaluates it at P_M): the mode's
     data-parallel form of docs/spec.md §2 (:func:`verify.traffic.formulas.closed_form` at N, R)
-    evaluated at P_loc = P_TP/T + P_rep (its Z3 term in P_M^L at the kept unit's local
-    elements, :func:`verify.traffic.predict.kept_elems` of one TP column), plus in phase
-    ``optimizer``
+    evaluated at P_loc = P_TP/T + P_rep (its Z3 term in P_M^L at P_loc^L, the local elements
+    of the unit Z3 keeps: :func:`verify.traffic.predict.kept_elems` of one TP column), plus in
+    phase ``optimizer``
 
     - DMuon: the gather and the scatter, 2(T-1)/(T·W)·P_TP;
     - the naive baseline: the TP all_gather of every full gradient, (T-1)/T·P_TP;
@@ -258,4 +258,5 @@ def tp_closed_form(layout: TPRunLayout) -> ClosedForm:
     else:
         step, text = (t - 1) / t * p_tp / p_m, "(T-1)/T·P_TP"
     phases["optimizer"] = phases.get("optimizer", 0.0) + step
-    return ClosedForm(f"{base.text}·P_loc{base.terms_text(p_m_kept=kept)} + {text}", phases)
+    local_terms = base.terms_text(p_m_kept=kept).replace("P_M^", "P_loc^")
+    return ClosedForm(f"{base.text}·P_loc{local_terms} + {text}", phases)
