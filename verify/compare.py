@@ -16,7 +16,8 @@ docs/spec.md §2's formula at P_M (DMuon and DDP modes, any shapes: they move wh
 P_M^pad, the Muon params padded on dim 0 to a multiple of N (the naive FSDP2 / HSDP
 baselines, ``verify.traffic.formulas.PADDED_MODES``; derivation in docs/traffic-model.md),
 plus, when a unit runs more than once per forward (weight sharing), the form's term in P_M^r
-(``verify.traffic.predict.reused_elems``), 0 otherwise.
+(``verify.traffic.predict.reused_elems``), 0 otherwise, and under DMuon's Z3 the term in P_M^L,
+the unit kept allocated from its forward into the backward (``verify.traffic.predict.kept_elems``).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from verify.traffic.predict import (
     RunLayout,
     ns_calls_per_step,
     owner_numels,
+    kept_elems,
     predict_step,
     reused_elems,
 )
@@ -94,14 +96,16 @@ def compare_run(
 
     phases: dict[str, dict] = {}
     p_m = layout.p_m()
-    if tp:  # the TP forms are exact at P_M (the harness refuses FSDP2 padding under TP)
+    if tp:  # the TP forms are exact at P_M (the harness refuses FSDP2 padding under TP) and
+        # hold their P_loc^L term already: p_m_k, one column's kept elements, is reported only
         form, cf_p_m, p_m_r = tp_closed_form(layout), p_m, 0
+        p_m_k = kept_elems(layout.column())
     else:
         form = closed_form(layout.mode, layout.shard_size, layout.replicate_size)
         numels = owner_numels(layout.muon_specs(), layout.plan()) if layout.mode == "zero1-muon" else None
         cf_p_m = closed_form_p_m(layout.mode, [s.shape for s in layout.muon_specs()], layout.shard_size,
                                  numels)
-        p_m_r = reused_elems(layout)
+        p_m_r, p_m_k = reused_elems(layout), kept_elems(layout)
     padded = layout.mode in PADDED_MODES and cf_p_m != p_m
     per_rank = defaultdict(float)
     total_measured = 0.0
@@ -128,7 +132,7 @@ def compare_run(
     ):
         ph_missing = sum(n for k, n in missing.items() if k[1] == ph)
         ph_unexpected = sum(n for k, n in unexpected.items() if k[1] == ph)
-        cf = form.at(ph, cf_p_m, p_m_r)
+        cf = form.at(ph, cf_p_m, p_m_r, p_m_k)
         seed = form.seed_phases.get(ph) if form.seed_phases else None
         measured_ph = meas_phase[ph] / (w * steps)
         cf_ok = _close(measured_ph, cf, cf_p_m)
@@ -146,7 +150,7 @@ def compare_run(
     predicted_avg = sum(pred_phase.values()) / w
     ns_per_step = ns_calls / steps
     ns_expected = tp_ns_calls_per_step(layout) if tp else ns_calls_per_step(layout)
-    closed_ok = _close(measured_avg, form.total_at(cf_p_m, p_m_r), cf_p_m) and all(
+    closed_ok = _close(measured_avg, form.total_at(cf_p_m, p_m_r, p_m_k), cf_p_m) and all(
         ph["closed_form_matches"] for ph in phases.values()
     )
     ok = not missing and not unexpected and ns_per_step == ns_expected and closed_ok
@@ -159,10 +163,11 @@ def compare_run(
         p_m=p_m,
         measured_avg_elems=measured_avg,
         predicted_avg_elems=predicted_avg,
-        closed_form=form.text + (" at P_M^pad" if padded else "") + (form.reuse_text if p_m_r else ""),
-        closed_form_avg_elems=form.total_at(cf_p_m, p_m_r),
+        closed_form=form.text + (" at P_M^pad" if padded else "") + form.terms_text(p_m_r, p_m_k),
+        closed_form_avg_elems=form.total_at(cf_p_m, p_m_r, p_m_k),
         closed_form_p_m=cf_p_m,
         p_m_reused=p_m_r,
+        p_m_kept=p_m_k,
         closed_form_padded=padded,
         seed_avg_elems=None if form.seed_total is None else form.seed_total * p_m,
         ratio_to_p_m=measured_avg / p_m if p_m else 0.0,

@@ -49,8 +49,13 @@ def test_digest_names_the_order():
     assert order_digest(BLOCKS) != order_digest(BLOCKS[::-1]) and len(order_digest(())) == 64
 
 
-def test_predicted_buckets_follow_the_order_and_the_calls_do_not_change():
-    layout = tinygpt_layout("dmuon-hsdp-z3", 4)
+def _is_rebroadcast(e) -> bool:
+    return e.phase == "backward" and e.op in ("broadcast", "all_gather") and e.dedicated_count > 0
+
+
+@pytest.mark.parametrize("mode", ["dmuon-hsdp-z2", "dmuon-hsdp-z3"])
+def test_predicted_buckets_follow_the_order_which_picks_only_the_unit_z3_keeps(mode):
+    layout = tinygpt_layout(mode, 4)
     order = ("blocks.1", "blocks.0")
     reordered = RunLayout.from_dict(
         {**layout.to_dict(), "dmuon_block_order": list(order)})
@@ -65,7 +70,20 @@ def test_predicted_buckets_follow_the_order_and_the_calls_do_not_change():
         assert [b for b in got if b.module == block] == [b for b in model if b.module == block]
         idx = [i for i, m in enumerate(blocks) if m == block]
         assert idx == list(range(idx[0], idx[-1] + 1))
-    assert Counter(predict_step(reordered)) == Counter(predict_step(layout))
+    if mode.endswith("z2"):  # no unit is kept: the calls of a step, a multiset, ignore the order
+        assert Counter(predict_step(reordered)) == Counter(predict_step(layout))
+        return
+    # Z3 keeps the unit of the last bucket index (dmuon/runtime/dedicate.py step 2): blocks.1 in
+    # model order, blocks.0 in the recorded order; the other block alone is re-broadcast in
+    # backward, and nothing else depends on the order
+    rest = [Counter(e for e in predict_step(x) if not _is_rebroadcast(e)) for x in (reordered, layout)]
+    assert rest[0] == rest[1]
+    for x, other_unit in ((layout, "blocks.0"), (reordered, "blocks.1")):
+        again = [e for e in predict_step(x) if _is_rebroadcast(e)]
+        assert {e.module for e in again} == {other_unit}
+        # each rank's re-broadcasts move that block's Muon elements once
+        per_rank = sum(p.numel for p in x.muon_specs() if p.module.startswith(other_unit + "."))
+        assert all(sum(e.count for e in again if e.rank == rank) == per_rank for rank in range(4))
 
 
 def test_recorder_counts_the_runs_of_blocks_and_watched_modules():

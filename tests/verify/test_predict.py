@@ -139,11 +139,17 @@ def test_block_rule_and_cap():
 
 
 # --------------------------------------------------------------------------- closed forms
+#: Z3 keeps the last unit from its forward into the backward (dmuon/runtime/dedicate.py step 2):
+#: here blocks.1 (one unit per block without coalescing), half of TinyGPT's P_M since both
+#: blocks hold the same matrices, so the backward re-broadcast loses (N-1)/N · P_M/2.
+KEPT_SHARE = Fraction(1, 2)
+
+
 @pytest.mark.parametrize("world,mode,ratio", [
     (3, "dmuon-ddp", Fraction(4, 3)), (3, "dmuon-z2", Fraction(4, 3)),
-    (3, "dmuon-z3", Fraction(2)), (3, "ddp-muon", Fraction(4, 3)),
-    (4, "dmuon-hsdp-z2", Fraction(3, 2)), (4, "dmuon-hsdp-z3", Fraction(2)),
-    (6, "dmuon-hsdp-z3", Fraction(5, 3) + Fraction(2, 3)),
+    (3, "dmuon-z3", Fraction(2) - Fraction(2, 3) * KEPT_SHARE), (3, "ddp-muon", Fraction(4, 3)),
+    (4, "dmuon-hsdp-z2", Fraction(3, 2)), (4, "dmuon-hsdp-z3", Fraction(2) - Fraction(1, 2) * KEPT_SHARE),
+    (6, "dmuon-hsdp-z3", Fraction(5, 3) + Fraction(2, 3) - Fraction(2, 3) * KEPT_SHARE),
 ])
 def test_dmuon_prediction_equals_closed_form_at_any_world_size(world, mode, ratio):
     # W=3: the TinyGPT matrices (64, 64), (192, 64), (256, 64), (64, 256) are not all
@@ -241,6 +247,26 @@ def test_closed_form_table_is_the_spec_at_n3():
     assert closed_form("dmuon-z2", 3).total == pytest.approx(4 / 3)
 
 
+@pytest.mark.parametrize("mode", ["dmuon-z3", "dmuon-hsdp-z3"])
+def test_z3_closed_forms_lose_the_kept_units_rebroadcast(mode):
+    # the kept unit's P_M^L is not re-broadcast: -(N-1)/N·P_M^L in backward, nowhere else
+    # (dmuon/runtime/dedicate.py step 3); P_M = 12, P_M^L = 3 at N = 3, R = 2
+    form = closed_form(mode, 3, 2)
+    a = 2 / 3
+    for phase in ("forward", "backward", "replicate", "optimizer"):
+        kept = -a * 3 if phase == "backward" else 0.0
+        assert form.at(phase, 12, 0, 3) == pytest.approx(form.at(phase, 12) + kept)
+    assert form.total_at(12, 0, 3) == pytest.approx(form.total * 12 - a * 3)
+    assert form.terms_text(0, 3) == " − (N-1)/N·P_M^L" and form.terms_text() == ""
+    assert form.terms_text(5, 3) == " + (N-1)/N·P_M^r − (N-1)/N·P_M^L"
+
+
+@pytest.mark.parametrize("mode", ["dmuon-z2", "dmuon-hsdp-z2", "dmuon-ddp", "naive-fsdp2-z3", "naive-hsdp"])
+def test_other_closed_forms_have_no_kept_term(mode):
+    form = closed_form(mode, 3, 2)
+    assert form.total_at(12, 0, 3) == pytest.approx(form.total * 12) and form.terms_text(0, 3) == ""
+
+
 def _experts_layout(mode: str, world: int, **extra) -> RunLayout:
     """The layout the harness records for examples/experts.py (3-D stacks, routers)."""
     from dmuon.ownership.select import matrix_shapes
@@ -307,6 +333,73 @@ def test_a_module_run_twice_is_sent_again_as_the_rules_say(mode, forward_again, 
         1 if mode.startswith("dmuon") else 2))
     assert run["pass"] and run["closed_form_matches"], run["phases"]
     assert RunLayout.from_dict(twice.to_dict()) == twice
+
+
+def _rebroadcasts(layout: RunLayout) -> Counter:
+    """Each rank's Z3 backward broadcasts / all_gathers of dedicated params, by unit."""
+    return Counter((e.rank, e.module) for e in predict_step(layout)
+                   if e.phase == "backward" and e.op in ("broadcast", "all_gather") and e.dedicated_count)
+
+
+def test_z3_keeps_the_last_unit_and_rebroadcasts_every_other_once():
+    """dmuon/runtime/dedicate.py steps 2-3: the unit of the last bucket index (blocks.1 in
+    TinyGPT's model order) stays valid from its forward into the backward; every other
+    bucket is re-broadcast exactly once, as it was broadcast once in forward."""
+    from verify.traffic.predict import kept_elems
+
+    layout = tinygpt_layout("dmuon-z3", 4)
+    forward = Counter((e.rank, e.module) for e in predict_step(layout)
+                      if e.phase == "forward" and e.op == "broadcast" and e.dedicated_count)
+    assert {m for _, m in forward} == {"blocks.0", "blocks.1"}
+    assert _rebroadcasts(layout) == Counter({k: n for k, n in forward.items() if k[1] != "blocks.1"})
+    block1 = sum(p.numel for p in layout.muon_specs() if dmuon_block(p.module) == "blocks.1")
+    assert kept_elems(layout) == block1 == layout.p_m() // 2
+    for other in ("dmuon-z2", "dmuon-ddp", "naive-fsdp2-z3"):  # nothing kept: Z2, or not DMuon
+        assert kept_elems(tinygpt_layout(other, 4)) == 0
+    # the closed form's P_M^L term: backward 2(N-1)/N·P_M - (N-1)/N·P_M^L
+    run = compare_run(layout, _events(layout), steps=1, ns_calls=len(layout.muon_names))
+    assert run["pass"] and run["p_m_kept"] == block1
+    assert run["closed_form"] == "3(N-1)/N − (N-1)/N·P_M^L"
+    assert run["phases"]["backward"]["closed_form_avg_elems"] == pytest.approx(0.75 * (2 * layout.p_m() - block1))
+
+
+def test_z3_keeps_an_aligned_unit_and_drops_its_backward_all_gather():
+    """examples/structures.py:equal_blocks at W=2 under gloo's aligned limit: units of two
+    blocks, each one aligned group (one all_gather per forward); only the first unit's group
+    is all_gathered again in backward, the last one is kept."""
+    from examples.structures import EqualBlocks
+
+    model = EqualBlocks()
+    # 2 blocks x (50x70 + 70x50) fp32 = 56,000 bytes: the coalesce target of a two-block unit
+    layout = RunLayout(mode="dmuon-z3", replicate_size=1, shard_size=2,
+                       params=tuple(specs_from_named_parameters(model.named_parameters())),
+                       muon_names=muon_names(model), fsdp_modules=("",),
+                       dmuon_coalesce_bytes=56_000, dmuon_aligned_max_bytes=64 * 1024)
+    gathers = Counter((e.rank, e.phase, e.module) for e in predict_step(layout)
+                      if e.op == "all_gather" and e.dedicated_count)  # not FSDP2's root
+    assert gathers == Counter({(r, "forward", u): 1 for r in (0, 1) for u in ("blocks.0", "blocks.2")}
+                              | {(r, "backward", "blocks.0"): 1 for r in (0, 1)})
+    run = compare_run(layout, _events(layout), steps=1, ns_calls=len(layout.muon_names))
+    assert run["pass"] and run["p_m_kept"] == layout.p_m() // 2
+
+
+@pytest.mark.parametrize("reused,forward_again", [("blocks.0", 1), ("blocks.1", 0)])
+def test_a_reused_last_unit_is_not_sent_again(reused, forward_again):
+    """shared_block with ``reused`` run twice per forward under Z3: blocks.0 is freed after
+    its first run and broadcast again; blocks.1, the last unit, stays valid (no call), so it
+    counts in P_M^L and not in P_M^r."""
+    from verify.traffic.predict import kept_elems, reused_elems
+
+    once = _shared_layout("dmuon-z3", 1)
+    twice = dataclasses.replace(once, module_calls=((reused, 2),))
+    extra = Counter(e.key() for e in predict_step(twice)) - Counter(e.key() for e in predict_step(once))
+    # W=2 ranks x one call per bucket of the block (its two matrices have different owners)
+    assert sum(extra.values()) == 4 * forward_again and {k[1] for k in extra} <= {"forward"}
+    block = sum(p.numel for p in twice.muon_specs() if dmuon_block(p.module) == reused)
+    assert reused_elems(twice) == forward_again * block
+    assert kept_elems(twice) == kept_elems(once) == 2 * 50 * 70  # blocks.1
+    run = compare_run(twice, _events(twice), steps=1, ns_calls=len(twice.muon_names))
+    assert run["pass"] and run["closed_form_matches"], run["phases"]
 
 
 def test_ddp_buffer_broadcasts_group_by_dtype_and_bucket():

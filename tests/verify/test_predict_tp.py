@@ -70,3 +70,21 @@ def test_tp_step_one_gather_and_scatter_per_ns_rank_of_each_owner():
         assert mine == {"gather": len(roots), "scatter": len(roots)} if roots else not mine, rank
     # DTensor's calls: per rank, per block, one forward and one backward all_reduce
     assert Counter(e.op for e in calls if e.phase == "tp") == {"all_reduce": 4 * 2 * 2}
+
+
+@pytest.mark.parametrize("mode", ["dmuon-z3", "dmuon-hsdp-z3"])
+def test_tp_z3_keeps_the_last_units_local_shards(mode):
+    """Each TP column runs the plain protocol on local shards, so Z3 keeps the last unit
+    (blocks.1, one unit per block here) from forward into backward: backward loses
+    (N-1)/N·P_loc^L, blocks.1's local elements (its MLP matrices divided by T)."""
+    n, t = 2, 2
+    layout = dataclasses.replace(tp_layout(mode, n, t), replicate_size=2 if "hsdp" in mode else 1)
+    tp = layout.tp_names()
+    block1 = [p for p in layout.muon_specs() if p.name.startswith("blocks.1.")]
+    p_loc_kept = sum(p.numel // t if p.name in tp else p.numel for p in block1)
+    z2 = dataclasses.replace(layout, mode=mode.replace("z3", "z2"), reshard_after_forward=False)
+    p_loc = sum(p.numel // t if p.name in tp else p.numel for p in layout.muon_specs())
+    # Z3 - Z2 in backward: the re-broadcast of every local shard but the kept unit's
+    want = Fraction(n - 1, n) * (p_loc - p_loc_kept)
+    assert _by_phase(layout)["backward"] - _by_phase(z2)["backward"] == want
+    assert "− (N-1)/N·P_loc^L" in tp_closed_form(layout).text

@@ -102,6 +102,31 @@ def test_zero1_counts_and_memory():
     assert phases["optimizer"] == pytest.approx(2 * 3 / 4 * agg.p_m_pad, rel=REL)
 
 
+@pytest.mark.parametrize("mode, mesh", [("dmuon-z3", (1, 4)), ("dmuon-hsdp-z3", (2, 3))])
+def test_z3_call_count_drops_the_kept_units_rebroadcasts(mode, mesh):
+    """Z3 re-broadcasts every bucket in backward but those of the kept unit (the last layer,
+    dmuon/runtime/dedicate.py step 2): Z3 issues Z2's calls plus one per other bucket."""
+    from verify.traffic.predict import kept_unit, layout_buckets
+
+    # rest="replicate": the same rest all_reduce under Z2 and Z3 (FSDP2 would re-gather under Z3)
+    z3 = dataclasses.replace(_layout(mode, *mesh), fsdp_modules=(), dmuon_rest="replicate")
+    z2 = dataclasses.replace(z3, mode=mode.replace("z3", "z2"), reshard_after_forward=False)
+    buckets = layout_buckets(z3)
+    kept = kept_unit(z3, buckets)
+    assert kept == f"layers.{len(build_preset('llama-tiny').layers) - 1}"
+    rebroadcasts = sum(b.module != kept for b in buckets)  # not aligned: one call per bucket
+    assert not any(b.aligned for b in buckets) and 0 < rebroadcasts < len(buckets)
+    agg3, agg2 = step_traffic(z3), step_traffic(z2)
+    assert agg3.common.calls - agg2.common.calls == rebroadcasts
+    assert agg3.common.by_axis["shard"][0] - agg2.common.by_axis["shard"][0] == rebroadcasts
+    # and their elements: (N-1)/N·(P_M - P_M^L) more in backward
+    a = (mesh[1] - 1) / mesh[1]
+    kept_numel = sum(b.numel for b in buckets if b.module == kept)
+    assert agg3.p_m_kept == kept_numel
+    extra = agg3.ded_avg_by_phase()["backward"] - agg2.ded_avg_by_phase()["backward"]
+    assert extra == pytest.approx(a * (z3.p_m() - kept_numel), rel=REL)
+
+
 def test_memory_per_rank_z2_keeps_a_full_copy_z3_does_not():
     z2 = step_traffic(_layout("dmuon-z2", 1, 4))
     z3 = step_traffic(_layout("dmuon-z3", 1, 4))

@@ -62,7 +62,10 @@ class ClosedForm:
     ``reuse_phases`` maps phase -> factor of P_M^r, the elements moved again because their
     unit runs more than once per forward (weight sharing: ``verify.traffic.predict.
     reused_elems``; 0 without reuse, so the forms above are unchanged), ``reuse_text`` is
-    that term as printed.
+    that term as printed. ``kept_phases`` maps phase -> factor of P_M^L, the elements of the
+    unit DMuon's Z3 keeps allocated from its forward into the backward, which it does not
+    re-broadcast (``dmuon/runtime/dedicate.py`` steps 2-3; ``verify.traffic.predict.
+    kept_elems``), ``kept_text`` is that term as printed.
     """
 
     text: str
@@ -70,15 +73,24 @@ class ClosedForm:
     seed_phases: dict[str, float] | None = None
     reuse_phases: dict[str, float] | None = None
     reuse_text: str = ""
+    kept_phases: dict[str, float] | None = None
+    kept_text: str = ""
 
-    def at(self, phase: str, p_m: float, p_m_reused: float = 0) -> float:
-        """The form's elements in ``phase`` at P_M = ``p_m`` and P_M^r = ``p_m_reused``."""
+    def at(self, phase: str, p_m: float, p_m_reused: float = 0, p_m_kept: float = 0) -> float:
+        """The form's elements in ``phase`` at P_M = ``p_m``, P_M^r = ``p_m_reused`` and
+        P_M^L = ``p_m_kept``."""
         reuse = (self.reuse_phases or {}).get(phase, 0.0)
-        return self.phases.get(phase, 0.0) * p_m + reuse * p_m_reused
+        kept = (self.kept_phases or {}).get(phase, 0.0)
+        return self.phases.get(phase, 0.0) * p_m + reuse * p_m_reused + kept * p_m_kept
 
-    def total_at(self, p_m: float, p_m_reused: float = 0) -> float:
+    def total_at(self, p_m: float, p_m_reused: float = 0, p_m_kept: float = 0) -> float:
         """The form's elements over all phases (:meth:`at`)."""
-        return self.total * p_m + sum((self.reuse_phases or {}).values()) * p_m_reused
+        phases = {*self.phases, *(self.reuse_phases or {}), *(self.kept_phases or {})}
+        return sum(self.at(ph, p_m, p_m_reused, p_m_kept) for ph in phases)
+
+    def terms_text(self, p_m_reused: float = 0, p_m_kept: float = 0) -> str:
+        """The P_M^r and P_M^L terms as printed after :attr:`text`, those that are not 0."""
+        return (self.reuse_text if p_m_reused else "") + (self.kept_text if p_m_kept else "")
 
     @property
     def total(self) -> float:
@@ -115,6 +127,9 @@ def closed_form(mode: str, shard_size: int, replicate_size: int = 1) -> ClosedFo
     bwd_again = {"backward": a}
     both_again = {"forward": a, "backward": a}
     once, twice = " + (N-1)/N·P_M^r", " + 2(N-1)/N·P_M^r"
+    # DMuon's Z3 keeps the last unit (P_M^L) from its forward into the backward: no backward
+    # re-broadcast of it (dmuon/runtime/dedicate.py steps 2-3)
+    kept = dict(kept_phases={"backward": -a}, kept_text=" − (N-1)/N·P_M^L")
     table: dict[str, ClosedForm] = {
         "ddp-muon": ClosedForm("2(N-1)/N", {"backward": 2 * a}),
         "dmuon-ddp": ClosedForm("2(N-1)/N", {"forward": a, "backward": a}),
@@ -128,7 +143,7 @@ def closed_form(mode: str, shard_size: int, replicate_size: int = 1) -> ClosedFo
         ),
         "dmuon-z2": ClosedForm("2(N-1)/N", {"forward": a, "backward": a}),
         "dmuon-z3": ClosedForm("3(N-1)/N", {"forward": a, "backward": 2 * a},
-                               reuse_phases=fwd_again, reuse_text=once),
+                               reuse_phases=fwd_again, reuse_text=once, **kept),
         # naive HSDP = FSDP2 HSDP (reshard) + full-grad gather: AG fwd + AG/RS bwd + the
         # replicate all_reduce of a 1/N shard + AG in the step.
         "naive-hsdp": ClosedForm(
@@ -145,7 +160,7 @@ def closed_form(mode: str, shard_size: int, replicate_size: int = 1) -> ClosedFo
             "2(W-1)/W + (N-1)/N",
             {"forward": a, "backward": 2 * a + rep, "replicate": rep},
             {"forward": a, "backward": 2 * a + seed_rep, "replicate": seed_rep},
-            reuse_phases=fwd_again, reuse_text=once,
+            reuse_phases=fwd_again, reuse_text=once, **kept,
         ),
     }
     if mode not in table:

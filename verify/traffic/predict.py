@@ -12,11 +12,13 @@ What is modelled (torch 2.13, measured on gloo by the harness):
   of one block (a ``ModuleList`` element) with the same global owner and dtype, cut at
   ``bucket_cap_mb`` and ordered block by block in the recorded execution order
   (:func:`dmuon_buckets`, :func:`dmuon_block_sequence`); per bucket a
-  forward broadcast over the shard axis from its holder; Z3 re-broadcast in backward; reduce
-  to the holder over the shard axis, then (HSDP) to the owner over the replicate axis; (HSDP)
-  the owner's replicate broadcast after the step; under Z3, a block whose forward runs more
-  than once per forward (weight sharing, ``RunLayout.module_calls``) is broadcast again for
-  every further run (``dmuon/runtime/dedicate.py`` step 2). Independence: this module imports
+  forward broadcast over the shard axis from its holder; Z3 re-broadcast in backward, except
+  for the last unit in that order, which Z3 keeps allocated from its forward into the backward
+  (:func:`kept_unit`); reduce to the holder over the shard axis, then (HSDP) to the owner over
+  the replicate axis; (HSDP) the owner's replicate broadcast after the step; under Z3, a block
+  whose forward runs more than once per forward (weight sharing, ``RunLayout.module_calls``)
+  is broadcast again for every further run unless its unit is the kept one
+  (``dmuon/runtime/dedicate.py`` steps 2-3, :func:`dmuon_broadcasts`). Independence: this module imports
   ``dmuon.ownership.plan`` (ParamSpec, OwnershipPlan, plan_ownership) and nothing else of ``dmuon``, so a
   bucketing bug in the runtime is not reproduced here (``tests/verify/test_predict.py`` checks it).
 - FSDP2 and DDP: the rules in :mod:`verify.traffic.rules` (shared with the aggregate
@@ -104,7 +106,7 @@ class RunLayout:
             step, as the harness recorded it with its own hooks (``verify.run.block_order``);
             ``()`` = model order (also when the ranks' orders disagree). DMuon numbers its
             buckets by it (:func:`dmuon_block_sequence`); the calls of a step, a multiset,
-            do not depend on it.
+            depend on it only through the unit Z3 keeps, the last one (:func:`kept_unit`).
         module_calls: ``(module, calls)`` of the DMuon blocks and ``fully_shard`` modules
             whose forward ran more than once in one forward (weight sharing), as the
             harness counted them with its own hooks (``verify.run.block_order``); every other
@@ -389,7 +391,8 @@ def dmuon_buckets(specs: Sequence[ParamSpec], plan: OwnershipPlan,
     DMuon's index order: model order, or, when ``block_order`` (the recorded execution
     order, ``RunLayout.dmuon_block_order``) yields another block sequence
     (:func:`dmuon_block_sequence`), block by block in that sequence, model order within a
-    block. The order does not matter to the comparison, which is a multiset.
+    block. The comparison is a multiset: the order matters to it only through the last
+    unit, which Z3 keeps (:func:`kept_unit`).
 
     Raises:
         ValueError: a spec has no owner in ``plan``, or ``cap_bytes`` < 1.
@@ -468,24 +471,21 @@ def _dmuon_calls(layout: RunLayout, rank: int) -> list[Expected]:
     rid = group_id_from_ranks(replicate_ranks(rank, n, r_size))
     out: list[Expected] = []
 
-    def add(phase, op, gid, gsize, b, dtype, root, extra=0):
-        out.append(Expected(rank, phase, op, gid, gsize, b.numel + extra, dtype, root, b.module, b.numel))
+    def add(phase, op, gid, gsize, b, dtype, root, extra=0, times=1):
+        out.extend([Expected(rank, phase, op, gid, gsize, b.numel + extra, dtype, root, b.module, b.numel)] * times)
 
+    buckets = layout_buckets(layout)
+    kept = kept_unit(layout, buckets)
     grouped: dict[tuple[str, str], list[DMuonBucket]] = {}
-    for b in dmuon_buckets(layout.muon_specs(), layout.plan(), layout.dmuon_bucket_cap_bytes,
-                           layout.dmuon_block_order, layout.dmuon_coalesce_bytes,
-                           layout.dmuon_aligned_max_bytes):
+    for b in buckets:
         if b.aligned:
             grouped.setdefault((b.module, b.dtype), []).append(b)
             continue
         r_own, s_own = divmod(b.owner, n)
         cast, red = layout.cast_dtype(b.dtype), layout.reduce_dtype(b.dtype)
-        # Z3 frees after each run of the unit: a reused block is broadcast once per run
-        runs = _unit_runs(layout, b.blocks)
-        for _ in range(runs):
-            add("forward", "broadcast", sid, n, b, cast, s_own)
-        if layout.reshard_after_forward:
-            add("backward", "broadcast", sid, n, b, cast, s_own)
+        forward, backward = dmuon_broadcasts(layout, b, kept)
+        add("forward", "broadcast", sid, n, b, cast, s_own, times=forward)
+        add("backward", "broadcast", sid, n, b, cast, s_own, times=backward)
         # a reduce carries the grads, then one usage element per param (dmuon/runtime/dedicate.py
         # step 4): count numel + params, dedicated payload numel
         usage = len(b.names)
@@ -500,13 +500,12 @@ def _dmuon_calls(layout: RunLayout, rank: int) -> list[Expected]:
         held = c * r_size  # this shard index's R buckets
         cast, red = layout.cast_dtype(dtype), layout.reduce_dtype(dtype)
 
-        def put(phase, op, gid, gsize, count, dt, dedicated):
-            out.append(Expected(rank, phase, op, gid, gsize, count, dt, None, unit, dedicated))
+        def put(phase, op, gid, gsize, count, dt, dedicated, times=1):
+            out.extend([Expected(rank, phase, op, gid, gsize, count, dt, None, unit, dedicated)] * times)
 
-        for _ in range(_unit_runs(layout, group[0].blocks)):
-            put("forward", "all_gather", sid, n, held, cast, held)
-        if layout.reshard_after_forward:
-            put("backward", "all_gather", sid, n, held, cast, held)
+        forward, backward = dmuon_broadcasts(layout, group[0], kept)  # one unit: every member alike
+        put("forward", "all_gather", sid, n, held, cast, held, times=forward)
+        put("backward", "all_gather", sid, n, held, cast, held, times=backward)
         put("backward", "reduce_scatter", sid, n, r_size * (c + usage), red, held)
         if r_size > 1:
             put("backward", "reduce_scatter", rid, r_size, c + usage, red, c)
@@ -514,13 +513,44 @@ def _dmuon_calls(layout: RunLayout, rank: int) -> list[Expected]:
     return out
 
 
-def _unit_runs(layout: RunLayout, blocks: Sequence[str]) -> int:
-    """Forward broadcasts of a bucket per step: under Z3 one per run of its unit (a unit is
-    freed once all its blocks ran; a block that runs again afterwards, weight sharing, gets
-    it broadcast again: the most runs of any of its blocks), under Z2 one."""
-    if not layout.reshard_after_forward:
-        return 1
-    return max(layout.calls_of(block) for block in blocks)
+def layout_buckets(layout: RunLayout, plan: OwnershipPlan | None = None) -> list[DMuonBucket]:
+    """:func:`dmuon_buckets` of ``layout`` (its cap, coalescing, aligned limit and recorded
+    block order): DMuon's buckets in the index order of the measured steps. ``plan``:
+    ``layout.plan()`` if omitted."""
+    plan = layout.plan() if plan is None else plan
+    return dmuon_buckets(layout.muon_specs(), plan, layout.dmuon_bucket_cap_bytes, layout.dmuon_block_order,
+                         layout.dmuon_coalesce_bytes, layout.dmuon_aligned_max_bytes)
+
+
+def kept_unit(layout: RunLayout, buckets: Sequence[DMuonBucket]) -> str | None:
+    """The unit Z3 keeps allocated from its forward into the backward, given ``buckets`` in
+    index order (:func:`layout_buckets`): the unit of the last bucket index
+    (``dmuon/runtime/dedicate.py`` step 2; a forward with grad enabled, as every forward the
+    harness measures). ``None`` under Z2 (nothing is freed) or without buckets."""
+    if not layout.reshard_after_forward or not buckets:
+        return None
+    return buckets[-1].module
+
+
+def dmuon_broadcasts(layout: RunLayout, bucket: DMuonBucket, kept: str | None) -> tuple[int, int]:
+    """``(forward, backward)``: how many broadcasts (an aligned group: all_gathers) move
+    ``bucket`` per step, ``kept`` being :func:`kept_unit` (``dmuon/runtime/dedicate.py``
+    steps 1-3).
+
+    Z2: (1, 0), the buckets stay valid. Z3: a unit is freed once all its blocks ran, so a
+    block that runs again in the same forward (weight sharing) gets it broadcast again: one
+    forward broadcast per run, the most runs of any of its blocks; then one backward
+    re-broadcast. The kept unit stays valid from its forward into the backward, reruns
+    included: (1, 0)."""
+    if not layout.reshard_after_forward or bucket.module == kept:
+        return 1, 0
+    return unit_runs(layout, bucket), 1
+
+
+def unit_runs(layout: RunLayout, bucket: DMuonBucket) -> int:
+    """How many times ``bucket``'s unit runs per forward: the most runs of any of its blocks
+    (:meth:`RunLayout.calls_of`)."""
+    return max(layout.calls_of(block) for block in bucket.blocks)
 
 
 def _axis_calls(layout: RunLayout, rank: int, calls: list[AxisCall]) -> list[Expected]:
@@ -602,19 +632,20 @@ def ns_calls_per_step(layout: RunLayout) -> int:
 def reused_elems(layout: RunLayout) -> int:
     """P_M^r: the Muon elements moved again because their unit runs more than once per
     forward, ``sum((calls - 1) * elements)`` over the Muon params, where calls is how many
-    times the unit that moves the param runs (:attr:`RunLayout.module_calls`): DMuon's block
-    in the DMuon modes; the ``fully_shard`` module holding the param in the FSDP2 baselines,
-    whose elements count padded on dim 0 to a multiple of N as their closed form does
+    times the unit that moves the param runs (:attr:`RunLayout.module_calls`): DMuon's unit
+    in the DMuon modes (:func:`unit_runs`), except the unit Z3 keeps allocated
+    (:func:`kept_unit`: it stays valid between its runs, ``dmuon/runtime/dedicate.py`` step 2);
+    the ``fully_shard`` module holding the param in the FSDP2 baselines, whose elements count
+    padded on dim 0 to a multiple of N as their closed form does
     (``verify.traffic.formulas.PADDED_MODES``). 0 in the DDP and ZeRO-1 modes, and when
     nothing runs twice. The closed forms add a multiple of it
-    (``verify.traffic.formulas.ClosedForm.reuse_phases``)."""
+    (``verify.traffic.formulas.ClosedForm.reuse_phases``; 0 for the modes that never re-send)."""
     if not layout.module_calls:
         return 0
-    if layout.is_dmuon:  # the unit's runs: the most runs of any of its blocks (_unit_runs)
-        buckets = dmuon_buckets(layout.muon_specs(), layout.plan(), layout.dmuon_bucket_cap_bytes,
-                                coalesce_bytes=layout.dmuon_coalesce_bytes,
-                                aligned_max_bytes=layout.dmuon_aligned_max_bytes)
-        return sum((max(layout.calls_of(x) for x in b.blocks) - 1) * b.numel for b in buckets)
+    if layout.is_dmuon:
+        buckets = layout_buckets(layout)
+        kept = kept_unit(layout, buckets)
+        return sum((unit_runs(layout, b) - 1) * b.numel for b in buckets if b.module != kept)
     if not layout.fsdp_modules:
         return 0
     n, muon = layout.shard_size, set(layout.muon_names)
@@ -624,3 +655,15 @@ def reused_elems(layout: RunLayout) -> int:
         for p in members
         if p.name in muon
     )
+
+
+def kept_elems(layout: RunLayout) -> int:
+    """P_M^L: the Muon elements of the unit DMuon's Z3 keeps allocated from its forward into
+    the backward (:func:`kept_unit`, ``dmuon/runtime/dedicate.py`` step 2), which therefore
+    gets no backward re-broadcast. 0 outside the DMuon modes and under Z2. The closed forms
+    add a multiple of it (``verify.traffic.formulas.ClosedForm.kept_phases``)."""
+    if not layout.is_dmuon:
+        return 0
+    buckets = layout_buckets(layout)
+    kept = kept_unit(layout, buckets)
+    return sum(b.numel for b in buckets if b.module == kept)

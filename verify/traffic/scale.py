@@ -32,7 +32,16 @@ import torch
 
 from dmuon.ownership.plan import OwnershipPlan, ParamSpec, plan_ownership
 
-from verify.traffic.predict import RunLayout, dmuon_buckets, ns_calls_per_step, owner_numels, reused_elems
+from verify.traffic.predict import (
+    RunLayout,
+    dmuon_broadcasts,
+    kept_elems,
+    kept_unit,
+    layout_buckets,
+    ns_calls_per_step,
+    owner_numels,
+    reused_elems,
+)
 from verify.traffic.rules import AxisCall, ddp_calls, fsdp_calls, padded_shard_numel, rest_calls
 from verify.traffic.formulas import MODES, avg_elems, closed_form
 
@@ -114,6 +123,9 @@ class StepTraffic:
     p_m_reused: int = 0
     """P_M^r: elements re-sent for units that run more than once per forward
     (:func:`verify.traffic.predict.reused_elems`)."""
+    p_m_kept: int = 0
+    """P_M^L: elements of the unit DMuon's Z3 keeps from its forward into the backward, not
+    re-broadcast (:func:`verify.traffic.predict.kept_elems`)."""
 
     @property
     def world_size(self) -> int:
@@ -177,13 +189,13 @@ class StepTraffic:
         if self.mode == ZERO1:
             return 2 * (self.world_size - 1) / self.world_size * self.p_m_pad
         form = closed_form(self.mode, self.shard_size, self.replicate_size)
-        return form.total_at(self.p_m, self.p_m_reused)
+        return form.total_at(self.p_m, self.p_m_reused, self.p_m_kept)
 
     def closed_form_text(self) -> str:
         if self.mode == ZERO1:
             return "2(W-1)/W at P_M^pad"
         form = closed_form(self.mode, self.shard_size, self.replicate_size)
-        return form.text + (form.reuse_text if self.p_m_reused else "")
+        return form.text + form.terms_text(self.p_m_reused, self.p_m_kept)
 
 
 # ----- per-mode builders ------------------------------------------------------------------------
@@ -202,26 +214,26 @@ def _add(t: Tally, calls: list[AxisCall]) -> None:
 
 
 def _dmuon(layout: RunLayout, plan: OwnershipPlan) -> tuple[Tally, dict[int, Tally]]:
-    """DMuon's buckets (:func:`verify.traffic.predict.dmuon_buckets`: per block, owner and dtype, cut
-    at the bucket cap), in the
-    dtypes of the protocol (mixed precision: broadcasts in param_dtype, reduces in
-    reduce_dtype, the replicate broadcast in the master dtype); each reduce also carries one
-    usage element per param (no dedicated payload)."""
+    """DMuon's buckets (:func:`verify.traffic.predict.layout_buckets`: per unit, owner and
+    dtype, cut at the bucket cap), in the dtypes of the protocol (mixed precision: broadcasts
+    in param_dtype, reduces in reduce_dtype, the replicate broadcast in the master dtype);
+    each reduce also carries one usage element per param (no dedicated payload). Forward
+    and Z3 backward broadcasts per bucket: :func:`verify.traffic.predict.dmuon_broadcasts`
+    (Z3 reuse, and the unit Z3 keeps into the backward)."""
     n, r = layout.shard_size, layout.replicate_size
     common, extra = Tally(), defaultdict(Tally)
     groups: dict[tuple[str, str], list] = {}
-    for b in dmuon_buckets(layout.muon_specs(), plan, layout.dmuon_bucket_cap_bytes,
-                           coalesce_bytes=layout.dmuon_coalesce_bytes,
-                           aligned_max_bytes=layout.dmuon_aligned_max_bytes):
+    buckets = layout_buckets(layout, plan)
+    kept = kept_unit(layout, buckets)
+    for b in buckets:
         if b.aligned:  # one all_gather / reduce_scatter per channel for the group (below)
             groups.setdefault((b.module, b.dtype), []).append(b)
             continue
         g, dtype, numel = b.owner, b.dtype, b.numel
         cast, red = _dtype_bytes(layout.cast_dtype(dtype)), _dtype_bytes(layout.reduce_dtype(dtype))
-        runs = layout.calls_of(b.module) if layout.reshard_after_forward else 1  # Z3 reuse
-        common.add("forward", "broadcast", "shard", n, numel, cast, numel, times=runs)
-        if layout.reshard_after_forward:
-            common.add("backward", "broadcast", "shard", n, numel, cast, numel)
+        forward, backward = dmuon_broadcasts(layout, b, kept)
+        common.add("forward", "broadcast", "shard", n, numel, cast, numel, times=forward)
+        common.add("backward", "broadcast", "shard", n, numel, cast, numel, times=backward)
         usage = len(b.names)
         common.add("backward", "reduce", "shard", n, numel + usage, red, numel)
         if r > 1:
@@ -229,12 +241,11 @@ def _dmuon(layout: RunLayout, plan: OwnershipPlan) -> tuple[Tally, dict[int, Tal
             col.add("backward", "reduce", "replicate", r, numel + usage, red, numel)
             col.add("replicate", "broadcast", "replicate", r, numel, _dtype_bytes(dtype), numel)
     for (_, dtype), group in groups.items():
-        c, usage, blocks = group[0].numel, len(group[0].names), group[0].blocks
+        c, usage = group[0].numel, len(group[0].names)
         cast, red = _dtype_bytes(layout.cast_dtype(dtype)), _dtype_bytes(layout.reduce_dtype(dtype))
-        runs = max(layout.calls_of(x) for x in blocks) if layout.reshard_after_forward else 1
-        common.add("forward", "all_gather", "shard", n, r * c, cast, r * c, times=runs)
-        if layout.reshard_after_forward:
-            common.add("backward", "all_gather", "shard", n, r * c, cast, r * c)
+        forward, backward = dmuon_broadcasts(layout, group[0], kept)  # one unit: every member alike
+        common.add("forward", "all_gather", "shard", n, r * c, cast, r * c, times=forward)
+        common.add("backward", "all_gather", "shard", n, r * c, cast, r * c, times=backward)
         common.add("backward", "reduce_scatter", "shard", n, r * (c + usage), red, r * c)
         if r > 1:
             for s_col in range(n):
@@ -315,7 +326,7 @@ def _result(layout, common, extra, param_bytes, momentum_bytes) -> StepTraffic:
         mode=layout.mode, replicate_size=layout.replicate_size, shard_size=layout.shard_size,
         p_m=layout.p_m(), common=common, extra=extra, ns_calls=ns_calls_per_step(layout),
         param_bytes_max=param_bytes, momentum_bytes_max=momentum_bytes,
-        p_m_reused=reused_elems(layout),
+        p_m_reused=reused_elems(layout), p_m_kept=kept_elems(layout),
     )
 
 

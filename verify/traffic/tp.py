@@ -33,7 +33,7 @@ from dmuon.ownership.plan import OwnershipPlan, ParamSpec, plan_ownership
 from tracer.events import group_id_from_ranks
 
 from verify.traffic.formulas import ClosedForm, closed_form
-from verify.traffic.predict import Expected, RunLayout, dmuon_buckets, predict_step
+from verify.traffic.predict import Expected, RunLayout, kept_elems, predict_step
 
 #: Modes that run with TP (``--tp T``): DMuon Z2 / Z3 and the naive FSDP2 × TP baselines.
 TP_MODES = ("naive-fsdp2-z2", "naive-fsdp2-z3", "dmuon-z2", "dmuon-z3", "dmuon-hsdp-z2", "dmuon-hsdp-z3")
@@ -235,7 +235,9 @@ def tp_closed_form(layout: TPRunLayout) -> ClosedForm:
     """The closed form of docs/traffic-model.md, "Tensor parallelism", for ``layout``, as
     factors of P_M per phase (so that :meth:`ClosedForm.at` evaluates it at P_M): the mode's
     data-parallel form of docs/spec.md §2 (:func:`verify.traffic.formulas.closed_form` at N, R)
-    evaluated at P_loc = P_TP/T + P_rep, plus in phase ``optimizer``
+    evaluated at P_loc = P_TP/T + P_rep (its Z3 term in P_M^L at P_loc^L, the local elements
+    of the unit Z3 keeps: :func:`verify.traffic.predict.kept_elems` of one TP column), plus in
+    phase ``optimizer``
 
     - DMuon: the gather and the scatter, 2(T-1)/(T·W)·P_TP;
     - the naive baseline: the TP all_gather of every full gradient, (T-1)/T·P_TP;
@@ -249,10 +251,12 @@ def tp_closed_form(layout: TPRunLayout) -> ClosedForm:
     p_tp = sum(p.numel for p in specs if p.name in tp)
     loc = (p_tp / t + (p_m - p_tp)) / p_m
     base = closed_form(layout.mode, n, r)
-    phases = {ph: f * loc for ph, f in base.phases.items()}
+    kept = kept_elems(layout.column()) / p_m
+    phases = {ph: base.at(ph, loc, p_m_kept=kept) for ph in base.phases}
     if layout.is_dmuon:
         step, text = 2 * (t - 1) / (t * w) * p_tp / p_m, "2(T-1)/(T·W)·P_TP"
     else:
         step, text = (t - 1) / t * p_tp / p_m, "(T-1)/T·P_TP"
     phases["optimizer"] = phases.get("optimizer", 0.0) + step
-    return ClosedForm(f"{base.text}·P_loc + {text}", phases)
+    local_terms = base.terms_text(p_m_kept=kept).replace("P_M^", "P_loc^")
+    return ClosedForm(f"{base.text}·P_loc{local_terms} + {text}", phases)

@@ -32,11 +32,12 @@ def readme_example(out_dir: str, extra_call: bool = False) -> dict:
             own_script.loss_fn = original
 
 
-def run_user_model(out_dir: str, modes: tuple[str, ...], model: str, profiler: bool = True) -> dict | None:
+def run_user_model(out_dir: str, modes: tuple[str, ...], model: str, profiler: bool = True,
+                   coalesce: str = "auto") -> dict | None:
     from verify.run.runner import RunConfig, run_all
 
     config = RunConfig(modes=modes, steps_warmup=2, steps_measured=2, out_dir=out_dir, model=model,
-                       profiler=profiler)
+                       profiler=profiler, coalesce=coalesce)
     return run_all(config)
 
 

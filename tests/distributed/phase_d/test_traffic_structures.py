@@ -17,9 +17,9 @@ TIMEOUT_S = 240
 W2_MODES = tuple(m for m in MODES if "hsdp" not in m)
 
 
-def _run(pool, tmp_path, modes, model):
+def _run(pool, tmp_path, modes, model, coalesce="auto"):
     report = pool.run_with_timeout(TIMEOUT_S, record_tasks.run_user_model, str(tmp_path), tuple(modes),
-                                   model, False)[0]
+                                   model, False, coalesce)[0]
     assert report["pass"], [(r["mode"], r["missing"][:3], r["unexpected"][:3], r["loss_first"], r["loss_last"],
                              r["closed_form_matches"], {k: s["pass"] for k, s in r["sources"].items()}) for r in report["runs"]
                             if not r["pass"]]
@@ -35,8 +35,12 @@ def test_expert_stacks_are_inside_p_m_with_the_closed_forms_unchanged(pool2, tmp
     assert report["params"]["muon_elems"] == 19_920 and len(report["params"]["muon"]) == 7
     assert [e["name"] for e in report["params"]["adamw"]] == ["norm.weight", "norm.bias",
                                                               "head.weight", "head.bias"]
-    assert runs["dmuon-z3"]["ratio_to_p_m"] == pytest.approx(1.5)  # 3(N-1)/N at N=2
-    assert runs["dmuon-z3"]["closed_form"] == "3(N-1)/N"
+    # coalesce="auto": P_M's 79,680 fp32 bytes are one unit under gloo's 2 MB target, which Z3
+    # keeps from forward into backward (dmuon/runtime/dedicate.py step 2): P_M^L = P_M, so
+    # 3(N-1)/N - (N-1)/N = 2(N-1)/N = 1.0 at N=2
+    assert runs["dmuon-z3"]["p_m_kept"] == runs["dmuon-z3"]["p_m"]
+    assert runs["dmuon-z3"]["ratio_to_p_m"] == pytest.approx(1.0)
+    assert runs["dmuon-z3"]["closed_form"] == "3(N-1)/N − (N-1)/N·P_M^L"
     # Newton–Schulz per step: inp 1 + 2 x (router 1 + 5 + 5 expert slices), once each
     assert runs["dmuon-z3"]["ns_calls_per_step"] == 23
     assert runs["naive-fsdp2-z3"]["ns_calls_per_step"] == 2 * 23  # every rank, every matrix
@@ -54,16 +58,30 @@ def test_a_block_run_twice_per_forward_is_sent_again_as_predicted(pool2, tmp_pat
     for mode in ("naive-fsdp2-z3", "naive-fsdp2-z2"):
         assert runs[mode]["p_m_reused"] == block0, mode
     # DMuon's coalesce="auto" makes inp, blocks.0 and blocks.1 one unit (15,000 fp32 elements,
-    # under gloo's 2 MB): freed once its last block ran, so block 0's second run sends it all again
+    # under gloo's 2 MB), the last one, which Z3 keeps from its forward into the backward
+    # (dmuon/runtime/dedicate.py step 2): block 0's second run finds it valid and sends nothing,
+    # and backward re-broadcasts nothing; forward and backward move P_M once each (Z2's 1.0)
     unit = 20 * 50 + 2 * block0
-    assert runs["dmuon-z3"]["p_m_reused"] == unit == runs["dmuon-z3"]["p_m"]
-    assert runs["dmuon-z3"]["closed_form"] == "3(N-1)/N + (N-1)/N·P_M^r"
-    # forward: the unit, then again for block 0's second run; backward: one re-broadcast and
-    # one reduce each
-    fwd = runs["dmuon-z3"]["phases"]["forward"]["measured_avg_elems"]
-    assert fwd == pytest.approx(0.5 * (runs["dmuon-z3"]["p_m"] + unit))
+    assert runs["dmuon-z3"]["p_m_reused"] == 0 and runs["dmuon-z3"]["p_m_kept"] == unit == runs["dmuon-z3"]["p_m"]
+    assert runs["dmuon-z3"]["closed_form"] == "3(N-1)/N − (N-1)/N·P_M^L"
+    assert runs["dmuon-z3"]["ratio_to_p_m"] == pytest.approx(1.0)
     if "dmuon-z2" in runs:  # Z2 keeps the block between its two runs: nothing sent again
         assert runs["dmuon-z2"]["ratio_to_p_m"] == pytest.approx(1.0)
+
+
+def test_a_reused_block_is_sent_again_unless_its_unit_is_kept(pool2, tmp_path):
+    """shared_block with one unit per block (coalesce="block"): blocks.0 runs twice and is freed
+    after its first run, so Z3 broadcasts it again (P_M^r); blocks.1, the last unit, is kept
+    from its forward into the backward and not re-broadcast (P_M^L;
+    dmuon/runtime/dedicate.py steps 2-3)."""
+    _, runs = _run(pool2, tmp_path, ("dmuon-z3",), "examples.structures:shared_block", coalesce="block")
+    run, block = runs["dmuon-z3"], 2 * 50 * 70  # blocks.0 and blocks.1 alike
+    assert run["p_m"] == 20 * 50 + 2 * block and run["p_m_reused"] == run["p_m_kept"] == block
+    assert run["closed_form"] == "3(N-1)/N + (N-1)/N·P_M^r − (N-1)/N·P_M^L"
+    # at N=2: forward P_M + blocks.0 again, backward a re-broadcast of all but blocks.1 + a reduce
+    phases = run["phases"]
+    assert phases["forward"]["measured_avg_elems"] == pytest.approx(0.5 * (run["p_m"] + block))
+    assert phases["backward"]["measured_avg_elems"] == pytest.approx(0.5 * (2 * run["p_m"] - block))
 
 
 @pytest.mark.parametrize("model", ["linear_list", "conv_net"])
@@ -85,7 +103,11 @@ def test_hf_qwen3_moe(pool2, tmp_path, modes):
     assert {n for n in muon if ".mlp." in n} == {
         f"model.layers.{i}.mlp.{p}" for i in range(2)
         for p in ("experts.gate_up_proj", "experts.down_proj", "gate.weight")}
-    assert runs["dmuon-z3"]["ratio_to_p_m"] == pytest.approx(1.5)
+    # coalesce="auto": the tiny model's fp32 Muon params fit gloo's 2 MB unit target, so they
+    # are one unit, which Z3 keeps (P_M^L = P_M): 3(N-1)/N - (N-1)/N = 1.0 at N=2
+    assert 4 * report["params"]["muon_elems"] <= 2_000_000
+    assert runs["dmuon-z3"]["p_m_kept"] == runs["dmuon-z3"]["p_m"]
+    assert runs["dmuon-z3"]["ratio_to_p_m"] == pytest.approx(1.0)
 
 
 def test_equal_blocks_move_as_one_aligned_unit(pool2, tmp_path):
@@ -96,7 +118,10 @@ def test_equal_blocks_move_as_one_aligned_unit(pool2, tmp_path):
     assert runs["dmuon-z3"]["p_m"] == 4 * 2 * 50 * 70
     for mode in ("dmuon-ddp", "dmuon-z3"):  # 2 measured steps x 2 ranks x one all_gather
         assert runs[mode]["phases"]["forward"]["collectives_measured"] == 4
-    assert runs["dmuon-z3"]["closed_form"] == "3(N-1)/N"
+    # Z3 keeps the one unit from forward into backward (dmuon/runtime/dedicate.py step 2): no
+    # backward all_gather, only the reduce_scatter (2 steps x 2 ranks)
+    assert runs["dmuon-z3"]["phases"]["backward"]["collectives_measured"] == 4
+    assert runs["dmuon-z3"]["closed_form"] == "3(N-1)/N − (N-1)/N·P_M^L"
 
 
 def test_a_frozen_layer_is_gathered_but_not_reduced_as_predicted(pool2, tmp_path):
