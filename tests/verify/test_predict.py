@@ -40,8 +40,8 @@ def _dedicated_avg(layout: RunLayout) -> Fraction:
     total = Fraction(0)
     for e in predict_step(layout):
         n = e.group_size
-        f = Fraction(2 * (n - 1), n) if e.op == "all_reduce" else Fraction(n - 1, n)
-        s = n * e.count if e.op in ("all_gather", "reduce_scatter") else e.count
+        f = {"all_reduce": Fraction(2 * (n - 1), n), "gather": Fraction(n - 1, n * n)}.get(e.op, Fraction(n - 1, n))
+        s = n * e.count if e.op in ("all_gather", "reduce_scatter", "all_to_all", "gather") else e.count
         total += f * s * Fraction(e.dedicated_count, e.count)
     return total / layout.world_size
 
@@ -513,3 +513,27 @@ def test_verify_traffic_rest_flag():
         parse_args(["--out-dir", "x", "--rest", "replicate", "--tp", "2"])
     with pytest.raises(SystemExit):
         parse_args(["--out-dir", "x", "--rest", "ddp"])
+
+
+@pytest.mark.parametrize("mode,coalesce", [("dmuon-hsdp-z2", 0), ("dmuon-z3", 56_000)])
+def test_gloo_reduces_by_gather_with_the_counts_and_traffic_of_reduce(mode, coalesce):
+    """dmuon/runtime/dedicate.py step 4 on gloo: every reduce (shard and replicate axis) is a
+    gather to the same root and every aligned reduce_scatter an all_to_all, with the same
+    counts; the W-average traffic, hence the closed form, is unchanged."""
+    from examples.structures import EqualBlocks
+
+    model = EqualBlocks()
+    layout = RunLayout(mode=mode, replicate_size=2 if "hsdp" in mode else 1, shard_size=2,
+                       params=tuple(specs_from_named_parameters(model.named_parameters())),
+                       muon_names=muon_names(model), fsdp_modules=("",),
+                       reshard_after_forward=mode.endswith("z3"),
+                       dmuon_coalesce_bytes=coalesce, dmuon_aligned_max_bytes=64 * 1024)
+    gloo = dataclasses.replace(layout, dmuon_reduce_by_gather=True)
+    renamed = {"reduce": "gather", "reduce_scatter": "all_to_all"}
+    plain = [e for e in predict_step(layout) if e.dedicated_count]
+    gathered = [e for e in predict_step(gloo) if e.dedicated_count]
+    assert {e.op for e in plain} & set(renamed)  # the layout has reductions to rename
+    assert gathered == [dataclasses.replace(e, op=renamed.get(e.op, e.op)) for e in plain]
+    assert _dedicated_avg(gloo) == _dedicated_avg(layout)
+    run = compare_run(gloo, _events(gloo), steps=1, ns_calls=len(layout.muon_names))
+    assert run["pass"] and run["closed_form_matches"]

@@ -101,6 +101,7 @@ def layout_from_job(model: nn.Module, dedicated: dmuon.DedicatedParams,
                   dmuon_bucket_cap_bytes=int(dedicated.bucket_cap_bytes),
                   dmuon_coalesce_bytes=int(dedicated.coalesce_bytes),
                   dmuon_aligned_max_bytes=int(dedicated.aligned_max_bytes),
+                  dmuon_reduce_by_gather=bool(dedicated.reduce_by_gather),
                   dmuon_block_order=tuple(block_order))
     hsdp = topo.replicate_size > 1
     mode = f"dmuon-{'hsdp-' if hsdp else ''}{'z3' if z3 else 'z2'}"

@@ -95,6 +95,8 @@ class RunLayout:
             :func:`dmuon_coalesce_bytes`); 0: one unit per block.
         dmuon_aligned_max_bytes: the largest bucket of an aligned group
             (:func:`dmuon_aligned_max_bytes`).
+        dmuon_reduce_by_gather: DMuon's reduces run as gathers and its aligned
+            reduce_scatters as all_to_alls (:func:`dmuon_reduce_by_gather`: gloo).
         root_auto_reshard: the root was wrapped without ``reshard_after_forward`` (FSDP2 then
             keeps it unsharded after forward).
         mp_param_dtype: mixed precision's param dtype (torch name, e.g. ``"bfloat16"``) or
@@ -136,6 +138,7 @@ class RunLayout:
     dmuon_bucket_cap_bytes: int = 25 * 1024 * 1024
     dmuon_coalesce_bytes: int = 0
     dmuon_aligned_max_bytes: int = NO_LIMIT
+    dmuon_reduce_by_gather: bool = False
     root_auto_reshard: bool = True
     mp_param_dtype: str | None = None
     mp_reduce_dtype: str | None = None
@@ -275,6 +278,16 @@ DMUON_ALIGNED_MAX_BYTES = {"gloo": 64 * 1024}
 def dmuon_aligned_max_bytes(backend: str) -> int:
     """The aligned groups' bucket limit on ``backend`` (docs/traffic-model.md)."""
     return DMUON_ALIGNED_MAX_BYTES.get(backend, NO_LIMIT)
+
+
+#: Backends on which DMuon reduces by gather (``dmuon/runtime/dedicate.py`` step 4): each
+#: reduce is a gather to the same root, each aligned reduce_scatter an all_to_all, same counts.
+DMUON_REDUCE_BY_GATHER = frozenset({"gloo"})
+
+
+def dmuon_reduce_by_gather(backend: str) -> bool:
+    """Whether DMuon's reductions run as gathers / all_to_alls on ``backend``."""
+    return backend in DMUON_REDUCE_BY_GATHER
 
 
 def dmuon_coalesce_bytes(coalesce: str | int, backend: str) -> int:
@@ -476,6 +489,9 @@ def _dmuon_calls(layout: RunLayout, rank: int) -> list[Expected]:
 
     buckets = layout_buckets(layout)
     kept = kept_unit(layout, buckets)
+    # step 4's reductions: reduce / reduce_scatter, or (gloo) gather / all_to_all, same counts
+    reduce, reduce_scatter = (("gather", "all_to_all") if layout.dmuon_reduce_by_gather
+                              else ("reduce", "reduce_scatter"))
     grouped: dict[tuple[str, str], list[DMuonBucket]] = {}
     for b in buckets:
         if b.aligned:
@@ -489,9 +505,9 @@ def _dmuon_calls(layout: RunLayout, rank: int) -> list[Expected]:
         # a reduce carries the grads, then one usage element per param (dmuon/runtime/dedicate.py
         # step 4): count numel + params, dedicated payload numel
         usage = len(b.names)
-        add("backward", "reduce", sid, n, b, red, s_own, usage)
+        add("backward", reduce, sid, n, b, red, s_own, usage)
         if r_size > 1 and s_me == s_own:
-            add("backward", "reduce", rid, r_size, b, red, r_own, usage)
+            add("backward", reduce, rid, r_size, b, red, r_own, usage)
             add("replicate", "broadcast", rid, r_size, b, b.dtype, r_own)
     # an aligned group: one bucket per owner, C elements and u params each; one all_gather /
     # reduce_scatter per channel moves them all (count = what each member sends / keeps)
@@ -506,9 +522,9 @@ def _dmuon_calls(layout: RunLayout, rank: int) -> list[Expected]:
         forward, backward = dmuon_broadcasts(layout, group[0], kept)  # one unit: every member alike
         put("forward", "all_gather", sid, n, held, cast, held, times=forward)
         put("backward", "all_gather", sid, n, held, cast, held, times=backward)
-        put("backward", "reduce_scatter", sid, n, r_size * (c + usage), red, held)
+        put("backward", reduce_scatter, sid, n, r_size * (c + usage), red, held)
         if r_size > 1:
-            put("backward", "reduce_scatter", rid, r_size, c + usage, red, c)
+            put("backward", reduce_scatter, rid, r_size, c + usage, red, c)
             put("replicate", "all_gather", rid, r_size, c, dtype, c)
     return out
 

@@ -27,10 +27,11 @@ def test_swapped_bucket_members_fail_naming_the_collectives(pool2):
     b = next(x for x in buckets if x.module == mod_b and x.owner != a.owner)
     missing = {(m["op"], m["count"], m["root"]) for m in run["missing"]}
     unexpected = {(u["op"], u["count"], u["root"]) for u in run["unexpected"]}
-    for op in ("broadcast", "reduce"):
+    reduce = "gather" if layout.dmuon_reduce_by_gather else "reduce"  # gloo: dedicate.py step 4
+    for op in ("broadcast", reduce):
         # predicted: each bucket whole from its owner; issued: the other one's size (a reduce
         # also carries one usage element per param)
-        ka, kb = (len(a.names), len(b.names)) if op == "reduce" else (0, 0)
+        ka, kb = (len(a.names), len(b.names)) if op == reduce else (0, 0)
         assert (op, a.numel + ka, a.owner) in missing and (op, b.numel + kb, b.owner) in missing
         assert (op, b.numel + kb, a.owner) in unexpected and (op, a.numel + ka, b.owner) in unexpected
     # a missing call is named by the module of a predicted bucket with that key

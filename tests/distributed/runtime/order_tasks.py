@@ -83,7 +83,7 @@ def reordered_step(z3: bool, model_order: bool = False, hsdp: bool = False) -> d
     from dmuon.runtime import order
     from dmuon.ownership.plan import specs_from_named_parameters
     from verify.run.block_order import BlockOrderRecorder, blocks_of
-    from verify.traffic.predict import RunLayout
+    from verify.traffic.predict import RunLayout, dmuon_reduce_by_gather
 
     original = order.execution_block_order
     if model_order:
@@ -116,6 +116,7 @@ def reordered_step(z3: bool, model_order: bool = False, hsdp: bool = False) -> d
                        shard_size=dist.get_world_size() // r_size,
                        params=tuple(specs_from_named_parameters(model.named_parameters())),
                        muon_names=tuple(dm.names), reshard_after_forward=z3,
+                       dmuon_reduce_by_gather=dmuon_reduce_by_gather(dist.get_backend()),
                        dmuon_block_order=recorder.agreed())
     setup = [(e.op, e.count, e.dtype, e.group_size) for e in first.events if e.phase == "setup"]
     return {"before": before, "setup": setup, "after": dm.block_order, "recorded": recorder.recorded,
