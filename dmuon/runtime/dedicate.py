@@ -92,14 +92,14 @@ Per step (docs/spec.md §1):
    unit** (the unit of bucket ``B-1``, the last to run once the block order holds): its
    drivers never free it; the root's post-hook frees it only when the root's forward ran
    under ``no_grad`` (no backward follows), else its buckets stay VALID into the backward,
-   which needs them first (as FSDP2 keeps its root's params after forward). Every other bucket is then FREED on every rank. **Reuse**: a block
-   whose forward runs again in the same forward (weight sharing) finds its buckets FREED
-   (the last unit's: VALID, no call);
+   which needs them first (as FSDP2 keeps its root's params after forward). Every other
+   bucket is then FREED on every rank. **Reuse**: a block whose forward runs again in the
+   same forward (weight sharing) finds its buckets FREED (the last unit's: VALID, no call);
    its pre-hook broadcasts each of them again from its holder (phase ``forward``, issued
    and waited there: ``Schedule.refill``), as FSDP2 re-gathers a reused module, and its
-   post-hook frees them again (the last unit's stay). Every rank must run the block the same number of times (as
-   under FSDP2). Under Z2 the buckets stay VALID: no call. A module *inside* a block that
-   runs outside its block's forward after the block's buckets were freed reads the freed
+   post-hook frees them again (the last unit's stay). Every rank must run the block the
+   same number of times (as under FSDP2). Under Z2 the buckets stay VALID: no call. A
+   module *inside* a block that runs outside its block's forward after the block's buckets were freed reads the freed
    guard and raises.
 3. **backward**, Z3 (channel ``broadcast``, phase ``backward``): a re-broadcast cursor walks
    the buckets in reverse index order. A driver's pre-backward hook (its outputs' first
@@ -494,9 +494,8 @@ class DedicatedParams:
         (``bytes``: its dedicated params in their own dtype); ``calls_per_step``: DMuon's
         collectives this rank takes part in per step outside the first, by protocol step
         (``forward``, ``backward`` (Z3 re-broadcasts of every unit but the last, and
-        reduces), ``replicate``; an aligned
-        group counts one call per channel); ``z3_peak_bytes``: under Z3 the most compute-copy
-        bytes this rank holds at once for buckets it does not hold between steps, over
+        reduces), ``replicate``; an aligned group counts one call per channel);
+        ``z3_peak_bytes``: under Z3 the most compute-copy bytes this rank holds at once for buckets it does not hold between steps, over
         consecutive pairs of units (a unit plus the next, which prefetch may fill while it
         runs; ``prefetch_depth`` > 1 can reach further), when every block runs in the
         forward: a unit with a block that does not run stays allocated until the end of the
