@@ -99,8 +99,8 @@ Per step (docs/spec.md §1):
    and waited there: ``Schedule.refill``), as FSDP2 re-gathers a reused module, and its
    post-hook frees them again (the last unit's stay). Every rank must run the block the
    same number of times (as under FSDP2). Under Z2 the buckets stay VALID: no call. A
-   module *inside* a block that runs outside its block's forward after the block's buckets were freed reads the freed
-   guard and raises.
+   module *inside* a block that runs outside its block's forward after the block's buckets
+   were freed reads the freed guard and raises.
 3. **backward**, Z3 (channel ``broadcast``, phase ``backward``): a re-broadcast cursor walks
    the buckets in reverse index order. A driver's pre-backward hook (its outputs' first
    grad) advances it to the driver's first bucket; activation-checkpoint recompute (a
