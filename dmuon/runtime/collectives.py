@@ -273,9 +273,10 @@ def all_to_all_(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup, 
 
 def sum_rows_(out: torch.Tensor, rows: torch.Tensor) -> None:
     """``out`` <- the sum of ``rows`` (n, out.numel()) over dim 0, in a fixed order: adjacent
-    pairs, level by level (n = 4: (r0 + r1) + (r2 + r3)), the order of an HSDP mesh whose
-    shard groups are consecutive ranks, so a 1-D and a 2-D reduction of the same grads sum
-    alike."""
+    pairs, level by level (n = 4: (r0 + r1) + (r2 + r3)). On a 2 x 2 HSDP mesh (shard groups
+    of consecutive ranks) that is the order of the shard sum then the replicate sum, so the
+    1-D and the 2-D reductions of the same grads round alike; other shapes (e.g. 2 x 3) may
+    round differently in the last bit, as any two reduction orders do."""
     while rows.shape[0] > 1:
         even = rows.shape[0] // 2 * 2
         summed = rows[0:even:2] + rows[1:even:2]
@@ -379,6 +380,8 @@ class Launcher:
             as an all_to_all, each followed by a local sum (:class:`Summed`): the same
             elements sent and received on the W-average, in one message round instead of the
             backend's multi-round reduction (``buckets.LinkCost.reduce_by_gather``: gloo).
+            Memory: the receiver holds n rows of the buffer until the wait (an owner, n times
+            the buckets it owns between the backward's issue and ``finish_reduces``).
 
     Raises:
         ValueError: ``accel`` given for a CPU device.
