@@ -279,7 +279,7 @@ from dmuon.ownership import buckets
 from dmuon.ownership.buckets import DEFAULT_BUCKET_CAP_MB
 from dmuon.ownership.plan import OwnershipPlan
 from dmuon.runtime.hooks import Runtime, in_backward
-from dmuon.runtime.rest import ReplicatedRest
+from dmuon.runtime.rest import ReplicatedRest, rest_of, warn_if_not_averaged
 from dmuon.runtime.tp import make_groups as tp_groups
 from dmuon.runtime.state import Grads, TrainingState
 from dmuon.ownership.topology import Topology
@@ -650,6 +650,9 @@ class DedicatedParams:
                 from inside it), or grads accumulated under ``no_sync()`` were never reduced
                 (owners would step on their own micro-batches only). Checked on each rank
                 from its own grads, before any collective.
+
+        Warns (``UserWarning``, once): ``rest="wrapper"`` and nothing averages the rest's
+        grads (no DDP forward, no FSDP2 shards: ``rest.warn_if_not_averaged``).
         """
         rt = self._live("optimizer.step()")
         if rt.state == S.BACKWARD:
@@ -659,6 +662,11 @@ class DedicatedParams:
                     "after loss.backward() returns."
                 )
             rt.recover()
+        if rt.ddp_seen is not None:  # rest="wrapper": once, at the first step that can tell
+            tp_size = self.tp.size if self.tp is not None else 1
+            if warn_if_not_averaged(rest_of(self._model, set(self.names)), rt.ddp_seen,
+                                    self.topology.world_size, tp_size):
+                rt.ddp_seen = None
         local = self.unreduced_param()
         if local is not None:
             raise RuntimeError(

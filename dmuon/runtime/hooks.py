@@ -22,7 +22,7 @@ from torch.utils._pytree import tree_leaves
 from dmuon.runtime import attach, collectives, order, precision, tp
 from dmuon.ownership.buckets import Coalescing, bucket_layout
 from dmuon.runtime.copies import Bucket
-from dmuon.runtime.rest import ReplicatedRest
+from dmuon.runtime.rest import ReplicatedRest, inside_ddp_of
 from dmuon.ownership.plan import OwnershipPlan, specs_from_named_parameters
 from dmuon.runtime.schedule import Schedule
 from dmuon.runtime.state import Copy, Grads, StateMachine, TrainingState
@@ -52,6 +52,9 @@ class Runtime:
         self.pass_state = StateMachine()
         self.no_sync = False
         self.rest = rest  # rest="replicate" (rest.py), else None
+        # rest="wrapper": until the first step() that can tell, whether a forward ran inside
+        # DDP (rest.warn_if_not_averaged); None once told
+        self.ddp_seen: bool | None = False if rest is None else None
         self.order = order.OrderRecorder()
         self.order_agreed = False
         self._modules = dict(model.named_modules())
@@ -212,6 +215,8 @@ class Runtime:
         self._rebound.clear()
         if self.rest is not None:
             self.rest.begin_forward()  # checks the rest is unwrapped; broadcasts it once
+        elif self.ddp_seen is False:
+            self.ddp_seen = inside_ddp_of(self.root)
         self._enter(S.FORWARD)
         self._ran.clear()
         self.order.begin()

@@ -32,10 +32,14 @@ hand their outputs back in it). Buffers are not synchronised (as under FSDP2).
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel
 
 from dmuon import annotate
 from dmuon.runtime import collectives, tp
@@ -79,6 +83,47 @@ def rest_of(model: nn.Module, dedicated: set[str]) -> list[tuple[str, nn.Paramet
     """The rest: ``(name, param)`` of every param of ``model`` not in ``dedicated``, model
     order (``named_parameters``: a tied param once)."""
     return [(n, p) for n, p in model.named_parameters() if n not in dedicated]
+
+
+def inside_ddp_of(model: nn.Module) -> bool:
+    """Whether this forward of ``model`` runs inside the forward of a DDP that wraps it (torch
+    2.13 sets ``DistributedDataParallel._active_ddp_module`` for the duration of DDP's forward:
+    ``torch/nn/parallel/distributed.py``, ``_inside_ddp_forward``; False where torch lacks it)."""
+    ddp = getattr(DistributedDataParallel, "_active_ddp_module", None)
+    return ddp is not None and any(m is model for m in ddp.module.modules())
+
+
+def warn_if_not_averaged(rest: list[tuple[str, nn.Parameter]], ddp_seen: bool, dp_size: int,
+                         tp_size: int = 1) -> bool:
+    """``rest="wrapper"`` at a ``step()``: something must average the rest's grads over the
+    data-parallel ranks, or each rank's AdamW steps on its own micro-batch and the ranks drift
+    apart. Averaged: a forward ran inside DDP (``ddp_seen``), or every trainable param of the
+    rest with a grad is an FSDP2 shard (a DTensor over more than the ``tp_size`` ranks of its
+    TP group). Otherwise a ``UserWarning`` names a param and the fixes (a warning, not an
+    error: the user may average those grads by hand). Local, the same on every rank.
+
+    Returns:
+        Whether the check is done (False: the rest has trainable params but none has a grad
+        yet; ask again at the next step).
+    """
+    trainable = [(n, p) for n, p in rest if p.requires_grad]
+    if dp_size < 2 or ddp_seen or not trainable:
+        return True
+    with_grad = [(n, p) for n, p in trainable if p.grad is not None]
+    bare = [n for n, p in with_grad
+            if not (isinstance(p, DTensor) and p.device_mesh.size() > tp_size)]
+    if bare:
+        warnings.warn(
+            f"DMuon: rest='wrapper' but nothing averages the grads of {bare[0]} (and "
+            f"{len(bare) - 1} other params DMuon does not dedicate) over the {dp_size} "
+            "data-parallel ranks: no forward ran inside DistributedDataParallel and they are not "
+            "FSDP2 shards, so each rank steps them on its own batch and the ranks drift apart. "
+            "Wrap the model (DistributedDataParallel(model) or fully_shard(..., "
+            "ignored_params=set(dm))) after dmuon.dedicate_params, pass rest='replicate', or "
+            "average these grads yourself before step().",
+            stacklevel=4,
+        )
+    return bool(with_grad)
 
 
 def check_dtypes(model: nn.Module, dedicated: set[str], param_dtype: torch.dtype) -> None:

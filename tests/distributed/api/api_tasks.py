@@ -191,3 +191,33 @@ def matrices_left_to_adamw() -> dict:
         dm = dmuon.dedicate_params(model, T._mesh("flat"), params=["inp.weight", "layers.0.w_in"])
     return {"warnings": [str(w.message) for w in caught if "go to AdamW" in str(w.message)],
             "rows": [a.as_row() for a in dm.assignments()]}
+
+
+def rest_averaging_warnings(wrap: str) -> list[str]:
+    """Two steps of TinyGPT under ``rest="wrapper"`` with the model wrapped by ``wrap``
+    ("none", "ddp", "fsdp2") or with its rest frozen ("frozen"): the DMuon warnings of the
+    steps (``rest.warn_if_not_averaged``)."""
+    import warnings
+
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = T.make_model()
+    dm = dmuon.dedicate_params(model, T._mesh("flat"))
+    if wrap == "frozen":
+        for name, p in model.named_parameters():
+            p.requires_grad_(p in dm)
+    wrapped = {"ddp": lambda: DistributedDataParallel(model),
+               "fsdp2": lambda: fully_shard(model, mesh=T._mesh("flat"), ignored_params=set(dm))}.get(
+        wrap, lambda: model)()
+    opt = dmuon.DMuon([p for p in wrapped.parameters() if p.requires_grad], dedicated=dm)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(2):
+            x, y = T.corpus().global_batch(step, T.GLOBAL_BATCH, T.SMALL.seq_len)
+            T._loss(wrapped, local_slice(x, rank, world), local_slice(y, rank, world)).backward()
+            opt.step()
+            opt.zero_grad()
+    dm.close()
+    return [str(w.message) for w in caught if "DMuon" in str(w.message)]

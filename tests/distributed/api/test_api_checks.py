@@ -63,3 +63,16 @@ def test_matrices_left_to_adamw_are_named_once(pool2):
         assert rows["layers.0.w_in"][3:] == ("muon", "listed in params=")
         assert rows["layers.0.w_out"][1:4] == ((5, 40, 24), 4800, "adamw")
         assert rows["layers.0.w_out"][4].startswith("not in params= (default: stack of 5")
+
+
+@pytest.mark.parametrize("wrap", ["none", "ddp", "fsdp2", "frozen"])
+def test_a_rest_nothing_averages_is_named_once(pool2, wrap):
+    """rest="wrapper" with no wrapper: the ranks' AdamW steps would drift apart silently, so
+    the first step warns once, naming a param of the rest; under DDP or FSDP2, or with the
+    rest frozen, nothing is said."""
+    for warned in pool2.run_with_timeout(60, A.rest_averaging_warnings, wrap):
+        if wrap == "none":
+            assert len(warned) == 1 and "nothing averages the grads of tok_emb.weight" in warned[0], warned
+            assert "rest='replicate'" in warned[0]
+        else:
+            assert warned == [], warned
