@@ -78,20 +78,20 @@ class LinkCost:
 #: Documented defaults per backend (docs/traffic-model.md, "Coalescing"): ``nccl`` = the
 #: intra-node NVLink figures ``dmuon-plan`` assumes (10 µs per call, 360 GB/s bus bandwidth,
 #: ``verify.traffic.scale.CostModel``); every call kind costs alike, so aligned groups have no
-#: size limit. ``gloo`` = measured on a 2-core CPU machine at W=4
-#: (``benchmarks/bench_gloo_call_cost.py --aligned``: 2-5 ms per reduce / all_gather /
-#: reduce_scatter call whatever its size up to 256 KiB; β a round figure, about 1 GB/s for
-#: large messages); aligned groups only up to
-#: 64 KiB per bucket: gloo runs reduce_scatter as an all_reduce of the whole input and its
-#: broadcast is one message round, and with 256 KiB buckets the aligned calls measured slower
-#: end to end than per-bucket calls that overlap the blocks' compute
-#: (``benchmarks/bench_step.py --models mlp``). gloo's reduce and reduce_scatter run several
-#: message rounds (an all_reduce-like exchange), so on gloo DMuon reduces by gather: W
-#: gathers (one per owner) + local sums took 3.3-6.0 ms against 9.0-10.1 ms for W reduces,
-#: and an all_to_all + local sum 2.7-3.0 ms against 6.7-8.2 ms for a reduce_scatter, at 16-256
-#: KiB per bucket (``benchmarks/bench_gloo_call_cost.py --aligned``, W=4, 2 cores). NCCL's
-#: reduce and reduce_scatter are single pipelined passes and stay. Any other backend uses
-#: ``nccl``'s.
+#: size limit, and reduce / reduce_scatter (single pipelined passes) stay. ``gloo`` = measured
+#: on a 2-core CPU machine at W=4 (``benchmarks/bench_gloo_call_cost.py``; β a round figure,
+#: about 1 GB/s for large messages):
+#:
+#: - ``reduce_by_gather``: gloo's reduce and reduce_scatter run several message rounds, so DMuon
+#:   reduces by gather: W gathers + local sums took 3.3-6.0 ms against 9.0-10.1 ms for W
+#:   reduces, an all_to_all + local sum 2.7-3.0 ms against 6.7-8.2 ms for a reduce_scatter, at
+#:   16-256 KiB per bucket (``--aligned``);
+#: - ``aligned_max_bytes`` 64 KiB: with 256 KiB buckets the aligned calls measured slower end to
+#:   end than per-bucket calls that overlap the blocks' compute when the group's reduce was a
+#:   reduce_scatter, and no faster once it became an all_to_all (``benchmarks/bench_step.py
+#:   --models mlp``, docs/performance.md).
+#:
+#: Any other backend uses ``nccl``'s.
 LINK_COSTS = {"nccl": LinkCost(alpha_us=10.0, gbps=360.0),
               "gloo": LinkCost(alpha_us=2000.0, gbps=1.0, aligned_max_bytes=64 * 1024,
                                reduce_by_gather=True)}

@@ -189,7 +189,7 @@ class ReplicatedRest:
         out = []
         for name, (module, attr) in zip(self.names, self._slots):
             p = getattr(module, attr, None)
-            if p is None or type(p).__name__ == "DTensor":
+            if p is None or isinstance(p, DTensor):
                 _refuse(f"the param {name!r} is {'gone' if p is None else 'a DTensor'}, but "
                         "dedicate_params(rest='replicate') handles it")
             out.append(p)
