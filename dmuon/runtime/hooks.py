@@ -12,6 +12,8 @@ moves: ``.to()`` / ``to_empty()`` reach :meth:`Runtime.before_apply` / :meth:`Ru
 
 from __future__ import annotations
 
+import warnings
+
 import weakref
 
 import torch
@@ -196,6 +198,16 @@ class Runtime:
             b.abort(drop_grads=old == S.BACKWARD)
         if self.rest is not None:
             self.rest.abort(drop_grads=old == S.BACKWARD)
+        elif old == S.BACKWARD:  # the wrapper's grads are not DMuon's to drop: say so
+            warnings.warn(
+                "DMuon recovered from an exception inside backward and dropped that backward's "
+                "grads of the dedicated params, but under rest='wrapper' the DDP / FSDP2 wrapper "
+                "of the other params does not recover from it: it may keep that backward's "
+                "partial grads of the rest (FSDP2 adds them to the next step's, and "
+                "optimizer.zero_grad() does not clear them). Reload the model and optimizer from "
+                "a checkpoint, or use dedicate_params(rest='replicate'), which drops them too.",
+                stacklevel=3,
+            )
         self._end_iteration()
 
     def _end_iteration(self) -> None:

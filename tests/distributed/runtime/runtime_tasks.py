@@ -34,13 +34,24 @@ def owned_params(model, dm) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in model.named_parameters() if id(p) in owned}
 
 
-def train_with_failure(mode: str, fail: str | None, wrap: bool, steps: int = 3) -> dict:
+def train_with_failure(mode: str, fail: str | None, wrap: bool, steps: int = 3, **dm_kw) -> dict:
     """Train ``steps`` steps; with ``fail``, an extra iteration before step 1 raises inside
     forward ("forward") or inside backward ("backward") on every rank and is abandoned
     (followed by zero_grad() for "backward", by nothing for "forward"). ``wrap=False`` leaves
     the non-dedicated params unwrapped (neither DDP nor FSDP2 recovers from an exception
-    inside backward by itself: DDP raises at the next forward, FSDP2's results differ)."""
-    wrapped, model, dm, opt = build(mode, wrap=wrap)
+    inside backward by itself: DDP raises at the next forward, FSDP2's results differ).
+    Also returns DMuon's warnings."""
+    import warnings
+
+    wrapped, model, dm, opt = build(mode, wrap=wrap, **dm_kw)
+    with warnings.catch_warnings(record=True) as log:
+        warnings.simplefilter("always")
+        _train_failing(wrapped, model, opt, fail, steps)
+    return {"params": owned_params(model, dm), "state": dm.state.name,
+            "warnings": [str(w.message) for w in log if str(w.message).startswith("DMuon")]}
+
+
+def _train_failing(wrapped, model, opt, fail: str | None, steps: int) -> None:
     for step in range(steps):
         if step == 1 and fail is not None:
             x, y = batch(step)
@@ -69,7 +80,6 @@ def train_with_failure(mode: str, fail: str | None, wrap: bool, steps: int = 3) 
         _loss(wrapped, x, y).backward()
         opt.step()
         opt.zero_grad()
-    return {"params": owned_params(model, dm), "state": dm.state.name}
 
 
 def sync_and_residency(mode: str) -> dict:

@@ -27,6 +27,21 @@ def test_exception_in_forward_or_backward_leaves_next_iteration_correct(pool4, m
     assert got.keys() == clean.keys()
     assert all(torch.equal(got[n], clean[n]) for n in clean), (mode, fail)
     assert all(r["state"] == "IDLE" for r in results)
+    for r in results:  # rest="wrapper": the wrapper's grads of an aborted backward are named
+        said = [w for w in r["warnings"] if "exception inside backward" in w]
+        assert len(said) == (1 if fail == "backward" else 0), r["warnings"]
+
+
+def test_an_aborted_backward_under_rest_replicate_is_recovered_without_a_warning(pool4):
+    """rest="replicate": DMuon drops the rest's partial grads too, so the run equals a clean
+    one and nothing is said."""
+    clean = _merge(pool4.run_with_timeout(TIMEOUT_S, T.train_with_failure, "z3", None, False,
+                                          rest="replicate"))
+    results = pool4.run_with_timeout(TIMEOUT_S, T.train_with_failure, "z3", "backward", False,
+                                     rest="replicate")
+    got = _merge(results)
+    assert got.keys() == clean.keys() and all(torch.equal(got[n], clean[n]) for n in clean)
+    assert all(r["warnings"] == [] for r in results), [r["warnings"] for r in results]
 
 
 @pytest.mark.parametrize("mode", ["z3", "hsdp-z3", "ddp"])
