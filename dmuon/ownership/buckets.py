@@ -23,12 +23,14 @@ model order, cut into consecutive runs of at most ``cap_bytes`` (a param larger 
 is a bucket of its own). Within a unit the buckets are ordered by dtype (first appearance),
 then by owner: first appearance, except in an **aligned** dtype group (only when
 ``target_bytes > 0``: ``coalesce="block"`` keeps one call per bucket): exactly one bucket
-per global owner ``g`` in ``[0, W)`` (none split by the cap), all with the same ``numel``
-and the same number of params, each at most the backend's ``aligned_max_bytes``
-(:data:`LINK_COSTS`: 64 KiB on gloo, no limit on NCCL). Its buckets are ordered by
-``(s, r)`` (shard index, then replicate index, ``g = r * N + s``) and move in one
-``all_gather`` / ``reduce_scatter`` per channel instead of one ``broadcast`` / ``reduce``
-each (protocol in ``dmuon/runtime/dedicate.py``). :func:`bucket_layout` lists units in model
+per global owner ``g`` in ``[0, W)`` (none split by the cap), each at most the backend's
+``aligned_max_bytes`` (:data:`LINK_COSTS`: no limit on either backend), all with the same
+``numel`` and the same number of params, except on a backend that reduces by gather
+(gloo), where their sizes may differ (an **uneven** group: every call of it is an
+all_to_all, which takes any split). Its buckets are ordered by ``(s, r)`` (shard index,
+then replicate index, ``g = r * N + s``) and move in one call per channel instead of one
+``broadcast`` / ``reduce`` each: ``all_gather`` / ``reduce_scatter``, or an ``all_to_all``
+where the members' parts differ (protocol in ``dmuon/runtime/dedicate.py``). :func:`bucket_layout` lists units in model
 order, so the buckets of any module's subtree are a contiguous range; after the first step
 DMuon renumbers them unit by unit in the execution order (``order.py``, ``dedicate.py``
 step 7). DMuon's runtime (``hooks.py``) uses :func:`bucket_layout`; the traffic predictor
@@ -57,7 +59,8 @@ class LinkCost:
     largest bucket (bytes) an aligned group may have on this backend, and whether DMuon runs
     its reductions as gathers (``reduce_by_gather``: a reduce as a gather to the root, a
     reduce_scatter as an all_to_all, each summed locally by the receiver; the elements each
-    rank sends and receives are the same on the W-average, docs/traffic-model.md).
+    rank sends and receives are the same on the W-average, docs/traffic-model.md). Where it
+    does, aligned groups may be uneven (module docstring): their calls are all_to_alls.
 
     :attr:`half_bytes` is α/β, the message size at which a call spends as long on its fixed
     cost as on moving bytes (Hockney's n½): below it a call is latency-bound and coalescing
@@ -86,15 +89,15 @@ class LinkCost:
 #:   reduces by gather: W gathers + local sums took 3.3-6.0 ms against 9.0-10.1 ms for W
 #:   reduces, an all_to_all + local sum 2.7-3.0 ms against 6.7-8.2 ms for a reduce_scatter, at
 #:   16-256 KiB per bucket (``--aligned``);
-#: - ``aligned_max_bytes`` 64 KiB: with 256 KiB buckets the aligned calls measured slower end to
-#:   end than per-bucket calls that overlap the blocks' compute when the group's reduce was a
-#:   reduce_scatter, and no faster once it became an all_to_all (``benchmarks/bench_step.py
-#:   --models mlp``, docs/performance.md).
+#: - no ``aligned_max_bytes`` limit and uneven groups: an aligned group in 3 calls per step
+#:   (TinyGPT's 7, 7, 5, 5 d² owner shares; the MLP's 256 KiB buckets) measured 0.93-1.01x
+#:   the fastest baseline against 1.03-1.10x for per-owner calls in the same rounds
+#:   (``benchmarks/bench_step.py``, docs/performance.md; a 64 KiB limit stood while the
+#:   group's reduce was a multi-round reduce_scatter).
 #:
 #: Any other backend uses ``nccl``'s.
 LINK_COSTS = {"nccl": LinkCost(alpha_us=10.0, gbps=360.0),
-              "gloo": LinkCost(alpha_us=2000.0, gbps=1.0, aligned_max_bytes=64 * 1024,
-                               reduce_by_gather=True)}
+              "gloo": LinkCost(alpha_us=2000.0, gbps=1.0, reduce_by_gather=True)}
 
 
 @dataclass(frozen=True)
@@ -188,7 +191,8 @@ def unit_layout(specs: Sequence[ParamSpec], target_bytes: int) -> dict[str, tupl
 
 
 def bucket_layout(specs: Sequence[ParamSpec], plan: OwnershipPlan, cap_bytes: int,
-                  target_bytes: int = 0, aligned_max_bytes: int = sys.maxsize) -> list[BucketSpec]:
+                  target_bytes: int = 0, aligned_max_bytes: int = sys.maxsize,
+                  uneven: bool = False) -> list[BucketSpec]:
     """Buckets in model order of their units (module docstring).
 
     Args:
@@ -197,6 +201,8 @@ def bucket_layout(specs: Sequence[ParamSpec], plan: OwnershipPlan, cap_bytes: in
         cap_bytes: bucket cap in bytes of the params' dtype (> 0).
         target_bytes: unit target (:func:`unit_layout`); 0: one unit per block.
         aligned_max_bytes: the largest bucket of an aligned group (its own dtype's bytes).
+        uneven: aligned groups may have buckets of different sizes (the backend reduces by
+            gather, :attr:`LinkCost.reduce_by_gather`).
 
     Raises:
         KeyError: a spec is not in the plan.
@@ -204,14 +210,14 @@ def bucket_layout(specs: Sequence[ParamSpec], plan: OwnershipPlan, cap_bytes: in
     assert cap_bytes > 0 and target_bytes >= 0, (cap_bytes, target_bytes)
     units = unit_layout(specs, target_bytes)
     if target_bytes == 0:
-        return _layout(specs, plan, cap_bytes, units, 0)
+        return _layout(specs, plan, cap_bytes, units, 0, uneven)
     # a unit of several blocks stays only if it saves calls; else its blocks stand alone
-    joined = _layout(specs, plan, cap_bytes, units, aligned_max_bytes)
-    alone = _layout(specs, plan, cap_bytes, {b: (b,) for b in units}, 0)
+    joined = _layout(specs, plan, cap_bytes, units, aligned_max_bytes, uneven)
+    alone = _layout(specs, plan, cap_bytes, {b: (b,) for b in units}, 0, uneven)
     kept = {u for u in {b.module for b in joined}
             if len(units[u]) > 1 and _calls(joined, {u}) < _calls(alone, set(units[u]))}
     final = {b: (units[b] if units[b][0] in kept else (b,)) for b in units}
-    return _layout(specs, plan, cap_bytes, final, aligned_max_bytes)
+    return _layout(specs, plan, cap_bytes, final, aligned_max_bytes, uneven)
 
 
 def _calls(layout: list[BucketSpec], units: set[str]) -> int:
@@ -221,7 +227,7 @@ def _calls(layout: list[BucketSpec], units: set[str]) -> int:
 
 
 def _layout(specs: Sequence[ParamSpec], plan: OwnershipPlan, cap_bytes: int,
-            units: dict[str, tuple[str, ...]], aligned_max_bytes: int) -> list[BucketSpec]:
+            units: dict[str, tuple[str, ...]], aligned_max_bytes: int, uneven: bool) -> list[BucketSpec]:
     """Buckets of the given units (``aligned_max_bytes`` 0: none aligned)."""
     replicas, shards = plan.mesh_shape
     world = replicas * shards
@@ -239,7 +245,7 @@ def _layout(specs: Sequence[ParamSpec], plan: OwnershipPlan, cap_bytes: int,
     for unit, by_dtype in members.items():
         blocks = units[unit]
         for dtype, by_owner in by_dtype.items():
-            aligned = aligned_max_bytes > 0 and _aligned(by_owner, world, aligned_max_bytes)
+            aligned = aligned_max_bytes > 0 and _aligned(by_owner, world, aligned_max_bytes, uneven)
             owners = sorted(by_owner, key=lambda g: (g % shards, g // shards)) if aligned else by_owner
             for owner in owners:
                 for run in by_owner[owner]:
@@ -248,10 +254,12 @@ def _layout(specs: Sequence[ParamSpec], plan: OwnershipPlan, cap_bytes: int,
     return layout
 
 
-def _aligned(by_owner: dict[int, list[list[ParamSpec]]], world: int, max_bytes: int) -> bool:
-    """One run per owner of ``[0, world)``, equal element and param counts (world > 1), each
-    run at most ``max_bytes``."""
+def _aligned(by_owner: dict[int, list[list[ParamSpec]]], world: int, max_bytes: int, uneven: bool) -> bool:
+    """One run per owner of ``[0, world)`` (world > 1), each at most ``max_bytes``, with equal
+    element and param counts unless ``uneven``."""
     if world < 2 or sorted(by_owner) != list(range(world)) or any(len(r) != 1 for r in by_owner.values()):
         return False
-    shapes = {(sum(s.numel for s in runs[0]), len(runs[0])) for runs in by_owner.values()}
-    return len(shapes) == 1 and sum(s.nbytes for s in next(iter(by_owner.values()))[0]) <= max_bytes
+    runs = [r[0] for r in by_owner.values()]
+    if any(sum(s.nbytes for s in run) > max_bytes for run in runs):
+        return False
+    return uneven or len({(sum(s.numel for s in run), len(run)) for run in runs}) == 1

@@ -264,11 +264,15 @@ def gather_(buf: torch.Tensor, rows: torch.Tensor | None, dst: int, group: dist.
     return dist.gather(buf, out, group_dst=dst, group=group, async_op=async_op)
 
 
-def all_to_all_(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup, *, async_op: bool = False):
-    """Chunk ``j`` of ``inp`` (n equal chunks) to group rank ``j``; ``out``'s chunk ``i`` from
-    group rank ``i`` (``all_to_all_single``; count = ``inp.numel() / n``). Returns the ``Work``
-    when ``async_op``."""
-    return dist.all_to_all_single(out, inp, group=group, async_op=async_op)
+def all_to_all_(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup, *,
+                out_splits: list[int] | None = None, in_splits: list[int] | None = None,
+                async_op: bool = False):
+    """Chunk ``j`` of ``inp`` to group rank ``j``; ``out``'s chunk ``i`` from group rank ``i``
+    (``all_to_all_single``). Chunks are equal (count = ``inp.numel() / n``) unless
+    ``in_splits`` / ``out_splits`` give their sizes (elements per group rank; what rank ``i``
+    sends ``j`` must be what ``j`` expects from ``i``). Returns the ``Work`` when ``async_op``."""
+    return dist.all_to_all_single(out, inp, output_split_sizes=out_splits, input_split_sizes=in_splits,
+                                  group=group, async_op=async_op)
 
 
 def sum_rows_(out: torch.Tensor, rows: torch.Tensor) -> None:
@@ -446,24 +450,46 @@ class Launcher:
                               buf, *([] if rows is None else [rows]))
         return Summed(pending, buf, rows)
 
-    def all_gather(self, out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup, channel: str) -> Pending:
-        """:func:`all_gather_` issued asynchronously."""
-        return self.launch(channel, lambda async_op: all_gather_(out, inp, group, async_op=async_op), out, inp)
+    def all_gather(self, out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup, channel: str,
+                   parts: list[int] | None = None) -> Pending:
+        """:func:`all_gather_` issued asynchronously. ``parts``: every member's ``inp.numel()``
+        in group-rank order; where they differ (an uneven group, ``buckets.py``) the call is an
+        :func:`all_to_all_` of ``inp`` repeated n times (each member's part to every member,
+        itself included: n times ``inp`` in staging memory until the wait)."""
+        if parts is None or len(set(parts)) == 1:
+            return self.launch(channel, lambda async_op: all_gather_(out, inp, group, async_op=async_op), out, inp)
+        copies = inp.repeat(len(parts))
+        return self.launch(channel, lambda async_op: all_to_all_(
+            out, copies, group, out_splits=parts, in_splits=[inp.numel()] * len(parts), async_op=async_op),
+            out, copies)
 
     def all_reduce(self, buf: torch.Tensor, group: dist.ProcessGroup, channel: str) -> Pending:
         """:func:`all_reduce_sum_` issued asynchronously."""
         return self.launch(channel, lambda async_op: all_reduce_sum_(buf, group, async_op=async_op), buf)
 
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup,
-                       channel: str) -> Pending | Summed:
+                       channel: str, parts: list[int] | None = None) -> Pending | Summed:
         """:func:`reduce_scatter_sum_` issued asynchronously (``reduce_by_gather``:
-        :func:`all_to_all_`, this rank's n chunks summed into ``out`` at the wait)."""
+        :func:`all_to_all_`, this rank's n chunks summed into ``out`` at the wait). ``parts``:
+        every member's chunk of ``inp`` in group-rank order (``out.numel()`` for this rank);
+        chunks that differ (an uneven group) need ``reduce_by_gather``, which sends chunk
+        ``j`` to member ``j`` as it is.
+
+        Raises:
+            ValueError: unequal ``parts`` without ``reduce_by_gather``.
+        """
+        uneven = parts is not None and len(set(parts)) > 1
+        if uneven and not self.reduce_by_gather:
+            raise ValueError(f"Invalid parts={parts} for a reduce_scatter: unequal chunks need "
+                             "reduce_by_gather (an all_to_all); buckets.py forms uneven groups only there.")
         if not self.reduce_by_gather:
             return self.launch(channel, lambda async_op: reduce_scatter_sum_(out, inp, group, async_op=async_op),
                                out, inp)
-        rows = torch.empty((dist.get_world_size(group), out.numel()), dtype=inp.dtype, device=inp.device)
-        pending = self.launch(channel, lambda async_op: all_to_all_(rows.view(-1), inp, group, async_op=async_op),
-                              rows, inp)
+        n = dist.get_world_size(group)
+        rows = torch.empty((n, out.numel()), dtype=inp.dtype, device=inp.device)
+        splits = dict(out_splits=[out.numel()] * n, in_splits=parts) if uneven else {}
+        pending = self.launch(channel, lambda async_op: all_to_all_(rows.view(-1), inp, group, **splits,
+                                                                    async_op=async_op), rows, inp)
         return Summed(pending, out, rows)
 
 

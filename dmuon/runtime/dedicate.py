@@ -29,8 +29,9 @@ Glossary (see ``topology.py`` for the mesh terms):
   buffer (``residency.py``), so one collective moves them all. A bucket's ``module`` is its
   unit (its first block's module); the unit's blocks are ``blocks``.
 - **aligned group**: the buckets of one unit and dtype when they are exactly one per global
-  owner, of equal ``numel`` and param count, each at most the backend's aligned size limit
-  (``buckets.LINK_COSTS``: 64 KiB on gloo, none on NCCL), and ``coalesce`` is not
+  owner, of equal ``numel`` and param count (on gloo, ``reduce_by_gather``, their sizes may
+  differ: an **uneven** group, below), each at most the backend's aligned size limit
+  (``buckets.LINK_COSTS``: none on either backend), and ``coalesce`` is not
   ``"block"``; ordered by ``(s, r)``. Every call below that would move each of its buckets separately moves the whole
   group in one call instead: a forward broadcast or Z3 re-broadcast becomes one
   **all_gather** over the shard axis (each rank's input: the R buckets of its shard index, in
@@ -43,6 +44,12 @@ Glossary (see ``topology.py`` for the mesh terms):
   the group's first bucket in the walk's direction would be (forward and step 6: its lowest
   index; backward: its highest) and replaces the group's calls there; each bytes-per-rank
   figure equals that of the calls it replaces. ``sync_params`` still broadcasts per bucket.
+  Where the members' parts of a call differ (an uneven group: each rank's part is the sum
+  of its buckets' sizes in that call), the all_gather is an **all_to_all** of the rank's
+  input repeated n times (input splits ``[part] * n``, output splits every rank's part, in
+  group-rank order) and the reduce_scatter (an all_to_all on gloo already, step 4) takes
+  input splits of every rank's part and output splits ``[own part] * n``; the same elements
+  arrive where the equal-size call would put them.
 - **copy state** (``state.Copy``, one per bucket): where the non-holders' compute copy
   stands: ``FREED`` (no storage), ``STALE``, ``IN_FLIGHT`` (a broadcast is writing it) or
   ``VALID`` (equal to the owner's current values, allocated). Every rank tracks the same
@@ -129,7 +136,8 @@ Per step (docs/spec.md §1):
    the wait below REDUCED. **On gloo** (``buckets.LINK_COSTS``: ``reduce_by_gather``) every
    reduce of this step, shard and replicate, is a **gather** to the same root of the same
    ``numel + len(params)`` elements, and every aligned group's reduce_scatter an
-   **all_to_all** of the same input (count: the chunk each member keeps); the receiver sums
+   **all_to_all** of the same input (count: the chunk each member keeps; an uneven group's
+   chunks differ, see "aligned group"); the receiver sums
    the members' rows at the wait, adjacent pairs level by level (``collectives.sum_rows_``).
    Each rank sends and receives the same elements on the W-average (docs/traffic-model.md),
    in one message round where gloo's reduce and reduce_scatter take several.

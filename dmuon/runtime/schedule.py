@@ -161,7 +161,7 @@ class Schedule:
                                                            owner=None if b.aligned else b.owner):
                 if b.aligned:
                     work = self._reduce_scatter(members, bufs, lambda m: m.is_holder,
-                                                self.groups.reduce, "reduce")
+                                                self.groups.reduce, "reduce", _shard_rank)
                 else:
                     work = self.launcher(bufs[0]).reduce(bufs[0], b.shard_owner, self.groups.reduce)
             for m, buf in zip(members, bufs):
@@ -188,7 +188,8 @@ class Schedule:
                         self.launcher(buf).reduce(buf, b.replicate_owner, rep, channel="replicate"))
                 else:  # this rank's R held buckets, summed over the replicate axis to their owners
                     replicate_works.append(self._reduce_scatter(
-                        held, [m.wait_reduce() for m in held], lambda m: m.is_owner, rep, "replicate"))
+                        held, [m.wait_reduce() for m in held], lambda m: m.is_owner, rep, "replicate",
+                        _replicate_rank))
         for work in replicate_works:
             work.wait()
         owned = [b for b in self.buckets if b.is_owner]
@@ -234,7 +235,7 @@ class Schedule:
                             b.flat, b.replicate_owner, self.groups.replicate, channel="replicate")
                     else:  # the owner's bucket to the other holders of its shard index
                         work = self._all_gather(held, [m.flat for m in held], lambda m: m.is_owner,
-                                                self.groups.replicate, "replicate")
+                                                self.groups.replicate, "replicate", _replicate_rank)
                 for m in held:
                     m.replicate_issued(work)
 
@@ -272,28 +273,32 @@ class Schedule:
                                                   owner=None if b.aligned else b.owner):
             if b.aligned:
                 work = self._all_gather(members, bufs, lambda m: m.is_holder,
-                                        self.groups.broadcast, "broadcast")
+                                        self.groups.broadcast, "broadcast", _shard_rank)
             else:
                 work = self.launcher(bufs[0]).broadcast(bufs[0], b.shard_owner, self.groups.broadcast)
         for m in members:
             m.broadcast_issued(work)
 
-    def _all_gather(self, members: list[Bucket], bufs: list[torch.Tensor], mine, group, channel: str):
+    def _all_gather(self, members: list[Bucket], bufs: list[torch.Tensor], mine, group, channel: str,
+                    rank_of):
         """One all_gather of ``bufs`` (group order; the ``mine(m)`` ones, consecutive, are
-        this rank's input) into a staging buffer; the others' are copied out at the wait."""
+        this rank's input; ``rank_of(m)`` the group rank whose part ``m`` is: an all_to_all
+        where the parts differ) into a staging buffer; the others' are copied out at the wait."""
         inp = _cat([buf for m, buf in zip(members, bufs) if mine(m)])
         out = torch.empty(sum(buf.numel() for buf in bufs), dtype=inp.dtype, device=inp.device)
-        pending = self.launcher(inp).all_gather(out, inp, group, channel)
+        pending = self.launcher(inp).all_gather(out, inp, group, channel, _parts(members, bufs, rank_of))
         return collectives.Fused(pending, [(buf, piece) for m, buf, piece in
                                            zip(members, bufs, _split(out, bufs)) if not mine(m)])
 
-    def _reduce_scatter(self, members: list[Bucket], bufs: list[torch.Tensor], mine, group, channel: str):
-        """One reduce_scatter (sum) of ``bufs`` concatenated in group order; this rank's
-        chunk (the ``mine(m)`` buffers, consecutive) is copied into them at the wait."""
+    def _reduce_scatter(self, members: list[Bucket], bufs: list[torch.Tensor], mine, group, channel: str,
+                        rank_of):
+        """One reduce_scatter (sum) of ``bufs`` concatenated in group order (``rank_of`` as in
+        :meth:`_all_gather`); this rank's chunk (the ``mine(m)`` buffers, consecutive) is
+        copied into them at the wait."""
         inp = torch.cat(bufs)
         kept = [buf for m, buf in zip(members, bufs) if mine(m)]
         out = torch.empty(sum(buf.numel() for buf in kept), dtype=inp.dtype, device=inp.device)
-        pending = self.launcher(inp).reduce_scatter(out, inp, group, channel)
+        pending = self.launcher(inp).reduce_scatter(out, inp, group, channel, _parts(members, bufs, rank_of))
         return collectives.Fused(pending, list(zip(kept, _split(out, kept))))
 
     def launcher(self, t: torch.Tensor) -> collectives.Launcher:
@@ -303,6 +308,27 @@ class Schedule:
             launcher = self._launchers[t.device] = collectives.Launcher(
                 t.device, reduce_by_gather=self.reduce_by_gather)
         return launcher
+
+
+def _shard_rank(b: Bucket) -> int:
+    """The group rank of ``b``'s holder in a shard group (``broadcast``, ``reduce``)."""
+    return b.shard_owner
+
+
+def _replicate_rank(b: Bucket) -> int:
+    """The group rank of ``b``'s owner in a replicate group."""
+    return b.replicate_owner
+
+
+def _parts(members: list[Bucket], bufs: list[torch.Tensor], rank_of) -> list[int]:
+    """Elements of ``bufs`` per group rank (``rank_of`` each member), in group-rank order:
+    the part each rank sends or keeps in an aligned group's call (members come in group
+    order, each rank's consecutive)."""
+    parts: dict[int, int] = {}
+    for m, buf in zip(members, bufs):
+        parts[rank_of(m)] = parts.get(rank_of(m), 0) + buf.numel()
+    assert list(parts) == sorted(parts), (list(parts), [m.owner for m in members])
+    return list(parts.values())
 
 
 def _cat(bufs: list[torch.Tensor]) -> torch.Tensor:

@@ -77,9 +77,20 @@ def test_an_aligned_group_is_one_bucket_per_owner_in_shard_then_replicate_order(
     # buckets (2 x 32 x 32 fp32 = 8 KiB) above the backend's aligned limit move per bucket
     assert not any(b.aligned for b in bucket_layout(specs, plan, 25 * 1024 * 1024, 2**40, 8191))
     assert all(b.aligned for b in bucket_layout(specs, plan, 25 * 1024 * 1024, 2**40, 8192))
-    # unequal sizes: per-owner buckets, not aligned
+    # unequal sizes: per-owner buckets, not aligned, unless the backend reduces by gather
+    # (an uneven group, moved by all_to_alls); still one bucket per owner, none split
     uneven = _specs([(32, 32)] * 3 + [(32, 64)])
-    assert not any(b.aligned for b in bucket_layout(uneven, plan_ownership(uneven, (1, 4)), 2**30, 2**40))
+    uneven_plan = plan_ownership(uneven, (1, 4))
+    assert not any(b.aligned for b in bucket_layout(uneven, uneven_plan, 2**30, 2**40))
+    by_gather = bucket_layout(uneven, uneven_plan, 2**30, 2**40, uneven=True)
+    assert all(b.aligned for b in by_gather) and sorted(b.numel for b in by_gather) == [1024] * 3 + [2048]
+    five = _specs([(32, 32)] * 5)  # an owner of two 4 KiB matrices: split by a 4 KiB cap, not aligned
+    five_plan = plan_ownership(five, (1, 4))
+    assert all(b.aligned for b in bucket_layout(five, five_plan, 2**30, 2**40, uneven=True))
+    assert not any(b.aligned for b in bucket_layout(five, five_plan, 4096, 2**40, uneven=True))
+    three = _specs([(32, 32)] * 3)  # an owner without a bucket: never aligned
+    assert not any(b.aligned for b in bucket_layout(three, plan_ownership(three, (1, 4)), 2**30, 2**40,
+                                                    uneven=True))
 
 
 @pytest.mark.parametrize("bad", ["fast", -1, 1.5, True, None])
@@ -89,7 +100,7 @@ def test_coalesce_values_are_checked(bad):
 
 
 def test_auto_target_is_the_documented_half_bandwidth_size():
-    for backend, target, aligned_max in (("gloo", 2_000_000, 65536), ("nccl", 3_600_000, 2**63 - 1)):
+    for backend, target, aligned_max in (("gloo", 2_000_000, 2**63 - 1), ("nccl", 3_600_000, 2**63 - 1)):
         got = resolve_coalesce("auto", backend)
         assert got.target_bytes == dmuon_coalesce_bytes("auto", backend) == target
         assert got.aligned_max_bytes == dmuon_aligned_max_bytes(backend) == aligned_max

@@ -23,12 +23,13 @@ BLOCKS, D = 8, 16
 
 
 class Stack(nn.Module):
-    """``BLOCKS`` equal blocks (Linear(D, D) + tanh): at W=4 every rank owns two matrices."""
+    """``blocks`` equal blocks (Linear(D, D) + tanh): at W=4 and ``BLOCKS`` every rank owns two
+    matrices; 5 blocks give owner shares of 2, 1, 1, 1 matrices (an uneven group)."""
 
-    def __init__(self) -> None:
+    def __init__(self, blocks: int = BLOCKS) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(D, D), nn.Tanh()) for _ in range(BLOCKS))
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(D, D), nn.Tanh()) for _ in range(blocks))
 
     def forward(self, x):
         for block in self.blocks:
@@ -48,13 +49,15 @@ def gloo_reductions(by_gather: bool):
         buckets.LINK_COSTS["gloo"] = saved
 
 
-def train(mode: str, coalesce: str, steps: int = 3, bf16: bool = False, by_gather: bool = True) -> dict:
-    """``steps`` steps of ``mode`` (ddp, z2, z3, hsdp-z2, hsdp-z3); the last step recorded by the
-    interposer. Returns every rank's full dedicated params (after ``sync_params``), the
-    aligned flags, and the last step's DMuon calls as ``(op, phase) -> count``. ``by_gather``:
-    gloo's reductions as gathers / all_to_alls (its default) or as reduces / reduce_scatters."""
+def train(mode: str, coalesce: str, steps: int = 3, bf16: bool = False, by_gather: bool = True,
+          blocks: int = BLOCKS) -> dict:
+    """``steps`` steps of ``mode`` (ddp, z2, z3, hsdp-z2, hsdp-z3) on a :class:`Stack` of
+    ``blocks``; the last step recorded by the interposer. Returns every rank's full dedicated
+    params (after ``sync_params``), the aligned flags and the last step's DMuon calls as
+    ``(op, phase) -> count``. ``by_gather``: gloo's reductions as gathers / all_to_alls (its default) or as reduces /
+    reduce_scatters."""
     mesh = _mesh("hsdp" if mode.startswith("hsdp") else "flat")
-    model = Stack()
+    model = Stack(blocks)
     reshard = mode.endswith("z3")
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
     with gloo_reductions(by_gather):
@@ -81,8 +84,9 @@ def train(mode: str, coalesce: str, steps: int = 3, bf16: bool = False, by_gathe
             ip.__exit__(None, None, None)
     dm.sync_params()
     groups = {dm.groups.broadcast, dm.groups.reduce, dm.groups.replicate}
-    ops = Counter((e.op, e.phase) for e in ip.events if e.phase in ("forward", "backward", "replicate")
-                  and e.module is not None and e.module.startswith("blocks"))
+    mine = [e for e in ip.events if e.phase in ("forward", "backward", "replicate")
+            and e.module is not None and e.module.startswith("blocks")]
+    ops = Counter((e.op, e.phase) for e in mine)
     out = {"params": {n: p.detach().float().clone() for n, p in model.named_parameters() if p in dm},
            "aligned": [b.aligned for b in dm.buckets], "ops": dict(ops), "groups": len(groups - {None}),
            "coalescing": dm.coalescing()}

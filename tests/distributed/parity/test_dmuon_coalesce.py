@@ -1,7 +1,8 @@
 """Coalescing (``dedicate_params(coalesce=...)``, docs/traffic-model.md "Coalescing"): a stack of
 8 equal blocks at W=4 becomes one aligned group under ``coalesce="all"``, moved by one
 all_gather / reduce_scatter per channel, and trains like ``coalesce="block"`` (one broadcast
-and one reduce per bucket) in every mode."""
+and one reduce per bucket) in every mode; 5 blocks form an uneven group (owner shares 2, 1, 1,
+1), moved on gloo by one all_to_all per channel, with the same result."""
 
 import pytest
 
@@ -70,3 +71,37 @@ def test_aligned_group_under_hsdp_z3_and_bf16(pool4):
                                    ("all_gather", "replicate"): 1}  # the one unit is the last
     for a, b in zip(coalesced, per_block):  # bf16 compute copies, fp32 masters: bit-identical too
         assert _max_rel(a["params"], b["params"]) == 0.0
+
+
+# 5 blocks at W=4: owner shares of 2, 1, 1, 1 matrices (HSDP 2x2: shard parts 3 and 2, replicate
+# parts 2 and 1 or 1 and 1). gloo (reduce_by_gather) moves the uneven group by all_to_alls,
+# one per channel; without reduce_by_gather (NCCL's ops) it cannot be aligned
+EXPECTED_UNEVEN = {
+    "ddp": {("all_to_all", "forward"): 1, ("all_to_all", "backward"): 1},
+    "z3": {("all_to_all", "forward"): 1, ("all_to_all", "backward"): 1},
+    "hsdp-z2": {("all_to_all", "forward"): 1, ("all_to_all", "backward"): 2, ("all_to_all", "replicate"): 1},
+}
+
+
+@pytest.mark.parametrize("mode", ["ddp", "z3", "hsdp-z2"])
+def test_uneven_group_moves_by_all_to_all_and_trains_like_per_bucket_calls(pool4, mode):
+    coalesced = pool4.run(T.train, mode, "all", blocks=5)
+    per_block = pool4.run(T.train, mode, "block", blocks=5)
+    assert all(coalesced[0]["aligned"]) and not any(per_block[0]["aligned"])
+    assert coalesced[0]["ops"] == EXPECTED_UNEVEN[mode]
+    by_phase = {ph: sum(k for (op, p), k in coalesced[0]["ops"].items() if p == ph)
+                for ph in ("forward", "backward", "replicate")}
+    assert coalesced[0]["coalescing"]["calls_per_step"] == by_phase
+    for a, b in zip(coalesced, per_block):  # the members' rows are summed in the gathers' order
+        assert _max_rel(a["params"], b["params"]) == 0.0
+    assert _max_rel(coalesced[0]["params"], coalesced[3]["params"]) == 0.0
+
+
+def test_uneven_group_under_hsdp_z3_bf16_and_without_reduce_by_gather(pool4):
+    coalesced = pool4.run(T.train, "hsdp-z3", "all", 3, True, blocks=5)
+    per_block = pool4.run(T.train, "hsdp-z3", "block", 3, True, blocks=5)
+    assert coalesced[0]["ops"] == EXPECTED_UNEVEN["hsdp-z2"]  # the one unit is the last: kept
+    for a, b in zip(coalesced, per_block):
+        assert _max_rel(a["params"], b["params"]) == 0.0
+    nccl_ops = pool4.run(T.train, "ddp", "all", by_gather=False, blocks=5)
+    assert not any(nccl_ops[0]["aligned"])  # reduce_scatter / all_gather need equal parts
