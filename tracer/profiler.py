@@ -542,7 +542,7 @@ def profiler_source_events(reference: Sequence[CollectiveEvent],
     if all(e.group_id is not None for e in other):
         return list(reference), list(other), None
     note = ("the trace records no process group for these calls: compared as one sequence per "
-            "rank in issue order (op, count, dtype, root)")
+            "rank in issue order (op, count or an all_to_all's totals, dtype, root)")
     return ([e.replace(group_id=None) for e in reference],
             [e.replace(group_id=None) for e in other], note)
 
