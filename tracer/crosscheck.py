@@ -6,6 +6,11 @@ one to one and in order, in op, size and dtype (and root where both know it). Si
 A ``barrier`` compares by op only: its payload, if any, is a backend detail (gloo records none,
 NCCL all-reduces one byte).
 
+An all_to_all compares by its totals ``(in_elems, out_elems)`` where both sides know them
+(:func:`tracer.events.all_to_all_elems`: a source that records only the per-peer count, an
+NCCL log, has ``group_size * count`` each), and by ``count`` too where both know it: an uneven
+all_to_all has no count (:func:`tracer.events.all_to_all_count`), so its totals are its size.
+
 Sources without sizes. Where the *other* source has no size for a call (``count`` and
 ``msg_bytes`` both ``None``: an nsys report whose payload blobs are not decoded, see
 :mod:`tracer.nsys_payload`), the pair is compared by op only, plus dtype and root where both
@@ -64,7 +69,7 @@ from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from tracer.events import OPS, SOURCES, CollectiveEvent
+from tracer.events import OPS, SOURCES, CollectiveEvent, all_to_all_elems
 
 Key = tuple  # (rank, group_id)
 
@@ -214,11 +219,28 @@ class _Expected:
     msg_bytes: int | None
     error: str | None = None
 
+    @property
+    def elems(self) -> tuple[int, int] | None:
+        """``(in_elems, out_elems)`` where this is an all_to_all that has them."""
+        return _elems(self.op, self.count, self.event.group_size, self.event.in_elems,
+                      self.event.out_elems) if self.op == self.event.op else None
 
-def _describe(op: str, count, msg_bytes, dtype, root) -> str:
+
+def _elems(op, count, group_size, in_elems, out_elems) -> tuple[int, int] | None:
+    pair = all_to_all_elems(op, count, group_size, in_elems, out_elems)
+    return None if None in pair else pair
+
+
+def _event_elems(ev: CollectiveEvent) -> tuple[int, int] | None:
+    return _elems(ev.op, ev.count, ev.group_size, ev.in_elems, ev.out_elems)
+
+
+def _describe(op: str, count, msg_bytes, dtype, root, elems=None) -> str:
     parts = [op]
     if count is not None:
         parts.append(f"count={count}")
+    if elems is not None:
+        parts.append(f"in_elems={elems[0]} out_elems={elems[1]}")
     if dtype is not None:
         parts.append(dtype)
     if msg_bytes is not None:
@@ -229,7 +251,8 @@ def _describe(op: str, count, msg_bytes, dtype, root) -> str:
 
 
 def _describe_event(ev: CollectiveEvent) -> str:
-    return _describe(ev.op, ev.count, ev.msg_bytes, ev.dtype, ev.root)
+    elems = (ev.in_elems, ev.out_elems) if ev.in_elems is not None or ev.out_elems is not None else None
+    return _describe(ev.op, ev.count, ev.msg_bytes, ev.dtype, ev.root, elems)
 
 
 def _describe_expected(x: _Expected) -> str:
@@ -280,8 +303,10 @@ def _window(others: list[CollectiveEvent], n_ref: int, align, key: Key,
 
 
 def _size_field(expected: Sequence[_Expected], others: Sequence[CollectiveEvent]) -> str:
-    sized = [x for x in expected if x.op != "barrier"]
-    sized_o = [e for e in others if e.op != "barrier"]
+    """``count`` where every call sized by it has one on both sides, else ``msg_bytes``;
+    all_to_alls with totals are sized by them instead (:func:`_differences`)."""
+    sized = [x for x in expected if x.op != "barrier" and x.elems is None]
+    sized_o = [e for e in others if e.op != "barrier" and _event_elems(e) is None]
     if all(x.count is not None for x in sized) and all(e.count is not None for e in sized_o):
         return "count"
     return "msg_bytes"
@@ -289,7 +314,8 @@ def _size_field(expected: Sequence[_Expected], others: Sequence[CollectiveEvent]
 
 def _sizeless(ev: CollectiveEvent) -> bool:
     """The other source has no size for this call (a barrier needs none)."""
-    return ev.op != "barrier" and ev.count is None and ev.msg_bytes is None
+    return (ev.op != "barrier" and ev.count is None and ev.msg_bytes is None
+            and _event_elems(ev) is None)
 
 
 def _differences(x: _Expected, ev: CollectiveEvent, size_field: str) -> list[str]:
@@ -301,7 +327,14 @@ def _differences(x: _Expected, ev: CollectiveEvent, size_field: str) -> list[str
     if x.op == "barrier" or ev.op == "barrier":
         return diffs
     mine, theirs = getattr(x, size_field), getattr(ev, size_field)
-    if _sizeless(ev):
+    if x.elems is not None and _event_elems(ev) is not None:  # all_to_all: its totals
+        if x.elems[0] != _event_elems(ev)[0]:
+            diffs.append("in_elems differs")
+        if x.elems[1] != _event_elems(ev)[1]:
+            diffs.append("out_elems differs")
+        if x.count is not None and ev.count is not None and x.count != ev.count:
+            diffs.append("count differs")
+    elif _sizeless(ev):
         pass  # compared by op (dtype, root) only; counted in SourceCheck.size_unknown
     elif mine is None:
         diffs.append(f"{size_field} unknown in reference")
@@ -323,10 +356,14 @@ def _compare_key(key: Key, expected: list[_Expected], others: list[CollectiveEve
     by_op = any(_sizeless(e) for e in others)  # pair on op alone: sizes cannot all be matched
 
     def sig_x(x: _Expected):
-        return (x.op, None if by_op or x.op == "barrier" else getattr(x, size_field))
+        if by_op or x.op == "barrier":
+            return (x.op, None)
+        return (x.op, x.elems if x.elems is not None else getattr(x, size_field))
 
     def sig_o(e: CollectiveEvent):
-        return (e.op, None if by_op or e.op == "barrier" else getattr(e, size_field))
+        if by_op or e.op == "barrier":
+            return (e.op, None)
+        return (e.op, _event_elems(e) if _event_elems(e) is not None else getattr(e, size_field))
 
     def missing(x: _Expected) -> None:
         result.mismatches.append(Mismatch(rank, group_id, x.event.seq, None,

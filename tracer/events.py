@@ -8,7 +8,14 @@ Glossary (one size convention everywhere, NCCL's):
   count of each rank of gather and the *receive* count of each rank of scatter (NCCL 2.28+
   ``ncclGather`` / ``ncclScatter``, ``docs/api/colls.rst``: the root receives / sends
   ``nranks * count``).
-- ``msg_bytes``: ``count * dtype_bytes`` (what NCCL's nsys payload calls "Message size [bytes]").
+- ``in_elems`` / ``out_elems``: all_to_all only: the elements of this rank's whole input and
+  output tensor (every peer's chunk, its own included); ``None`` for every other op and where
+  a source cannot know them. An all_to_all's ``count`` follows from them by one rule that
+  every source applies (:func:`all_to_all_count`): ``in_elems // group_size`` when
+  ``in_elems == out_elems`` and ``group_size`` divides it (the even case: the per-peer
+  count), else ``None`` (an uneven all_to_all has no single NCCL count; gloo only).
+- ``msg_bytes``: ``count * dtype_bytes`` (what NCCL's nsys payload calls "Message size [bytes]");
+  ``None`` when ``count`` is (an uneven all_to_all).
 - ``group_id``: an identity of the communicator that is equal on every member (for torch
   process groups: the sorted world ranks joined by commas, e.g. ``"0,1,2,3"``; for NCCL logs:
   the commId, or parent+color for split comms).
@@ -81,7 +88,7 @@ SOURCES: tuple[str, ...] = ("interposer", "flight_recorder", "nccl_log", "nsys",
 _INT_BITS: dict[str, int] = {
     "rank": 32, "group_size": 32, "group_rank": 32, "seq": 64, "count": 64, "dtype_bytes": 32,
     "msg_bytes": 64, "root": 32, "t_start_ns": 64, "t_end_ns": 64, "pid": 64, "cuda_dev": 32, "t_wait_start_ns": 64,
-    "t_waited_ns": 64,
+    "t_waited_ns": 64, "in_elems": 64, "out_elems": 64,
 }
 
 #: Optional string fields (``source``, ``op`` are checked against their vocabularies).
@@ -94,13 +101,15 @@ class CollectiveEvent:
 
     Fields that a source cannot know are ``None`` (for example an nsys range has
     ``msg_bytes`` but no dtype). ``msg_bytes`` is filled from ``count * dtype_bytes`` when
-    omitted.
+    omitted. ``in_elems`` / ``out_elems`` belong to all_to_all only; where they and
+    ``group_size`` are known, ``count`` must be :func:`all_to_all_count` of them.
 
     Raises:
         ValueError: ``op`` is not one of :data:`OPS`, ``source`` not one of :data:`SOURCES`,
             an integer field is not an int or does not fit its :data:`EVENT_SCHEMA` column
             (int32 / int64), a string field is not a str, a size is negative, ``msg_bytes`` disagrees with
-            ``count * dtype_bytes``, or the wait times are out of order (``t_end_ns <=
+            ``count * dtype_bytes``, ``in_elems`` / ``out_elems`` are set on another op than
+            all_to_all or disagree with ``count`` (:func:`all_to_all_count`), or the wait times are out of order (``t_end_ns <=
             t_wait_start_ns <= t_waited_ns``, or ``t_wait_start_ns`` without ``t_waited_ns``).
     """
 
@@ -127,6 +136,8 @@ class CollectiveEvent:
     comm: str | None = None
     t_wait_start_ns: int | None = None
     t_waited_ns: int | None = None
+    in_elems: int | None = None
+    out_elems: int | None = None
 
     def __post_init__(self) -> None:
         for name, bits in _INT_BITS.items():
@@ -149,6 +160,7 @@ class CollectiveEvent:
             )
         if self.dtype is not None and self.dtype_bytes is None and self.dtype in DTYPE_BYTES:
             object.__setattr__(self, "dtype_bytes", DTYPE_BYTES[self.dtype])
+        self._check_all_to_all()
         for name in ("count", "dtype_bytes", "msg_bytes", "group_size"):
             value = getattr(self, name)
             if value is not None and value < 0:
@@ -167,6 +179,27 @@ class CollectiveEvent:
                     f"count * dtype_bytes = {self.count} * {self.dtype_bytes} = {expected} "
                     f"({self.source_ref})."
                 )
+
+    def _check_all_to_all(self) -> None:
+        if self.in_elems is None and self.out_elems is None:
+            return
+        if self.op != "all_to_all":
+            raise ValueError(f"Invalid CollectiveEvent in_elems={self.in_elems}, out_elems="
+                             f"{self.out_elems} for op={self.op!r}. Must be None but for "
+                             f"all_to_all ({self.source_ref}).")
+        for name in ("in_elems", "out_elems"):
+            if getattr(self, name) is not None and getattr(self, name) < 0:
+                raise ValueError(f"Invalid CollectiveEvent {name}={getattr(self, name)}. Must be "
+                                 f">= 0 ({self.source_ref}).")
+        if self.in_elems is None or self.out_elems is None or not self.group_size:
+            return
+        want = all_to_all_count(self.in_elems, self.out_elems, self.group_size)
+        if self.count != want or (want is None and self.msg_bytes is not None):
+            raise ValueError(
+                f"Invalid CollectiveEvent count={self.count} for an all_to_all with in_elems="
+                f"{self.in_elems}, out_elems={self.out_elems}, group_size={self.group_size}. Must "
+                f"be {want} (tracer.events.all_to_all_count), msg_bytes None with it "
+                f"({self.source_ref}).")
 
     def _check_wait_times(self) -> None:
         if self.t_wait_start_ns is None and self.t_waited_ns is None:
@@ -226,11 +259,13 @@ EVENT_SCHEMA = pa.schema(
         pa.field("comm", pa.string()),
         pa.field("t_wait_start_ns", pa.int64()),
         pa.field("t_waited_ns", pa.int64()),
+        pa.field("in_elems", pa.int64()),
+        pa.field("out_elems", pa.int64()),
     ]
 )
 
 #: Columns added after the first release: a file without them reads back with them all null.
-LATER_COLUMNS = ("t_wait_start_ns", "t_waited_ns")
+LATER_COLUMNS = ("t_wait_start_ns", "t_waited_ns", "in_elems", "out_elems")
 
 assert [f.name for f in EVENT_SCHEMA] == [f.name for f in dataclasses.fields(CollectiveEvent)]
 assert _INT_BITS == {f.name: f.type.bit_width for f in EVENT_SCHEMA if pa.types.is_integer(f.type)}
@@ -312,6 +347,31 @@ def read_parquet(path: str | Path) -> list[CollectiveEvent]:
         return [CollectiveEvent(**row) for row in rows]
     except ValueError as exc:
         raise ValueError(f"Invalid events file {str(path)!r}: {exc}") from None
+
+
+def all_to_all_count(in_elems: int | None, out_elems: int | None,
+                     group_size: int | None) -> int | None:
+    """An all_to_all's ``count`` from its totals (module docstring): ``in_elems // group_size``
+    when ``in_elems == out_elems`` and ``group_size`` divides it, else ``None``; ``None`` too
+    when any input is unknown (``group_size`` 0 or ``None``)."""
+    if in_elems is None or out_elems is None or not group_size:
+        return None
+    if in_elems != out_elems or in_elems % group_size:
+        return None
+    return in_elems // group_size
+
+
+def all_to_all_elems(op: str, count: int | None, group_size: int | None, in_elems: int | None,
+                     out_elems: int | None) -> tuple[int | None, int | None]:
+    """``(in_elems, out_elems)`` of a call as comparison keys use them: as given for an
+    all_to_all that has them; ``group_size * count`` each for one that has only a count (a
+    source that records no totals, e.g. an NCCL log: by :func:`all_to_all_count` a count
+    implies ``in_elems == out_elems == group_size * count``); ``(None, None)`` for other ops."""
+    if op != "all_to_all":
+        return None, None
+    if in_elems is None and out_elems is None and count is not None and group_size:
+        return group_size * count, group_size * count
+    return in_elems, out_elems
 
 
 def group_id_from_ranks(ranks: Sequence[int]) -> str:

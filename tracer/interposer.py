@@ -23,7 +23,8 @@ DMuon's hooks) are seen. Collectives issued from threads the user starts themsel
 
 Sizes follow :mod:`tracer.events` (NCCL's ``count``): the message for all_reduce / broadcast /
 reduce / send / recv; the input (send) count for all_gather; the output (recv) count for
-reduce_scatter; the per-peer count for all_to_all.
+reduce_scatter; the per-peer count for all_to_all (with its totals ``in_elems`` /
+``out_elems``).
 
 - Coalesced calls (``allgather_into_tensor_coalesced_``, ``reduce_scatter_tensor_coalesced_``,
   ``allreduce_coalesced_``, ``_coalescing_manager``, functional ``*_coalesced``) give **one
@@ -31,9 +32,11 @@ reduce_scatter; the per-peer count for all_to_all.
   ``ncclReduceScatter`` / ``ncclAllReduce`` per tensor inside one ``ncclGroupStart/End``, and
   NCCL logs one line per call (torch ``ProcessGroupNCCL::allgather_into_tensor_coalesced``).
 - ``batch_isend_irecv`` gives one send / recv event per P2P op (NCCL logs one Send/Recv each).
-- ``all_to_all_single`` with equal splits (or none): ``count = numel / group_size``. Uneven
-  splits have no single NCCL count: ``count`` and ``msg_bytes`` are ``None`` and the splits are
-  written into ``source_ref`` (NCCL logs them as per-peer Send/Recv lines).
+- ``all_to_all_single`` / list ``all_to_all``: ``in_elems`` / ``out_elems`` are this rank's
+  input and output totals, and ``count`` follows :func:`tracer.events.all_to_all_count`
+  (``in_elems / group_size`` when the totals are equal and divide evenly: equal splits or
+  none; else ``count`` and ``msg_bytes`` are ``None``). Uneven splits are written into
+  ``source_ref`` (NCCL logs them as per-peer Send/Recv lines).
 - ``barrier`` has no user payload: ``count``/``dtype`` are ``None`` (ProcessGroupNCCL runs it
   as an AllReduce of one float32 element, which an NCCL log shows).
 - ``root`` is a *group* rank: the root of broadcast / reduce, the peer of send / recv (``None``
@@ -84,7 +87,7 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from tracer import context
-from tracer.events import CollectiveEvent, group_id_from_ranks
+from tracer.events import CollectiveEvent, all_to_all_count, group_id_from_ranks
 
 #: Namespaces of collective ops the interposer inspects; every other op passes straight through.
 NAMESPACES = ("c10d", "_c10d_functional", "_c10d_functional_autograd", "_dtensor")
@@ -108,6 +111,8 @@ class _Call:
     dtype: str | None
     root: int | None = None
     note: str = ""
+    in_elems: int | None = None
+    out_elems: int | None = None
 
 
 def _dtype_name(t: torch.Tensor) -> str:
@@ -123,25 +128,34 @@ def _first(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     return tensors[0]
 
 
-def _all_to_all(t: torch.Tensor, out_splits, in_splits, group_size: int) -> _Call:
-    """all_to_all of ``t`` (dim-0 splits); per-peer count when every split is equal."""
-    row_elems = t.numel() // t.shape[0] if t.dim() > 0 and t.shape[0] > 0 else 1
+def _all_to_all(inp: torch.Tensor, out: torch.Tensor | None, out_splits, in_splits,
+                group_size: int) -> _Call:
+    """all_to_all of ``inp`` into ``out`` (dim-0 splits; functional calls have no ``out``:
+    its size follows from ``out_splits``). Totals in ``in_elems`` / ``out_elems``, ``count``
+    by :func:`tracer.events.all_to_all_count`; uneven splits are noted."""
+    row_elems = inp.numel() // inp.shape[0] if inp.dim() > 0 and inp.shape[0] > 0 else 1
     in_splits, out_splits = [int(s) for s in in_splits], [int(s) for s in out_splits]
-    if not in_splits and not out_splits:
-        return _msg("all_to_all", t, t.numel() // group_size)
-    if len(set(in_splits + out_splits)) == 1:
-        return _msg("all_to_all", t, in_splits[0] * row_elems)
-    note = f"uneven all_to_all in_splits={in_splits} out_splits={out_splits} {row_elems=}"
-    return _Call("all_to_all", None, _dtype_name(t), None, note)
+    in_elems = inp.numel()
+    if out is not None:
+        out_elems = out.numel()
+    else:
+        out_elems = sum(out_splits) * row_elems if out_splits else in_elems
+    note = ""
+    if len(set(in_splits + out_splits)) > 1:
+        note = f"uneven all_to_all in_splits={in_splits} out_splits={out_splits} {row_elems=}"
+    return _Call("all_to_all", all_to_all_count(in_elems, out_elems, group_size), _dtype_name(inp),
+                 None, note, in_elems, out_elems)
 
 
-def _all_to_all_list(inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor]) -> _Call:
-    """all_to_all of lists (one tensor per peer); per-peer count when all sizes are equal."""
-    numels = {t.numel() for t in [*inputs, *outputs]}
-    if len(numels) == 1:
-        return _msg("all_to_all", inputs[0])
-    note = f"uneven all_to_all in={[t.numel() for t in inputs]} out={[t.numel() for t in outputs]}"
-    return _Call("all_to_all", None, _dtype_name(inputs[0]), None, note)
+def _all_to_all_list(inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor],
+                     group_size: int) -> _Call:
+    """all_to_all of lists (one tensor per peer): totals and ``count`` as :func:`_all_to_all`."""
+    numels_in, numels_out = [t.numel() for t in inputs], [t.numel() for t in outputs]
+    in_elems, out_elems = sum(numels_in), sum(numels_out)
+    note = "" if len(set(numels_in + numels_out)) == 1 else \
+        f"uneven all_to_all in={numels_in} out={numels_out}"
+    return _Call("all_to_all", all_to_all_count(in_elems, out_elems, group_size),
+                 _dtype_name(inputs[0]), None, note, in_elems, out_elems)
 
 
 # Each handler maps the op's bound arguments to the logical calls it makes; the group comes
@@ -165,9 +179,9 @@ _C10D: dict[str, _Handler] = {
         _msg("reduce_scatter", t) for t in a["outputs"]
     ],
     "alltoall_base_": lambda a, n: [
-        _all_to_all(a["input"], a["output_split_sizes"], a["input_split_sizes"], n)
+        _all_to_all(a["input"], a["output"], a["output_split_sizes"], a["input_split_sizes"], n)
     ],
-    "alltoall_": lambda a, n: [_all_to_all_list(a["input_tensors"], a["output_tensors"])],
+    "alltoall_": lambda a, n: [_all_to_all_list(a["input_tensors"], a["output_tensors"], n)],
     "barrier": lambda a, n: [_Call("barrier", None, None)],
     "monitored_barrier_": lambda a, n: [_Call("barrier", None, None)],
     "send": lambda a, n: [_msg("send", _first(a["tensors"]), root=a["dst"])],
@@ -195,7 +209,7 @@ _FUNCTIONAL: dict[str, _Handler] = {
         _msg("reduce_scatter", t, t.numel() // n) for t in a["inputs"]
     ],
     "all_to_all_single": lambda a, n: [
-        _all_to_all(a["input"], a["output_split_sizes"], a["input_split_sizes"], n)
+        _all_to_all(a["input"], None, a["output_split_sizes"], a["input_split_sizes"], n)
     ],
     "broadcast": lambda a, n: [_msg("broadcast", a["input"], root=a["src"])],
     "broadcast_": lambda a, n: [_msg("broadcast", a["input"], root=a["src"])],
@@ -210,8 +224,8 @@ _FUNCTIONAL: dict[str, _Handler] = {
 _HANDLERS: dict[str, _Handler] = {f"c10d::{k}": v for k, v in _C10D.items()}
 for _ns in ("_c10d_functional", "_c10d_functional_autograd"):
     _HANDLERS.update({f"{_ns}::{k}": v for k, v in _FUNCTIONAL.items()})
-_HANDLERS["_dtensor::shard_dim_alltoall"] = lambda a, n: [
-    _msg("all_to_all", a["input"], a["input"].numel() // n)
+_HANDLERS["_dtensor::shard_dim_alltoall"] = lambda a, n: [  # the output holds as many elements
+    _all_to_all(a["input"], None, [], [], n)
 ]
 _PASS = object()  # route: not a collective
 _UNRECORDED = object()  # route: a collective the interposer cannot represent
@@ -452,6 +466,8 @@ class Interposer(TorchDispatchMode):
                         source_ref=f"{ref} {call.note}" if call.note else ref,
                         pid=self._pid,
                         host=self._host,
+                        in_elems=call.in_elems,
+                        out_elems=call.out_elems,
                     )
                 )
             return list(range(first, len(self.events)))

@@ -12,12 +12,18 @@ events carry the collectives depends on the backend; measured on torch 2.13.0 (C
   its ``args`` use the keys of ``torch/csrc/profiler/util.h``: ``Collective name``, ``In msg
   nelems``, ``Out msg nelems``, ``dtype`` (a ScalarType name such as ``Float``), ``Group size``,
   ``Process Group Ranks``, ``Process Group Name``, ``Seq``. Where a trace has any, they are the
-  events (one per call) and the group comes from ``Process Group Ranks``. Gloo on the CPU build
+  events (one per call) and the group comes from ``Process Group Ranks``; an all_to_all's
+  nelems are its ``in_elems`` / ``out_elems``. Gloo on the CPU build
   emits none (checked on torch 2.13.0); this path is written from those key names and tested on
   events built from them, not yet on a real NCCL trace.
 - **``c10d::*`` dispatcher ops** (``cat`` ``cpu_op``, the issuing thread): every backend. Name,
   ``Input Dims`` and ``Concrete Inputs`` (scalar arguments: the root of broadcast / reduce /
-  gather / scatter, the peer of send / recv) give op, per-rank count and root. The
+  gather / scatter, the peer of send / recv) give op, per-rank count and root; an
+  all_to_all's ``in_elems`` / ``out_elems`` are its input and output dims
+  (``c10d::alltoall_base_``: ``Input Dims`` ``[[out], [in], ...]``; its split sizes are
+  ``Concrete Inputs`` 3 and 4 as text, ``"[7, 7, 5, 5]"``, or ``"[]"`` when even, measured on
+  torch 2.13 gloo), the number of splits gives the group size where the trace does not, and
+  the count follows :func:`tracer.events.all_to_all_count`. The
   ``ProcessGroup`` argument is not recorded (its ``Concrete Inputs`` entry is empty), so
   ``group_id`` is only known when the trace lists a single process group
   (``distributedInfo.pg_config``); ``group_size`` is derived where the shapes imply it
@@ -57,7 +63,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tracer.events import DTYPE_BYTES, CollectiveEvent, group_id_from_ranks, write_parquet
+from tracer.events import DTYPE_BYTES, CollectiveEvent, all_to_all_count, group_id_from_ranks, write_parquet
 from tracer.inputs import GZIP_ERRORS, folder_entries, gzip_problem, is_gzip, not_regular
 
 SOURCE = "profiler"
@@ -230,14 +236,16 @@ def _param_comms_event(ev: dict, rank: int | None, ref: str) -> CollectiveEvent 
     group_id = group_id_from_ranks(ranks) if isinstance(ranks, list) and ranks else None
     n_in, n_out = args.get("In msg nelems"), args.get("Out msg nelems")
     count = {"reduce_scatter": n_out, "scatter": n_out, "barrier": None}.get(op, n_in)
-    if op == "all_to_all" and n_in is not None:
-        count = n_in // n if n else None
+    totals = {}
+    if op == "all_to_all":  # the whole input and output: the count follows them
+        totals = {"in_elems": n_in, "out_elems": n_out}
+        count = all_to_all_count(n_in, n_out, n)
     dtype = None if op == "barrier" else _dtype(args.get("dtype"), SCALAR_TYPES)
     t0, t1 = _ts_ns(ev)
     return CollectiveEvent(
         source=SOURCE, op=op, rank=rank, group_id=group_id, group_size=n, count=count, dtype=dtype,
         t_start_ns=t0, t_end_ns=t1, source_ref=ref, comm=args.get("Process Group Name"),
-        pid=ev.get("pid") if isinstance(ev.get("pid"), int) else None,
+        pid=ev.get("pid") if isinstance(ev.get("pid"), int) else None, **totals,
     )
 
 
@@ -279,20 +287,58 @@ def _c10d_events(ev: dict, spec: _C10dOp, rank: int | None, ref: str,
             group_size = full // mine
         if spec.op == "reduce_scatter" and mine and full:
             group_size = full // mine
+    totals = {}
+    if spec.op == "all_to_all":
+        group_size, totals = _all_to_all_totals(dims, concrete, spec.is_list, group_size)
     out = []
     tensors = shapes if spec.per_tensor else shapes[:1]
     for shape in tensors:
         count = _numel(shape)
         if spec.op == "all_to_all":
-            count = count // group_size if group_size else None
+            count = all_to_all_count(totals.get("in_elems"), totals.get("out_elems"), group_size)
         want = [shape]
         if spec.gloo_dims == "full":
             want = [dims[1] if len(dims) > 1 else shape]
         elif spec.gloo_dims == "any":
             want = None
         out.append(({"dims": want, "dims_all": shapes if spec.per_tensor else None},
-                    CollectiveEvent(group_size=group_size, count=count, dtype=dtype, **common)))
+                    CollectiveEvent(group_size=group_size, count=count, dtype=dtype, **totals,
+                                    **common)))
     return out
+
+
+def _split_sizes(value) -> list[int] | None:
+    """A ``Concrete Inputs`` entry holding an ``int[]`` (``"[7, 7, 5, 5]"``) as a list."""
+    if isinstance(value, list):
+        items = value
+    elif isinstance(value, str) and value.startswith("[") and value.endswith("]"):
+        items = [x for x in value[1:-1].split(",") if x.strip()]
+    else:
+        return None
+    try:
+        return [int(x) for x in items]
+    except (TypeError, ValueError):
+        return None
+
+
+def _all_to_all_totals(dims: list, concrete: list, is_list: bool,
+                       group_size: int | None) -> tuple[int | None, dict]:
+    """``(group_size, {in_elems, out_elems})`` of a ``c10d::alltoall_base_`` (dims: output,
+    input; ``Concrete Inputs`` 3 and 4: the output and input split sizes, ``"[]"`` when
+    even) or ``c10d::alltoall_`` (lists of the output and input tensors, one per peer). The
+    group size is the number of splits (or of tensors) where the call has them."""
+    if len(dims) < 2:
+        return group_size, {}
+    if is_list:
+        outs, ins = dims[0] or [], dims[1] or []
+        return (len(ins) or group_size), {"in_elems": sum(_numel(d) for d in ins),
+                                          "out_elems": sum(_numel(d) for d in outs)}
+    for arg in (4, 3):
+        splits = _split_sizes(concrete[arg]) if arg < len(concrete) else None
+        if splits:
+            group_size = len(splits)
+            break
+    return group_size, {"in_elems": _numel(dims[1]), "out_elems": _numel(dims[0])}
 
 
 def _pair_dtypes(calls: list[tuple[str, dict, CollectiveEvent]], annots: list[_Annot],
@@ -496,7 +542,7 @@ def profiler_source_events(reference: Sequence[CollectiveEvent],
     if all(e.group_id is not None for e in other):
         return list(reference), list(other), None
     note = ("the trace records no process group for these calls: compared as one sequence per "
-            "rank in issue order (op, count, dtype, root)")
+            "rank in issue order (op, count or an all_to_all's totals, dtype, root)")
     return ([e.replace(group_id=None) for e in reference],
             [e.replace(group_id=None) for e in other], note)
 

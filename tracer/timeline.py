@@ -30,7 +30,7 @@ TID_IN_FLIGHT = 2
 
 #: CollectiveEvent fields copied into each collective's ``args``.
 COLLECTIVE_ARGS = (
-    "op", "count", "msg_bytes", "dtype", "group_id", "group_size", "group_rank", "seq", "root",
+    "op", "count", "msg_bytes", "in_elems", "out_elems", "dtype", "group_id", "group_size", "group_rank", "seq", "root",
     "phase", "module", "source", "source_ref", "t_wait_start_ns", "t_waited_ns",
 )
 

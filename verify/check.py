@@ -13,7 +13,9 @@ layout without any event make a *partial rank set*: flagged and failed, with the
 still compared.
 
 Sources differ in what they know, so the comparison key adapts to the events given:
-``(rank, op, count, dtype, group_size, root)`` always; ``phase`` when the events have one
+``(rank, op, count, dtype, group_size, root, in_elems, out_elems)`` always, the totals of an
+all_to_all as :func:`tracer.events.all_to_all_elems` gives them (from its count where a source
+records no totals, an NCCL log; ``None`` for other ops); ``phase`` when the events have one
 (interposer); ``group_id`` when every event's group id is a rank list (interposer, Flight
 Recorder; NCCL logs name communicators by commId instead). Those two are all or nothing: a
 file where some events have a phase and others not is rejected up front, never compared on a
@@ -31,7 +33,7 @@ from collections import Counter, defaultdict
 from collections.abc import Sequence
 from pathlib import Path
 
-from tracer.events import CollectiveEvent, read_parquet
+from tracer.events import CollectiveEvent, all_to_all_elems, read_parquet
 
 from verify.traffic.predict import Expected, RunLayout
 from verify.traffic.tp import layout_from_dict, predict_calls
@@ -79,11 +81,14 @@ def validate_events(events: Sequence[CollectiveEvent]) -> None:
                          "(dmuon-trace ... --out, or a run's events_rank*.parquet).")
     for name in REQUIRED_FIELDS + SIZE_FIELDS:
         bad = [ev for ev in events if getattr(ev, name) is None
-               and not (name in SIZE_FIELDS and ev.op == "barrier")]
+               and not (name in SIZE_FIELDS and ev.op == "barrier")
+               and not (name == "count" and _uneven(ev))]
         if bad:
             raise ValueError(f"Invalid events: {len(bad)} event(s) with {name}=None (first: "
                              f"{bad[0].source_ref}). Must be set on every event"
-                             f"{' but barriers' if name in SIZE_FIELDS else ''} for a check.")
+                             f"{' but barriers' if name in SIZE_FIELDS else ''}"
+                             f"{' and uneven all_to_alls (with in_elems, out_elems)' if name == 'count' else ''}"
+                             " for a check.")
     bad = [ev for ev in events if type(ev.rank) is not int or ev.rank < 0]
     if bad:
         raise ValueError(f"Invalid events: rank={bad[0].rank!r} at {bad[0].source_ref}. Must "
@@ -97,8 +102,21 @@ def validate_events(events: Sequence[CollectiveEvent]) -> None:
                 f"missing {name} would weaken the comparison key unnoticed).")
 
 
+def _uneven(ev: CollectiveEvent) -> bool:
+    """An all_to_all with totals but no count (tracer.events.all_to_all_count)."""
+    return ev.op == "all_to_all" and ev.in_elems is not None and ev.out_elems is not None
+
+
+def _field(x, name: str):
+    """``x.<name>`` of an event or a predicted call; the totals as comparison keys use them."""
+    if name in ("in_elems", "out_elems"):
+        pair = all_to_all_elems(x.op, x.count, x.group_size, x.in_elems, x.out_elems)
+        return pair[0] if name == "in_elems" else pair[1]
+    return getattr(x, name)
+
+
 def _key_fields(events: Sequence[CollectiveEvent]) -> tuple[str, ...]:
-    fields = ["rank", "op", "count", "dtype", "group_size", "root"]
+    fields = ["rank", "op", "count", "dtype", "group_size", "root", "in_elems", "out_elems"]
     if events and all(ev.phase for ev in events):
         fields.append("phase")
     if events and all(ev.group_id and all(p.isdigit() for p in ev.group_id.split(",")) for ev in events):
@@ -132,7 +150,7 @@ def check_events(
         raise ValueError(f"Invalid {steps=}. Must be an int >= 1 (or None to infer it).")
     validate_events(events)
     fields = _key_fields(events)
-    key = lambda x: tuple(getattr(x, f) for f in fields)  # noqa: E731
+    key = lambda x: tuple(_field(x, f) for f in fields)  # noqa: E731
     pred: dict[int, list[Expected]] = defaultdict(list)
     for e in predict_calls(layout):  # TP layouts too (verify/traffic/tp.py)
         pred[e.rank].append(e)

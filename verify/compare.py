@@ -1,15 +1,20 @@
 """Compare measured collectives with the prediction: exact multisets, then the W-averages.
 
 A measured event and a predicted call are the same when their key
-``(rank, phase, op, group_id, count, dtype, root)`` is equal. The comparison is a multiset
+``(rank, phase, op, group_id, count, dtype, root, in_elems, out_elems)`` is equal (the totals
+of an all_to_all, :func:`tracer.events.all_to_all_elems`; ``None`` for every other op). The comparison is a multiset
 difference per run: anything predicted but not measured is *missing*, anything measured but
 not predicted is *unexpected*; either fails the run.
 
 Traffic figures follow ``verify.traffic.formulas``: the W-average of f(n)·S. The Muon-param share of
 a measured event (``dedicated`` figures) is the share of its matched prediction: a DDP
 bucket or an FSDP2 group may fuse Muon and AdamW params in one call, and only the plan knows
-the split; the existence and size of every call is measured. Unmatched events count towards
-totals but not towards the Muon share (and fail the run anyway).
+the split; the existence and size of every call is measured. Likewise an all_to_all's own
+chunk (which it neither sends nor receives): no source records it, so a measured all_to_all
+is charged the elements its matched prediction sends, ``in_elems - self_elems``
+(:func:`verify.traffic.formulas.avg_elems`; an uneven one has no single count). Unmatched
+events count towards totals but not towards the Muon share (and fail the run anyway); an
+unmatched all_to_all without a count is charged (n-1)/n of its input, the even case's.
 
 The closed form gates every run, in every phase and in total: the measured W-average must equal
 docs/spec.md §2's formula at P_M (DMuon and DDP modes, any shapes: they move whole matrices) or at
@@ -26,7 +31,7 @@ from collections import Counter, defaultdict
 from collections.abc import Sequence
 
 from dmuon.annotate import PHASES
-from tracer.events import CollectiveEvent
+from tracer.events import CollectiveEvent, all_to_all_elems
 
 from verify.traffic.predict import (
     Expected,
@@ -42,8 +47,22 @@ from verify.traffic.tp import predict_tp_step, tp_closed_form, tp_ns_calls_per_s
 
 
 def event_key(ev: CollectiveEvent) -> tuple:
-    """The comparison key of a measured event (see module docstring)."""
-    return (ev.rank, ev.phase, ev.op, ev.group_id, ev.count, ev.dtype, ev.root)
+    """The comparison key of a measured event (see module docstring); the same tuple as
+    :meth:`verify.traffic.predict.Expected.key`."""
+    return (ev.rank, ev.phase, ev.op, ev.group_id, ev.count, ev.dtype, ev.root,
+            *all_to_all_elems(ev.op, ev.count, ev.group_size, ev.in_elems, ev.out_elems))
+
+
+def measured_avg_elems(ev: CollectiveEvent, self_elems: int | None) -> float:
+    """A measured event's f(n)·S (:func:`verify.traffic.formulas.avg_elems`), an all_to_all's
+    own chunk ``self_elems`` taken from its matched prediction (module docstring)."""
+    n = ev.group_size or 1
+    if ev.op == "all_to_all" and ev.in_elems is not None:
+        if self_elems is not None:
+            return avg_elems(ev.op, ev.count, n, in_elems=ev.in_elems, self_elems=self_elems)
+        if ev.count is None:  # unmatched and uneven: the even case's share of its input
+            return (n - 1) / n * ev.in_elems
+    return avg_elems(ev.op, ev.count or 0, n)
 
 
 #: Measured and closed-form averages are sums of integers times rationals: equal up to rounding.
@@ -55,9 +74,9 @@ def _close(measured: float, expected: float, scale: int) -> bool:
 
 
 def _call_dict(key: tuple, n: int, module: str | None) -> dict:
-    rank, phase, op, group_id, count, dtype, root = key
+    rank, phase, op, group_id, count, dtype, root, in_elems, out_elems = key
     return dict(rank=rank, phase=phase, op=op, group_id=group_id, count=count, dtype=dtype,
-                root=root, module=module, n=n)
+                root=root, module=module, n=n, in_elems=in_elems, out_elems=out_elems)
 
 
 def compare_run(
@@ -85,10 +104,12 @@ def compare_run(
     predicted: list[Expected] = predict_tp_step(layout) if tp else predict_step(layout)
     pred_counter = Counter()
     share: dict[tuple, float] = {}
+    self_of: dict[tuple, int | None] = {}
     module_of: dict[tuple, str | None] = {}
     for e in predicted:
         pred_counter[e.key()] += steps
-        share[e.key()] = e.dedicated_count / e.count if e.count else 0.0
+        share[e.key()] = e.dedicated_share()
+        self_of[e.key()] = e.self_elems
         module_of[e.key()] = e.module
     meas_counter = Counter(event_key(ev) for ev in events)
     missing = pred_counter - meas_counter
@@ -113,7 +134,7 @@ def compare_run(
     meas_phase_n = Counter()
     for ev in events:
         key = event_key(ev)
-        elems = avg_elems(ev.op, ev.count or 0, ev.group_size or 1)
+        elems = measured_avg_elems(ev, self_of.get(key))
         total_measured += elems
         ded = elems * share.get(key, 0.0)
         meas_phase[ev.phase] += ded
@@ -123,9 +144,8 @@ def compare_run(
     pred_phase_n = Counter()
     total_predicted = 0.0
     for e in predicted:
-        elems = avg_elems(e.op, e.count, e.group_size)
-        total_predicted += elems
-        pred_phase[e.phase] += elems * share[e.key()]
+        total_predicted += e.avg_elems()
+        pred_phase[e.phase] += e.dedicated_avg_elems()
         pred_phase_n[e.phase] += 1
     for ph in [p for p in PHASES if p in pred_phase or p in meas_phase] + sorted(
         p for p in set(meas_phase) if p not in PHASES

@@ -72,7 +72,15 @@ def coll_line(ev: CollectiveEvent, *, opcount: int = 0, sendbuff: str = "0x7f000
               recvbuff: str = "0x7f0000100000", stream: str = "0x55aa00000000",
               redop: int = 0) -> str:
     """COLL message (without prefix) for ``ev`` (op, count, dtype, root, comm, group_size).
-    Send prints ``sendbuff (nil)`` as NCCL 2.14+ does."""
+    Send prints ``sendbuff (nil)`` as NCCL 2.14+ does.
+
+    Raises:
+        ValueError: ``ev`` is an uneven all_to_all (no count): NCCL has no such COLL line.
+    """
+    if ev.op == "all_to_all" and ev.count is None:
+        raise ValueError(f"Invalid event {ev.source_ref}: an uneven all_to_all (in_elems="
+                         f"{ev.in_elems}, out_elems={ev.out_elems}) has no NCCL COLL line. Must "
+                         "be rendered from a run NCCL could make (NCCL logs per-peer Send/Recv).")
     if ev.op == "send":
         sendbuff, recvbuff = "(nil)", sendbuff
     elif ev.op == "recv":

@@ -53,6 +53,8 @@ def test_fixture_exact_events(fixture_trace):
         ("all_reduce", 3, "float32", None, None),
         ("all_reduce", 4, "float32", None, None),
     ]
+    a2a = [(e.in_elems, e.out_elems) for e in t.events if e.op == "all_to_all"]
+    assert a2a == [(32, 32)]  # its totals are known (Input Dims), the per-peer count is not
     assert [e.seq for e in t.events] == list(range(15))  # no group in the trace: one counter
     assert {e.group_id for e in t.events} == {None}
     assert t.backend_events == 14 and t.backend_unpaired == 0

@@ -30,7 +30,7 @@ def _events(layout: RunLayout, steps: int = 1) -> list[CollectiveEvent]:
     return [
         CollectiveEvent(source="interposer", op=e.op, rank=e.rank, group_id=e.group_id,
                         group_size=e.group_size, count=e.count, dtype=e.dtype, root=e.root,
-                        phase=e.phase)
+                        phase=e.phase, in_elems=e.in_elems, out_elems=e.out_elems)
         for _ in range(steps) for e in predict_step(layout)
     ]
 
@@ -39,6 +39,9 @@ def _dedicated_avg(layout: RunLayout) -> Fraction:
     """Exact W-average of the Muon-param share of the predicted calls (rational arithmetic)."""
     total = Fraction(0)
     for e in predict_step(layout):
+        if e.uneven:  # an all_to_all: the dedicated elements it sends (formulas.avg_elems)
+            total += e.dedicated_in_elems - e.dedicated_count
+            continue
         n = e.group_size
         f = {"all_reduce": Fraction(2 * (n - 1), n), "gather": Fraction(n - 1, n * n)}.get(e.op, Fraction(n - 1, n))
         s = n * e.count if e.op in ("all_gather", "reduce_scatter", "all_to_all", "gather") else e.count
@@ -533,7 +536,13 @@ def test_gloo_reduces_by_gather_with_the_counts_and_traffic_of_reduce(mode, coal
     plain = [e for e in predict_step(layout) if e.dedicated_count]
     gathered = [e for e in predict_step(gloo) if e.dedicated_count]
     assert {e.op for e in plain} & set(renamed)  # the layout has reductions to rename
-    assert gathered == [dataclasses.replace(e, op=renamed.get(e.op, e.op)) for e in plain]
+    # the same calls and counts (an even all_to_all also carries its totals, n x count each)
+    bare = dict(in_elems=None, out_elems=None, self_elems=None, dedicated_in_elems=None,
+                dedicated_out_elems=None)
+    assert [dataclasses.replace(e, **bare) for e in gathered] == \
+        [dataclasses.replace(e, op=renamed.get(e.op, e.op)) for e in plain]
+    assert all((e.in_elems, e.out_elems, e.self_elems) == (e.group_size * e.count,) * 2 + (e.count,)
+               for e in gathered if e.op == "all_to_all")
     assert _dedicated_avg(gloo) == _dedicated_avg(layout)
     run = compare_run(gloo, _events(gloo), steps=1, ns_calls=len(layout.muon_names))
     assert run["pass"] and run["closed_form_matches"]

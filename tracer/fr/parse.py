@@ -23,7 +23,9 @@ world and on a subgroup; see ``tests/distributed/phase_d/test_flight_recorder_gl
   all_reduce of the full input, and ``all_reduce_coalesced``, one entry with one size per
   tensor), ``gloo:reduce``, ``gloo:broadcast``, ``gloo:all_gather`` (both
   ``all_gather_into_tensor`` and list ``all_gather``; output ``[n, count]``),
-  ``gloo:all_to_all`` (``all_to_all_single``; input = n x the per-peer count),
+  ``gloo:all_to_all`` (``all_to_all_single``; input and output = this rank's whole tensors,
+  n x the per-peer count when even; an uneven one (splits 7,7,7,7 in, 7,7,5,5 out) is
+  ``input_sizes [[28]]``, ``output_sizes [[24]]``, no splits),
   ``gloo:barrier`` (no tensors), ``gloo:gather`` (inputs ``[[count]]`` on every rank, outputs
   ``[[n, count]]`` on the root only), ``gloo:scatter`` (outputs ``[[count]]`` on every rank,
   inputs ``[[n, count]]`` on the root only).
@@ -51,7 +53,9 @@ numbers them on a separate ``p2p_seq_id`` counter); events keep dump order (``re
 ``comm`` holds FR's pg name, ``source_ref`` is ``"<file>#<record_id>"``. A coalesced entry
 (several input sizes, e.g. ``all_reduce_coalesced``) gives one event per tensor, as the
 interposer and NCCL's log do, all with the entry's ``seq`` and ``source_ref``
-``"<file>#<record_id>.<i>"``.
+``"<file>#<record_id>.<i>"``. An all_to_all carries its input and output totals
+(``in_elems`` / ``out_elems``) and the count :func:`tracer.events.all_to_all_count` gives
+them (``None`` when uneven, or when the group size is unknown).
 """
 
 from __future__ import annotations
@@ -66,7 +70,13 @@ from dataclasses import dataclass, field
 from math import prod
 from pathlib import Path
 
-from tracer.events import DTYPE_BYTES, CollectiveEvent, group_id_from_ranks, write_parquet
+from tracer.events import (
+    DTYPE_BYTES,
+    CollectiveEvent,
+    all_to_all_count,
+    group_id_from_ranks,
+    write_parquet,
+)
 from tracer.fr.dump import (  # enabling and dumping live there; re-exported (__all__)
     CONTEXT_KEY,
     DEFAULT_BUFFER_ENTRIES,
@@ -367,12 +377,9 @@ def _counts(op: str, in_sizes: list, out_sizes: list, group_size: int | None) ->
         if group_size is not None and n_in != n_out * group_size:
             raise _EntryError(f"reduce_scatter input {n_in} != output {n_out} x {group_size=}")
         return [prod(s) for s in out_sizes]
-    # all_to_all: FR has the whole input (one tensor, or one per peer); count is per peer
-    if group_size is None:
-        return [None]
-    if n_in % group_size:
-        raise _EntryError(f"all_to_all input {n_in} not divisible by {group_size=}")
-    return [n_in // group_size]
+    # all_to_all: FR has the whole input and output (one tensor, or one per peer); the count
+    # follows the totals (tracer.events.all_to_all_count: None for an uneven all_to_all)
+    return [all_to_all_count(n_in, n_out, group_size)]
 
 
 def _time_ns(entry: dict, key: str, where: str, warnings: list[str]) -> int | None:
@@ -404,13 +411,15 @@ def _entry_events(entry: dict, *, ref: str, where: str, rank: int | None,
     op = FR_OPS[fr_op]
     comm = _pg_name(entry)
     group_size = len(ranks) if ranks else None
-    root, dtype, counts = None, None, [None]
+    root, dtype, counts, totals = None, None, [None], {}
     if op != "barrier":
         dtype = _dtype([*_names(entry, "input_dtypes"), *_names(entry, "output_dtypes")])
-        counts = _counts(op, _sizes(entry, "input_sizes"), _sizes(entry, "output_sizes"),
-                         group_size)
+        in_sizes, out_sizes = _sizes(entry, "input_sizes"), _sizes(entry, "output_sizes")
+        counts = _counts(op, in_sizes, out_sizes, group_size)
         if not counts:
             raise _EntryError(f"{name} entry without tensors")
+        if op == "all_to_all":
+            totals = dict(in_elems=_numel(in_sizes), out_elems=_numel(out_sizes))
     if op in ("send", "recv"):
         m = _P2P_META.match(meta.strip())
         if m and int(m.group(3)) <= _INT32_MAX:  # "send <me>-><peer>", "recv <me><-<peer>"
@@ -435,6 +444,7 @@ def _entry_events(entry: dict, *, ref: str, where: str, rank: int | None,
         pid=context.get("pid"),
         host=context.get("host"),
         comm=comm,
+        **totals,
     )
     try:
         if len(counts) == 1:
@@ -707,7 +717,8 @@ def register_cli(subparsers) -> None:
             "reduce, all_to_all, send, recv, barrier), rank, group_id (sorted world ranks,\n"
             "comma-joined; empty when unknown), group_size, group_rank, seq\n"
             "(collective_seq_id - 1), count (NCCL convention: all_gather send count,\n"
-            "reduce_scatter recv count, all_to_all per-peer count), dtype, dtype_bytes,\n"
+            "reduce_scatter recv count, all_to_all per-peer count, empty for an uneven\n"
+            "all_to_all), in_elems / out_elems (all_to_all totals), dtype, dtype_bytes,\n"
             "msg_bytes, t_start_ns (FR time_created_ns, epoch clock), comm (FR pg name),\n"
             "source_ref (file#record_id). Note: gloo records reduce_scatter_tensor as an\n"
             "all_reduce of the full input and does not record send/recv.\n\n"

@@ -378,6 +378,8 @@ class EventBatches:
             "comm": _dictionary(rows.comm, pa.array(self._comms, pa.string())),
             "t_wait_start_ns": pa.nulls(m, pa.int64()),
             "t_waited_ns": pa.nulls(m, pa.int64()),
+            "in_elems": pa.nulls(m, pa.int64()),  # NCCL logs an all_to_all's per-peer count only
+            "out_elems": pa.nulls(m, pa.int64()),
         }
         batch = pa.RecordBatch.from_arrays(list(cols.values()), schema=BATCH_SCHEMA)
         return batch, res["epoch"]

@@ -244,10 +244,19 @@ def error_failures(report: Mapping) -> list[Mapping]:
     return [f for f in failures(report) if f["check"] == "error"]
 
 
+def _count_cell(e: Mapping) -> str:
+    """The count, or an uneven all_to_all's totals (``in 28,672 → out 24,576``)."""
+    if e["count"] is not None:
+        return f"{e['count']:,}"
+    if e.get("in_elems") is not None and e.get("out_elems") is not None:
+        return f"in {e['in_elems']:,} → out {e['out_elems']:,}"
+    return "–"
+
+
 def _collective_rows(entries: Sequence[Mapping]) -> list[list[str]]:
     return [
         [_dash(e["rank"]), _dash(e["phase"]), e["op"], _dash(e["group_id"]),
-         "–" if e["count"] is None else f"{e['count']:,}", _dash(e["dtype"]), _dash(e["root"]),
+         _count_cell(e), _dash(e["dtype"]), _dash(e["root"]),
          _dash(e["module"]), f"×{e['n']}"]
         for e in entries[:MAX_LISTED]
     ]

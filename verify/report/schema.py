@@ -86,6 +86,9 @@ COLLECTIVE_KEYS: dict[str, tuple] = {  # None where the source could not tell
     "module": _OPT_STR,
     "n": (int,),
 }
+#: Keys a missing / unexpected collective has since all_to_alls carry their totals (reports
+#: written before lack them).
+COLLECTIVE_OPTIONAL_KEYS: dict[str, tuple] = {"in_elems": _OPT_INT, "out_elems": _OPT_INT}
 SOURCE_KEYS: dict[str, tuple] = {
     "events": (int,),
     "matched": (int,),
@@ -305,6 +308,7 @@ def validate_report(report: Mapping) -> None:
         for kind in ("missing", "unexpected"):
             for j, entry in enumerate(run[kind]):
                 _check_keys(entry, COLLECTIVE_KEYS, f"{where} {kind}[{j}]")
+                _check_optional(entry, COLLECTIVE_OPTIONAL_KEYS, f"{where} {kind}[{j}]")
         for name, src in run["sources"].items():
             if name not in SOURCES:
                 raise ValueError(f"Invalid {where} source={name!r}. Must be one of {SOURCES}.")

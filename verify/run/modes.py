@@ -23,7 +23,7 @@ from dmuon.ownership.plan import specs_from_named_parameters
 
 from verify.run.baselines import MatrixMuon, NaiveShardedMuon, ZeroOneMuon
 from verify.traffic.predict import (DMUON_REST_MODES, RunLayout, dmuon_aligned_max_bytes, dmuon_coalesce_bytes,
-                                    dmuon_reduce_by_gather)
+                                    dmuon_reduce_by_gather, dmuon_uneven_aligned)
 from verify.workload.usermodel import block_names
 
 #: Hyper-parameters every mode uses (Muon's and AdamW's torch defaults except the lrs).
@@ -173,6 +173,7 @@ def build(mode: str, make_model: Callable[[], nn.Module], device: str = "cpu",
             dmuon_coalesce_bytes=dmuon_coalesce_bytes(coalesce, backend),
             dmuon_aligned_max_bytes=dmuon_aligned_max_bytes(backend),
             dmuon_reduce_by_gather=dmuon_reduce_by_gather(backend),
+            dmuon_uneven_aligned=dmuon_uneven_aligned(backend),
             mp_param_dtype=mp_name if (mode.startswith("dmuon-") or fsdp_modules) else None,
             ddp_buffers=buffers if mode in ("ddp-muon", "zero1-muon", "dmuon-ddp") and not replicated else (),
             frozen_names=frozen,

@@ -63,13 +63,19 @@ from tracer.interposer import Interposer
 from verify.run.block_order import BlockOrderRecorder, bare_model, blocks_of
 from verify.compare import compare_run
 from verify.report.checks import failures_of_runs, final_line, run_checks
-from verify.traffic.predict import RunLayout
+from verify.traffic.predict import RunLayout, dmuon_uneven_aligned
 from verify.run.figures import add_figures, interposer_source, params_report
 from verify.run.steptime import StepTime, sample
 
 
 class TrafficMismatch(AssertionError):
     """The measured collectives differ from the prediction (raised on every rank)."""
+
+
+def _backend(dedicated: dmuon.DedicatedParams) -> str:
+    """The backend DMuon's collectives run on, by its params' device (CUDA: NCCL, else gloo)."""
+    first = next(iter(dedicated), None)
+    return "nccl" if first is not None and first.device.type == "cuda" else "gloo"
 
 
 def layout_from_job(model: nn.Module, dedicated: dmuon.DedicatedParams,
@@ -102,6 +108,10 @@ def layout_from_job(model: nn.Module, dedicated: dmuon.DedicatedParams,
                   dmuon_coalesce_bytes=int(dedicated.coalesce_bytes),
                   dmuon_aligned_max_bytes=int(dedicated.aligned_max_bytes),
                   dmuon_reduce_by_gather=bool(dedicated.reduce_by_gather),
+                  # the harness's own table, by the backend the params' device selects (uneven
+                  # groups reduce by all_to_all: only where DMuon reduces by gather)
+                  dmuon_uneven_aligned=bool(dedicated.reduce_by_gather)
+                  and dmuon_uneven_aligned(_backend(dedicated)),
                   dmuon_block_order=tuple(block_order))
     hsdp = topo.replicate_size > 1
     mode = f"dmuon-{'hsdp-' if hsdp else ''}{'z3' if z3 else 'z2'}"

@@ -39,7 +39,8 @@ from dmuon.ownership.plan import specs_from_named_parameters
 from dmuon.ownership.select import matrix_shapes, select_params
 from tracer.context import current_phase
 from verify.traffic.tp import TP_MODES, TPRunLayout
-from verify.traffic.predict import dmuon_aligned_max_bytes, dmuon_coalesce_bytes, dmuon_reduce_by_gather
+from verify.traffic.predict import (dmuon_aligned_max_bytes, dmuon_coalesce_bytes, dmuon_reduce_by_gather,
+                                    dmuon_uneven_aligned)
 from verify.workload.data import local_slice
 
 #: The TP plan of the built-in TinyGPT's blocks (module name within a block -> style).
@@ -255,7 +256,8 @@ def build_tp(mode: str, make_model: Callable[[], nn.Module], device: str, tp: in
                            tp_activations=acts, mp_param_dtype=mp_name, frozen_names=frozen,
                            dmuon_coalesce_bytes=dmuon_coalesce_bytes(coalesce, backend),
                            dmuon_aligned_max_bytes=dmuon_aligned_max_bytes(backend),
-                           dmuon_reduce_by_gather=dmuon_reduce_by_gather(backend))
+                           dmuon_reduce_by_gather=dmuon_reduce_by_gather(backend),
+                           dmuon_uneven_aligned=dmuon_uneven_aligned(backend))
 
     if mode.startswith("dmuon-"):
         dm = dmuon.dedicate_params(model, mesh, params=list(targets), reshard_after_forward=reshard,

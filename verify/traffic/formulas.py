@@ -12,7 +12,9 @@ elements, f = 2(n-1)/n for all_reduce, (n-1)/n**2 for gather and scatter (only t
 receives, or only it sends: (n-1)·count in all), and (n-1)/n otherwise. The *step figure* of
 a mode is the mean over all W ranks of the sum of f(n)·S over the calls each rank takes part
 in. Each rank records its own copy of a call, so the W-average is
-``sum(f·S over all ranks' events) / W``.
+``sum(f·S over all ranks' events) / W``. An uneven all_to_all (members' chunks of different
+sizes: DMuon's gloo aligned groups) has no single count and no S; each member contributes the
+elements it sends (:func:`avg_elems`), and those sum to what the members receive.
 
 nccl-tests' busbw factor describes the busiest rank (1 for broadcast / reduce), a different
 quantity: reports show the busiest rank's own sum in a separate column, never mixed in.
@@ -48,8 +50,17 @@ def avg_recv_factor(op: str, group_size: int) -> float:
     return 2.0 * (n - 1) / n if op == "all_reduce" else (n - 1) / n
 
 
-def avg_elems(op: str, count: int, group_size: int) -> float:
-    """f(n)·S of one call as seen by one member (contribution to the W-average numerator)."""
+def avg_elems(op: str, count: int | None, group_size: int, *, in_elems: int | None = None,
+              self_elems: int | None = None) -> float:
+    """f(n)·S of one call as seen by one member (contribution to the W-average numerator).
+
+    An all_to_all whose own chunk ``self_elems`` is known contributes the elements it sends,
+    ``in_elems - self_elems``: summed over the members that is what they all receive, so the
+    W-average stays total link traffic / W; an uneven all_to_all (no single ``count``,
+    :func:`tracer.events.all_to_all_count`) has no other f(n)·S. Even, it is (n-1)·count,
+    the formula's value."""
+    if op == "all_to_all" and in_elems is not None and self_elems is not None:
+        return float(in_elems - self_elems)
     return avg_recv_factor(op, group_size) * array_elems(op, count, group_size)
 
 

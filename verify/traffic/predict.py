@@ -53,9 +53,9 @@ from dataclasses import dataclass
 
 
 from dmuon.ownership.plan import OwnershipPlan, ParamSpec, plan_ownership
-from tracer.events import DTYPE_BYTES, group_id_from_ranks
+from tracer.events import DTYPE_BYTES, all_to_all_count, all_to_all_elems, group_id_from_ranks
 
-from verify.traffic.formulas import MODES
+from verify.traffic.formulas import MODES, avg_elems
 from verify.traffic.rules import (
     AxisCall,
     ddp_buckets,
@@ -97,6 +97,10 @@ class RunLayout:
             (:func:`dmuon_aligned_max_bytes`).
         dmuon_reduce_by_gather: DMuon's reduces run as gathers and its aligned
             reduce_scatters as all_to_alls (:func:`dmuon_reduce_by_gather`: gloo).
+        dmuon_uneven_aligned: a unit's dtype group with one bucket per owner is aligned even
+            when the buckets' sizes differ, each channel then moving as an all_gather where
+            every member's part is equal and as an all_to_all where not
+            (:func:`dmuon_uneven_aligned`: gloo; needs ``dmuon_reduce_by_gather``).
         root_auto_reshard: the root was wrapped without ``reshard_after_forward`` (FSDP2 then
             keeps it unsharded after forward).
         mp_param_dtype: mixed precision's param dtype (torch name, e.g. ``"bfloat16"``) or
@@ -139,6 +143,7 @@ class RunLayout:
     dmuon_coalesce_bytes: int = 0
     dmuon_aligned_max_bytes: int = NO_LIMIT
     dmuon_reduce_by_gather: bool = False
+    dmuon_uneven_aligned: bool = False
     root_auto_reshard: bool = True
     mp_param_dtype: str | None = None
     mp_reduce_dtype: str | None = None
@@ -165,6 +170,10 @@ class RunLayout:
                     f"Invalid {name}={value!r}. Must be None or a torch dtype name among "
                     f"{sorted(DTYPE_BYTES)} (str(torch.bfloat16) without 'torch.')."
                 )
+        if self.dmuon_uneven_aligned and not self.dmuon_reduce_by_gather:
+            raise ValueError("Invalid layout: dmuon_uneven_aligned=True with "
+                             "dmuon_reduce_by_gather=False. Must reduce by gather: an uneven "
+                             "group's reduce is an all_to_all (no uneven reduce_scatter).")
         if self.dmuon_rest not in DMUON_REST_MODES:
             raise ValueError(f"Invalid dmuon_rest={self.dmuon_rest!r}. Must be one of {DMUON_REST_MODES}.")
         if self.dmuon_rest == "replicate" and (not self.is_dmuon or self.fsdp_modules or self.ddp_buffers):
@@ -236,22 +245,60 @@ class RunLayout:
 
 @dataclass(frozen=True)
 class Expected:
-    """One predicted call on one rank (``count`` in NCCL's per-rank convention)."""
+    """One predicted call on one rank (``count`` in NCCL's per-rank convention).
+
+    An all_to_all also has ``in_elems`` / ``out_elems`` (this rank's input and output
+    totals, as :mod:`tracer.events` records them), ``self_elems`` (its own chunk, which it
+    neither sends nor receives) and their Muon-target parts ``dedicated_in_elems`` /
+    ``dedicated_out_elems``, ``dedicated_count`` being the part of ``self_elems``; its
+    ``count`` follows :func:`tracer.events.all_to_all_count` (``None`` when uneven). In the
+    even case ``self_elems == count`` and ``in_elems == out_elems == group_size * count``.
+    """
 
     rank: int
     phase: str
     op: str
     group_id: str
     group_size: int
-    count: int
+    count: int | None
     dtype: str
     root: int | None
     module: str | None
     dedicated_count: int
+    in_elems: int | None = None
+    out_elems: int | None = None
+    self_elems: int | None = None
+    dedicated_in_elems: int | None = None
+    dedicated_out_elems: int | None = None
 
     def key(self) -> tuple:
-        """The identity compared with measured events (module is for messages only)."""
-        return (self.rank, self.phase, self.op, self.group_id, self.count, self.dtype, self.root)
+        """The identity compared with measured events (module is for messages only):
+        ``(rank, phase, op, group_id, count, dtype, root, in_elems, out_elems)``, the totals
+        ``None`` but for all_to_all (:func:`tracer.events.all_to_all_elems`)."""
+        return (self.rank, self.phase, self.op, self.group_id, self.count, self.dtype, self.root,
+                *all_to_all_elems(self.op, self.count, self.group_size, self.in_elems, self.out_elems))
+
+    @property
+    def uneven(self) -> bool:
+        """An all_to_all whose own chunk is known (the predictor's all_to_alls)."""
+        return self.op == "all_to_all" and self.self_elems is not None
+
+    def avg_elems(self) -> float:
+        """This member's f(n)·S (:func:`verify.traffic.formulas.avg_elems`); an all_to_all:
+        the elements it sends, ``in_elems - self_elems``."""
+        return avg_elems(self.op, self.count, self.group_size, in_elems=self.in_elems,
+                         self_elems=self.self_elems)
+
+    def dedicated_avg_elems(self) -> float:
+        """The Muon-target part of :meth:`avg_elems`."""
+        if self.uneven:
+            return float(self.dedicated_in_elems - self.dedicated_count)
+        return self.avg_elems() * self.dedicated_count / self.count if self.count else 0.0
+
+    def dedicated_share(self) -> float:
+        """:meth:`dedicated_avg_elems` / :meth:`avg_elems` (0 for a call that moves nothing)."""
+        total = self.avg_elems()
+        return self.dedicated_avg_elems() / total if total else 0.0
 
 
 def shard_ranks(rank: int, n: int) -> list[int]:
@@ -271,13 +318,24 @@ def replicate_ranks(rank: int, n: int, r_size: int) -> list[int]:
 #: 360 GB/s), written here independently of ``dmuon/ownership/buckets.py``.
 DMUON_AUTO_COALESCE_BYTES = {"gloo": 2_000_000, "nccl": 3_600_000}
 #: The largest bucket of an aligned group per backend (docs/traffic-model.md, "Coalescing"):
-#: 64 KiB on gloo, no limit elsewhere.
-DMUON_ALIGNED_MAX_BYTES = {"gloo": 64 * 1024}
+#: no limit on any backend (gloo's 64 KiB went when its groups became all_to_alls).
+DMUON_ALIGNED_MAX_BYTES: dict[str, int] = {}
 
 
 def dmuon_aligned_max_bytes(backend: str) -> int:
     """The aligned groups' bucket limit on ``backend`` (docs/traffic-model.md)."""
     return DMUON_ALIGNED_MAX_BYTES.get(backend, NO_LIMIT)
+
+
+#: Backends on which a unit's dtype group with one bucket per owner is aligned whatever the
+#: buckets' sizes (docs/traffic-model.md, "Aligned groups"): those that reduce by gather,
+#: where an uneven group moves as all_to_alls; NCCL's groups stay equal.
+DMUON_UNEVEN_ALIGNED = frozenset({"gloo"})
+
+
+def dmuon_uneven_aligned(backend: str) -> bool:
+    """Whether DMuon aligns groups of unequal buckets on ``backend``."""
+    return backend in DMUON_UNEVEN_ALIGNED
 
 
 #: Backends on which DMuon reduces by gather (``dmuon/runtime/dedicate.py`` step 4): each
@@ -309,8 +367,9 @@ class DMuonBucket:
         names: member params in model order.
         numel: elements of all members.
         blocks: the unit's blocks.
-        aligned: one bucket per owner of equal numel and param count in its unit and dtype,
-            moved by one all_gather / reduce_scatter (``dmuon/runtime/dedicate.py``).
+        aligned: one bucket per owner in its unit and dtype (of equal numel and param count
+            unless the layout aligns uneven groups), moved by one call per channel
+            (``dmuon/runtime/dedicate.py``).
     """
 
     module: str
@@ -394,7 +453,7 @@ def dmuon_units(specs: Sequence[ParamSpec], target_bytes: int) -> list[tuple[str
 def dmuon_buckets(specs: Sequence[ParamSpec], plan: OwnershipPlan,
                   cap_bytes: int = 25 * 1024 * 1024,
                   block_order: Sequence[str] = (), coalesce_bytes: int = 0,
-                  aligned_max_bytes: int = NO_LIMIT) -> list[DMuonBucket]:
+                  aligned_max_bytes: int = NO_LIMIT, uneven_aligned: bool = False) -> list[DMuonBucket]:
     """DMuon's buckets from the documented rule (docs/spec.md §1, ``dmuon/ownership/buckets.py``).
 
     A bucket is the dedicated params of one block (:func:`dmuon_block`) with the same global
@@ -423,10 +482,12 @@ def dmuon_buckets(specs: Sequence[ParamSpec], plan: OwnershipPlan,
     if coalesce_bytes > 0:  # a unit of several blocks stays only if it needs fewer calls
         singles = [(b,) for u in units for b in u]
         per_block = _calls_by_unit(_grouped(specs, plan, cap_bytes, singles, 0))
-        joined = _calls_by_unit(_grouped(specs, plan, cap_bytes, units, aligned_max_bytes))
+        joined = _calls_by_unit(_grouped(specs, plan, cap_bytes, units, aligned_max_bytes,
+                                         uneven_aligned))
         units = [piece for u in units for piece in
                  ([u] if len(u) == 1 or joined[u[0]] < sum(per_block[b] for b in u) else [(b,) for b in u])]
-    buckets = _grouped(specs, plan, cap_bytes, units, aligned_max_bytes if coalesce_bytes > 0 else 0)
+    buckets = _grouped(specs, plan, cap_bytes, units, aligned_max_bytes if coalesce_bytes > 0 else 0,
+                       uneven_aligned)
     model = dmuon_model_blocks(specs)
     sequence = dmuon_block_sequence(model, block_order)
     if sequence != model:
@@ -435,10 +496,12 @@ def dmuon_buckets(specs: Sequence[ParamSpec], plan: OwnershipPlan,
 
 
 def _grouped(specs: Sequence[ParamSpec], plan: OwnershipPlan, cap_bytes: int,
-             units: Sequence[tuple[str, ...]], aligned_max_bytes: int) -> list[DMuonBucket]:
+             units: Sequence[tuple[str, ...]], aligned_max_bytes: int,
+             uneven_aligned: bool = False) -> list[DMuonBucket]:
     """The buckets of ``units`` (model order): per (unit, owner, dtype), cut at ``cap_bytes``;
-    aligned where a unit's dtype has one bucket per owner of equal size and param count, at
-    most ``aligned_max_bytes`` (0: never)."""
+    aligned where a unit's dtype has exactly one bucket per owner (none cut by the cap), of
+    equal size and param count unless ``uneven_aligned``, each at most
+    ``aligned_max_bytes`` (0: never)."""
     unit_of = {block: unit for unit in units for block in unit}
     members: dict[tuple[str, int, str], list[list[ParamSpec]]] = {}
     for spec in specs:
@@ -453,9 +516,11 @@ def _grouped(specs: Sequence[ParamSpec], plan: OwnershipPlan, cap_bytes: int,
     if aligned_max_bytes > 0 and world > 1:
         for unit, dtype in {(u, d) for u, _, d in members}:
             runs = [members.get((unit, g, dtype), []) for g in range(world)]
-            sizes = {(sum(p.numel for p in r[0]), len(r[0])) for r in runs if len(r) == 1}
-            if all(len(r) == 1 for r in runs) and len(sizes) == 1 and \
-                    next(iter(sizes))[0] * DTYPE_BYTES[dtype] <= aligned_max_bytes:
+            if not all(len(r) == 1 for r in runs):
+                continue
+            sizes = {(sum(p.numel for p in r[0]), len(r[0])) for r in runs}
+            largest = max(numel for numel, _ in sizes)
+            if (uneven_aligned or len(sizes) == 1) and largest * DTYPE_BYTES[dtype] <= aligned_max_bytes:
                 aligned.add((unit, dtype))
     return [
         DMuonBucket(unit, owner, dtype, tuple(p.name for p in ps), sum(p.numel for p in ps),
@@ -509,33 +574,76 @@ def _dmuon_calls(layout: RunLayout, rank: int) -> list[Expected]:
         if r_size > 1 and s_me == s_own:
             add("backward", reduce, rid, r_size, b, red, r_own, usage)
             add("replicate", "broadcast", rid, r_size, b, b.dtype, r_own)
-    # an aligned group: one bucket per owner, C elements and u params each; one all_gather /
-    # reduce_scatter per channel moves them all (count = what each member sends / keeps)
+    # an aligned group: one bucket per owner g = r·N + s, c_g elements and u_g params; one call
+    # per channel moves them all. Shard index s holds the R buckets of owners (., s): its part
+    # of the shard channels is H_s = sum_r c_(rN+s) (reduce: plus the usage elements); a
+    # replicate group's part of rank (r, s) is owner r·N + s's bucket.
+    r_me = rank // n
     for (unit, dtype), group in grouped.items():
-        c, usage = group[0].numel, len(group[0].names)
-        held = c * r_size  # this shard index's R buckets
+        owned = {b.owner: b for b in group}
+        elems = [owned[g].numel for g in range(n * r_size)]
+        params = [len(owned[g].names) for g in range(n * r_size)]
+        held = [sum(elems[r * n + s] for r in range(r_size)) for s in range(n)]
+        held_usage = [held[s] + sum(params[r * n + s] for r in range(r_size)) for s in range(n)]
+        column = [elems[r * n + s_me] for r in range(r_size)]  # this rank's replicate group
+        column_usage = [column[r] + params[r * n + s_me] for r in range(r_size)]
         cast, red = layout.cast_dtype(dtype), layout.reduce_dtype(dtype)
+        by_gather = layout.dmuon_reduce_by_gather
 
-        def put(phase, op, gid, gsize, count, dt, dedicated, times=1):
-            out.extend([Expected(rank, phase, op, gid, gsize, count, dt, None, unit, dedicated)] * times)
+        def put(phase, gid, gsize, dt, call, times=1):
+            out.extend([Expected(rank, phase, group_id=gid, group_size=gsize, dtype=dt, root=None,
+                                 module=unit, **call)] * times)
 
         forward, backward = dmuon_broadcasts(layout, group[0], kept)  # one unit: every member alike
-        put("forward", "all_gather", sid, n, held, cast, held, times=forward)
-        put("backward", "all_gather", sid, n, held, cast, held, times=backward)
-        put("backward", reduce_scatter, sid, n, r_size * (c + usage), red, held)
+        put("forward", sid, n, cast, _gathered(held, s_me), times=forward)
+        put("backward", sid, n, cast, _gathered(held, s_me), times=backward)
+        put("backward", sid, n, red, _summed(held_usage, held, s_me, by_gather))
         if r_size > 1:
-            put("backward", reduce_scatter, rid, r_size, c + usage, red, c)
-            put("replicate", "all_gather", rid, r_size, c, dtype, c)
+            put("backward", rid, r_size, red, _summed(column_usage, column, r_me, by_gather))
+            put("replicate", rid, r_size, dtype, _gathered(column, r_me))
     return out
 
 
+def _gathered(parts: Sequence[int], me: int) -> dict:
+    """The fields of member ``me``'s call that gives every member all ``parts`` (part i from
+    group rank i): an all_gather where they are equal (count = one part), else an
+    all_to_all of this member's part repeated to every peer (in_elems n·part, out_elems the
+    sum, its own chunk its part). Every element is dedicated."""
+    n, mine = len(parts), parts[me]
+    if len(set(parts)) == 1:
+        return dict(op="all_gather", count=mine, dedicated_count=mine)
+    in_elems, out_elems = n * mine, sum(parts)
+    return dict(op="all_to_all", count=all_to_all_count(in_elems, out_elems, n), in_elems=in_elems,
+                out_elems=out_elems, self_elems=mine, dedicated_count=mine,
+                dedicated_in_elems=in_elems, dedicated_out_elems=out_elems)
+
+
+def _summed(parts: Sequence[int], dedicated: Sequence[int], me: int, by_gather: bool) -> dict:
+    """The fields of member ``me``'s call after which group rank i holds the sum of every
+    member's part i (``dedicated``: each part's Muon-target elements, the rest are usage
+    elements): a reduce_scatter (count = one part; equal parts only), or, reducing by
+    gather, an all_to_all of every part to its group rank (in_elems the sum, out_elems n
+    times this member's part, its own chunk its part), summed locally."""
+    n, mine = len(parts), parts[me]
+    if not by_gather:
+        if len(set(parts)) != 1:
+            raise ValueError(f"Invalid aligned group with parts {list(parts)}: unequal parts need "
+                             "a reduce by gather (RunLayout.dmuon_uneven_aligned).")
+        return dict(op="reduce_scatter", count=mine, dedicated_count=dedicated[me])
+    in_elems, out_elems = sum(parts), n * mine
+    return dict(op="all_to_all", count=all_to_all_count(in_elems, out_elems, n), in_elems=in_elems,
+                out_elems=out_elems, self_elems=mine, dedicated_count=dedicated[me],
+                dedicated_in_elems=sum(dedicated), dedicated_out_elems=n * dedicated[me])
+
+
 def layout_buckets(layout: RunLayout, plan: OwnershipPlan | None = None) -> list[DMuonBucket]:
-    """:func:`dmuon_buckets` of ``layout`` (its cap, coalescing, aligned limit and recorded
-    block order): DMuon's buckets in the index order of the measured steps. ``plan``:
-    ``layout.plan()`` if omitted."""
+    """:func:`dmuon_buckets` of ``layout`` (its cap, coalescing, aligned limit, uneven rule
+    and recorded block order): DMuon's buckets in the index order of the measured steps.
+    ``plan``: ``layout.plan()`` if omitted."""
     plan = layout.plan() if plan is None else plan
     return dmuon_buckets(layout.muon_specs(), plan, layout.dmuon_bucket_cap_bytes, layout.dmuon_block_order,
-                         layout.dmuon_coalesce_bytes, layout.dmuon_aligned_max_bytes)
+                         layout.dmuon_coalesce_bytes, layout.dmuon_aligned_max_bytes,
+                         layout.dmuon_uneven_aligned)
 
 
 def kept_unit(layout: RunLayout, buckets: Sequence[DMuonBucket]) -> str | None:

@@ -14,6 +14,12 @@ docs/spec.md §2); ``*_avg_*`` are W-averages, ``*_max_*`` the busiest rank's ow
 mixed. "Dedicated" is the Muon-target part (a call's f·S times dedicated_count / count, as
 :mod:`verify.compare`).
 
+DMuon's aligned groups of unequal buckets (gloo, ``RunLayout.dmuon_uneven_aligned``) move as
+all_to_alls whose sizes depend on the member: a shard-axis one on its shard index s (tallied
+per s, exact), a replicate-axis one on its replicate index r too, which a per-s tally cannot
+hold: it is tallied at its column's mean, exact for every average; the busiest-rank figures
+take that mean for it.
+
 ``zero1-muon`` is the harness's ZeRO-1-style baseline (``verify.run.baselines.ZeroOneMuon``): one
 reduce_scatter and one all_gather over the world of an owner-aligned flat buffer (whole
 matrices per owner, padded to the largest owner's total C), DDP for the other params. On an
@@ -72,8 +78,15 @@ class Tally:
     def add(self, phase: str, op: str, axis: str, group_size: int, count: int, dtype_bytes: int,
             dedicated_count: int, times: int = 1) -> None:
         """Add ``times`` identical calls (per-rank ``count`` elements, NCCL's convention)."""
-        elems = avg_elems(op, count, group_size) * times
+        elems = avg_elems(op, count, group_size)
         ded = elems * dedicated_count / count if count else 0.0
+        self.add_elems(phase, axis, elems, dtype_bytes, ded, times)
+
+    def add_elems(self, phase: str, axis: str, elems: float, dtype_bytes: int, ded: float,
+                  times: int = 1) -> None:
+        """Add ``times`` calls whose f(n)·S is ``elems`` (``ded`` of it dedicated): an uneven
+        all_to_all, which has no count (:func:`verify.traffic.formulas.avg_elems`)."""
+        elems, ded = elems * times, ded * times
         self.calls += times
         self.avg_elems += elems
         self.avg_bytes += elems * dtype_bytes
@@ -241,16 +254,41 @@ def _dmuon(layout: RunLayout, plan: OwnershipPlan) -> tuple[Tally, dict[int, Tal
             col.add("backward", "reduce", "replicate", r, numel + usage, red, numel)
             col.add("replicate", "broadcast", "replicate", r, numel, _dtype_bytes(dtype), numel)
     for (_, dtype), group in groups.items():
-        c, usage = group[0].numel, len(group[0].names)
+        owned = {b.owner: b for b in group}
+        elems = [owned[g].numel for g in range(n * r)]
+        usage = [elems[g] + len(owned[g].names) for g in range(n * r)]
+        held = [sum(elems[i * n + s] for i in range(r)) for s in range(n)]
+        held_usage = [sum(usage[i * n + s] for i in range(r)) for s in range(n)]
         cast, red = _dtype_bytes(layout.cast_dtype(dtype)), _dtype_bytes(layout.reduce_dtype(dtype))
         forward, backward = dmuon_broadcasts(layout, group[0], kept)  # one unit: every member alike
-        common.add("forward", "all_gather", "shard", n, r * c, cast, r * c, times=forward)
-        common.add("backward", "all_gather", "shard", n, r * c, cast, r * c, times=backward)
-        common.add("backward", "reduce_scatter", "shard", n, r * (c + usage), red, r * c)
+        if len(set(held)) == 1:  # an all_gather / reduce_scatter; on gloo the same f·S
+            common.add("forward", "all_gather", "shard", n, held[0], cast, held[0], times=forward)
+            common.add("backward", "all_gather", "shard", n, held[0], cast, held[0], times=backward)
+        else:  # uneven all_to_all: shard index s sends its part to N - 1 peers
+            for s_col in range(n):
+                sent = (n - 1) * held[s_col]
+                extra[s_col].add_elems("forward", "shard", sent, cast, sent, times=forward)
+                extra[s_col].add_elems("backward", "shard", sent, cast, sent, times=backward)
+        if len(set(held_usage)) == 1:
+            common.add("backward", "reduce_scatter", "shard", n, held_usage[0], red, held[0])
+        else:  # sends every part but its own
+            for s_col in range(n):
+                extra[s_col].add_elems("backward", "shard", sum(held_usage) - held_usage[s_col], red,
+                                       sum(held) - held[s_col])
         if r > 1:
             for s_col in range(n):
-                extra[s_col].add("backward", "reduce_scatter", "replicate", r, c + usage, red, c)
-                extra[s_col].add("replicate", "all_gather", "replicate", r, c, _dtype_bytes(dtype), c)
+                col = [elems[i * n + s_col] for i in range(r)]
+                col_usage = [usage[i * n + s_col] for i in range(r)]
+                if len(set(col_usage)) == 1:
+                    extra[s_col].add("backward", "reduce_scatter", "replicate", r, col_usage[0], red, col[0])
+                else:  # the column's mean: its ranks differ by r (module docstring)
+                    extra[s_col].add_elems("backward", "replicate", (r - 1) / r * sum(col_usage), red,
+                                           (r - 1) / r * sum(col))
+                if len(set(col)) == 1:
+                    extra[s_col].add("replicate", "all_gather", "replicate", r, col[0], _dtype_bytes(dtype), col[0])
+                else:
+                    extra[s_col].add_elems("replicate", "replicate", (r - 1) / r * sum(col),
+                                           _dtype_bytes(dtype), (r - 1) / r * sum(col))
     return common, dict(extra)
 
 

@@ -10,6 +10,14 @@ docs/traffic-model.md, "Busiest rank"):
   and receives 2(n-1)/n·S.
 - all_gather, reduce_scatter, all_to_all: ring / pairwise, every member sends and receives
   (n-1)·count = (n-1)/n·S.
+- an uneven all_to_all (members' chunks of different sizes: DMuon's gloo aligned groups,
+  docs/traffic-model.md "Aligned groups"; no single count): each member sends its input but
+  its own chunk, ``in_elems - self_elems``, and receives its output but its own chunk,
+  ``out_elems - self_elems``. No source records the own chunk: a measured all_to_all takes
+  ``self_elems`` from the predicted call it matches by key, the way its dedicated share
+  comes from the prediction. Its Muon-target part may differ by direction (a reduce's chunk
+  for group rank i holds the usage elements of the params i owns), so ``share`` may give a
+  ``(sent, received)`` pair of fractions.
 - broadcast: a pipelined chain along the ring starting at the root, root -> root+1 -> … ->
   root-1 (group ranks mod n). The root sends S and receives nothing, the tail receives S and
   sends nothing, every other member receives and forwards S.
@@ -26,7 +34,9 @@ all_reduces across nodes; this model is the ring's.
 
 Summed over the members of one call, elements received equal n·f(n)·S, so the mean over all W
 ranks of this model's received elements is exactly the W-average of ``verify.traffic.formulas`` (a test
-asserts it); the busiest rank's figure is the maximum instead of the mean.
+asserts it); the busiest rank's figure is the maximum instead of the mean. For an uneven
+all_to_all the W-average charges each member what it sends, and the sum of what the members
+send is the sum of what they receive, so the mean stays the W-average.
 
 Units: elements of the dedicated (Muon-target) params and bytes (elements × dtype size), per
 rank per step. A fused call (a DDP bucket, an FSDP2 group) is charged its dedicated share from
@@ -36,7 +46,7 @@ the prediction, as in ``verify.compare``.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 
 from tracer.events import DTYPE_BYTES, CollectiveEvent
 
@@ -58,16 +68,20 @@ ALGORITHMS: dict[str, str] = {
 }
 
 
-def member_wire_elems(op: str, count: int, group_size: int, group_rank: int,
-                      root: int | None) -> tuple[float, float]:
+def member_wire_elems(op: str, count: int | None, group_size: int, group_rank: int,
+                      root: int | None, *, in_elems: int | None = None,
+                      out_elems: int | None = None,
+                      self_elems: int | None = None) -> tuple[float, float]:
     """``(sent, received)`` elements of one member of one call (see the module docstring).
 
     Args:
         op: one of :data:`ALGORITHMS`.
-        count: NCCL's per-rank count (``tracer.events``).
+        count: NCCL's per-rank count (``tracer.events``); ``None`` for an uneven all_to_all.
         group_size: n, members of the call's group.
         group_rank: this member's rank in the group, in [0, n).
         root: the root's group rank (broadcast, reduce, gather, scatter), else ignored.
+        in_elems, out_elems, self_elems: an all_to_all's input and output totals and its own
+            chunk; with all three, ``(in_elems - self_elems, out_elems - self_elems)``.
 
     Raises:
         ValueError: unknown op, a group rank outside [0, n), or a rooted op without a root.
@@ -77,6 +91,8 @@ def member_wire_elems(op: str, count: int, group_size: int, group_rank: int,
         raise ValueError(f"Invalid {op=}. Must be one of {sorted(ALGORITHMS)}.")
     if not 0 <= group_rank < max(n, 1):
         raise ValueError(f"Invalid {group_rank=} for group_size={n}. Must be in [0, {n}).")
+    if op == "all_to_all" and None not in (in_elems, out_elems, self_elems):
+        return float(in_elems - self_elems), float(out_elems - self_elems)
     if op == "send":
         return float(count), 0.0
     if op == "recv":
@@ -102,15 +118,22 @@ def member_wire_elems(op: str, count: int, group_size: int, group_rank: int,
     return ((n - 1) * s, 0.0) if pos == 0 else (0.0, s)  # scatter
 
 
+Share = float | Sequence[float]  # one fraction, or (sent, received) fractions
+
+
 def wire_report(events: Iterable[CollectiveEvent], *, world_size: int, steps: int,
-                share: Callable[[CollectiveEvent], float]) -> dict:
+                share: Callable[[CollectiveEvent], Share],
+                self_elems: Callable[[CollectiveEvent], int | None] | None = None) -> dict:
     """Per-rank sent / received dedicated traffic per step, and the busiest rank.
 
     Args:
         events: every rank's measured events over ``steps`` steps (each rank's own copy).
         world_size: W; ranks without events count as zero.
         steps: measured steps (> 0).
-        share: the dedicated fraction of an event's elements (0 for unmatched events).
+        share: the dedicated fraction of an event's elements (0 for unmatched events), or a
+            ``(sent, received)`` pair of fractions.
+        self_elems: an all_to_all's own chunk (from its matched prediction; module
+            docstring), or ``None``: then an all_to_all is charged by its count (even).
 
     Returns:
         ``{"algorithm", "per_rank", "busiest_rank", "max_recv_elems", "max_sent_elems",
@@ -133,18 +156,22 @@ def wire_report(events: Iterable[CollectiveEvent], *, world_size: int, steps: in
         if not 0 <= ev.rank < world_size:
             raise ValueError(f"Invalid event rank={ev.rank} ({ev.source_ref}). Must be in [0, {world_size}).")
         frac = share(ev)
-        if not frac or not ev.count:
+        frac_sent, frac_recv = (frac, frac) if isinstance(frac, (int, float)) else frac
+        own = self_elems(ev) if self_elems is not None and ev.op == "all_to_all" else None
+        if not (frac_sent or frac_recv) or not (ev.count or own is not None):
             continue
         if ev.dtype not in DTYPE_BYTES:
             raise ValueError(f"Invalid event dtype={ev.dtype!r} ({ev.source_ref}). Must be one "
                              f"of {sorted(DTYPE_BYTES)} to count bytes.")
-        sent, recv = member_wire_elems(ev.op, ev.count, ev.group_size, ev.group_rank, ev.root)
+        sent, recv = member_wire_elems(ev.op, ev.count, ev.group_size, ev.group_rank, ev.root,
+                                       in_elems=ev.in_elems, out_elems=ev.out_elems,
+                                       self_elems=own)
         size = DTYPE_BYTES[ev.dtype]
         acc = sums[ev.rank]
-        acc[0] += frac * sent
-        acc[1] += frac * recv
-        acc[2] += frac * sent * size
-        acc[3] += frac * recv * size
+        acc[0] += frac_sent * sent
+        acc[1] += frac_recv * recv
+        acc[2] += frac_sent * sent * size
+        acc[3] += frac_recv * recv * size
     per_rank = []
     for r in range(world_size):
         s, rc, sb, rb = (v / steps for v in sums[r])
@@ -164,13 +191,15 @@ def wire_report(events: Iterable[CollectiveEvent], *, world_size: int, steps: in
 
 
 
-def avg_bytes_by_phase(calls: Iterable[tuple[str | None, str, int, int, str, float]], *,
+def avg_bytes_by_phase(calls: Iterable[Sequence], *,
                        world_size: int, steps: int) -> dict[str, dict[str, float]]:
     """W-average dedicated bytes per rank per step, by phase and dtype.
 
     Args:
         calls: ``(phase, op, count, group_size, dtype, share)`` per call and member (a measured
-            event or a predicted call), ``share`` its dedicated fraction.
+            event or a predicted call), ``share`` its dedicated fraction; a 7th item, where
+            given and not ``None``, is the call's f(n)·S in elements when ``(op, count,
+            group_size)`` cannot give it (an uneven all_to_all: the elements it sends).
         world_size, steps: W and the number of steps the calls cover.
 
     Returns:
@@ -182,13 +211,16 @@ def avg_bytes_by_phase(calls: Iterable[tuple[str | None, str, int, int, str, flo
         ValueError: a dtype of unknown size carries dedicated traffic.
     """
     out: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
-    for phase, op, count, group_size, dtype, frac in calls:
-        if not frac or not count:
+    for phase, op, count, group_size, dtype, frac, *given in calls:
+        elems = given[0] if given and given[0] is not None else None
+        if not frac or not (count or elems):
             continue
         if dtype not in DTYPE_BYTES:
             raise ValueError(f"Invalid dtype={dtype!r} of a {op} in phase {phase!r}. Must be "
                              f"one of {sorted(DTYPE_BYTES)} to count bytes.")
-        b = avg_elems(op, count, group_size) * frac * DTYPE_BYTES[dtype] / (world_size * steps)
+        if elems is None:
+            elems = avg_elems(op, count, group_size)
+        b = elems * frac * DTYPE_BYTES[dtype] / (world_size * steps)
         out[phase or "untagged"][dtype] += b
         out["total"][dtype] += b
     return {ph: dict(d) for ph, d in out.items()}
@@ -204,27 +236,46 @@ def dedicated_traffic(layout, events: list[CollectiveEvent], steps: int) -> dict
 
     Returns:
         ``{"wire": wire_report(...), "bytes": {"measured_avg_bytes": {phase: {dtype: B}},
-        "predicted_avg_bytes": {...}}}``; the dedicated share of each call comes from the
-        prediction (``verify.traffic.predict.predict_step``; ``verify.traffic.tp.predict_tp_step``
-        for a TP layout), unmatched events count as 0.
+        "predicted_avg_bytes": {...}}}``; the dedicated share of each call, and an
+        all_to_all's own chunk, come from the prediction
+        (``verify.traffic.predict.predict_step``; ``verify.traffic.tp.predict_tp_step`` for a TP
+        layout), unmatched events count as 0.
     """
-    from verify.compare import event_key
+    from verify.compare import event_key, measured_avg_elems
     from verify.traffic.tp import predict_calls  # TP layouts too (verify/traffic/tp.py)
 
     predicted = predict_calls(layout)
-    share = {e.key(): (e.dedicated_count / e.count if e.count else 0.0) for e in predicted}
+    by_key = {e.key(): e for e in predicted}
 
     def share_of(ev: CollectiveEvent) -> float:
-        return share.get(event_key(ev), 0.0)
+        e = by_key.get(event_key(ev))
+        return 0.0 if e is None else e.dedicated_share()
+
+    def wire_share_of(ev: CollectiveEvent) -> Share:
+        e = by_key.get(event_key(ev))
+        if e is None:
+            return 0.0
+        if not e.uneven:
+            return e.dedicated_share()
+        sent, recv = e.in_elems - e.self_elems, e.out_elems - e.self_elems
+        return ((e.dedicated_in_elems - e.dedicated_count) / sent if sent else 0.0,
+                (e.dedicated_out_elems - e.dedicated_count) / recv if recv else 0.0)
+
+    def self_of(ev: CollectiveEvent) -> int | None:
+        e = by_key.get(event_key(ev))
+        return None if e is None else e.self_elems
 
     w = layout.world_size
     measured = avg_bytes_by_phase(
-        ((ev.phase, ev.op, ev.count, ev.group_size or 1, ev.dtype, share_of(ev)) for ev in events),
+        ((ev.phase, ev.op, ev.count, ev.group_size or 1, ev.dtype, share_of(ev),
+          measured_avg_elems(ev, self_of(ev))) for ev in events),
         world_size=w, steps=steps)
     expected = avg_bytes_by_phase(
-        ((e.phase, e.op, e.count, e.group_size, e.dtype, share[e.key()]) for e in predicted),
+        ((e.phase, e.op, e.count, e.group_size, e.dtype, e.dedicated_share(), e.avg_elems())
+         for e in predicted),
         world_size=w, steps=1)
     return {
-        "wire": wire_report(events, world_size=w, steps=steps, share=share_of),
+        "wire": wire_report(events, world_size=w, steps=steps, share=wire_share_of,
+                            self_elems=self_of),
         "bytes": {"measured_avg_bytes": measured, "predicted_avg_bytes": expected},
     }

@@ -148,6 +148,9 @@ def test_plain_calls_recorded_once_with_nccl_counts(fr_pool2):
             (rank, "0,1", 2, rank, "forward")
         }
         assert events[0].msg_bytes == 12 and events[1].msg_bytes == 6
+        # all_to_all totals: 4x3 even; splits [2, 1] / [1, 2] give 3 in and 3 out, odd over 2
+        assert [(e.in_elems, e.out_elems) for e in events[8:10]] == [(12, 12), (3, 3)]
+        assert {(e.in_elems, e.out_elems) for e in events if e.op != "all_to_all"} == {(None, None)}
         assert "in_splits=[2, 1] out_splits=[2, 1]" in events[9].source_ref or \
             "in_splits=[1, 2] out_splits=[1, 2]" in events[9].source_ref
         assert events[3].source_ref == f"interposer:rank{rank}:#3"

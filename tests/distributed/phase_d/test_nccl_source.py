@@ -1,7 +1,9 @@
 """The NCCL-log source of verify-traffic, end to end on logs rendered from a real run.
 
 A real 4-rank gloo run of dmuon-hsdp-z3 (world, shard and replicate groups) gives each rank's
-interposer events; the test tool ``tests/tools/nccl_job.py`` renders them as one NCCL 2.21
+interposer events, with ``coalesce="block"``: per-owner calls, as on NCCL (gloo's aligned
+groups of unequal buckets move as uneven all_to_alls, which NCCL never runs: DMuon keeps
+NCCL's groups equal, and NCCL logs an uneven all_to_all_single as per-peer Send/Recv); the test tool ``tests/tools/nccl_job.py`` renders them as one NCCL 2.21
 log per process around a window (synthetic text, a plumbing test, not evidence about NCCL).
 Each rank's part (:func:`verify.sources.nccl_source.rank_window`) and rank 0's part
 (:func:`verify.sources.nccl_source.nccl_source_report`) then run as in the harness.
@@ -25,7 +27,7 @@ MODE = "dmuon-hsdp-z3"
 
 @pytest.fixture(scope="module")
 def measured(pool4):
-    results = pool4.run(traffic_tasks.measure_mode, MODE)
+    results = pool4.run(traffic_tasks.measure_mode, MODE, coalesce="block")
     return {r: res["events"] for r, res in enumerate(results)}, results[0]["layout"]
 
 
