@@ -30,8 +30,8 @@ says so; nothing else is forgiven. The only one measured here (torch 2.13.0 CPU 
   in :attr:`SourceCheck.skipped`.
 
 Measured on the same run and *not* different (no equivalence needed): ``all_gather_into_tensor``
-and list ``all_gather`` (FR input = per-rank count), ``all_to_all_single`` (FR input = n x the
-per-peer count; the parser divides), ``barrier`` (``gloo:barrier``), ``ReduceOp.AVG``,
+and list ``all_gather`` (FR input = per-rank count), ``all_to_all_single`` (FR input and output
+= this rank's totals, even or uneven; the parser derives the count by the common rule), ``barrier`` (``gloo:barrier``), ``ReduceOp.AVG``,
 ``all_reduce_coalesced`` (one entry with one size per tensor; the parser emits one event per
 tensor, like the interposer).
 
