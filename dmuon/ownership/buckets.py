@@ -89,11 +89,11 @@ class LinkCost:
 #:   reduces by gather: W gathers + local sums took 3.3-6.0 ms against 9.0-10.1 ms for W
 #:   reduces, an all_to_all + local sum 2.7-3.0 ms against 6.7-8.2 ms for a reduce_scatter, at
 #:   16-256 KiB per bucket (``--aligned``);
-#: - no ``aligned_max_bytes`` limit and uneven groups: an aligned group in 3 calls per step
-#:   (TinyGPT's 7, 7, 5, 5 d² owner shares; the MLP's 256 KiB buckets) measured 0.93-1.01x
-#:   the fastest baseline against 1.03-1.10x for per-owner calls in the same rounds
-#:   (``benchmarks/bench_step.py``, docs/performance.md; a 64 KiB limit stood while the
-#:   group's reduce was a multi-round reduce_scatter).
+#: - no ``aligned_max_bytes`` limit, and uneven groups: TinyGPT (owner shares 7, 7, 5, 5 d²)
+#:   and the MLP (256 KiB buckets) with ``rest="replicate"`` in one call per channel measured
+#:   0.93-1.17x the fastest baseline against 1.02-1.37x with per-owner calls, both layouts in
+#:   the same rounds (``benchmarks/bench_step.py``, docs/performance.md "Uneven aligned
+#:   groups"; a 64 KiB limit stood while the group's reduce was a multi-round reduce_scatter).
 #:
 #: Any other backend uses ``nccl``'s.
 LINK_COSTS = {"nccl": LinkCost(alpha_us=10.0, gbps=360.0),
