@@ -212,7 +212,9 @@ Outside the step:
   compute copy at the next forward. Changes made without ``_apply`` (``p.data = x``,
   ``m.weight = nn.Parameter(...)``) are found at one point, the start of every forward
   (``Runtime.check_bindings``), and adopted the same way; a bucket whose params are split
-  across devices or dtypes (one submodule moved alone) raises there, naming them.
+  across devices or dtypes (one submodule moved alone) raises there, naming them, as does an
+  aligned group whose buckets are (some of a unit's blocks moved alone; also checked before
+  every ``step()``).
 - **Lifecycle**: ``dm.close()`` (or leaving ``with dmuon.dedicate_params(...) as dm:``), on
   every rank, between steps: ``sync_params()`` (skipped when the ``with`` block raised),
   waits for in-flight calls, removes every hook, restores the modules' classes (kept as a
@@ -499,7 +501,8 @@ class DedicatedParams:
         ``reduce_by_gather`` (reduces run as gathers and reduce_scatters as all_to_alls, each
         summed by the receiver: gloo; module docstring, step 4);
         ``units``: one row per unit in bucket order, ``{"name", "blocks", "bytes", "aligned"}``
-        (``bytes``: its dedicated params in their own dtype); ``calls_per_step``: DMuon's
+        (``bytes``: its dedicated params in their own dtype; ``aligned``: every one of its
+        buckets is in an aligned group); ``calls_per_step``: DMuon's
         collectives this rank takes part in per step outside the first, by protocol step
         (``forward``, ``backward`` (Z3 re-broadcasts of every unit but the last, and
         reduces), ``replicate``; an aligned group counts one call per channel);
@@ -515,7 +518,8 @@ class DedicatedParams:
         units: dict[str, dict] = {}
         for b in rt.buckets:
             row = units.setdefault(b.module_name, {"name": b.module_name, "blocks": b.blocks,
-                                                   "bytes": 0, "aligned": b.aligned, "_free": 0})
+                                                   "bytes": 0, "aligned": True, "_free": 0})
+            row["aligned"] = row["aligned"] and b.aligned
             row["bytes"] += b.numel * b.flat.element_size()
             if not b.is_holder:
                 row["_free"] += b.numel * b.lp.element_size()
@@ -658,6 +662,8 @@ class DedicatedParams:
                 from inside it), or grads accumulated under ``no_sync()`` were never reduced
                 (owners would step on their own micro-batches only). Checked on each rank
                 from its own grads, before any collective.
+            ValueError: a move (``.to()``) of some of a unit's blocks left an aligned group's
+                buckets in different dtypes or devices (``Runtime.check_groups``).
 
         Warns (``UserWarning``, once): ``rest="wrapper"`` and nothing averages the rest's
         grads (no DDP forward, no FSDP2 shards: ``rest.warn_if_not_averaged``).
@@ -670,6 +676,7 @@ class DedicatedParams:
                     "after loss.backward() returns."
                 )
             rt.recover()
+        rt.check_groups()
         if rt.ddp_seen is not None:  # rest="wrapper": once, at the first step that can tell
             tp_size = self.tp.size if self.tp is not None else 1
             if warn_if_not_averaged(rest_of(self._model, set(self.names)), rt.ddp_seen,

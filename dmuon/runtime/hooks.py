@@ -175,6 +175,11 @@ class Runtime:
             b.close()
         for m in self._followed:
             attach.unfollow_moves(m, self)
+        # drop the process groups: gloo's threads go with the last reference, and a closed
+        # DedicatedParams may live on in a reference cycle until the garbage collector runs
+        self.schedule.groups = None
+        if self.rest is not None:
+            self.rest.close()
         self._enter(S.CLOSED)
 
     # ------------------------------------------------------------------ pass state
@@ -458,12 +463,36 @@ class Runtime:
             if not b.consistent():
                 where = ", ".join(f"{n} {p.dtype} on {p.device}" for n, p in zip(b.names, b.params))
                 raise ValueError(
-                    f"Invalid dedicated params of block {b.module_name!r}: {where}. They "
-                    "share one DMuon bucket and must share one device and dtype: apply .to() / "
-                    "to_empty() to the whole model or to that block, on every rank."
+                    f"Invalid dedicated params of unit {b.module_name!r} (blocks "
+                    f"{', '.join(b.blocks)}): {where}. They share one DMuon bucket and must "
+                    "share one device and dtype: apply .to() / to_empty() to the whole model "
+                    "or to all of the unit's blocks, on every rank."
                 )
             self._rebind(b)
         self._moved.clear()
+        self.check_groups()
+
+    def check_groups(self) -> None:
+        """An aligned group moves in one call, so its buckets must share dtype and device; a
+        move of some of a unit's blocks splits them (every bucket stays consistent). Checked
+        with the bindings at every forward's start, and before every ``step()`` (whose HSDP
+        replicate broadcast moves the groups too).
+
+        Raises:
+            ValueError: the members of an aligned group differ in dtype or device (local:
+                every rank made the same moves, so every rank raises, before any call).
+        """
+        for members in {id(g): g for g in self.schedule.groups_of.values()}.values():
+            if len({(m.flat.dtype, m.flat.device) for m in members}) > 1:
+                where = ", ".join(f"{n} {m.flat.dtype} on {m.flat.device}" for m in members
+                                  for n in m.names)
+                raise ValueError(
+                    f"Invalid dedicated params of unit {members[0].module_name!r} (blocks "
+                    f"{', '.join(members[0].blocks)}): {where}. They move in one collective "
+                    "and must share one device and dtype: apply .to() / to_empty() to all of "
+                    "the unit's blocks or to the whole model, on every rank, or build with "
+                    "dedicate_params(coalesce='block') (one unit per block)."
+                )
 
     def _rebind(self, b: Bucket) -> None:
         b.rebind(self.param_dtype)

@@ -174,6 +174,10 @@ class ReplicatedRest:
         self._broadcast_done = False
         self._pending: list[tuple[collectives.Pending, torch.Tensor, list[nn.Parameter]]] = []
 
+    def close(self) -> None:
+        """Drop the ``world`` group (``DedicatedParams.close()`` destroys it)."""
+        self._group = None
+
     def params(self) -> list[nn.Parameter]:
         """The rest's current params (model order).
 

@@ -92,3 +92,21 @@ def train(mode: str, coalesce: str, steps: int = 3, bf16: bool = False, by_gathe
            "coalescing": dm.coalescing()}
     dm.close()
     return out
+
+
+def cast_one_block(whole_unit: bool) -> str:
+    """An uneven group (5 blocks, ``coalesce="all"``) after ``.to(float64)`` of its block 1
+    only, or of every block: the error the next forward raises (``""``: none; the forward and
+    a step then ran)."""
+    model = Stack(5)
+    dm = dmuon.dedicate_params(model, _mesh("flat"), coalesce="all", rest="replicate")
+    (model if whole_unit else model.blocks[1]).to(torch.float64)
+    opt = dmuon.DMuon(model.parameters(), dedicated=dm, lr=0.05, adamw_lr=1e-2)
+    try:
+        model(torch.randn(4, D, dtype=torch.float64)).pow(2).mean().backward()
+        opt.step()
+        return ""
+    except ValueError as exc:
+        return str(exc)
+    finally:
+        dm.close()

@@ -105,3 +105,12 @@ def test_uneven_group_under_hsdp_z3_bf16_and_without_reduce_by_gather(pool4):
         assert _max_rel(a["params"], b["params"]) == 0.0
     nccl_ops = pool4.run(T.train, "ddp", "all", by_gather=False, blocks=5)
     assert not any(nccl_ops[0]["aligned"])  # reduce_scatter / all_gather need equal parts
+
+
+def test_moving_some_blocks_of_an_aligned_group_is_named_before_any_call(pool4):
+    # the group's buckets would travel in one all_to_all in two dtypes (gloo aborts on the size
+    # mismatch; equal-size dtypes would be read as the other): every rank raises at the forward
+    errors = pool4.run(T.cast_one_block, False)
+    assert all("Invalid dedicated params of unit 'blocks.0.0'" in e and "torch.float64" in e
+               and "coalesce='block'" in e for e in errors), errors
+    assert pool4.run(T.cast_one_block, True) == [""] * 4  # the whole unit moved: fine
