@@ -70,6 +70,7 @@ class Runtime:
         self._applying = 0  # depth of followed _apply calls in progress
         self._moved: dict[int, Bucket] = {}  # buckets an _apply touched, not re-bound yet
         self._rebound: dict[int, Bucket] = {}  # re-bound since the last forward (recast there)
+        self._groups_checked = True  # no bucket re-bound since check_groups last passed
         # unit -> the drivers of all its blocks (order.py's contiguity rule, the spans)
         self._drivers = {b.module_name: list(dict.fromkeys(
             d for block in b.blocks for d in order.drivers_of(block))) for b in buckets}
@@ -482,6 +483,8 @@ class Runtime:
             ValueError: the members of an aligned group differ in dtype or device (local:
                 every rank made the same moves, so every rank raises, before any call).
         """
+        if self._groups_checked:
+            return
         for members in {id(g): g for g in self.schedule.groups_of.values()}.values():
             if len({(m.flat.dtype, m.flat.device) for m in members}) > 1:
                 where = ", ".join(f"{n} {m.flat.dtype} on {m.flat.device}" for m in members
@@ -493,7 +496,9 @@ class Runtime:
                     "the unit's blocks or to the whole model, on every rank, or build with "
                     "dedicate_params(coalesce='block') (one unit per block)."
                 )
+        self._groups_checked = True
 
     def _rebind(self, b: Bucket) -> None:
         b.rebind(self.param_dtype)
+        self._groups_checked = False
         self._rebound[id(b)] = b
