@@ -37,35 +37,30 @@ def _one_step(model, dm) -> None:
     opt.zero_grad()
 
 
-def build_close_cycles(kind: str, cycles: int, rest: str = "wrapper") -> dict:
-    """``cycles`` times: a fresh model, dedicate_params (Z3, ``rest``) on one mesh built once,
-    one training step, close(). Returns this process's (threads, fds) before the cycles (after
-    one warm-up cycle), after each, and right after one more build before its close (what an
+def build_close_cycles(kind: str, cycles: int) -> dict:
+    """``cycles`` times: a fresh model, dedicate_params (Z3) on one mesh built once, one
+    training step, close(). Returns this process's (threads, fds) before the cycles (after one
+    warm-up cycle), after each, and right after one more build before its close (what an
     unclosed DedicatedParams holds)."""
     mesh = _mesh(kind)
     model = make_model()
-    _one_step(model, dmuon.dedicate_params(model, mesh, rest=rest))
-    dmuon.dedicate_params(make_model(), mesh, rest=rest).close()  # warm-up (gloo's first-use threads)
-    gc.collect()  # the unclosed warm-up handle's groups go
-    gc.disable()  # close() alone must release them: a closed handle may sit in a reference cycle
-    try:
-        before = resources()
-        after = []
-        for _ in range(cycles):
-            model = make_model()
-            dm = dmuon.dedicate_params(model, mesh, rest=rest)
-            _one_step(model, dm)
-            dm.close()
-            del dm, model
-            after.append(resources())
+    _one_step(model, dmuon.dedicate_params(model, mesh))
+    dmuon.dedicate_params(make_model(), mesh).close()  # warm-up (gloo's first-use threads)
+    before = resources()
+    after = []
+    for _ in range(cycles):
         model = make_model()
-        dm = dmuon.dedicate_params(model, mesh, rest=rest)
+        dm = dmuon.dedicate_params(model, mesh)
         _one_step(model, dm)
-        open_ = resources()
         dm.close()
-        return {"before": before, "after": after, "open": open_, "closed": resources()}
-    finally:
-        gc.enable()
+        del dm, model
+        after.append(resources())
+    model = make_model()
+    dm = dmuon.dedicate_params(model, mesh)
+    _one_step(model, dm)
+    open_ = resources()
+    dm.close()
+    return {"before": before, "after": after, "open": open_, "closed": resources()}
 
 
 def _hooks_left(model: nn.Module) -> list[str]:
