@@ -181,6 +181,23 @@ class DMuonGroups:
     tp: dist.ProcessGroup | None = None  # TP meshes only: this rank's TP group (``tp.py``)
 
 
+def new_group(ranks: list[int]) -> dist.ProcessGroup:
+    """``dist.new_group(ranks)`` with the default group's timeout: without one, torch gives a
+    new gloo group 30 minutes whatever ``init_process_group(timeout=...)`` said (measured on
+    torch 2.13), so a collective DMuon's groups never complete (a rank that dropped a
+    backward) would outwait the user's limit. Read from the default group's backend options
+    (``options._timeout``; torch's own default where a backend has none)."""
+    default = dist.distributed_c10d._get_default_group()
+    timeout = None
+    for device in default._device_types:
+        try:
+            options = getattr(default._get_backend(device), "options", None)
+        except RuntimeError:  # no backend registered for this device type
+            continue
+        timeout = getattr(options, "_timeout", None) or timeout
+    return dist.new_group(ranks, timeout=timeout)
+
+
 def make_groups(rows: list[list[int]]) -> DMuonGroups:
     """Create DMuon's groups from the mesh layout (a collective: every rank, same order).
 
@@ -192,16 +209,16 @@ def make_groups(rows: list[list[int]]) -> DMuonGroups:
     mine: dict[str, dist.ProcessGroup] = {}
     for kind in ("broadcast", "reduce"):
         for row in rows:
-            g = dist.new_group(row)
+            g = new_group(row)
             if me in row:
                 mine[kind] = g
     replicate = world = None
     if len(rows) > 1:
         for col in zip(*rows):
-            g = dist.new_group(list(col))
+            g = new_group(list(col))
             if me in col:
                 replicate = g
-        world = dist.new_group(sorted(r for row in rows for r in row))
+        world = new_group(sorted(r for row in rows for r in row))
     return DMuonGroups(mine["broadcast"], mine["reduce"], replicate, world or mine["reduce"])
 
 

@@ -243,7 +243,7 @@ def make_groups(mesh: DeviceMesh):
     Returns:
         A :class:`~dmuon.runtime.collectives.DMuonGroups` with ``tp`` set.
     """
-    from dmuon.runtime.collectives import DMuonGroups
+    from dmuon.runtime.collectives import DMuonGroups, new_group
 
     me = dist.get_rank()
     grid = _grid(mesh)
@@ -251,7 +251,7 @@ def make_groups(mesh: DeviceMesh):
     mine: dict[str, dist.ProcessGroup] = {}
 
     def create(kind: str, ranks: list[int]) -> None:
-        g = dist.new_group(ranks)
+        g = new_group(ranks)
         if me in ranks:
             mine[kind] = g
 

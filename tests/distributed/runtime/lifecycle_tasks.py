@@ -219,3 +219,17 @@ def dropped_without_close() -> dict:
     del model, dm
     gc.collect()
     return {k: r() is None for k, r in refs.items()}
+
+
+def group_timeouts(kind: str) -> tuple[float, list[float]]:
+    """The default group's timeout and that of every DMuon group of this rank, in seconds."""
+    def seconds(g) -> float:
+        return g._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+
+    dm = dmuon.dedicate_params(make_model(), _mesh(kind))
+    try:
+        g = dm.groups
+        mine = [seconds(x) for x in (g.broadcast, g.reduce, g.replicate, g.world) if x is not None]
+        return seconds(dist.distributed_c10d._get_default_group()), mine
+    finally:
+        dm.close()

@@ -72,3 +72,11 @@ def test_close_refuses_unreduced_grads_and_a_later_backward_names_close(pool2):
 def test_a_handle_dropped_without_close_does_not_keep_the_model_alive(pool2):
     for r in pool2.run_with_timeout(TIMEOUT_S, T.dropped_without_close):
         assert r == {"model": True, "dm": True}, r
+
+
+@pytest.mark.parametrize("kind,pool", [("flat", "pool2"), ("hsdp", "pool4")])
+def test_dmuon_groups_take_the_default_groups_timeout(kind, pool, request):
+    # without it a new gloo group waits 30 min, whatever init_process_group(timeout=) said, so a
+    # rank that dropped a backward would hang the others past the user's limit
+    for default_s, mine in request.getfixturevalue(pool).run_with_timeout(TIMEOUT_S, T.group_timeouts, kind):
+        assert default_s < 1800 and mine and all(s == default_s for s in mine), (default_s, mine)
