@@ -187,14 +187,12 @@ def new_group(ranks: list[int]) -> dist.ProcessGroup:
     torch 2.13), so a collective DMuon's groups never complete (a rank that dropped a
     backward) would outwait the user's limit. Read from the default group's backend options
     (``options._timeout``; torch's own default where a backend has none)."""
-    default = dist.distributed_c10d._get_default_group()
-    timeout = None
+    default, timeout = dist.group.WORLD, None
     for device in default._device_types:
         try:
-            options = getattr(default._get_backend(device), "options", None)
-        except RuntimeError:  # no backend registered for this device type
+            timeout = default._get_backend(device).options._timeout
+        except (RuntimeError, AttributeError):  # no backend for this device type, or no options
             continue
-        timeout = getattr(options, "_timeout", None) or timeout
     return dist.new_group(ranks, timeout=timeout)
 
 

@@ -27,6 +27,10 @@ FOREIGN_PRIVATE = {
     "_reconstructor": {"attach.py"},  # copyreg: pickling as the original class
     "_set_params_and_buffers_to_ignore_for_model": {"attach.py"},  # DDP's ignore list
     "_ddp_params_and_buffers_to_ignore": {"attach.py"},
+    # the default group's timeout, for DMuon's own groups (torch has no public getter)
+    "_device_types": {"collectives.py"},
+    "_get_backend": {"collectives.py"},
+    "_timeout": {"collectives.py"},
 }
 
 
