@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import torch.nn as nn
 
+from dmuon.ownership.buckets import block_of
+
 #: Leaf names of modules treated as an output head by :func:`default_predicate` (the name of
 #: the module holding the param, e.g. ``lm_head`` in ``model.lm_head``): the usual names of the
 #: unembedding / classifier in torch, Hugging Face (``lm_head``, ``embed_out`` of GPT-NeoX,
@@ -214,14 +216,32 @@ def _named_with_modules(model: nn.Module) -> dict[int, tuple[str, nn.Parameter, 
 
 
 def shared_params(model: nn.Module) -> dict[int, list[str]]:
-    """id(param) -> the names of the modules that register it, for every Parameter registered
-    in two or more different module objects (weight tying between layers). A module object
-    reused at two places of the tree is one module: its params are not shared."""
+    """id(param) -> the paths of the modules that register it, for every Parameter that is
+
+    - registered in two or more different module objects (weight tying between layers:
+      ``blocks[1].weight = blocks[0].weight``), or
+    - registered in one module object that is reached through two or more different block
+      objects (:func:`dmuon.ownership.buckets.block_of`; ``blocks[3].fc = blocks[0].fc``).
+
+    DMuon moves a dedicated param with the block of its first path: that block's hooks
+    broadcast, free and re-receive it, and nothing makes the other holder or block wait for
+    them. A block object reused at two places (``ModuleList([a, b, a])``) is one block: its
+    params are not shared (its hooks run at each call)."""
+    at = dict(model.named_modules(remove_duplicate=False))
+    paths: dict[int, list[str]] = {}
+    for path, module in at.items():
+        paths.setdefault(id(module), []).append(path)
     holders: dict[int, list[str]] = {}
     for module_name, module in model.named_modules():  # each module object once
         for p in module.parameters(recurse=False):
             holders.setdefault(id(p), []).append(module_name or "<root>")
-    return {k: v for k, v in holders.items() if len(v) > 1}
+    shared = {k: v for k, v in holders.items() if len(v) > 1}
+    for module_name, module in model.named_modules():
+        where = paths[id(module)]
+        if len({id(at[block_of(path)]) for path in where}) > 1:
+            for p in module.parameters(recurse=False):
+                shared.setdefault(id(p), where)
+    return shared
 
 
 def assign_params(
@@ -241,7 +261,8 @@ def assign_params(
         elif key in shared and default:
             default, role, why = False, "shared", (
                 f"shared by modules {shared[key]}: DMuon moves a dedicated param with the one "
-                "module that holds it")
+                "module and block that hold it, so params= cannot dedicate it (reuse a whole "
+                "block object instead)")
         if chosen is not None:
             muon = key in chosen
             why = "listed in params=" if muon else f"not in params= (default: {why})"
@@ -302,10 +323,12 @@ def select_params(
         if id(p) in shared:
             raise ValueError(
                 f"Invalid dedicated param {a.name}: the same Parameter is registered in modules "
-                f"{shared[id(p)]}. Must belong to one module: DMuon broadcasts, frees and reduces "
-                "a dedicated param with the module that holds it, so a second holder would read "
-                "a freed copy (Z3) or hand the param back to DDP. Leave it to AdamW (drop it "
-                "from params= / predicate=), or reuse one module object instead of tying weights."
+                f"{shared[id(p)]} (different module objects, or one object inside different "
+                "blocks). Must belong to one module in one block: DMuon broadcasts, frees and "
+                "reduces a dedicated param with the block that holds it, so another holder "
+                "would read a freed (Z3) or stale copy, or hand the param back to DDP. Leave it "
+                "to AdamW (drop it from params= / predicate=), or reuse a whole block object "
+                "(ModuleList([block] * n)) instead of tying weights or sharing sub-modules."
             )
         if p.ndim < 2:
             raise ValueError(

@@ -68,6 +68,23 @@ def test_a_weight_shared_by_two_modules_goes_to_adamw_and_cannot_be_forced():
             select_params(model, how.get("params"), how.get("predicate"))
 
 
+def test_a_module_reached_through_two_blocks_is_shared():
+    """``blocks[3].fc = blocks[0].fc``: the block of the first path (``blocks.0``) moves it,
+    and ``blocks.3`` would read it freed under Z3 (found by a break-it trial: the ranks'
+    collectives diverged and the job hung). A reused block object is not shared."""
+    model = nn.Module()
+    model.blocks = nn.ModuleList(nn.ModuleDict({"fc": nn.Linear(8, 8)}) for _ in range(3))
+    model.blocks[2]["fc"] = model.blocks[0]["fc"]
+    model.reused = nn.ModuleList([model.blocks[1], model.blocks[1]])
+    got = {a.name: a for a in assign_params(model)}
+    assert got["blocks.0.fc.weight"].role == "shared" and got["blocks.0.fc.weight"].optimizer == "adamw"
+    assert "['blocks.0.fc', 'blocks.2.fc']" in got["blocks.0.fc.weight"].reason
+    assert _selected(model) == ["blocks.1.fc.weight"]  # blocks.1 reused whole as reused.0 / .1
+    with pytest.raises(ValueError, match=r"blocks.0.fc.weight: the same Parameter is registered in "
+                                         r"modules \['blocks.0.fc', 'blocks.2.fc'\] \(different module"):
+        select_params(model, ["blocks.0.fc.weight"], None)
+
+
 def test_explicit_frozen_param_still_raises():
     model = GPT2Like()
     with pytest.raises(ValueError, match="Invalid dedicated param frozen.weight: requires_grad is False"):
