@@ -277,8 +277,7 @@ def setup_digest(
         "reshard_after_forward": reshard_after_forward,
         "mp_policy": _policy_fields(mp_policy),
         "bucket_cap_bytes": bucket_cap_bytes,
-        "coalesce_bytes": [coalescing.target_bytes, coalescing.aligned_max_bytes,
-                           coalescing.reduce_by_gather],
+        "coalesce_bytes": [coalescing.target_bytes, coalescing.reduce_by_gather],
         "devices": sorted({p.device.type for _, p, _ in named}),
         "rest": [[n, list(p.shape), str(p.dtype), p.requires_grad] for n, p in rest_params],
     }

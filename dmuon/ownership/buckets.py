@@ -23,8 +23,7 @@ model order, cut into consecutive runs of at most ``cap_bytes`` (a param larger 
 is a bucket of its own). Within a unit the buckets are ordered by dtype (first appearance),
 then by owner: first appearance, except in an **aligned** dtype group (only when
 ``target_bytes > 0``: ``coalesce="block"`` keeps one call per bucket): exactly one bucket
-per global owner ``g`` in ``[0, W)`` (none split by the cap), each at most the backend's
-``aligned_max_bytes`` (:data:`LINK_COSTS`: no limit on either backend), all with the same
+per global owner ``g`` in ``[0, W)`` (none split by the cap), of any size, all with the same
 ``numel`` and the same number of params, except on a backend that reduces by gather
 (gloo), where their sizes may differ (an **uneven** group: every call of it is an
 all_to_all, which takes any split). Its buckets are ordered by ``(s, r)`` (shard index,
@@ -55,8 +54,8 @@ COALESCE_MODES = ("auto", "block", "all")
 
 @dataclass(frozen=True)
 class LinkCost:
-    """The α-β cost of one collective call: ``alpha_us + bytes / (gbps * 1e9)`` seconds, the
-    largest bucket (bytes) an aligned group may have on this backend, and whether DMuon runs
+    """The α-β cost of one collective call: ``alpha_us + bytes / (gbps * 1e9)`` seconds, and
+    whether DMuon runs
     its reductions as gathers (``reduce_by_gather``: a reduce as a gather to the root, a
     reduce_scatter as an all_to_all, each summed locally by the receiver; the elements each
     rank sends and receives are the same on the W-average, docs/traffic-model.md). Where it
@@ -70,7 +69,6 @@ class LinkCost:
 
     alpha_us: float
     gbps: float
-    aligned_max_bytes: int = sys.maxsize
     reduce_by_gather: bool = False
 
     @property
@@ -89,7 +87,7 @@ class LinkCost:
 #:   reduces by gather: W gathers + local sums took 3.3-6.0 ms against 9.0-10.1 ms for W
 #:   reduces, an all_to_all + local sum 2.7-3.0 ms against 6.7-8.2 ms for a reduce_scatter, at
 #:   16-256 KiB per bucket (``--aligned``);
-#: - no ``aligned_max_bytes`` limit, and uneven groups: TinyGPT (owner shares 7, 7, 5, 5 d²)
+#: - no size limit on an aligned group's buckets, and uneven groups: TinyGPT (owner shares 7, 7, 5, 5 d²)
 #:   and the MLP (256 KiB buckets) with ``rest="replicate"`` in one call per channel measured
 #:   0.93-1.17x the fastest baseline against 1.02-1.37x with per-owner calls, both layouts in
 #:   the same rounds (``benchmarks/bench_step.py``, docs/performance.md "Uneven aligned
@@ -102,12 +100,11 @@ LINK_COSTS = {"nccl": LinkCost(alpha_us=10.0, gbps=360.0),
 
 @dataclass(frozen=True)
 class Coalescing:
-    """What ``dedicate_params(coalesce=...)`` resolves to on a backend: the unit target and the
-    largest bucket of an aligned group, both in bytes (module docstring), and how the
-    backend's reductions run (:attr:`LinkCost.reduce_by_gather`)."""
+    """What ``dedicate_params(coalesce=...)`` resolves to on a backend: the unit target in
+    bytes (module docstring) and how the backend's reductions run
+    (:attr:`LinkCost.reduce_by_gather`)."""
 
     target_bytes: int
-    aligned_max_bytes: int = sys.maxsize
     reduce_by_gather: bool = False
 
 
@@ -144,8 +141,8 @@ def resolve_coalesce(coalesce: str | int, backend: str) -> Coalescing:
     Args:
         coalesce: ``"auto"`` (target ``LINK_COSTS[backend].half_bytes``), ``"block"`` (0),
             ``"all"`` (no limit) or a target in bytes >= 0.
-        backend: the process group backend name (``"nccl"``, ``"gloo"``, ...); it also sets
-            the aligned groups' size limit (:data:`LINK_COSTS`).
+        backend: the process group backend name (``"nccl"``, ``"gloo"``, ...); it also says
+            how reductions run (:data:`LINK_COSTS`).
 
     Raises:
         ValueError: ``coalesce`` is none of these.
@@ -164,7 +161,7 @@ def resolve_coalesce(coalesce: str | int, backend: str) -> Coalescing:
         )
     else:
         target = coalesce
-    return Coalescing(target, cost.aligned_max_bytes, cost.reduce_by_gather)
+    return Coalescing(target, cost.reduce_by_gather)
 
 
 def unit_layout(specs: Sequence[ParamSpec], target_bytes: int) -> dict[str, tuple[str, ...]]:
@@ -191,16 +188,15 @@ def unit_layout(specs: Sequence[ParamSpec], target_bytes: int) -> dict[str, tupl
 
 
 def bucket_layout(specs: Sequence[ParamSpec], plan: OwnershipPlan, cap_bytes: int,
-                  target_bytes: int = 0, aligned_max_bytes: int = sys.maxsize,
-                  uneven: bool = False) -> list[BucketSpec]:
+                  target_bytes: int = 0, uneven: bool = False) -> list[BucketSpec]:
     """Buckets in model order of their units (module docstring).
 
     Args:
         specs: the dedicated params in model order (``model.named_parameters()`` order).
         plan: the ownership plan computed from the same specs.
         cap_bytes: bucket cap in bytes of the params' dtype (> 0).
-        target_bytes: unit target (:func:`unit_layout`); 0: one unit per block.
-        aligned_max_bytes: the largest bucket of an aligned group (its own dtype's bytes).
+        target_bytes: unit target (:func:`unit_layout`); 0: one unit per block and no
+            aligned groups.
         uneven: aligned groups may have buckets of different sizes (the backend reduces by
             gather, :attr:`LinkCost.reduce_by_gather`).
 
@@ -210,14 +206,14 @@ def bucket_layout(specs: Sequence[ParamSpec], plan: OwnershipPlan, cap_bytes: in
     assert cap_bytes > 0 and target_bytes >= 0, (cap_bytes, target_bytes)
     units = unit_layout(specs, target_bytes)
     if target_bytes == 0:
-        return _layout(specs, plan, cap_bytes, units, 0, uneven)
+        return _layout(specs, plan, cap_bytes, units, False, uneven)
     # a unit of several blocks stays only if it saves calls; else its blocks stand alone
-    joined = _layout(specs, plan, cap_bytes, units, aligned_max_bytes, uneven)
-    alone = _layout(specs, plan, cap_bytes, {b: (b,) for b in units}, 0, uneven)
+    joined = _layout(specs, plan, cap_bytes, units, True, uneven)
+    alone = _layout(specs, plan, cap_bytes, {b: (b,) for b in units}, False, uneven)
     kept = {u for u in {b.module for b in joined}
             if len(units[u]) > 1 and _calls(joined, {u}) < _calls(alone, set(units[u]))}
     final = {b: (units[b] if units[b][0] in kept else (b,)) for b in units}
-    return _layout(specs, plan, cap_bytes, final, aligned_max_bytes, uneven)
+    return _layout(specs, plan, cap_bytes, final, True, uneven)
 
 
 def _calls(layout: list[BucketSpec], units: set[str]) -> int:
@@ -227,8 +223,8 @@ def _calls(layout: list[BucketSpec], units: set[str]) -> int:
 
 
 def _layout(specs: Sequence[ParamSpec], plan: OwnershipPlan, cap_bytes: int,
-            units: dict[str, tuple[str, ...]], aligned_max_bytes: int, uneven: bool) -> list[BucketSpec]:
-    """Buckets of the given units (``aligned_max_bytes`` 0: none aligned)."""
+            units: dict[str, tuple[str, ...]], may_align: bool, uneven: bool) -> list[BucketSpec]:
+    """Buckets of the given units (``may_align`` False: none aligned)."""
     replicas, shards = plan.mesh_shape
     world = replicas * shards
     # unit -> dtype -> owner -> runs of params (dicts keep first appearance)
@@ -245,7 +241,7 @@ def _layout(specs: Sequence[ParamSpec], plan: OwnershipPlan, cap_bytes: int,
     for unit, by_dtype in members.items():
         blocks = units[unit]
         for dtype, by_owner in by_dtype.items():
-            aligned = aligned_max_bytes > 0 and _aligned(by_owner, world, aligned_max_bytes, uneven)
+            aligned = may_align and _aligned(by_owner, world, uneven)
             owners = sorted(by_owner, key=lambda g: (g % shards, g // shards)) if aligned else by_owner
             for owner in owners:
                 for run in by_owner[owner]:
@@ -254,12 +250,10 @@ def _layout(specs: Sequence[ParamSpec], plan: OwnershipPlan, cap_bytes: int,
     return layout
 
 
-def _aligned(by_owner: dict[int, list[list[ParamSpec]]], world: int, max_bytes: int, uneven: bool) -> bool:
-    """One run per owner of ``[0, world)`` (world > 1), each at most ``max_bytes``, with equal
-    element and param counts unless ``uneven``."""
+def _aligned(by_owner: dict[int, list[list[ParamSpec]]], world: int, uneven: bool) -> bool:
+    """One run per owner of ``[0, world)`` (world > 1), with equal element and param counts
+    unless ``uneven``."""
     if world < 2 or sorted(by_owner) != list(range(world)) or any(len(r) != 1 for r in by_owner.values()):
         return False
     runs = [r[0] for r in by_owner.values()]
-    if any(sum(s.nbytes for s in run) > max_bytes for run in runs):
-        return False
     return uneven or len({(sum(s.numel for s in run), len(run)) for run in runs}) == 1

@@ -30,9 +30,7 @@ Glossary (see ``topology.py`` for the mesh terms):
   unit (its first block's module); the unit's blocks are ``blocks``.
 - **aligned group**: the buckets of one unit and dtype when they are exactly one per global
   owner, of equal ``numel`` and param count (on gloo, ``reduce_by_gather``, their sizes may
-  differ: an **uneven** group, below), each at most the backend's aligned size limit
-  (``buckets.LINK_COSTS``: none on either backend), and ``coalesce`` is not
-  ``"block"``; ordered by ``(s, r)``. Every call below that would move each of its buckets separately moves the whole
+  differ: an **uneven** group, below), of any size, and ``coalesce`` is not ``"block"``; ordered by ``(s, r)``. Every call below that would move each of its buckets separately moves the whole
   group in one call instead: a forward broadcast or Z3 re-broadcast becomes one
   **all_gather** over the shard axis (each rank's input: the R buckets of its shard index, in
   ``r`` order; count ``R * numel``), a shard reduce one **reduce_scatter** (sum) over the
@@ -312,9 +310,8 @@ class DedicatedParams:
         topology: this rank's :class:`~dmuon.ownership.topology.Topology`.
         reshard_after_forward: ``True`` for Z3 (non-holders free after forward), ``False`` for Z2.
         bucket_cap_bytes, prefetch_depth: the knobs given to ``dedicate_params``.
-        coalesce_bytes, aligned_max_bytes: the unit target and the aligned groups' bucket
-            limit in bytes (``dedicate_params``' ``coalesce`` resolved by
-            ``buckets.resolve_coalesce``).
+        coalesce_bytes: the unit target in bytes (``dedicate_params``' ``coalesce`` resolved
+            by ``buckets.resolve_coalesce``).
         rest: who handles the params that are not dedicated: ``"wrapper"`` (DDP / FSDP2) or
             ``"replicate"`` (DMuon, ``rest.py``; the constructor's ``rest`` is then their
             names, else ``None``); ``rest_names``: those params in model order under
@@ -342,7 +339,6 @@ class DedicatedParams:
         self.bucket_cap_bytes = bucket_cap_bytes
         self.prefetch_depth = prefetch_depth
         self.coalesce_bytes = coalescing.target_bytes
-        self.aligned_max_bytes = coalescing.aligned_max_bytes
         self.reduce_by_gather = coalescing.reduce_by_gather
         self.names = [n for n, _, _ in named]
         self.plan = plan
@@ -496,8 +492,7 @@ class DedicatedParams:
     def coalescing(self) -> dict:
         """How the blocks share collectives on this rank (docs/traffic-model.md, "Coalescing").
 
-        Returns a dict: ``target_bytes`` (the unit target ``coalesce`` resolved to),
-        ``aligned_max_bytes`` (the largest bucket an aligned group may have on this backend);
+        Returns a dict: ``target_bytes`` (the unit target ``coalesce`` resolved to);
         ``reduce_by_gather`` (reduces run as gathers and reduce_scatters as all_to_alls, each
         summed by the receiver: gloo; module docstring, step 4);
         ``units``: one row per unit in bucket order, ``{"name", "blocks", "bytes", "aligned"}``
@@ -539,8 +534,7 @@ class DedicatedParams:
         peak = max((a + b for a, b in zip(free, free[1:] + [0])), default=0) if z3 else 0
         rest = rt.rest.params() if rt.rest is not None else []
         rest_calls = len({p.dtype for p in rest if p.requires_grad})  # one all_reduce per dtype
-        return {"target_bytes": self.coalesce_bytes, "aligned_max_bytes": self.aligned_max_bytes,
-                "reduce_by_gather": self.reduce_by_gather,
+        return {"target_bytes": self.coalesce_bytes, "reduce_by_gather": self.reduce_by_gather,
                 "units": list(units.values()),
                 "calls_per_step": {"forward": calls,
                                    "backward": calls + (rebroadcasts if z3 else 0) + replicate // 2

@@ -103,7 +103,7 @@ class Runtime:
         specs = specs_from_named_parameters((n, tp.local(p)) for n, p, _ in named)
         buckets = []
         for i, spec in enumerate(bucket_layout(specs, plan, cap_bytes, coalescing.target_bytes,
-                                               coalescing.aligned_max_bytes, coalescing.reduce_by_gather)):
+                                               coalescing.reduce_by_gather)):
             r, s = topology.coords(spec.owner)
             buckets.append(Bucket(
                 index=i, module_name=spec.module, module=modules[spec.module], owner=spec.owner,

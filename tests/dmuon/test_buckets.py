@@ -7,7 +7,7 @@ import pytest
 from dmuon.ownership.buckets import LINK_COSTS, block_of, bucket_layout, resolve_coalesce, unit_layout
 from dmuon.ownership.plan import ParamSpec, plan_ownership
 from tests.builders import tinygpt_layout
-from verify.traffic.predict import dmuon_aligned_max_bytes, dmuon_block, dmuon_buckets, dmuon_coalesce_bytes
+from verify.traffic.predict import dmuon_block, dmuon_buckets, dmuon_coalesce_bytes
 
 
 @pytest.mark.parametrize("module", ["", "head", "blocks.3", "blocks.3.attn.qkv",
@@ -39,13 +39,13 @@ def _key(b):
 
 @pytest.mark.parametrize("mode,world", [("dmuon-z3", 4), ("dmuon-hsdp-z2", 4), ("dmuon-ddp", 2)])
 @pytest.mark.parametrize("target", [0, 20_000, 200_000, 2**63 - 1])
-@pytest.mark.parametrize("aligned_max", [1, 2**63 - 1])
-def test_coalesced_layout_equals_the_predicted_one(mode, world, target, aligned_max):
+@pytest.mark.parametrize("uneven", [False, True])
+def test_coalesced_layout_equals_the_predicted_one(mode, world, target, uneven):
     layout = tinygpt_layout(mode, world)
     specs, plan = layout.muon_specs(), layout.plan()
-    runtime = bucket_layout(specs, plan, 25 * 1024 * 1024, target, aligned_max)
+    runtime = bucket_layout(specs, plan, 25 * 1024 * 1024, target, uneven)
     predicted = dmuon_buckets(specs, plan, 25 * 1024 * 1024, coalesce_bytes=target,
-                              aligned_max_bytes=aligned_max)
+                              uneven_aligned=uneven)
     assert sorted(map(_key, runtime)) == sorted(map(_key, predicted))  # aligned: (s, r) order
     units = [b.module for b in runtime]
     assert units == sorted(units, key=units.index)  # each unit one contiguous range
@@ -74,9 +74,6 @@ def test_an_aligned_group_is_one_bucket_per_owner_in_shard_then_replicate_order(
     assert [(b.owner % 2, b.owner // 2) for b in layout] == [(0, 0), (0, 1), (1, 0), (1, 1)]
     # coalesce="block" keeps one call per bucket even where a unit could be aligned
     assert not any(b.aligned for b in bucket_layout(specs, plan, 25 * 1024 * 1024, 0))
-    # buckets (2 x 32 x 32 fp32 = 8 KiB) above the backend's aligned limit move per bucket
-    assert not any(b.aligned for b in bucket_layout(specs, plan, 25 * 1024 * 1024, 2**40, 8191))
-    assert all(b.aligned for b in bucket_layout(specs, plan, 25 * 1024 * 1024, 2**40, 8192))
     # unequal sizes: per-owner buckets, not aligned, unless the backend reduces by gather
     # (an uneven group, moved by all_to_alls); still one bucket per owner, none split
     uneven = _specs([(32, 32)] * 3 + [(32, 64)])
@@ -100,23 +97,21 @@ def test_coalesce_values_are_checked(bad):
 
 
 def test_auto_target_is_the_documented_half_bandwidth_size():
-    for backend, target, aligned_max in (("gloo", 2_000_000, 2**63 - 1), ("nccl", 3_600_000, 2**63 - 1)):
+    for backend, target in (("gloo", 2_000_000), ("nccl", 3_600_000)):
         got = resolve_coalesce("auto", backend)
         assert got.target_bytes == dmuon_coalesce_bytes("auto", backend) == target
-        assert got.aligned_max_bytes == dmuon_aligned_max_bytes(backend) == aligned_max
     assert LINK_COSTS["nccl"].half_bytes == 3_600_000
 
 
-@pytest.mark.parametrize("aligned_max", [0, 8 * 1024, 2**63 - 1])
-def test_a_unit_that_saves_no_call_splits_into_its_blocks(aligned_max):
+@pytest.mark.parametrize("shapes,joined", [([(32, 32)] * 4, True), ([(32, 32)] * 3 + [(32, 64)], False)])
+def test_a_unit_that_saves_no_call_splits_into_its_blocks(shapes, joined):
     """Four blocks owned by four ranks: joined they need four calls unless aligned, as many
-    as alone, so they stay one unit each (their per-block overlap is kept); aligned they
-    need one. The predictor derives the same from the rule."""
-    specs = _specs([(32, 32)] * 4)  # 4 KiB each
+    as alone, so they stay one unit each (their per-block overlap is kept); aligned (equal
+    sizes) they need one. The predictor derives the same from the rule."""
+    specs = _specs(shapes)  # 4 KiB each, or one of 8 KiB: not an even group
     plan = plan_ownership(specs, (1, 4))
-    runtime = bucket_layout(specs, plan, 2**30, 2**40, aligned_max)
-    predicted = dmuon_buckets(specs, plan, 2**30, coalesce_bytes=2**40, aligned_max_bytes=aligned_max)
+    runtime = bucket_layout(specs, plan, 2**30, 2**40)
+    predicted = dmuon_buckets(specs, plan, 2**30, coalesce_bytes=2**40)
     assert sorted(map(_key, runtime)) == sorted(map(_key, predicted))
-    joined = aligned_max >= 4096
     assert {len(b.blocks) for b in runtime} == ({4} if joined else {1})
     assert all(b.aligned for b in runtime) == joined

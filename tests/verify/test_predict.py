@@ -367,7 +367,7 @@ def test_z3_keeps_the_last_unit_and_rebroadcasts_every_other_once():
 
 
 def test_z3_keeps_an_aligned_unit_and_drops_its_backward_all_gather():
-    """examples/structures.py:equal_blocks at W=2 under gloo's aligned limit: units of two
+    """examples/structures.py:equal_blocks at W=2: units of two
     blocks, each one aligned group (one all_gather per forward); only the first unit's group
     is all_gathered again in backward, the last one is kept."""
     from examples.structures import EqualBlocks
@@ -377,7 +377,7 @@ def test_z3_keeps_an_aligned_unit_and_drops_its_backward_all_gather():
     layout = RunLayout(mode="dmuon-z3", replicate_size=1, shard_size=2,
                        params=tuple(specs_from_named_parameters(model.named_parameters())),
                        muon_names=muon_names(model), fsdp_modules=("",),
-                       dmuon_coalesce_bytes=56_000, dmuon_aligned_max_bytes=64 * 1024)
+                       dmuon_coalesce_bytes=56_000)
     gathers = Counter((e.rank, e.phase, e.module) for e in predict_step(layout)
                       if e.op == "all_gather" and e.dedicated_count)  # not FSDP2's root
     assert gathers == Counter({(r, "forward", u): 1 for r in (0, 1) for u in ("blocks.0", "blocks.2")}
@@ -530,7 +530,7 @@ def test_gloo_reduces_by_gather_with_the_counts_and_traffic_of_reduce(mode, coal
                        params=tuple(specs_from_named_parameters(model.named_parameters())),
                        muon_names=muon_names(model), fsdp_modules=("",),
                        reshard_after_forward=mode.endswith("z3"),
-                       dmuon_coalesce_bytes=coalesce, dmuon_aligned_max_bytes=64 * 1024)
+                       dmuon_coalesce_bytes=coalesce)
     gloo = dataclasses.replace(layout, dmuon_reduce_by_gather=True)
     renamed = {"reduce": "gather", "reduce_scatter": "all_to_all"}
     plain = [e for e in predict_step(layout) if e.dedicated_count]

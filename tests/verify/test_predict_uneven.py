@@ -21,7 +21,6 @@ from verify.traffic.formulas import closed_form
 from verify.traffic.predict import (
     NO_LIMIT,
     RunLayout,
-    dmuon_aligned_max_bytes,
     dmuon_coalesce_bytes,
     dmuon_reduce_by_gather,
     dmuon_uneven_aligned,
@@ -34,7 +33,6 @@ from verify.workload.model import GPTConfig, TinyGPT
 
 D2 = 64 * 64  # TinyGPT's d_model = 64: matrices are multiples of d²
 GLOO = dict(dmuon_coalesce_bytes=dmuon_coalesce_bytes("auto", "gloo"),
-            dmuon_aligned_max_bytes=dmuon_aligned_max_bytes("gloo"),
             dmuon_reduce_by_gather=dmuon_reduce_by_gather("gloo"),
             dmuon_uneven_aligned=dmuon_uneven_aligned("gloo"))
 
@@ -92,12 +90,15 @@ def _w_average(layout: RunLayout) -> Fraction:
 
 # ------------------------------------------------------------------------------ the rule
 def test_backend_tables_and_layout_flag():
-    assert dmuon_aligned_max_bytes("gloo") == dmuon_aligned_max_bytes("nccl") == NO_LIMIT
     assert dmuon_uneven_aligned("gloo") and not dmuon_uneven_aligned("nccl")
     layout = _tinygpt("dmuon-z2")
     assert RunLayout.from_dict(layout.to_dict()) == layout
     old = {k: v for k, v in layout.to_dict().items() if k != "dmuon_uneven_aligned"}
     assert RunLayout.from_dict(old).dmuon_uneven_aligned is False  # reports before the flag
+    # reports of the aligned-group size limit: no limit loads, a finite one is refused
+    assert RunLayout.from_dict({**old, "dmuon_aligned_max_bytes": NO_LIMIT}) == RunLayout.from_dict(old)
+    with pytest.raises(ValueError, match="dmuon_aligned_max_bytes=65536, a limit"):
+        RunLayout.from_dict({**old, "dmuon_aligned_max_bytes": 65536})
     with pytest.raises(ValueError, match="dmuon_uneven_aligned=True with dmuon_reduce_by_gather=False"):
         dataclasses.replace(layout, dmuon_reduce_by_gather=False)
 

@@ -22,8 +22,8 @@ from dmuon.ownership.select import matrix_shapes, select_params
 from dmuon.ownership.plan import specs_from_named_parameters
 
 from verify.run.baselines import MatrixMuon, NaiveShardedMuon, ZeroOneMuon
-from verify.traffic.predict import (DMUON_REST_MODES, RunLayout, dmuon_aligned_max_bytes, dmuon_coalesce_bytes,
-                                    dmuon_reduce_by_gather, dmuon_uneven_aligned)
+from verify.traffic.predict import (DMUON_REST_MODES, RunLayout, dmuon_coalesce_bytes, dmuon_reduce_by_gather,
+                                    dmuon_uneven_aligned)
 from verify.workload.usermodel import block_names
 
 #: Hyper-parameters every mode uses (Muon's and AdamW's torch defaults except the lrs).
@@ -171,7 +171,6 @@ def build(mode: str, make_model: Callable[[], nn.Module], device: str = "cpu",
             reshard_after_forward=reshard_flag,
             ddp_bucket_cap_bytes=DDP_BUCKET_CAP_MB * 1024 * 1024,
             dmuon_coalesce_bytes=dmuon_coalesce_bytes(coalesce, backend),
-            dmuon_aligned_max_bytes=dmuon_aligned_max_bytes(backend),
             dmuon_reduce_by_gather=dmuon_reduce_by_gather(backend),
             dmuon_uneven_aligned=dmuon_uneven_aligned(backend),
             mp_param_dtype=mp_name if (mode.startswith("dmuon-") or fsdp_modules) else None,

@@ -106,7 +106,6 @@ def layout_from_job(model: nn.Module, dedicated: dmuon.DedicatedParams,
                   muon_names=tuple(dedicated.names),
                   dmuon_bucket_cap_bytes=int(dedicated.bucket_cap_bytes),
                   dmuon_coalesce_bytes=int(dedicated.coalesce_bytes),
-                  dmuon_aligned_max_bytes=int(dedicated.aligned_max_bytes),
                   dmuon_reduce_by_gather=bool(dedicated.reduce_by_gather),
                   # the harness's own table, by the backend the params' device selects (uneven
                   # groups reduce by all_to_all: only where DMuon reduces by gather)

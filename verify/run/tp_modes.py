@@ -39,8 +39,7 @@ from dmuon.ownership.plan import specs_from_named_parameters
 from dmuon.ownership.select import matrix_shapes, select_params
 from tracer.context import current_phase
 from verify.traffic.tp import TP_MODES, TPRunLayout
-from verify.traffic.predict import (dmuon_aligned_max_bytes, dmuon_coalesce_bytes, dmuon_reduce_by_gather,
-                                    dmuon_uneven_aligned)
+from verify.traffic.predict import dmuon_coalesce_bytes, dmuon_reduce_by_gather, dmuon_uneven_aligned
 from verify.workload.data import local_slice
 
 #: The TP plan of the built-in TinyGPT's blocks (module name within a block -> style).
@@ -255,7 +254,6 @@ def build_tp(mode: str, make_model: Callable[[], nn.Module], device: str, tp: in
                            reshard_after_forward=reshard, tp_size=tp, tp_dims=tp_dims,
                            tp_activations=acts, mp_param_dtype=mp_name, frozen_names=frozen,
                            dmuon_coalesce_bytes=dmuon_coalesce_bytes(coalesce, backend),
-                           dmuon_aligned_max_bytes=dmuon_aligned_max_bytes(backend),
                            dmuon_reduce_by_gather=dmuon_reduce_by_gather(backend),
                            dmuon_uneven_aligned=dmuon_uneven_aligned(backend))
 

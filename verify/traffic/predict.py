@@ -93,8 +93,6 @@ class RunLayout:
         dmuon_bucket_cap_bytes: DMuon's ``bucket_cap_mb`` in bytes (``dmuon_buckets``).
         dmuon_coalesce_bytes: DMuon's unit target in bytes (``dedicate_params``' ``coalesce``,
             :func:`dmuon_coalesce_bytes`); 0: one unit per block.
-        dmuon_aligned_max_bytes: the largest bucket of an aligned group
-            (:func:`dmuon_aligned_max_bytes`).
         dmuon_reduce_by_gather: DMuon's reduces run as gathers and its aligned
             reduce_scatters as all_to_alls (:func:`dmuon_reduce_by_gather`: gloo).
         dmuon_uneven_aligned: a unit's dtype group with one bucket per owner is aligned even
@@ -141,7 +139,6 @@ class RunLayout:
     ddp_first_bucket_cap_bytes: int | None = None
     dmuon_bucket_cap_bytes: int = 25 * 1024 * 1024
     dmuon_coalesce_bytes: int = 0
-    dmuon_aligned_max_bytes: int = NO_LIMIT
     dmuon_reduce_by_gather: bool = False
     dmuon_uneven_aligned: bool = False
     root_auto_reshard: bool = True
@@ -210,8 +207,16 @@ class RunLayout:
         """Inverse of :meth:`to_dict`.
 
         Raises:
-            ValueError: a key is missing or the mode is unknown.
+            ValueError: a key is missing or the mode is unknown, or the layout has a
+                finite ``dmuon_aligned_max_bytes`` (an older DMuon's limit).
         """
+        if d.get("dmuon_aligned_max_bytes", NO_LIMIT) != NO_LIMIT:
+            raise ValueError(
+                f"Invalid layout: dmuon_aligned_max_bytes={d['dmuon_aligned_max_bytes']}, a limit on "
+                "an aligned group's buckets that DMuon and this predictor no longer have (gloo's "
+                "64 KiB, removed when its groups became all_to_alls). Must come from a current "
+                "run: run make verify-traffic again."
+            )
         try:
             params = tuple(
                 ParamSpec(name=p["name"], shape=tuple(p["shape"]), dtype=p["dtype"], module=p["module"],
@@ -317,16 +322,6 @@ def replicate_ranks(rank: int, n: int, r_size: int) -> list[int]:
 #: (docs/traffic-model.md, "Coalescing": α·bandwidth; gloo 2 ms x 1 GB/s, NCCL 10 µs x
 #: 360 GB/s), written here independently of ``dmuon/ownership/buckets.py``.
 DMUON_AUTO_COALESCE_BYTES = {"gloo": 2_000_000, "nccl": 3_600_000}
-#: The largest bucket of an aligned group per backend (docs/traffic-model.md, "Coalescing"):
-#: no limit on any backend (gloo's 64 KiB went when its groups became all_to_alls).
-DMUON_ALIGNED_MAX_BYTES: dict[str, int] = {}
-
-
-def dmuon_aligned_max_bytes(backend: str) -> int:
-    """The aligned groups' bucket limit on ``backend`` (docs/traffic-model.md)."""
-    return DMUON_ALIGNED_MAX_BYTES.get(backend, NO_LIMIT)
-
-
 #: Backends on which a unit's dtype group with one bucket per owner is aligned whatever the
 #: buckets' sizes (docs/traffic-model.md, "Aligned groups"): those that reduce by gather,
 #: where an uneven group moves as all_to_alls; NCCL's groups stay equal.
@@ -453,7 +448,7 @@ def dmuon_units(specs: Sequence[ParamSpec], target_bytes: int) -> list[tuple[str
 def dmuon_buckets(specs: Sequence[ParamSpec], plan: OwnershipPlan,
                   cap_bytes: int = 25 * 1024 * 1024,
                   block_order: Sequence[str] = (), coalesce_bytes: int = 0,
-                  aligned_max_bytes: int = NO_LIMIT, uneven_aligned: bool = False) -> list[DMuonBucket]:
+                  uneven_aligned: bool = False) -> list[DMuonBucket]:
     """DMuon's buckets from the documented rule (docs/spec.md §1, ``dmuon/ownership/buckets.py``).
 
     A bucket is the dedicated params of one block (:func:`dmuon_block`) with the same global
@@ -481,13 +476,11 @@ def dmuon_buckets(specs: Sequence[ParamSpec], plan: OwnershipPlan,
     units = dmuon_units(specs, coalesce_bytes)
     if coalesce_bytes > 0:  # a unit of several blocks stays only if it needs fewer calls
         singles = [(b,) for u in units for b in u]
-        per_block = _calls_by_unit(_grouped(specs, plan, cap_bytes, singles, 0))
-        joined = _calls_by_unit(_grouped(specs, plan, cap_bytes, units, aligned_max_bytes,
-                                         uneven_aligned))
+        per_block = _calls_by_unit(_grouped(specs, plan, cap_bytes, singles, False))
+        joined = _calls_by_unit(_grouped(specs, plan, cap_bytes, units, True, uneven_aligned))
         units = [piece for u in units for piece in
                  ([u] if len(u) == 1 or joined[u[0]] < sum(per_block[b] for b in u) else [(b,) for b in u])]
-    buckets = _grouped(specs, plan, cap_bytes, units, aligned_max_bytes if coalesce_bytes > 0 else 0,
-                       uneven_aligned)
+    buckets = _grouped(specs, plan, cap_bytes, units, coalesce_bytes > 0, uneven_aligned)
     model = dmuon_model_blocks(specs)
     sequence = dmuon_block_sequence(model, block_order)
     if sequence != model:
@@ -496,12 +489,11 @@ def dmuon_buckets(specs: Sequence[ParamSpec], plan: OwnershipPlan,
 
 
 def _grouped(specs: Sequence[ParamSpec], plan: OwnershipPlan, cap_bytes: int,
-             units: Sequence[tuple[str, ...]], aligned_max_bytes: int,
+             units: Sequence[tuple[str, ...]], may_align: bool,
              uneven_aligned: bool = False) -> list[DMuonBucket]:
     """The buckets of ``units`` (model order): per (unit, owner, dtype), cut at ``cap_bytes``;
-    aligned where a unit's dtype has exactly one bucket per owner (none cut by the cap), of
-    equal size and param count unless ``uneven_aligned``, each at most
-    ``aligned_max_bytes`` (0: never)."""
+    when ``may_align``, aligned where a unit's dtype has exactly one bucket per owner (none
+    cut by the cap), of equal size and param count unless ``uneven_aligned``."""
     unit_of = {block: unit for unit in units for block in unit}
     members: dict[tuple[str, int, str], list[list[ParamSpec]]] = {}
     for spec in specs:
@@ -513,14 +505,13 @@ def _grouped(specs: Sequence[ParamSpec], plan: OwnershipPlan, cap_bytes: int,
         runs[-1].append(spec)
     world = plan.mesh_shape[0] * plan.mesh_shape[1]
     aligned: set[tuple[str, str]] = set()  # (unit, dtype) groups moved by one call per channel
-    if aligned_max_bytes > 0 and world > 1:
+    if may_align and world > 1:
         for unit, dtype in {(u, d) for u, _, d in members}:
             runs = [members.get((unit, g, dtype), []) for g in range(world)]
             if not all(len(r) == 1 for r in runs):
                 continue
             sizes = {(sum(p.numel for p in r[0]), len(r[0])) for r in runs}
-            largest = max(numel for numel, _ in sizes)
-            if (uneven_aligned or len(sizes) == 1) and largest * DTYPE_BYTES[dtype] <= aligned_max_bytes:
+            if uneven_aligned or len(sizes) == 1:
                 aligned.add((unit, dtype))
     return [
         DMuonBucket(unit, owner, dtype, tuple(p.name for p in ps), sum(p.numel for p in ps),
@@ -637,13 +628,12 @@ def _summed(parts: Sequence[int], dedicated: Sequence[int], me: int, by_gather: 
 
 
 def layout_buckets(layout: RunLayout, plan: OwnershipPlan | None = None) -> list[DMuonBucket]:
-    """:func:`dmuon_buckets` of ``layout`` (its cap, coalescing, aligned limit, uneven rule
+    """:func:`dmuon_buckets` of ``layout`` (its cap, coalescing, uneven rule
     and recorded block order): DMuon's buckets in the index order of the measured steps.
     ``plan``: ``layout.plan()`` if omitted."""
     plan = layout.plan() if plan is None else plan
     return dmuon_buckets(layout.muon_specs(), plan, layout.dmuon_bucket_cap_bytes, layout.dmuon_block_order,
-                         layout.dmuon_coalesce_bytes, layout.dmuon_aligned_max_bytes,
-                         layout.dmuon_uneven_aligned)
+                         layout.dmuon_coalesce_bytes, layout.dmuon_uneven_aligned)
 
 
 def kept_unit(layout: RunLayout, buckets: Sequence[DMuonBucket]) -> str | None:
