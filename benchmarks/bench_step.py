@@ -24,7 +24,9 @@ Printed per model and implementation:
 - median CPU ms per step summed over the ranks (``time.process_time``: every thread of each
   rank, gloo's included): with W ranks on fewer cores the step's wall time follows it;
 - median ms/step over rounds, and the median over rounds of its ratio to the fastest
-  *baseline* (ddp-muon, zero1-muon, naive-*) of the same round and to zero1-muon;
+  *baseline* (ddp-muon, zero1-muon, naive-*) of the same round (with the first and third
+  quartiles of that ratio over rounds: the spread a verdict near its target sits in) and to
+  zero1-muon;
 - collectives per rank-step (mean over ranks; asynchronous ones included and counted apart);
 - exposed communication: time the training thread spends in collective calls and blocked in
   their ``wait()`` (interposer timings of the instrumented step: issue ``t_start_ns`` ..
@@ -39,7 +41,8 @@ coalescing) in the same rounds, so before and after are measured side by side
 ``dedicate_params(rest="replicate")`` (and ``coalesce="auto"``): DMuon keeps the params it does
 not dedicate replicated and all-reduces their grads itself (one call per dtype per step,
 ``dmuon/runtime/rest.py``), and nothing wraps the model, against the default rows where DDP or
-FSDP2 handles them (``--no-rest`` skips them). Without a wrapper dmuon-ddp/rest is dmuon-z2/rest.
+FSDP2 handles them (``--no-rest`` skips them). Without a wrapper dmuon-ddp/rest is dmuon-z2/rest:
+two rows of one configuration, whose difference shows the invocation's noise.
 
 Targets (issue 20, W=4, medians of the per-round ratios to the fastest baseline): dmuon-ddp,
 dmuon-z2, dmuon-hsdp-z2 <= 1.0; dmuon-z3, dmuon-hsdp-z3 <= 1.15, for every variant of the
@@ -205,7 +208,9 @@ def _summarise(per_rank: list[dict]) -> list[dict]:
     rows = []
     for mode in impls:
         ms = statistics.median(t[mode] for t in rounds) / 1e6
-        to_fastest = statistics.median(t[mode] / min(t[b] for b in BASELINES if b in t) for t in rounds)
+        ratios = [t[mode] / min(t[b] for b in BASELINES if b in t) for t in rounds]
+        to_fastest = statistics.median(ratios)
+        q1, _, q3 = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else (to_fastest,) * 3
         to_zero1 = statistics.median(t[mode] / t["zero1-muon"] for t in rounds)
         calls = statistics.mean(r["counted"][mode]["collectives"] for r in per_rank)
         inside_ms = statistics.mean(r["counted"][mode]["in_collectives_ns"] for r in per_rank) / 1e6
@@ -213,7 +218,7 @@ def _summarise(per_rank: list[dict]) -> list[dict]:
                                    for i in range(len(rounds))) / 1e6
         target = TARGETS.get(mode.split("/")[0])
         rows.append({"implementation": mode, "ms_per_step": ms, "cpu_ms_per_step": cpu_ms,
-                     "x_fastest_baseline": to_fastest,
+                     "x_fastest_baseline": to_fastest, "x_fastest_iqr": [q1, q3],
                      "x_zero1": to_zero1, "collectives_per_rank_step": calls,
                      "exposed_comm_fraction": min(inside_ms / ms, 1.0), "target_x_fastest": target,
                      "verdict": None if target is None else ("PASS" if to_fastest <= target else "FAIL")})
@@ -256,11 +261,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"\n{model_name}: W={args.world_size} gloo, {args.rounds} interleaved rounds x "
                   f"{args.steps} steps, torch {torch.__version__}")
             print(tabulate(
-                [[r["implementation"], r["ms_per_step"], r["cpu_ms_per_step"], r["x_fastest_baseline"], r["x_zero1"],
+                [[r["implementation"], r["ms_per_step"], r["cpu_ms_per_step"], r["x_fastest_baseline"],
+                  "{:.2f}-{:.2f}".format(*r["x_fastest_iqr"]), r["x_zero1"],
                   r["collectives_per_rank_step"], r["exposed_comm_fraction"],
                   "" if r["target_x_fastest"] is None else f"<= {r['target_x_fastest']:.2f}",
                   r["verdict"] or ""] for r in rows],
-                headers=["implementation", "ms/step", "CPU ms/step", "x fastest baseline", "x zero1",
+                headers=["implementation", "ms/step", "CPU ms/step", "x fastest baseline", "quartiles", "x zero1",
                          "collectives/rank-step", "exposed comm", "target", "verdict"],
                 floatfmt=".2f"))
     if args.json:
