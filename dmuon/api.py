@@ -100,9 +100,8 @@ def dedicate_params(
             number, ``prefetch_depth`` is not an int >= 0, ``coalesce`` is not one of
             ``"auto"``, ``"block"``, ``"all"`` or an int >= 0, ``rest`` is not ``"wrapper"``
             or ``"replicate"`` (or ``"replicate"`` on a TP mesh, or with an ``mp_policy``
-            that sets ``param_dtype`` but not ``output_dtype``, or one whose ``param_dtype``
-            would meet a rest param of another dtype in a module holding a dedicated param:
-            a Linear's bias), or the mesh is invalid (see
+            whose ``param_dtype`` would meet a rest param of another dtype in a module holding
+            a dedicated param: a Linear's bias), or the mesh is invalid (see
             ``topology_from_mesh``). All checked locally, before any collective.
         RuntimeError: the ranks computed different setups (plan, ``reshard_after_forward``,
             mixed-precision policy, bucket cap, coalescing, rest, devices: :func:`setup_digest`), checked with one
@@ -143,7 +142,7 @@ def dedicate_params(
         )
     cap_bytes = _bucket_cap_bytes(bucket_cap_mb)
     resolve_coalesce(coalesce, "gloo")  # validates, before anything else
-    replicated_rest.check_rest(rest, mesh, mp_policy)
+    replicated_rest.check_rest(rest, mesh)
     topology = tp.topology(mesh) if tp.is_tp_mesh(mesh) else topology_from_mesh(mesh)
     assignments = assign_params(model, params, predicate)
     named = select_params(model, params, predicate, assignments)

@@ -71,6 +71,7 @@ class Runtime:
         self._moved: dict[int, Bucket] = {}  # buckets an _apply touched, not re-bound yet
         self._rebound: dict[int, Bucket] = {}  # re-bound since the last forward (recast there)
         self._groups_checked = True  # no bucket re-bound since check_groups last passed
+        self._leaf_out_dtype: dict[nn.Module, torch.dtype | None] = {}  # mixed precision, per call
         # unit -> the drivers of all its blocks (order.py's contiguity rule, the spans)
         self._drivers = {b.module_name: list(dict.fromkeys(
             d for block in b.blocks for d in order.drivers_of(block))) for b in buckets}
@@ -364,15 +365,17 @@ class Runtime:
             register_multi_grad_hook(outputs, lambda grads: fn(), mode="any")
 
     def _leaf_pre_forward(self, module: nn.Module, args):
-        """Mixed precision: the module's compute params in, its inputs cast (any state)."""
+        """Mixed precision: the module's compute params in, its inputs cast (any state); the
+        dtype its outputs go back in noted for the post-hook (``precision.py``)."""
         for b in self._leaf[module]:
             b.swap(True, module)
+        self._leaf_out_dtype[module] = precision.output_dtype(self.mp_policy, args)
         return precision.cast_inputs(self.mp_policy, args)
 
     def _leaf_post_forward(self, module: nn.Module, args, output):
         for b in self._leaf[module]:
             b.swap(False, module)
-        return precision.cast_output(self.mp_policy, output)
+        return precision.cast_output(self._leaf_out_dtype.pop(module, None), output)
 
     def _grad_hook(self, b: Bucket, i: int):
         # Weak references: a tensor's grad hooks are invisible to Python's garbage collector,

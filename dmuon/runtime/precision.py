@@ -1,5 +1,11 @@
 """Module-level mixed precision for dedicated modules: FSDP2's ``MixedPrecisionPolicy``
-fields applied at a dedicated module's boundary (``cast_forward_inputs``, ``output_dtype``)."""
+applied at a dedicated module's boundary. Its floating inputs are cast to ``param_dtype``
+(``cast_forward_inputs``) and its floating outputs handed back in the dtype its inputs arrived
+in, so a dedicated module fits between the modules around it whatever computes them (the rest
+in its own dtype under DDP or ``rest="replicate"``, in ``param_dtype`` inside an FSDP2 unit).
+``output_dtype`` stays ``fully_shard``'s, applied at its units' outputs: FSDP2 applies it at
+a unit's root, and a dedicated module inside a unit is not one (a module with no floating
+input hands back ``output_dtype`` when set)."""
 
 from __future__ import annotations
 
@@ -22,9 +28,18 @@ def cast_inputs(policy, args: tuple):
     return tuple(a.to(pd) if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args)
 
 
-def cast_output(policy, output):
-    """Floating tensors of ``output`` in ``output_dtype`` (``None``: leave them)."""
-    od = getattr(policy, "output_dtype", None)
-    if od is None:
+def output_dtype(policy, args: tuple) -> torch.dtype | None:
+    """The dtype a dedicated module hands its floating outputs back in (module docstring):
+    that of its first floating input in ``args``, else ``policy.output_dtype`` (``None``:
+    leave them)."""
+    for a in args:
+        if isinstance(a, torch.Tensor) and a.is_floating_point():
+            return a.dtype
+    return getattr(policy, "output_dtype", None)
+
+
+def cast_output(dtype: torch.dtype | None, output):
+    """Floating tensors of ``output`` in ``dtype`` (``None``: leave them)."""
+    if dtype is None:
         return None
-    return tree_map(lambda t: t.to(od) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, output)
+    return tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, output)

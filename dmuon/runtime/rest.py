@@ -26,8 +26,8 @@ calls are latency-bound (docs/user-guide.md, "Who handles the rest"). Its memory
 sharded: ``param + grad + 2 AdamW moments`` of the rest on every rank.
 
 Mixed precision: the rest computes in its own dtype, as under DDP (DMuon's policy applies to
-dedicated params only; give it ``output_dtype`` = the rest's dtype so the dedicated modules
-hand their outputs back in it). Buffers are not synchronised (as under FSDP2).
+dedicated params only; the dedicated modules hand their outputs back in the dtype their inputs
+arrived in, ``precision.py``). Buffers are not synchronised (as under FSDP2).
 """
 
 from __future__ import annotations
@@ -48,13 +48,12 @@ from dmuon.runtime import collectives, tp
 REST_MODES = ("wrapper", "replicate")
 
 
-def check_rest(rest, mesh, mp_policy) -> None:
-    """Validate ``rest`` against the mesh and the mixed-precision policy (local, before any
-    collective).
+def check_rest(rest, mesh) -> None:
+    """Validate ``rest`` against the mesh (local, before any collective).
 
     Raises:
         ValueError: ``rest`` is not one of :data:`REST_MODES`; or ``"replicate"`` on a TP
-            mesh, or with a policy that sets ``param_dtype`` but not ``output_dtype``.
+            mesh.
     """
     if not isinstance(rest, str) or rest not in REST_MODES:
         raise ValueError(
@@ -69,13 +68,6 @@ def check_rest(rest, mesh, mp_policy) -> None:
             "Invalid rest='replicate' on a mesh with a 'tp' axis: the rest of a tensor-parallel "
             "model holds TP DTensors, which DMuon does not replicate. Use rest='wrapper' "
             "(fully_shard on mesh['shard'])."
-        )
-    if getattr(mp_policy, "param_dtype", None) is not None and getattr(mp_policy, "output_dtype", None) is None:
-        raise ValueError(
-            f"Invalid mp_policy={mp_policy!r} with rest='replicate': the rest computes in its own "
-            "dtype (as under DDP), so the dedicated modules must hand it their outputs in that "
-            "dtype. Set output_dtype (e.g. MixedPrecisionPolicy(param_dtype=torch.bfloat16, "
-            "output_dtype=torch.float32)), or use rest='wrapper'."
         )
 
 

@@ -133,12 +133,10 @@ def build(mode: str, make_model: Callable[[], nn.Module], device: str = "cpu",
     ``coalesce``: DMuon's ``dedicate_params(coalesce=...)`` (the layout gets the target the
     documented rule gives for it: :func:`verify.traffic.predict.dmuon_coalesce_bytes`).
     ``mixed_precision`` (``"bf16"``, ``"fp16"``): DMuon modes get a ``MixedPrecisionPolicy``
-    (dmuon-ddp with ``output_dtype=float32``, since DDP keeps the rest in fp32) and every
-    ``fully_shard`` call the same policy; DDP and the baselines' DDP stay fp32.
+    and every ``fully_shard`` call the same policy; DDP and the baselines' DDP stay fp32.
     ``rest``: the DMuon modes' ``dedicate_params(rest=...)`` (other modes ignore it). With
     ``"replicate"`` DMuon keeps the non-dedicated params itself and the model is wrapped by
-    neither DDP nor ``fully_shard`` (dmuon-ddp then runs like dmuon-z2); under mixed precision
-    the policy gets ``output_dtype=float32``, the rest's dtype, as dmuon-ddp's does.
+    neither DDP nor ``fully_shard`` (dmuon-ddp then runs like dmuon-z2).
 
     Raises:
         ValueError: unknown mode or a world size the mode cannot use.
@@ -183,11 +181,8 @@ def build(mode: str, make_model: Callable[[], nn.Module], device: str = "cpu",
     mp_name = str(mp.param_dtype).removeprefix("torch.") if mp is not None else None
 
     if mode.startswith("dmuon-"):
-        # the rest stays fp32 under DDP and when DMuon replicates it: outputs back in fp32
-        fp32_rest = mode == "dmuon-ddp" or replicated
-        dm_mp = mp_policy(mixed_precision, output_dtype=torch.float32) if fp32_rest else mp
         dm = dmuon.dedicate_params(model, mesh, params=list(targets), reshard_after_forward=reshard,
-                                   mp_policy=dm_mp, coalesce=coalesce, rest=rest)
+                                   mp_policy=mp, coalesce=coalesce, rest=rest)
         if replicated:
             fsdp_modules = ()
         elif mode == "dmuon-ddp":

@@ -175,9 +175,6 @@ def bad_input(case: str) -> str:
     try:
         if case == "value":
             dmuon.dedicate_params(model, mesh, rest="shard")
-        elif case == "mp":
-            dmuon.dedicate_params(model, mesh, rest="replicate",
-                                  mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
         elif case == "mp_bias":  # a dedicated Linear weight beside its fp32 bias (the rest)
             torch.manual_seed(0)
             biased = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))

@@ -22,12 +22,25 @@ def test_mp_masters_fp32_compute_bf16_and_z2_equals_z3(pool4):
         for r in results:
             assert r["registered"] == ["torch.float32"], mode  # the master / registered params
             assert r["momentum"] in ([], ["torch.float32"]), mode
-            out_dtype = "torch.float32" if mode == "ddp" else "torch.bfloat16"  # ddp: output_dtype
+            # a dedicated module hands its output back in its input's dtype: fp32 under DDP
+            out_dtype = "torch.float32" if mode == "ddp" else "torch.bfloat16"
             assert {o for _, o in r["seen"]} == {out_dtype}, (mode, r["seen"])
             assert r["losses"][-1] < r["losses"][0], mode
     merged = {m: {n: t for r in rs for n, t in r["params"].items()} for m, rs in runs.items()}
     assert all(torch.equal(merged["z2"][n], merged["z3"][n]) for n in merged["z2"])
     assert all(t.dtype == torch.float32 for t in merged["z3"].values())
+
+
+@pytest.mark.parametrize("mode, out_dtype", [("root", "torch.bfloat16"), ("replicate", "torch.float32")])
+def test_one_policy_with_output_dtype_serves_fully_shard_and_dmuon(pool4, mode, out_dtype):
+    """The policy fully_shard takes, output_dtype=float32 included, given to both calls (a
+    break-it trial: with a root-only FSDP2 unit DMuon cast each dedicated Linear's output to
+    fp32 and the next bf16 LayerNorm raised "mixed dtype"); and rest="replicate" with or
+    without output_dtype: the dedicated outputs come back in the rest's fp32."""
+    for output_dtype in (torch.float32, None):
+        for r in pool4.run_with_timeout(TIMEOUT_S, T.train_mp, mode, output_dtype=output_dtype):
+            assert {o for _, o in r["seen"]} == {out_dtype}, (mode, output_dtype, r["seen"])
+            assert r["losses"][-1] < r["losses"][0], (mode, r["losses"])
 
 
 def _dedicated_bytes(events, phases=("forward", "backward")) -> int:

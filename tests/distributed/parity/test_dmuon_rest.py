@@ -80,7 +80,6 @@ def test_dcp_resume_is_exact(pool4, mode):
 
 @pytest.mark.parametrize("case, expected", [
     ("value", "ValueError: Invalid rest='shard'. Must be 'wrapper'"),
-    ("mp", "ValueError: Invalid mp_policy="),
     ("mp_bias", "ValueError: Invalid mp_policy with rest='replicate': module '0' holds the dedicated '0.weight'"),
     ("wrapped", "ValueError: Invalid model: module '<root>' was wrapped by fully_shard"),
 ])

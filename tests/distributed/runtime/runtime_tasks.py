@@ -258,27 +258,28 @@ def to_after_dedicate(mode: str, steps: int = 2) -> dict:
             "dtypes": sorted({str(b.flat.dtype) for b in dm.buckets})}
 
 
-def train_mp(mode: str, steps: int = 3, reduce_dtype=torch.float32, wrap: bool = True) -> dict:
-    """bf16 mixed precision (fully_shard's MixedPrecisionPolicy, also given to FSDP2 for the
-    rest); returns owned params, their momentum dtypes and what forward computed in."""
+def train_mp(mode: str, steps: int = 3, reduce_dtype=torch.float32, output_dtype=None) -> dict:
+    """bf16 mixed precision: one MixedPrecisionPolicy (``output_dtype`` as given) for
+    dedicate_params and every fully_shard. ``mode``: ``z2``, ``z3``, ``hsdp-z3`` (FSDP2 per
+    block and root), ``root`` (one root FSDP2 unit), ``ddp``, ``replicate`` (rest="replicate",
+    nothing wraps). Returns owned params, their momentum dtypes and what forward computed in."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype)
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype,
+                                  output_dtype=output_dtype)
     rank = dist.get_rank()
     mesh = _mesh("hsdp" if mode.startswith("hsdp") else "flat")
     model = make_model()
     reshard = mode.endswith("z3")
-    dm = dmuon.dedicate_params(model, mesh, reshard_after_forward=reshard, mp_policy=policy)
+    dm = dmuon.dedicate_params(model, mesh, reshard_after_forward=reshard, mp_policy=policy,
+                               rest="replicate" if mode == "replicate" else "wrapper")
+    wrapped = model
     if mode == "ddp":
-        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype,
-                                      output_dtype=torch.float32)
-        dm.mp_policy = policy  # DDP keeps the rest in fp32: cast dedicated outputs back
         wrapped = DistributedDataParallel(model)
-    else:
-        for block in model.blocks:
+    elif mode != "replicate":
+        for block in model.blocks if mode != "root" else ():
             fully_shard(block, mesh=mesh, reshard_after_forward=reshard, ignored_params=set(dm), mp_policy=policy)
         fully_shard(model, mesh=mesh, ignored_params=set(dm), mp_policy=policy)
-        wrapped = model
     opt = dmuon.DMuon(wrapped.parameters(), dedicated=dm, lr=MUON_LR, adamw_lr=ADAMW_LR)
     seen = []
     fc1 = model.blocks[0].mlp.fc1
