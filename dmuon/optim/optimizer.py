@@ -55,8 +55,9 @@ class DMuon(Optimizer):
             (an expert stack of E slices counts E, as ``torch.optim.Muon`` over the slices).
 
     Raises:
-        ValueError: ``dedicated`` is not a :class:`DedicatedParams`, a dedicated param is
-            missing from ``params``, or a hyper-parameter is invalid (rules in
+        ValueError: ``dedicated`` is not a :class:`DedicatedParams`, ``params`` holds
+            param-group dicts, a dedicated param is missing from ``params``, or a
+            hyper-parameter is invalid (rules in
             ``dmuon/optim/hparams.py``: ``torch.optim.Muon``'s and ``AdamW``'s, checked on every
             rank here and again at each ``step()``, so a rank that owns nothing raises too).
     """
@@ -86,6 +87,16 @@ class DMuon(Optimizer):
                 "every rank before wrapping: DMuon(model.parameters(), dedicated=dm, ...)."
             )
         all_params = list(params)
+        groups_given = [g for g in all_params if isinstance(g, dict)]
+        if groups_given:
+            raise ValueError(
+                f"Invalid params: {len(groups_given)} param-group dicts (the first with keys "
+                f"{sorted(groups_given[0])}). DMuon takes a flat iterable of parameters "
+                "(model.parameters()) and builds its two groups itself: Muon for the params of "
+                "dmuon.dedicate_params (lr=, weight_decay=, momentum=, ...) and AdamW for every "
+                "other param (adamw_lr=, adamw_weight_decay=, ...); other groupings are not "
+                "supported."
+            )
         given = {id(p) for p in all_params}
         missing = [n for n, p in zip(dedicated.names, dedicated.params) if id(p) not in given]
         if missing:
@@ -189,6 +200,24 @@ class DMuon(Optimizer):
 
         muon, adamw = self.param_groups[0]["params"], self.param_groups[1]["params"]
         return clip_grad_norm_(self.dedicated, muon, adamw, max_norm, norm_type, error_if_nonfinite)
+
+    def add_param_group(self, param_group: dict) -> None:
+        """``torch.optim.Optimizer.add_param_group`` while the constructor builds the two
+        groups; afterwards it raises.
+
+        Raises:
+            ValueError: called on a built DMuon (its groups are fixed: Muon for the params of
+                ``dedicate_params``, AdamW for the rest).
+        """
+        if hasattr(self, "dedicated"):  # set once the constructor has built the groups
+            raise ValueError(
+                f"Invalid add_param_group({sorted(param_group) if isinstance(param_group, dict) else param_group!r}): "
+                "DMuon's param groups are fixed when it is built (param_groups[0] Muon for the "
+                "params of dmuon.dedicate_params, param_groups[1] AdamW for the rest). To train "
+                "more params, add them to the model and build a new DMuon(model.parameters(), "
+                "dedicated=dm, ...) (and, for new matrices to go to Muon, a new dedicate_params)."
+            )
+        super().add_param_group(param_group)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none)

@@ -20,6 +20,10 @@ CASES = {
     "coalesce_invalid": ("ValueError", "Invalid coalesce='fastest'. Must be one of ('auto', 'block', 'all')"),
     "already_ddp": ("ValueError", "already wrapped by DDP or FSDP2"),
     "optimizer_missing_params": ("ValueError", "are not among them"),
+    "optimizer_param_groups": ("ValueError", "Invalid params: 2 param-group dicts (the first with keys "
+                               "['params', 'weight_decay']). DMuon takes a flat iterable"),
+    "optimizer_add_param_group": ("ValueError", "Invalid add_param_group(['params']): DMuon's param "
+                                  "groups are fixed"),
 }
 
 
