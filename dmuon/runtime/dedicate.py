@@ -614,7 +614,9 @@ class DedicatedParams:
         replicate broadcasts (HSDP).
 
         Raises:
-            RuntimeError: called while a forward or backward is running.
+            RuntimeError: called while a forward or backward is running; or a broadcast
+                failed (on gloo, one that timed out because some rank did not call it: the
+                message says which calls run it).
         """
         rt = self._live("sync_params()")
         if rt.state in (S.FORWARD, S.BACKWARD) and not rt.recover_if_aborted():
@@ -622,7 +624,16 @@ class DedicatedParams:
                 f"DMuon: sync_params() called in state {rt.state.name}. Call it between "
                 "steps (after step() or before the forward), on every rank."
             )
-        rt.schedule.sync()
+        try:
+            rt.schedule.sync()
+        except RuntimeError as exc:  # gloo raises a timeout; NCCL's watchdog aborts instead
+            raise RuntimeError(
+                f"DMuon: sync_params() failed in its broadcasts ({type(exc).__name__}: {exc}). It "
+                "is a collective, also run by model.state_dict(), load_state_dict(), DCP's "
+                "get_state_dict / set_state_dict and dcp.save / dcp.load: call those on every "
+                "rank (as with FSDP), not on rank 0 only (e.g. `if rank == 0: "
+                "torch.save(model.state_dict())`)."
+            ) from exc
 
     def params_loaded(self) -> None:
         """Mark every copy current after identical values were written into every rank's

@@ -322,3 +322,26 @@ def readme_checkpoint_code() -> str:
     if match is None:
         raise AssertionError("docs/user-guide.md: no python block in the Checkpointing section")
     return match.group(1)
+
+
+def state_dict_on_rank0_only(timeout_s: float) -> str:
+    """``if rank == 0: torch.save(model.state_dict())`` after a Z2 step (a break-it trial: it
+    hung until gloo's timeout with a message that did not name the cause). Rank 0's
+    ``sync_params`` waits for a broadcast rank 1 never joins; rank 1 outlives the timeout so its
+    groups stay up. Returns rank 0's error text."""
+    import time
+
+    wrapped, model, dm, opt = T.build("z2", rest="replicate")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    x, y = _global_batch("gpt", 0)
+    T._loss(wrapped, local_slice(x, rank, world), local_slice(y, rank, world)).backward()
+    opt.step()
+    opt.zero_grad()
+    if rank != 0:
+        time.sleep(timeout_s + 5)
+        return ""
+    try:
+        model.state_dict()
+    except RuntimeError as exc:
+        return str(exc)
+    return "no error"

@@ -116,3 +116,15 @@ def test_optimizer_state_dict_of_another_rank_raises(pool2, tmp_path):
 def test_readme_checkpointing_snippet_runs(pool2, tmp_path):
     assert "dcp.save" in C.readme_checkpoint_code()
     assert pool2.run_with_timeout(TASK_TIMEOUT_S, C.readme_snippet, "z3", str(tmp_path)) == [[], []]
+
+
+def test_state_dict_on_one_rank_names_the_cause():
+    """model.state_dict() on rank 0 only after a step: sync_params' broadcast times out (on
+    gloo; NCCL's watchdog aborts) and the error says it is a collective of every rank."""
+    from tests.distributed.harness import DistributedPool
+
+    timeout_s = 3
+    with DistributedPool(2, timeout_s=timeout_s) as pool:
+        message = pool.run_with_timeout(60, C.state_dict_on_rank0_only, timeout_s)[0]
+    assert message.startswith("DMuon: sync_params() failed in its broadcasts"), message
+    assert "call those on every rank" in message, message
