@@ -58,7 +58,8 @@ Glossary (see ``topology.py`` for the mesh terms):
 - **driver**: a module whose subtree holds buckets (the blocks and their ancestors, not the
   root). Its hooks cover the buckets of its whole subtree, a contiguous index range. With
   ``mp_policy``, the modules that hold dedicated params also get hooks that swap their
-  compute params in for their forward and cast its inputs and output (in any state,
+  compute params in for their forward, cast its inputs to ``param_dtype`` and hand its
+  outputs back in the dtype the inputs arrived in (``precision.py``; in any state,
   activation-checkpoint recompute included).
 - **state**: :class:`dmuon.runtime.state.TrainingState`, one per DedicatedParams (``dm.state``); the
   per-bucket states (copy, master copy, HSDP replica, grads) and every allowed transition
