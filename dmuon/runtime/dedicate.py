@@ -472,12 +472,9 @@ class DedicatedParams:
 
     @property
     def mp_policy(self):
-        """The mixed-precision policy the hooks apply (``None``: none)."""
+        """The mixed-precision policy the hooks apply (``None``: none; fixed by
+        ``dedicate_params``, whose setup agreement covers it)."""
         return self._live("mp_policy").mp_policy
-
-    @mp_policy.setter
-    def mp_policy(self, policy) -> None:
-        self._live("mp_policy").mp_policy = policy
 
     @property
     def state(self) -> TrainingState:

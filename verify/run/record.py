@@ -85,10 +85,14 @@ def layout_from_job(model: nn.Module, dedicated: dmuon.DedicatedParams,
     record of the blocks' execution order (``RunLayout.dmuon_block_order``, ``()``: model
     order).
 
+    Mixed precision: ``dedicated.mp_policy``'s ``param_dtype`` / ``reduce_dtype`` (torch names),
+    the one policy the predictor models for DMuon and FSDP2 alike.
+
     Raises:
         ValueError: ``dedicated`` is not a ``DedicatedParams``, the wrapping is neither DDP nor
-            FSDP2 (under ``rest="wrapper"``), or a non-root FSDP2 group's
-            ``reshard_after_forward`` differs from DMuon's.
+            FSDP2 (under ``rest="wrapper"``), a non-root FSDP2 group's
+            ``reshard_after_forward`` differs from DMuon's, or an FSDP2 group's mixed-precision
+            ``param_dtype`` / ``reduce_dtype`` differ from DMuon's.
     """
     if not isinstance(dedicated, dmuon.DedicatedParams):
         raise ValueError(f"Invalid dedicated={type(dedicated).__name__}. Must be the "
@@ -100,6 +104,7 @@ def layout_from_job(model: nn.Module, dedicated: dmuon.DedicatedParams,
                          "given to dmuon.dedicate_params (Z3: True, Z2: False).")
     # Muon's matrix shape of each dedicated param, as DMuon planned it (the plan's specs)
     matrices = {sp.name: sp.matrix_shape for sp in dedicated.plan.specs}
+    mp = _mp_dtypes(dedicated.mp_policy)
     bare = model.module if isinstance(model, DistributedDataParallel) else model
     common = dict(replicate_size=topo.replicate_size, shard_size=topo.shard_size,
                   frozen_names=tuple(n for n, p in bare.named_parameters() if not p.requires_grad),
@@ -111,7 +116,7 @@ def layout_from_job(model: nn.Module, dedicated: dmuon.DedicatedParams,
                   # groups reduce by all_to_all: only where DMuon reduces by gather)
                   dmuon_uneven_aligned=bool(dedicated.reduce_by_gather)
                   and dmuon_uneven_aligned(_backend(dedicated)),
-                  dmuon_block_order=tuple(block_order))
+                  dmuon_block_order=tuple(block_order), mp_param_dtype=mp[0], mp_reduce_dtype=mp[1])
     hsdp = topo.replicate_size > 1
     mode = f"dmuon-{'hsdp-' if hsdp else ''}{'z3' if z3 else 'z2'}"
     if dedicated.rest == "replicate":  # DMuon keeps the rest: no wrapper
@@ -142,6 +147,12 @@ def layout_from_job(model: nn.Module, dedicated: dmuon.DedicatedParams,
         group = m._get_fsdp_state()._fsdp_param_group
         if group is not None:
             flags[name] = group.post_forward_mesh_info is not None
+            if _mp_dtypes(group.mp_policy) != mp:
+                raise ValueError(
+                    f"Invalid wrapping: fully_shard of {name or '<root>'!r} has mixed precision "
+                    f"(param_dtype, reduce_dtype) = {_mp_dtypes(group.mp_policy)} while "
+                    f"dedicate_params has {mp}. Must give both the same MixedPrecisionPolicy "
+                    "(the predictor models one policy).")
     inner = {f for name, f in flags.items() if name}
     if inner - {z3}:
         raise ValueError(f"Invalid wrapping: fully_shard groups use reshard_after_forward="
@@ -151,6 +162,15 @@ def layout_from_job(model: nn.Module, dedicated: dmuon.DedicatedParams,
     return RunLayout(mode=mode, params=specs, fsdp_modules=tuple(n for n, _ in wrapped),
                      reshard_after_forward=z3, root_auto_reshard="" in flags and not flags[""],
                      **common)
+
+
+def _mp_dtypes(policy) -> tuple[str | None, str | None]:
+    """``(param_dtype, reduce_dtype)`` of a ``MixedPrecisionPolicy`` as torch names (``None``:
+    unset; ``reduce_dtype`` None means ``param_dtype``, as in FSDP2)."""
+    def name(dtype):
+        return None if dtype is None else str(dtype).removeprefix("torch.")
+    pd = name(getattr(policy, "param_dtype", None))
+    return pd, name(getattr(policy, "reduce_dtype", None)) or pd
 
 
 class TrafficWindow:
@@ -164,10 +184,14 @@ class TrafficWindow:
         run_id: the report's run id (default: ``out_dir``'s name).
 
     Raises:
-        ValueError: at construction, an optimizer without ``ns_calls`` or a process group
-            that is not initialised; at :meth:`finish`, no step recorded, or collectives
-            without a phase tag (on every rank).
+        ValueError: at construction, an optimizer without ``ns_calls``, a process group
+            that is not initialised, or a DMuon mesh that does not span every rank (tensor
+            parallelism: not modelled here, ``make verify-traffic ARGS="--tp T"`` is); at
+            :meth:`finish` (on every rank), no step recorded, collectives without a phase
+            tag, or not one forward of the model per recorded step.
         TrafficMismatch: at :meth:`finish`, on every rank, when the check fails.
+        RuntimeError: at :meth:`finish`, on every rank, when rank 0 could not build or write
+            the report (its error's text; the other ranks do not wait forever).
     """
 
     def __init__(self, model: nn.Module, dedicated: dmuon.DedicatedParams, optimizer, *,
@@ -178,6 +202,13 @@ class TrafficWindow:
         if not hasattr(optimizer, "ns_calls"):
             raise ValueError(f"Invalid optimizer={type(optimizer).__name__}: no ns_calls counter. "
                              "Must be the dmuon.DMuon optimizer.")
+        dp = dedicated.topology.replicate_size * dedicated.topology.shard_size
+        if dp != dist.get_world_size():
+            raise ValueError(
+                f"Invalid job: DMuon's mesh spans R*N = {dp} data-parallel ranks of the "
+                f"{dist.get_world_size()} (a tensor-parallel mesh). TrafficWindow predicts "
+                "data-parallel jobs only; check TP traffic with make verify-traffic "
+                "ARGS=\"--nproc W --tp T\" (docs/verify.md).")
         self.model, self.dedicated, self.optimizer = model, dedicated, optimizer
         self.out_dir = None if out_dir is None else Path(out_dir)
         self.run_id = run_id or (self.out_dir.name if self.out_dir else "traffic-window")
@@ -190,6 +221,12 @@ class TrafficWindow:
 
         units = [n for n, m in model.named_modules() if isinstance(m, FSDPModule)]
         self._order = BlockOrderRecorder(bare_model(model), blocks_of(dedicated.names), units)
+        self._forwards = 0  # forwards of the model while recording (not AC recompute)
+        bare_model(model).register_forward_pre_hook(self._count_forward)
+
+    def _count_forward(self, module, args) -> None:
+        if self._interposer is not None and torch._C._current_graph_task_id() == -1:
+            self._forwards += 1
 
     @property
     def recording(self) -> bool:
@@ -200,6 +237,7 @@ class TrafficWindow:
         if self._interposer is not None:
             raise ValueError("Invalid start(): already recording. Must call finish() first.")
         self._ns_before = self.optimizer.ns_calls
+        self._forwards = 0
         self._interposer = Interposer().__enter__()
         self._last = sample()
         return self
@@ -233,6 +271,11 @@ class TrafficWindow:
             problem = (f"{untagged} collectives without a phase tag. Must run forward and the "
                        "loss under dmuon.phase('forward') and backward under "
                        "dmuon.phase('backward').")
+        elif self._forwards != steps:
+            problem = (f"{self._forwards} forwards of the model in {steps} recorded steps. Must "
+                       "run one forward and one backward per recorded step: the prediction "
+                       "models that step (no gradient accumulation, evaluation or extra "
+                       "forwards inside the window).")
         problems: list = [None] * dist.get_world_size()
         dist.all_gather_object(problems, problem)
         bad = {r: p for r, p in enumerate(problems) if p}
@@ -245,13 +288,20 @@ class TrafficWindow:
         rank = dist.get_rank()
         gathered: list | None = [None] * dist.get_world_size() if rank == 0 else None
         dist.gather_object(mine, gathered, dst=0)
-        verdict = [None]
+        verdict: list = [None]  # rank 0's (kind, text): a mismatch, or its own error
         if rank == 0:
-            self.report = self._report(layout, gathered, steps)
-            verdict[0] = self._summary(self.report)
+            try:
+                self.report = self._report(layout, gathered, steps)
+                summary = self._summary(self.report)
+                verdict[0] = None if summary is None else ("mismatch", summary)
+            except Exception as exc:  # noqa: BLE001 - sent to every rank, then raised
+                verdict[0] = ("error", f"{type(exc).__name__}: {exc}")
         dist.broadcast_object_list(verdict, src=0)
-        if verdict[0]:
-            raise TrafficMismatch(verdict[0])
+        if verdict[0] is not None:
+            kind, text = verdict[0]
+            if kind == "mismatch":
+                raise TrafficMismatch(text)
+            raise RuntimeError(f"TrafficWindow: rank 0 could not build or write the report: {text}")
         return self.report
 
     def _report(self, layout: RunLayout, gathered: list[dict], steps: int) -> dict:

@@ -112,3 +112,74 @@ def ddp_window(out_dir: str, rest: str = "wrapper") -> dict:
         if window.recording:
             window.step_done(loss)
     return window.finish()
+
+
+def window_case(out_dir: str, case: str) -> str:
+    """TrafficWindow on cases a break-it trial found (every rank returns its outcome):
+
+    - ``"mp"``: FSDP2 per block and root, one bf16 policy for both calls: must pass (the
+      layout used to ignore the policy and fail correct bf16 traffic);
+    - ``"accum"``: a recorded step of two micro-batches (``no_sync``): a clear error, not a
+      closed-form mismatch;
+    - ``"unwritable"``: ``out_dir`` is a file, so rank 0 cannot write the report: every rank
+      raises (the other ranks used to wait for rank 0 forever);
+    - ``"tp"``: a ("shard", "tp") mesh: rejected at construction (the layout ignored TP and
+      rank 0 failed alone, stranding the others).
+    """
+    from pathlib import Path
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from examples.my_model import ResidualMLP, loss_fn
+    from verify.run.record import TrafficWindow
+
+    rank = dist.get_rank()
+    if case == "tp":
+        from tests.distributed.parity import tp_tasks
+
+        model, dm, opt, _ = tp_tasks.build("z2")
+        try:
+            TrafficWindow(model, dm, opt)
+        except ValueError as exc:
+            return f"ValueError: {exc}"
+        finally:
+            dm.close()
+        return "no error"
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    model = ResidualMLP()
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16) if case == "mp" else None
+    dm = dmuon.dedicate_params(model, mesh, reshard_after_forward=case == "mp", mp_policy=policy,
+                               rest="wrapper" if case == "mp" else "replicate")
+    if case == "mp":
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh, ignored_params=set(dm), mp_policy=policy)
+        fully_shard(model, mesh=mesh, ignored_params=set(dm), mp_policy=policy)
+    opt = dmuon.DMuon(model.parameters(), dedicated=dm, lr=0.02, adamw_lr=3e-3)
+    if case == "unwritable":
+        Path(out_dir, "a-file").write_text("not a folder")
+        out_dir = str(Path(out_dir, "a-file"))
+    window = TrafficWindow(model, dm, opt, out_dir=out_dir)
+    try:
+        for step in range(4):
+            if step == 2:
+                window.start()
+            if case == "accum" and window.recording:
+                with dm.no_sync(), dmuon.phase("forward"):
+                    first = loss_fn(model, rank, step)
+                with dm.no_sync(), dmuon.phase("backward"):
+                    first.backward()
+            with dmuon.phase("forward"):
+                loss = loss_fn(model, rank, step)
+            with dmuon.phase("backward"):
+                loss.backward()
+            opt.step()
+            opt.zero_grad()
+            if window.recording:
+                window.step_done(loss)
+        report = window.finish()
+        return "pass" if rank != 0 or report["pass"] else "fail"
+    except (ValueError, RuntimeError, AssertionError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    finally:
+        dm.close()

@@ -123,3 +123,15 @@ def test_exposed_time_is_the_wait_inside_a_collective(pool2):
         pytest.skip("/proc/thread-self/schedstat unavailable on this kernel")
     assert r0["blocked_ns"] >= 0.25e9 and r0["blocked_ns"] <= r0["wall_ns"]
     assert r1["blocked_ns"] >= 0.25e9  # the sleep itself: why only collectives may block a step
+
+
+@pytest.mark.parametrize("case, expected", [
+    ("mp", "pass"),
+    ("accum", "ValueError: Invalid TrafficWindow recording on ranks [0, 1]: 4 forwards of the model in 2"),
+    ("unwritable", "RuntimeError: TrafficWindow: rank 0 could not build or write the report"),
+    ("tp", "ValueError: Invalid job: DMuon's mesh spans R*N = 1 data-parallel ranks of the 2"),
+])
+def test_window_cases_found_by_a_break_it_trial(pool2, tmp_path, case, expected):
+    outcomes = pool2.run_with_timeout(120, record_tasks.window_case, str(tmp_path), case)
+    for outcome in outcomes:
+        assert outcome.startswith(expected), (case, outcome)
