@@ -71,7 +71,7 @@ def _freed_class(cls: type) -> type:
             if kind == "call" and name in _CONVERSIONS:
                 return _convert_freed(sub, func, args, kwargs or {})
             if not safe:
-                freed = [a for a in args if type(a) is sub]
+                freed = [a for a in (*args, *(kwargs or {}).values()) if type(a) is sub]  # nn.init: tensor=
                 what = _WHY.get(id(freed[0]), "a DMuon param freed on this rank") if freed else ""
                 raise RuntimeError(
                     f"DMuon: cannot run {name} on {what}. Its storage on this rank is freed "

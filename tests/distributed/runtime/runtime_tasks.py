@@ -94,15 +94,17 @@ def sync_and_residency(mode: str) -> dict:
         opt.step()
         opt.zero_grad()
         errors = []
-        for p in dm.params:
+        for pname, p in zip(dm.names, dm.params):
             if dm.reshard_after_forward and not any(p is q for b in dm.buckets if b.is_holder for q in b.params):
                 for name, fn in (("norm", lambda: p.norm()),
-                                 ("save_param", lambda: torch.save(p, io.BytesIO()))):
+                                 ("save_param", lambda: torch.save(p, io.BytesIO())),
+                                 # nn.init passes the tensor as a keyword (tensor=)
+                                 ("init", lambda: torch.nn.init.kaiming_uniform_(p))):
                     try:
                         fn()
                         errors.append((name, "no error"))
                     except RuntimeError as exc:
-                        errors.append((name, str(exc)))
+                        errors.append((name, str(exc), pname))
                 break
         dm.wait_pending()
         spans.clear()

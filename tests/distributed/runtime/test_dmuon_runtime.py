@@ -57,7 +57,9 @@ def test_sync_params_makes_every_copy_current_once(pool4, mode):
             assert torch.equal(v, owner_values[n]), (rank, n)
     if mode.endswith("z3"):  # some rank is a non-holder of some bucket: reads raise, clearly
         errors = [e for r in results for e in r["errors"]]
-        assert errors and all("sync_params()" in msg for _, msg in errors), errors
+        assert errors and all(len(e) == 3 for e in errors), errors
+        # the message names the param (nn.init's keyword argument included) and the fix
+        assert all("sync_params()" in msg and pname in msg for _, msg, pname in errors), errors
 
 
 def test_params_loaded_marks_copies_current(pool4):
