@@ -153,28 +153,27 @@ def unignore_in_ddp(model: nn.Module, names: list[str], previous: list[str] | No
 
 
 # ------------------------------------------------------------------------- dedicated marks
-#: id(param) -> weak reference to the param, for every param a live DedicatedParams took.
+#: id(param) -> weak reference to the runtime that took it. Not a weak reference to the param:
+#: ``torch.utils.swap_tensors`` refuses a tensor that has one ("Cannot swap t1 because it has
+#: weakref"), the path ``_apply`` takes for DTensor params (``to_empty`` of a TP model built on
+#: meta). The runtime holds its params, so an id cannot be reused while its entry is live; the
+#: forward hooks hold the runtime, so a handle dropped without ``close()`` still counts.
 _DEDICATED: dict[int, weakref.ref] = {}
 
 
-def mark_dedicated(params: Iterable[nn.Parameter]) -> None:
+def mark_dedicated(params: Iterable[nn.Parameter], owner) -> None:
+    for key in [k for k, ref in _DEDICATED.items() if ref() is None]:  # runtimes gone
+        del _DEDICATED[key]
     for p in params:
-        key = id(p)
-        _DEDICATED[key] = weakref.ref(p, lambda _ref, key=key: _DEDICATED.pop(key, None))
+        _DEDICATED[id(p)] = weakref.ref(owner)
 
 
 def release_dedicated(params: Iterable[nn.Parameter]) -> None:
     for p in params:
-        ref = _DEDICATED.get(id(p))
-        if ref is not None and ref() is p:
-            del _DEDICATED[id(p)]
+        _DEDICATED.pop(id(p), None)
 
 
 def dedicated_names(model: nn.Module) -> list[str]:
     """Names of ``model``'s params that a live DedicatedParams took (local)."""
-    out = []
-    for name, p in model.named_parameters():
-        ref = _DEDICATED.get(id(p))
-        if ref is not None and ref() is p:
-            out.append(name)
-    return out
+    return [name for name, p in model.named_parameters()
+            if (ref := _DEDICATED.get(id(p))) is not None and ref() is not None]

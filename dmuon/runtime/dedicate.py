@@ -365,7 +365,7 @@ class DedicatedParams:
         checkpoint.install(model, self, self._hooks)
         # rest="replicate": DDP must not handle the rest either (wrap nothing)
         self._ddp_ignored_before = attach.ignore_in_ddp(model, self.names + self.rest_names)
-        attach.mark_dedicated(p for _, p, _ in named)
+        attach.mark_dedicated((p for _, p, _ in named), self._runtime)
 
     # ------------------------------------------------------------------ lifecycle
     def assignments(self) -> list:

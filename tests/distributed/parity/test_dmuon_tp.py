@@ -70,6 +70,14 @@ def test_tp_trains_like_single_process_muon_on_full_matrices(pool4, oracle, mode
     _check_run(pool4.run_with_timeout(TIMEOUT_S, T.train, mode, STEPS), init, ref)
 
 
+def test_tp_model_built_on_meta_trains_like_single_process_muon(pool4, oracle):
+    """Meta init with TP (a break-it trial: to_empty raised "Couldn't swap Linear.weight",
+    because DMuon kept a weak reference to each dedicated param and swap_tensors, the path
+    to_empty takes for DTensor params, refuses a tensor that has one)."""
+    init, ref = oracle
+    _check_run(pool4.run_with_timeout(TIMEOUT_S, T.train, "z3", STEPS, meta=True), init, ref)
+
+
 def test_tp_with_activation_checkpointing(pool4, oracle):
     init, ref = oracle
     _check_run(pool4.run_with_timeout(TIMEOUT_S, T.train, "z3", STEPS, checkpoint_blocks=True),

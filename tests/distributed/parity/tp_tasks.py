@@ -12,7 +12,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import dmuon
@@ -119,16 +119,31 @@ def dp_index(mesh) -> tuple[int, int]:
     return idx, dp.size()
 
 
-def build(mode: str, *, mp: bool = False, **dm_kw):
+def build(mode: str, *, mp: bool = False, meta: bool = False, **dm_kw):
     """(model, dm, opt, mesh) for mode "z2", "z3", "hsdp-z2", "hsdp-z3": blocks parallelized
     on mesh["tp"], then dedicate_params on the whole mesh, then fully_shard on the
-    data-parallel sub-mesh (torchtitan's order)."""
+    data-parallel sub-mesh (torchtitan's order). ``meta``: built on the meta device,
+    dedicated, then ``to_empty`` and :func:`make_model`'s values copied in (the user guide's
+    meta-device init; a TP model's DTensor params take ``swap_tensors`` in ``to_empty``)."""
     mesh = tp_mesh("hsdp" if mode.startswith("hsdp") else "z")
-    model = make_model()
+    if meta:
+        with torch.device("meta"):
+            model = TPNet()
+    else:
+        model = make_model()
     parallelize(model, mesh)
     reshard = mode.endswith("z3")
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mp else None
     dm = dmuon.dedicate_params(model, mesh, reshard_after_forward=reshard, mp_policy=policy, **dm_kw)
+    if meta:
+        model.to_empty(device="cpu")
+        ref = dict(make_model().named_parameters())
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if isinstance(p, DTensor):
+                    p.to_local().copy_(distribute_tensor(ref[n].detach(), p.device_mesh, p.placements).to_local())
+                else:
+                    p.copy_(ref[n])
     dp = dp_mesh(mesh)
     for block in model.blocks:
         fully_shard(block, mesh=dp, reshard_after_forward=reshard, ignored_params=set(dm),
@@ -204,9 +219,10 @@ def dcp_load(mode: str, root: str, before: int, after: int) -> dict:
     return out
 
 
-def train(mode: str, steps: int, *, mp: bool = False, checkpoint_blocks: bool = False) -> dict:
+def train(mode: str, steps: int, *, mp: bool = False, checkpoint_blocks: bool = False,
+          meta: bool = False) -> dict:
     """Train ``steps`` steps under DMuon × TP; the full params, and where NS and momentum ran."""
-    model, dm, opt, mesh = build(mode, mp=mp)
+    model, dm, opt, mesh = build(mode, mp=mp, meta=meta)
     if checkpoint_blocks:
         from torch.utils.checkpoint import checkpoint
 
