@@ -437,7 +437,7 @@ def _plan(args) -> tuple[list[dict], list[dict] | None, CostModel, ModelLayout, 
         gpus_per_node=args.gpus_per_node, intra_gbps=args.intra_gbps, inter_gbps=args.inter_gbps,
         intra_alpha_us=args.intra_alpha_us, inter_alpha_us=args.inter_alpha_us, tflops=args.tflops,
     )
-    warnings = mesh_warnings(args.mesh, cm.gpus_per_node) if args.mesh else []
+    warnings = mesh_warnings(args.mesh, cm.gpus_per_node, args.tp) if args.mesh else []
     model = _load_model(args.model)
     ml = ModelLayout(model, args.model, None if args.dtype == MODEL_DTYPE else args.dtype)
     swept = sweep(ml, cm) if args.sweep or args.png else None
