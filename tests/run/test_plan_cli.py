@@ -255,3 +255,11 @@ def test_warnings_count_the_tp_ranks(capsys):
     assert "W = 1" not in captured.err and "W = 2" in captured.out
     (big,) = mesh_warnings((1, LARGE_WORLD_SIZE), 8, tp=2)
     assert "--tp 2" in big and f"W = {2 * LARGE_WORLD_SIZE:,}" in big
+
+
+def test_tp_world_above_the_bound_exits_2(capsys):
+    """--tp multiplies W: R·N·T above MAX_WORLD_SIZE is refused as one line (a per-rank list
+    of W entries would otherwise be built)."""
+    assert main([*MODEL, "--mesh", "1024", "--tp", "1025"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "Invalid --tp 1025 on mesh 1x1024" in err[0] and f"{MAX_WORLD_SIZE:,}" in err[0]

@@ -3,7 +3,8 @@ it accepts and the warnings it gives (used by :mod:`verify.plan.cli`).
 
 Every bad input is a :class:`UsageError` (one line; ``dmuon-plan`` prints it on stderr and
 exits 2): an unknown flag or a flag's bad value (argparse), a mesh that is not ``N`` or
-``RxN`` of positive integers, a mesh above :data:`MAX_WORLD_SIZE` ranks, an unknown
+``RxN`` of positive integers, a mesh above :data:`MAX_WORLD_SIZE` ranks (R·N·T with
+``--tp T``: checked by :mod:`verify.plan.cli`), an unknown
 ``--dtype``, a non-finite or non-positive bandwidth / TFLOP rate.
 
 Warnings (stderr, exit 0) mark meshes the α-β model of :class:`verify.traffic.scale.CostModel`
@@ -165,10 +166,10 @@ def build_parser(defaults, presets, sweep_worlds) -> argparse.ArgumentParser:
                f"     Muon-target params gets an empty plan that says so)\n"
                f"  2  bad input: one line on stderr\n"
                f"bounds and warnings:\n"
-               f"  W = R·N at most {MAX_WORLD_SIZE:,} ranks (exit 2 above). Warnings (W = R·N·T\n"
-               f"  with --tp) for W = 1, a shard size N that is neither a divisor nor a multiple\n"
-               f"  of --gpus-per-node (when R·N exceeds one node), N = 1 with R > 1, and\n"
-               f"  W > {LARGE_WORLD_SIZE:,}.",
+               f"  W = R·N (R·N·T with --tp) at most {MAX_WORLD_SIZE:,} ranks (exit 2 above).\n"
+               f"  Warnings (W = R·N·T with --tp) for W = 1, a shard size N that is neither\n"
+               f"  a divisor nor a multiple of --gpus-per-node (when R·N exceeds one node),\n"
+               f"  N = 1 with R > 1, and W > {LARGE_WORLD_SIZE:,}.",
     )
     p.add_argument("--model", required=True,
                    help=f"a preset ({', '.join(presets)}) or pkg.module:factory (called on the "

@@ -41,6 +41,7 @@ from tracer.events import DTYPE_BYTES
 from verify.plan.summary import format_plan_summary  # noqa: F401  (the CLI side owns the plan table)
 from verify.plan.args import (
     DTYPES,
+    MAX_WORLD_SIZE,
     MODEL_DTYPE,
     UsageError,
     mesh_warnings,
@@ -437,6 +438,11 @@ def _plan(args) -> tuple[list[dict], list[dict] | None, CostModel, ModelLayout, 
         gpus_per_node=args.gpus_per_node, intra_gbps=args.intra_gbps, inter_gbps=args.inter_gbps,
         intra_alpha_us=args.intra_alpha_us, inter_alpha_us=args.inter_alpha_us, tflops=args.tflops,
     )
+    if args.mesh and args.mesh[0] * args.mesh[1] * args.tp > MAX_WORLD_SIZE:
+        r, n = args.mesh
+        raise UsageError(f"Invalid --tp {args.tp} on mesh {r}x{n}: W = R·N·T = {r * n * args.tp:,} "
+                         f"ranks. Must be at most {MAX_WORLD_SIZE:,} (dmuon-plan's bound: time and "
+                         "memory grow with W); give a smaller --tp or --mesh.")
     warnings = mesh_warnings(args.mesh, cm.gpus_per_node, args.tp) if args.mesh else []
     model = _load_model(args.model)
     ml = ModelLayout(model, args.model, None if args.dtype == MODEL_DTYPE else args.dtype)
