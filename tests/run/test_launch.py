@@ -31,6 +31,8 @@ def test_launch_env_sets_nccl_logging_only_for_nccl(tmp_path, monkeypatch):
     (["--model", "nosuch.module:f"], "cannot import 'nosuch.module'"),
     (["--global-batch", "3"], "Invalid --global-batch=3"),
     (["--frobnicate"], "unrecognized arguments: --frobnicate"),
+    (["--tp", "3"], "Invalid --tp 3 at W=2 (--nproc). Must divide W"),
+    (["--modes", "dmuon-ddp", "--tp", "2"], "no mode of --modes dmuon-ddp can run with --tp 2 at W=2"),
 ])
 def test_bad_worker_input_is_one_line_and_exit_2_before_torchrun(tmp_path, capsys, args, says):
     from verify.run.launch import main
@@ -39,6 +41,26 @@ def test_bad_worker_input_is_one_line_and_exit_2_before_torchrun(tmp_path, capsy
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("make verify-traffic: error: ") and says in err[0], err
     assert not (tmp_path / "run").exists()  # torchrun never started
+
+
+@pytest.mark.parametrize("nproc, args, says", [
+    (4, ["--tp", "3"], "Invalid --tp 3 at W=4 (--nproc). Must divide W, the mesh being (W/T) x T: "
+                       "give --tp 2 or 4, or an --nproc that 3 divides."),
+    (4, ["--modes", "dmuon-ddp", "--tp", "2"],
+     "no mode of --modes dmuon-ddp can run with --tp 2 at W=4: no tensor-parallel variant"),
+    (4, ["--modes", "dmuon-hsdp-z2", "--tp", "2"], "needs W/T even and >= 4, have W/T=2"),
+    (4, ["--modes", "dmuon-z2", "--tp", "2"], None),
+    (4, ["--modes", "dmuon-ddp,dmuon-z3", "--tp", "4"], None),  # dmuon-ddp skipped, as the workers do
+    (8, ["--tp", "2"], None),  # every mode: the TP-capable ones run
+])
+def test_usage_problem_checks_tp_before_torchrun(tmp_path, nproc, args, says):
+    """--tp was not checked before torchrun: --tp 3 at W = 4 raised 'Invalid --tp 3 at W=4' in
+    every mode on every rank, and a mode set without TP variants (dmuon-ddp) made the workers
+    exit 2 under a torchrun traceback."""
+    from verify.run.launch import usage_problem
+
+    problem = usage_problem(args, tmp_path, nproc)
+    assert (problem is None) if says is None else (says in (problem or "")), problem
 
 
 def test_rank_errors_name_the_ranks_own_error_before_a_peers_broken_connection(tmp_path):

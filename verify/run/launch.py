@@ -28,6 +28,7 @@ import torch
 from tracer.fr.parse import flight_recorder_env
 from verify.run.main import VERDICT_FILE, parse_args
 from verify.run.runner import RunConfig
+from verify.traffic.tp import tp_skip_reason
 from verify.workload.data import global_batch_size
 from verify.workload.usermodel import resolve, skip_reasons
 
@@ -115,8 +116,10 @@ def rank_errors(out_dir: Path) -> str:
 def usage_problem(extra: list[str], out_dir: Path, nproc: int) -> str | None:
     """What the workers would refuse before training, checked once here: their arguments
     (``verify.run.main.parse_args``: flags, ``--modes`` names, step counts), a mode set that
-    cannot run at W = ``nproc``, a ``--global-batch`` that W does not divide, and a
-    ``--model`` that cannot be imported. Returns one line, or ``None``."""
+    cannot run at W = ``nproc``, a ``--tp`` T that does not divide W or with which no mode
+    of the set can run (``verify.traffic.tp.tp_skip_reason``: the TP-capable modes), a
+    ``--global-batch`` that W does not divide, and a ``--model`` that cannot be imported.
+    Returns one line, or ``None``."""
     err = io.StringIO()
     try:
         with contextlib.redirect_stderr(err):
@@ -124,9 +127,19 @@ def usage_problem(extra: list[str], out_dir: Path, nproc: int) -> str | None:
     except SystemExit:  # argparse's usage line, then "prog: error: ..."
         return err.getvalue().strip().splitlines()[-1].partition("error: ")[2] or err.getvalue().strip()
     modes = args.modes.split(",")
-    skipped = skip_reasons(modes, nproc)
+    at = f"at W={nproc}"
+    if args.tp > 1:  # the workers' mesh is (W/T) x T (verify.run.tp_modes.tp_mesh)
+        if nproc % args.tp:
+            fits = [str(t) for t in range(2, nproc + 1) if nproc % t == 0]
+            return (f"Invalid --tp {args.tp} at W={nproc} (--nproc). Must divide W, the mesh being "
+                    f"(W/T) x T: give --tp {' or '.join(fits) or '1'}, or an --nproc that "
+                    f"{args.tp} divides.")
+        skipped = {m: why for m in modes if (why := tp_skip_reason(m, nproc, args.tp))}
+        at = f"with --tp {args.tp} at W={nproc}"
+    else:
+        skipped = skip_reasons(modes, nproc)
     if len(skipped) == len(modes):
-        return f"no mode of --modes {args.modes} can run at W={nproc}: {'; '.join(sorted(set(skipped.values())))}"
+        return f"no mode of --modes {args.modes} can run {at}: {'; '.join(sorted(set(skipped.values())))}"
     try:
         global_batch_size(nproc, per_rank=RunConfig.batch_per_rank, global_batch=args.global_batch)
         resolve(args.model)
