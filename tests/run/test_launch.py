@@ -74,6 +74,35 @@ def test_rank_errors_name_the_ranks_own_error_before_a_peers_broken_connection(t
     assert rank_errors(tmp_path).startswith("FAIL: dmuon-z2 raised on rank 1: ValueError: rank 1 only; ")
 
 
+def test_a_reused_run_folder_reports_only_this_runs_errors(tmp_path, capsys, monkeypatch):
+    """traces/<run-id>/dmuon-z2/error_rank0.txt of an earlier run was blamed for a later run's
+    failure in another mode (rank_errors globbed every error file of the folder)."""
+    import verify.run.launch as launch
+
+    out = tmp_path / "bk_stale"
+    (out / "dmuon-z2").mkdir(parents=True)
+    (out / "dmuon-z2" / "error_rank0.txt").write_text("Traceback...\nValueError: stale error\n")
+    (out / "exit_code").write_text("0\n")
+
+    def worker_fails(cmd, env):  # torchrun stands in: this run's dmuon-ddp raises on rank 1
+        (out / "dmuon-ddp").mkdir()
+        (out / "dmuon-ddp" / "error_rank1.txt").write_text("Traceback...\nValueError: this run\n")
+        return 1
+
+    monkeypatch.setattr(launch.subprocess, "call", worker_fails)
+    assert launch.main(["--nproc", "2", "--backend", "gloo", "--out-dir", str(out),
+                        "--modes", "dmuon-ddp"]) == 1
+    err = capsys.readouterr().err
+    assert "FAIL: dmuon-ddp raised on rank 1: ValueError: this run" in err
+    assert "stale error" not in err and not (out / "dmuon-z2" / "error_rank0.txt").exists()
+    assert not (out / "exit_code").exists()  # nor an earlier run's verdict
+
+    monkeypatch.setattr(launch.subprocess, "call", lambda cmd, env: 0)  # a run that wrote no verdict
+    assert launch.main(["--nproc", "2", "--backend", "gloo", "--out-dir", str(out),
+                        "--modes", "dmuon-ddp"]) == 2
+    assert "no verdict" in capsys.readouterr().err
+
+
 @pytest.mark.distributed
 def test_verify_traffic_end_to_end_two_processes(tmp_path):
     proc = subprocess.run(

@@ -100,7 +100,8 @@ TRANSPORT_ERRORS = ("gloo/transport", "Connection reset by peer", "Connection cl
 
 def rank_errors(out_dir: Path) -> str:
     """What the ranks recorded before a worker died (``<mode>/error_rank<r>.txt``, written by
-    ``verify.run.runner`` when a mode raises on a rank): ``"FAIL: <mode> raised on rank r:
+    ``verify.run.runner`` when a mode raises on a rank; :func:`main` removes an earlier run's
+    first, :func:`clear_run_outputs`): ``"FAIL: <mode> raised on rank r:
     <exception line>"`` per file, or ``""``. A rank that raised alone leaves the others in a
     collective that can no longer pair up, so torchrun's failure is often a peer's abort."""
     found = []
@@ -111,6 +112,20 @@ def rank_errors(out_dir: Path) -> str:
     # a peer's broken connection is a consequence: the ranks' own errors first
     found.sort(key=lambda text: any(mark in text for mark in TRANSPORT_ERRORS))
     return "; ".join(found)
+
+
+def clear_run_outputs(out_dir: Path) -> list[Path]:
+    """Remove what an earlier run in ``out_dir`` left that the launcher reads after this one
+    (``<mode>/error_rank<r>.txt``, :func:`rank_errors`; the verdict file), so that a reused
+    folder (``--run-id``, ``make timeline-png``'s fixed ``--out-dir``) never reports another
+    run's error or verdict. Returns the removed paths."""
+    stale = [*out_dir.glob("*/error_rank*.txt"), out_dir / VERDICT_FILE]
+    removed = []
+    for path in stale:
+        if path.is_file():
+            path.unlink()
+            removed.append(path)
+    return removed
 
 
 def usage_problem(extra: list[str], out_dir: Path, nproc: int) -> str | None:
@@ -168,6 +183,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"make verify-traffic: error: {problem}", file=sys.stderr)
         return 2
     out_dir.mkdir(parents=True, exist_ok=True)
+    clear_run_outputs(out_dir)  # only this run's errors and verdict are read below
     cpu_why = "" if args.backend == "gloo" else " (no ≥2 GPUs visible)"
     where = f"{nproc} GPU(s), NCCL" if use_nccl else f"{nproc} local CPU processes, gloo{cpu_why}"
     print(f"verify-traffic: {where}; output in {out_dir}/", flush=True)
