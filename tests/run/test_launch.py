@@ -31,6 +31,8 @@ def test_launch_env_sets_nccl_logging_only_for_nccl(tmp_path, monkeypatch):
     (["--model", "nosuch.module:f"], "cannot import 'nosuch.module'"),
     (["--global-batch", "3"], "Invalid --global-batch=3"),
     (["--frobnicate"], "unrecognized arguments: --frobnicate"),
+    (["--tp", "3"], "Invalid --tp 3 at W=2 (--nproc). Must divide W"),
+    (["--modes", "dmuon-ddp", "--tp", "2"], "no mode of --modes dmuon-ddp can run with --tp 2 at W=2"),
 ])
 def test_bad_worker_input_is_one_line_and_exit_2_before_torchrun(tmp_path, capsys, args, says):
     from verify.run.launch import main
@@ -39,6 +41,26 @@ def test_bad_worker_input_is_one_line_and_exit_2_before_torchrun(tmp_path, capsy
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("make verify-traffic: error: ") and says in err[0], err
     assert not (tmp_path / "run").exists()  # torchrun never started
+
+
+@pytest.mark.parametrize("nproc, args, says", [
+    (4, ["--tp", "3"], "Invalid --tp 3 at W=4 (--nproc). Must divide W, the mesh being (W/T) x T: "
+                       "give --tp 2 or 4, or an --nproc that 3 divides."),
+    (4, ["--modes", "dmuon-ddp", "--tp", "2"],
+     "no mode of --modes dmuon-ddp can run with --tp 2 at W=4: no tensor-parallel variant"),
+    (4, ["--modes", "dmuon-hsdp-z2", "--tp", "2"], "needs W/T even and >= 4, have W/T=2"),
+    (4, ["--modes", "dmuon-z2", "--tp", "2"], None),
+    (4, ["--modes", "dmuon-ddp,dmuon-z3", "--tp", "4"], None),  # dmuon-ddp skipped, as the workers do
+    (8, ["--tp", "2"], None),  # every mode: the TP-capable ones run
+])
+def test_usage_problem_checks_tp_before_torchrun(tmp_path, nproc, args, says):
+    """--tp was not checked before torchrun: --tp 3 at W = 4 raised 'Invalid --tp 3 at W=4' in
+    every mode on every rank, and a mode set without TP variants (dmuon-ddp) made the workers
+    exit 2 under a torchrun traceback."""
+    from verify.run.launch import usage_problem
+
+    problem = usage_problem(args, tmp_path, nproc)
+    assert (problem is None) if says is None else (says in (problem or "")), problem
 
 
 def test_rank_errors_name_the_ranks_own_error_before_a_peers_broken_connection(tmp_path):
@@ -50,6 +72,35 @@ def test_rank_errors_name_the_ranks_own_error_before_a_peers_broken_connection(t
         "Traceback...\nRuntimeError: [gloo/transport/tcp/pair.cc:537] Read error: Connection reset by peer\n")
     (tmp_path / "dmuon-z2" / "error_rank1.txt").write_text("Traceback...\nValueError: rank 1 only\n")
     assert rank_errors(tmp_path).startswith("FAIL: dmuon-z2 raised on rank 1: ValueError: rank 1 only; ")
+
+
+def test_a_reused_run_folder_reports_only_this_runs_errors(tmp_path, capsys, monkeypatch):
+    """traces/<run-id>/dmuon-z2/error_rank0.txt of an earlier run was blamed for a later run's
+    failure in another mode (rank_errors globbed every error file of the folder)."""
+    import verify.run.launch as launch
+
+    out = tmp_path / "bk_stale"
+    (out / "dmuon-z2").mkdir(parents=True)
+    (out / "dmuon-z2" / "error_rank0.txt").write_text("Traceback...\nValueError: stale error\n")
+    (out / "exit_code").write_text("0\n")
+
+    def worker_fails(cmd, env):  # torchrun stands in: this run's dmuon-ddp raises on rank 1
+        (out / "dmuon-ddp").mkdir()
+        (out / "dmuon-ddp" / "error_rank1.txt").write_text("Traceback...\nValueError: this run\n")
+        return 1
+
+    monkeypatch.setattr(launch.subprocess, "call", worker_fails)
+    assert launch.main(["--nproc", "2", "--backend", "gloo", "--out-dir", str(out),
+                        "--modes", "dmuon-ddp"]) == 1
+    err = capsys.readouterr().err
+    assert "FAIL: dmuon-ddp raised on rank 1: ValueError: this run" in err
+    assert "stale error" not in err and not (out / "dmuon-z2" / "error_rank0.txt").exists()
+    assert not (out / "exit_code").exists()  # nor an earlier run's verdict
+
+    monkeypatch.setattr(launch.subprocess, "call", lambda cmd, env: 0)  # a run that wrote no verdict
+    assert launch.main(["--nproc", "2", "--backend", "gloo", "--out-dir", str(out),
+                        "--modes", "dmuon-ddp"]) == 2
+    assert "no verdict" in capsys.readouterr().err
 
 
 @pytest.mark.distributed

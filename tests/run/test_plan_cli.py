@@ -243,3 +243,23 @@ def test_help_exits_0_and_documents_exit_codes_and_bounds(capsys):
     assert "exit codes:" in out and "1,048,576" in out and "docs/spec.md §2" in out
     assert "docs/traffic-model.md" in out  # never cut at its hyphen
     assert "bf16" in out and "--dtype" in out
+
+
+def test_warnings_count_the_tp_ranks(capsys):
+    """--mesh 1 --tp 2 warned 'W = 1 has no collectives; every traffic … figure is 0' above a
+    TP section with W = 2 and 0.5·P_M of traffic: the warnings take W = R·N·T."""
+    assert mesh_warnings((1, 1), 8, tp=2) == []
+    assert mesh_warnings((1, 1), 8) != []
+    assert main([*MODEL, "--mesh", "1", "--tp", "2"]) == 0
+    captured = capsys.readouterr()
+    assert "W = 1" not in captured.err and "W = 2" in captured.out
+    (big,) = mesh_warnings((1, LARGE_WORLD_SIZE), 8, tp=2)
+    assert "--tp 2" in big and f"W = {2 * LARGE_WORLD_SIZE:,}" in big
+
+
+def test_tp_world_above_the_bound_exits_2(capsys):
+    """--tp multiplies W: R·N·T above MAX_WORLD_SIZE is refused as one line (a per-rank list
+    of W entries would otherwise be built)."""
+    assert main([*MODEL, "--mesh", "1024", "--tp", "1025"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "Invalid --tp 1025 on mesh 1x1024" in err[0] and f"{MAX_WORLD_SIZE:,}" in err[0]

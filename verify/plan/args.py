@@ -3,14 +3,15 @@ it accepts and the warnings it gives (used by :mod:`verify.plan.cli`).
 
 Every bad input is a :class:`UsageError` (one line; ``dmuon-plan`` prints it on stderr and
 exits 2): an unknown flag or a flag's bad value (argparse), a mesh that is not ``N`` or
-``RxN`` of positive integers, a mesh above :data:`MAX_WORLD_SIZE` ranks, an unknown
+``RxN`` of positive integers, a mesh above :data:`MAX_WORLD_SIZE` ranks (R·N·T with
+``--tp T``: checked by :mod:`verify.plan.cli`), an unknown
 ``--dtype``, a non-finite or non-positive bandwidth / TFLOP rate.
 
 Warnings (stderr, exit 0) mark meshes the α-β model of :class:`verify.traffic.scale.CostModel`
-does not describe well (:func:`mesh_warnings`): W = 1 (no collectives), a shard size that is
-neither a divisor nor a multiple of the GPUs per node (groups straddle nodes, or a node is
-partly used), shard size 1 with R > 1 (HSDP without a shard axis), and W above
-:data:`LARGE_WORLD_SIZE`.
+does not describe well (:func:`mesh_warnings`; W = R·N·T with ``--tp T``): W = 1 (no
+collectives), a shard size that is neither a divisor nor a multiple of the GPUs per node
+(groups straddle nodes, or a node is partly used), shard size 1 with R > 1 (HSDP without a
+shard axis), and W above :data:`LARGE_WORLD_SIZE`.
 """
 
 from __future__ import annotations
@@ -125,12 +126,13 @@ def _gpus(text: str) -> int:
     return int(text)
 
 
-def mesh_warnings(mesh: tuple[int, int], gpus_per_node: int) -> list[str]:
-    """The warnings for an (R, N) mesh on nodes of ``gpus_per_node`` GPUs (module docstring),
-    one line each; ``[]`` for a mesh the cost model describes."""
+def mesh_warnings(mesh: tuple[int, int], gpus_per_node: int, tp: int = 1) -> list[str]:
+    """The warnings for an (R, N) mesh with tensor-parallel degree ``tp`` (T; the job has
+    W = R·N·T ranks) on nodes of ``gpus_per_node`` GPUs (module docstring), one line each;
+    ``[]`` for a mesh the cost model describes."""
     r, n = mesh
-    w, g = r * n, gpus_per_node
-    text = f"{r}x{n}" if r > 1 else str(n)
+    w, g = r * n * tp, gpus_per_node
+    text = (f"{r}x{n}" if r > 1 else str(n)) + (f" --tp {tp}" if tp > 1 else "")
     out = []
     if w == 1:
         out.append(f"mesh {text}: W = 1 has no collectives; every traffic and communication "
@@ -138,7 +140,7 @@ def mesh_warnings(mesh: tuple[int, int], gpus_per_node: int) -> list[str]:
     if r > 1 and n == 1:
         out.append(f"mesh {text}: shard size 1, so the HSDP modes have no shard axis (every "
                    f"rank holds everything); a 1-D mesh of {w} plans the DDP modes.")
-    if w > g and n % g and g % n:
+    if r * n > g and n % g and g % n:  # the (R, N) table's groups
         what = "shard groups straddle nodes" if r > 1 else "the last node is partly used"
         out.append(f"mesh {text}: shard size {n} is neither a divisor nor a multiple of "
                    f"{g} GPUs per node ({what}); the cost model prices any group that leaves a "
@@ -164,9 +166,10 @@ def build_parser(defaults, presets, sweep_worlds) -> argparse.ArgumentParser:
                f"     Muon-target params gets an empty plan that says so)\n"
                f"  2  bad input: one line on stderr\n"
                f"bounds and warnings:\n"
-               f"  W = R·N at most {MAX_WORLD_SIZE:,} ranks (exit 2 above). Warnings for W = 1,\n"
-               f"  a shard size N that is neither a divisor nor a multiple of --gpus-per-node\n"
-               f"  (when W exceeds one node), N = 1 with R > 1, and W > {LARGE_WORLD_SIZE:,}.",
+               f"  W = R·N (R·N·T with --tp) at most {MAX_WORLD_SIZE:,} ranks (exit 2 above).\n"
+               f"  Warnings (W = R·N·T with --tp) for W = 1, a shard size N that is neither\n"
+               f"  a divisor nor a multiple of --gpus-per-node (when R·N exceeds one node),\n"
+               f"  N = 1 with R > 1, and W > {LARGE_WORLD_SIZE:,}.",
     )
     p.add_argument("--model", required=True,
                    help=f"a preset ({', '.join(presets)}) or pkg.module:factory (called on the "

@@ -41,6 +41,7 @@ from tracer.events import DTYPE_BYTES
 from verify.plan.summary import format_plan_summary  # noqa: F401  (the CLI side owns the plan table)
 from verify.plan.args import (
     DTYPES,
+    MAX_WORLD_SIZE,
     MODEL_DTYPE,
     UsageError,
     mesh_warnings,
@@ -164,6 +165,13 @@ def _ns_report(plan: OwnershipPlan, cm: CostModel) -> dict:
     return out
 
 
+def coalesce_target(cm: CostModel) -> int:
+    """DMuon's unit target in bytes under coalesce="auto" on NCCL, from this cost model: units
+    of up to α·bandwidth bytes (docs/traffic-model.md, "Coalescing"); "block" is one unit per
+    block."""
+    return int(cm.intra_alpha_us * 1e-6 * cm.intra_gbps * 1e9)
+
+
 def report(ml: ModelLayout, mesh: tuple[int, int], cm: CostModel) -> dict:
     """The JSON-able report of one mesh: NS balance and one row per applicable mode; for a
     model without Muon-target params ``ns`` is None, ``modes`` is empty and ``note`` says why.
@@ -180,9 +188,7 @@ def report(ml: ModelLayout, mesh: tuple[int, int], cm: CostModel) -> dict:
     plan = plan_ownership(ml.muon_specs, mesh)
     plan_s = time.perf_counter() - t0
     rows = []
-    # DMuon's coalesce="auto" on NCCL, from this cost model: units of up to α·bandwidth bytes
-    # (docs/traffic-model.md, "Coalescing"); "block" is one unit per block
-    target = int(cm.intra_alpha_us * 1e-6 * cm.intra_gbps * 1e9)
+    target = coalesce_target(cm)
     for mode in layout_modes(r):
         st = step_traffic(ml.layout(mode, r, n, target), plan, mode=mode)
         per_block = step_traffic(ml.layout(mode, r, n), plan, mode=mode) if mode.startswith("dmuon") else st
@@ -432,7 +438,12 @@ def _plan(args) -> tuple[list[dict], list[dict] | None, CostModel, ModelLayout, 
         gpus_per_node=args.gpus_per_node, intra_gbps=args.intra_gbps, inter_gbps=args.inter_gbps,
         intra_alpha_us=args.intra_alpha_us, inter_alpha_us=args.inter_alpha_us, tflops=args.tflops,
     )
-    warnings = mesh_warnings(args.mesh, cm.gpus_per_node) if args.mesh else []
+    if args.mesh and args.mesh[0] * args.mesh[1] * args.tp > MAX_WORLD_SIZE:
+        r, n = args.mesh
+        raise UsageError(f"Invalid --tp {args.tp} on mesh {r}x{n}: W = R·N·T = {r * n * args.tp:,} "
+                         f"ranks. Must be at most {MAX_WORLD_SIZE:,} (dmuon-plan's bound: time and "
+                         "memory grow with W); give a smaller --tp or --mesh.")
+    warnings = mesh_warnings(args.mesh, cm.gpus_per_node, args.tp) if args.mesh else []
     model = _load_model(args.model)
     ml = ModelLayout(model, args.model, None if args.dtype == MODEL_DTYPE else args.dtype)
     swept = sweep(ml, cm) if args.sweep or args.png else None
@@ -441,7 +452,7 @@ def _plan(args) -> tuple[list[dict], list[dict] | None, CostModel, ModelLayout, 
         if args.sweep or not ml.muon_specs:
             raise UsageError("Invalid --tp with --sweep or a model without Muon targets. Give "
                              "--mesh RxN with --tp T (the mesh is R x N x T).")
-        reports[0]["tp"] = tp_report(ml.muon_specs, args.mesh, args.tp)
+        reports[0]["tp"] = tp_report(ml, args.mesh, args.tp, coalesce_bytes=coalesce_target(cm))
     return reports, swept, cm, ml, warnings
 
 

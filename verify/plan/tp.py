@@ -10,7 +10,10 @@ column.
 
 Figures per rank per step, elements (``*_elems``) on the W-average of docs/spec.md §2:
 
-- ``dp_elems``: DMuon's data-parallel terms at P_loc = P_TP/T + P_rep;
+- ``dp_elems``: DMuon's data-parallel terms at P_loc = P_TP/T + P_rep, Z3's kept unit
+  included: − (N-1)/N·P_loc^L, P_loc^L (``p_loc_kept_elems``) the local elements of the unit
+  Z3 keeps from its forward into the backward (:func:`verify.traffic.predict.kept_elems` of
+  one TP column, as :func:`verify.traffic.tp.tp_closed_form` takes it; 0 under Z2);
 - ``tp_gather_elems`` = ``tp_scatter_elems`` = (T-1)/(T·W)·P_TP (phase ``optimizer``);
 - ``ns_max_over_mean``: the NS balance of the plan over the W = R·N·T ranks (the planner on
   ``(R, N·T)`` slots, ``dmuon.ownership.plan.plan_ownership``), where a replicated matrix
@@ -19,7 +22,12 @@ Figures per rank per step, elements (``*_elems``) on the W-average of docs/spec.
 
 from __future__ import annotations
 
+import dataclasses
+
 from dmuon.ownership.plan import plan_ownership
+
+from verify.traffic.predict import RunLayout, kept_elems
+from verify.traffic.tp import TPRunLayout
 
 def _dp_factor(mode: str, r: int, n: int) -> tuple[str, float]:
     """DMuon's data-parallel closed form of ``mode`` on (R, N): (text, factor of P_loc)."""
@@ -48,9 +56,27 @@ def tp_sharded(spec, t: int) -> int | None:
     return 1 if spec.shape[1] % t == 0 else None
 
 
-def tp_report(muon_specs, mesh: tuple[int, int], t: int) -> dict:
+def tp_layout(layout: RunLayout, t: int) -> TPRunLayout:
+    """``layout`` (full shapes, on (R, N)) on the (R, N, T) mesh, its TP params those of
+    :func:`tp_sharded`."""
+    dims = tuple((sp.name, d) for sp in layout.muon_specs() if (d := tp_sharded(sp, t)) is not None)
+    base = {f.name: getattr(layout, f.name) for f in dataclasses.fields(RunLayout)}
+    return TPRunLayout(**base, tp_size=t, tp_dims=dims)
+
+
+def tp_report(ml, mesh: tuple[int, int], t: int, *, coalesce_bytes: int) -> dict:
     """The TP section of one mesh: the plan's NS balance over W = R·N·T and, per mode, the
-    data-parallel and TP step terms (module docstring)."""
+    data-parallel and TP step terms (module docstring).
+
+    Args:
+        ml: the model (:class:`verify.plan.cli.ModelLayout`: ``muon_specs`` and
+            ``layout(mode, r, n, coalesce_bytes)``, the layout the report's table uses).
+        mesh: (R, N).
+        t: T.
+        coalesce_bytes: DMuon's unit target in bytes (the table's, ``coalesce="auto"``);
+            units form over the local shards' bytes, which sets Z3's kept unit P_loc^L.
+    """
+    muon_specs = ml.muon_specs
     r, n = mesh
     w = r * n * t
     tp_names = {sp.name for sp in muon_specs if tp_sharded(sp, t) is not None}
@@ -74,10 +100,15 @@ def tp_report(muon_specs, mesh: tuple[int, int], t: int) -> dict:
     modes = []
     for mode in tp_modes(r):
         text, factor = _dp_factor(mode, r, n)
-        dp = factor * p_loc
+        # Z3 keeps its last unit from forward into backward: no backward re-broadcast of its
+        # local elements (docs/traffic-model.md, "Tensor parallelism")
+        kept = kept_elems(tp_layout(ml.layout(mode, r, n, coalesce_bytes), t).column())
+        dp = factor * p_loc - (n - 1) / n * kept
+        kept_text = " − (N-1)/N · P_loc^L" if kept else ""
         modes.append({
             "mode": mode,
-            "closed_form": f"{text} · P_loc + 2(T-1)/(T·W) · P_TP",
+            "closed_form": f"{text} · P_loc{kept_text} + 2(T-1)/(T·W) · P_TP",
+            "p_loc_kept_elems": kept,
             "dp_elems": dp,
             "tp_gather_elems": gather,
             "tp_scatter_elems": gather,

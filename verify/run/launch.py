@@ -28,6 +28,7 @@ import torch
 from tracer.fr.parse import flight_recorder_env
 from verify.run.main import VERDICT_FILE, parse_args
 from verify.run.runner import RunConfig
+from verify.traffic.tp import tp_skip_reason
 from verify.workload.data import global_batch_size
 from verify.workload.usermodel import resolve, skip_reasons
 
@@ -99,7 +100,8 @@ TRANSPORT_ERRORS = ("gloo/transport", "Connection reset by peer", "Connection cl
 
 def rank_errors(out_dir: Path) -> str:
     """What the ranks recorded before a worker died (``<mode>/error_rank<r>.txt``, written by
-    ``verify.run.runner`` when a mode raises on a rank): ``"FAIL: <mode> raised on rank r:
+    ``verify.run.runner`` when a mode raises on a rank; :func:`main` removes an earlier run's
+    first, :func:`clear_run_outputs`): ``"FAIL: <mode> raised on rank r:
     <exception line>"`` per file, or ``""``. A rank that raised alone leaves the others in a
     collective that can no longer pair up, so torchrun's failure is often a peer's abort."""
     found = []
@@ -112,11 +114,27 @@ def rank_errors(out_dir: Path) -> str:
     return "; ".join(found)
 
 
+def clear_run_outputs(out_dir: Path) -> list[Path]:
+    """Remove what an earlier run in ``out_dir`` left that the launcher reads after this one
+    (``<mode>/error_rank<r>.txt``, :func:`rank_errors`; the verdict file), so that a reused
+    folder (``--run-id``, ``make timeline-png``'s fixed ``--out-dir``) never reports another
+    run's error or verdict. Returns the removed paths."""
+    stale = [*out_dir.glob("*/error_rank*.txt"), out_dir / VERDICT_FILE]
+    removed = []
+    for path in stale:
+        if path.is_file():
+            path.unlink()
+            removed.append(path)
+    return removed
+
+
 def usage_problem(extra: list[str], out_dir: Path, nproc: int) -> str | None:
     """What the workers would refuse before training, checked once here: their arguments
     (``verify.run.main.parse_args``: flags, ``--modes`` names, step counts), a mode set that
-    cannot run at W = ``nproc``, a ``--global-batch`` that W does not divide, and a
-    ``--model`` that cannot be imported. Returns one line, or ``None``."""
+    cannot run at W = ``nproc``, a ``--tp`` T that does not divide W or with which no mode
+    of the set can run (``verify.traffic.tp.tp_skip_reason``: the TP-capable modes), a
+    ``--global-batch`` that W does not divide, and a ``--model`` that cannot be imported.
+    Returns one line, or ``None``."""
     err = io.StringIO()
     try:
         with contextlib.redirect_stderr(err):
@@ -124,9 +142,19 @@ def usage_problem(extra: list[str], out_dir: Path, nproc: int) -> str | None:
     except SystemExit:  # argparse's usage line, then "prog: error: ..."
         return err.getvalue().strip().splitlines()[-1].partition("error: ")[2] or err.getvalue().strip()
     modes = args.modes.split(",")
-    skipped = skip_reasons(modes, nproc)
+    at = f"at W={nproc}"
+    if args.tp > 1:  # the workers' mesh is (W/T) x T (verify.run.tp_modes.tp_mesh)
+        if nproc % args.tp:
+            fits = [str(t) for t in range(2, nproc + 1) if nproc % t == 0]
+            return (f"Invalid --tp {args.tp} at W={nproc} (--nproc). Must divide W, the mesh being "
+                    f"(W/T) x T: give --tp {' or '.join(fits) or '1'}, or an --nproc that "
+                    f"{args.tp} divides.")
+        skipped = {m: why for m in modes if (why := tp_skip_reason(m, nproc, args.tp))}
+        at = f"with --tp {args.tp} at W={nproc}"
+    else:
+        skipped = skip_reasons(modes, nproc)
     if len(skipped) == len(modes):
-        return f"no mode of --modes {args.modes} can run at W={nproc}: {'; '.join(sorted(set(skipped.values())))}"
+        return f"no mode of --modes {args.modes} can run {at}: {'; '.join(sorted(set(skipped.values())))}"
     try:
         global_batch_size(nproc, per_rank=RunConfig.batch_per_rank, global_batch=args.global_batch)
         resolve(args.model)
@@ -155,6 +183,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"make verify-traffic: error: {problem}", file=sys.stderr)
         return 2
     out_dir.mkdir(parents=True, exist_ok=True)
+    clear_run_outputs(out_dir)  # only this run's errors and verdict are read below
     cpu_why = "" if args.backend == "gloo" else " (no ≥2 GPUs visible)"
     where = f"{nproc} GPU(s), NCCL" if use_nccl else f"{nproc} local CPU processes, gloo{cpu_why}"
     print(f"verify-traffic: {where}; output in {out_dir}/", flush=True)
