@@ -181,6 +181,24 @@ def test_cli_fr_writes_parquet_and_summary(shared_fixtures, tmp_path, capsys):
     assert rc == 2 and "Invalid --pg-ranks 'x'" in capsys.readouterr().err
 
 
+def test_cli_fr_since_keeps_the_window_after_earlier_dumps(shared_fixtures, tmp_path, capsys):
+    """A dump holds everything since the process started: --since the dumps taken at the
+    window's start keeps only the newer events (a break-it trial fed a run's cumulative dumps
+    to dmuon-verify check and got every earlier mode's calls as unexpected)."""
+    dump = json.loads((shared_fixtures / JSON_DUMP).read_text())
+    before = tmp_path / "before" / "fr_rank0.json"
+    before.parent.mkdir()
+    before.write_text(json.dumps({**dump, "entries": dump["entries"][:10]}))
+    out = tmp_path / "window.parquet"
+    rc = cli_main(["fr", str(shared_fixtures / JSON_DUMP), "--since", str(before.parent), "--out", str(out)])
+    window = read_parquet(out)
+    assert rc == 0 and f"--since: {len(window)} of 16 events are newer" in capsys.readouterr().out
+    # the entries after the tenth (seq = collective_seq_id - 1 >= 10), a coalesced one as its events
+    assert window and {e.seq for e in window} == {10, 11, 12, 13}
+    rc = cli_main(["fr", str(before), "--since", str(shared_fixtures / JSON_DUMP), "--out", str(out)])
+    assert rc == 3 and "no event is newer than the --since dumps'" in capsys.readouterr().err
+
+
 def test_cli_fr_help_explains_inputs_outputs_columns(capsys):
     with pytest.raises(SystemExit):
         cli_main(["fr", "--help"])

@@ -674,10 +674,27 @@ def _cli(args: argparse.Namespace) -> int:
             read = read_flight_recorder_paths(
                 args.paths, pg_ranks=_parse_pg_ranks(args.pg_ranks), strict=args.strict,
                 progress=True, allow_pickle=args.allow_pickle)
+        before = None
+        if args.since:  # the dumps taken at the window's start: keep what came after
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                before = read_flight_recorder_paths(
+                    args.since, pg_ranks=_parse_pg_ranks(args.pg_ranks), strict=args.strict,
+                    allow_pickle=args.allow_pickle).events
     except ValueError as exc:
         print(f"{prog}: error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
     print("\n".join(summary_lines(read)))
+    if before is not None:
+        dumped = len(read.events)
+        read.events[:] = fr_window(before, read.events)
+        print(f"--since: {len(read.events)} of {dumped} events are newer than the "
+              f"{len(before)} events of the earlier dumps (the window)")
+    if not read.events and before is not None and dumped:
+        print(f"{prog}: error: no event is newer than the --since dumps' (all {dumped} were "
+              "recorded before them); nothing written. Are the --since dumps the window's "
+              "start, of the same job?", file=sys.stderr)
+        return EXIT_NOTHING_FOUND
     if not read.events:
         readable = len(read.files)
         print(f"{prog}: error: no Flight Recorder events in {len(_expand(args.paths))} file(s) "
@@ -730,6 +747,11 @@ def register_cli(subparsers) -> None:
             "Gzipped dumps (known by their first bytes, whatever the name) are read\n"
             "decompressed. Every entry of a folder is read or named with its reason (not a\n"
             "dump, a refused pickle, a damaged gzip, not a regular file).\n\n"
+            "A dump holds every collective since the process started (earlier runs in the\n"
+            "same process, setup calls): --since DUMPS, the dumps taken at the start of a\n"
+            "window (make verify-traffic writes <mode>/fr_before/), keeps only the events\n"
+            "newer than those (per rank and process group, by sequence number), e.g. to\n"
+            "check a run's window with dmuon-verify check.\n\n"
             "Exit status: 0 events written, every file read; 2 bad arguments, a missing path,\n"
             "--out a folder or unwritable, --strict and an unreadable entry or file (nothing\n"
             "written), or a file not read (the events of the others are written; the summary\n"
@@ -738,6 +760,9 @@ def register_cli(subparsers) -> None:
     )
     p.add_argument("paths", nargs="+", metavar="PATH", help="FR dump files or folders")
     p.add_argument("--out", required=True, help="output Parquet file (events)")
+    p.add_argument("--since", nargs="+", metavar="DUMPS",
+                   help="FR dumps (files or folders) taken at the start of the window: write "
+                        "only the events newer than those")
     p.add_argument("--pg-ranks", action="append", default=[], metavar="NAME=R0,R1,...",
                    help="world ranks of FR process group NAME (repeatable); overrides the dump")
     p.add_argument("--strict", action="store_true",
