@@ -90,7 +90,7 @@ def ddp_window(out_dir: str, rest: str = "wrapper") -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.nn.parallel import DistributedDataParallel
 
-    from examples.my_model import ResidualMLP, loss_fn
+    from examples.my_model import ResidualMLP
     from verify.run.record import TrafficWindow
 
     rank = dist.get_rank()
@@ -100,9 +100,23 @@ def ddp_window(out_dir: str, rest: str = "wrapper") -> dict:
     model = DistributedDataParallel(bare) if rest == "wrapper" else bare
     opt = dmuon.DMuon(model.parameters(), dedicated=dm, lr=0.02, adamw_lr=3e-3)
     window = TrafficWindow(model, dm, opt, out_dir=out_dir)
+    _train_with_window(model, dm, opt, window, rank)
+    return window.finish()
+
+
+def _train_with_window(model, dm, opt, window, rank: int, accumulate: bool = False) -> None:
+    """4 steps of examples.my_model's loss, steps 2 and 3 recorded; ``accumulate``: each
+    recorded step first backwards one more micro-batch inside ``no_sync``."""
+    from examples.my_model import loss_fn
+
     for step in range(4):
         if step == 2:
             window.start()
+        if accumulate and window.recording:
+            with dm.no_sync(), dmuon.phase("forward"):
+                first = loss_fn(model, rank, step)
+            with dm.no_sync(), dmuon.phase("backward"):
+                first.backward()
         with dmuon.phase("forward"):
             loss = loss_fn(model, rank, step)
         with dmuon.phase("backward"):
@@ -111,7 +125,6 @@ def ddp_window(out_dir: str, rest: str = "wrapper") -> dict:
         opt.zero_grad()
         if window.recording:
             window.step_done(loss)
-    return window.finish()
 
 
 def window_case(out_dir: str, case: str) -> str:
@@ -131,7 +144,7 @@ def window_case(out_dir: str, case: str) -> str:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    from examples.my_model import ResidualMLP, loss_fn
+    from examples.my_model import ResidualMLP
     from verify.run.record import TrafficWindow
 
     rank = dist.get_rank()
@@ -161,22 +174,7 @@ def window_case(out_dir: str, case: str) -> str:
         out_dir = str(Path(out_dir, "a-file"))
     window = TrafficWindow(model, dm, opt, out_dir=out_dir)
     try:
-        for step in range(4):
-            if step == 2:
-                window.start()
-            if case == "accum" and window.recording:
-                with dm.no_sync(), dmuon.phase("forward"):
-                    first = loss_fn(model, rank, step)
-                with dm.no_sync(), dmuon.phase("backward"):
-                    first.backward()
-            with dmuon.phase("forward"):
-                loss = loss_fn(model, rank, step)
-            with dmuon.phase("backward"):
-                loss.backward()
-            opt.step()
-            opt.zero_grad()
-            if window.recording:
-                window.step_done(loss)
+        _train_with_window(model, dm, opt, window, rank, accumulate=case == "accum")
         report = window.finish()
         return "pass" if rank != 0 or report["pass"] else "fail"
     except (ValueError, RuntimeError, AssertionError) as exc:
