@@ -27,3 +27,10 @@ def test_verify_main_rejects_a_bad_global_batch_before_any_process_group(monkeyp
     code = verify_main(["--out-dir", str(tmp_path), "--global-batch", "8"])
     assert code == 2
     assert "Invalid --global-batch=8 for world_size=3" in capsys.readouterr().err
+
+
+def test_verify_main_rejects_a_tp_that_does_not_divide_w_before_any_process_group(monkeypatch, capsys, tmp_path):
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    assert verify_main(["--out-dir", str(tmp_path), "--tp", "3"]) == 2
+    assert "Invalid --tp 3 at W=4. Must divide the world size" in capsys.readouterr().err

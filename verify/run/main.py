@@ -92,11 +92,15 @@ def main(argv: list[str] | None = None) -> int:
     if "RANK" not in os.environ:
         print("dmuon-verify-traffic must run under torchrun; use `make verify-traffic`.", file=sys.stderr)
         return EXIT_USAGE
+    world = int(os.environ.get("WORLD_SIZE", "1"))
     try:  # every rank checks the same thing before any collective
-        global_batch_size(int(os.environ.get("WORLD_SIZE", "1")), per_rank=RunConfig.batch_per_rank,
-                          global_batch=args.global_batch)
+        global_batch_size(world, per_rank=RunConfig.batch_per_rank, global_batch=args.global_batch)
     except ValueError as exc:
         print(f"dmuon-verify-traffic: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    if world % args.tp:  # the mesh is (W/T) x T (the launcher checks this before torchrun too)
+        print(f"dmuon-verify-traffic: Invalid --tp {args.tp} at W={world}. Must divide the world "
+              "size: the mesh is (W/T) x T.", file=sys.stderr)
         return EXIT_USAGE
     use_cuda = args.backend == "nccl" or (args.backend == "auto" and torch.cuda.is_available())
     if use_cuda:
