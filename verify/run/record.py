@@ -222,10 +222,10 @@ class TrafficWindow:
         units = [n for n, m in model.named_modules() if isinstance(m, FSDPModule)]
         self._order = BlockOrderRecorder(bare_model(model), blocks_of(dedicated.names), units)
         self._forwards = 0  # forwards of the model while recording (not AC recompute)
-        bare_model(model).register_forward_pre_hook(self._count_forward)
+        self._forward_hook = None
 
     def _count_forward(self, module, args) -> None:
-        if self._interposer is not None and torch._C._current_graph_task_id() == -1:
+        if torch._C._current_graph_task_id() == -1:  # not a recompute inside backward
             self._forwards += 1
 
     @property
@@ -238,6 +238,7 @@ class TrafficWindow:
             raise ValueError("Invalid start(): already recording. Must call finish() first.")
         self._ns_before = self.optimizer.ns_calls
         self._forwards = 0
+        self._forward_hook = bare_model(self.model).register_forward_pre_hook(self._count_forward)
         self._interposer = Interposer().__enter__()
         self._last = sample()
         return self
@@ -261,6 +262,7 @@ class TrafficWindow:
             raise ValueError("Invalid finish(): not recording. Must call start() first.")
         ip, self._interposer = self._interposer, None
         ip.__exit__(None, None, None)
+        self._forward_hook.remove()
         self.dedicated.wait_pending()
         steps = len(self._times)
         untagged = sum(ev.phase is None for ev in ip.events)
@@ -352,6 +354,7 @@ class TrafficWindow:
             if self._interposer is not None:
                 self._interposer.__exit__(None, None, None)
                 self._interposer = None
+                self._forward_hook.remove()
             return
         self.finish()
 
