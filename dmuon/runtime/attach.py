@@ -153,15 +153,17 @@ def unignore_in_ddp(model: nn.Module, names: list[str], previous: list[str] | No
 
 
 # ------------------------------------------------------------------------- dedicated marks
-#: id(param) -> weak reference to the runtime that took it. Not a weak reference to the param:
-#: ``torch.utils.swap_tensors`` refuses a tensor that has one ("Cannot swap t1 because it has
-#: weakref"), the path ``_apply`` takes for DTensor params (``to_empty`` of a TP model built on
-#: meta). The runtime holds its params, so an id cannot be reused while its entry is live; the
-#: forward hooks hold the runtime, so a handle dropped without ``close()`` still counts.
+#: id(param) -> weak reference to the runtime that took it, whose ``holds(p)`` confirms the
+#: object (a param it dropped may have died and its id been reused). Not a weak reference to
+#: the param: ``torch.utils.swap_tensors`` refuses a tensor that has one ("Cannot swap t1
+#: because it has weakref"), the path ``_apply`` takes for DTensor params (``to_empty`` of a
+#: TP model built on meta). The forward hooks hold the runtime, so a handle dropped without
+#: ``close()`` still counts.
 _DEDICATED: dict[int, weakref.ref] = {}
 
 
 def mark_dedicated(params: Iterable[nn.Parameter], owner) -> None:
+    """Mark ``params`` as taken by ``owner`` (an object with ``holds(param) -> bool``)."""
     for key in [k for k, ref in _DEDICATED.items() if ref() is None]:  # runtimes gone
         del _DEDICATED[key]
     for p in params:
@@ -175,5 +177,9 @@ def release_dedicated(params: Iterable[nn.Parameter]) -> None:
 
 def dedicated_names(model: nn.Module) -> list[str]:
     """Names of ``model``'s params that a live DedicatedParams took (local)."""
-    return [name for name, p in model.named_parameters()
-            if (ref := _DEDICATED.get(id(p))) is not None and ref() is not None]
+    out = []
+    for name, p in model.named_parameters():
+        owner = ref() if (ref := _DEDICATED.get(id(p))) is not None else None
+        if owner is not None and owner.holds(p):
+            out.append(name)
+    return out

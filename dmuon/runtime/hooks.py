@@ -152,6 +152,11 @@ class Runtime:
         """``by_id``: id(param) -> (bucket, position), for every registered dedicated param."""
         self.by_id = {id(p): (b, i) for b in self.buckets for i, p in enumerate(b.params)}
 
+    def holds(self, p: torch.Tensor) -> bool:
+        """Whether ``p`` itself (not another object at its id) is one of its dedicated params."""
+        entry = self.by_id.get(id(p))
+        return entry is not None and entry[0].params[entry[1]] is p
+
     def install(self, hooks: attach.HookSet) -> None:
         """Register the forward hooks (into ``hooks``) and follow the modules' moves.
         torch.compile: the hooks run eagerly (Dynamo must not trace into the schedule or

@@ -66,3 +66,27 @@ def test_ddp_ignore_list_keeps_the_users_entries_and_is_restored():
     attach.unignore_in_ddp(model, ["0.weight"], before)
     assert model._ddp_params_and_buffers_to_ignore == ["1.bias"]
     assert not hasattr(model[0].weight, "_ddp_ignored")
+
+
+def test_dedicated_marks_need_the_live_owner_to_hold_the_very_object():
+    """The marks are weak references to the owner (the runtime), never to the param, so
+    swap_tensors still works on a dedicated param; a stale id (a param the owner dropped, its
+    id reused by another object) is not reported, and a dead owner's marks are ignored."""
+    import gc
+
+    class Owner:
+        def __init__(self, params):
+            self.params = list(params)
+
+        def holds(self, p):
+            return any(q is p for q in self.params)
+
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    owner = Owner([model[0].weight])
+    attach.mark_dedicated([model[0].weight, model[1].weight], owner)  # [1]: an id it does not hold
+    assert attach.dedicated_names(model) == ["0.weight"]
+    torch.utils.swap_tensors(model[0].weight, torch.nn.Parameter(torch.zeros(2, 2)))  # no weakref
+    del owner
+    gc.collect()
+    assert attach.dedicated_names(model) == []
+    attach.release_dedicated([model[0].weight, model[1].weight])
