@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import warnings
@@ -10,7 +11,8 @@ import torch
 import torch.nn as nn
 
 from dmuon.runtime import attach, collectives, tp
-from dmuon.ownership.buckets import DEFAULT_BUCKET_CAP_MB, Coalescing, resolve_coalesce
+from dmuon.ownership.buckets import (DEFAULT_BUCKET_CAP_MB, Coalescing, bucket_layout,
+                                     check_hierarchy, resolve_coalesce, resolve_hierarchy)
 from dmuon.runtime.dedicate import DedicatedParams
 from dmuon.runtime import rest as replicated_rest
 from dmuon.ownership.plan import OwnershipPlan, plan_ownership, specs_from_named_parameters
@@ -30,6 +32,7 @@ def dedicate_params(
     prefetch_depth: int = 1,
     coalesce: str | int = "auto",
     rest: str = "wrapper",
+    hierarchy: str = "auto",
 ) -> DedicatedParams:
     """Give every Muon-target matrix of ``model`` one owner rank and install DMuon's hooks.
 
@@ -83,6 +86,16 @@ def dedicate_params(
             one call per step instead of FSDP2's two, for a rest whose calls are
             latency-bound; its memory is not sharded (docs/user-guide.md, "Who handles the
             rest"). Not on TP meshes.
+        hierarchy: how an HSDP mesh moves the dedicated params (docs/traffic-model.md, "HSDP:
+            flat or hierarchical"). ``"hierarchical"``: over the shard axis, then the
+            replicate axis (the replicate reduce and broadcast: two calls more per step, and
+            (R-1)/(N·R)·P_M per term on the replicate axis's links). ``"flat"``: as on a 1-D
+            mesh of all W ranks (one call per direction; the replicate axis then carries
+            (R-1)/R·P_M, N times more: wrong between hosts). ``"auto"`` (default): flat on a
+            backend where it measured faster (gloo, ``buckets.LINK_COSTS``) when the dedicated
+            params are one unit (same W-average bytes), else hierarchical. No effect on a
+            1-D mesh; a TP mesh stays hierarchical. :meth:`DedicatedParams.coalescing` says
+            which was chosen. The wrapper's handling of the rest is unaffected.
 
     Returns:
         The :class:`DedicatedParams` handle. Release it with ``dm.close()`` on every rank, or
@@ -101,10 +114,12 @@ def dedicate_params(
             ``"auto"``, ``"block"``, ``"all"`` or an int >= 0, ``rest`` is not ``"wrapper"``
             or ``"replicate"`` (or ``"replicate"`` on a TP mesh, or with an ``mp_policy``
             whose ``param_dtype`` would meet a rest param of another dtype in a module holding
-            a dedicated param: a Linear's bias), or the mesh is invalid (see
+            a dedicated param: a Linear's bias), ``hierarchy`` is not one of ``"auto"``,
+            ``"hierarchical"``, ``"flat"`` (or ``"flat"`` on a TP mesh), or the mesh is invalid (see
             ``topology_from_mesh``). All checked locally, before any collective.
         RuntimeError: the ranks computed different setups (plan, ``reshard_after_forward``,
-            mixed-precision policy, bucket cap, coalescing, rest, devices: :func:`setup_digest`), checked with one
+            mixed-precision policy, bucket cap, coalescing, hierarchy, rest, devices:
+            :func:`setup_digest`), checked with one
             all_gather of the digest before any other DMuon collective.
 
     Warns:
@@ -142,6 +157,13 @@ def dedicate_params(
         )
     cap_bytes = _bucket_cap_bytes(bucket_cap_mb)
     resolve_coalesce(coalesce, "gloo")  # validates, before anything else
+    check_hierarchy(hierarchy)
+    if hierarchy == "flat" and tp.is_tp_mesh(mesh):
+        raise ValueError(
+            "Invalid hierarchy='flat' on a mesh with a 'tp' axis: DMuon moves a tensor-parallel "
+            "model's matrices over the shard and replicate axes of each TP column. Use "
+            "hierarchy='auto' or 'hierarchical' there."
+        )
     replicated_rest.check_rest(rest, mesh)
     topology = tp.topology(mesh) if tp.is_tp_mesh(mesh) else topology_from_mesh(mesh)
     assignments = assign_params(model, params, predicate)
@@ -176,6 +198,12 @@ def dedicate_params(
         plan = plan_ownership(specs, topology.mesh_shape)
     on_cuda = any(p.device.type == "cuda" for _, p, _ in named)
     coalescing = resolve_coalesce(coalesce, "nccl" if on_cuda else "gloo")
+    flat = topology.replicate_size > 1 and tp_layout is None and resolve_hierarchy(
+        hierarchy, coalescing, bucket_layout(specs, plan, cap_bytes, coalescing.target_bytes,
+                                             coalescing.reduce_by_gather))
+    if flat:  # docs/traffic-model.md, "HSDP: flat or hierarchical"
+        topology = topology.flattened()
+        plan = dataclasses.replace(plan, mesh_shape=topology.mesh_shape)
     dedicated = {n for n, _, _ in named}
     rest_params = replicated_rest.rest_of(model, dedicated) if rest == "replicate" else []
     if rest_params and getattr(mp_policy, "param_dtype", None) is not None:
@@ -189,7 +217,7 @@ def dedicate_params(
     return DedicatedParams(model, named, topology, plan, reshard_after_forward, mesh=mesh,
                            mp_policy=mp_policy, bucket_cap_bytes=cap_bytes,
                            prefetch_depth=prefetch_depth, coalescing=coalescing,
-                           assignments=assignments, tp=tp_layout,
+                           assignments=assignments, tp=tp_layout, hierarchy=hierarchy, flat=flat,
                            rest=[n for n, _ in rest_params] if rest == "replicate" else None)
 
 

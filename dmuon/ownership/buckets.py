@@ -61,6 +61,9 @@ class LinkCost:
     rank sends and receives are the same on the W-average, docs/traffic-model.md). Where it
     does, aligned groups may be uneven (module docstring): their calls are all_to_alls.
 
+    ``flat_hsdp``: under ``hierarchy="auto"`` an HSDP model whose dedicated params are one
+    unit moves them as on a 1-D mesh of all W ranks (:func:`resolve_hierarchy`).
+
     :attr:`half_bytes` is α/β, the message size at which a call spends as long on its fixed
     cost as on moving bytes (Hockney's n½): below it a call is latency-bound and coalescing
     pays, above it the saving is less than half a call and per-block calls keep their
@@ -70,6 +73,7 @@ class LinkCost:
     alpha_us: float
     gbps: float
     reduce_by_gather: bool = False
+    flat_hsdp: bool = False
 
     @property
     def half_bytes(self) -> int:
@@ -93,9 +97,19 @@ class LinkCost:
 #:   the same rounds (``benchmarks/bench_step.py``, docs/performance.md "Uneven aligned
 #:   groups"; a 64 KiB limit stood while the group's reduce was a multi-round reduce_scatter).
 #:
+#: - ``flat_hsdp``: an HSDP model of one unit moves flat (:func:`resolve_hierarchy`): the same
+#:   bytes in 3 calls per rank-step against 5 with ``rest="replicate"`` (the replicate reduce and
+#:   broadcast go); ``bench_step.py`` measured dmuon-hsdp-z2 at 1.07-1.13x the fastest baseline
+#:   hierarchical on TinyGPT and the MLP, where the 1-D modes with those 3 calls ran 0.92-1.01x
+#:   (docs/performance.md, "HSDP: flat or hierarchical"). Not on NCCL: unmeasured there, and
+#:   between hosts flat sends N times the bytes over the replicate axis's links.
+#:
 #: Any other backend uses ``nccl``'s.
 LINK_COSTS = {"nccl": LinkCost(alpha_us=10.0, gbps=360.0),
-              "gloo": LinkCost(alpha_us=2000.0, gbps=1.0, reduce_by_gather=True)}
+              "gloo": LinkCost(alpha_us=2000.0, gbps=1.0, reduce_by_gather=True, flat_hsdp=True)}
+
+#: ``dedicate_params(hierarchy=...)`` values (:func:`resolve_hierarchy`).
+HIERARCHY_MODES = ("auto", "hierarchical", "flat")
 
 
 @dataclass(frozen=True)
@@ -106,6 +120,7 @@ class Coalescing:
 
     target_bytes: int
     reduce_by_gather: bool = False
+    flat_hsdp: bool = False
 
 
 @dataclass(frozen=True)
@@ -161,7 +176,39 @@ def resolve_coalesce(coalesce: str | int, backend: str) -> Coalescing:
         )
     else:
         target = coalesce
-    return Coalescing(target, cost.reduce_by_gather)
+    return Coalescing(target, cost.reduce_by_gather, cost.flat_hsdp)
+
+
+def check_hierarchy(hierarchy) -> None:
+    """Raise ``ValueError`` unless ``hierarchy`` is one of :data:`HIERARCHY_MODES`."""
+    if not isinstance(hierarchy, str) or hierarchy not in HIERARCHY_MODES:
+        raise ValueError(
+            f"Invalid hierarchy={hierarchy!r}. Must be one of {HIERARCHY_MODES}: how an HSDP "
+            "mesh moves the dedicated params ('hierarchical': shard axis, then replicate axis; "
+            "'flat': one call per direction over all W ranks; 'auto': flat on a backend that "
+            "allows it when the dedicated params are one unit)."
+        )
+
+
+def resolve_hierarchy(hierarchy: str, coalescing: Coalescing, layout: Sequence[BucketSpec]) -> bool:
+    """Whether an HSDP mesh moves the dedicated params flat (docs/traffic-model.md, "HSDP:
+    flat or hierarchical").
+
+    Flat: as on a 1-D mesh of all W ranks (owner index g = world rank g, the owner its only
+    holder, no replicate-axis calls). ``"auto"`` picks it when the backend's
+    :attr:`LinkCost.flat_hsdp` holds (gloo) and ``layout`` (:func:`bucket_layout` of the
+    hierarchical plan: the units do not depend on the mesh's shape) is one unit: then the
+    W-average bytes equal the hierarchical closed form's (Z3 keeps the last unit, here all of
+    P_M), and the replicate reduce and broadcast, two calls per step, go.
+
+    Args:
+        hierarchy: ``"auto"``, ``"hierarchical"`` or ``"flat"`` (:func:`check_hierarchy`).
+        coalescing: the resolved ``coalesce`` on this backend.
+        layout: the buckets.
+    """
+    if hierarchy != "auto":
+        return hierarchy == "flat"
+    return coalescing.flat_hsdp and len({b.module for b in layout}) == 1
 
 
 def unit_layout(specs: Sequence[ParamSpec], target_bytes: int) -> dict[str, tuple[str, ...]]:

@@ -65,6 +65,17 @@ class Topology:
         """Mesh coordinates ``(r, s)`` of global owner index ``g``."""
         return divmod(g, self.shard_size)
 
+    def flattened(self) -> Topology:
+        """This rank's place when DMuon moves the dedicated params flat on an HSDP mesh
+        (``dedicate_params(hierarchy=...)``): a 1-D layout of all W ranks, shard index = world
+        rank (DMuon's groups list ranks sorted, as ``dist.new_group`` numbers them), so owner
+        index g is world rank g."""
+        world = self.world_size
+        return Topology(replicate_size=1, shard_size=world, replicate_index=0,
+                        shard_index=dist.get_rank(), shard_group=dist.group.WORLD,
+                        replicate_group=None, shard_group_ranks=tuple(range(world)),
+                        replicate_group_ranks=())
+
 
 def check_initialized() -> None:
     """Raise ``RuntimeError`` unless ``torch.distributed`` is initialised."""

@@ -563,7 +563,8 @@ def check_plan_agreement(digest: str, what: str) -> None:
             f"DMuon {what} differs across ranks ({ranks_by_digest(digests)}). Every rank must "
             "build the same model (same parameter names, shapes and dtypes), use the same "
             "predicate and the same mesh before dmuon.dedicate_params, and pass it the same "
-            "keyword arguments (reshard_after_forward, mp_policy, bucket_cap_mb, coalesce, rest)."
+            "keyword arguments (reshard_after_forward, mp_policy, bucket_cap_mb, coalesce, rest, "
+            "hierarchy)."
         )
 
 

@@ -71,7 +71,10 @@ streams and events on CUDA; ``collectives`` docstring, "Asynchrony").
 
 Channels (``collectives.DMuonGroups``, DMuon's own process groups): ``broadcast`` and
 ``reduce`` over the shard axis (N ranks), ``replicate`` over the replicate axis (R ranks,
-HSDP), ``world`` (W ranks). On each channel the call sequence per step is fixed, the same on
+HSDP), ``world`` (W ranks). An HSDP mesh moved **flat** (``dedicate_params(hierarchy=...)``,
+``buckets.resolve_hierarchy``; docs/traffic-model.md "HSDP: flat or hierarchical") follows
+everything below as a 1-D mesh of all W ranks: R = 1, N = W, owner index g = world rank g,
+no ``replicate`` channel and no replicate steps. On each channel the call sequence per step is fixed, the same on
 every rank whichever modules run (MoE experts that receive no tokens, a branch taken on some
 ranks only), so calls always pair up with the same bucket on every rank.
 
@@ -313,6 +316,9 @@ class DedicatedParams:
         bucket_cap_bytes, prefetch_depth: the knobs given to ``dedicate_params``.
         coalesce_bytes: the unit target in bytes (``dedicate_params``' ``coalesce`` resolved
             by ``buckets.resolve_coalesce``).
+        hierarchy: the ``hierarchy`` given to ``dedicate_params`` (``"auto"``,
+            ``"hierarchical"`` or ``"flat"``); ``flat``: whether an HSDP mesh moves the
+            dedicated params flat (``topology`` is then the 1-D one of all W ranks).
         rest: who handles the params that are not dedicated: ``"wrapper"`` (DDP / FSDP2) or
             ``"replicate"`` (DMuon, ``rest.py``; the constructor's ``rest`` is then their
             names, else ``None``); ``rest_names``: those params in model order under
@@ -335,8 +341,12 @@ class DedicatedParams:
         assignments: list | None = None,
         tp=None,
         rest: list[str] | None = None,
+        hierarchy: str = "auto",
+        flat: bool = False,
     ) -> None:
         self._assignments = list(assignments or ())
+        self.hierarchy = hierarchy
+        self.flat = flat  # an HSDP mesh moved flat: ``topology`` is the 1-D one of all W ranks
         self.bucket_cap_bytes = bucket_cap_bytes
         self.prefetch_depth = prefetch_depth
         self.coalesce_bytes = coalescing.target_bytes
@@ -492,7 +502,9 @@ class DedicatedParams:
 
         Returns a dict: ``target_bytes`` (the unit target ``coalesce`` resolved to);
         ``reduce_by_gather`` (reduces run as gathers and reduce_scatters as all_to_alls, each
-        summed by the receiver: gloo; module docstring, step 4);
+        summed by the receiver: gloo; module docstring, step 4); ``hierarchy``: how an HSDP
+        mesh moves the dedicated params, ``"flat"`` or ``"hierarchical"`` (``dedicate_params``'
+        ``hierarchy`` resolved; ``None`` on a 1-D mesh);
         ``units``: one row per unit in bucket order, ``{"name", "blocks", "bytes", "aligned"}``
         (``bytes``: its dedicated params in their own dtype; ``aligned``: every one of its
         buckets is in an aligned group); ``calls_per_step``: DMuon's
@@ -532,7 +544,9 @@ class DedicatedParams:
         peak = max((a + b for a, b in zip(free, free[1:] + [0])), default=0) if z3 else 0
         rest = rt.rest.params() if rt.rest is not None else []
         rest_calls = len({p.dtype for p in rest if p.requires_grad})  # one all_reduce per dtype
+        hsdp = self.topology.replicate_size > 1 or self.flat
         return {"target_bytes": self.coalesce_bytes, "reduce_by_gather": self.reduce_by_gather,
+                "hierarchy": ("flat" if self.flat else "hierarchical") if hsdp else None,
                 "units": list(units.values()),
                 "calls_per_step": {"forward": calls,
                                    "backward": calls + (rebroadcasts if z3 else 0) + replicate // 2
@@ -707,9 +721,10 @@ class DedicatedParams:
 
 
 def _mesh_rows(mesh, topology: Topology) -> list[list[int]]:
-    """World ranks of every shard group (one row per replicate index)."""
-    if mesh is None:
-        assert topology.replicate_size == 1, "HSDP needs the mesh to build DMuon's groups"
+    """World ranks of every shard group (one row per replicate index; one row of all W ranks
+    for a 1-D mesh and for an HSDP mesh moved flat)."""
+    if mesh is None or topology.replicate_size == 1:
+        assert mesh is None or topology.world_size == mesh.size(), "a 1-D topology spans the mesh"
         return [list(topology.shard_group_ranks)]
     ranks = mesh.mesh.tolist()
     return [ranks] if mesh.ndim == 1 else ranks

@@ -4,7 +4,8 @@ several caps and world sizes: the same buckets, and each block a contiguous inde
 
 import pytest
 
-from dmuon.ownership.buckets import LINK_COSTS, block_of, bucket_layout, resolve_coalesce, unit_layout
+from dmuon.ownership.buckets import (LINK_COSTS, block_of, bucket_layout, check_hierarchy,
+                                     resolve_coalesce, resolve_hierarchy, unit_layout)
 from dmuon.ownership.plan import ParamSpec, plan_ownership
 from tests.builders import tinygpt_layout
 from verify.traffic.predict import dmuon_block, dmuon_buckets, dmuon_coalesce_bytes
@@ -115,3 +116,39 @@ def test_a_unit_that_saves_no_call_splits_into_its_blocks(shapes, joined):
     assert sorted(map(_key, runtime)) == sorted(map(_key, predicted))
     assert {len(b.blocks) for b in runtime} == ({4} if joined else {1})
     assert all(b.aligned for b in runtime) == joined
+
+
+# ---------------------------------------------------------------- HSDP: flat or hierarchical
+def _hsdp_layout(blocks: int, coalescing):
+    """A stack of ``blocks`` 16x16 blocks on a 2 x 2 mesh, laid out under ``coalescing``."""
+    specs = [ParamSpec(f"blocks.{i}.fc.weight", (16, 16), "float32", f"blocks.{i}.fc") for i in range(blocks)]
+    plan = plan_ownership(specs, (2, 2))
+    return bucket_layout(specs, plan, 1 << 20, coalescing.target_bytes, coalescing.reduce_by_gather)
+
+
+@pytest.mark.parametrize(("hierarchy", "backend", "coalesce", "flat"), [
+    ("auto", "gloo", "auto", True),       # one unit on gloo: flat
+    ("auto", "gloo", "block", False),     # one unit per block: hierarchical
+    ("auto", "nccl", "auto", False),      # NCCL never flattens by itself
+    ("auto", "nccl", "all", False),
+    ("flat", "nccl", "block", True),      # forced either way
+    ("hierarchical", "gloo", "auto", False),
+])
+def test_resolve_hierarchy_follows_the_documented_rule(hierarchy, backend, coalesce, flat):
+    coalescing = resolve_coalesce(coalesce, backend)
+    assert resolve_hierarchy(hierarchy, coalescing, _hsdp_layout(4, coalescing)) is flat
+
+
+def test_resolve_hierarchy_counts_units_after_the_saving_rule():
+    """Blocks joined by the byte target but split again (a joined unit that saves no call) are
+    several units: hierarchical under "auto"."""
+    coalescing = resolve_coalesce(2 * 16 * 16 * 4, "gloo")  # two blocks fit the target
+    layout = _hsdp_layout(4, coalescing)
+    assert len({b.module for b in layout}) > 1
+    assert resolve_hierarchy("auto", coalescing, layout) is False
+
+
+@pytest.mark.parametrize("bad", ["2d", "", None, 1, "Flat"])
+def test_check_hierarchy_rejects_other_values(bad):
+    with pytest.raises(ValueError, match=r"Invalid hierarchy=.*Must be one of \('auto', 'hierarchical', 'flat'\)"):
+        check_hierarchy(bad)

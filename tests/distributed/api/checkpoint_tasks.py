@@ -49,15 +49,18 @@ def _global_batch(kind: str, step: int):
 
 
 class Run:
-    """One model + DMuon on this rank: ``mode`` is "ddp", "z2", "z3", "hsdp-z2" or "hsdp-z3";
+    """One model + DMuon on this rank: ``mode`` is "ddp", "z2", "z3", "hsdp-z2" or "hsdp-z3",
+    optionally with ``/<hierarchy>`` (``dedicate_params(hierarchy=...)``, default "auto");
     ``kind`` "gpt" (the small GPT) or "experts" (``examples.experts.ExpertsMLP``)."""
 
     def __init__(self, mode: str, kind: str = "gpt"):
+        mode, _, hierarchy = mode.partition("/")
         self.mode, self.kind = mode, kind
         mesh = T._mesh("hsdp" if mode.startswith("hsdp") else "flat")
         self.model = _make(kind)
         reshard = mode.endswith("z3")
-        self.dm = dmuon.dedicate_params(self.model, mesh, reshard_after_forward=reshard)
+        self.dm = dmuon.dedicate_params(self.model, mesh, reshard_after_forward=reshard,
+                                        hierarchy=hierarchy or "auto")
         if mode == "ddp":
             self.wrapped = DistributedDataParallel(self.model)
         else:

@@ -21,6 +21,7 @@ TASK_TIMEOUT_S = 120
 @pytest.mark.parametrize(
     ("mode", "world", "kind"),
     [("ddp", 2, "gpt"), ("z2", 4, "gpt"), ("z3", 4, "gpt"), ("hsdp-z3", 4, "gpt"),
+     ("hsdp-z3/hierarchical", 4, "gpt"),
      pytest.param("hsdp-z2", 4, "gpt", marks=pytest.mark.slow),
      ("z3", 2, "experts"),  # 3-D expert stacks and plain 2-D routers
      pytest.param("hsdp-z3", 4, "experts", marks=pytest.mark.slow)],
@@ -59,13 +60,16 @@ def test_torch_save_of_state_dicts_on_every_rank_resumes_z3(pool4, tmp_path):
 
 @pytest.mark.parametrize(
     ("load_mode", "flatten", "kind", "dedicated"),
-    [("z3", False, "gpt", 4), ("ddp", True, "gpt", 4), ("z3", False, "experts", 7)],
-    ids=["z3_default_options", "ddp_flat_optimizer_state", "z3_expert_stacks"],
+    [("z3", False, "gpt", 4), ("ddp", True, "gpt", 4), ("z3", False, "experts", 7),
+     ("hsdp-z3/hierarchical", False, "gpt", 4)],
+    ids=["z3_default_options", "ddp_flat_optimizer_state", "z3_expert_stacks",
+         "hierarchical_hsdp_2x1"],
 )
 def test_resume_at_another_world_size_moves_momentum_to_new_owners(pool4, pool2, tmp_path, load_mode,
                                                                    flatten, kind, dedicated):
-    """Saved by Z3 at W=4; loaded at W=2 by Z3 (FSDP2 reshards 4 -> 2) or by DDP (the FSDP2
-    shards become plain tensors), with default options or torchtitan's flat optimizer state;
+    """Saved by Z3 at W=4; loaded at W=2 by Z3 (FSDP2 reshards 4 -> 2), by DDP (the FSDP2
+    shards become plain tensors) or by hierarchical HSDP (2 x 1: the owner's replicate
+    broadcast reaches the other holder), with default options or torchtitan's flat optimizer state;
     the MoE's 3-D expert stacks move whole, with their (E, rows, cols) momentum."""
     saved = pool4.run_with_timeout(TASK_TIMEOUT_S, C.save_for_resize, "z3", str(tmp_path), flatten, kind)
     loaded = pool2.run_with_timeout(TASK_TIMEOUT_S, C.load_resized, load_mode, str(tmp_path), flatten, kind)

@@ -18,6 +18,8 @@ CASES = {
     "coalesce_mismatch": ("RuntimeError", "coalesce, rest or device type) differs across ranks"),
     "rest_mismatch": ("RuntimeError", "coalesce, rest or device type) differs across ranks"),
     "coalesce_invalid": ("ValueError", "Invalid coalesce='fastest'. Must be one of ('auto', 'block', 'all')"),
+    "hierarchy_mismatch": ("RuntimeError", "setup (ownership plan and hierarchy,"),
+    "hierarchy_invalid": ("ValueError", "Invalid hierarchy='2d'. Must be one of ('auto', 'hierarchical', 'flat')"),
     "already_ddp": ("ValueError", "already wrapped by DDP or FSDP2"),
     "optimizer_missing_params": ("ValueError", "are not among them"),
     "optimizer_param_groups": ("ValueError", "Invalid params: 2 param-group dicts (the first with keys "

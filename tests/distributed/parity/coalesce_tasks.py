@@ -50,19 +50,20 @@ def gloo_reductions(by_gather: bool):
 
 
 def train(mode: str, coalesce: str, steps: int = 3, bf16: bool = False, by_gather: bool = True,
-          blocks: int = BLOCKS) -> dict:
+          blocks: int = BLOCKS, hierarchy: str = "hierarchical") -> dict:
     """``steps`` steps of ``mode`` (ddp, z2, z3, hsdp-z2, hsdp-z3) on a :class:`Stack` of
     ``blocks``; the last step recorded by the interposer. Returns every rank's full dedicated
     params (after ``sync_params``), the aligned flags and the last step's DMuon calls as
     ``(op, phase) -> count``. ``by_gather``: gloo's reductions as gathers / all_to_alls (its default) or as reduces /
-    reduce_scatters."""
+    reduce_scatters. ``hierarchy``: HSDP's (default: the hierarchical protocol, whose replicate
+    calls these tests check; ``"auto"`` would move a one-unit model flat)."""
     mesh = _mesh("hsdp" if mode.startswith("hsdp") else "flat")
     model = Stack(blocks)
     reshard = mode.endswith("z3")
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
     with gloo_reductions(by_gather):
         dm = dmuon.dedicate_params(model, mesh, reshard_after_forward=reshard, coalesce=coalesce,
-                                   mp_policy=mp)
+                                   mp_policy=mp, hierarchy=hierarchy)
     if mode == "ddp":
         wrapped = DistributedDataParallel(model)
     else:

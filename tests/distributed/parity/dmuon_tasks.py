@@ -109,7 +109,8 @@ def train_dmuon(mode: str, steps: int, config: GPTConfig = SMALL, **dm_kw) -> di
         else:
             full = p.full_tensor() if hasattr(p, "full_tensor") else p
             out[name] = full.detach().clone()
-    return {"params": out, "ns_calls": opt.ns_calls, "momentum_on": sorted(
+    return {"params": out, "ns_calls": opt.ns_calls, "hierarchy": dm.coalescing()["hierarchy"],
+            "momentum_on": sorted(
         n for n, p in model.named_parameters() if p in dm and "momentum_buffer" in opt.state.get(p, {}))}
 
 
@@ -184,6 +185,10 @@ def expect_error(case: str) -> str:
             dmuon.dedicate_params(model, _mesh("flat"), rest="replicate" if rank != 1 else "wrapper")
         elif case == "coalesce_invalid":
             dmuon.dedicate_params(model, _mesh("flat"), coalesce="fastest")
+        elif case == "hierarchy_mismatch":  # rank 1 keeps HSDP's replicate calls, the others go flat
+            dmuon.dedicate_params(model, _mesh("hsdp"), hierarchy="auto" if rank != 1 else "hierarchical")
+        elif case == "hierarchy_invalid":
+            dmuon.dedicate_params(model, _mesh("hsdp"), hierarchy="2d")
         elif case == "already_ddp":
             dmuon.dedicate_params(DistributedDataParallel(model), _mesh("flat"))
         elif case == "optimizer_missing_params":
@@ -266,7 +271,7 @@ def hsdp_replicate_waits() -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     mesh = _mesh("hsdp")
     model = make_model()
-    dm = dmuon.dedicate_params(model, mesh, reshard_after_forward=False)
+    dm = dmuon.dedicate_params(model, mesh, reshard_after_forward=False, hierarchy="hierarchical")
     for block in model.blocks:
         fully_shard(block, mesh=mesh, reshard_after_forward=False, ignored_params=set(dm))
     fully_shard(model, mesh=mesh, ignored_params=set(dm))

@@ -68,11 +68,17 @@ def test_n2_matches_oracle(pool2, oracle_10, mode):
 def test_n4_all_modes_match_oracle_and_each_other(pool4, oracle_10):
     init, ref, floor = oracle_10
     runs = {m: pool4.run(T.train_dmuon, m, STEPS) for m in FLAT_MODES + ("hsdp-z2", "hsdp-z3")}
+    for m in ("hsdp-z2", "hsdp-z3"):  # the default on gloo moves this one-unit model flat
+        assert {r["hierarchy"] for r in runs[m]} == {"flat"}, m
+        runs[m + "/hierarchical"] = pool4.run(T.train_dmuon, m, STEPS, hierarchy="hierarchical")
+        assert {r["hierarchy"] for r in runs[m + "/hierarchical"]} == {"hierarchical"}, m
     merged = {m: T.merge_owned(r) for m, r in runs.items()}
     for mode, params in merged.items():
         assert _rel_err(params, init, ref) <= FLOOR_FACTOR * floor[4], mode
-    # Z2 and Z3 differ only in residency: bit-identical, on the 1-D and the 2-D mesh.
-    for a, b in (("z2", "z3"), ("hsdp-z2", "hsdp-z3")):
+    # Z2 and Z3 differ only in residency: bit-identical, on the 1-D and the 2-D mesh, flat or
+    # hierarchical (flat HSDP against z2: FSDP2's HSDP sums the rest's grads in another order).
+    for a, b in (("z2", "z3"), ("hsdp-z2", "hsdp-z3"),
+                 ("hsdp-z2/hierarchical", "hsdp-z3/hierarchical")):
         assert all(torch.equal(merged[a][n], merged[b][n]) for n in ref), (a, b)
     # One Newton–Schulz per matrix per step across all ranks; momentum only on owners.
     n_matrices = 4 * T.SMALL.n_layers
