@@ -211,8 +211,8 @@ def dedicate_params(
     digest = setup_digest(tp_layout.full_plan if tp_layout else plan, named,
                           reshard_after_forward, mp_policy, cap_bytes, coalescing, rest_params)
     collectives.check_plan_agreement(
-        digest, "setup (ownership plan, reshard_after_forward, mp_policy, bucket_cap_mb, "
-        "coalesce, rest or device type)"
+        digest, "setup (ownership plan and hierarchy, reshard_after_forward, mp_policy, "
+        "bucket_cap_mb, coalesce, rest or device type)"
     )
     return DedicatedParams(model, named, topology, plan, reshard_after_forward, mesh=mesh,
                            mp_policy=mp_policy, bucket_cap_bytes=cap_bytes,
