@@ -3,6 +3,8 @@ other; see also ``nsys_builders.py`` and ``report_builders.py``)."""
 
 from __future__ import annotations
 
+from fractions import Fraction
+
 from dmuon.ownership.plan import ParamSpec, specs_from_named_parameters
 from tracer.events import CollectiveEvent
 from verify.run.modes import muon_names
@@ -52,6 +54,37 @@ CHECK_LAYOUT = RunLayout(
             ParamSpec(name="fc2.weight", shape=(8, 16), dtype="float32", module="fc2"),
             ParamSpec(name="fc2.bias", shape=(8,), dtype="float32", module="fc2")),
     muon_names=("fc1.weight", "fc2.weight"), fsdp_modules=("",), reshard_after_forward=False)
+
+
+def predicted_events(layout: RunLayout, steps: int = 1) -> list[CollectiveEvent]:
+    """The prediction of ``layout`` as a perfect interposer would record it, ``steps`` times
+    (an all_to_all's totals, but not its own chunk: no source sees that)."""
+    return [
+        CollectiveEvent(source="interposer", op=e.op, rank=e.rank, group_id=e.group_id,
+                        group_size=e.group_size, group_rank=e.group_id.split(",").index(str(e.rank)),
+                        count=e.count, dtype=e.dtype, root=e.root, phase=e.phase,
+                        in_elems=e.in_elems, out_elems=e.out_elems)
+        for _ in range(steps) for e in predict_step(layout)
+    ]
+
+
+def dedicated_w_average(layout: RunLayout, phase: str | None = None) -> Fraction:
+    """Exact W-average (rationals) of the Muon-param share of the predicted calls of one step,
+    in ``phase`` (all phases: ``None``): f(n)·S per call (verify.traffic.formulas, written
+    out here), an all_to_all of known own chunk the dedicated elements it sends."""
+    total = Fraction(0)
+    for e in predict_step(layout):
+        if phase is not None and e.phase != phase:
+            continue
+        if e.uneven:
+            total += e.dedicated_in_elems - e.dedicated_count
+        elif e.count:
+            n = e.group_size
+            f = {"all_reduce": Fraction(2 * (n - 1), n), "gather": Fraction(n - 1, n * n)}.get(
+                e.op, Fraction(n - 1, n))
+            s = n * e.count if e.op in ("all_gather", "reduce_scatter", "all_to_all", "gather") else e.count
+            total += f * s * Fraction(e.dedicated_count, e.count)
+    return total / layout.world_size
 
 
 def measured(steps: int = 2) -> list[CollectiveEvent]:

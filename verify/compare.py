@@ -23,6 +23,9 @@ baselines, ``verify.traffic.formulas.PADDED_MODES``; derivation in docs/traffic-
 plus, when a unit runs more than once per forward (weight sharing), the form's term in P_M^r
 (``verify.traffic.predict.reused_elems``), 0 otherwise, and under DMuon's Z3 the term in P_M^L,
 the unit kept allocated from its forward into the backward (``verify.traffic.predict.kept_elems``).
+A DMuon HSDP run that moved its dedicated params flat is checked against the 1-D form at N = W
+(``verify.traffic.predict.run_closed_form``; docs/traffic-model.md, "HSDP: flat or
+hierarchical"), and its entry says so (``hierarchy``).
 """
 
 from __future__ import annotations
@@ -36,13 +39,15 @@ from tracer.events import CollectiveEvent, all_to_all_elems
 from verify.traffic.predict import (
     Expected,
     RunLayout,
+    dmuon_hierarchy,
+    kept_elems,
     ns_calls_per_step,
     owner_numels,
-    kept_elems,
     predict_step,
     reused_elems,
+    run_closed_form,
 )
-from verify.traffic.formulas import PADDED_MODES, avg_elems, closed_form, closed_form_p_m
+from verify.traffic.formulas import PADDED_MODES, avg_elems, closed_form_p_m
 from verify.traffic.tp import predict_tp_step, tp_closed_form, tp_ns_calls_per_step
 
 
@@ -122,7 +127,7 @@ def compare_run(
         form, cf_p_m, p_m_r = tp_closed_form(layout), p_m, 0
         p_m_k = kept_elems(layout.column())
     else:
-        form = closed_form(layout.mode, layout.shard_size, layout.replicate_size)
+        form = run_closed_form(layout)  # a flat DMuon HSDP run: the 1-D form at N = W
         numels = owner_numels(layout.muon_specs(), layout.plan()) if layout.mode == "zero1-muon" else None
         cf_p_m = closed_form_p_m(layout.mode, [s.shape for s in layout.muon_specs()], layout.shard_size,
                                  numels)
@@ -201,5 +206,8 @@ def compare_run(
         unexpected=[_call_dict(k, n, None) for k, n in sorted(unexpected.items(), key=str)],
         closed_form_matches=closed_ok,
     )
+    hierarchy = dmuon_hierarchy(layout)
+    if hierarchy is not None:  # DMuon on a 2-D mesh: flat or hierarchical
+        run["hierarchy"] = hierarchy
     run["pass"] = ok
     return run

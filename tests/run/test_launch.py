@@ -33,6 +33,8 @@ def test_launch_env_sets_nccl_logging_only_for_nccl(tmp_path, monkeypatch):
     (["--frobnicate"], "unrecognized arguments: --frobnicate"),
     (["--tp", "3"], "Invalid --tp 3 at W=2 (--nproc). Must divide W"),
     (["--modes", "dmuon-ddp", "--tp", "2"], "no mode of --modes dmuon-ddp can run with --tp 2 at W=2"),
+    (["--hierarchy", "ring"], "argument --hierarchy: invalid choice: 'ring'"),
+    (["--hierarchy", "flat", "--tp", "2"], "--hierarchy flat runs without --tp"),
 ])
 def test_bad_worker_input_is_one_line_and_exit_2_before_torchrun(tmp_path, capsys, args, says):
     from verify.run.launch import main
@@ -52,6 +54,8 @@ def test_bad_worker_input_is_one_line_and_exit_2_before_torchrun(tmp_path, capsy
     (4, ["--modes", "dmuon-z2", "--tp", "2"], None),
     (4, ["--modes", "dmuon-ddp,dmuon-z3", "--tp", "4"], None),  # dmuon-ddp skipped, as the workers do
     (8, ["--tp", "2"], None),  # every mode: the TP-capable ones run
+    (4, ["--tp", "2", "--hierarchy", "hierarchical"], None),  # what 'auto' is under TP
+    (4, ["--hierarchy", "flat"], None),  # ARGS="--hierarchy ..." reaches the workers' parser
 ])
 def test_usage_problem_checks_tp_before_torchrun(tmp_path, nproc, args, says):
     """--tp was not checked before torchrun: --tp 3 at W = 4 raised 'Invalid --tp 3 at W=4' in
@@ -154,3 +158,13 @@ def test_rising_loss_and_a_raising_mode_are_named_in_the_last_line(tmp_path):
     md = (out / "report.md").read_text().split("## Failures")[1]
     assert "- loss did not fall: " in md and "- mode raised an error: " in md
     assert (out / "exit_code").read_text() == "1\n"
+
+
+@pytest.mark.parametrize("argv, want", [([], "auto"), (["--hierarchy", "flat"], "flat"),
+                                        (["--hierarchy", "hierarchical"], "hierarchical")])
+def test_hierarchy_option_parses(argv, want):
+    """``make verify-traffic ARGS="--hierarchy ..."``: launch passes unknown args through to
+    the workers' parser (main() puts it in RunConfig.hierarchy, for verify.run.modes.build)."""
+    from verify.run.main import parse_args
+
+    assert parse_args(["--out-dir", "x", *argv]).hierarchy == want

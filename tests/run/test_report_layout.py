@@ -142,3 +142,33 @@ def test_traffic_chart_marks_the_busiest_rank(tmp_path):
     assert series["dmuon-z2"]["busiest"] == pytest.approx(1.95)
     assert all(s["busiest"] is None for s in traffic_series(example_report()))
     assert plot_traffic(report, tmp_path / "t.png").stat().st_size > 10_000
+
+
+def test_a_flat_hsdp_run_says_so_on_its_lines():
+    """``run["hierarchy"]`` (verify.compare): the flat run's mode lines read
+    ``dmuon-hsdp-z2 (flat)`` in the wide and Markdown tables and its FAIL line, and the run
+    table has a hierarchy column; the 120-column table (mode alone) still fits."""
+    from verify.report.schema import validate_report
+
+    report = _with_new_figures(example_report(), 1300.0)
+    runs = {run["mode"]: run for run in report["runs"]}
+    runs["dmuon-hsdp-z2"]["hierarchy"] = "flat"
+    runs["dmuon-hsdp-z3"]["hierarchy"] = "hierarchical"
+    runs["dmuon-hsdp-z2"]["ns_calls_per_step"] += 1  # a failed check: the FAIL section
+    runs["dmuon-hsdp-z2"]["pass"] = False
+    report["pass"] = False
+    text = format_table(report)
+    assert max(len(line) for line in text.splitlines()) <= TERMINAL_COLUMNS
+    assert "FAIL dmuon-hsdp-z2 (flat) (W=4, N=2, R=2)" in text
+    _, rows = compact_rows(report)
+    assert ["dmuon-hsdp-z2", "total"] in [r[:2] for r in rows]
+    hierarchy = [line.split() for line in text.splitlines() if line.startswith("dmuon-hsdp-z")]
+    assert ["dmuon-hsdp-z2", "4", "2", "2", "1", "flat"] in [words[:6] for words in hierarchy]
+    md = format_markdown(report)
+    assert "| dmuon-hsdp-z2 (flat) | total" in md.replace("  ", " ")
+    _, wide = table_rows(report)
+    assert any(r[0] == "dmuon-hsdp-z2 (flat)" for r in wide)
+    assert "flat" in md and "hierarchical" in md  # the run table's hierarchy column
+    runs["dmuon-hsdp-z2"]["hierarchy"] = "ring"
+    with pytest.raises(ValueError, match="hierarchy='ring'. Must be one of"):
+        validate_report(report)

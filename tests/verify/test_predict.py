@@ -13,8 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.builders import tinygpt_layout
-from tracer.events import CollectiveEvent
+from tests.builders import dedicated_w_average, predicted_events, tinygpt_layout
 from verify.compare import compare_run
 from verify.run.modes import muon_names
 from verify.traffic.predict import RunLayout, dmuon_block, dmuon_buckets, ns_calls_per_step, predict_step
@@ -23,30 +22,6 @@ from verify.traffic.formulas import avg_elems, closed_form, padded_numel
 from dmuon.ownership.plan import ParamSpec, specs_from_named_parameters
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-def _events(layout: RunLayout, steps: int = 1) -> list[CollectiveEvent]:
-    """The prediction as if measured (what a perfect interposer would record)."""
-    return [
-        CollectiveEvent(source="interposer", op=e.op, rank=e.rank, group_id=e.group_id,
-                        group_size=e.group_size, count=e.count, dtype=e.dtype, root=e.root,
-                        phase=e.phase, in_elems=e.in_elems, out_elems=e.out_elems)
-        for _ in range(steps) for e in predict_step(layout)
-    ]
-
-
-def _dedicated_avg(layout: RunLayout) -> Fraction:
-    """Exact W-average of the Muon-param share of the predicted calls (rational arithmetic)."""
-    total = Fraction(0)
-    for e in predict_step(layout):
-        if e.uneven:  # an all_to_all: the dedicated elements it sends (formulas.avg_elems)
-            total += e.dedicated_in_elems - e.dedicated_count
-            continue
-        n = e.group_size
-        f = {"all_reduce": Fraction(2 * (n - 1), n), "gather": Fraction(n - 1, n * n)}.get(e.op, Fraction(n - 1, n))
-        s = n * e.count if e.op in ("all_gather", "reduce_scatter", "all_to_all", "gather") else e.count
-        total += f * s * Fraction(e.dedicated_count, e.count)
-    return total / layout.world_size
 
 
 # --------------------------------------------------------------------------- independence
@@ -160,8 +135,8 @@ def test_dmuon_prediction_equals_closed_form_at_any_world_size(world, mode, rati
     layout = tinygpt_layout(mode, world)
     if layout.shard_size == 3:
         assert any(s.shape[0] % 3 for s in layout.muon_specs())
-    assert _dedicated_avg(layout) == ratio * layout.p_m()
-    run = compare_run(layout, _events(layout), steps=1, ns_calls=len(layout.muon_names) * (
+    assert dedicated_w_average(layout) == ratio * layout.p_m()
+    run = compare_run(layout, predicted_events(layout), steps=1, ns_calls=len(layout.muon_names) * (
         1 if layout.is_dmuon else world))
     assert run["closed_form_matches"] and run["pass"] and not run["closed_form_padded"]
     assert run["ratio_to_p_m"] == pytest.approx(float(ratio), rel=1e-12)
@@ -174,8 +149,8 @@ def test_naive_baselines_gate_a_padded_closed_form(mode, factor):
     layout = tinygpt_layout(mode, 3)
     p_pad = sum(padded_numel(s.shape, 3) for s in layout.muon_specs())
     assert p_pad > layout.p_m()  # 64 rows pad to 66 at N=3
-    assert _dedicated_avg(layout) == factor * p_pad
-    run = compare_run(layout, _events(layout), steps=1, ns_calls=len(layout.muon_names) * 3)
+    assert dedicated_w_average(layout) == factor * p_pad
+    run = compare_run(layout, predicted_events(layout), steps=1, ns_calls=len(layout.muon_names) * 3)
     assert run["closed_form_padded"] and run["closed_form_p_m"] == p_pad
     assert run["closed_form"].endswith("at P_M^pad")
     assert run["closed_form_avg_elems"] == pytest.approx(float(factor * p_pad))
@@ -195,7 +170,7 @@ def test_closed_form_gates_a_predictor_that_drifts(monkeypatch):
     key = (drop.op, drop.root, drop.count)
     drifted = [e for e in predict_step(layout) if (e.op, e.root, e.count) != key]
     monkeypatch.setattr(compare, "predict_step", lambda _layout: drifted)
-    events = [ev for ev in _events(layout) if (ev.op, ev.root, ev.count) != key]
+    events = [ev for ev in predicted_events(layout) if (ev.op, ev.root, ev.count) != key]
     run = compare.compare_run(layout, events, steps=1, ns_calls=len(layout.muon_names))
     assert run["missing"] == [] and run["unexpected"] == []
     assert not run["closed_form_matches"] and not run["pass"]
@@ -228,10 +203,10 @@ def test_mixed_precision_reduce_defaults_to_param_dtype_and_elements_do_not_chan
     # bytes halve, elements do not
     elems = lambda es: sum(avg_elems(e.op, e.count, e.group_size) for e in es)
     assert elems(a) == elems(b)
-    run = compare_run(mp, _events(mp), steps=1, ns_calls=len(mp.muon_names))
+    run = compare_run(mp, predicted_events(mp), steps=1, ns_calls=len(mp.muon_names))
     assert run["pass"]
     # measured in fp32 against a bf16 prediction: every call is missing / unexpected
-    bad = compare_run(mp, _events(plain), steps=1, ns_calls=len(mp.muon_names))
+    bad = compare_run(mp, predicted_events(plain), steps=1, ns_calls=len(mp.muon_names))
     assert not bad["pass"] and {m["dtype"] for m in bad["missing"]} == {"bfloat16"}
 
 
@@ -292,7 +267,7 @@ def test_expert_stacks_count_matrices_and_keep_the_closed_form(mode):
     assert layout.p_m() == 19_920
     once = 1 + 2 * (1 + 5 + 5)  # inp, and per layer a router and two stacks of 5 slices
     assert ns_calls_per_step(layout) == (once if mode in ("dmuon-z3", "zero1-muon") else 4 * once)
-    run = compare_run(layout, _events(layout), steps=1, ns_calls=ns_calls_per_step(layout))
+    run = compare_run(layout, predicted_events(layout), steps=1, ns_calls=ns_calls_per_step(layout))
     assert run["pass"] and run["closed_form_matches"] and run["p_m_reused"] == 0
     assert RunLayout.from_dict(layout.to_dict()) == layout  # ParamSpec.matrix round-trips
 
@@ -332,7 +307,7 @@ def test_a_module_run_twice_is_sent_again_as_the_rules_say(mode, forward_again, 
     # P_M^r: blocks.0's 2 x 50 x 70 elements (even, so no padding); the form's factor decides
     # whether a mode sends them again (dmuon-z2: 0)
     assert reused_elems(twice) == 7000 and reused_elems(once) == 0
-    run = compare_run(twice, _events(twice), steps=1, ns_calls=len(twice.muon_names) * (
+    run = compare_run(twice, predicted_events(twice), steps=1, ns_calls=len(twice.muon_names) * (
         1 if mode.startswith("dmuon") else 2))
     assert run["pass"] and run["closed_form_matches"], run["phases"]
     assert RunLayout.from_dict(twice.to_dict()) == twice
@@ -360,7 +335,7 @@ def test_z3_keeps_the_last_unit_and_rebroadcasts_every_other_once():
     for other in ("dmuon-z2", "dmuon-ddp", "naive-fsdp2-z3"):  # nothing kept: Z2, or not DMuon
         assert kept_elems(tinygpt_layout(other, 4)) == 0
     # the closed form's P_M^L term: backward 2(N-1)/N·P_M - (N-1)/N·P_M^L
-    run = compare_run(layout, _events(layout), steps=1, ns_calls=len(layout.muon_names))
+    run = compare_run(layout, predicted_events(layout), steps=1, ns_calls=len(layout.muon_names))
     assert run["pass"] and run["p_m_kept"] == block1
     assert run["closed_form"] == "3(N-1)/N − (N-1)/N·P_M^L"
     assert run["phases"]["backward"]["closed_form_avg_elems"] == pytest.approx(0.75 * (2 * layout.p_m() - block1))
@@ -382,7 +357,7 @@ def test_z3_keeps_an_aligned_unit_and_drops_its_backward_all_gather():
                       if e.op == "all_gather" and e.dedicated_count)  # not FSDP2's root
     assert gathers == Counter({(r, "forward", u): 1 for r in (0, 1) for u in ("blocks.0", "blocks.2")}
                               | {(r, "backward", "blocks.0"): 1 for r in (0, 1)})
-    run = compare_run(layout, _events(layout), steps=1, ns_calls=len(layout.muon_names))
+    run = compare_run(layout, predicted_events(layout), steps=1, ns_calls=len(layout.muon_names))
     assert run["pass"] and run["p_m_kept"] == layout.p_m() // 2
 
 
@@ -401,7 +376,7 @@ def test_a_reused_last_unit_is_not_sent_again(reused, forward_again):
     block = sum(p.numel for p in twice.muon_specs() if dmuon_block(p.module) == reused)
     assert reused_elems(twice) == forward_again * block
     assert kept_elems(twice) == kept_elems(once) == 2 * 50 * 70  # blocks.1
-    run = compare_run(twice, _events(twice), steps=1, ns_calls=len(twice.muon_names))
+    run = compare_run(twice, predicted_events(twice), steps=1, ns_calls=len(twice.muon_names))
     assert run["pass"] and run["closed_form_matches"], run["phases"]
 
 
@@ -465,8 +440,8 @@ def test_replicated_rest_is_one_world_all_reduce_and_no_wrapper_call(mode, world
     # params) are those of the wrapped layout
     assert Counter(e.key() for e in calls if e.dedicated_count > 0) == \
         Counter(e.key() for e in predict_step(wrapped) if e.dedicated_count > 0)
-    assert _dedicated_avg(layout) == _dedicated_avg(wrapped)  # the closed forms concern P_M only
-    run = compare_run(layout, _events(layout, 2), steps=2, ns_calls=2 * ns_calls_per_step(layout))
+    assert dedicated_w_average(layout) == dedicated_w_average(wrapped)  # the closed forms concern P_M only
+    run = compare_run(layout, predicted_events(layout, 2), steps=2, ns_calls=2 * ns_calls_per_step(layout))
     assert run["pass"] and run["closed_form_matches"]
 
 
@@ -543,6 +518,6 @@ def test_gloo_reduces_by_gather_with_the_counts_and_traffic_of_reduce(mode, coal
         [dataclasses.replace(e, op=renamed.get(e.op, e.op)) for e in plain]
     assert all((e.in_elems, e.out_elems, e.self_elems) == (e.group_size * e.count,) * 2 + (e.count,)
                for e in gathered if e.op == "all_to_all")
-    assert _dedicated_avg(gloo) == _dedicated_avg(layout)
-    run = compare_run(gloo, _events(gloo), steps=1, ns_calls=len(layout.muon_names))
+    assert dedicated_w_average(gloo) == dedicated_w_average(layout)
+    run = compare_run(gloo, predicted_events(gloo), steps=1, ns_calls=len(layout.muon_names))
     assert run["pass"] and run["closed_form_matches"]

@@ -13,8 +13,7 @@ from fractions import Fraction
 import pytest
 
 from dmuon.ownership.plan import specs_from_named_parameters
-from tests.builders import tinygpt_layout
-from tracer.events import CollectiveEvent
+from tests.builders import dedicated_w_average, predicted_events, tinygpt_layout
 from verify.compare import compare_run
 from verify.run.modes import muon_names
 from verify.traffic.formulas import closed_form
@@ -58,34 +57,6 @@ def _dedicated(layout: RunLayout) -> list[tuple]:
     """(rank, phase, op, group, count, in, out, self) of the DMuon calls, sorted."""
     return sorted((e.rank, e.phase, e.op, e.group_id, e.count, e.in_elems, e.out_elems, e.self_elems)
                   for e in predict_step(layout) if e.dedicated_count)
-
-
-def _events(layout: RunLayout) -> list[CollectiveEvent]:
-    """The prediction as the interposer records it (no own chunk: sources cannot see it)."""
-    return [CollectiveEvent(source="interposer", op=e.op, rank=e.rank, group_id=e.group_id,
-                            group_size=e.group_size, group_rank=_group_rank(e), count=e.count,
-                            dtype=e.dtype, root=e.root, phase=e.phase, in_elems=e.in_elems,
-                            out_elems=e.out_elems)
-            for e in predict_step(layout)]
-
-
-def _group_rank(e) -> int:
-    return [int(r) for r in e.group_id.split(",")].index(e.rank)
-
-
-def _w_average(layout: RunLayout) -> Fraction:
-    """Exact W-average of the dedicated elements (an all_to_all: what each member sends)."""
-    total = Fraction(0)
-    for e in predict_step(layout):
-        if e.uneven:
-            total += e.dedicated_in_elems - e.dedicated_count
-        elif e.count:
-            n = e.group_size
-            s = n * e.count if e.op in ("all_gather", "reduce_scatter", "all_to_all", "gather") else e.count
-            f = {"all_reduce": Fraction(2 * (n - 1), n), "gather": Fraction(n - 1, n * n)}.get(
-                e.op, Fraction(n - 1, n))
-            total += f * s * Fraction(e.dedicated_count, e.count)
-    return total / layout.world_size
 
 
 # ------------------------------------------------------------------------------ the rule
@@ -219,8 +190,8 @@ def test_uneven_groups_move_the_closed_form_exactly(build, mode):
     phase, and through compare_run on the prediction as the interposer records it."""
     layout = build(mode)
     form = closed_form(mode, layout.shard_size, layout.replicate_size)
-    assert _w_average(layout) == Fraction(form.total_at(layout.p_m(), 0, kept_elems(layout))).limit_denominator(64)
-    run = compare_run(layout, _events(layout), steps=1, ns_calls=len(layout.muon_names))
+    assert dedicated_w_average(layout) == Fraction(form.total_at(layout.p_m(), 0, kept_elems(layout))).limit_denominator(64)
+    run = compare_run(layout, predicted_events(layout), steps=1, ns_calls=len(layout.muon_names))
     assert run["pass"] and run["closed_form_matches"], run["phases"]
     for ph in run["phases"].values():
         assert ph["measured_avg_elems"] == pytest.approx(ph["closed_form_avg_elems"], rel=1e-12)
@@ -232,7 +203,7 @@ def test_busiest_rank_of_tinygpt_flat_z2():
     dedicated elements and receives 3·H_s: it receives P_M + 2·H_s. The owners of 7 d² are the
     busiest, 38 d²; the mean, 36 d² = 1.5·P_M, is the closed form."""
     layout = _tinygpt("dmuon-z2")
-    wire = dedicated_traffic(layout, _events(layout), steps=1)["wire"]
+    wire = dedicated_traffic(layout, predicted_events(layout), steps=1)["wire"]
     assert [(e["rank"], e["sent_elems"], e["recv_elems"]) for e in wire["per_rank"]] == [
         (0, 38 * D2, 38 * D2), (1, 38 * D2, 38 * D2), (2, 34 * D2, 34 * D2), (3, 34 * D2, 34 * D2)]
     assert wire["busiest_rank"] == 0 and wire["max_recv_elems"] == 38 * D2
@@ -246,7 +217,7 @@ def test_busiest_rank_of_tinygpt_hsdp_z2():
     sends 7 d²; the owner of 5 d² gets 7 d² in the broadcast. Received: rank 0 12 + 12 + 7 + 5,
     rank 2 12 + 12 + 5 + 7 d²: all 36 d², the closed form 2(W-1)/W·P_M."""
     layout = _tinygpt("dmuon-hsdp-z2")
-    wire = dedicated_traffic(layout, _events(layout), steps=1)["wire"]
+    wire = dedicated_traffic(layout, predicted_events(layout), steps=1)["wire"]
     assert [e["recv_elems"] for e in wire["per_rank"]] == [36 * D2] * 4
     assert [e["sent_elems"] for e in wire["per_rank"]] == [36 * D2] * 4
     assert wire["mean_recv_elems"] == 1.5 * layout.p_m()

@@ -19,7 +19,7 @@ from tracer.context import Span
 from tracer.events import OPS, CollectiveEvent
 from verify.run.compute_spans import BACKWARD, FORWARD
 from verify.report.checks import checks_of
-from verify.report.schema import validate_report
+from verify.report.schema import mode_label, validate_report
 
 #: Colour of each collective op: matplotlib's ``tab10`` (saturated hues, so that a light
 #: in-flight shade of one never reads as another) by position in ``tracer.events.OPS``, black
@@ -42,7 +42,8 @@ def traffic_series(report: Mapping) -> list[dict]:
     """Per run, the ratios to P_M that :func:`plot_traffic` draws.
 
     Returns:
-        One dict per run, in report order: ``mode``, ``pass``, ``failed`` (names of its failed
+        One dict per run, in report order: ``mode`` (its label,
+        :func:`verify.report.schema.mode_label`: ``(flat)`` for a flat HSDP run), ``pass``, ``failed`` (names of its failed
         checks, ``verify.report.checks``), ``formula`` (the closed form),
         ``busiest`` (the busiest rank's received dedicated elements / P_M under NCCL's
         algorithms, ``verify.traffic.wire``; None in reports without it) and ``ratios``: ``{"measured", "predicted", "closed_form", "seed"}``, each the run's
@@ -57,7 +58,7 @@ def traffic_series(report: Mapping) -> list[dict]:
         p_m = run["p_m"]
         seed = run["seed_avg_elems"]
         out.append({
-            "mode": run["mode"],
+            "mode": mode_label(run),
             "pass": run["pass"],
             "failed": [c["check"] for c in checks_of(run) if not c["pass"]],
             "formula": run["closed_form"],

@@ -34,6 +34,7 @@ from verify.report.schema import (
     RUN_KEYS,
     SOURCE_KEYS,
     TOP_KEYS,
+    mode_label,
     validate_report,
 )
 from verify.traffic.formulas import MODES
@@ -179,7 +180,7 @@ def table_rows(report: Mapping) -> tuple[list[str], list[list[str]]]:
         p_m = run["p_m"]
         phases = ordered_phases(run["phases"])
         for name, ph in phases:
-            row = [run["mode"], name, fmt_elems(ph["measured_avg_elems"]),
+            row = [mode_label(run), name, fmt_elems(ph["measured_avg_elems"]),
                    fmt_elems(ph["predicted_avg_elems"]), fmt_elems(ph["closed_form_avg_elems"]), ""]
             if seed:
                 row.append(fmt_elems(ph["seed_avg_elems"]))
@@ -193,7 +194,7 @@ def table_rows(report: Mapping) -> tuple[list[str], list[list[str]]]:
             rows.append(row)
         n_meas = sum(ph["collectives_measured"] for _, ph in phases)
         n_pred = sum(ph["collectives_predicted"] for _, ph in phases)
-        row = [run["mode"], "total", fmt_elems(run["measured_avg_elems"]),
+        row = [mode_label(run), "total", fmt_elems(run["measured_avg_elems"]),
                fmt_elems(run["predicted_avg_elems"]), fmt_elems(run["closed_form_avg_elems"]),
                run["closed_form"]]
         if seed:
@@ -219,20 +220,31 @@ def table_rows(report: Mapping) -> tuple[list[str], list[list[str]]]:
 
 
 def all_params_rows(report: Mapping, two_line: bool = False) -> tuple[list[str], list[list[str]]]:
-    headers = ["mode", "W", "N", "R", "T", "P_M [elem]", "all params measured avg [elem]",
+    """The run table: per run its mesh (W, N, R, T), how a DMuon HSDP run moved its
+    dedicated params (``hierarchy``: flat or hierarchical, docs/traffic-model.md, "HSDP: flat
+    or hierarchical"), P_M, all params' averages and the loss; ``two_line``: the terminal's
+    headers."""
+    headers = ["mode", "W", "N", "R", "T", "hierarchy", "P_M [elem]", "all params measured avg [elem]",
                "all params predicted avg [elem]", "loss first", "loss last"]
     if two_line:
-        headers = ["mode", "W", "N", "R", "T", "P_M\n[elem]", "all params measured\navg [elem]",
+        headers = ["mode", "W", "N", "R", "T", "hier-\narchy", "P_M\n[elem]", "all params measured\navg [elem]",
                    "all params predicted\navg [elem]", "loss\nfirst", "loss\nlast"]
     rows = [
         [run["mode"], run["world_size"], run["shard_size"], run["replicate_size"],
-         run.get("tp_size", 1),
+         run.get("tp_size", 1), _hierarchy_cell(run, two_line),
          fmt_elems(run["p_m"]), fmt_elems(run["total_measured_avg_elems"]),
          fmt_elems(run["total_predicted_avg_elems"]), _fmt_loss(run["loss_first"]),
          _fmt_loss(run["loss_last"])]
         for run in report["runs"]
     ]
     return headers, rows
+
+
+def _hierarchy_cell(run: Mapping, short: bool) -> str:
+    """``run["hierarchy"]`` ("–" where absent: 1-D meshes, other modes); ``short`` (the terminal's
+    120 columns) writes hierarchical as "hier"."""
+    value = run.get("hierarchy", "–")
+    return "hier" if short and value == "hierarchical" else value
 
 
 def _fmt_loss(x: float | None) -> str:
@@ -499,7 +511,7 @@ def format_markdown(report: Mapping) -> str:
         for f in errors:
             md += ["", f"### {f['mode']}", "", f"- {label('error', False)}: {f['detail']}"]
         for run in failed:
-            md += ["", f"### {run['mode']} (W={run['world_size']}, N={run['shard_size']}, "
+            md += ["", f"### {mode_label(run)} (W={run['world_size']}, N={run['shard_size']}, "
                        f"R={run['replicate_size']})"]
             for title, body in failure_sections(run, "github"):
                 md += ["", f"**{title}**", "", body]

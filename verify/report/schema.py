@@ -131,7 +131,12 @@ PARAM_KEYS: dict[str, tuple] = {
 #: verify.report.checks; derived from the figures where absent) and ``loss_falls`` (the run is
 #: gated on its loss).
 OPTIONAL_RUN_KEYS: dict[str, tuple] = {"tp_size": (int,), "wire": (dict,), "bytes": (dict,),
-                                       "timing": (dict,), "checks": (list,), "loss_falls": (bool,)}
+                                       "timing": (dict,), "checks": (list,), "loss_falls": (bool,),
+                                       "hierarchy": (str,)}
+#: ``run["hierarchy"]``: how a DMuon run on a 2-D mesh moved its dedicated params
+#: (``verify.traffic.predict.dmuon_hierarchy``; absent on 1-D meshes, other modes and older
+#: reports, which all ran hierarchical; docs/traffic-model.md, "HSDP: flat or hierarchical").
+HIERARCHIES = ("flat", "hierarchical")
 CHECK_KEYS: dict[str, tuple] = {"check": (str,), "pass": (bool,), "detail": (str,)}
 FAILURE_KEYS: dict[str, tuple] = {"mode": (str,), "check": (str,), "detail": (str,)}
 WIRE_KEYS: dict[str, tuple] = {
@@ -155,6 +160,13 @@ TIMING_KEYS: dict[str, tuple] = {
     "exposed_comm_reason": _OPT_STR,
 }
 SKIPPED_KEYS: dict[str, tuple] = {"mode": (str,), "reason": (str,)}
+
+
+def mode_label(run: Mapping) -> str:
+    """A run's mode as the report's lines print it: ``"dmuon-hsdp-z2 (flat)"`` for a DMuon
+    HSDP run that moved its dedicated params flat (``run["hierarchy"]``), else the mode; the
+    hierarchical protocol is what an HSDP mode's name already says."""
+    return run["mode"] + (" (flat)" if run.get("hierarchy") == "flat" else "")
 
 
 # ----------------------------------------------------------------------------- validation
@@ -204,6 +216,9 @@ def _check_bytes(entry: Mapping, where: str) -> None:
 
 def _check_run_optional(run: Mapping, where: str) -> None:
     _check_optional(run, OPTIONAL_RUN_KEYS, where)
+    if run.get("hierarchy", HIERARCHIES[0]) not in HIERARCHIES:
+        raise ValueError(f"Invalid {where} hierarchy={run['hierarchy']!r}. Must be one of {HIERARCHIES} "
+                         "(verify.traffic.predict.dmuon_hierarchy).")
     if "wire" in run:
         _check_keys(run["wire"], WIRE_KEYS, f"{where} wire")
         for j, entry in enumerate(run["wire"]["per_rank"]):

@@ -36,6 +36,7 @@ from verify.report.render import (
     validate_report,
     verdict,
 )
+from verify.report.schema import mode_label
 
 
 #: Width the default terminal table fits in (``--wide`` lifts it).
@@ -78,7 +79,9 @@ def _sources_cell(run: Mapping) -> str:
 def compact_rows(report: Mapping) -> tuple[list[str], list[list[str]]]:
     """Headers and rows of the default terminal table (:data:`_COMPACT`, fits
     :data:`TERMINAL_COLUMNS`): per phase the measured average and its checks, per run
-    (``total`` row) bytes, the busiest rank, time, NS calls and sources.
+    (``total`` row) bytes, the busiest rank, time, NS calls and sources. The mode alone: a
+    flat HSDP run's ``(flat)`` (:func:`verify.report.schema.mode_label`) would not fit; the
+    run table below it has a hierarchy column.
 
     Raises:
         ValueError: ``report`` does not follow the data model (see :func:`validate_report`).
@@ -189,7 +192,7 @@ def format_table(report: Mapping, *, wide: bool = False) -> str:
     for run in report["runs"]:
         if run["pass"]:
             continue
-        parts += ["", f"FAIL {run['mode']} (W={run['world_size']}, N={run['shard_size']}, "
+        parts += ["", f"FAIL {mode_label(run)} (W={run['world_size']}, N={run['shard_size']}, "
                       f"R={run['replicate_size']})"]
         for title, body in failure_sections(run, "simple"):
             body = indent(body, "    ")

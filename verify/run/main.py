@@ -26,6 +26,7 @@ from tqdm import tqdm
 from verify.workload.data import global_batch_size
 from verify.run.runner import RunConfig, run_all, runnable_modes
 from verify.traffic.formulas import MODES
+from verify.traffic.predict import DMUON_HIERARCHIES
 from verify.workload.usermodel import BUILTIN, skip_reasons
 
 #: Exit codes: every check passed; a check failed; bad input (``EXIT_USAGE``, before training).
@@ -64,6 +65,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "or DDP in dmuon-ddp, handles the params DMuon does not dedicate) or "
                         "'replicate' (DMuon all-reduces them itself, one call per dtype per step, "
                         "and nothing wraps the model)")
+    parser.add_argument("--hierarchy", choices=DMUON_HIERARCHIES, default="auto",
+                        help="DMuon's dedicate_params(hierarchy=...) in the HSDP modes: 'flat' moves "
+                        "the dedicated params over all W ranks as on a 1-D mesh, 'hierarchical' over "
+                        "the shard then the replicate axis, 'auto' flat on gloo when they form one unit "
+                        "(docs/traffic-model.md, 'HSDP: flat or hierarchical')")
     parser.add_argument("--tp", type=int, default=1,
                         help="tensor-parallel degree T: the TP-capable modes (dmuon-z2, dmuon-z3, "
                              "naive-fsdp2-z2, naive-fsdp2-z3 on a (W/T) x T mesh ('shard', 'tp'); "
@@ -75,6 +81,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.tp > 1 and args.model != BUILTIN:
         parser.error("--tp > 1 runs the built-in model only (its TP plan is fixed: "
                      "verify/run/tp_modes.py).")
+    if args.tp > 1 and args.hierarchy == "flat":
+        parser.error("--hierarchy flat runs without --tp (dedicate_params refuses 'flat' on a mesh "
+                     "with a 'tp' axis; 'auto' is hierarchical there).")
     if args.tp > 1 and args.rest != "wrapper":
         parser.error("--rest replicate runs without --tp (DMuon does not replicate a tensor-"
                      "parallel model's rest; dedicate_params refuses it on a mesh with a 'tp' axis).")
@@ -122,6 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         mixed_precision=args.mixed_precision,
         coalesce=args.coalesce,
         rest=args.rest,
+        hierarchy=args.hierarchy,
         tp=args.tp,
     )
     rank = dist.get_rank()

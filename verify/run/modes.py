@@ -22,8 +22,8 @@ from dmuon.ownership.select import matrix_shapes, select_params
 from dmuon.ownership.plan import specs_from_named_parameters
 
 from verify.run.baselines import MatrixMuon, NaiveShardedMuon, ZeroOneMuon
-from verify.traffic.predict import (DMUON_REST_MODES, RunLayout, dmuon_coalesce_bytes, dmuon_reduce_by_gather,
-                                    dmuon_uneven_aligned)
+from verify.traffic.predict import (DMUON_HIERARCHIES, DMUON_REST_MODES, RunLayout, dmuon_coalesce_bytes,
+                                    dmuon_flattens, dmuon_reduce_by_gather, dmuon_uneven_aligned)
 from verify.workload.usermodel import block_names
 
 #: Hyper-parameters every mode uses (Muon's and AdamW's torch defaults except the lrs).
@@ -127,7 +127,8 @@ def _fsdp_wrap(model: nn.Module, mesh, reshard: bool, ignored: set, per_linear: 
 
 
 def build(mode: str, make_model: Callable[[], nn.Module], device: str = "cpu",
-          mixed_precision: str | None = None, coalesce: str = "auto", rest: str = "wrapper") -> Built:
+          mixed_precision: str | None = None, coalesce: str = "auto", rest: str = "wrapper",
+          hierarchy: str = "auto") -> Built:
     """Build ``mode`` on this rank: wrap ``make_model()`` and create its optimizer.
 
     ``coalesce``: DMuon's ``dedicate_params(coalesce=...)`` (the layout gets the target the
@@ -137,12 +138,18 @@ def build(mode: str, make_model: Callable[[], nn.Module], device: str = "cpu",
     ``rest``: the DMuon modes' ``dedicate_params(rest=...)`` (other modes ignore it). With
     ``"replicate"`` DMuon keeps the non-dedicated params itself and the model is wrapped by
     neither DDP nor ``fully_shard`` (dmuon-ddp then runs like dmuon-z2).
+    ``hierarchy``: the DMuon modes' ``dedicate_params(hierarchy=...)``; the layout records it
+    and the harness's own backend table entry (:func:`verify.traffic.predict.dmuon_flattens`),
+    from which the predictor derives flat or hierarchical itself
+    (:func:`verify.traffic.predict.dmuon_hierarchy`; on a 1-D mesh it changes nothing).
 
     Raises:
-        ValueError: unknown mode or a world size the mode cannot use.
+        ValueError: unknown mode, ``rest`` or ``hierarchy``, or a world size the mode cannot use.
     """
     if rest not in DMUON_REST_MODES:
         raise ValueError(f"Invalid rest={rest!r}. Must be one of {DMUON_REST_MODES}.")
+    if hierarchy not in DMUON_HIERARCHIES:
+        raise ValueError(f"Invalid hierarchy={hierarchy!r}. Must be one of {DMUON_HIERARCHIES}.")
     world = dist.get_world_size()
     model = make_model().to(device)
     targets = muon_names(model)
@@ -175,6 +182,8 @@ def build(mode: str, make_model: Callable[[], nn.Module], device: str = "cpu",
             ddp_buffers=buffers if mode in ("ddp-muon", "zero1-muon", "dmuon-ddp") and not replicated else (),
             frozen_names=frozen,
             dmuon_rest="replicate" if replicated else "wrapper",
+            dmuon_hierarchy=hierarchy if mode.startswith("dmuon-") else "auto",
+            dmuon_auto_flat=dmuon_flattens(backend),
         )
 
     mp = mp_policy(mixed_precision)
@@ -182,7 +191,7 @@ def build(mode: str, make_model: Callable[[], nn.Module], device: str = "cpu",
 
     if mode.startswith("dmuon-"):
         dm = dmuon.dedicate_params(model, mesh, params=list(targets), reshard_after_forward=reshard,
-                                   mp_policy=mp, coalesce=coalesce, rest=rest)
+                                   mp_policy=mp, coalesce=coalesce, rest=rest, hierarchy=hierarchy)
         if replicated:
             fsdp_modules = ()
         elif mode == "dmuon-ddp":

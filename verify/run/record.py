@@ -63,7 +63,7 @@ from tracer.interposer import Interposer
 from verify.run.block_order import BlockOrderRecorder, bare_model, blocks_of
 from verify.compare import compare_run
 from verify.report.checks import failures_of_runs, final_line, run_checks
-from verify.traffic.predict import RunLayout, dmuon_uneven_aligned
+from verify.traffic.predict import DMUON_HIERARCHIES, RunLayout, dmuon_flattens, dmuon_uneven_aligned
 from verify.run.figures import add_figures, interposer_source, params_report
 from verify.run.steptime import StepTime, sample
 
@@ -88,8 +88,14 @@ def layout_from_job(model: nn.Module, dedicated: dmuon.DedicatedParams,
     Mixed precision: ``dedicated.mp_policy``'s ``param_dtype`` / ``reduce_dtype`` (torch names),
     the one policy the predictor models for DMuon and FSDP2 alike.
 
+    HSDP hierarchy: ``dedicated.hierarchy``, the value given to ``dedicate_params`` (not what the
+    runtime resolved it to), and the harness's own backend table entry
+    (:func:`verify.traffic.predict.dmuon_flattens`); the predictor derives flat or hierarchical
+    from them (:func:`verify.traffic.predict.dmuon_hierarchy`).
+
     Raises:
-        ValueError: ``dedicated`` is not a ``DedicatedParams``, the wrapping is neither DDP nor
+        ValueError: ``dedicated`` is not a ``DedicatedParams`` or its ``hierarchy`` is not one of
+            :data:`verify.traffic.predict.DMUON_HIERARCHIES`, the wrapping is neither DDP nor
             FSDP2 (under ``rest="wrapper"``), a non-root FSDP2 group's
             ``reshard_after_forward`` differs from DMuon's, or an FSDP2 group's mixed-precision
             ``param_dtype`` / ``reduce_dtype`` differ from DMuon's.
@@ -102,6 +108,10 @@ def layout_from_job(model: nn.Module, dedicated: dmuon.DedicatedParams,
     if not isinstance(z3, bool):
         raise ValueError(f"Invalid dedicated: reshard_after_forward={z3!r}. Must be the bool "
                          "given to dmuon.dedicate_params (Z3: True, Z2: False).")
+    hierarchy = getattr(dedicated, "hierarchy", None)
+    if hierarchy not in DMUON_HIERARCHIES:
+        raise ValueError(f"Invalid dedicated: hierarchy={hierarchy!r}. Must be the value given to "
+                         f"dmuon.dedicate_params, one of {DMUON_HIERARCHIES}.")
     # Muon's matrix shape of each dedicated param, as DMuon planned it (the plan's specs)
     matrices = {sp.name: sp.matrix_shape for sp in dedicated.plan.specs}
     mp = _mp_dtypes(dedicated.mp_policy)
@@ -116,7 +126,8 @@ def layout_from_job(model: nn.Module, dedicated: dmuon.DedicatedParams,
                   # groups reduce by all_to_all: only where DMuon reduces by gather)
                   dmuon_uneven_aligned=bool(dedicated.reduce_by_gather)
                   and dmuon_uneven_aligned(_backend(dedicated)),
-                  dmuon_block_order=tuple(block_order), mp_param_dtype=mp[0], mp_reduce_dtype=mp[1])
+                  dmuon_block_order=tuple(block_order), mp_param_dtype=mp[0], mp_reduce_dtype=mp[1],
+                  dmuon_hierarchy=hierarchy, dmuon_auto_flat=dmuon_flattens(_backend(dedicated)))
     hsdp = topo.replicate_size > 1
     mode = f"dmuon-{'hsdp-' if hsdp else ''}{'z3' if z3 else 'z2'}"
     if dedicated.rest == "replicate":  # DMuon keeps the rest: no wrapper

@@ -92,6 +92,9 @@ class RunConfig:
         rest: DMuon's ``dedicate_params(rest=...)``: ``"wrapper"`` (DDP / FSDP2 handle the
             non-dedicated params) or ``"replicate"`` (DMuon does; the DMuon modes wrap nothing;
             ``verify.run.modes.build``). Not with ``tp`` > 1.
+        hierarchy: DMuon's ``dedicate_params(hierarchy=...)``: ``"auto"``, ``"hierarchical"`` or
+            ``"flat"``; matters on the HSDP modes only (docs/traffic-model.md, "HSDP: flat or
+            hierarchical"). Not ``"flat"`` with ``tp`` > 1.
         tp: tensor-parallel degree T; > 1 runs the TP-capable modes on a (W/T) × T mesh
             (``verify.run.tp_modes``; built-in model only).
     """
@@ -113,6 +116,7 @@ class RunConfig:
     mixed_precision: str | None = None
     coalesce: str = "auto"
     rest: str = "wrapper"
+    hierarchy: str = "auto"
     tp: int = 1
 
 
@@ -259,6 +263,9 @@ def _train_mode(mode: str, config: RunConfig, corpus: ByteCorpus, progress,
         if config.rest != "wrapper":
             raise ValueError(f"Invalid rest={config.rest!r} with tp={config.tp}. Must be 'wrapper' "
                              "under TP (dedicate_params refuses rest='replicate' on a 'tp' mesh).")
+        if config.hierarchy == "flat":
+            raise ValueError(f"Invalid hierarchy='flat' with tp={config.tp}. Must be 'auto' or "
+                             "'hierarchical' under TP (dedicate_params refuses 'flat' on a 'tp' mesh).")
         from verify.run import tp_modes
         from verify.run.modes import ADAMW_LR, MUON_LR, Built
 
@@ -275,7 +282,7 @@ def _train_mode(mode: str, config: RunConfig, corpus: ByteCorpus, progress,
         tagging = tp_modes.tp_phase()
     else:
         built = build(mode, make_model, config.device, config.mixed_precision, config.coalesce,
-                      config.rest)
+                      config.rest, config.hierarchy)
         loss_fn = made[-1][1]
     model, opt = built.model, built.optimizer
     out = Path(config.out_dir) / mode

@@ -22,6 +22,7 @@ quantity: reports show the busiest rank's own sum in a separate column, never mi
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 #: Ops whose nccl-tests array size is n * count (gather / scatter: nccl-tests
@@ -112,7 +113,12 @@ class ClosedForm:
         return None if self.seed_phases is None else sum(self.seed_phases.values())
 
 
-def closed_form(mode: str, shard_size: int, replicate_size: int = 1) -> ClosedForm:
+#: DMuon's HSDP modes and the 1-D mode each moves its dedicated params as when flat
+#: (``dedicate_params(hierarchy=...)``; docs/traffic-model.md, "HSDP: flat or hierarchical").
+FLAT_MODES = {"dmuon-hsdp-z2": "dmuon-z2", "dmuon-hsdp-z3": "dmuon-z3"}
+
+
+def closed_form(mode: str, shard_size: int, replicate_size: int = 1, *, flat: bool = False) -> ClosedForm:
     """The closed form of ``mode`` (docs/spec.md §2) at N = shard_size, R = replicate_size.
 
     Modes: ddp-muon, zero1-muon, dmuon-ddp, naive-fsdp2-z2, naive-fsdp2-z3, dmuon-z2, dmuon-z3,
@@ -122,12 +128,25 @@ def closed_form(mode: str, shard_size: int, replicate_size: int = 1) -> ClosedFo
     of R ranks, so each costs (R-1)/(N·R)·P_M per rank on the W-average (the correction of
     docs/spec.md §2); the seed prices them at (R-1)/R·P_M each (``seed_phases``).
 
+    ``flat`` (a DMuon HSDP mode whose run moved its dedicated params flat,
+    ``verify.traffic.predict.dmuon_hierarchy``): the 1-D form of :data:`FLAT_MODES` at
+    N = W = shard_size·replicate_size, printed with W (docs/traffic-model.md, "HSDP: flat or
+    hierarchical"): Z2 2(W-1)/W, HSDP-Z2's total with no replicate phase; Z3
+    3(W-1)/W − (W-1)/W·P_M^L, HSDP-Z3's total when P_M^L = P_M. No seed reading (it is about
+    the replicate terms).
+
     Raises:
-        ValueError: unknown mode or non-positive sizes.
+        ValueError: unknown mode, non-positive sizes, or ``flat`` with a mode outside
+            :data:`FLAT_MODES`.
     """
     n, r = shard_size, replicate_size
     if n < 1 or r < 1:
         raise ValueError(f"Invalid shard_size={n}, replicate_size={r}. Must be >= 1.")
+    if flat:
+        if mode not in FLAT_MODES:
+            raise ValueError(f"Invalid flat=True with mode={mode!r}. Must be one of {sorted(FLAT_MODES)} "
+                             "(only DMuon's HSDP modes move flat or hierarchical).")
+        return _over_world(closed_form(FLAT_MODES[mode], n * r))
     a = (n - 1) / n
     rep = (r - 1) / (n * r)
     seed_rep = (r - 1) / r
@@ -177,6 +196,14 @@ def closed_form(mode: str, shard_size: int, replicate_size: int = 1) -> ClosedFo
     if mode not in table:
         raise ValueError(f"Invalid mode={mode!r}. Must be one of {sorted(table)}.")
     return table[mode]
+
+
+def _over_world(form: ClosedForm) -> ClosedForm:
+    """A 1-D form evaluated at N = W, its printed terms written with W (the group is the world)."""
+    def world(text: str) -> str:
+        return text.replace("N", "W")
+    return dataclasses.replace(form, text=world(form.text), reuse_text=world(form.reuse_text),
+                               kept_text=world(form.kept_text))
 
 
 #: Modes whose Muon params are FSDP2-sharded on dim 0 (the naive baselines): their traffic

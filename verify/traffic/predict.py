@@ -28,6 +28,14 @@ What is modelled (torch 2.13, measured on gloo by the harness):
   (:func:`verify.traffic.rules.rest_calls`). Its one-time first-forward broadcast (phase
   ``setup``) is not part of a step, like DMuon's block-order agreement and DDP's bucket
   rebuild: the harness measures after warm-up steps.
+- DMuon on an HSDP mesh, flat or hierarchical (``dedicate_params(hierarchy=...)``,
+  ``RunLayout.dmuon_hierarchy``; docs/traffic-model.md, "HSDP: flat or hierarchical"):
+  hierarchical is the protocol above; flat moves the dedicated params as on a 1-D mesh of
+  all W ranks (owner g = world rank g, no replicate channel or phase), so its calls are the
+  hierarchical rule's on the (1, W) view of the layout (:func:`dmuon_layout`); which one a
+  run uses is :func:`dmuon_hierarchy`, from the harness's own backend table
+  (:func:`dmuon_flattens`) and unit derivation (:func:`layout_buckets`). FSDP2's calls for
+  the rest stay on the (R, N) mesh either way.
 - Naive baselines: one all_gather per Muon param in the optimizer step (``full_tensor()``
   of the Shard(0) gradient; per-rank count ceil(d0/N)·(d1·…), an expert stack or a conv
   weight included).
@@ -55,7 +63,7 @@ from dataclasses import dataclass
 from dmuon.ownership.plan import OwnershipPlan, ParamSpec, plan_ownership
 from tracer.events import DTYPE_BYTES, all_to_all_count, all_to_all_elems, group_id_from_ranks
 
-from verify.traffic.formulas import MODES, avg_elems
+from verify.traffic.formulas import MODES, ClosedForm, avg_elems, closed_form
 from verify.traffic.rules import (
     AxisCall,
     ddp_buckets,
@@ -69,6 +77,9 @@ from verify.traffic.rules import (
 
 #: ``dedicate_params``' ``rest`` values (``RunLayout.dmuon_rest``).
 DMUON_REST_MODES = ("wrapper", "replicate")
+
+#: ``dedicate_params``' ``hierarchy`` values (``RunLayout.dmuon_hierarchy``).
+DMUON_HIERARCHIES = ("auto", "hierarchical", "flat")
 
 #: "No limit" for the byte targets below (``coalesce="all"``, NCCL's aligned groups).
 NO_LIMIT = 2**63 - 1
@@ -126,6 +137,11 @@ class RunLayout:
             the non-dedicated params: ``fsdp_modules``, or DDP in ``dmuon-ddp``) or
             ``"replicate"`` (DMuon all-reduces them itself and nothing wraps the model:
             ``fsdp_modules`` and ``ddp_buffers`` must be empty; DMuon modes only).
+        dmuon_hierarchy: DMuon's ``dedicate_params(hierarchy=...)`` as requested, one of
+            :data:`DMUON_HIERARCHIES`; what it resolves to is :func:`dmuon_hierarchy`.
+        dmuon_auto_flat: the harness's backend table entry for ``hierarchy="auto"``
+            (:func:`dmuon_flattens`: gloo); ``False`` in layouts written before the knob,
+            which all ran hierarchical.
     """
 
     mode: str
@@ -149,6 +165,8 @@ class RunLayout:
     ddp_buffers: tuple[tuple[str, int], ...] = ()
     frozen_names: tuple[str, ...] = ()
     dmuon_rest: str = "wrapper"
+    dmuon_hierarchy: str = "auto"
+    dmuon_auto_flat: bool = False
 
     def calls_of(self, module: str) -> int:
         """How many times ``module``'s forward runs per forward (:attr:`module_calls`; 1)."""
@@ -171,6 +189,9 @@ class RunLayout:
             raise ValueError("Invalid layout: dmuon_uneven_aligned=True with "
                              "dmuon_reduce_by_gather=False. Must reduce by gather: an uneven "
                              "group's reduce is an all_to_all (no uneven reduce_scatter).")
+        if self.dmuon_hierarchy not in DMUON_HIERARCHIES:
+            raise ValueError(f"Invalid dmuon_hierarchy={self.dmuon_hierarchy!r}. Must be one of "
+                             f"{DMUON_HIERARCHIES}.")
         if self.dmuon_rest not in DMUON_REST_MODES:
             raise ValueError(f"Invalid dmuon_rest={self.dmuon_rest!r}. Must be one of {DMUON_REST_MODES}.")
         if self.dmuon_rest == "replicate" and (not self.is_dmuon or self.fsdp_modules or self.ddp_buffers):
@@ -341,6 +362,18 @@ DMUON_REDUCE_BY_GATHER = frozenset({"gloo"})
 def dmuon_reduce_by_gather(backend: str) -> bool:
     """Whether DMuon's reductions run as gathers / all_to_alls on ``backend``."""
     return backend in DMUON_REDUCE_BY_GATHER
+
+
+#: Backends on which ``hierarchy="auto"`` moves the dedicated params flat over all W ranks of
+#: an HSDP mesh when they form one unit (docs/traffic-model.md, "HSDP: flat or
+#: hierarchical"), written here independently of the runtime's table; NCCL and any other
+#: backend stay hierarchical.
+DMUON_AUTO_FLAT = frozenset({"gloo"})
+
+
+def dmuon_flattens(backend: str) -> bool:
+    """Whether ``hierarchy="auto"`` may go flat on ``backend`` (``RunLayout.dmuon_auto_flat``)."""
+    return backend in DMUON_AUTO_FLAT
 
 
 def dmuon_coalesce_bytes(coalesce: str | int, backend: str) -> int:
@@ -636,6 +669,53 @@ def layout_buckets(layout: RunLayout, plan: OwnershipPlan | None = None) -> list
                          layout.dmuon_coalesce_bytes, layout.dmuon_uneven_aligned)
 
 
+def dmuon_hierarchy(layout: RunLayout) -> str | None:
+    """How DMuon moves ``layout``'s dedicated params on its mesh (docs/traffic-model.md, "HSDP:
+    flat or hierarchical"): ``"flat"`` or ``"hierarchical"`` for a DMuon mode on a 2-D
+    ``(R, N)`` mesh, ``None`` where the knob changes nothing (a 1-D mesh, a non-DMuon mode).
+
+    ``layout.dmuon_hierarchy`` when it names one; ``"auto"``: flat iff the harness's backend
+    table allows it (``layout.dmuon_auto_flat``, :func:`dmuon_flattens`) and the dedicated
+    params form exactly one unit, i.e. every bucket of :func:`layout_buckets` (the coalescing
+    rule's final units, after a multi-block unit that saves no call was split) has the same
+    unit; hierarchical otherwise. A TP layout (``tp_size`` > 1) is always hierarchical
+    (``verify.traffic.tp.TPRunLayout`` refuses ``"flat"``)."""
+    if not layout.is_dmuon or layout.replicate_size == 1:
+        return None
+    if getattr(layout, "tp_size", 1) > 1:
+        return "hierarchical"
+    if layout.dmuon_hierarchy != "auto":
+        return layout.dmuon_hierarchy
+    one_unit = len({b.module for b in layout_buckets(layout)}) == 1
+    return "flat" if layout.dmuon_auto_flat and one_unit else "hierarchical"
+
+
+def dmuon_flat(layout: RunLayout) -> bool:
+    """Whether DMuon moves ``layout``'s dedicated params flat (:func:`dmuon_hierarchy`)."""
+    return dmuon_hierarchy(layout) == "flat"
+
+
+def dmuon_layout(layout: RunLayout) -> RunLayout:
+    """The layout DMuon's own calls are predicted on: ``layout`` itself, or, flat
+    (:func:`dmuon_flat`), its view as a 1-D mesh of all W ranks, R = 1 and N = W
+    (docs/traffic-model.md, "HSDP: flat or hierarchical"): shard channel = the world, no
+    replicate calls, owner g = world rank g. The planner assigns owners over the W ranks
+    whatever the mesh's shape, so the (1, W) plan has the same owners as the (R, N) one
+    (``tests/verify/test_predict_flat.py``). Only DMuon's dedicated calls use the view;
+    FSDP2's calls for the rest keep ``layout``'s (R, N)."""
+    if not dmuon_flat(layout):
+        return layout
+    return dataclasses.replace(layout, replicate_size=1, shard_size=layout.world_size)
+
+
+def run_closed_form(layout: RunLayout) -> ClosedForm:
+    """The closed form ``layout``'s run is checked against (docs/spec.md §2):
+    :func:`verify.traffic.formulas.closed_form` at ``layout``'s N and R, flat where DMuon moved
+    the dedicated params flat (:func:`dmuon_flat`: the 1-D form at N = W). Evaluate it at
+    :func:`verify.traffic.formulas.closed_form_p_m`, :func:`reused_elems`, :func:`kept_elems`."""
+    return closed_form(layout.mode, layout.shard_size, layout.replicate_size, flat=dmuon_flat(layout))
+
+
 def kept_unit(layout: RunLayout, buckets: Sequence[DMuonBucket]) -> str | None:
     """The unit Z3 keeps allocated from its forward into the backward, given ``buckets`` in
     index order (:func:`layout_buckets`): the unit of the last bucket index
@@ -715,12 +795,14 @@ def _zero1_step_calls(layout: RunLayout, rank: int) -> list[Expected]:
 
 
 def predict_step(layout: RunLayout) -> list[Expected]:
-    """Every call of one training step on every rank (forward, backward, optimizer[, replicate])."""
+    """Every call of one training step on every rank (forward, backward, optimizer[, replicate]);
+    DMuon's dedicated calls on :func:`dmuon_layout` (flat HSDP: the 1-D rule over all W)."""
     out: list[Expected] = []
     dedicated = set(layout.muon_names) if layout.is_dmuon else set()
+    own = dmuon_layout(layout) if layout.is_dmuon else layout  # flat: the (1, W) view
     for rank in range(layout.world_size):
         if layout.is_dmuon:
-            out += _dmuon_calls(layout, rank)
+            out += _dmuon_calls(own, rank)
         if layout.is_dmuon and layout.dmuon_rest == "replicate":  # nothing wraps the model
             out += _axis_calls(layout, rank, rest_calls(layout))
         elif layout.mode == "zero1-muon":

@@ -20,6 +20,10 @@ per s, exact), a replicate-axis one on its replicate index r too, which a per-s 
 hold: it is tallied at its column's mean, exact for every average; the busiest-rank figures
 take that mean for it.
 
+DMuon HSDP runs are modelled hierarchical only: :func:`step_traffic` refuses a layout that
+moves flat (``verify.traffic.predict.dmuon_flat``; ``dmuon-plan`` sizes NCCL jobs, where
+``hierarchy="auto"`` is hierarchical).
+
 ``zero1-muon`` is the harness's ZeRO-1-style baseline (``verify.run.baselines.ZeroOneMuon``): one
 reduce_scatter and one all_gather over the world of an owner-aligned flat buffer (whole
 matrices per owner, padded to the largest owner's total C), DDP for the other params. On an
@@ -41,6 +45,7 @@ from dmuon.ownership.plan import OwnershipPlan, ParamSpec, plan_ownership
 from verify.traffic.predict import (
     RunLayout,
     dmuon_broadcasts,
+    dmuon_flat,
     kept_elems,
     kept_unit,
     layout_buckets,
@@ -304,6 +309,13 @@ def _muon_bytes(layout: RunLayout) -> int:
 
 
 def _build_dmuon(layout: RunLayout, plan: OwnershipPlan) -> StepTraffic:
+    if dmuon_flat(layout):  # its rank classes are not the (R, N) ones this tally assumes
+        raise ValueError(
+            f"Invalid layout: {layout.mode} moving its dedicated params flat over W="
+            f"{layout.world_size} (verify.traffic.predict.dmuon_hierarchy). Must be hierarchical "
+            "here: the aggregate predictor models DMuon's HSDP protocol only; predict a flat run "
+            "with verify.traffic.predict.predict_step (docs/traffic-model.md, \"HSDP: flat or "
+            "hierarchical\").")
     common, extra = _dmuon(layout, plan)
     ded = set(layout.muon_names)
     if layout.dmuon_rest == "replicate":  # DMuon all-reduces the rest; nothing wraps the model

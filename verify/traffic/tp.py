@@ -66,6 +66,13 @@ class TPRunLayout(RunLayout):
     tp_dims: tuple[tuple[str, int], ...] = ()
     tp_activations: tuple[tuple[str, str, int, str], ...] = ()
 
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.dmuon_hierarchy == "flat" and self.tp_size > 1:
+            raise ValueError("Invalid dmuon_hierarchy='flat' with tp_size > 1. Must be 'auto' or "
+                             "'hierarchical': DMuon moves a TP mesh's params hierarchically "
+                             "(docs/traffic-model.md, \"HSDP: flat or hierarchical\").")
+
     @property
     def world_size(self) -> int:
         return self.replicate_size * self.shard_size * self.tp_size
@@ -114,6 +121,7 @@ class TPRunLayout(RunLayout):
         """The data-parallel layout of one TP column: local shapes, owners from the TP plan."""
         base = {f.name: getattr(self, f.name) for f in dataclasses.fields(RunLayout)}
         base["params"] = self.local_specs()
+        base["dmuon_hierarchy"] = "hierarchical"  # a TP mesh never moves flat
         return _ColumnLayout(**base, tp_plan_owner=tuple(self._dp_owner().items()))
 
     def _dp_owner(self) -> dict[str, int]:
