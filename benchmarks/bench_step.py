@@ -42,7 +42,10 @@ coalescing) in the same rounds, so before and after are measured side by side
 not dedicate replicated and all-reduces their grads itself (one call per dtype per step,
 ``dmuon/runtime/rest.py``), and nothing wraps the model, against the default rows where DDP or
 FSDP2 handles them (``--no-rest`` skips them). Without a wrapper dmuon-ddp/rest is dmuon-z2/rest:
-two rows of one configuration, whose difference shows the invocation's noise.
+two rows of one configuration, whose difference shows the invocation's noise. The HSDP modes
+run with ``hierarchy="auto"`` (flat on gloo for a one-unit model: docs/traffic-model.md, "HSDP:
+flat or hierarchical") and also as ``<mode>/hier`` and ``<mode>/rest/hier`` with
+``hierarchy="hierarchical"`` (``--no-hier`` skips them).
 
 Targets (issue 20, W=4, medians of the per-round ratios to the fastest baseline): dmuon-ddp,
 dmuon-z2, dmuon-hsdp-z2 <= 1.0; dmuon-z3, dmuon-hsdp-z3 <= 1.15, for every variant of the
@@ -111,21 +114,27 @@ PER_BLOCK = "/block"
 #: Suffix of the DMuon rows built with ``rest="replicate"`` (DMuon replicates the rest; nothing
 #: wraps the model), run in the same invocation as the default ``rest="wrapper"`` rows.
 REST = "/rest"
+#: Suffix of the HSDP rows built with ``hierarchy="hierarchical"`` (the replicate reduce and
+#: broadcast kept), run in the same invocation as the default ``"auto"`` rows.
+HIER = "/hier"
 
 
-def _implementations(world: int, per_block: bool, rest: bool = True) -> list[str]:
+def _implementations(world: int, per_block: bool, rest: bool = True, hier: bool = True) -> list[str]:
     hsdp = world >= 4 and world % 2 == 0
     extra = tuple(m + PER_BLOCK for m in DMUON) if per_block else ()
     extra += tuple(m + REST for m in DMUON) if rest else ()
+    if hier:
+        extra += tuple(m + s + HIER for m in DMUON if "hsdp" in m for s in ("", REST)[: 1 + rest])
     return [m for m in (*BASELINES, *DMUON, *extra) if hsdp or "hsdp" not in m]
 
 
 def _build(mode: str, make_model):
-    """``mode`` of :func:`_implementations` built by ``verify.run.modes.build``: its suffix
-    picks DMuon's ``coalesce`` (``/block``) or ``rest`` (``/rest``)."""
-    base = mode.removesuffix(PER_BLOCK).removesuffix(REST)
-    return build(base, make_model, coalesce="block" if mode.endswith(PER_BLOCK) else "auto",
-                 rest="replicate" if mode.endswith(REST) else "wrapper")
+    """``mode`` of :func:`_implementations` built by ``verify.run.modes.build``: its suffixes
+    pick DMuon's ``coalesce`` (``/block``), ``rest`` (``/rest``) and ``hierarchy`` (``/hier``)."""
+    base, *suffixes = mode.split("/")
+    return build(base, make_model, coalesce="block" if "block" in suffixes else "auto",
+                 rest="replicate" if "rest" in suffixes else "wrapper",
+                 hierarchy="hierarchical" if "hier" in suffixes else "auto")
 
 
 def _batches(model_name: str, args):
@@ -154,7 +163,7 @@ def _batches(model_name: str, args):
 def _rank_task(model_name: str, args) -> dict:
     world = dist.get_world_size()
     make_model, batch = _batches(model_name, args)
-    impls = _implementations(world, args.per_block, args.rest)
+    impls = _implementations(world, args.per_block, args.rest, args.hier)
     built = {}
     for mode in impls:
         torch.manual_seed(0)
@@ -237,6 +246,8 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"skip the DMuon rows with rest='replicate' ('{REST}': DMuon all-reduces "
                         "the params it does not dedicate and nothing wraps the model, run beside the "
                         "default rows where DDP / FSDP2 handle them)")
+    parser.add_argument("--no-hier", dest="hier", action="store_false",
+                        help=f"skip the HSDP rows with hierarchy='hierarchical' ('{HIER}')")
     parser.add_argument("--steps", type=int, default=3, help="steps per implementation per round")
     parser.add_argument("--warmup", type=int, default=3, help="steps per implementation before timing")
     parser.add_argument("--mlp-dim", type=int, default=256)

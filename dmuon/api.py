@@ -201,14 +201,13 @@ def dedicate_params(
     flat = topology.replicate_size > 1 and tp_layout is None and resolve_hierarchy(
         hierarchy, coalescing, bucket_layout(specs, plan, cap_bytes, coalescing.target_bytes,
                                              coalescing.reduce_by_gather))
-    if flat:  # docs/traffic-model.md, "HSDP: flat or hierarchical"
-        topology = topology.flattened()
-        plan = dataclasses.replace(plan, mesh_shape=topology.mesh_shape)
     dedicated = {n for n, _, _ in named}
     rest_params = replicated_rest.rest_of(model, dedicated) if rest == "replicate" else []
     if rest_params and getattr(mp_policy, "param_dtype", None) is not None:
         replicated_rest.check_dtypes(model, dedicated, mp_policy.param_dtype)
-    digest = setup_digest(tp_layout.full_plan if tp_layout else plan, named,
+    # flat (docs/traffic-model.md, "HSDP: flat or hierarchical"): the plan as moved, (1, W)
+    moved = dataclasses.replace(plan, mesh_shape=(1, topology.world_size)) if flat else plan
+    digest = setup_digest(tp_layout.full_plan if tp_layout else moved, named,
                           reshard_after_forward, mp_policy, cap_bytes, coalescing, rest_params)
     collectives.check_plan_agreement(
         digest, "setup (ownership plan and hierarchy, reshard_after_forward, mp_policy, "

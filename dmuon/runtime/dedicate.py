@@ -280,6 +280,7 @@ not block the CPU there.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -318,7 +319,8 @@ class DedicatedParams:
             by ``buckets.resolve_coalesce``).
         hierarchy: the ``hierarchy`` given to ``dedicate_params`` (``"auto"``,
             ``"hierarchical"`` or ``"flat"``); ``flat``: whether an HSDP mesh moves the
-            dedicated params flat (``topology`` is then the 1-D one of all W ranks).
+            dedicated params flat (as a 1-D mesh of all W ranks; ``topology`` and ``plan``
+            stay the mesh's).
         rest: who handles the params that are not dedicated: ``"wrapper"`` (DDP / FSDP2) or
             ``"replicate"`` (DMuon, ``rest.py``; the constructor's ``rest`` is then their
             names, else ``None``); ``rest_names``: those params in model order under
@@ -346,7 +348,12 @@ class DedicatedParams:
     ) -> None:
         self._assignments = list(assignments or ())
         self.hierarchy = hierarchy
-        self.flat = flat  # an HSDP mesh moved flat: ``topology`` is the 1-D one of all W ranks
+        self.flat = flat
+        # what the runtime moves by: an HSDP mesh moved flat is a 1-D layout of all W ranks
+        moved, moved_plan = topology, plan
+        if flat:
+            moved = topology.flattened()
+            moved_plan = dataclasses.replace(plan, mesh_shape=moved.mesh_shape)
         self.bucket_cap_bytes = bucket_cap_bytes
         self.prefetch_depth = prefetch_depth
         self.coalesce_bytes = coalescing.target_bytes
@@ -360,13 +367,13 @@ class DedicatedParams:
         self._model = model
         self.tp = tp  # dmuon.runtime.tp.TPLayout on a TP mesh, else None
         self._groups = (tp_groups(mesh) if tp is not None
-                        else collectives.make_groups(_mesh_rows(mesh, topology)))
+                        else collectives.make_groups(_mesh_rows(mesh, moved)))
         self.rest = "wrapper" if rest is None else "replicate"
         self.rest_names = list(rest or ())
         replicated = None if rest is None else ReplicatedRest(model, self.rest_names, self._groups.world)
         for p in replicated.params() if replicated is not None else ():
             collectives.check_param_device(p.device, self._groups.world, "the rest's params")
-        self._runtime: Runtime | None = Runtime(model, named, topology, plan, self._groups,
+        self._runtime: Runtime | None = Runtime(model, named, moved, moved_plan, self._groups,
                                 reshard_after_forward=reshard_after_forward, mp_policy=mp_policy,
                                 bucket_cap_bytes=bucket_cap_bytes, prefetch_depth=prefetch_depth,
                                 coalescing=coalescing, rest=replicated)
@@ -536,7 +543,7 @@ class DedicatedParams:
         rebroadcasts = calls - calls_of(b for b in rt.buckets
                                         if b.module_name == rt.buckets[-1].module_name)
         replicate = 0
-        if self.topology.replicate_size > 1:
+        if self.topology.replicate_size > 1 and not self.flat:
             held = [b for b in rt.buckets if b.is_holder]
             replicate = 2 * calls_of(held)
         z3 = self.reshard_after_forward
@@ -544,7 +551,7 @@ class DedicatedParams:
         peak = max((a + b for a, b in zip(free, free[1:] + [0])), default=0) if z3 else 0
         rest = rt.rest.params() if rt.rest is not None else []
         rest_calls = len({p.dtype for p in rest if p.requires_grad})  # one all_reduce per dtype
-        hsdp = self.topology.replicate_size > 1 or self.flat
+        hsdp = self.topology.replicate_size > 1
         return {"target_bytes": self.coalesce_bytes, "reduce_by_gather": self.reduce_by_gather,
                 "hierarchy": ("flat" if self.flat else "hierarchical") if hsdp else None,
                 "units": list(units.values()),

@@ -53,19 +53,28 @@ def _assert_profiler_matches(results):
 
 
 # naive-fsdp2-z2 in the slow set: naive-fsdp2-z3 runs the same FSDP2 path plus the reshard
-@pytest.mark.parametrize("mode", [pytest.param(m, marks=pytest.mark.slow) if m == "naive-fsdp2-z2" else m
-                                  for m in MODES])
-def test_w4_exact_collectives_and_closed_form(pool4, mode):
-    run, results = _compare(pool4, mode)
+# HSDP modes run twice: "auto" (flat on gloo: TinyGPT is one unit) and the hierarchical
+# protocol NCCL jobs use (docs/traffic-model.md, "HSDP: flat or hierarchical")
+W4_CASES = [pytest.param(m, "auto", marks=pytest.mark.slow) if m == "naive-fsdp2-z2" else (m, "auto")
+            for m in MODES] + [("dmuon-hsdp-z2", "hierarchical"), ("dmuon-hsdp-z3", "hierarchical")]
+
+
+@pytest.mark.parametrize(("mode", "hierarchy"), W4_CASES)
+def test_w4_exact_collectives_and_closed_form(pool4, mode, hierarchy):
+    run, results = _compare(pool4, mode, hierarchy=hierarchy)
     assert run["missing"] == [] and run["unexpected"] == [], (run["missing"][:5], run["unexpected"][:5])
     assert run["ratio_to_p_m"] == pytest.approx(EXPECTED_RATIO_W4[mode], rel=1e-12)
     assert run["ns_calls_per_step"] == run["ns_calls_expected"]
     assert run["closed_form_matches"] and run["pass"]
     _assert_profiler_matches(results)
+    flat = mode.startswith("dmuon-hsdp") and hierarchy == "auto"
+    if mode.startswith("dmuon-hsdp"):
+        assert run["hierarchy"] == ("flat" if flat else "hierarchical")
+        assert ("replicate" in run["phases"]) is not flat  # flat: no replicate-axis call
     if mode in ("dmuon-z3", "dmuon-hsdp-z3"):  # one unit, kept: the P_M^L term is all of P_M
         assert run["p_m_kept"] == Z3_KEPT_SHARE * run["p_m"]
-        assert run["closed_form"].endswith(" − (N-1)/N·P_M^L")
-    if mode == "dmuon-hsdp-z2":  # the HSDP replicate term follows the W-average, not the seed
+        assert run["closed_form"].endswith(" − (W-1)/W·P_M^L" if flat else " − (N-1)/N·P_M^L")
+    if mode == "dmuon-hsdp-z2" and not flat:  # the HSDP replicate term follows the W-average, not the seed
         rep, p_m = run["phases"]["replicate"], run["p_m"]
         # (R-1)/(N·R)·P_M with N = R = 2: P_M/4, not the seed's (R-1)/R·P_M = P_M/2.
         assert rep["measured_avg_elems"] == pytest.approx(p_m / 4)
