@@ -68,8 +68,17 @@ def _mesh(kind: str):
     return init_device_mesh("cpu", (world,))
 
 
+#: The HSDP modes of these tasks run the hierarchical protocol (NCCL's) unless a test passes
+#: ``hierarchy``: under the default "auto" gloo would move these one-unit models flat, DMuon's
+#: 1-D path over all W ranks, which the 1-D modes cover (tests that want it ask for "auto").
+HSDP_HIERARCHY = "hierarchical"
+
+
 def build(mode: str, config=SMALL, wrap: bool = True, **dm_kw):
-    """(model to call, bare model, dm, optimizer) for mode ddp / z2 / z3 / hsdp-z2 / hsdp-z3."""
+    """(model to call, bare model, dm, optimizer) for mode ddp / z2 / z3 / hsdp-z2 / hsdp-z3
+    (HSDP: :data:`HSDP_HIERARCHY` unless ``dm_kw`` has ``hierarchy``)."""
+    if mode.startswith("hsdp"):
+        dm_kw.setdefault("hierarchy", HSDP_HIERARCHY)
     mesh = _mesh("hsdp" if mode.startswith("hsdp") else "flat")
     model = make_model(config)
     reshard = mode.endswith("z3")

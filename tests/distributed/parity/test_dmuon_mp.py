@@ -44,20 +44,27 @@ def test_one_policy_with_output_dtype_serves_fully_shard_and_dmuon(pool4, mode, 
 
 
 def _dedicated_bytes(events, phases=("forward", "backward")) -> int:
-    """Bytes of DMuon's broadcasts and reduces (every rank, all measured steps)."""
-    return sum(ev.count * DTYPE_BYTES[ev.dtype] for ev in events
-               if ev.phase in phases and ev.op in ("broadcast", "reduce"))
+    """Input bytes of DMuon's calls in ``phases`` (every rank, all measured steps): the calls
+    of its buckets, whose module is a block (FSDP2's calls for the rest carry none), whatever
+    op carries them (broadcast / gather, or an aligned group's all_gather / all_to_all)."""
+    dedicated = [ev for ev in events if ev.phase in phases and (ev.module or "").startswith("blocks")]
+    assert dedicated, "no DMuon call measured"
+    return sum((ev.count if ev.in_elems is None else ev.in_elems) * DTYPE_BYTES[ev.dtype]
+               for ev in dedicated)
 
 
-@pytest.mark.parametrize("mode", [
-    "dmuon-hsdp-z3",  # every DMuon phase: forward, re-broadcast, both reduces, replicate
-    pytest.param("dmuon-z3", marks=pytest.mark.slow),
-    pytest.param("dmuon-ddp", marks=pytest.mark.slow),
+@pytest.mark.parametrize(("mode", "hierarchy"), [
+    # every DMuon phase: forward, re-broadcast, both reduces, replicate
+    ("dmuon-hsdp-z3", "hierarchical"),
+    pytest.param("dmuon-hsdp-z3", "auto", marks=pytest.mark.slow),  # flat: the 1-D path over W
+    pytest.param("dmuon-z3", "auto", marks=pytest.mark.slow),
+    pytest.param("dmuon-ddp", "auto", marks=pytest.mark.slow),
 ])
-def test_mp_traffic_equals_prediction_and_dedicated_bytes_halve(pool4, mode):
+def test_mp_traffic_equals_prediction_and_dedicated_bytes_halve(pool4, mode, hierarchy):
     measured = {}
     for mp in (None, "bf16"):
-        results = pool4.run_with_timeout(TIMEOUT_S, traffic_tasks.measure_mode, mode, mixed_precision=mp)
+        results = pool4.run_with_timeout(TIMEOUT_S, traffic_tasks.measure_mode, mode, mixed_precision=mp,
+                                         hierarchy=hierarchy)
         events = [ev for r in results for ev in r["events"]]
         run = compare_run(results[0]["layout"], events, steps=2, ns_calls=sum(r["ns_calls"] for r in results))
         assert run["missing"] == [] and run["unexpected"] == [], (mp, run["missing"][:3], run["unexpected"][:3])

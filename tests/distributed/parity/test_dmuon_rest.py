@@ -20,12 +20,15 @@ MODES = ("ddp", "z2", "z3", "hsdp-z2", "hsdp-z3")
 
 def test_every_mode_matches_the_oracle(pool4, oracle_10):  # noqa: F811
     init, ref, floor = oracle_10
-    merged = {m: T.merge_owned(pool4.run(T.train_dmuon, m, STEPS, rest="replicate")) for m in MODES}
+    # HSDP both ways: hierarchical (the tasks' default) and "auto", flat for this one-unit model
+    runs = [(m, {}) for m in MODES] + [(m, {"hierarchy": "auto"}) for m in MODES if "hsdp" in m]
+    merged = {(m, *kw.values()): T.merge_owned(pool4.run(T.train_dmuon, m, STEPS, rest="replicate", **kw))
+              for m, kw in runs}
     for mode, params in merged.items():
         assert _rel_err(params, init, ref) <= FLOOR_FACTOR * floor[4], mode
-    # residency and the mesh change no arithmetic of the rest: the modes are bit-identical
-    for mode in MODES[1:]:
-        assert all(torch.equal(merged[mode][n], merged["ddp"][n]) for n in ref), mode
+    # residency, the mesh and its hierarchy change no arithmetic: the modes are bit-identical
+    for mode in merged:
+        assert all(torch.equal(merged[mode][n], merged[("ddp",)][n]) for n in ref), mode
 
 
 @pytest.mark.parametrize("mode", ["z2", "hsdp-z3"])

@@ -37,6 +37,14 @@ def _one_step(model, dm) -> None:
     opt.zero_grad()
 
 
+def _dedicate(model, mesh, **kw):
+    """``dmuon.dedicate_params``; an HSDP mesh keeps the hierarchical protocol (its 4 groups:
+    the lifecycle of the most groups; "auto" would move these one-unit models flat)."""
+    if mesh.ndim == 2:
+        kw.setdefault("hierarchy", "hierarchical")
+    return dmuon.dedicate_params(model, mesh, **kw)
+
+
 def build_close_cycles(kind: str, cycles: int) -> dict:
     """``cycles`` times: a fresh model, dedicate_params (Z3) on one mesh built once, one
     training step, close(). Returns this process's (threads, fds) before the cycles (after one
@@ -44,19 +52,19 @@ def build_close_cycles(kind: str, cycles: int) -> dict:
     unclosed DedicatedParams holds)."""
     mesh = _mesh(kind)
     model = make_model()
-    _one_step(model, dmuon.dedicate_params(model, mesh))
-    dmuon.dedicate_params(make_model(), mesh).close()  # warm-up (gloo's first-use threads)
+    _one_step(model, _dedicate(model, mesh))
+    _dedicate(make_model(), mesh).close()  # warm-up (gloo's first-use threads)
     before = resources()
     after = []
     for _ in range(cycles):
         model = make_model()
-        dm = dmuon.dedicate_params(model, mesh)
+        dm = _dedicate(model, mesh)
         _one_step(model, dm)
         dm.close()
         del dm, model
         after.append(resources())
     model = make_model()
-    dm = dmuon.dedicate_params(model, mesh)
+    dm = _dedicate(model, mesh)
     _one_step(model, dm)
     open_ = resources()
     dm.close()
@@ -90,7 +98,7 @@ def close_semantics(mode: str) -> dict:
     mesh = _mesh("hsdp" if mode.startswith("hsdp") else "flat")
     model = make_model()
     classes = {n: type(m) for n, m in model.named_modules()}
-    dm = dmuon.dedicate_params(model, mesh, reshard_after_forward=mode.endswith("z3"))
+    dm = _dedicate(model, mesh, reshard_after_forward=mode.endswith("z3"))
     swapped = sorted(n for n, m in model.named_modules() if type(m) is not classes[n])
     opt = dmuon.DMuon(model.parameters(), dedicated=dm)
     x, y = batch(0)
@@ -110,7 +118,7 @@ def close_semantics(mode: str) -> dict:
         "closed": dm.closed,
     }
     _loss(model, x, y).backward()  # a plain model now
-    with dmuon.dedicate_params(model, mesh) as again:
+    with _dedicate(model, mesh) as again:
         again_opt = dmuon.DMuon(model.parameters(), dedicated=again)
         model.zero_grad()
         _loss(model, x, y).backward()
@@ -124,7 +132,7 @@ def exception_in_with() -> dict:
     mesh = _mesh("flat")
     model = make_model()
     try:
-        with dmuon.dedicate_params(model, mesh) as dm:
+        with _dedicate(model, mesh) as dm:
             x, y = batch(0)
             _loss(model, x, y)
             raise KeyError("boom")
@@ -141,7 +149,7 @@ def class_swap_behaviour() -> dict:
     mesh = _mesh("flat")
     model = make_model()
     plain_repr = repr(model)
-    dm = dmuon.dedicate_params(model, mesh, reshard_after_forward=False)
+    dm = _dedicate(model, mesh, reshard_after_forward=False)
     fc1 = model.blocks[0].mlp.fc1
     out = {"name": type(fc1).__name__, "isinstance": isinstance(fc1, nn.Linear),
            "exact": type(fc1) is nn.Linear, "repr_same": repr(model) == plain_repr}
@@ -171,7 +179,7 @@ def moved_block_alone() -> dict:
     the next forward names the params and the fix; moving the rest then trains."""
     mesh = _mesh("flat")
     model = make_model()
-    dm = dmuon.dedicate_params(model, mesh, reshard_after_forward=False)
+    dm = _dedicate(model, mesh, reshard_after_forward=False)
     split = next(b for b in dm.buckets if len(set(map(id, b.param_modules))) > 1)
     split.param_modules[0].double()  # the same bucket on every rank
     x, y = batch(0)
@@ -194,7 +202,7 @@ def close_misuse() -> dict:
     rank); a backward of a forward run before close() raises naming close()."""
     mesh = _mesh("flat")
     model = make_model()
-    dm = dmuon.dedicate_params(model, mesh)
+    dm = _dedicate(model, mesh)
     opt = dmuon.DMuon(model.parameters(), dedicated=dm)
     x, y = batch(0)
     with dm.no_sync():
@@ -213,7 +221,7 @@ def dropped_without_close() -> dict:
 
     mesh = _mesh("flat")
     model = make_model()
-    dm = dmuon.dedicate_params(model, mesh)
+    dm = _dedicate(model, mesh)
     _one_step(model, dm)
     refs = {"model": weakref.ref(model), "dm": weakref.ref(dm)}
     del model, dm
@@ -226,7 +234,7 @@ def group_timeouts(kind: str) -> tuple[float, list[float]]:
     def seconds(g) -> float:
         return g._get_backend(torch.device("cpu")).options._timeout.total_seconds()
 
-    dm = dmuon.dedicate_params(make_model(), _mesh(kind))
+    dm = _dedicate(make_model(), _mesh(kind))
     try:
         g = dm.groups
         mine = [seconds(x) for x in (g.broadcast, g.reduce, g.replicate, g.world) if x is not None]
