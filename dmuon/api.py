@@ -100,8 +100,9 @@ def dedicate_params(
     Returns:
         The :class:`DedicatedParams` handle. Release it with ``dm.close()`` on every rank, or
         use it as a context manager (``with dmuon.dedicate_params(model, mesh) as dm:``):
-        hooks, class swaps, DDP's ignore entries and DMuon's process groups (2 on a 1-D mesh,
-        4 under HSDP; ``collectives.py``) go; until then they stay, one set per call.
+        hooks, class swaps, DDP's ignore entries and DMuon's process groups (2 on a 1-D mesh
+        or flat HSDP, 4 under hierarchical HSDP; ``collectives.py``) go; until then they stay,
+        one set per call.
         Dropping the handle without ``close()`` frees the model but not the groups.
 
     Raises:

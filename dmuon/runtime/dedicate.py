@@ -317,6 +317,9 @@ class DedicatedParams:
         bucket_cap_bytes, prefetch_depth: the knobs given to ``dedicate_params``.
         coalesce_bytes: the unit target in bytes (``dedicate_params``' ``coalesce`` resolved
             by ``buckets.resolve_coalesce``).
+        mesh_ranks: the world ranks of the mesh given to ``dedicate_params``
+            (``mesh.mesh.tolist()``: nested lists, row r = replicate index r), ``None``
+            without one.
         hierarchy: the ``hierarchy`` given to ``dedicate_params`` (``"auto"``,
             ``"hierarchical"`` or ``"flat"``); ``flat``: whether an HSDP mesh moves the
             dedicated params flat (as a 1-D mesh of all W ranks; ``topology`` and ``plan``
@@ -348,6 +351,7 @@ class DedicatedParams:
     ) -> None:
         self._assignments = list(assignments or ())
         self.hierarchy = hierarchy
+        self.mesh_ranks = None if mesh is None else mesh.mesh.tolist()
         self.flat = flat
         # what the runtime moves by: an HSDP mesh moved flat is a 1-D layout of all W ranks
         moved, moved_plan = topology, plan

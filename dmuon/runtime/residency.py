@@ -75,7 +75,9 @@ def _freed_class(cls: type) -> type:
                 what = _WHY.get(id(freed[0]), "a DMuon param freed on this rank") if freed else ""
                 raise RuntimeError(
                     f"DMuon: cannot run {name} on {what}. Its storage on this rank is freed "
-                    "(a Z3 non-holder between steps), so it holds no values here. Read it on "
+                    "(a non-holder between steps: Z3 frees its copy after forward, and with "
+                    "mixed precision it keeps only the param_dtype copy), so it holds no "
+                    "values here. Read it on "
                     "its owner (dm.owner_of(p)), or call dm.sync_params() on every rank "
                     "first: every copy is then current and allocated until the next forward "
                     "(state_dict, torch.save, .to() and dcp.save all work after it)."

@@ -220,6 +220,13 @@ class TrafficWindow:
                 f"{dist.get_world_size()} (a tensor-parallel mesh). TrafficWindow predicts "
                 "data-parallel jobs only; check TP traffic with make verify-traffic "
                 "ARGS=\"--nproc W --tp T\" (docs/verify.md).")
+        ranks = torch.tensor(dedicated.mesh_ranks if dedicated.mesh_ranks is not None else [])
+        if ranks.numel() and ranks.flatten().tolist() != list(range(dist.get_world_size())):
+            raise ValueError(  # the same mesh tensor on every rank: every rank raises
+                f"Invalid mesh: ranks {ranks.tolist()} are not in init_device_mesh's row-major "
+                "order (world rank r*N + s at coordinate (r, s)). TrafficWindow predicts DMuon's "
+                "and FSDP2's groups from that layout; build the mesh with "
+                "init_device_mesh(device, (W,)) or (R, N) to record this job's traffic.")
         self.model, self.dedicated, self.optimizer = model, dedicated, optimizer
         self.out_dir = None if out_dir is None else Path(out_dir)
         self.run_id = run_id or (self.out_dir.name if self.out_dir else "traffic-window")

@@ -137,7 +137,9 @@ def window_case(out_dir: str, case: str) -> str:
     - ``"unwritable"``: ``out_dir`` is a file, so rank 0 cannot write the report: every rank
       raises (the other ranks used to wait for rank 0 forever);
     - ``"tp"``: a ("shard", "tp") mesh: rejected at construction (the layout ignored TP and
-      rank 0 failed alone, stranding the others).
+      rank 0 failed alone, stranding the others);
+    - ``"permuted"``: a mesh whose ranks are not in ``init_device_mesh``'s order: rejected at
+      construction on every rank (its groups were mispredicted: a false FAIL).
     """
     from pathlib import Path
 
@@ -148,6 +150,18 @@ def window_case(out_dir: str, case: str) -> str:
     from verify.run.record import TrafficWindow
 
     rank = dist.get_rank()
+    if case == "permuted":  # a mesh not in init_device_mesh's order: its groups were mispredicted
+        from torch.distributed.device_mesh import DeviceMesh
+
+        model = ResidualMLP()
+        dm = dmuon.dedicate_params(model, DeviceMesh("cpu", torch.tensor([1, 0])), rest="replicate")
+        try:
+            TrafficWindow(model, dm, dmuon.DMuon(model.parameters(), dedicated=dm))
+        except ValueError as exc:
+            return f"ValueError: {exc}"
+        finally:
+            dm.close()
+        return "no error"
     if case == "tp":
         from tests.distributed.parity import tp_tasks
 

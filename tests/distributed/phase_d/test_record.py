@@ -130,6 +130,7 @@ def test_exposed_time_is_the_wait_inside_a_collective(pool2):
     ("accum", "ValueError: Invalid TrafficWindow recording on ranks [0, 1]: 4 forwards of the model in 2"),
     ("unwritable", "RuntimeError: TrafficWindow: rank 0 could not build or write the report"),
     ("tp", "ValueError: Invalid job: DMuon's mesh spans R*N = 1 data-parallel ranks of the 2"),
+    ("permuted", "ValueError: Invalid mesh: ranks [1, 0] are not in init_device_mesh's row-major order"),
 ])
 def test_window_cases_found_by_a_break_it_trial(pool2, tmp_path, case, expected):
     outcomes = pool2.run_with_timeout(120, record_tasks.window_case, str(tmp_path), case)
