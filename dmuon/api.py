@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import warnings
@@ -206,10 +205,8 @@ def dedicate_params(
     rest_params = replicated_rest.rest_of(model, dedicated) if rest == "replicate" else []
     if rest_params and getattr(mp_policy, "param_dtype", None) is not None:
         replicated_rest.check_dtypes(model, dedicated, mp_policy.param_dtype)
-    # flat (docs/traffic-model.md, "HSDP: flat or hierarchical"): the plan as moved, (1, W)
-    moved = dataclasses.replace(plan, mesh_shape=(1, topology.world_size)) if flat else plan
-    digest = setup_digest(tp_layout.full_plan if tp_layout else moved, named,
-                          reshard_after_forward, mp_policy, cap_bytes, coalescing, rest_params)
+    digest = setup_digest(tp_layout.full_plan if tp_layout else plan, named,
+                          reshard_after_forward, mp_policy, cap_bytes, coalescing, rest_params, flat)
     collectives.check_plan_agreement(
         digest, "setup (ownership plan and hierarchy, reshard_after_forward, mp_policy, "
         "bucket_cap_mb, coalesce, rest or device type)"
@@ -279,6 +276,7 @@ def setup_digest(
     bucket_cap_bytes: int = DEFAULT_BUCKET_CAP_MB * 1024 * 1024,
     coalescing: Coalescing = Coalescing(0),
     rest_params: list[tuple[str, torch.Tensor]] = (),
+    flat: bool = False,
 ) -> str:
     """sha256 (64 hex chars) of everything the ranks' collective schedules depend on.
 
@@ -289,7 +287,7 @@ def setup_digest(
     with the cap they set the buckets), each
     dedicated param's device type, and under ``rest="replicate"`` the rest's names, shapes,
     dtypes and ``requires_grad`` (they set its all_reduce's size; ``rest_params`` empty
-    otherwise).
+    otherwise), and whether an HSDP mesh moves the dedicated params ``flat`` (its channels).
 
     Raises:
         ValueError: ``reshard_after_forward`` is not a bool.
@@ -307,6 +305,7 @@ def setup_digest(
         "coalesce_bytes": [coalescing.target_bytes, coalescing.reduce_by_gather],
         "devices": sorted({p.device.type for _, p, _ in named}),
         "rest": [[n, list(p.shape), str(p.dtype), p.requires_grad] for n, p in rest_params],
+        "flat": flat,
     }
     text = json.dumps(setup, sort_keys=True, separators=(",", ":"), default=str)
     return hashlib.sha256(text.encode("ascii")).hexdigest()
