@@ -7,6 +7,7 @@ import json
 import warnings
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from dmuon.runtime import attach, collectives, tp
@@ -116,11 +117,14 @@ def dedicate_params(
             whose ``param_dtype`` would meet a rest param of another dtype in a module holding
             a dedicated param: a Linear's bias), ``hierarchy`` is not one of ``"auto"``,
             ``"hierarchical"``, ``"flat"`` (or ``"flat"`` on a TP mesh), or the mesh is invalid (see
-            ``topology_from_mesh``). All checked locally, before any collective.
-        RuntimeError: the ranks computed different setups (plan, ``reshard_after_forward``,
+            ``topology_from_mesh``). All checked locally, before any DMuon group exists; with
+            ``torch.distributed`` initialised the raising rank still takes part in the setup
+            agreement's one all_gather, so the other ranks raise too (below).
+        RuntimeError: another rank raised one of the errors above (the message names those
+            ranks), or the ranks computed different setups (plan, ``reshard_after_forward``,
             mixed-precision policy, bucket cap, coalescing, hierarchy, rest, devices:
-            :func:`setup_digest`), checked with one
-            all_gather of the digest before any other DMuon collective.
+            :func:`setup_digest`), checked with one all_gather of the digest before any other
+            DMuon collective.
 
     Warns:
         UserWarning: nothing was selected (every param goes to AdamW); or, once, naming
@@ -130,93 +134,99 @@ def dedicate_params(
     """
     from torch.nn.parallel import DistributedDataParallel
 
-    if isinstance(model, DistributedDataParallel) or (not tp.is_tp_mesh(mesh) and any(
-        type(p).__name__ == "DTensor" for p in model.parameters()
-    )):
-        raise ValueError(
-            f"Invalid model of type {type(model).__name__}: already wrapped by DDP or FSDP2. "
-            "Call dmuon.dedicate_params on the bare model first, then wrap it with "
-            "DistributedDataParallel(model) or fully_shard(..., ignored_params=set(dm)). A "
-            "tensor-parallel model (DTensor params from parallelize_module) needs the whole "
-            "mesh, named ('shard', 'tp') or ('replicate', 'shard', 'tp'), whose mesh['tp'] "
-            "its blocks were parallelized on."
-        )
-    already = attach.dedicated_names(model)
-    if already:
-        raise ValueError(
-            f"Invalid model: dmuon.dedicate_params was already called on it ({len(already)} "
-            f"params already dedicated, e.g. {already[:3]}). Call it once per model, on every "
-            "rank, and keep the returned handle (pass it to DMuon and to fully_shard's "
-            "ignored_params); to start over, call close() on that handle (every rank) or "
-            "build a fresh model."
-        )
-    if isinstance(prefetch_depth, bool) or not isinstance(prefetch_depth, int) or prefetch_depth < 0:
-        raise ValueError(
-            f"Invalid prefetch_depth={prefetch_depth!r}. Must be an int >= 0 (buckets whose "
-            "broadcast is issued ahead of the module that needs them; 1 is the default)."
-        )
-    cap_bytes = _bucket_cap_bytes(bucket_cap_mb)
-    resolve_coalesce(coalesce, "gloo")  # validates, before anything else
-    check_hierarchy(hierarchy)
-    if hierarchy == "flat" and tp.is_tp_mesh(mesh):
-        raise ValueError(
-            "Invalid hierarchy='flat' on a mesh with a 'tp' axis: DMuon moves a tensor-parallel "
-            "model's matrices over the shard and replicate axes of each TP column. Use "
-            "hierarchy='auto' or 'hierarchical' there."
-        )
-    replicated_rest.check_rest(rest, mesh)
-    topology = tp.topology(mesh) if tp.is_tp_mesh(mesh) else topology_from_mesh(mesh)
-    assignments = assign_params(model, params, predicate)
-    named = select_params(model, params, predicate, assignments)
-    if not named:
-        warnings.warn(
-            f"dmuon.dedicate_params found no Muon target in {type(model).__name__}: nothing is "
-            "dedicated and DMuon will step every param with AdamW. The default predicate takes "
-            "every trainable hidden matrix (Linear and conv weights, expert stacks, routers; "
-            "not embeddings or output heads); pass params= or predicate= to choose others.",
-            stacklevel=2,
-        )
-    _warn_adamw_matrices(assignments)
-    matrices = {a.name: a.matrix for a in assignments if a.matrix is not None}
-    specs = specs_from_named_parameters(((n, p) for n, p, _ in named), matrices)
-    tp_layout = None
-    if tp.is_tp_mesh(mesh):  # TP: dedicate.py, "Tensor parallelism"; checked before any collective
-        tp.check_model(model, mesh, {n for n, _, _ in named})
-        full, plan, ns_rank = tp.plan_tp(specs, topology.mesh_shape, mesh[tp.TP_AXIS].size(),
-                                         {n for n, p, _ in named if tp.is_tp(p)})
-        tp_layout = tp.layout(mesh, full, ns_rank,
-                              {n: tp.shard_dim(p) for n, p, _ in named if tp.is_tp(p)})
-        if named and not ns_rank:
+    try:  # local checks and the plan: a ValueError on some ranks must not strand the others
+        if isinstance(model, DistributedDataParallel) or (not tp.is_tp_mesh(mesh) and any(
+            type(p).__name__ == "DTensor" for p in model.parameters()
+        )):
+            raise ValueError(
+                f"Invalid model of type {type(model).__name__}: already wrapped by DDP or FSDP2. "
+                "Call dmuon.dedicate_params on the bare model first, then wrap it with "
+                "DistributedDataParallel(model) or fully_shard(..., ignored_params=set(dm)). A "
+                "tensor-parallel model (DTensor params from parallelize_module) needs the whole "
+                "mesh, named ('shard', 'tp') or ('replicate', 'shard', 'tp'), whose mesh['tp'] "
+                "its blocks were parallelized on."
+            )
+        already = attach.dedicated_names(model)
+        if already:
+            raise ValueError(
+                f"Invalid model: dmuon.dedicate_params was already called on it ({len(already)} "
+                f"params already dedicated, e.g. {already[:3]}). Call it once per model, on every "
+                "rank, and keep the returned handle (pass it to DMuon and to fully_shard's "
+                "ignored_params); to start over, call close() on that handle (every rank) or "
+                "build a fresh model."
+            )
+        if isinstance(prefetch_depth, bool) or not isinstance(prefetch_depth, int) or prefetch_depth < 0:
+            raise ValueError(
+                f"Invalid prefetch_depth={prefetch_depth!r}. Must be an int >= 0 (buckets whose "
+                "broadcast is issued ahead of the module that needs them; 1 is the default)."
+            )
+        cap_bytes = _bucket_cap_bytes(bucket_cap_mb)
+        resolve_coalesce(coalesce, "gloo")  # validates, before anything else
+        check_hierarchy(hierarchy)
+        if hierarchy == "flat" and tp.is_tp_mesh(mesh):
+            raise ValueError(
+                "Invalid hierarchy='flat' on a mesh with a 'tp' axis: DMuon moves a tensor-parallel "
+                "model's matrices over the shard and replicate axes of each TP column. Use "
+                "hierarchy='auto' or 'hierarchical' there."
+            )
+        replicated_rest.check_rest(rest, mesh)
+        topology = tp.topology(mesh) if tp.is_tp_mesh(mesh) else topology_from_mesh(mesh)
+        assignments = assign_params(model, params, predicate)
+        named = select_params(model, params, predicate, assignments)
+        if not named:
             warnings.warn(
-                f"dmuon.dedicate_params got a mesh with a 'tp' axis of size "
-                f"{mesh[tp.TP_AXIS].size()} but no dedicated param is a TP DTensor: every matrix "
-                "is stepped in each TP column (that many Newton–Schulz runs of it). Parallelize "
-                "the blocks on mesh['tp'] (parallelize_module) before dedicate_params.",
+                f"dmuon.dedicate_params found no Muon target in {type(model).__name__}: nothing is "
+                "dedicated and DMuon will step every param with AdamW. The default predicate takes "
+                "every trainable hidden matrix (Linear and conv weights, expert stacks, routers; "
+                "not embeddings or output heads); pass params= or predicate= to choose others.",
                 stacklevel=2,
             )
-    else:
-        plan = plan_ownership(specs, topology.mesh_shape)
-    on_cuda = any(p.device.type == "cuda" for _, p, _ in named)
-    coalescing = resolve_coalesce(coalesce, "nccl" if on_cuda else "gloo")
-    flat = topology.replicate_size > 1 and tp_layout is None and resolve_hierarchy(
-        hierarchy, coalescing, bucket_layout(specs, plan, cap_bytes, coalescing.target_bytes,
-                                             coalescing.reduce_by_gather))
-    dedicated = {n for n, _, _ in named}
-    rest_params = replicated_rest.rest_of(model, dedicated) if rest == "replicate" else []
-    if rest_params and getattr(mp_policy, "param_dtype", None) is not None:
-        replicated_rest.check_dtypes(model, dedicated, mp_policy.param_dtype)
-    digest = setup_digest(tp_layout.full_plan if tp_layout else plan, named,
-                          reshard_after_forward, mp_policy, cap_bytes, coalescing, rest_params, flat)
-    collectives.check_plan_agreement(
-        digest, "setup (ownership plan and hierarchy, reshard_after_forward, mp_policy, "
-        "bucket_cap_mb, coalesce, rest or device type)"
-    )
+        _warn_adamw_matrices(assignments)
+        matrices = {a.name: a.matrix for a in assignments if a.matrix is not None}
+        specs = specs_from_named_parameters(((n, p) for n, p, _ in named), matrices)
+        tp_layout = None
+        if tp.is_tp_mesh(mesh):  # TP: dedicate.py, "Tensor parallelism"; checked before any collective
+            tp.check_model(model, mesh, {n for n, _, _ in named})
+            full, plan, ns_rank = tp.plan_tp(specs, topology.mesh_shape, mesh[tp.TP_AXIS].size(),
+                                             {n for n, p, _ in named if tp.is_tp(p)})
+            tp_layout = tp.layout(mesh, full, ns_rank,
+                                  {n: tp.shard_dim(p) for n, p, _ in named if tp.is_tp(p)})
+            if named and not ns_rank:
+                warnings.warn(
+                    f"dmuon.dedicate_params got a mesh with a 'tp' axis of size "
+                    f"{mesh[tp.TP_AXIS].size()} but no dedicated param is a TP DTensor: every matrix "
+                    "is stepped in each TP column (that many Newton–Schulz runs of it). Parallelize "
+                    "the blocks on mesh['tp'] (parallelize_module) before dedicate_params.",
+                    stacklevel=2,
+                )
+        else:
+            plan = plan_ownership(specs, topology.mesh_shape)
+        on_cuda = any(p.device.type == "cuda" for _, p, _ in named)
+        coalescing = resolve_coalesce(coalesce, "nccl" if on_cuda else "gloo")
+        flat = topology.replicate_size > 1 and tp_layout is None and resolve_hierarchy(
+            hierarchy, coalescing, bucket_layout(specs, plan, cap_bytes, coalescing.target_bytes,
+                                                 coalescing.reduce_by_gather))
+        dedicated = {n for n, _, _ in named}
+        rest_params = replicated_rest.rest_of(model, dedicated) if rest == "replicate" else []
+        if rest_params and getattr(mp_policy, "param_dtype", None) is not None:
+            replicated_rest.check_dtypes(model, dedicated, mp_policy.param_dtype)
+        digest = setup_digest(tp_layout.full_plan if tp_layout else plan, named,
+                              reshard_after_forward, mp_policy, cap_bytes, coalescing, rest_params, flat)
+    except ValueError:
+        if dist.is_initialized():  # every rank still takes part in the agreement, then raises
+            collectives.check_plan_agreement(None, SETUP_WHAT)
+        raise
+    collectives.check_plan_agreement(digest, SETUP_WHAT)
     return DedicatedParams(model, named, topology, plan, reshard_after_forward, mesh=mesh,
                            mp_policy=mp_policy, bucket_cap_bytes=cap_bytes,
                            prefetch_depth=prefetch_depth, coalescing=coalescing,
                            assignments=assignments, tp=tp_layout, hierarchy=hierarchy, flat=flat,
                            rest=[n for n, _ in rest_params] if rest == "replicate" else None)
 
+
+#: What the setup agreement's digest covers, for its error message.
+SETUP_WHAT = ("setup (ownership plan and hierarchy, reshard_after_forward, mp_policy, bucket_cap_mb, "
+              "coalesce, rest or device type)")
 
 #: At most this many params are named in the AdamW-matrices warning (the rest are counted).
 WARN_NAMES = 8

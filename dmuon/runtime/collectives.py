@@ -541,23 +541,41 @@ def ranks_by_digest(digests: list[str], ranks: list[int] | None = None) -> str:
     return "; ".join(f"ranks {ranks}: {d[:12]}…" for d, ranks in by_digest.items())
 
 
-def check_plan_agreement(digest: str, what: str) -> None:
+#: The digest a rank contributes to the setup agreement when its own checks raised (a fixed
+#: marker, not a sha256 of any setup): the others then raise too instead of waiting for it.
+INVALID_SETUP = "0bad" * 16
+
+
+def check_plan_agreement(digest: str | None, what: str) -> None:
     """Raise on every rank if the ranks' plan digests differ (before any DMuon collective).
 
     One all_gather of 32 bytes per rank on the default group (phase ``"setup"``, span
     ``dmuon.plan_agreement``: :func:`all_gather_digests`), so a plan computed differently on
     some rank (different model shapes, predicate, or mesh) fails here with a message instead
-    of hanging later in mismatched collectives.
+    of hanging later in mismatched collectives. A rank whose own checks raised passes
+    ``digest=None`` (it takes part, contributing :data:`INVALID_SETUP`, then re-raises its
+    error; this returns): the others raise instead of waiting for it in their first collective.
 
     Args:
-        digest: 64 hex characters (sha256) of this rank's plan.
+        digest: 64 hex characters (sha256) of this rank's plan, or ``None`` (this rank raised).
         what: what the digest describes, for the error message.
 
     Raises:
         ValueError: ``digest`` is not 64 hex characters.
-        RuntimeError: the digests differ; lists which ranks hold which digest.
+        RuntimeError: another rank raised in its own checks (names those ranks), or the digests
+            differ (lists which ranks hold which digest).
     """
-    digests = all_gather_digests(digest, None, "dmuon.plan_agreement")
+    digests = all_gather_digests(INVALID_SETUP if digest is None else digest, None,
+                                 "dmuon.plan_agreement")
+    if digest is None:
+        return
+    invalid = [rank for rank, d in enumerate(digests) if d == INVALID_SETUP]
+    if invalid:
+        raise RuntimeError(
+            f"DMuon setup failed on ranks {invalid}: dmuon.dedicate_params raised an error there "
+            "(see those ranks' output: an invalid argument, model or mesh), so no rank goes on. "
+            "Pass every rank the same valid arguments."
+        )
     if len(set(digests)) != 1:
         raise RuntimeError(
             f"DMuon {what} differs across ranks ({ranks_by_digest(digests)}). Every rank must "

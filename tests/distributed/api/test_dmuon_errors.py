@@ -36,6 +36,15 @@ def test_bad_input_raises_clear_error_on_every_rank(pool4, case):
         assert message.startswith(kind) and text in message, (rank, message)
 
 
+def test_an_error_on_one_rank_raises_on_every_rank(pool4):
+    """Rank 1 alone passes an invalid argument: it raises its ValueError after the setup
+    agreement, which tells the others (they used to wait in it until the group's timeout)."""
+    messages = pool4.run_with_timeout(30, T.expect_error, "one_rank_invalid")
+    assert messages[1].startswith("ValueError: Invalid coalesce='fastest'"), messages[1]
+    for rank in (0, 2, 3):
+        assert messages[rank].startswith("RuntimeError: DMuon setup failed on ranks [1]"), messages[rank]
+
+
 def test_fewer_matrices_than_ranks(pool4):
     results = pool4.run(T.fewer_matrices_than_ranks, 3)
     assert sorted(r["owned"] for r in results) == [0, 0, 1, 1]

@@ -196,6 +196,8 @@ def expect_error(case: str) -> str:
             dmuon.dedicate_params(model, _mesh("flat"), coalesce="fastest")
         elif case == "hierarchy_mismatch":  # rank 1 keeps HSDP's replicate calls, the others go flat
             dmuon.dedicate_params(model, _mesh("hsdp"), hierarchy="auto" if rank != 1 else "hierarchical")
+        elif case == "one_rank_invalid":  # only rank 1's argument is invalid: no rank may hang
+            dmuon.dedicate_params(model, _mesh("flat"), coalesce="fastest" if rank == 1 else "auto")
         elif case == "hierarchy_invalid":
             dmuon.dedicate_params(model, _mesh("hsdp"), hierarchy="2d")
         elif case == "already_ddp":
