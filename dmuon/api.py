@@ -204,15 +204,15 @@ def dedicate_params(
         on_cuda = any(p.device.type == "cuda" for _, p, _ in named)
         coalescing = resolve_coalesce(coalesce, "nccl" if on_cuda else "gloo")
         flat = topology.replicate_size > 1 and tp_layout is None and resolve_hierarchy(
-            hierarchy, coalescing, bucket_layout(specs, plan, cap_bytes, coalescing.target_bytes,
-                                                 coalescing.reduce_by_gather))
+            hierarchy, coalescing, lambda: bucket_layout(specs, plan, cap_bytes, coalescing.target_bytes,
+                                                         coalescing.reduce_by_gather))
         dedicated = {n for n, _, _ in named}
         rest_params = replicated_rest.rest_of(model, dedicated) if rest == "replicate" else []
         if rest_params and getattr(mp_policy, "param_dtype", None) is not None:
             replicated_rest.check_dtypes(model, dedicated, mp_policy.param_dtype)
         digest = setup_digest(tp_layout.full_plan if tp_layout else plan, named,
                               reshard_after_forward, mp_policy, cap_bytes, coalescing, rest_params, flat)
-    except ValueError:
+    except Exception:  # a bad argument, or a user predicate that raised
         if dist.is_initialized():  # every rank still takes part in the agreement, then raises
             collectives.check_plan_agreement(None, SETUP_WHAT)
         raise

@@ -39,7 +39,7 @@ step 7). DMuon's runtime (``hooks.py``) uses :func:`bucket_layout`; the traffic 
 from __future__ import annotations
 
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from dmuon.ownership.plan import OwnershipPlan, ParamSpec
@@ -99,8 +99,8 @@ class LinkCost:
 #:
 #: - ``flat_hsdp``: an HSDP model of one unit moves flat (:func:`resolve_hierarchy`): the same
 #:   bytes in 3 calls per rank-step against 5 with ``rest="replicate"`` (the replicate reduce and
-#:   broadcast go); ``bench_step.py`` measured dmuon-hsdp-z2 at 1.07-1.13x the fastest baseline
-#:   hierarchical on TinyGPT and the MLP, where the 1-D modes with those 3 calls ran 0.92-1.01x
+#:   broadcast go); ``bench_step.py`` measured dmuon-hsdp-z2 hierarchical at 1.09-1.18x the
+#:   fastest baseline on TinyGPT and the MLP, flat at 0.97-1.13x, in the same rounds
 #:   (docs/performance.md, "HSDP: flat or hierarchical"). Not on NCCL: unmeasured there, and
 #:   between hosts flat sends N times the bytes over the replicate axis's links.
 #:
@@ -190,13 +190,14 @@ def check_hierarchy(hierarchy) -> None:
         )
 
 
-def resolve_hierarchy(hierarchy: str, coalescing: Coalescing, layout: Sequence[BucketSpec]) -> bool:
+def resolve_hierarchy(hierarchy: str, coalescing: Coalescing,
+                      layout: Callable[[], Sequence[BucketSpec]]) -> bool:
     """Whether an HSDP mesh moves the dedicated params flat (docs/traffic-model.md, "HSDP:
     flat or hierarchical").
 
     Flat: as on a 1-D mesh of all W ranks (owner index g = world rank g, the owner its only
     holder, no replicate-axis calls). ``"auto"`` picks it when the backend's
-    :attr:`LinkCost.flat_hsdp` holds (gloo) and ``layout`` (:func:`bucket_layout` of the
+    :attr:`LinkCost.flat_hsdp` holds (gloo) and ``layout()`` (:func:`bucket_layout` of the
     hierarchical plan: the units do not depend on the mesh's shape) is one unit: then the
     W-average bytes equal the hierarchical closed form's (Z3 keeps the last unit, here all of
     P_M), and the replicate reduce and broadcast, two calls per step, go.
@@ -204,11 +205,11 @@ def resolve_hierarchy(hierarchy: str, coalescing: Coalescing, layout: Sequence[B
     Args:
         hierarchy: ``"auto"``, ``"hierarchical"`` or ``"flat"`` (:func:`check_hierarchy`).
         coalescing: the resolved ``coalesce`` on this backend.
-        layout: the buckets.
+        layout: gives the buckets; called only when ``"auto"`` needs them.
     """
     if hierarchy != "auto":
         return hierarchy == "flat"
-    return coalescing.flat_hsdp and len({b.module for b in layout}) == 1
+    return coalescing.flat_hsdp and len({b.module for b in layout()}) == 1
 
 
 def unit_layout(specs: Sequence[ParamSpec], target_bytes: int) -> dict[str, tuple[str, ...]]:

@@ -39,7 +39,8 @@ def output_dtype(policy, args: tuple) -> torch.dtype | None:
 
 
 def cast_output(dtype: torch.dtype | None, output):
-    """Floating tensors of ``output`` in ``dtype`` (``None``: leave them)."""
-    if dtype is None:
+    """Floating tensors of ``output`` in ``dtype`` (``None``: leave them; also when ``output``
+    is one tensor already in ``dtype``, the common case, which needs no tree walk)."""
+    if dtype is None or (isinstance(output, torch.Tensor) and output.dtype == dtype):
         return None
     return tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, output)

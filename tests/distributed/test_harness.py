@@ -93,7 +93,7 @@ def _dedicated_hsdp_step():
     """One DMuon HSDP-Z3 step (its own groups plus the 2-D mesh's)."""
     from tests.distributed.parity import dmuon_tasks as T
 
-    model, _, _, opt = T.build("hsdp-z3", hierarchy="hierarchical")
+    model, _, _, opt = T.build("hsdp-z3")
     x, y = T.corpus().global_batch(0, T.GLOBAL_BATCH, T.SMALL.seq_len)
     T._loss(model, x, y).backward()
     opt.step()

@@ -136,7 +136,7 @@ def _hsdp_layout(blocks: int, coalescing):
 ])
 def test_resolve_hierarchy_follows_the_documented_rule(hierarchy, backend, coalesce, flat):
     coalescing = resolve_coalesce(coalesce, backend)
-    assert resolve_hierarchy(hierarchy, coalescing, _hsdp_layout(4, coalescing)) is flat
+    assert resolve_hierarchy(hierarchy, coalescing, lambda: _hsdp_layout(4, coalescing)) is flat
 
 
 def test_resolve_hierarchy_counts_units_after_the_saving_rule():
@@ -145,7 +145,7 @@ def test_resolve_hierarchy_counts_units_after_the_saving_rule():
     coalescing = resolve_coalesce(2 * 16 * 16 * 4, "gloo")  # two blocks fit the target
     layout = _hsdp_layout(4, coalescing)
     assert len({b.module for b in layout}) > 1
-    assert resolve_hierarchy("auto", coalescing, layout) is False
+    assert resolve_hierarchy("auto", coalescing, lambda: layout) is False
 
 
 @pytest.mark.parametrize("bad", ["2d", "", None, 1, "Flat"])

@@ -82,7 +82,7 @@ def _mesh(mode: str, world: int, device: str):
 MIXED_PRECISION = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def mp_policy(mixed_precision: str | None, **kw) -> MixedPrecisionPolicy | None:
+def mp_policy(mixed_precision: str | None) -> MixedPrecisionPolicy | None:
     """FSDP2's policy for ``--mixed-precision`` (reduce_dtype left None: param_dtype).
 
     Raises:
@@ -92,7 +92,7 @@ def mp_policy(mixed_precision: str | None, **kw) -> MixedPrecisionPolicy | None:
         return None
     if mixed_precision not in MIXED_PRECISION:
         raise ValueError(f"Invalid mixed_precision={mixed_precision!r}. Must be one of {sorted(MIXED_PRECISION)}.")
-    return MixedPrecisionPolicy(param_dtype=MIXED_PRECISION[mixed_precision], **kw)
+    return MixedPrecisionPolicy(param_dtype=MIXED_PRECISION[mixed_precision])
 
 
 def _fsdp_wrap(model: nn.Module, mesh, reshard: bool, ignored: set, per_linear: list[str],

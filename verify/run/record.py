@@ -115,6 +115,7 @@ def layout_from_job(model: nn.Module, dedicated: dmuon.DedicatedParams,
     # Muon's matrix shape of each dedicated param, as DMuon planned it (the plan's specs)
     matrices = {sp.name: sp.matrix_shape for sp in dedicated.plan.specs}
     mp = _mp_dtypes(dedicated.mp_policy)
+    backend = _backend(dedicated)
     bare = model.module if isinstance(model, DistributedDataParallel) else model
     common = dict(replicate_size=topo.replicate_size, shard_size=topo.shard_size,
                   frozen_names=tuple(n for n, p in bare.named_parameters() if not p.requires_grad),
@@ -125,9 +126,9 @@ def layout_from_job(model: nn.Module, dedicated: dmuon.DedicatedParams,
                   # the harness's own table, by the backend the params' device selects (uneven
                   # groups reduce by all_to_all: only where DMuon reduces by gather)
                   dmuon_uneven_aligned=bool(dedicated.reduce_by_gather)
-                  and dmuon_uneven_aligned(_backend(dedicated)),
+                  and dmuon_uneven_aligned(backend),
                   dmuon_block_order=tuple(block_order), mp_param_dtype=mp[0], mp_reduce_dtype=mp[1],
-                  dmuon_hierarchy=hierarchy, dmuon_auto_flat=dmuon_flattens(_backend(dedicated)))
+                  dmuon_hierarchy=hierarchy, dmuon_auto_flat=dmuon_flattens(backend))
     hsdp = topo.replicate_size > 1
     mode = f"dmuon-{'hsdp-' if hsdp else ''}{'z3' if z3 else 'z2'}"
     if dedicated.rest == "replicate":  # DMuon keeps the rest: no wrapper
@@ -213,7 +214,7 @@ class TrafficWindow:
         if not hasattr(optimizer, "ns_calls"):
             raise ValueError(f"Invalid optimizer={type(optimizer).__name__}: no ns_calls counter. "
                              "Must be the dmuon.DMuon optimizer.")
-        dp = dedicated.topology.replicate_size * dedicated.topology.shard_size
+        dp = dedicated.topology.world_size
         if dp != dist.get_world_size():
             raise ValueError(
                 f"Invalid job: DMuon's mesh spans R*N = {dp} data-parallel ranks of the "

@@ -686,8 +686,9 @@ def dmuon_hierarchy(layout: RunLayout) -> str | None:
         return "hierarchical"
     if layout.dmuon_hierarchy != "auto":
         return layout.dmuon_hierarchy
-    one_unit = len({b.module for b in layout_buckets(layout)}) == 1
-    return "flat" if layout.dmuon_auto_flat and one_unit else "hierarchical"
+    if not layout.dmuon_auto_flat:  # the backend never flattens: no units to derive
+        return "hierarchical"
+    return "flat" if len({b.module for b in layout_buckets(layout)}) == 1 else "hierarchical"
 
 
 def dmuon_flat(layout: RunLayout) -> bool:

@@ -16,7 +16,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import dmuon
 from dmuon.ownership import buckets
-from tests.distributed.parity.dmuon_tasks import _mesh
+from tests.distributed.parity.dmuon_tasks import _mesh, dedicate
 from tracer.interposer import Interposer
 
 BLOCKS, D = 8, 16
@@ -50,20 +50,19 @@ def gloo_reductions(by_gather: bool):
 
 
 def train(mode: str, coalesce: str, steps: int = 3, bf16: bool = False, by_gather: bool = True,
-          blocks: int = BLOCKS, hierarchy: str = "hierarchical") -> dict:
+          blocks: int = BLOCKS) -> dict:
     """``steps`` steps of ``mode`` (ddp, z2, z3, hsdp-z2, hsdp-z3) on a :class:`Stack` of
     ``blocks``; the last step recorded by the interposer. Returns every rank's full dedicated
     params (after ``sync_params``), the aligned flags and the last step's DMuon calls as
     ``(op, phase) -> count``. ``by_gather``: gloo's reductions as gathers / all_to_alls (its default) or as reduces /
-    reduce_scatters. ``hierarchy``: HSDP's (default: the hierarchical protocol, whose replicate
-    calls these tests check; ``"auto"`` would move a one-unit model flat)."""
+    reduce_scatters. HSDP runs the hierarchical protocol, whose replicate calls these tests check
+    (``dmuon_tasks.dedicate``)."""
     mesh = _mesh("hsdp" if mode.startswith("hsdp") else "flat")
     model = Stack(blocks)
     reshard = mode.endswith("z3")
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
     with gloo_reductions(by_gather):
-        dm = dmuon.dedicate_params(model, mesh, reshard_after_forward=reshard, coalesce=coalesce,
-                                   mp_policy=mp, hierarchy=hierarchy)
+        dm = dedicate(model, mesh, reshard_after_forward=reshard, coalesce=coalesce, mp_policy=mp)
     if mode == "ddp":
         wrapped = DistributedDataParallel(model)
     else:

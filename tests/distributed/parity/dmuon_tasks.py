@@ -68,21 +68,23 @@ def _mesh(kind: str):
     return init_device_mesh("cpu", (world,))
 
 
-#: The HSDP modes of these tasks run the hierarchical protocol (NCCL's) unless a test passes
-#: ``hierarchy``: under the default "auto" gloo would move these one-unit models flat, DMuon's
-#: 1-D path over all W ranks, which the 1-D modes cover (tests that want it ask for "auto").
-HSDP_HIERARCHY = "hierarchical"
+def dedicate(model, mesh, **kw):
+    """``dmuon.dedicate_params`` for these tasks: on an HSDP mesh the hierarchical protocol
+    (NCCL's) unless ``kw`` has ``hierarchy``. Under the default "auto" gloo would move these
+    one-unit models flat, DMuon's 1-D path over all W ranks, which the 1-D modes cover (tests
+    that want flat ask for "auto")."""
+    if mesh.ndim == 2:
+        kw.setdefault("hierarchy", "hierarchical")
+    return dmuon.dedicate_params(model, mesh, **kw)
 
 
 def build(mode: str, config=SMALL, wrap: bool = True, **dm_kw):
     """(model to call, bare model, dm, optimizer) for mode ddp / z2 / z3 / hsdp-z2 / hsdp-z3
-    (HSDP: :data:`HSDP_HIERARCHY` unless ``dm_kw`` has ``hierarchy``)."""
-    if mode.startswith("hsdp"):
-        dm_kw.setdefault("hierarchy", HSDP_HIERARCHY)
+    (:func:`dedicate`)."""
     mesh = _mesh("hsdp" if mode.startswith("hsdp") else "flat")
     model = make_model(config)
     reshard = mode.endswith("z3")
-    dm = dmuon.dedicate_params(model, mesh, reshard_after_forward=reshard, **dm_kw)
+    dm = dedicate(model, mesh, reshard_after_forward=reshard, **dm_kw)
     if not wrap or dm.rest == "replicate":  # DMuon handles the rest: nothing to wrap
         wrapped = model
     elif mode == "ddp":
@@ -282,7 +284,7 @@ def hsdp_replicate_waits() -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     mesh = _mesh("hsdp")
     model = make_model()
-    dm = dmuon.dedicate_params(model, mesh, reshard_after_forward=False, hierarchy="hierarchical")
+    dm = dedicate(model, mesh, reshard_after_forward=False)
     for block in model.blocks:
         fully_shard(block, mesh=mesh, reshard_after_forward=False, ignored_params=set(dm))
     fully_shard(model, mesh=mesh, ignored_params=set(dm))

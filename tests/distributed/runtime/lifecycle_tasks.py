@@ -14,7 +14,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import dmuon
-from tests.distributed.parity.dmuon_tasks import _loss, _mesh, make_model
+# HSDP keeps the hierarchical protocol here: its 4 groups, the lifecycle of the most groups
+from tests.distributed.parity.dmuon_tasks import _loss, _mesh, dedicate, make_model
 from tests.distributed.runtime.runtime_tasks import batch
 
 
@@ -37,14 +38,6 @@ def _one_step(model, dm) -> None:
     opt.zero_grad()
 
 
-def _dedicate(model, mesh, **kw):
-    """``dmuon.dedicate_params``; an HSDP mesh keeps the hierarchical protocol (its 4 groups:
-    the lifecycle of the most groups; "auto" would move these one-unit models flat)."""
-    if mesh.ndim == 2:
-        kw.setdefault("hierarchy", "hierarchical")
-    return dmuon.dedicate_params(model, mesh, **kw)
-
-
 def build_close_cycles(kind: str, cycles: int) -> dict:
     """``cycles`` times: a fresh model, dedicate_params (Z3) on one mesh built once, one
     training step, close(). Returns this process's (threads, fds) before the cycles (after one
@@ -52,19 +45,19 @@ def build_close_cycles(kind: str, cycles: int) -> dict:
     unclosed DedicatedParams holds)."""
     mesh = _mesh(kind)
     model = make_model()
-    _one_step(model, _dedicate(model, mesh))
-    _dedicate(make_model(), mesh).close()  # warm-up (gloo's first-use threads)
+    _one_step(model, dedicate(model, mesh))
+    dedicate(make_model(), mesh).close()  # warm-up (gloo's first-use threads)
     before = resources()
     after = []
     for _ in range(cycles):
         model = make_model()
-        dm = _dedicate(model, mesh)
+        dm = dedicate(model, mesh)
         _one_step(model, dm)
         dm.close()
         del dm, model
         after.append(resources())
     model = make_model()
-    dm = _dedicate(model, mesh)
+    dm = dedicate(model, mesh)
     _one_step(model, dm)
     open_ = resources()
     dm.close()
@@ -98,7 +91,7 @@ def close_semantics(mode: str) -> dict:
     mesh = _mesh("hsdp" if mode.startswith("hsdp") else "flat")
     model = make_model()
     classes = {n: type(m) for n, m in model.named_modules()}
-    dm = _dedicate(model, mesh, reshard_after_forward=mode.endswith("z3"))
+    dm = dedicate(model, mesh, reshard_after_forward=mode.endswith("z3"))
     swapped = sorted(n for n, m in model.named_modules() if type(m) is not classes[n])
     opt = dmuon.DMuon(model.parameters(), dedicated=dm)
     x, y = batch(0)
@@ -118,7 +111,7 @@ def close_semantics(mode: str) -> dict:
         "closed": dm.closed,
     }
     _loss(model, x, y).backward()  # a plain model now
-    with _dedicate(model, mesh) as again:
+    with dedicate(model, mesh) as again:
         again_opt = dmuon.DMuon(model.parameters(), dedicated=again)
         model.zero_grad()
         _loss(model, x, y).backward()
@@ -132,7 +125,7 @@ def exception_in_with() -> dict:
     mesh = _mesh("flat")
     model = make_model()
     try:
-        with _dedicate(model, mesh) as dm:
+        with dedicate(model, mesh) as dm:
             x, y = batch(0)
             _loss(model, x, y)
             raise KeyError("boom")
@@ -149,7 +142,7 @@ def class_swap_behaviour() -> dict:
     mesh = _mesh("flat")
     model = make_model()
     plain_repr = repr(model)
-    dm = _dedicate(model, mesh, reshard_after_forward=False)
+    dm = dedicate(model, mesh, reshard_after_forward=False)
     fc1 = model.blocks[0].mlp.fc1
     out = {"name": type(fc1).__name__, "isinstance": isinstance(fc1, nn.Linear),
            "exact": type(fc1) is nn.Linear, "repr_same": repr(model) == plain_repr}
@@ -179,7 +172,7 @@ def moved_block_alone() -> dict:
     the next forward names the params and the fix; moving the rest then trains."""
     mesh = _mesh("flat")
     model = make_model()
-    dm = _dedicate(model, mesh, reshard_after_forward=False)
+    dm = dedicate(model, mesh, reshard_after_forward=False)
     split = next(b for b in dm.buckets if len(set(map(id, b.param_modules))) > 1)
     split.param_modules[0].double()  # the same bucket on every rank
     x, y = batch(0)
@@ -202,7 +195,7 @@ def close_misuse() -> dict:
     rank); a backward of a forward run before close() raises naming close()."""
     mesh = _mesh("flat")
     model = make_model()
-    dm = _dedicate(model, mesh)
+    dm = dedicate(model, mesh)
     opt = dmuon.DMuon(model.parameters(), dedicated=dm)
     x, y = batch(0)
     with dm.no_sync():
@@ -221,7 +214,7 @@ def dropped_without_close() -> dict:
 
     mesh = _mesh("flat")
     model = make_model()
-    dm = _dedicate(model, mesh)
+    dm = dedicate(model, mesh)
     _one_step(model, dm)
     refs = {"model": weakref.ref(model), "dm": weakref.ref(dm)}
     del model, dm
@@ -234,7 +227,7 @@ def group_timeouts(kind: str) -> tuple[float, list[float]]:
     def seconds(g) -> float:
         return g._get_backend(torch.device("cpu")).options._timeout.total_seconds()
 
-    dm = _dedicate(make_model(), _mesh(kind))
+    dm = dedicate(make_model(), _mesh(kind))
     try:
         g = dm.groups
         mine = [seconds(x) for x in (g.broadcast, g.reduce, g.replicate, g.world) if x is not None]
