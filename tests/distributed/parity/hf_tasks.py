@@ -6,9 +6,17 @@ Qwen3-MoE as transformers 5 stores it: fused 3-D expert stacks
 default selection must dedicate every one of them; the oracle applies ``torch.optim.Muon`` to
 every matrix (each expert slice its own 2-D parameter: ``verify.run.baselines.MatrixMuon``)
 and ``torch.optim.AdamW`` to the rest, on the same global batch.
+
+The oracle runs at the ranks' thread count (:data:`RANK_THREADS`): a CPU GEMM's blocking, and
+so its rounding, depends on the thread count, and Muon on a rank-deficient gradient (a router's
+sums to zero over the experts; an expert slice sees few tokens) turns one rounding difference
+into a move of a fifth of the displacement (measured before this was pinned: 0.22 of the
+oracle's displacement on a router with the oracle at 2 threads and the ranks at 1).
 """
 
 from __future__ import annotations
+
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
@@ -21,6 +29,8 @@ from tests.distributed.parity.dmuon_tasks import ADAMW_LR, MUON_LR, _mesh
 from verify.run.baselines import MatrixMuon
 
 VOCAB, SEQ, ROWS_PER_RANK, STEPS = 64, 8, 2, 3
+#: ``torch.get_num_threads()`` in every rank of ``tests/distributed/harness.py``'s pools.
+RANK_THREADS = 1
 
 
 def make_model(kind: str):
@@ -55,16 +65,46 @@ def muon_matrices(model) -> dict[str, tuple[int, int]]:
     return {a.name: a.matrix for a in assign_params(model) if a.optimizer == "muon"}
 
 
-def oracle(kind: str, world: int) -> dict:
-    """One process: MatrixMuon (torch.optim.Muon over every matrix) + AdamW, loss = the mean of
-    the W ranks' losses; returns the initial and final params."""
+@contextmanager
+def _threads(n: int):
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def is_router(name: str) -> bool:
+    """Qwen3-MoE's router weight ``(E, H)``: one row of logits per expert."""
+    return name.endswith(".mlp.gate.weight")
+
+
+def routing_part(name: str, t: torch.Tensor) -> torch.Tensor:
+    """``t`` without what routing cannot see: for a router, its mean over the experts (dim 0)
+    removed. Adding one vector to every expert's row adds the same logit to every expert of a
+    token, which changes no softmax and no top-k: a router's gradient has no component along
+    that direction (it sums to zero over the experts), so its value there is rounding that Muon
+    amplifies, not training. Other params are returned as they are."""
+    return t - t.mean(dim=0, keepdim=True) if is_router(name) else t
+
+
+def oracle(kind: str, world: int, steps: int = STEPS) -> dict:
+    """One process at :data:`RANK_THREADS` threads: MatrixMuon (torch.optim.Muon over every
+    matrix) + AdamW, loss = the mean of the W ranks' losses; returns the initial and final
+    params after ``steps`` steps."""
+    with _threads(RANK_THREADS):
+        return _oracle(kind, world, steps)
+
+
+def _oracle(kind: str, world: int, steps: int) -> dict:
     model = make_model(kind)
     init = {n: p.detach().clone() for n, p in model.named_parameters()}
     named = dict(model.named_parameters())
     matrices = muon_matrices(model)
     muon = MatrixMuon([named[n] for n in matrices], list(matrices.values()), lr=MUON_LR)
     adamw = torch.optim.AdamW([p for n, p in named.items() if n not in matrices], lr=ADAMW_LR)
-    for step in range(STEPS):
+    for step in range(steps):
         (sum(_loss(model, batch(step, r)) for r in range(world)) / world).backward()
         for opt in (muon, adamw):
             opt.step()
@@ -73,9 +113,29 @@ def oracle(kind: str, world: int) -> dict:
             "muon": matrices}
 
 
-def train(kind: str, mode: str) -> dict:
-    """DMuon with the default selection in ``mode`` (ddp, z2, z3, hsdp-z3) for STEPS steps:
-    the dedicated params this rank owns, the assignments and the Newton–Schulz count."""
+def _roll_experts(batched_ns):
+    """A planted error: ``batched_ns`` whose result is rolled by one matrix, so each expert
+    slice gets its neighbour's orthogonalized update (a slice-to-expert mix-up)."""
+    def planted(grads, *args, **kwargs):
+        return batched_ns(grads, *args, **kwargs).roll(1, dims=0)
+    return planted
+
+
+def train(kind: str, mode: str, steps: int = STEPS, plant: str | None = None) -> dict:
+    """DMuon with the default selection in ``mode`` (ddp, z2, z3, hsdp-z3) for ``steps`` steps:
+    the dedicated params this rank owns, the assignments and the Newton–Schulz count.
+    ``plant="roll-experts"`` plants :func:`_roll_experts` in DMuon's batched Newton–Schulz (the
+    test that the comparison can fail)."""
+    if plant is not None:
+        if plant != "roll-experts":
+            raise ValueError(f"Invalid plant={plant!r}. Must be None or 'roll-experts'.")
+        from dmuon.optim import muon_math
+        original = muon_math.zeropower_via_newtonschulz_batched
+        muon_math.zeropower_via_newtonschulz_batched = _roll_experts(original)
+        try:
+            return train(kind, mode, steps)
+        finally:
+            muon_math.zeropower_via_newtonschulz_batched = original
     rank = dist.get_rank()
     mesh = _mesh("hsdp" if mode.startswith("hsdp") else "flat")
     model = make_model(kind)
@@ -86,7 +146,7 @@ def train(kind: str, mode: str) -> dict:
         fully_shard(model, mesh=mesh, ignored_params=set(dm))
         wrapped = model
     opt = dmuon.DMuon(wrapped.parameters(), dedicated=dm, lr=MUON_LR, adamw_lr=ADAMW_LR)
-    for step in range(STEPS):
+    for step in range(steps):
         _loss(wrapped, batch(step, rank)).backward()
         opt.step()
         opt.zero_grad()
