@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
+import torch
 
 from tests.distributed.harness import DistributedPool
 
@@ -31,3 +32,15 @@ def pool4() -> Iterator[DistributedPool]:
     """A 4-rank gloo :class:`DistributedPool`, shared by the tests of this package."""
     with DistributedPool(4, timeout_s=POOL_TIMEOUT_S) as pool:
         yield pool
+
+
+@pytest.fixture(scope="package", autouse=True)
+def oracle_threads() -> Iterator[None]:
+    """This process at the ranks' thread count (the pools' workers run at 1) while the tests of
+    this package run: the single-process oracles they compute here then round as the ranks do
+    (a CPU GEMM's blocking depends on its thread count, and Muon amplifies a rounding
+    difference on a rank-deficient gradient). The pools fork from this process either way."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
