@@ -30,6 +30,7 @@ from verify.report.render import (
     table_rows,
     write_report,
 )
+from verify.report.schema import SCHEMA_VERSION
 from verify.report.terminal import format_table
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -188,7 +189,7 @@ def test_runner_style_values_render(report, tmp_path):
     assert total[headers.index("NS calls/step meas/exp")] == "8/8"
     assert "missing collectives (5 entries, 5 calls)" in format_table(report)
     paths = write_report(report, tmp_path)
-    assert read_report(paths["json"]) == report
+    assert read_report(paths["json"]) == {"schema_version": SCHEMA_VERSION, **report}
     assert list(json.loads(paths["json"].read_text()))[-1] == "config"  # extras after the model
 
 
@@ -281,8 +282,8 @@ def test_markdown_overlap_summary(report):
 
 def test_write_report_round_trip(report, tmp_path):
     paths = write_report(report, tmp_path / "out")
-    assert set(paths) == {"json", "markdown", "traffic_png"}
-    assert read_report(paths["json"]) == report
+    assert set(paths) == {"json", "markdown", "junit", "traffic_png"}
+    assert read_report(paths["json"]) == {"schema_version": SCHEMA_VERSION, **report}
     assert paths["markdown"].read_text(encoding="utf-8") == format_markdown(report)
     data = paths["traffic_png"].read_bytes()
     assert data.startswith(PNG_MAGIC) and len(data) > MIN_PNG_BYTES
@@ -303,7 +304,7 @@ def test_json_key_order_is_stable(report):
 
     assert report_json(shuffle(shuffled)) == report_json(report)
     assert list(json.loads(report_json(report))) == [
-        "pass", "created_utc", "torch_version", "backend", "world_size", "steps_warmup",
+        "schema_version", "pass", "created_utc", "torch_version", "backend", "world_size", "steps_warmup",
         "steps_measured", "run_id", "runs"]
 
 

@@ -32,6 +32,7 @@ from verify.report.schema import (
     PHASE_KEYS,
     READING_REL_TOL,
     RUN_KEYS,
+    SCHEMA_VERSION,
     SOURCE_KEYS,
     TOP_KEYS,
     mode_label,
@@ -588,9 +589,9 @@ def _ordered(obj: Mapping, spec: Mapping[str, tuple], order_rest: Sequence[str] 
 
 
 def canonical_report(report: Mapping) -> dict:
-    """``report`` with keys in the data-model order (extra keys after, sorted): the stable
-    key order of report.json. Values are not changed."""
-    top = _ordered(report, TOP_KEYS)
+    """``report`` with keys in the data-model order (``schema_version`` first where present,
+    extra keys after, sorted): the stable key order of report.json. Values are not changed."""
+    top = _ordered(report, {"schema_version": (int,), **TOP_KEYS})
     runs = []
     for run in report["runs"]:
         r = _ordered(run, RUN_KEYS)
@@ -607,13 +608,16 @@ def canonical_report(report: Mapping) -> dict:
 
 
 def report_json(report: Mapping) -> str:
-    """report.json text: validated, canonical key order, indent 2, strict JSON (no NaN).
+    """report.json text: validated, ``schema_version`` (:data:`SCHEMA_VERSION`) first, then the
+    canonical key order, indent 2, strict JSON (no NaN). The file follows
+    ``verify/report/report.schema.json`` (``verify.report.schema_json``).
 
     Raises:
         ValueError: ``report`` does not follow the data model (see :func:`validate_report`).
     """
     validate_report(report)
-    text = json.dumps(canonical_report(report), indent=2, allow_nan=False, ensure_ascii=False)
+    stamped = {"schema_version": SCHEMA_VERSION, **report}
+    text = json.dumps(canonical_report(stamped), indent=2, allow_nan=False, ensure_ascii=False)
     return text + "\n"
 
 
@@ -634,22 +638,25 @@ def read_report(path: str | Path) -> dict:
 
 
 def write_report(report: Mapping, out_dir: str | Path) -> dict[str, Path]:
-    """Write report.json, report.md and traffic.png into ``out_dir`` (created if needed).
+    """Write report.json, report.md, junit.xml (``verify.report.junit``: one test case per
+    mode × check) and traffic.png into ``out_dir`` (created if needed).
 
     Returns:
-        ``{"json": path, "markdown": path, "traffic_png": path}``.
+        ``{"json": path, "markdown": path, "junit": path, "traffic_png": path}``.
 
     Raises:
         ValueError: ``report`` does not follow the data model (see :func:`validate_report`).
     """
+    from verify.report.junit import junit_xml
     from verify.report.plots import plot_traffic  # matplotlib import only when plotting
 
     text = report_json(report)  # validates before anything is written
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = {"json": out / "report.json", "markdown": out / "report.md",
-             "traffic_png": out / "traffic.png"}
+             "junit": out / "junit.xml", "traffic_png": out / "traffic.png"}
     paths["json"].write_text(text, encoding="utf-8")
     paths["markdown"].write_text(format_markdown(report), encoding="utf-8")
+    paths["junit"].write_text(junit_xml(report), encoding="utf-8")
     plot_traffic(report, paths["traffic_png"])
     return paths

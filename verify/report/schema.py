@@ -21,7 +21,12 @@ from tracer.events import SOURCES
 from verify.report.checks import CHECK_NAMES, READING_REL_TOL, RUN_CHECK_NAMES, checks_of, failures
 from verify.traffic.formulas import MODES
 
-__all__ = ["READING_REL_TOL", "validate_report"]
+__all__ = ["READING_REL_TOL", "SCHEMA_VERSION", "validate_report"]
+
+#: report.json's ``schema_version``: raised whenever a key changes meaning, is removed or
+#: becomes required (adding an optional key keeps it). ``verify/report/report.schema.json`` is
+#: the JSON Schema of this version, generated from the tables below (``verify.report.schema_json``).
+SCHEMA_VERSION = 1
 _NUM = (int, float)
 _OPT_NUM = (int, float, type(None))
 _OPT_STR = (str, type(None))
@@ -105,6 +110,7 @@ OVERLAP_KEYS: dict[str, tuple] = {
 }
 #: Optional top-level keys (absent in reports of older versions).
 OPTIONAL_TOP_KEYS: dict[str, tuple] = {
+    "schema_version": (int,),  # SCHEMA_VERSION; written first by every report.json (render.py)
     "model": (str,),  # --model: tinygpt, a preset, or pkg.module:factory
     "skipped": (list,),  # [{"mode", "reason"}]: modes this W cannot run
     "failures": (list,),  # [{"mode", "check", "detail"}]: every failed check (verify.report.checks)
@@ -280,11 +286,16 @@ def validate_report(report: Mapping) -> None:
             source name is unknown, a phase name is not a str, ``ratio_to_p_m`` is not
             ``measured_avg_elems / p_m``, a replicate broadcast is waited before it is
             issued, a run's ``pass`` is not the conjunction of its checks, ``failures`` does not
-            list exactly the failed checks (plus modes that raised), or ``report["pass"]`` is
-            not "no check failed".
+            list exactly the failed checks (plus modes that raised), ``report["pass"]`` is
+            not "no check failed", or ``schema_version`` is present and not
+            :data:`SCHEMA_VERSION` (absent: a report dict before it is written, or an older file).
     """
     _check_keys(report, TOP_KEYS, "report")
     _check_optional(report, OPTIONAL_TOP_KEYS, "report")
+    if report.get("schema_version", SCHEMA_VERSION) != SCHEMA_VERSION:
+        raise ValueError(f"Invalid report['schema_version']={report['schema_version']!r}. Must be "
+                         f"{SCHEMA_VERSION}, the version this DMuon reads and writes (a report of "
+                         "another version: read it with the DMuon that wrote it).")
     for j, entry in enumerate(report.get("skipped", [])):
         _check_keys(entry, SKIPPED_KEYS, f"report['skipped'][{j}]")
     if "params" in report:
