@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import ast
 import os
+from pathlib import Path
 
 import pytest
 
@@ -40,6 +42,13 @@ def test_own_log_path_expands_pid_and_globs_host(tmp_path):
     ({"NCCL_DEBUG": "INFO", "NCCL_DEBUG_FILE": "x.%p"}, "nccl", False),  # default subsystem INIT only
     ({"NCCL_DEBUG": "WARN", "NCCL_DEBUG_SUBSYS": "COLL", "NCCL_DEBUG_FILE": "x.%p"}, "nccl", False),
     ({"NCCL_DEBUG": "INFO", "NCCL_DEBUG_SUBSYS": "COLL"}, "nccl", False),  # stdout: no own file
+    # torch's default group on a GPU node (init_process_group() without a backend): NCCL too
+    ({"NCCL_DEBUG": "INFO", "NCCL_DEBUG_SUBSYS": "INIT,COLL", "NCCL_DEBUG_FILE": "x.%p"},
+     "cpu:gloo,cuda:nccl", True),
+    ({"NCCL_DEBUG": "INFO", "NCCL_DEBUG_SUBSYS": "INIT,COLL", "NCCL_DEBUG_FILE": "x.%p"},
+     "cuda:nccl", True),
+    ({"NCCL_DEBUG": "INFO", "NCCL_DEBUG_SUBSYS": "INIT,COLL", "NCCL_DEBUG_FILE": "x.%p"},
+     "cpu:gloo", False),
 ])
 def test_capture_active(monkeypatch, env, backend, active):
     for name in ("NCCL_DEBUG", "NCCL_DEBUG_SUBSYS", "NCCL_DEBUG_FILE"):
@@ -76,3 +85,21 @@ def test_window_mark_without_a_log_says_why(tmp_path, monkeypatch):
     monkeypatch.setenv("NCCL_DEBUG_FILE", str(tmp_path / "nccl.%h.%p.log"))
     out = WindowMark(rank=3).close()
     assert out["events"] == [] and "rank 3: no NCCL log for pid" in out["issues"][0]
+
+
+def test_no_harness_module_compares_get_backend_to_a_string():
+    """``dist.get_backend()`` is ``"cpu:gloo,cuda:nccl"`` on a GPU node when the job names no
+    backend, so ``get_backend() == "nccl"`` is False there; the harness asks
+    :mod:`tracer.backends` instead (``verify/run/record.py`` compared it before the fix)."""
+    root = Path(__file__).resolve().parents[2]
+    found = []
+    for path in sorted([*(root / "verify").rglob("*.py"), *(root / "tracer").rglob("*.py")]):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Compare):
+                continue
+            sides = [node.left, *node.comparators]
+            calls = [s for s in sides if isinstance(s, ast.Call) and (
+                getattr(s.func, "attr", None) == "get_backend" or getattr(s.func, "id", None) == "get_backend")]
+            if calls and any(isinstance(s, ast.Constant) and isinstance(s.value, str) for s in sides):
+                found.append(f"{path.relative_to(root)}:{node.lineno}")
+    assert found == [], f"compare get_backend() through tracer.backends, not to a string: {found}"

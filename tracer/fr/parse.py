@@ -410,6 +410,8 @@ def _entry_events(entry: dict, *, ref: str, where: str, rank: int | None,
                           f"{_short(fr_op)}; see FR_OPS")
     op = FR_OPS[fr_op]
     comm = _pg_name(entry)
+    if isinstance(entry.get("recorder"), str):  # a merged dump (tracer.fr.dump.merge_dumps)
+        comm = f"{comm}@{_check_text(entry['recorder'], 'recorder')}"
     group_size = len(ranks) if ranks else None
     root, dtype, counts, totals = None, None, [None], {}
     if op != "barrier":

@@ -58,6 +58,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import dmuon
 from dmuon.ownership.plan import specs_from_named_parameters
+from tracer.backends import device_type, report_backend
 from tracer.interposer import Interposer
 
 from verify.run.block_order import BlockOrderRecorder, bare_model, blocks_of
@@ -328,7 +329,7 @@ class TrafficWindow:
     def _report(self, layout: RunLayout, gathered: list[dict], steps: int) -> dict:
         events = [ev for r in gathered for ev in r["events"]]
         run = compare_run(layout, events, steps=steps, ns_calls=sum(r["ns_calls"] for r in gathered))
-        device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+        device = device_type(dist.get_backend())  # "cpu:gloo,cuda:nccl" is NCCL too
         add_figures(run, layout, events, steps, [r["times"] for r in gathered], device)
         run["sources"] = {"interposer": interposer_source(run, len(events))}
         losses = [sum(r["losses"][i] for r in gathered) / len(gathered) for i in range(steps)]
@@ -340,7 +341,7 @@ class TrafficWindow:
         report = {
             "pass": bool(run["pass"]),
             "created_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "torch_version": torch.__version__, "backend": dist.get_backend(),
+            "torch_version": torch.__version__, "backend": report_backend(dist.get_backend()),
             "world_size": dist.get_world_size(), "steps_warmup": 0, "steps_measured": steps,
             "run_id": self.run_id, "model": "own script (verify.run.record.TrafficWindow)",
             "params": params_report(self.dedicated.assignments()),

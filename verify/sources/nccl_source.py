@@ -39,6 +39,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from tracer.backends import uses_nccl
 from tracer.crosscheck import crosscheck
 from tracer.events import CollectiveEvent, group_id_from_ranks
 from tracer.nccl.log import parse_nccl_logs
@@ -72,11 +73,12 @@ def own_log_path(pattern: str | None = None, pid: int | None = None) -> Path | N
 
 
 def capture_active(backend: str) -> bool:
-    """Whether this process writes COLL lines to a per-process NCCL log (NCCL backend,
+    """Whether this process writes COLL lines to a per-process NCCL log (a backend string
+    that uses NCCL, ``"nccl"`` or ``"cpu:gloo,cuda:nccl"``: :func:`tracer.backends.uses_nccl`;
     ``NCCL_DEBUG=INFO``, ``COLL`` in ``NCCL_DEBUG_SUBSYS`` or no subsystem filter, a file)."""
     subsys = os.environ.get("NCCL_DEBUG_SUBSYS", "INIT")
     wanted = {s.strip().upper() for s in subsys.split(",")}
-    return (backend == "nccl" and os.environ.get("NCCL_DEBUG", "").upper() in ("INFO", "TRACE")
+    return (uses_nccl(backend) and os.environ.get("NCCL_DEBUG", "").upper() in ("INFO", "TRACE")
             and bool(os.environ.get(LOG_ENV)) and bool(wanted & {"COLL", "ALL"}))
 
 
