@@ -10,14 +10,24 @@ for every scopeId instead. The reading keeps the per-link deltas (``per_link_tx_
 identical deltas on every link, the sign of that, are visible; ``links`` says how many were
 summed.
 
-Without NVML (no driver: ``nvmlInit`` raises ``NVMLError_LibraryNotFound``), without GPUs, or
-without active NVLink, :meth:`NvlinkSampler.stop` returns ``available=False`` with the reason.
-Counters are NVLink-only: traffic over PCIe or the network is invisible here.
+Without NVML (no driver: ``nvmlInit`` raises ``NVMLError_LibraryNotFound``), without pynvml,
+without GPUs, or without active NVLink, :meth:`NvlinkSampler.stop` returns ``available=False``
+with the reason. Counters are NVLink-only: traffic over PCIe or the network is invisible here.
+
+Which GPUs. NVML numbers every GPU of the node (PCI bus order) and ignores
+``CUDA_VISIBLE_DEVICES``; by default the sampler reads only the GPUs that variable makes
+visible to this process (:func:`visible_nvml_indices`): entries are CUDA indices (taken as
+NVML indices: the same on nodes of one GPU model, where CUDA's fastest-first order falls back
+to PCI order, and with ``CUDA_DEVICE_ORDER=PCI_BUS_ID``), or UUIDs ``GPU-<uuid>``, whole or a
+unique prefix, matched against ``nvmlDeviceGetUUID``. As CUDA does, the list ends at the first
+entry that names no GPU (``-1``, an unknown UUID); a ``MIG-`` entry cannot be sampled (NVLink
+counters belong to the parent GPU) and is reported. Unset: every GPU NVML sees.
 """
 
 from __future__ import annotations
 
 import importlib
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -60,11 +70,66 @@ def _load_pynvml():
     return importlib.import_module("pynvml")
 
 
+#: Environment variable that restricts the GPUs a CUDA process sees.
+VISIBLE_ENV = "CUDA_VISIBLE_DEVICES"
+
+
+def _text(value) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def visible_nvml_indices(nvml, visible: str | None) -> list[int]:
+    """NVML indices of the GPUs ``visible`` (a ``CUDA_VISIBLE_DEVICES`` value) names, in its
+    order (module docstring); ``None`` (unset): every GPU NVML reports.
+
+    Raises:
+        ValueError: a ``MIG-`` entry, a UUID prefix matching several GPUs, a GPU named twice,
+            or no GPU left (all names the value and the fix).
+    """
+    count = int(nvml.nvmlDeviceGetCount())
+    if visible is None:
+        return list(range(count))
+    uuids = None
+    out: list[int] = []
+    for raw in visible.split(","):
+        entry = raw.strip()
+        if entry.isdigit() or (entry[:1] in "+-" and entry[1:].isdigit()):
+            index = int(entry)
+            if not 0 <= index < count:
+                break  # CUDA stops at the first invalid index
+        elif entry.startswith("MIG-"):
+            raise ValueError(f"Invalid {VISIBLE_ENV}={visible!r}: entry {entry!r} is a MIG "
+                             "instance; its NVLink counters belong to the parent GPU. Must name "
+                             "whole GPUs (an index or GPU-<uuid>) to sample NVLink.")
+        else:
+            if uuids is None:
+                uuids = [_text(nvml.nvmlDeviceGetUUID(nvml.nvmlDeviceGetHandleByIndex(i)))
+                         for i in range(count)]
+            want = entry if entry.startswith("GPU-") else f"GPU-{entry}"
+            hits = [i for i, u in enumerate(uuids) if u.startswith(want)] if entry else []
+            if len(hits) > 1:
+                raise ValueError(f"Invalid {VISIBLE_ENV}={visible!r}: entry {entry!r} is a prefix "
+                                 f"of {len(hits)} GPUs' UUIDs. Must be unique (a longer prefix).")
+            if not hits:
+                break
+            index = hits[0]
+        if index in out:
+            raise ValueError(f"Invalid {VISIBLE_ENV}={visible!r}: GPU {index} is named twice. "
+                             "Must name each GPU once.")
+        out.append(index)
+    if not out:
+        raise ValueError(f"Invalid {VISIBLE_ENV}={visible!r}: names none of the {count} GPUs "
+                         "NVML sees. Must list their indices or GPU-<uuid> values.")
+    return out
+
+
 class NvlinkSampler:
     """Sample NVLink TX/RX counters at :meth:`start` and :meth:`stop`.
 
     Args:
-        devices: NVML device indices to read; ``None`` = all devices NVML reports.
+        devices: NVML device indices to read; ``None`` = the GPUs ``CUDA_VISIBLE_DEVICES``
+            makes visible to this process (:func:`visible_nvml_indices`; unset: all NVML
+            reports). A malformed value makes the reading unavailable, with the reason.
 
     Never raises for a missing driver, GPU or NVLink: the reading says ``available=False``.
 
@@ -89,7 +154,8 @@ class NvlinkSampler:
         try:
             nvml = self._nvml = _load_pynvml()
         except ImportError as exc:
-            self._reason = f"pynvml not importable ({exc}); install nvidia-ml-py"
+            self._reason = (f"pynvml not importable ({exc}): NVLink counters not read; "
+                            "install nvidia-ml-py to read them")
             return
         try:
             nvml.nvmlInit()
@@ -99,7 +165,11 @@ class NvlinkSampler:
         try:
             devices = self._devices
             if devices is None:
-                devices = list(range(nvml.nvmlDeviceGetCount()))
+                try:
+                    devices = visible_nvml_indices(nvml, os.environ.get(VISIBLE_ENV))
+                except ValueError as exc:
+                    self._reason = str(exc)
+                    return
             if not devices:
                 self._reason = "NVML reports no GPU"
                 return

@@ -10,6 +10,13 @@ from tracer import nvml as tnvml
 from tracer.nvml import FIELD_NVLINK_RX_KIB, FIELD_NVLINK_TX_KIB, NvlinkSampler
 
 
+@pytest.fixture(autouse=True)
+def _no_visible_devices(monkeypatch):
+    """Tests set CUDA_VISIBLE_DEVICES themselves (a GPU node's value would change which
+    devices the sampler reads)."""
+    monkeypatch.delenv(tnvml.VISIBLE_ENV, raising=False)
+
+
 def _has_nvml_driver() -> bool:
     try:
         import pynvml
@@ -76,6 +83,7 @@ def _fake_pynvml(counters, active_links, fail_init=False):
     mod = types.SimpleNamespace(
         nvmlInit=init, nvmlShutdown=shutdown, nvmlDeviceGetCount=lambda: len(counters),
         nvmlDeviceGetHandleByIndex=lambda i: i, nvmlDeviceGetNvLinkState=state,
+        nvmlDeviceGetUUID=lambda h: f"GPU-{h:x}{h:x}a1b2c3-0000-4000-8000-00000000000{h}".encode(),
         nvmlDeviceGetFieldValues=field_values, NVML_NVLINK_MAX_LINKS=18)
     return mod, calls
 
@@ -122,3 +130,71 @@ def test_fake_pynvml_field_error_is_reported(monkeypatch):
     s.start()
     r = s.stop()
     assert not r.available and "returned NVML error 3" in r.reason
+
+
+def _eight_gpus(monkeypatch):
+    counters = {d: {0: [0, 0]} for d in range(8)}
+    mod, _ = _fake_pynvml(counters, active_links={d: {0} for d in range(8)})
+    monkeypatch.setattr(tnvml, "_load_pynvml", lambda: mod)
+    return counters, mod
+
+
+@pytest.mark.parametrize("visible, devices", [
+    ("2,5", [2, 5]),
+    (" 5 , 2 ", [5, 2]),
+    ("GPU-33a1b2c3-0000-4000-8000-000000000003,6", [3, 6]),
+    ("GPU-77a1", [7]),                 # a unique UUID prefix, as CUDA accepts
+    ("44a1b2c3", [4]),                 # a UUID without its GPU- prefix
+    ("1,-1,3", [1]),                   # CUDA stops at the first invalid entry
+    ("0,9,3", [0]),
+])
+def test_sampler_reads_only_cuda_visible_devices(monkeypatch, visible, devices):
+    """NVML numbers every GPU of the node; a job given GPUs 2 and 5 sampled all 8 and summed
+    the other jobs' traffic into its own (before the fix ``devices=None`` meant every GPU)."""
+    counters, _ = _eight_gpus(monkeypatch)
+    monkeypatch.setenv(tnvml.VISIBLE_ENV, visible)
+    s = NvlinkSampler()
+    s.start()
+    for d in counters:
+        counters[d][0] = [d + 1, 0]    # every GPU moves d+1 KiB: the sum says which were read
+    r = s.stop()
+    assert r.available, r.reason
+    assert sorted(r.tx_bytes) == sorted(devices)
+    assert r.total_tx_bytes == sum((d + 1) * 1024 for d in devices)
+
+
+@pytest.mark.parametrize("visible, message", [
+    ("MIG-GPU-11a1b2c3/1/0", "is a MIG instance"),
+    ("GPU-", "is a prefix of 8 GPUs"),
+    ("2,2", "GPU 2 is named twice"),
+    ("-1", "names none of the 8 GPUs"),
+    ("GPU-ffff", "names none of the 8 GPUs"),
+])
+def test_bad_visible_devices_make_the_reading_unavailable_with_the_reason(monkeypatch, visible, message):
+    _eight_gpus(monkeypatch)
+    monkeypatch.setenv(tnvml.VISIBLE_ENV, visible)
+    s = NvlinkSampler()
+    s.start()
+    r = s.stop()
+    assert not r.available and message in r.reason and repr(visible) in r.reason
+
+
+def test_unset_means_every_gpu_and_explicit_devices_win(monkeypatch):
+    _eight_gpus(monkeypatch)
+    s = NvlinkSampler()
+    s.start()
+    assert sorted(s.stop().links) == list(range(8))
+    monkeypatch.setenv(tnvml.VISIBLE_ENV, "1")
+    s = NvlinkSampler(devices=[3, 4])
+    s.start()
+    assert sorted(s.stop().links) == [3, 4]
+
+
+def test_missing_pynvml_degrades_with_a_message(monkeypatch):
+    def missing():
+        raise ImportError("No module named 'pynvml'")
+    monkeypatch.setattr(tnvml, "_load_pynvml", missing)
+    s = NvlinkSampler()
+    s.start()
+    r = s.stop()
+    assert not r.available and "pynvml not importable" in r.reason and "nvidia-ml-py" in r.reason

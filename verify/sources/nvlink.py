@@ -1,7 +1,9 @@
 """NVLink byte counters next to the modelled wire bytes: a coarse hardware cross-check.
 
-On every node, local rank 0 reads the NVLink TX/RX counters of all the node's GPUs at the
-opening and closing of each measured window (:class:`tracer.nvml.NvlinkSampler`); rank 0 sets
+On every node, local rank 0 reads the NVLink TX/RX counters of the node's GPUs that
+``CUDA_VISIBLE_DEVICES`` makes visible to it (the job's GPUs under torchrun; every GPU where it
+is unset; :func:`tracer.nvml.visible_nvml_indices`) at the opening and closing of each
+measured window (:class:`tracer.nvml.NvlinkSampler`); rank 0 sets
 the sum over nodes beside the bytes the traffic model puts on the wire in that window:
 
     modelled_wire_bytes = sum over every rank's calls of f(n) * S * dtype_bytes
