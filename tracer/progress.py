@@ -1,7 +1,8 @@
-"""Progress bars for big inputs: tqdm on stderr, only for a terminal and inputs over ~50 MB.
+"""Progress bars: tqdm on stderr, only where stderr is a terminal.
 
-Parsers of small files (and every run whose stderr is a file or a pipe, as in CI) show
-nothing; tqdm is imported only when a bar is shown.
+Parsers show a bar for inputs over ~50 MB (:func:`byte_progress`); verify-traffic shows its
+training steps (:func:`terminal_bar`). Every run whose stderr is a file or a pipe (CI, a log,
+``2>&1 | tee``) shows nothing; tqdm is imported only when a bar is shown.
 """
 
 from __future__ import annotations
@@ -23,11 +24,28 @@ def _size(path: Path) -> int:
         return 0
 
 
+def stderr_is_terminal() -> bool:
+    """Whether ``sys.stderr`` is an open terminal (False for files, pipes, a closed stream)."""
+    try:
+        return bool(sys.stderr is not None and sys.stderr.isatty())
+    except (AttributeError, ValueError):  # no isatty, or a closed file
+        return False
+
+
 def wants_progress(total_bytes: int, enabled: bool = True) -> bool:
     """Whether to show a bar: ``enabled``, ``total_bytes`` >= :data:`PROGRESS_MIN_BYTES`, and
     stderr is a terminal."""
-    return (enabled and total_bytes >= PROGRESS_MIN_BYTES
-            and hasattr(sys.stderr, "isatty") and sys.stderr.isatty())
+    return enabled and total_bytes >= PROGRESS_MIN_BYTES and stderr_is_terminal()
+
+
+def terminal_bar(total: int, *, desc: str, unit: str):
+    """A ``tqdm`` bar of ``total`` ``unit`` on stderr where :func:`stderr_is_terminal`, else
+    ``None`` (callers skip their updates)."""
+    if not stderr_is_terminal():
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit=unit, file=sys.stderr)
 
 
 class _Bar:

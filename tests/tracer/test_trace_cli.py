@@ -3,6 +3,7 @@ subcommand, errors on stderr, ``--out`` checked before parsing, subcommands from
 
 from __future__ import annotations
 
+import io
 import os
 
 import pytest
@@ -88,6 +89,23 @@ def test_progress_only_for_big_inputs_on_a_terminal(monkeypatch):
     monkeypatch.setattr(progress.sys, "stderr", Tty())
     assert progress.wants_progress(big) and not progress.wants_progress(big - 1)
     assert not progress.wants_progress(big, enabled=False)
+
+
+def test_training_bar_only_on_a_terminal(monkeypatch):
+    """verify-traffic's step bar (verify.run.main) printed into CI logs and pipes before."""
+    assert progress.terminal_bar(10, desc="training steps", unit="step") is None  # captured
+    monkeypatch.setattr(progress.sys, "stderr", None)  # pythonw, a closed console
+    assert progress.terminal_bar(10, desc="training steps", unit="step") is None
+
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+
+    monkeypatch.setattr(progress.sys, "stderr", Tty())
+    bar = progress.terminal_bar(10, desc="training steps", unit="step")
+    bar.update(3)
+    bar.close()
+    assert "training steps" in progress.sys.stderr.getvalue() and bar.n == 3
 
 
 # ------------------------------------------------------------ issue 19: gzip, folders, stderr

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from tqdm import tqdm
 
+from tracer.progress import terminal_bar
 from verify.workload.data import global_batch_size
 from verify.run.runner import RunConfig, run_all, runnable_modes
 from verify.traffic.formulas import MODES
@@ -147,7 +147,8 @@ def main(argv: list[str] | None = None) -> int:
         for mode, why in reasons.items():
             if why:
                 print(f"skipping {mode}: {why}", flush=True)
-        bar = tqdm(total=len(modes) * (config.steps_warmup + config.steps_measured), desc="training steps", unit="step")
+        bar = terminal_bar(len(modes) * (config.steps_warmup + config.steps_measured),
+                           desc="training steps", unit="step")  # None unless stderr is a terminal
     try:
         report = run_all(config, progress=bar.update if bar else None)
     except ValueError as exc:  # a user mistake (e.g. --model), raised alike on every rank

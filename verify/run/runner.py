@@ -40,6 +40,7 @@ from tracer.fr.parse import (
     read_flight_recorder,
 )
 from tracer.interposer import Interposer
+from tracer.kineto_log import QuietProfile
 from tracer.nvml import NvlinkSampler
 from tracer.profiler import profiler_source_events, read_profiler_trace
 from tracer.timeline import write_chrome_trace
@@ -202,7 +203,7 @@ class _MeasuredWindow:
             _sync(self.device)  # warm-up traffic finished before the counters start
             self._nvlink.start()
         if self._profiler is not None:
-            self._stack.enter_context(self._profiler)
+            self._stack.enter_context(QuietProfile(self._profiler))  # no USDT lines
             if drain is not None:
                 self._stack.callback(drain)
         self._stack.enter_context(dmuon.annotate.window(self.mode))
