@@ -25,7 +25,8 @@ Each worker:
   three threads each (two ``pt_gloo_runloop``, one ``gloo_tcp_loop``): 1,076 threads per rank
   of the 4-rank pool after the default suite, each idle worker then burning ~12% of a core.
 
-``fn`` must be picklable (a module-level function; with fork, functions of test modules are);
+``fn`` must be picklable (a module-level function; with fork, functions of test modules are;
+an NCCL pool spawns its workers, :func:`start_method_for`, which import it by module path);
 its result must be picklable (tensors are sent as plain pickles, no shared memory).
 
 Failure handling, so a test never hangs: a task that raises on any rank raises
@@ -40,7 +41,6 @@ group destroyed, a dispatch mode still active) is reported as a :class:`RankErro
 
 from __future__ import annotations
 
-import datetime
 import functools
 import gc
 import multiprocessing as mp
@@ -62,6 +62,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.modules.module as nn_module
 from torch.distributed.distributed_c10d import _world
+
+from verify.run.groups import clear_mesh_caches, init_kwargs
 
 # Imported here, before any fork, so that every worker inherits them instead of importing them
 # itself (seconds per process on a 2-core CI machine).
@@ -132,33 +134,6 @@ def task_process_groups(before: set) -> list[dist.ProcessGroup]:
     gone from it; ranks outside a group never registered it.
     """
     return [pg for pg in _world.pg_names if pg not in before]
-
-
-def clear_mesh_caches() -> None:
-    """Forget the DeviceMeshes that torch's DTensor caches keep.
-
-    A DeviceMesh compares and hashes by its layout only, so a cached sharding decision or
-    redistribute plan made with an earlier task's mesh is a hit for a new mesh of the same
-    shape, and hands back the old mesh, whose groups were destroyed ("Could not resolve the
-    process group registered under the name ..."). Also drops their references to those groups.
-    Private torch 2.13 helpers; a name another release lacks is skipped (test_harness's
-    repeated-mesh test then fails if a cache is left).
-    """
-    from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor import _redistribute
-    from torch.distributed.tensor._collective_utils import MeshTopoInfo
-    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
-
-    _clear_sharding_prop_cache()  # Python LRU of the sharding propagator + the C++ fast path
-    propagator = DTensor._op_dispatcher.sharding_propagator
-    for cached in (getattr(_redistribute, "_gen_transform_infos", None),
-                   MeshTopoInfo.build_from_mesh,
-                   getattr(propagator, "_propagate_tensor_meta_cached", None)):
-        if hasattr(cached, "cache_clear"):
-            cached.cache_clear()
-    # keyed by a weak reference to the mesh, but each planner holds the mesh itself
-    getattr(_redistribute, "clear_redistribute_planner_cache", lambda: None)()
-    torch.distributed.device_mesh._mesh_resources.mesh_stack.clear()
 
 
 class TaskScope:
@@ -297,15 +272,12 @@ def _worker_main(
         torch.set_num_threads(1)
         torch.manual_seed(seed)
         _track_post_accumulate_grad_hooks()
+        device = rank % torch.cuda.device_count() if backend == "nccl" else rank
         if backend == "nccl":
-            torch.cuda.set_device(rank % torch.cuda.device_count())
-        dist.init_process_group(
-            backend,
-            init_method=init_method,
-            rank=rank,
-            world_size=world_size,
-            timeout=datetime.timedelta(seconds=timeout_s),
-        )
+            torch.cuda.set_device(device)
+        # on NCCL device_id binds the rank's GPU: communicators are created eagerly
+        dist.init_process_group(init_method=init_method, rank=rank, world_size=world_size,
+                                **init_kwargs(backend, device, timeout_s))
         # What the worker holds now (torch and the test modules, ~300k objects) lives as long
         # as the worker: out of the collector's sight, a full collection after a task scans
         # the task's objects only (measured after a DMuon HSDP step: 0.4-0.8 s -> under 1 ms).
@@ -353,6 +325,20 @@ def _worker_main(
         os._exit(exit_code)
 
 
+def start_method_for(backend: str) -> str:
+    """How a pool on ``backend`` starts its workers: ``"spawn"`` for NCCL, ``"fork"`` otherwise.
+
+    Once the parent has touched CUDA, a forked child cannot: ``torch.cuda.is_available()``
+    without ``PYTORCH_NVML_BASED_CUDA_CHECK=1`` calls ``cudaGetDeviceCount`` (``cuInit``) and
+    registers torch's fork handler, after which every CUDA call in a forked child raises
+    "Cannot re-initialize CUDA in forked subprocess" (torch/cuda/__init__.py, ``is_available``
+    and ``_lazy_init``). pytest's ``skipif(not torch.cuda.is_available())`` runs in the parent
+    at collection, so an NCCL pool must spawn (a fresh interpreter: 2-3 s per worker, and the
+    task's function must be importable by its module path, as test modules' are). Gloo pools
+    keep fork (~0.1 s per worker)."""
+    return "spawn" if backend == "nccl" else "fork"
+
+
 class DistributedPool:
     """``world_size`` forked ranks sharing a live default process group; a context manager.
 
@@ -365,6 +351,8 @@ class DistributedPool:
         env: extra environment variables set in each worker before ``init_process_group``
             (e.g. ``{"TORCH_FR_BUFFER_SIZE": "2000"}``); ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``
             are always set.
+        start_method: ``"fork"`` or ``"spawn"``; default :func:`start_method_for` the backend
+            (spawn for NCCL: a forked child of a process that touched CUDA cannot use it).
 
     Workers start lazily on the first :meth:`run` (or :meth:`start`) and are destroyed by
     :meth:`close`, which the ``with`` block calls.
@@ -381,6 +369,7 @@ class DistributedPool:
         timeout_s: float = 120,
         seed: int = 0,
         env: Mapping[str, str] | None = None,
+        start_method: str | None = None,
     ):
         if not isinstance(world_size, int) or world_size < 1:
             raise ValueError(f"Invalid {world_size=}. Must be an int >= 1.")
@@ -388,6 +377,9 @@ class DistributedPool:
             raise ValueError(f"Invalid {timeout_s=}. Must be > 0 seconds.")
         if backend not in ("gloo", "nccl"):
             raise ValueError(f"Invalid {backend=}. Must be 'gloo' or 'nccl'.")
+        if start_method not in (None, "fork", "spawn"):
+            raise ValueError(f"Invalid {start_method=}. Must be None, 'fork' or 'spawn'.")
+        self.start_method = start_method or start_method_for(backend)
         self.world_size = world_size
         self.backend = backend
         self.timeout_s = float(timeout_s)
@@ -419,7 +411,7 @@ class DistributedPool:
         """
         if self.started:
             return
-        ctx = mp.get_context("fork")
+        ctx = mp.get_context(self.start_method)
         self._tmpdir = tempfile.mkdtemp(prefix="dmuon_pool_")
         init_method = "file://" + os.path.join(self._tmpdir, "rendezvous")
         for rank in range(self.world_size):

@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from tracer.progress import terminal_bar
 from verify.workload.data import global_batch_size
+from verify.run.groups import init_kwargs
 from verify.run.runner import RunConfig, run_all, runnable_modes
 from verify.traffic.formulas import MODES
 from verify.traffic.predict import DMUON_HIERARCHIES
@@ -112,11 +113,11 @@ def main(argv: list[str] | None = None) -> int:
               "size: the mesh is (W/T) x T.", file=sys.stderr)
         return EXIT_USAGE
     use_cuda = args.backend == "nccl" or (args.backend == "auto" and torch.cuda.is_available())
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if use_cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group(
-        "nccl" if use_cuda else "gloo", timeout=datetime.timedelta(seconds=args.timeout_s)
-    )
+        torch.cuda.set_device(local_rank)
+    # NCCL: device_id, communicators created here, not in DMuon's first hook (verify.run.groups)
+    dist.init_process_group(**init_kwargs("nccl" if use_cuda else "gloo", local_rank, args.timeout_s))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // dist.get_world_size()))
     config = replace(
         RunConfig(),

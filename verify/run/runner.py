@@ -12,6 +12,10 @@ Every check a run is gated on is named in its ``checks`` and the report's ``fail
 (``verify.report.checks``). A mode that raises (on any rank, in training or in rank 0's
 comparison) is an ``error`` failure with its message; its traceback goes to
 ``<out_dir>/<mode>/error_rank<r>.txt`` and the other modes still run and are reported.
+
+After each mode, once every rank has sent its results, every rank closes the mode's
+``DedicatedParams`` and destroys the process groups the mode created (``verify.run.groups``),
+whether it passed or raised: on NCCL each group holds a communicator.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import dataclasses
 import json
 import math
 import os
+import sys
 import traceback
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -50,6 +55,7 @@ from verify.compare import compare_run
 from verify.run.compute_spans import BlockCompute
 from verify.workload.data import ByteCorpus, global_batch_size
 from verify.run.modes import build
+from verify.run.groups import ModeScope
 from verify.sources.nccl_source import WindowMark, capture_active, nccl_source_report
 from verify.sources.nvlink import nvlink_report
 from verify.report.checks import failures_of_runs, run_checks
@@ -249,7 +255,10 @@ def _source(config: RunConfig, corpus: ByteCorpus | None) -> ModelSource:
 
 
 def _train_mode(mode: str, config: RunConfig, corpus: ByteCorpus, progress,
-                source: ModelSource | None = None) -> dict:
+                source: ModelSource | None = None, scope: ModeScope | None = None) -> dict:
+    """Build ``mode``, train it, record the measured steps; this rank's results. ``scope``
+    adopts the mode's ``DedicatedParams`` as soon as it exists (closed by the caller, after
+    every rank is done, also when this raises)."""
     rank = dist.get_rank()
     source = source if source is not None else _source(config, corpus)
     made: list = []
@@ -278,12 +287,16 @@ def _train_mode(mode: str, config: RunConfig, corpus: ByteCorpus, progress,
             tokens_per_rank=batch // dp * config.seq_len, muon_lr=MUON_LR, adamw_lr=ADAMW_LR,
             mixed_precision=config.mixed_precision, coalesce=config.coalesce)
         built = Built(tp_model, tp_opt, tp_layout, tp_dm)
+        if scope is not None and tp_dm is not None:
+            scope.adopt(tp_dm)
         loss_fn = tp_modes.tp_loss(corpus or ByteCorpus.from_stdlib(), global_batch=batch,
                                    seq_len=config.seq_len, seed=config.seed, tp=config.tp)
         tagging = tp_modes.tp_phase()
     else:
         built = build(mode, make_model, config.device, config.mixed_precision, config.coalesce,
                       config.rest, config.hierarchy)
+        if scope is not None and built.dedicated is not None:
+            scope.adopt(built.dedicated)
         loss_fn = made[-1][1]
     model, opt = built.model, built.optimizer
     out = Path(config.out_dir) / mode
@@ -392,8 +405,9 @@ def run_all(config: RunConfig, progress=None) -> dict | None:
     runs: list[dict] = []
     errors: list[dict] = []
     for mode in modes:
+        scope = ModeScope()  # this mode's groups and DMuon hooks, released after the gather
         try:
-            mine = _train_mode(mode, config, None, tick, source)
+            mine = _train_mode(mode, config, None, tick, source, scope)
         except Exception as exc:  # reported as this mode's failure; the other modes still run
             mine = _record_error(config, mode, exc)
         gathered: list = [None] * world if rank == 0 else None
@@ -403,9 +417,19 @@ def run_all(config: RunConfig, progress=None) -> dict | None:
             if rank == 0:
                 errors.append(_error_failure(mode, {0: _record_error(config, mode, exc)},
                                              "gathering the ranks' results"))
-            break
+            break  # groups left to the caller's destroy_process_group()
+        # every rank is past the mode's collectives: free its communicators before the next
+        # mode builds its own (on NCCL 0.5-1.6 GB each; verify.run.groups)
+        unreleased = scope.close()
+        if unreleased:
+            print(f"verify-traffic: rank {rank}, {mode}: not released: " + "; ".join(unreleased),
+                  file=sys.stderr, flush=True)
         if rank != 0:
             continue
+        if unreleased:
+            errors.append({"mode": mode, "check": "error",
+                           "detail": "releasing the mode's groups failed on rank 0: "
+                                     + "; ".join(unreleased)})
         raised = {r: g for r, g in enumerate(gathered) if "error" in g}
         if raised:
             errors.append(_error_failure(mode, raised, "training"))

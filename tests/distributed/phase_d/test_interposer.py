@@ -489,10 +489,36 @@ def _ddp_cuda_thread_task():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU and NCCL")
 def test_ddp_all_reduce_seen_from_autograd_device_thread():
     """On CUDA, autograd runs hooks (and DDP's reducer) on its device thread; the dispatch
-    mode must follow it there (autograd restores the caller's thread-local state)."""
+    mode must follow it there (autograd restores the caller's thread-local state). The skipif
+    above touched CUDA in this process, so the pool spawns its rank (next test)."""
     with DistributedPool(1, backend="nccl", timeout_s=120) as pool:
         [(events, caller, hook_threads)] = pool.run(_ddp_cuda_thread_task)
     assert hook_threads and hook_threads[0] != caller  # really another thread
     backward = [e for e in events if e.phase == "backward"]
     assert [e.op for e in backward] == ["all_reduce"]
     assert backward[0].count == sum(p.numel() for p in _mlp().parameters())
+
+
+#: Stand-in for "this process has initialised CUDA" (set by the test below in the parent only).
+_PARENT_TOUCHED_CUDA = False
+
+
+def _sees_parent_cuda_state() -> bool:
+    return _PARENT_TOUCHED_CUDA
+
+
+def test_nccl_pools_spawn_so_a_parent_that_touched_cuda_does_not_poison_them(monkeypatch):
+    """The GPU test above failed on its first GPU run with "Cannot re-initialize CUDA in forked
+    subprocess": pytest's skipif called ``torch.cuda.is_available()`` (``cuInit``, torch's fork
+    handler armed) and the pool forked. Stand-in, no GPU here: a module flag set in the parent
+    plays the initialised CUDA state; a forked rank inherits it (what CUDA refuses), a spawned
+    one does not. Fails without the fix: an NCCL pool's default start method was fork."""
+    from tests.distributed.harness import start_method_for
+
+    assert DistributedPool(1, backend="nccl").start_method == start_method_for("nccl") == "spawn"
+    assert DistributedPool(1).start_method == "fork"  # gloo keeps the cheap fork
+    monkeypatch.setattr(f"{__name__}._PARENT_TOUCHED_CUDA", True)
+    with DistributedPool(1, start_method="fork", timeout_s=60) as pool:
+        assert pool.run(_sees_parent_cuda_state) == [True]
+    with DistributedPool(1, start_method="spawn", timeout_s=60) as pool:
+        assert pool.run(_sees_parent_cuda_state) == [False]  # a fresh interpreter
