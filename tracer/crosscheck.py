@@ -3,8 +3,9 @@
 For every ``(rank, group_id)`` the other source's sequence of calls must equal the reference's,
 one to one and in order, in op, size and dtype (and root where both know it). Sizes compare as
 ``count`` where both sides know it, else as ``msg_bytes`` (nsys has bytes but no dtype/count).
-A ``barrier`` compares by op only: its payload, if any, is a backend detail (gloo records none,
-NCCL all-reduces one byte).
+A ``barrier`` compares by op only: its payload, if any, is a backend detail (gloo records none;
+ProcessGroupNCCL all-reduces one float32 element, which an NCCL log shows as an AllReduce: the
+NCCL-log source compares against :func:`tracer.nccl.expect.expected_nccl_log` for that).
 
 An all_to_all compares by its totals ``(in_elems, out_elems)`` where both sides know them
 (:func:`tracer.events.all_to_all_elems`: a source that records only the per-peer count, an

@@ -17,7 +17,11 @@ Per mode:
 2. rank 0 maps each communicator identity (commId, or ``parent/split/color``) to the sorted
    world ranks of the processes that hold it (:func:`comm_members`), and relabels every event
    with the rank list as ``group_id``, the convention of the interposer and of the prediction;
-3. :func:`nccl_source_report` cross-checks the events one to one against the interposer's, per
+3. :func:`nccl_source_report` turns the interposer's calls into the lines NCCL logs for them
+   (:func:`tracer.nccl.expect.expected_nccl_log`: bool as uint8, complex as real, barrier as a
+   one-float AllReduce, single send / recv on their pair's communicator, gather / scatter and
+   all_to_all as Send / Recv where torch lowers them so, for the NCCL version in use), then
+   cross-checks the events one to one against those, per
    rank and communicator (:func:`tracer.crosscheck.crosscheck`), and against the theory (the
    prediction's multiset, :func:`verify.check.check_events`, keyed by rank, op, count, dtype,
    group size, root and group; a log has no phases).
@@ -27,7 +31,9 @@ PyTorch ``created ncclComm_`` line was logged) cannot be matched across processe
 keep the ``local:`` group id and fail the cross-check with that reason named.
 
 Not yet run on GPUs: the plumbing is tested with logs rendered from real interposer events by
-the test tool ``tests/tools/nccl_render.py`` (``tests/run/test_nccl_source.py``).
+the test tool ``tests/tools/nccl_render.py`` (``tests/distributed/phase_d/test_nccl_source.py``),
+and the lowering rules with log lines written in NCCL's format, independently of the
+interposer (``tests/nccl/test_nccl_expect.py``).
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ from pathlib import Path
 from tracer.backends import uses_nccl
 from tracer.crosscheck import crosscheck
 from tracer.events import CollectiveEvent, group_id_from_ranks
+from tracer.nccl.expect import Lowering, expected_nccl_log
 from tracer.nccl.log import parse_nccl_logs
 
 from verify.check import check_events
@@ -215,8 +222,21 @@ def relabel(per_rank: Sequence[Mapping]) -> tuple[list[CollectiveEvent], list[st
     return events, problems
 
 
+def runtime_nccl_version() -> tuple[int, int, int] | None:
+    """``torch.cuda.nccl.version()`` of this process, ``None`` where torch has no NCCL."""
+    try:
+        import torch
+
+        version = torch.cuda.nccl.version()
+    except Exception:  # noqa: BLE001 - a CPU build raises or lacks it: unknown
+        return None
+    return tuple(version) if isinstance(version, tuple) and len(version) == 3 else None
+
+
 def nccl_source_report(per_rank: Sequence[Mapping], interposer: Sequence[CollectiveEvent],
-                       layout: RunLayout, steps: int) -> dict:
+                       layout: RunLayout, steps: int, *,
+                       nccl_version: Sequence[int] | None = None,
+                       lowering: Lowering | None = None) -> dict:
     """``report.json`` ``sources["nccl_log"]`` of one run.
 
     Args:
@@ -224,6 +244,9 @@ def nccl_source_report(per_rank: Sequence[Mapping], interposer: Sequence[Collect
         interposer: every rank's interposer events of the same window.
         layout: the run's layout (for the prediction).
         steps: measured steps in the window.
+        nccl_version: the NCCL that wrote the logs, ``(major, minor, patch)``; default
+            :func:`runtime_nccl_version` (unknown: NCCL < 2.28 assumed).
+        lowering: overrides what ``nccl_version`` implies (:class:`tracer.nccl.expect.Lowering`).
 
     Returns:
         ``{events, matched, unmatched, pass, mismatches, theory, issues}``: the cross-check
@@ -232,7 +255,12 @@ def nccl_source_report(per_rank: Sequence[Mapping], interposer: Sequence[Collect
         rank's log, and no unreadable line inside a window.
     """
     events, problems = relabel(per_rank)
-    check = crosscheck(interposer, events, source="nccl_log", backend="nccl")
+    version = nccl_version if nccl_version is not None else runtime_nccl_version()
+    expected = expected_nccl_log(interposer, lowering or Lowering.for_version(version))
+    problems += expected.problems
+    check = crosscheck(expected.events, events, source="nccl_log", backend="nccl")
+    check.notes.append(f"{expected.lowered} interposer call(s) expected as other NCCL lines "
+                       f"(tracer.nccl.expect, NCCL {version or 'unknown: < 2.28 assumed'})")
     theory = check_events(events, layout, steps)
     ranks = sorted(e["window"]["rank"] for e in per_rank)
     issues = [i for e in per_rank for i in e["issues"]]

@@ -18,6 +18,7 @@ import pytest
 
 from tests.distributed.phase_d import traffic_tasks
 from tests.tools.nccl_job import render_job
+from tracer.nccl.expect import Lowering
 from verify.sources.nccl_source import nccl_source_report, rank_window
 
 pytestmark = pytest.mark.distributed
@@ -40,7 +41,10 @@ def _report(folder: Path, measured, *, version="2.21", edit=None, windows_edit=N
         windows = [windows_edit(w) for w in windows]
     per_rank = [rank_window(w) for w in windows if ranks is None or w.rank in ranks]
     interposer = [ev for r in sorted(by_rank) for ev in by_rank[r]]
-    return nccl_source_report(per_rank, interposer, layout, steps=2)
+    # the tool renders one line per interposer call (gloo's gathers as NCCL 2.28's Gather):
+    # expect that lowering, not torch's Send/Recv one (tests/nccl/test_nccl_expect.py)
+    return nccl_source_report(per_rank, interposer, layout, steps=2,
+                              lowering=Lowering(alltoall_native=True, gather_native=True))
 
 
 def test_rendered_logs_match_interposer_and_theory(tmp_path, measured):
