@@ -135,3 +135,74 @@ def test_groupless_events_compare_per_rank():
     assert r[0].group_id is None and o[0].group_id is None and "per rank" in note
     keyed = [other[0].replace(group_id="0,1")]
     assert profiler_source_events(ref, keyed)[2] is None
+
+
+def _nccl_kineto_trace(rank: int, calls: list[tuple]) -> dict:
+    """A Chrome trace in the shape Kineto writes for ProcessGroupNCCL (no GPU here: gloo writes
+    no ``record_param_comms``, checked on torch 2.13.0+cpu and 2.11.0+cu130 with 2 gloo ranks).
+    Per call, as on a CUDA run: the ``c10d::`` dispatcher op, the ``record_param_comms``
+    ``cpu_op`` inside it with the args of ``torch/csrc/profiler/util.h`` (names checked in
+    this torch's ``libtorch_cpu.so``: ``Collective name``, ``dtype``, ``In msg nelems``, ``Out
+    msg nelems``, ``In split size``, ``Out split size``, ``Global rank start``, ``Global rank
+    stride``, ``Group size``, ``Process Group Name``, ``Process Group Description``, ``Process
+    Group Ranks``, ``Rank``; ranks and splits as text), and the NCCL kernel on the GPU stream
+    carrying the same args."""
+    events, ts = [], 1000.0
+    for c10d_op, name, n_in, n_out, dtype, kernel in calls:
+        comm_args = {"Collective name": name, "dtype": dtype, "In msg nelems": n_in,
+                     "Out msg nelems": n_out, "In split size": "[]", "Out split size": "[]",
+                     "Global rank start": 0, "Global rank stride": 1, "Group size": 2,
+                     "Process Group Name": "0", "Process Group Description": "default_pg",
+                     "Process Group Ranks": "[0, 1]", "Rank": rank}
+        events += [
+            {"ph": "X", "cat": "cpu_op", "name": f"c10d::{c10d_op}", "pid": 77, "tid": 77,
+             "ts": ts, "dur": 40.0, "args": {"External id": len(events), "Input Dims": [[n_in]],
+                                             "Input type": ["ScalarList"], "Concrete Inputs": [""]}},
+            {"ph": "X", "cat": "cpu_op", "name": "record_param_comms", "pid": 77, "tid": 77,
+             "ts": ts + 1.0, "dur": 30.0, "args": {"External id": len(events) + 1,
+                                                   "Record function id": 0, **comm_args}},
+            {"ph": "X", "cat": "kernel", "name": kernel, "pid": 0, "tid": 7, "ts": ts + 50.0,
+             "dur": 12.0, "args": {"External id": len(events) + 1, "device": 0, "stream": 7,
+                                   **comm_args}},
+        ]
+        ts += 100.0
+    return {"schemaVersion": 1, "distributedInfo": {"backend": "nccl", "rank": rank, "world_size": 2,
+            "pg_count": 1, "pg_config": [{"pg_name": "0", "pg_desc": "default_pg",
+                                          "backend_config": "cuda:nccl", "pg_size": 2,
+                                          "ranks": [0, 1]}], "nccl_version": "2.27.5"},
+            "traceEvents": events}
+
+
+def test_record_param_comms_branch_cross_checks_against_the_interposer(tmp_path):
+    """The branch that gates NCCL runs, through read_profiler_traces and the cross-check as the
+    harness calls them; a planted size error must fail it."""
+    from tracer.crosscheck import crosscheck
+
+    calls = [("_allgather_base_", "_allgather_base", 256, 512, "BFloat16",
+              "ncclDevKernel_AllGather_RING_LL"),
+             ("_reduce_scatter_base_", "_reduce_scatter_base", 512, 256, "Float",
+              "ncclDevKernel_ReduceScatter_Sum_f32_RING_LL"),
+             ("broadcast_", "broadcast", 300, 300, "Float", "ncclDevKernel_Broadcast_RING_LL"),
+             ("allreduce_", "allreduce", 64, 64, "Bool", "ncclDevKernel_AllReduce_Sum_u8_RING_LL")]
+    for r in range(2):
+        (tmp_path / f"trace_rank{r}.json").write_text(json.dumps(_nccl_kineto_trace(r, calls)))
+    traces = read_profiler_traces([tmp_path])
+    assert [t.kind for t in traces] == ["record_param_comms"] * 2
+    events = [e for t in traces for e in t.events]
+    assert [(e.op, e.count, e.dtype, e.group_id) for e in events[:4]] == [
+        ("all_gather", 256, "bfloat16", "0,1"), ("reduce_scatter", 256, "float32", "0,1"),
+        ("broadcast", 300, "float32", "0,1"), ("all_reduce", 64, "bool", "0,1")]
+
+    def interposer(count_of_broadcast=300):
+        return [CollectiveEvent(source="interposer", op=op, rank=r, group_id="0,1", group_size=2,
+                                group_rank=r, seq=i, count=c, dtype=dt, root=root)
+                for r in range(2) for i, (op, c, dt, root) in enumerate([
+                    ("all_gather", 256, "bfloat16", None), ("reduce_scatter", 256, "float32", None),
+                    ("broadcast", count_of_broadcast, "float32", 0), ("all_reduce", 64, "bool", None)])]
+    ref, prof, note = profiler_source_events(interposer(), events)
+    assert note is None  # every event knows its group: compared per group, not as one sequence
+    check = crosscheck(ref, prof, source="profiler", backend="nccl")
+    assert check.passed and check.matched == 8, check.lines()
+    ref, prof, _ = profiler_source_events(interposer(count_of_broadcast=301), events)
+    bad = crosscheck(ref, prof, source="profiler", backend="nccl")
+    assert not bad.passed and bad.unmatched == 2
