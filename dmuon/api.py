@@ -71,7 +71,8 @@ def dedicate_params(
         coalesce: how many blocks share collectives (``dmuon/ownership/buckets.py``, "unit";
             docs/traffic-model.md, "Coalescing"): ``"auto"`` (default) joins consecutive
             blocks while a unit holds at most the backend's α/β bytes (2 MB on CPU / gloo,
-            3.6 MB on CUDA / NCCL: ``buckets.LINK_COSTS``, by the params' device), where a
+            3.6 MB on NCCL: ``buckets.LINK_COSTS``, by the default process group's backend,
+            ``collectives.link_backend``; never by the params' device), where a
             call costs as much in fixed latency as in bytes; ``"block"`` one unit per block
             and one call per bucket (most overlap, most calls); ``"all"`` one unit for the
             whole model (fewest calls; under Z3 a non-holder then holds every dedicated param
@@ -201,8 +202,11 @@ def dedicate_params(
                 )
         else:
             plan = plan_ownership(specs, topology.mesh_shape)
-        on_cuda = any(p.device.type == "cuda" for _, p, _ in named)
-        coalescing = resolve_coalesce(coalesce, "nccl" if on_cuda else "gloo")
+        # the link policy comes from the backend DMuon's groups run on, never from where the
+        # params happen to be (a meta-built model gets its backend's policy: link_backend)
+        backend = collectives.link_backend(collectives.default_backend(),
+                                           {p.device.type for _, p, _ in named})
+        coalescing = resolve_coalesce(coalesce, backend)
         flat = topology.replicate_size > 1 and tp_layout is None and resolve_hierarchy(
             hierarchy, coalescing, lambda: bucket_layout(specs, plan, cap_bytes, coalescing.target_bytes,
                                                          coalescing.reduce_by_gather))

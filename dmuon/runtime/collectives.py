@@ -153,6 +153,49 @@ def served_device_types(backend: str) -> set[str]:
     return out
 
 
+def link_backend(backend: str, device_types: set[str]) -> str:
+    """The backend DMuon's collectives of params on ``device_types`` run on, under a process
+    group whose backend is named ``backend`` (pure): the key of the link policy
+    (``buckets.LINK_COSTS``: coalescing target, reduce by gather, flat HSDP).
+
+    A one-backend name (``"nccl"``, ``"gloo"``) is the answer whatever the params' device: a
+    model built on ``meta`` gets the policy of the backend it will run on. A per-device list
+    (``"cpu:gloo,cuda:nccl"``, torch's default group on a GPU node) runs each collective on
+    the backend of its tensors' device, which is the params' (``Launcher`` per device): the
+    accelerator's entry for accelerator params **and for meta params** (the meta-init flow
+    materialises them on the accelerator: ``to_empty(device="cuda")``), the CPU entry only
+    when every dedicated param is on the CPU. (A meta model materialised on the CPU of such a
+    group then runs NCCL's policy on gloo: the same results and bytes, calls sized for NCCL.)
+
+    Args:
+        backend: ``dist.get_backend(group)`` (case-insensitive).
+        device_types: the dedicated params' device types (``{"meta"}``, ``{"cuda"}``, ...;
+            empty: nothing dedicated).
+
+    Raises:
+        ValueError: a per-device list without an entry for the params' device.
+    """
+    entries = [p.strip().rpartition(":") for p in str(backend).lower().split(",") if p.strip()]
+    if len(entries) == 1 or all(not dev for dev, _, _ in entries):
+        return entries[0][2] if entries else str(backend).lower()
+    by_device = {dev: name for dev, _, name in entries}
+    placed = sorted(set(device_types) - {"meta"})  # meta: the group's accelerator entry
+    wanted = placed[-1] if placed else next((dev for dev in by_device if dev != "cpu"), None)
+    if wanted not in by_device:
+        raise ValueError(
+            f"Invalid backend={backend!r} for dedicated params on {sorted(device_types)}. Must "
+            f"have an entry for {wanted!r} (e.g. 'cpu:gloo,cuda:nccl'), or move the model to a "
+            "device the process group serves before dmuon.dedicate_params."
+        )
+    return by_device[wanted]
+
+
+def default_backend() -> str:
+    """The default group's backend name (``dist.get_backend()``): DMuon's own groups are
+    created from it (``dist.new_group`` without a backend), so it is theirs too."""
+    return str(dist.get_backend())
+
+
 def check_param_device(device: torch.device, group: dist.ProcessGroup, what: str) -> None:
     """Raise if the backend of ``group`` cannot take tensors on ``device`` (before any call).
 
@@ -257,17 +300,29 @@ def reduce_sum_(buf: torch.Tensor, dst: int, group: dist.ProcessGroup, *, async_
     return dist.reduce(buf, group_dst=dst, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
 
 
-def all_gather_(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup, *, async_op: bool = False):
+#: ``dist.all_gather_single`` / ``dist.reduce_scatter_single`` where torch has them (2.13 on,
+#: which deprecates ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` with a FutureWarning
+#: per call site and rank); the older names on torch 2.11, which lacks the new ones. Both pairs
+#: dispatch the same ``c10d::_allgather_base_`` / ``c10d::_reduce_scatter_base_`` op (the
+#: deprecated names are wrappers of the new ones in 2.13): same calls, same traces.
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def all_gather_(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup | None, *,
+                async_op: bool = False):
     """``out`` (n * inp.numel(),) <- every member's ``inp`` in group-rank order
-    (``all_gather_into_tensor``; count = ``inp.numel()``). Returns the ``Work`` when ``async_op``."""
-    return dist.all_gather_into_tensor(out, inp, group=group, async_op=async_op)
+    (``all_gather_single``, ``all_gather_into_tensor`` before torch 2.13; count =
+    ``inp.numel()``). Returns the ``Work`` when ``async_op``."""
+    return _ALL_GATHER(out, inp, group=group, async_op=async_op)
 
 
 def reduce_scatter_sum_(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup, *,
                         async_op: bool = False):
     """``out`` (inp.numel() / n,) <- the sum over ``group`` of this member's chunk of ``inp``
-    (``reduce_scatter_tensor``; count = ``out.numel()``). Returns the ``Work`` when ``async_op``."""
-    return dist.reduce_scatter_tensor(out, inp, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+    (``reduce_scatter_single``, ``reduce_scatter_tensor`` before torch 2.13; count =
+    ``out.numel()``). Returns the ``Work`` when ``async_op``."""
+    return _REDUCE_SCATTER(out, inp, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
 
 
 def gather_(buf: torch.Tensor, rows: torch.Tensor | None, dst: int, group: dist.ProcessGroup, *,
@@ -527,7 +582,7 @@ def all_gather_digests(digest: str, group: dist.ProcessGroup | None, span: str) 
     size = dist.get_world_size(group)
     gathered = torch.empty(size * 32, dtype=torch.uint8, device=device)
     with annotate.phase("setup"), annotate.span(span):
-        dist.all_gather_single(gathered, mine, group=group)
+        all_gather_(gathered, mine, group)
     gathered = gathered.cpu()
     return [bytes(gathered[i * 32 : (i + 1) * 32].tolist()).hex() for i in range(size)]
 

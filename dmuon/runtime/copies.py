@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from dmuon.runtime import residency, tp
+from dmuon.runtime import residency, tp, usage
 from dmuon.runtime.collectives import Pending
 from dmuon.runtime.state import Copy, Grads, Replica, check
 
@@ -67,6 +67,7 @@ class Bucket:
         self.replica = Replica.CURRENT
         self.grads = Grads.NONE
         self.used = [False] * len(params)  # this rank produced a grad since the last reduce
+        self.sent_usage: list[bool] = []  # the usage flags of the reduce in flight (step 4)
         self.arrived: set[int] = set()  # grads arrived in this backward (the reduce trigger)
         self.grad_flat: torch.Tensor | None = None  # (numel + len(params),), lp's dtype
         self.grad_views: list[torch.Tensor] = []  # views of grad_flat, per param
@@ -332,19 +333,13 @@ class Bucket:
         """The buffer to reduce: every local grad (zeros where none), then the usage
         elements (1 where ``used``), in ``reduce_dtype``."""
         buf = self.grad_buffer()
-        usage = buf[self.numel :]
         with torch.no_grad():
             for q, view in zip(self.compute, self.grad_views):
                 if q.grad is None:
                     view.zero_()
                 elif not _is_view(tp.local(q.grad), view):
                     view.copy_(tp.local(tp.placed_like(q, q.grad)))
-            if all(self.used):
-                usage.fill_(1)
-            elif not any(self.used):
-                usage.zero_()
-            else:
-                usage.copy_(torch.tensor(self.used, dtype=usage.dtype))
+        usage.fill_flags_(buf[self.numel :], self.used)  # no host-to-device copy (usage.py)
         return buf if reduce_dtype is None or buf.dtype == reduce_dtype else buf.to(reduce_dtype)
 
     def reduce_issued(self, work: Pending, buf: torch.Tensor) -> None:
@@ -352,7 +347,7 @@ class Bucket:
         mixed-precision compute params drop theirs)."""
         self._to("grads", Grads.REDUCING)
         self._reduce, self._reduce_buf = work, buf
-        self.used = [False] * len(self.params)
+        self.sent_usage, self.used = self.used, [False] * len(self.params)
         if not self.is_owner or self.mixed:
             for q in self.compute:
                 q.grad = None
@@ -364,10 +359,10 @@ class Bucket:
             self._reduce = None
         return self._reduce_buf
 
-    def reduced(self, counts: list[float], world_size: int) -> None:
+    def reduced(self, used: list[bool], world_size: int) -> None:
         """Every reduce into the holder's buffer is waited: owners set each param's averaged
-        grad (``None`` where ``counts`` is 0 and no grad tensor was kept, as torch would);
-        non-holders free the buffer."""
+        grad (``None`` where ``used`` is False, no rank had a grad, and no grad tensor was
+        kept, as torch would; ``usage.used_anywhere``); non-holders free the buffer."""
         buf, self._reduce_buf = self._reduce_buf, None
         self._to("grads", Grads.REDUCED)
         if not self.is_holder:
@@ -378,12 +373,12 @@ class Bucket:
         if same:
             buf.div_(world_size)
         offset = 0
-        for p, count in zip(self.params, counts):
+        for p, anywhere in zip(self.params, used):
             n = tp.local(p).numel()
             g = buf[offset : offset + n].view_as(tp.local(p))
             if not same:  # mixed precision: the master grad, averaged in its dtype
                 g = g.to(p.dtype).div_(world_size)
-            p.grad = tp.like(p, g) if count > 0 or p.grad is not None else None
+            p.grad = tp.like(p, g) if anywhere or p.grad is not None else None
             offset += n
 
     def pass_ended(self) -> None:

@@ -121,7 +121,9 @@ Per step (docs/spec.md §1):
    in flight (the free waits for it first).
 4. **backward reduces** (channel ``reduce``, phase ``backward``): buckets reduce (sum) to the
    holder over the shard axis in reverse index order, asynchronously, each as soon as it and
-   every bucket before it in that order have all their grads; at the end of backward every
+   every bucket before it in that order have all their grads and (Z3) no re-broadcast of
+   this backward is left to issue (one issue order across channels on every rank:
+   ``Schedule.rebroadcast_ahead``; Z3 frees a bucket as its grads arrive); at the end of backward every
    remaining bucket is reduced, a param without a local grad contributing zeros. A bucket's
    reduce carries ``numel + len(params)`` elements of the reduce dtype: the grads (params
    in bucket order), then one **usage** element per param, 1 if this rank produced a grad

@@ -42,7 +42,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from dmuon import annotate
-from dmuon.runtime import collectives, tp
+from dmuon.runtime import collectives, tp, usage
 
 #: ``dedicate_params``' ``rest`` values.
 REST_MODES = ("wrapper", "replicate")
@@ -164,7 +164,8 @@ class ReplicatedRest:
         self._holders = [(name, modules[name]) for name in sorted(prefixes)]
         self._group = group
         self._broadcast_done = False
-        self._pending: list[tuple[collectives.Pending, torch.Tensor, list[nn.Parameter]]] = []
+        # (work, buffer, params, this rank's usage flags) per dtype
+        self._pending: list[tuple[collectives.Pending, torch.Tensor, list[nn.Parameter], list[bool]]] = []
 
     def close(self) -> None:
         """Drop the ``world`` group (``DedicatedParams.close()`` destroys it)."""
@@ -215,34 +216,36 @@ class ReplicatedRest:
         for params in _by_dtype(trainable):
             n = sum(p.numel() for p in params)
             buf = torch.empty(n + len(params), dtype=params[0].dtype, device=params[0].device)
+            flags = [p.grad is not None for p in params]
             with torch.no_grad():
                 for p, view in zip(params, torch.split(buf[:n], [p.numel() for p in params])):
                     view.copy_(p.grad.reshape(-1)) if p.grad is not None else view.zero_()
-                buf[n:].copy_(torch.tensor([p.grad is not None for p in params]))
+            usage.fill_flags_(buf[n:], flags)  # no host-to-device copy (usage.py)
             with annotate.phase("backward"), annotate.span("dmuon.rest_all_reduce"):
                 work = launcher_of(buf).all_reduce(buf, self._group, channel="reduce")
-            self._pending.append((work, buf, params))
+            self._pending.append((work, buf, params, flags))
 
     def finish(self, world_size: int) -> None:
         """Wait for the all_reduces; each param's grad becomes the average (in place into a
         kept grad tensor), or stays ``None`` where no rank produced one."""
         pending, self._pending = self._pending, []
-        for work, buf, params in pending:
+        for work, buf, params, flags in pending:
             work.wait()
             n = sum(p.numel() for p in params)
-            usage = buf[n:].tolist()  # only "> 0" is read: exact in any dtype (bf16 too)
+            # read back only where this rank had no grad (usage.py: no sync otherwise)
+            anywhere = usage.used_anywhere(flags, lambda: buf[n:])
             with torch.no_grad():
                 buf[:n].div_(world_size)
-                for p, view, used in zip(params, torch.split(buf[:n], [p.numel() for p in params]), usage):
+                for p, view, used in zip(params, torch.split(buf[:n], [p.numel() for p in params]), anywhere):
                     if p.grad is not None:
                         p.grad.copy_(view.view_as(p.grad))
-                    elif used > 0:  # a fresh grad laid out like p (as autograd would make it)
+                    elif used:  # a fresh grad laid out like p (as autograd would make it)
                         p.grad = torch.empty_like(p).copy_(view.view_as(p))
 
     def abort(self, drop_grads: bool) -> None:
         """After an exception: wait for what is in flight; an aborted backward drops the
         rest's grads (a step must not use one rank's partial grads)."""
-        for work, _, _ in self._pending:
+        for work, *_ in self._pending:
             work.wait()
         self._pending = []
         if drop_grads:

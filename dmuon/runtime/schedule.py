@@ -16,7 +16,7 @@ import torch
 
 from dmuon import annotate
 
-from dmuon.runtime import collectives
+from dmuon.runtime import collectives, usage
 from dmuon.runtime.copies import Bucket
 from dmuon.runtime.state import Copy, Replica
 
@@ -30,7 +30,10 @@ class Cursors:
     - ``bwd_issued`` / ``bwd_waited``: the same for Z3's backward re-broadcasts (downwards;
       step 3);
     - ``reduced``: how many buckets, in reverse index order, have had their reduce issued
-      (step 4).
+      (step 4); ``released``: how many have all their grads (freed under Z3; reduced once
+      no re-broadcast is left, so ``reduced <= released``);
+    - ``rebroadcasts_done``: no Z3 re-broadcast of this backward is left to issue
+      (:meth:`Schedule.rebroadcast_ahead`).
     """
 
     def __init__(self, n: int) -> None:
@@ -40,11 +43,12 @@ class Cursors:
         """Every cursor at the start of a pass over ``n`` buckets."""
         self.fwd_issued = self.fwd_waited = 0
         self.bwd_issued = self.bwd_waited = n - 1
-        self.reduced = 0
+        self.reduced = self.released = 0
+        self.rebroadcasts_done = False  # Schedule.rebroadcast_ahead found none left
 
     def __repr__(self) -> str:
         return (f"Cursors(fwd {self.fwd_waited}/{self.fwd_issued}, bwd {self.bwd_waited}/"
-                f"{self.bwd_issued}, reduced {self.reduced})")
+                f"{self.bwd_issued}, reduced {self.reduced}/{self.released})")
 
 
 class Schedule:
@@ -149,13 +153,22 @@ class Schedule:
 
     def advance_reduce(self, final: bool) -> None:
         """Issue the reduce of every bucket, in reverse index order, whose grads (and whose
-        predecessors' grads) all arrived; ``final``: of every remaining bucket."""
-        c = self.cursors
-        while c.reduced < len(self.buckets):
-            b = self.buckets[len(self.buckets) - 1 - c.reduced]
-            members = self.groups_of.get(id(b), [b])  # b is an aligned group's last
+        predecessors' grads) all arrived, once no re-broadcast is left to issue
+        (:meth:`rebroadcast_ahead`); ``final``: of every remaining bucket. Z3 frees such a
+        bucket as its grads arrive, whether or not its reduce is issued yet."""
+        c, n = self.cursors, len(self.buckets)
+        while c.released < n:  # Z3: its module's backward is done (its grads arrived)
+            members = self.groups_of.get(id(self.buckets[n - 1 - c.released]), [self.buckets[n - 1 - c.released]])
             if not final and any(len(m.arrived) < len(m.params) for m in members):
-                return
+                break
+            for m in members:
+                self.free(m)
+            c.released += len(members)
+        if not final and self.rebroadcast_ahead():
+            return  # one issue order on every rank: no reduce before the last re-broadcast
+        while c.reduced < c.released:
+            b = self.buckets[n - 1 - c.reduced]
+            members = self.groups_of.get(id(b), [b])  # b is an aligned group's last
             bufs = [m.reduce_buffer(self.reduce_dtype) for m in members]
             with annotate.phase("backward"), annotate.span("dmuon.reduce", module=b.module_name,
                                                            owner=None if b.aligned else b.owner):
@@ -166,8 +179,27 @@ class Schedule:
                     work = self.launcher(bufs[0]).reduce(bufs[0], b.shard_owner, self.groups.reduce)
             for m, buf in zip(members, bufs):
                 m.reduce_issued(work, buf)
-                self.free(m)  # Z3: its module's backward is done (its grads arrived)
             c.reduced += len(members)
+
+    def rebroadcast_ahead(self) -> bool:
+        """Z3 backward: whether a re-broadcast of this backward is still to be issued (a
+        bucket at or below the re-broadcast cursor is not VALID; the same answer on every
+        rank at the same point of its call sequence, copy states being agreed).
+
+        Reduces wait for it (:meth:`advance_reduce`), so that every rank issues DMuon's
+        calls of a backward in one order across channels, all re-broadcasts then all
+        reduces: a reduce's trigger (its grads arrived) depends on which modules ran on a
+        rank, a re-broadcast never waits for a reduce, and NCCL deadlocks when two ranks
+        enqueue kernels of two communicators in opposite orders and both cannot run at once
+        (``CUDA_DEVICE_MAX_CONNECTIONS=1``, few free SMs). docs/performance.md, "One issue
+        order across channels"."""
+        c = self.cursors
+        if c.rebroadcasts_done or not self.reshard_after_forward:
+            return False
+        if any(b.copy in (Copy.FREED, Copy.STALE) for b in self.buckets[: c.bwd_issued + 1]):
+            return True
+        c.rebroadcasts_done = True  # the cursor only descends and issued buckets stay issued
+        return False
 
     def finish_reduces(self) -> None:
         """Wait for every shard reduce, run the HSDP replicate reduces (issued as each shard
@@ -193,12 +225,14 @@ class Schedule:
         for work in replicate_works:
             work.wait()
         owned = [b for b in self.buckets if b.is_owner]
-        # the usage sums of every owned param, read in one device-to-host copy
-        counts = torch.cat([b.wait_reduce()[b.numel :] for b in owned]).tolist() if owned else []
+        # which owned params had a grad on some rank: from this rank's own usage flags, or
+        # (some had none here) the reduced usage sums in one device-to-host copy (usage.py)
+        used = usage.used_anywhere([u for b in owned for u in b.sent_usage], lambda: torch.cat(
+            [b.wait_reduce()[b.numel :] for b in owned]))
         k = 0
         for b in self.buckets:
             n = len(b.params) if b.is_owner else 0
-            b.reduced(counts[k : k + n], self.world_size)
+            b.reduced(used[k : k + n], self.world_size)
             k += n
 
     def _held(self, b: Bucket) -> list[Bucket]:

@@ -64,7 +64,31 @@ def test_plan_agreement_gathers_on_the_backend_device(monkeypatch):
 
     monkeypatch.setattr(C, "collective_device", lambda group=None: torch.device("meta"))
     monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
-    monkeypatch.setattr(dist, "all_gather_single", fake_gather)
+    monkeypatch.setattr(C, "_ALL_GATHER", fake_gather)
     with pytest.raises(Stop):
         C.check_plan_agreement("ab" * 32, "plan")
     assert seen == [torch.device("meta")] * 2
+
+
+@pytest.mark.parametrize("backend,devices,want", [
+    ("nccl", {"meta"}, "nccl"),             # a meta-built model: its backend's policy
+    ("nccl", {"cuda"}, "nccl"),
+    ("gloo", {"meta"}, "gloo"),
+    ("gloo", {"cpu"}, "gloo"),
+    ("NCCL", set(), "nccl"),
+    ("cpu:gloo,cuda:nccl", {"meta"}, "nccl"),  # materialised on the accelerator (to_empty)
+    ("cpu:gloo,cuda:nccl", {"cuda"}, "nccl"),
+    ("cpu:gloo,cuda:nccl", {"cuda", "meta"}, "nccl"),
+    ("cpu:gloo,cuda:nccl", {"cpu"}, "gloo"),   # CPU params: their collectives run on gloo
+    ("cuda:nccl", {"meta"}, "nccl"),
+])
+def test_link_backend_comes_from_the_group_not_the_params(backend, devices, want):
+    """Issue 30: the link policy's key. Before the fix api.py chose "nccl" only for CUDA
+    params, so the ("nccl", {"meta"}) row got gloo's policy."""
+    assert C.link_backend(backend, devices) == want
+
+
+def test_link_backend_rejects_a_list_without_the_params_device():
+    with pytest.raises(ValueError, match=r"backend='cpu:gloo,xpu:xccl' for dedicated params on "
+                                         r"\['cuda'\]\. Must have an entry for 'cuda'"):
+        C.link_backend("cpu:gloo,xpu:xccl", {"cuda"})
