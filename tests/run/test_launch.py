@@ -39,10 +39,13 @@ def test_launch_env_sets_nccl_logging_only_for_nccl(tmp_path, monkeypatch):
 def test_bad_worker_input_is_one_line_and_exit_2_before_torchrun(tmp_path, capsys, args, says):
     from verify.run.launch import main
 
-    assert main(["--nproc", "2", "--out-dir", str(tmp_path / "run"), *args]) == 2
+    run = tmp_path / "run"
+    assert main(["--nproc", "2", "--out-dir", str(run), *args]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("make verify-traffic: error: ") and says in err[0], err
-    assert not (tmp_path / "run").exists()  # torchrun never started
+    assert len(err) == 2 and err[0].startswith("make verify-traffic: error: ") and says in err[0], err
+    assert err[1] == f"verify-traffic: exit code 2 (bad input), in {run / 'exit_code'}"
+    assert [p.name for p in run.iterdir()] == ["exit_code"]  # torchrun never started
+    assert (run / "exit_code").read_text() == "2\n"  # what make cannot pass on (verify.run.ci)
 
 
 @pytest.mark.parametrize("nproc, args, says", [
@@ -99,12 +102,87 @@ def test_a_reused_run_folder_reports_only_this_runs_errors(tmp_path, capsys, mon
     err = capsys.readouterr().err
     assert "FAIL: dmuon-ddp raised on rank 1: ValueError: this run" in err
     assert "stale error" not in err and not (out / "dmuon-z2" / "error_rank0.txt").exists()
-    assert not (out / "exit_code").exists()  # nor an earlier run's verdict
+    assert (out / "exit_code").read_text() == "1\n"  # this run's code, not the earlier verdict
 
     monkeypatch.setattr(launch.subprocess, "call", lambda cmd, env: 0)  # a run that wrote no verdict
     assert launch.main(["--nproc", "2", "--backend", "gloo", "--out-dir", str(out),
-                        "--modes", "dmuon-ddp"]) == 2
+                        "--modes", "dmuon-ddp"]) == 1
     assert "no verdict" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("verdict", [0, 1])
+def test_the_workers_verdict_is_the_exit_code_and_recorded(tmp_path, capsys, monkeypatch, verdict):
+    """make turns 1 into 2 (GNU make exits 0 or 2): the code is recorded in exit_code and
+    printed. Fails without the fix: the launcher returned the verdict without either."""
+    import verify.run.launch as launch
+
+    out = tmp_path / "run"
+
+    def worker(cmd, env):  # torchrun stands in: rank 0 wrote its verdict
+        (out / "exit_code").write_text(f"{verdict}\n")
+        return 0
+
+    monkeypatch.setattr(launch.subprocess, "call", worker)
+    assert launch.main(["--nproc", "2", "--backend", "gloo", "--out-dir", str(out)]) == verdict
+    meaning = "pass" if verdict == 0 else "a check failed"
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"verify-traffic: exit code {verdict} ({meaning}), in {out / 'exit_code'}")
+    assert (out / "exit_code").read_text() == f"{verdict}\n"
+
+
+def test_nccl_without_a_gpu_is_missing_hardware_exit_3(tmp_path, capsys, monkeypatch):
+    """--backend nccl on a machine without a GPU: 3 (missing hardware), as make gpu-check and
+    make nsys-verify; it was argparse's usage error, 2."""
+    import verify.run.launch as launch
+
+    monkeypatch.setattr(launch.torch.cuda, "is_available", lambda: False)
+    assert launch.main(["--backend", "nccl", "--out-dir", str(tmp_path / "run")]) == 3
+    err = capsys.readouterr().err
+    assert "Invalid --nproc=0 for --backend nccl with 0 visible GPUs" in err
+    assert (tmp_path / "run" / "exit_code").read_text() == "3\n"
+
+
+def test_init_kwargs_bind_the_gpu_on_nccl_only():
+    """NCCL joins with device_id (eager communicators: created in init_process_group, not by
+    DMuon's first collective inside a forward hook); gloo as before. Fails without the fix:
+    the harness passed no device_id."""
+    import datetime
+
+    import torch
+
+    from verify.run.groups import init_kwargs
+
+    assert init_kwargs("nccl", 3, 300) == {"backend": "nccl", "device_id": torch.device("cuda", 3),
+                                           "timeout": datetime.timedelta(seconds=300)}
+    assert init_kwargs("gloo", 3, 60) == {"backend": "gloo", "timeout": datetime.timedelta(seconds=60)}
+    for bad, says in ((("mpi", 0, 1), "Invalid backend='mpi'"), (("nccl", -1, 1), "Invalid local_rank=-1"),
+                      (("gloo", 0, 0), "Invalid timeout_s=0")):
+        with pytest.raises(ValueError, match=says):
+            init_kwargs(*bad)
+
+
+def test_verify_traffic_main_joins_with_init_kwargs(monkeypatch, tmp_path):
+    """verify.run.main passes init_kwargs' arguments to init_process_group (stand-in: the call
+    is captured and stops the run; no group is created)."""
+    import verify.run.main as worker
+
+    seen = {}
+
+    def fake_init(**kwargs):
+        seen.update(kwargs)
+        raise KeyboardInterrupt  # stop here
+
+    monkeypatch.setattr(worker.dist, "init_process_group", fake_init)
+    monkeypatch.setattr(worker.torch.cuda, "set_device", lambda i: seen.setdefault("set_device", i))
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("LOCAL_RANK", "2")
+    with pytest.raises(KeyboardInterrupt):
+        worker.main(["--out-dir", str(tmp_path), "--backend", "nccl", "--timeout-s", "77"])
+    import torch
+
+    assert seen["device_id"] == torch.device("cuda", 2) and seen["set_device"] == 2
+    assert seen["backend"] == "nccl" and seen["timeout"].total_seconds() == 77
 
 
 @pytest.mark.distributed

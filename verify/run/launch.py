@@ -7,9 +7,11 @@
 - ``--backend nccl`` forces NCCL (one process per GPU, ``--nproc`` at most the GPU count, 1
   allowed: ``make gpu-check`` runs W = 1 on one GPU); ``--backend gloo`` forces CPU processes.
 
-Traces and reports go to ``traces/<run-id>/`` (or ``--out-dir``). The exit code is verify.run.main's
-verdict (0 every check passed, 1 a check failed: its last line names which, by mode) or
-torchrun's when a process fails.
+Traces and reports go to ``traces/<run-id>/`` (or ``--out-dir``). The exit code: 0 every check
+passed, 1 a check failed (verify.run.main's verdict: its last line names which, by mode) or a
+worker failed (torchrun's status is printed), 2 bad input, 3 ``--backend nccl`` without a GPU.
+It is also written to ``<out>/exit_code`` and printed on stderr (``verify.run.ci``: ``make``
+turns every failure into 2, ``bin/dmuon-ci verify-traffic`` returns the code itself).
 """
 
 from __future__ import annotations
@@ -26,13 +28,15 @@ from pathlib import Path
 import torch
 
 from tracer.fr.parse import flight_recorder_env
-from verify.run.main import VERDICT_FILE, parse_args
+from verify.run.ci import record_exit
+from verify.run.main import EXIT_MISMATCH, EXIT_NO_HARDWARE, EXIT_USAGE, VERDICT_FILE, parse_args
 from verify.run.runner import RunConfig
 from verify.traffic.tp import tp_skip_reason
 from verify.workload.data import global_batch_size
 from verify.workload.usermodel import resolve, skip_reasons
 
 DEFAULT_CPU_PROCS = 4
+PROG = "verify-traffic"
 
 
 def launch_command(nproc: int, out_dir: Path, extra: list[str]) -> list[str]:
@@ -175,17 +179,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--run-id", default=None, help="traces/<run-id>/ (default: UTC timestamp)")
     parser.add_argument("--out-dir", default=None, help="output folder (default: traces/<run-id>/)")
     args, extra = parser.parse_known_args(argv)
+    run_id = args.run_id or datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    out_dir = Path(args.out_dir) if args.out_dir else Path("traces") / run_id
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     try:
         use_nccl, nproc = resolve_backend(args.backend, gpus, args.nproc)
     except ValueError as exc:
-        parser.error(str(exc))
-    run_id = args.run_id or datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    out_dir = Path(args.out_dir) if args.out_dir else Path("traces") / run_id
+        print(f"make verify-traffic: error: {exc}", file=sys.stderr)
+        no_gpu = args.backend == "nccl" and gpus == 0  # missing hardware, not a usage error
+        return record_exit(out_dir, EXIT_NO_HARDWARE if no_gpu else EXIT_USAGE, PROG)
     problem = usage_problem(extra, out_dir, nproc)
     if problem:  # one line and exit 2 here, not the same error from every rank under torchrun
         print(f"make verify-traffic: error: {problem}", file=sys.stderr)
-        return 2
+        return record_exit(out_dir, EXIT_USAGE, PROG)
     out_dir.mkdir(parents=True, exist_ok=True)
     clear_run_outputs(out_dir)  # only this run's errors and verdict are read below
     cpu_why = "" if args.backend == "gloo" else " (no ≥2 GPUs visible)"
@@ -198,12 +204,12 @@ def main(argv: list[str] | None = None) -> int:
         cause = f"; {raised}" if raised else ""
         print(f"verify-traffic: torchrun exited with {code} (a worker failed; see above){cause}",
               file=sys.stderr)
-        return code
+        return record_exit(out_dir, EXIT_MISMATCH, PROG)  # the run failed: 1, whatever torchrun's
     verdict = out_dir / VERDICT_FILE
     if not verdict.is_file():
         print(f"verify-traffic: no verdict in {verdict}; the run did not finish", file=sys.stderr)
-        return 2
-    return int(verdict.read_text())
+        return record_exit(out_dir, EXIT_MISMATCH, PROG)
+    return record_exit(out_dir, int(verdict.read_text()), PROG)
 
 
 if __name__ == "__main__":

@@ -24,16 +24,19 @@ import torch.distributed as dist
 
 from tracer.progress import terminal_bar
 from verify.workload.data import global_batch_size
+from verify.run.ci import EXIT_FILE
 from verify.run.groups import init_kwargs
 from verify.run.runner import RunConfig, run_all, runnable_modes
 from verify.traffic.formulas import MODES
 from verify.traffic.predict import DMUON_HIERARCHIES
 from verify.workload.usermodel import BUILTIN, skip_reasons
 
-#: Exit codes: every check passed; a check failed; bad input (``EXIT_USAGE``, before training).
-EXIT_PASS, EXIT_MISMATCH, EXIT_USAGE = 0, 1, 2
-#: File in --out-dir holding rank 0's verdict (0 pass, 1 a check failed).
-VERDICT_FILE = "exit_code"
+#: Exit codes: every check passed; a check failed; bad input (``EXIT_USAGE``, before training);
+#: missing hardware (the launcher's, ``--backend nccl`` without a GPU).
+EXIT_PASS, EXIT_MISMATCH, EXIT_USAGE, EXIT_NO_HARDWARE = 0, 1, 2, 3
+#: File in --out-dir holding rank 0's verdict (0 pass, 1 a check failed); the launcher
+#: rewrites it with the run's final code (``verify.run.ci``).
+VERDICT_FILE = EXIT_FILE
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -23,6 +23,8 @@ calls, and the printed verdict says that their sizes were not compared.
 Exit codes: 0 pass; 1 cross-check failed; 3 prerequisites missing (no ``nsys`` on PATH, fewer
 than 2 GPUs; the message names which); 4 a step failed (workload, export, parse, a mode without
 its window, rank assignment: the message says which, with its exit status or error).
+The code is also written to ``<out-dir>/exit_code`` and printed on stderr (``verify.run.ci``;
+``bin/dmuon-ci nsys-verify`` returns it, where ``make`` can only say 2).
 
 Not yet run on GPUs; ``tests/run/test_nsys_verify.py`` runs :func:`main` on exports built in the
 real export's schema with ``nsys`` replaced by a stub.
@@ -37,6 +39,8 @@ import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+
+from verify.run.ci import record_exit
 
 EXIT_PASS, EXIT_FAIL, EXIT_PREREQUISITES, EXIT_STEP_FAILED = 0, 1, 3, 4
 MIN_GPUS = 2
@@ -218,14 +222,20 @@ def main(argv: list[str] | None = None) -> int:
                         help="output folder (default traces/nsys-<UTC timestamp>)")
     parser.add_argument("--nsys", default=None, help="nsys executable (default: from PATH)")
     args, extra = parser.parse_known_args(argv)
-    nsys = args.nsys or shutil.which("nsys")
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    out_dir = args.out_dir or Path("traces") / f"nsys-{stamp}"
+    # make turns every failure into 2: the code goes to <out_dir>/exit_code (verify.run.ci)
+    return record_exit(out_dir, _verify(args.nsys or shutil.which("nsys"), out_dir, extra),
+                       "nsys-verify")
+
+
+def _verify(nsys: str | None, out_dir: Path, extra: list[str]) -> int:
+    """Steps 1-3 of the module docstring; the exit code."""
     missing = missing_prerequisites(nsys, _gpu_count())
     if missing:
         print("nsys-verify: prerequisites missing, nothing run:\n  - " + "\n  - ".join(missing),
               file=sys.stderr)
         return EXIT_PREREQUISITES
-    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    out_dir = args.out_dir or Path("traces") / f"nsys-{stamp}"
     out_dir.mkdir(parents=True, exist_ok=True)
     rc = _run(profile_command(out_dir, nsys=nsys, extra=extra), "profile")
     if rc != 0:

@@ -1,0 +1,105 @@
+"""``bin/dmuon-ci``: the CI entry point of Phase D's runs, whose exit status is the run's own.
+
+GNU make can only exit 0 or 2 (its manual, "Exit Status"), so ``make verify-traffic``,
+``make gpu-check`` and ``make nsys-verify`` keep pass / fail and lose which failure it was.
+Every run therefore records its exit code in its output folder, in the file ``exit_code``
+(one line, the number), and prints it on stderr; ``bin/dmuon-ci TOOL [ARGS...]`` runs the
+tool directly (no make) and exits with that code exactly::
+
+    bin/dmuon-ci verify-traffic --nproc 4      # = make verify-traffic ARGS="--nproc 4"
+    bin/dmuon-ci gpu-check                      # = make gpu-check
+    bin/dmuon-ci nsys-verify                    # = make nsys-verify
+
+Exit codes (:data:`MEANINGS`): 0 pass, 1 a check failed (a run that crashed included), 2 bad
+input (usage), 3 missing hardware or tools (nothing run), 4 (nsys-verify only) a step of the
+pipeline failed. A code found later in a folder is read with :func:`read_exit_code`
+(``bin/dmuon-ci code DIR``).
+
+Nothing here imports torch: ``bin/dmuon-ci code`` works anywhere.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+#: File in a run's output folder holding its exit code.
+EXIT_FILE = "exit_code"
+#: Exit codes and what they mean (docs/verify.md, "Exit codes and CI").
+MEANINGS = {0: "pass", 1: "a check failed", 2: "bad input", 3: "missing hardware or tools",
+            4: "a step failed"}
+#: ``bin/dmuon-ci`` tools: name -> module whose ``main(argv) -> int`` runs it.
+TOOLS = {"verify-traffic": "verify.run.launch", "gpu-check": "verify.run.gpu_check",
+         "nsys-verify": "verify.sources.nsys_verify"}
+
+
+def record_exit(out_dir: Path, code: int, prog: str) -> int:
+    """Write ``code`` to ``<out_dir>/exit_code`` (creating the folder), print
+    ``"<prog>: exit code <code> (<meaning>), in <path>"`` on stderr and return ``code``.
+
+    A folder that cannot be written is said on stderr; the code is still returned.
+    """
+    path = Path(out_dir) / EXIT_FILE
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(f"{code}\n")
+        where = f"in {path}"
+    except OSError as exc:
+        where = f"not recorded ({exc})"
+    print(f"{prog}: exit code {code} ({MEANINGS.get(code, 'unknown')}), {where}",
+          file=sys.stderr, flush=True)
+    return code
+
+
+def read_exit_code(out_dir: Path) -> int:
+    """The code recorded in ``<out_dir>/exit_code``.
+
+    Raises:
+        ValueError: no such file, or it does not hold one of :data:`MEANINGS`' codes.
+    """
+    path = Path(out_dir) / EXIT_FILE
+    if not path.is_file():
+        raise ValueError(f"Invalid run folder {out_dir}: no {EXIT_FILE} file in it (the run did "
+                         "not get as far as its output folder, or this is not a run's folder).")
+    text = path.read_text().strip()
+    if not text.isdigit() or int(text) not in MEANINGS:
+        raise ValueError(f"Invalid {path}: holds {text!r}. Must be one of {sorted(MEANINGS)}.")
+    return int(text)
+
+
+USAGE = ("usage: dmuon-ci {verify-traffic,gpu-check,nsys-verify} [ARGS...] | dmuon-ci code DIR\n"
+         "Runs the tool and exits with its own code: 0 pass, 1 a check failed, 2 bad input, "
+         "3 missing hardware or tools, 4 a step failed (nsys-verify); `code DIR` exits with the "
+         "code recorded in DIR/exit_code.")
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE, file=sys.stderr if not argv else sys.stdout)
+        return 2 if not argv else 0
+    tool, rest = argv[0], argv[1:]
+    if tool == "code":
+        if len(rest) != 1:
+            print(f"dmuon-ci: error: `code` takes one folder, got {rest}\n{USAGE}", file=sys.stderr)
+            return 2
+        try:
+            return read_exit_code(Path(rest[0]))
+        except ValueError as exc:
+            print(f"dmuon-ci: error: {exc}", file=sys.stderr)
+            return 2
+    if tool not in TOOLS:
+        print(f"dmuon-ci: error: Invalid tool {tool!r}. Must be one of {sorted(TOOLS)} or "
+              f"'code'.\n{USAGE}", file=sys.stderr)
+        return 2
+    import importlib
+
+    module = importlib.import_module(TOOLS[tool])
+    try:
+        return int(module.main(rest))
+    except SystemExit as exc:  # argparse: --help (0) or a usage error (2)
+        return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 2)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
