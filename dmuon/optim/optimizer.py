@@ -18,6 +18,8 @@ per op over the group instead of one kernel per param).
 
 from __future__ import annotations
 
+import math
+import weakref
 from collections.abc import Iterable
 
 import torch
@@ -27,6 +29,8 @@ from torch.optim.adam import adam as _adam_functional
 from dmuon import annotate
 from dmuon.runtime import checkpoint
 from dmuon.runtime.dedicate import DedicatedParams
+from dmuon.optim import groups as groups_mod
+from dmuon.optim.grad_guard import GradGuard
 from dmuon.optim.hparams import validate_adamw, validate_muon
 from dmuon.optim.muon_math import MUON_DEFAULTS, muon_update_matrices_
 from dmuon.optim.tp_step import tp_step
@@ -35,14 +39,20 @@ from dmuon.optim.tp_step import tp_step
 class DMuon(Optimizer):
     """Muon for dedicated params (on their owner), AdamW for the rest.
 
-    A normal ``torch.optim.Optimizer``: ``param_groups[0]`` is the Muon group (every
-    dedicated param, identical on all ranks, so LR schedulers and ``state_dict`` work the
-    same everywhere), ``param_groups[1]`` the AdamW group. Momentum buffers exist only on
-    owners.
+    A normal ``torch.optim.Optimizer``. ``param_groups`` holds, for each of the user's groups
+    in order, its Muon part (its dedicated params) then its AdamW part (the others), a part
+    without params left out (``dmuon/optim/groups.py``): from ``model.parameters()``,
+    ``param_groups[0]`` Muon and ``param_groups[1]`` AdamW. Each part has ``algorithm``
+    (``"muon"`` / ``"adamw"``) and ``group`` (the user group's index). Every rank lists every
+    param, so the groups are identical on all ranks and LR schedulers and ``state_dict`` act
+    the same everywhere. Momentum buffers exist only on owners.
 
     Args:
         params: every parameter of the model (``model.parameters()``, plain tensors or FSDP2
-            DTensor shards); those in ``dedicated`` go to Muon, the rest to AdamW.
+            DTensor shards), or a list of param-group dicts as torch optimizers take (each
+            ``{"params": [...], "lr": ..., "weight_decay": ..., ...}``; which key reaches which
+            optimizer: ``dmuon/optim/groups.py``). Params in ``dedicated`` go to Muon, the
+            rest to AdamW.
         dedicated: the handle from :func:`dmuon.dedicate_params`.
         lr, weight_decay, momentum, nesterov, ns_coefficients, eps, ns_steps, adjust_lr_fn:
             as ``torch.optim.Muon`` (defaults equal). ``ns_coefficients`` may also be a
@@ -55,16 +65,16 @@ class DMuon(Optimizer):
             (an expert stack of E slices counts E, as ``torch.optim.Muon`` over the slices).
 
     Raises:
-        ValueError: ``dedicated`` is not a :class:`DedicatedParams`, ``params`` holds
-            param-group dicts, a dedicated param is missing from ``params``, or a
-            hyper-parameter is invalid (rules in
+        ValueError: ``dedicated`` is not a :class:`DedicatedParams`, a param group is
+            malformed (``groups.user_groups`` / ``groups.split``), a dedicated param is missing
+            from ``params``, or a hyper-parameter is invalid (rules in
             ``dmuon/optim/hparams.py``: ``torch.optim.Muon``'s and ``AdamW``'s, checked on every
             rank here and again at each ``step()``, so a rank that owns nothing raises too).
     """
 
     def __init__(
         self,
-        params: Iterable[torch.Tensor],
+        params: Iterable[torch.Tensor] | Iterable[dict],
         *,
         dedicated: DedicatedParams,
         lr: float = MUON_DEFAULTS["lr"],
@@ -86,49 +96,27 @@ class DMuon(Optimizer):
                 "DedicatedParams handle returned by dmuon.dedicate_params(model, mesh), called on "
                 "every rank before wrapping: DMuon(model.parameters(), dedicated=dm, ...)."
             )
-        all_params = list(params)
-        groups_given = [g for g in all_params if isinstance(g, dict)]
-        if groups_given:
-            raise ValueError(
-                f"Invalid params: {len(groups_given)} param-group dicts (the first with keys "
-                f"{sorted(groups_given[0])}). DMuon takes a flat iterable of parameters "
-                "(model.parameters()) and builds its two groups itself: Muon for the params of "
-                "dmuon.dedicate_params (lr=, weight_decay=, momentum=, ...) and AdamW for every "
-                "other param (adamw_lr=, adamw_weight_decay=, ...); other groupings are not "
-                "supported."
-            )
-        given = {id(p) for p in all_params}
-        missing = [n for n, p in zip(dedicated.names, dedicated.params) if id(p) not in given]
+        given, as_dicts = groups_mod.user_groups(params)
+        ids = {id(p) for g in given for p in g["params"]}
+        missing = [n for n, p in zip(dedicated.names, dedicated.params) if id(p) not in ids]
         if missing:
             raise ValueError(
                 f"Invalid params: dedicated params {missing[:3]} are not among them. Pass "
-                "model.parameters() of the model given to dedicate_params."
+                "model.parameters() of the model given to dedicate_params (or groups that hold "
+                "every one of its params)."
             )
-        adamw = [p for p in all_params if p not in dedicated]
-        groups = [
-            dict(
-                params=dedicated.params,
-                algorithm="muon",
-                lr=lr,
-                weight_decay=weight_decay,
-                momentum=momentum,
-                nesterov=nesterov,
-                ns_coefficients=ns_coefficients,
-                eps=eps,
-                ns_steps=ns_steps,
-                adjust_lr_fn=adjust_lr_fn,
-            ),
-            dict(
-                params=adamw,
-                algorithm="adamw",
-                lr=adamw_lr,
-                betas=adamw_betas,
-                eps=adamw_eps,
-                weight_decay=adamw_weight_decay,
-            ),
-        ]
-        validate_muon(groups[0])
-        validate_adamw(groups[1])
+        muon_defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum,
+                             nesterov=nesterov, ns_coefficients=ns_coefficients, eps=eps,
+                             ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn)
+        adamw_defaults = dict(lr=adamw_lr, betas=adamw_betas, eps=adamw_eps,
+                              weight_decay=adamw_weight_decay)
+        groups = groups_mod.split(given, dedicated, muon_defaults, adamw_defaults)
+        if not groups:
+            raise ValueError("Invalid params: no parameters (every group is empty). Pass "
+                             "model.parameters().")
+        for group in groups:  # named after the user's group (the parts are not theirs)
+            check = validate_muon if group["algorithm"] == "muon" else validate_adamw
+            check(group, f"params[{group['group']}]." if as_dicts else "")
         super().__init__(groups, defaults={})
         self.dedicated = dedicated
         self.ns_calls = 0
@@ -142,6 +130,9 @@ class DMuon(Optimizer):
         self._matrix_of = {id(p): spec_of[n].matrix_shape
                            for n, p in zip(dedicated.names, dedicated.params)}
         checkpoint.complete_state(self)  # the state DCP's templates need, before the first step
+        self._guard = GradGuard()  # refuses a step after torch's clip_grad_norm_ (grad_guard.py)
+        note = weakref.WeakMethod(self._note_grads)  # dm must not keep a dropped optimizer alive
+        dedicated.on_grads_final(lambda: note() is not None and note()())
 
     # ------------------------------------------------------------------ state and checkpoints
     @staticmethod
@@ -198,29 +189,58 @@ class DMuon(Optimizer):
         only. Arguments, return value and errors: :func:`dmuon.optim.clip.clip_grad_norm_`."""
         from dmuon.optim.clip import clip_grad_norm_
 
-        muon, adamw = self.param_groups[0]["params"], self.param_groups[1]["params"]
-        return clip_grad_norm_(self.dedicated, muon, adamw, max_norm, norm_type, error_if_nonfinite)
+        muon = [p for g in self.param_groups if g["algorithm"] == "muon" for p in g["params"]]
+        adamw = [p for g in self.param_groups if g["algorithm"] == "adamw" for p in g["params"]]
+        total = clip_grad_norm_(self.dedicated, muon, adamw, max_norm, norm_type, error_if_nonfinite)
+        self._note_grads()  # scaled here, by the global norm: what step() compares against
+        return total
+
+    def clip_grad_value_(self, clip_value: float) -> None:
+        """``torch.nn.utils.clip_grad_value_`` over every param's grad (elementwise: local, no
+        collective; right on the grads where ``step()`` reads them). torch's own function over
+        ``model.parameters()`` does the same where every grad is a plain tensor (DDP,
+        ``rest="replicate"``); with FSDP2's DTensor grads beside DMuon's plain ones torch's
+        foreach call refuses the mix, so this clips each kind (each DTensor mesh) on its own.
+
+        Raises:
+            ValueError: ``clip_value`` not a finite number > 0.
+        """
+        if isinstance(clip_value, bool) or not isinstance(clip_value, int | float) or not (
+                0 < clip_value < math.inf):
+            raise ValueError(f"Invalid clip_value={clip_value!r}. Must be a finite number > 0.")
+        kinds: dict[object, list[torch.Tensor]] = {}
+        for g in self.param_groups:
+            for p in g["params"]:
+                if p.grad is not None:
+                    kinds.setdefault(getattr(p.grad, "device_mesh", None), []).append(p)
+        for params in kinds.values():
+            torch.nn.utils.clip_grad_value_(params, clip_value)
+
+    def _note_grads(self) -> None:
+        self._guard.note(p for g in self.param_groups for p in g["params"])
 
     def add_param_group(self, param_group: dict) -> None:
-        """``torch.optim.Optimizer.add_param_group`` while the constructor builds the two
+        """``torch.optim.Optimizer.add_param_group`` while the constructor builds the
         groups; afterwards it raises.
 
         Raises:
-            ValueError: called on a built DMuon (its groups are fixed: Muon for the params of
-                ``dedicate_params``, AdamW for the rest).
+            ValueError: called on a built DMuon (its groups are fixed: pass every group to the
+                constructor).
         """
         if hasattr(self, "dedicated"):  # set once the constructor has built the groups
             raise ValueError(
                 f"Invalid add_param_group({sorted(param_group) if isinstance(param_group, dict) else param_group!r}): "
-                "DMuon's param groups are fixed when it is built (param_groups[0] Muon for the "
-                "params of dmuon.dedicate_params, param_groups[1] AdamW for the rest). To train "
-                "more params, add them to the model and build a new DMuon(model.parameters(), "
-                "dedicated=dm, ...) (and, for new matrices to go to Muon, a new dedicate_params)."
+                "DMuon's param groups are fixed when it is built (a Muon part and an AdamW part "
+                "per group given to DMuon(...), the same on every rank). Pass every group to the "
+                "constructor: DMuon([{'params': ...}, {'params': ..., 'weight_decay': 0.0}], "
+                "dedicated=dm, ...); for new params, add them to the model and build a new DMuon "
+                "(and, for new matrices to go to Muon, a new dedicate_params)."
             )
         super().add_param_group(param_group)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none)
+        self._guard.note(())  # the next backward notes its own grads
         self.dedicated.after_zero_grad()
 
     @torch.no_grad()
@@ -230,6 +250,9 @@ class DMuon(Optimizer):
         Raises:
             ValueError: a hyper-parameter in ``param_groups`` became invalid (checked on every
                 rank before anything else).
+            RuntimeError: the grads were scaled in place by one factor after backward, as
+                ``torch.nn.utils.clip_grad_norm_`` does (use ``opt.clip_grad_norm_``;
+                ``dmuon/optim/grad_guard.py``), checked on each rank before any param changes.
             RuntimeError: called in the middle of a backward pass (see
                 ``DedicatedParams.before_step``).
         """
@@ -238,6 +261,7 @@ class DMuon(Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._validate_groups()
+        self._guard.check()
         self.dedicated.before_step()
         with annotate.phase("optimizer"):
             for group in self.param_groups:

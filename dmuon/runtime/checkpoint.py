@@ -162,7 +162,7 @@ def filter_loaded_state(opt, state_dict: dict[str, Any]) -> dict[str, Any]:
         A shallow copy of ``state_dict`` without momentum for params this rank does not own.
 
     Raises:
-        ValueError: the param groups do not match in number or size, or an owned dedicated
+        ValueError: the param groups do not match in number, size or algorithm, or an owned dedicated
             param that requires grad has no ``momentum_buffer`` of its shape.
     """
     saved_groups = state_dict["param_groups"]
@@ -172,14 +172,22 @@ def filter_loaded_state(opt, state_dict: dict[str, Any]) -> dict[str, Any]:
         raise ValueError(
             f"Invalid state_dict: param groups of sizes {[len(s['params']) for s in saved_groups]}. "
             f"Must match this DMuon's {[len(g['params']) for g in opt.param_groups]} "
-            "(the Muon group, then the AdamW group)."
+            "(a Muon and an AdamW part per param group given to DMuon)."
+        )
+    kinds = [s.get("algorithm") for s in saved_groups]
+    if kinds != [g["algorithm"] for g in opt.param_groups]:
+        raise ValueError(
+            f"Invalid state_dict: param groups of algorithms {kinds}. Must match this DMuon's "
+            f"{[g['algorithm'] for g in opt.param_groups]}: build it with the same param groups "
+            "as the DMuon that saved it."
         )
     dm = opt.dedicated
     owned = _momentum_owned(dm)
     name_of = dict(zip(map(id, dm.params), dm.names))
     state = dict(state_dict["state"])
-    muon = next(i for i, g in enumerate(opt.param_groups) if g["algorithm"] == "muon")
-    for key, p in zip(saved_groups[muon]["params"], opt.param_groups[muon]["params"]):
+    muon = [(k, p) for s, g in zip(saved_groups, opt.param_groups) if g["algorithm"] == "muon"
+            for k, p in zip(s["params"], g["params"])]
+    for key, p in muon:
         entry = state.get(key, {})
         if id(p) not in owned:
             if MOMENTUM_KEY in entry:

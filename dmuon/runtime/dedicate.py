@@ -728,6 +728,12 @@ class DedicatedParams:
         at the first step, the block order is agreed)."""
         self._live("optimizer.step()").after_step()
 
+    def on_grads_final(self, fn) -> None:
+        """Call ``fn()`` at the end of every backward outside ``no_sync()``, once every grad
+        is final (queued after every other end-of-backward callback, DDP's and FSDP2's
+        included). Local, no collective; ``close()`` drops it."""
+        self._live("on_grads_final()").grads_final.append(fn)
+
     def after_zero_grad(self) -> None:
         """Grads were cleared: a new accumulation may start (recovers an aborted step)."""
         self._live("optimizer.zero_grad()").after_zero_grad()

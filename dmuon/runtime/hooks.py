@@ -59,6 +59,9 @@ class Runtime:
         self.ddp_seen: bool | None = False if rest is None else None
         self.order = order.OrderRecorder()
         self.order_agreed = False
+        # called once every grad of a reducing backward is final (after every end-of-backward
+        # callback: DDP's and FSDP2's too); the optimizer's grad guard (dmuon/optim/grad_guard.py)
+        self.grads_final: list = []
         self._modules = dict(model.named_modules())
         buckets = self._build_buckets(named, plan, bucket_cap_bytes, coalescing)
         self.schedule = Schedule(buckets, groups, prefetch_depth=prefetch_depth,
@@ -308,6 +311,9 @@ class Runtime:
             b.pass_ended()
             self.schedule.free(b)
         self._enter(S.BACKWARD_DONE)
+        if self.grads_final and not self.no_sync:  # queued last: after the wrappers' callbacks
+            torch.autograd.Variable._execution_engine.queue_callback(
+                lambda: [fn() for fn in list(self.grads_final)])
 
     # ------------------------------------------------------------------ hooks
     def _root_pre_forward(self, module: nn.Module, args) -> None:

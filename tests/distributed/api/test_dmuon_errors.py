@@ -22,8 +22,8 @@ CASES = {
     "hierarchy_invalid": ("ValueError", "Invalid hierarchy='2d'. Must be one of ('auto', 'hierarchical', 'flat')"),
     "already_ddp": ("ValueError", "already wrapped by DDP or FSDP2"),
     "optimizer_missing_params": ("ValueError", "are not among them"),
-    "optimizer_param_groups": ("ValueError", "Invalid params: 2 param-group dicts (the first with keys "
-                               "['params', 'weight_decay']). DMuon takes a flat iterable"),
+    "optimizer_param_groups": ("ValueError", "Invalid params[1]['amsgrad']=True. DMuon's AdamW is "
+                               "torch.optim.AdamW with amsgrad=False only"),
     "optimizer_add_param_group": ("ValueError", "Invalid add_param_group(['params']): DMuon's param "
                                   "groups are fixed"),
 }

@@ -207,11 +207,11 @@ def expect_error(case: str) -> str:
         elif case == "optimizer_missing_params":
             dm = dmuon.dedicate_params(model, _mesh("flat"))
             dmuon.DMuon([model.head.weight], dedicated=dm)
-        elif case == "optimizer_param_groups":  # decay / no-decay groups, as HF's Trainer builds
+        elif case == "optimizer_param_groups":  # groups are taken; AdamW's amsgrad is not
             dm = dmuon.dedicate_params(model, _mesh("flat"))
             params = list(model.parameters())
             dmuon.DMuon([{"params": [p for p in params if p.ndim > 1], "weight_decay": 0.1},
-                         {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}], dedicated=dm)
+                         {"params": [p for p in params if p.ndim < 2], "amsgrad": True}], dedicated=dm)
         elif case == "optimizer_add_param_group":
             dm = dmuon.dedicate_params(model, _mesh("flat"))
             opt = dmuon.DMuon(model.parameters(), dedicated=dm)
