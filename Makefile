@@ -25,14 +25,18 @@ test: $(STAMP)
 test-all: $(STAMP)
 	$(PY) -m pytest -m ''
 
+# verify-traffic, nsys-verify and gpu-check write their exit code to <out>/exit_code and print
+# it; make itself exits 0 or 2, so CI runs `bin/dmuon-ci <target> ARGS...`, which returns the
+# code (0 pass, 1 a check failed, 2 bad input, 3 missing hardware; docs/verify.md).
 verify-traffic: $(STAMP)
 	$(PY) -m verify.run.launch $(ARGS)
 
 nsys-verify: $(STAMP)
 	$(PY) -m verify.sources.nsys_verify $(ARGS)
 
-# One CUDA GPU: every DMuon mode at W=1 on NCCL through the NCCL-log path + CUDA parity.
-# Exit 0 pass, 1 fail, 3 no usable GPU here (skipped; it prints what is missing).
+# One CUDA GPU, offline, < 5 min: every DMuon mode at W=1 on NCCL, all four trace sources,
+# CUDA-vs-CPU parity, no host sync in a step, stream order with a negative control, peak
+# memory; one report file, traces/gpu-check-<time>/gpu-check.json. Exit 0, 1, 3 no usable GPU.
 gpu-check: $(STAMP)
 	$(PY) -m verify.run.gpu_check $(ARGS)
 
