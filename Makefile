@@ -1,21 +1,48 @@
 # DMuon + Phase D. `make verify-traffic` runs the main job, `make test` the test suite.
 # The first target that needs Python creates .venv and installs everything into it.
-PYTHON ?= python3
+# On a GPU node (its own torch, often no network): `make gpu-node PYTHON=/path/to/python`
+# once makes .venv over that Python's packages (tools/node_env.py: installs nothing already
+# there); every target then uses it, until `make clean`.
 VENV ?= .venv
 PY := $(VENV)/bin/python
 # The CPU build that lies on the project's machines; on a GPU node PyPI's build of the same
 # release is the CUDA one. Override with `make TORCH_VERSION=...`.
 TORCH_VERSION ?= 2.13.0
+# What `make install` and `make gpu-node` install besides the core: everything the suite uses.
+EXTRAS ?= test,gpu,plots
+# A venv made by `make gpu-node` carries this mark (line 1: the Python it lies over).
+SYSTEM_MARK := $(VENV)/.system-torch
+BASE_PY := $(shell head -n1 $(SYSTEM_MARK) 2>/dev/null)
+ifneq ($(BASE_PY),)
+PYTHON ?= $(BASE_PY)
+STAMP := $(SYSTEM_MARK)
+else
+PYTHON ?= python3
 STAMP := $(VENV)/.installed-$(TORCH_VERSION)
+endif
+# `make test-torch TORCH_PY=/path/to/python`: the suite against the torch that Python has.
+TORCH_VENV ?= .venv-torch
 
-.PHONY: install test test-all verify-traffic nsys-verify gpu-check bench timeline-png clean
+.PHONY: install gpu-node test-torch test test-all verify-traffic nsys-verify gpu-check bench timeline-png clean
 
-$(STAMP): pyproject.toml
+$(VENV)/.installed-$(TORCH_VERSION): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet torch==$(TORCH_VERSION)
-	$(PY) -m pip install --quiet -e '.[test]'
+	$(PY) -m pip install --quiet -e '.[$(EXTRAS)]'
 	touch $@
+
+# pyproject.toml changed since `make gpu-node`: redo it over the same Python.
+$(SYSTEM_MARK): pyproject.toml
+	$(PYTHON) tools/node_env.py --venv $(VENV) --extras $(EXTRAS)
+
+gpu-node:
+	$(PYTHON) tools/node_env.py --venv $(VENV) --extras $(EXTRAS)
+
+test-torch:
+	@test -n "$(TORCH_PY)" || { echo "make test-torch: must name the Python, e.g. TORCH_PY=/path/to/venv/bin/python" >&2; exit 2; }
+	$(TORCH_PY) tools/node_env.py --venv $(TORCH_VENV) --extras $(EXTRAS)
+	$(TORCH_VENV)/bin/python -m pytest $(PYTEST_ARGS)
 
 install: $(STAMP)
 
@@ -51,4 +78,4 @@ timeline-png: $(STAMP)
 	cp $(TIMELINE_OUT)/dmuon-z3/timeline.png docs/timeline-dmuon-z3.png
 
 clean:
-	rm -rf $(VENV) traces/*/ .pytest_cache
+	rm -rf $(VENV) $(TORCH_VENV) traces/*/ .pytest_cache
