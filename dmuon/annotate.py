@@ -28,6 +28,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from tracer import context as _context
+from tracer._compat import install_hint
 from tracer.context import (  # noqa: F401 - re-exported: DMuon's public phase/span API
     PHASES,
     Span,
@@ -85,7 +86,7 @@ def set_nvtx_enabled(enabled: bool) -> bool:
     global _nvtx_on
     if enabled and _NVTX_DOMAIN is None:
         raise ValueError("Invalid set_nvtx_enabled(True): the nvtx package is not importable "
-                         "here. Must install it (pip install nvtx) to emit NVTX ranges.")
+                         f"here. Must install it to emit NVTX ranges: {install_hint('nvtx')}.")
     previous, _nvtx_on = _nvtx_on, bool(enabled)
     return previous
 

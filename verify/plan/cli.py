@@ -36,6 +36,7 @@ from tabulate import tabulate
 from dmuon.ownership.plan import OwnershipPlan, plan_ownership, specs_from_named_parameters
 from verify.plan.tp import format_tp, tp_report
 from dmuon.ownership.select import matrix_shapes, select_params
+from tracer._compat import require
 from tracer.events import DTYPE_BYTES
 
 from verify.plan.summary import format_plan_summary  # noqa: F401  (the CLI side owns the plan table)
@@ -332,10 +333,9 @@ def plot_sweep(reports: list[dict], path: str) -> None:
     Raises:
         OSError: ``path`` cannot be written.
     """
-    import matplotlib
-
+    matplotlib = require("matplotlib", "dmuon-plan --plot")
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = require("matplotlib.pyplot", "dmuon-plan --plot")
 
     fig, (ax_b, ax_t) = plt.subplots(1, 2, figsize=(12, 4.5))
     series: dict[str, list[tuple[int, float, float]]] = {}

@@ -11,15 +11,17 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-import matplotlib
-from matplotlib.figure import Figure
-from matplotlib.patches import Patch
-
+from tracer._compat import require
 from tracer.context import Span
 from tracer.events import OPS, CollectiveEvent
 from verify.run.compute_spans import BACKWARD, FORWARD
 from verify.report.checks import checks_of
 from verify.report.schema import mode_label, validate_report
+
+_PNGS = "verify's PNG charts (traffic.png, timelines)"
+matplotlib = require("matplotlib", _PNGS)
+Figure = require("matplotlib.figure", _PNGS).Figure
+Patch = require("matplotlib.patches", _PNGS).Patch
 
 #: Colour of each collective op: matplotlib's ``tab10`` (saturated hues, so that a light
 #: in-flight shade of one never reads as another) by position in ``tracer.events.OPS``, black

@@ -34,6 +34,7 @@ from dmuon.optim.muon_math import (
     zeropower_via_newtonschulz_batched,
 )
 from dmuon.ownership.plan import plan_ownership, specs_from_named_parameters
+from verify._compat import all_gather_single, reduce_scatter_single
 
 
 def _matrix(p: torch.Tensor, matrix_shape) -> tuple[int, int]:
@@ -241,7 +242,7 @@ class ZeroOneMuon(Optimizer):
                 view.zero_()
             else:
                 view.copy_(p.grad.reshape(-1))
-        dist.reduce_scatter_single(chunk, flat, op=dist.ReduceOp.SUM, group=self.group)
+        reduce_scatter_single(chunk, flat, op=dist.ReduceOp.SUM, group=self.group)
         chunk.div_(self._world)
         group = self.param_groups[0]
         for p, off in self._owned:
@@ -255,7 +256,7 @@ class ZeroOneMuon(Optimizer):
                                       **{k: group[k] for k in MUON_DEFAULTS})
             self.ns_calls += p.numel() // (rows * cols)
             chunk[off : off + p.numel()].copy_(p.reshape(-1))
-        dist.all_gather_single(flat, chunk, group=self.group)
+        all_gather_single(flat, chunk, group=self.group)
         for p, off in self._slots:
             p.copy_(flat[off : off + p.numel()].view_as(p))
         return None

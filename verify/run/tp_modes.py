@@ -38,6 +38,7 @@ from dmuon.optim.muon_math import MUON_DEFAULTS, adjust_lr, zeropower_via_newton
 from dmuon.ownership.plan import specs_from_named_parameters
 from dmuon.ownership.select import matrix_shapes, select_params
 from tracer.context import current_phase
+from verify._compat import all_gather_single
 from verify.traffic.tp import TP_MODES, TPRunLayout
 from verify.traffic.predict import dmuon_coalesce_bytes, dmuon_reduce_by_gather, dmuon_uneven_aligned
 from verify.workload.data import local_slice
@@ -168,13 +169,13 @@ class NaiveTPMuon(Optimizer):
                 name = self._name[id(p)]
                 local = p.grad.to_local().contiguous()
                 full_local = local.new_empty((local.shape[0] * n_shard, *local.shape[1:]))
-                dist.all_gather_single(full_local, local, group=shard_group)
+                all_gather_single(full_local, local, group=shard_group)
                 d = self._tp_dims.get(name)
                 if d is None:
                     full = full_local
                 else:
                     stacked = full_local.new_empty((full_local.shape[0] * t, *full_local.shape[1:]))
-                    dist.all_gather_single(stacked, full_local, group=tp_group)
+                    all_gather_single(stacked, full_local, group=tp_group)
                     full = torch.cat(stacked.chunk(t, dim=0), dim=d) if d else stacked
                 state = self.state[p]
                 if "momentum_buffer" not in state:
