@@ -36,6 +36,7 @@ import torch.nn.functional as F
 
 import dmuon
 from dmuon.ownership.select import assign_params
+from tracer.backends import report_backend
 from tracer.crosscheck import crosscheck
 from tracer.events import write_parquet
 from tracer.fr.parse import (
@@ -445,7 +446,7 @@ def run_all(config: RunConfig, progress=None) -> dict | None:
     return {
         "pass": not failures,
         "torch_version": torch.__version__,
-        "backend": dist.get_backend(),
+        "backend": report_backend(dist.get_backend()),
         "world_size": world,
         "steps_warmup": config.steps_warmup,
         "steps_measured": config.steps_measured,
@@ -536,11 +537,11 @@ def _sources(run: dict, events: list, gathered: list[dict], steps: int) -> dict:
     sources = {"interposer": interposer_source(run, len(events))}
     if all(r["fr_events"] is not None for r in gathered):
         fr = [ev for r in gathered for ev in r["fr_events"]]
-        check = crosscheck(events, fr, source="flight_recorder", backend=dist.get_backend())
+        check = crosscheck(events, fr, source="flight_recorder", backend=report_backend(dist.get_backend()))
         sources["flight_recorder"] = {**check.as_report(), "mismatches": [str(m) for m in check.mismatches[:20]]}
     if all(r.get("profiler_events") is not None for r in gathered):
         ref, prof, note = profiler_source_events(events, [ev for r in gathered for ev in r["profiler_events"]])
-        check = crosscheck(ref, prof, source="profiler", backend=dist.get_backend())
+        check = crosscheck(ref, prof, source="profiler", backend=report_backend(dist.get_backend()))
         sources["profiler"] = {**check.as_report(), "mismatches": [str(m) for m in check.mismatches[:20]],
                                "notes": ([note] if note else []) + check.notes}
     if any(r["nccl"] is not None for r in gathered):
