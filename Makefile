@@ -34,14 +34,14 @@ $(VENV)/.installed-$(TORCH_VERSION): pyproject.toml
 
 # pyproject.toml changed since `make gpu-node`: redo it over the same Python.
 $(SYSTEM_MARK): pyproject.toml
-	$(PYTHON) tools/node_env.py --venv $(VENV) --extras $(EXTRAS)
+	$(PYTHON) tools/node_env.py --venv $(VENV) --extras '$(EXTRAS)'
 
 gpu-node:
-	$(PYTHON) tools/node_env.py --venv $(VENV) --extras $(EXTRAS)
+	$(PYTHON) tools/node_env.py --venv $(VENV) --extras '$(EXTRAS)'
 
 test-torch:
 	@test -n "$(TORCH_PY)" || { echo "make test-torch: must name the Python, e.g. TORCH_PY=/path/to/venv/bin/python" >&2; exit 2; }
-	$(TORCH_PY) tools/node_env.py --venv $(TORCH_VENV) --extras $(EXTRAS)
+	$(TORCH_PY) tools/node_env.py --venv $(TORCH_VENV) --extras '$(EXTRAS)'
 	$(TORCH_VENV)/bin/python -m pytest $(PYTEST_ARGS)
 
 install: $(STAMP)

@@ -54,11 +54,20 @@ MARK_NAME = ".system-torch"
 BASE_PTH, CHECKOUT_PTH = "_dmuon_base_venv.pth", "_dmuon_checkout.pth"
 
 
+class NodeEnvError(Exception):
+    """A stop with its message and exit code (2: this Python or its torch cannot be used;
+    1: pip or the final import failed)."""
+
+    def __init__(self, exit_code: int, message: str) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
 def _packaging():
     """``(Requirement, SpecifierSet, Version)`` from ``packaging`` or pip's vendored copy.
 
     Raises:
-        SystemExit(2): neither is importable (the message names the fix).
+        NodeEnvError(2): neither is importable (the message names the fix).
     """
     try:
         from packaging.requirements import Requirement
@@ -70,7 +79,7 @@ def _packaging():
             from pip._vendor.packaging.specifiers import SpecifierSet
             from pip._vendor.packaging.version import Version
         except ImportError:
-            raise SystemExit(f"node_env: {sys.executable} has neither `packaging` nor pip. Must "
+            raise NodeEnvError(2, f"node_env: {sys.executable} has neither `packaging` nor pip. Must "
                              "use a Python with pip (python -m ensurepip) to set DMuon up.") from None
     return Requirement, SpecifierSet, Version
 
@@ -123,20 +132,20 @@ def check_base(requires_python: str, reqs: list[str]) -> str:
     probe); returns torch's version string.
 
     Raises:
-        SystemExit(2): the Python is outside ``requires_python``, torch is missing or outside
+        NodeEnvError(2): the Python is outside ``requires_python``, torch is missing or outside
         its requirement; the message names what and the fix.
     """
     _, SpecifierSet, _ = _packaging()
     here = ".".join(map(str, sys.version_info[:3]))
     if not SpecifierSet(requires_python).contains(here):
-        raise SystemExit(f"node_env: Python {here} at {sys.executable} is outside DMuon's "
+        raise NodeEnvError(2, f"node_env: Python {here} at {sys.executable} is outside DMuon's "
                          f"requires-python {requires_python!r}. Must pass the Python of the "
                          "image (make gpu-node PYTHON=/path/to/python3.11+).")
     torch_req = next(r for r in reqs if r.replace(" ", "").startswith("torch"))
     bad = unmet([torch_req], installed_version)
     if bad:
         found = bad[0][1]
-        raise SystemExit(
+        raise NodeEnvError(2,
             f"node_env: torch {'is not installed' if found is None else found + ' does not satisfy'}"
             f"{'' if found is None else ' ' + repr(torch_req)} for {sys.executable}. This path "
             "uses the torch that Python already has and never installs one. Must pass the Python "
@@ -173,7 +182,7 @@ def install_unmet(py: Path, missing: list[str], torch_version: str) -> None:
     """pip-install ``missing`` into the venv, torch held at ``torch_version``.
 
     Raises:
-        SystemExit(1): pip failed (offline with a requirement unmet, most often).
+        NodeEnvError(1): pip failed (offline with a requirement unmet, most often).
     """
     with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as pins:
         pins.write(f"torch=={torch_version}\n")
@@ -182,7 +191,7 @@ def install_unmet(py: Path, missing: list[str], torch_version: str) -> None:
     finally:
         os.unlink(pins.name)
     if rc:
-        raise SystemExit(f"node_env: pip could not install {missing} (exit {rc}). Without network, "
+        raise NodeEnvError(1, f"node_env: pip could not install {missing} (exit {rc}). Without network, "
                          "must provide them (pip download on a networked machine, then "
                          "PIP_FIND_LINKS=/that/dir), or install them into the image.")
 
@@ -201,13 +210,13 @@ def link_checkout(py: Path, purelib: Path, how: str) -> str:
     """Make the venv import this checkout; returns ``"pip"`` or ``"pth"``, the way used.
 
     Raises:
-        SystemExit(1): pip's editable install failed.
+        NodeEnvError(1): pip's editable install failed.
     """
     if how == "pip" or (how == "auto" and editable_buildable()):
         rc = subprocess.call([str(py), "-m", "pip", "install", "--quiet", "--no-deps",
                               "--no-build-isolation", "--no-index", "-e", str(ROOT)])
         if rc:
-            raise SystemExit(f"node_env: `pip install --no-deps --no-build-isolation -e {ROOT}` "
+            raise NodeEnvError(1, f"node_env: `pip install --no-deps --no-build-isolation -e {ROOT}` "
                              f"failed (exit {rc}). Must retry with --link pth.")
         return "pip"
     (purelib / CHECKOUT_PTH).write_text(f"{ROOT}\n")
@@ -244,12 +253,12 @@ def main(argv: list[str] | None = None) -> int:
     got = subprocess.run([str(py), "-c", probe], capture_output=True, text=True)
     if got.returncode:
         print(got.stderr, file=sys.stderr)
-        raise SystemExit(f"node_env: the new venv {venv_dir} cannot import torch, dmuon and "
+        raise NodeEnvError(1, f"node_env: the new venv {venv_dir} cannot import torch, dmuon and "
                          "tracer (above). Must fix what the error names (a broken CUDA library "
                          "of the image's torch, an unmet import) and rerun.")
     version, torch_file, dmuon_file = got.stdout.split()
     if version.split("+")[0] != torch_version.split("+")[0]:
-        raise SystemExit(f"node_env: the venv imports torch {version} ({torch_file}), not the "
+        raise NodeEnvError(1, f"node_env: the venv imports torch {version} ({torch_file}), not the "
                          f"base's {torch_version}. Must remove that torch from {venv_dir}'s "
                          "path or its base.")
     (venv_dir / MARK_NAME).write_text(f"{sys.executable}\n{torch_version}\n")
@@ -259,4 +268,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except NodeEnvError as exc:
+        print(exc, file=sys.stderr)
+        sys.exit(exc.exit_code)

@@ -67,13 +67,18 @@ def test_editable_build_offline_needs_wheel_below_setuptools_70_1(found, ok):
 
 def test_torch_missing_is_refused_naming_the_fix(monkeypatch):
     monkeypatch.setattr(node_env, "installed_version", {"numpy": "2.0"}.get)
-    with pytest.raises(SystemExit, match=r"torch is not installed for .*never installs one.*"
+    with pytest.raises(node_env.NodeEnvError, match=r"torch is not installed for .*never installs one.*"
                                          r"make gpu-node PYTHON="):
         node_env.check_base(">=3.11", ["torch>=2.11.0a0", "numpy>=1.26"])
+    monkeypatch.setattr(node_env, "installed_version", {"torch": "2.10.0+cu126"}.get)
+    with pytest.raises(node_env.NodeEnvError, match=r"torch 2.10.0\+cu126 does not satisfy "
+                                                    r"'torch>=2.11.0a0'") as err:
+        node_env.check_base(">=3.11", ["torch>=2.11.0a0"])
+    assert err.value.exit_code == 2
 
 
 def test_python_outside_requires_python_is_refused():
-    with pytest.raises(SystemExit, match=r"outside DMuon's requires-python '>=9'"):
+    with pytest.raises(node_env.NodeEnvError, match=r"outside DMuon's requires-python '>=9'"):
         node_env.check_base(">=9", ["torch>=2.11.0a0"])
 
 
