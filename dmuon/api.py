@@ -211,11 +211,12 @@ def dedicate_params(
             hierarchy, coalescing, lambda: bucket_layout(specs, plan, cap_bytes, coalescing.target_bytes,
                                                          coalescing.reduce_by_gather))
         dedicated = {n for n, _, _ in named}
-        rest_params = replicated_rest.rest_of(model, dedicated) if rest == "replicate" else []
-        if rest_params and getattr(mp_policy, "param_dtype", None) is not None:
+        rest_params = replicated_rest.rest_of(model, dedicated)  # agreed on in every mode
+        if rest == "replicate" and rest_params and getattr(mp_policy, "param_dtype", None) is not None:
             replicated_rest.check_dtypes(model, dedicated, mp_policy.param_dtype)
         digest = setup_digest(tp_layout.full_plan if tp_layout else plan, named,
-                              reshard_after_forward, mp_policy, cap_bytes, coalescing, rest_params, flat)
+                              reshard_after_forward, mp_policy, cap_bytes, coalescing, rest_params, flat,
+                              rest_mode=rest)
     except Exception:  # a bad argument, or a user predicate that raised
         if dist.is_initialized():  # every rank still takes part in the agreement, then raises
             collectives.check_plan_agreement(None, SETUP_WHAT)
@@ -244,10 +245,14 @@ def _warn_adamw_matrices(assignments) -> None:
     shown = "; ".join(f"{a.name} {a.shape}: {a.reason}" for a in missed[:WARN_NAMES])
     more = f"; and {len(missed) - WARN_NAMES} more" if len(missed) > WARN_NAMES else ""
     elems = sum(a.numel for a in missed)
+    # a shared param's reason says how to dedicate it (a whole block); the others take params=
+    fixable = sum(a.role != "shared" for a in missed)
+    fix = ("" if not fixable else "Pass params= or predicate= to dedicate "
+           + ("them; " if fixable == len(missed) else f"the {fixable} not shared; "))
     warnings.warn(
         f"dmuon.dedicate_params: {len(missed)} trainable params of at least 2 dims "
-        f"({elems:,} elements) go to AdamW, not Muon: {shown}{more}. Pass params= or "
-        "predicate= to dedicate them; dm.assignments() lists every param and why.",
+        f"({elems:,} elements) go to AdamW, not Muon: {shown}{more}. {fix}"
+        "dm.assignments() lists every param and why.",
         stacklevel=3,
     )
 
@@ -291,6 +296,7 @@ def setup_digest(
     coalescing: Coalescing = Coalescing(0),
     rest_params: list[tuple[str, torch.Tensor]] = (),
     flat: bool = False,
+    rest_mode: str = "wrapper",
 ) -> str:
     """sha256 (64 hex chars) of everything the ranks' collective schedules depend on.
 
@@ -299,9 +305,11 @@ def setup_digest(
     re-broadcast with a reduce and hang), the mixed-precision policy (its dtypes set the
     message sizes), the bucket cap and the coalescing (:class:`~dmuon.ownership.buckets.Coalescing`:
     with the cap they set the buckets), each
-    dedicated param's device type, and under ``rest="replicate"`` the rest's names, shapes,
-    dtypes and ``requires_grad`` (they set its all_reduce's size; ``rest_params`` empty
-    otherwise), and whether an HSDP mesh moves the dedicated params ``flat`` (its channels).
+    dedicated param's device type, ``rest_mode`` and the rest's names, shapes, dtypes and
+    ``requires_grad`` in every mode (under ``rest="replicate"`` they set its all_reduce's size;
+    under a wrapper a rest param of another shape on one rank broke FSDP2's first collective:
+    gloo's ``EnforceNotMet``, a dead rank), and whether an HSDP mesh moves the dedicated params
+    ``flat`` (its channels).
 
     Raises:
         ValueError: ``reshard_after_forward`` is not a bool.
@@ -319,6 +327,7 @@ def setup_digest(
         "coalesce_bytes": [coalescing.target_bytes, coalescing.reduce_by_gather],
         "devices": sorted({p.device.type for _, p, _ in named}),
         "rest": [[n, list(p.shape), str(p.dtype), p.requires_grad] for n, p in rest_params],
+        "rest_mode": rest_mode,
         "flat": flat,
     }
     text = json.dumps(setup, sort_keys=True, separators=(",", ":"), default=str)

@@ -138,3 +138,13 @@ def split(groups: list[dict], dedicated, defaults: dict, adamw_defaults: dict) -
                 values[key] = g[own] if own in g else g.get(shared, adamw_defaults[key])
             parts.append({**extra, "params": adamw, "algorithm": "adamw", "group": i, **values})
     return parts
+
+
+def taken_by_fsdp(dedicated, names: list[str]) -> list[str]:
+    """Those of ``names`` (dedicated params) whose module now registers a DTensor in their
+    place: FSDP2's ``fully_shard`` managed them (no ``ignored_params``)."""
+    from torch.distributed.tensor import DTensor
+
+    where = {n: (b.param_modules[i], n.rpartition(".")[2])
+             for b in dedicated.buckets for i, n in enumerate(b.names)}
+    return [n for n in names if isinstance(getattr(*where[n], None), DTensor)]

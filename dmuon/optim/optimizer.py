@@ -99,6 +99,15 @@ class DMuon(Optimizer):
         given, as_dicts = groups_mod.user_groups(params)
         ids = {id(p) for g in given for p in g["params"]}
         missing = [n for n, p in zip(dedicated.names, dedicated.params) if id(p) not in ids]
+        taken = groups_mod.taken_by_fsdp(dedicated, missing)
+        if taken:
+            raise ValueError(
+                f"Invalid params: dedicated params {taken[:3]} are not among them: their modules "
+                "now hold FSDP2 DTensor shards in their place, so fully_shard managed them "
+                "(it was called without ignored_params). Pass ignored_params=set(dm) to every "
+                "fully_shard call over a module that holds them: fully_shard(module, mesh=mesh, "
+                "ignored_params=set(dm)), after dmuon.dedicate_params."
+            )
         if missing:
             raise ValueError(
                 f"Invalid params: dedicated params {missing[:3]} are not among them. Pass "

@@ -12,6 +12,7 @@ moves: ``.to()`` / ``to_empty()`` reach :meth:`Runtime.before_apply` / :meth:`Ru
 
 from __future__ import annotations
 
+import inspect
 import warnings
 
 import weakref
@@ -36,6 +37,17 @@ S = TrainingState
 def in_backward() -> bool:
     """Whether the autograd engine is running a backward on this thread."""
     return torch._C._current_graph_task_id() != -1
+
+
+def _in_reentrant_checkpoint() -> bool:
+    """Whether reentrant activation checkpointing's forward (``CheckpointFunction.forward`` of
+    ``torch.utils.checkpoint``, torch 2.13) is on the stack. Walks a few frames."""
+    frame = inspect.currentframe()
+    while frame is not None:
+        if frame.f_code.co_name == "forward" and frame.f_globals.get("__name__") == "torch.utils.checkpoint":
+            return True
+        frame = frame.f_back
+    return False
 
 
 class Runtime:
@@ -70,6 +82,9 @@ class Runtime:
                                  reduce_by_gather=coalescing.reduce_by_gather)
         self.model_blocks = self.unit_order()  # model order (protocol step 7)
         self._ran: set[str] = set()  # blocks whose forward finished in this forward (Z3)
+        # hooked module -> whether a run of it in this forward was reentrant-checkpointed
+        self._runs: dict[nn.Module, bool] = {}
+        self._forward_grad = True  # grad mode when this forward began
         self._applying = 0  # depth of followed _apply calls in progress
         self._moved: dict[int, Bucket] = {}  # buckets an _apply touched, not re-bound yet
         self._rebound: dict[int, Bucket] = {}  # re-bound since the last forward (recast there)
@@ -246,6 +261,8 @@ class Runtime:
             self.ddp_seen = inside_ddp_of(self.root)
         self._enter(S.FORWARD)
         self._ran.clear()
+        self._runs.clear()
+        self._forward_grad = torch.is_grad_enabled()
         self.order.begin()
         for b in self.buckets:  # mixed precision: non-holders' master copies (sync) go
             b.drop_master()
@@ -347,11 +364,32 @@ class Runtime:
         if self.state != S.FORWARD:
             self.begin_forward()  # a forward that did not enter through the root
         if own:
+            self._check_reentrant_reuse(module)
             self.order.note(own[0].module_name)
         self.schedule.advance_forward(hi)
         for b in own:
             if b.copy is not Copy.VALID:  # Z3, the block runs again in this forward (every rank)
                 self.schedule.refill(b)
+
+    def _check_reentrant_reuse(self, module: nn.Module) -> None:
+        """A module holding dedicated params that runs twice in one forward (weight sharing)
+        with a run under reentrant activation checkpointing would get one grad per use, each
+        from its own nested backward, the second after DMuon reduced the first: refuse it here,
+        before its next collective (every rank runs the same forward, so every rank raises)."""
+        reentrant = (self._forward_grad and not torch.is_grad_enabled()
+                     and _in_reentrant_checkpoint())
+        seen = self._runs.get(module)
+        self._runs[module] = bool(seen) or reentrant
+        if seen is None or not self._runs[module]:
+            return
+        name = next(n for n, m in self._modules.items() if m is module)
+        raise ValueError(
+            f"DMuon: module {name!r} (it holds dedicated params) runs more than once in this "
+            "forward and a run is under reentrant activation checkpointing "
+            "(torch.utils.checkpoint.checkpoint(..., use_reentrant=True), or checkpoint_wrapper "
+            "with CheckpointImpl.REENTRANT), which backpropagates each use on its own: the "
+            "second use's grad would reach DMuon after the first was reduced to its owner. "
+            "Checkpoint it with use_reentrant=False (CheckpointImpl.NO_REENTRANT).")
 
     def _post_forward(self, module: nn.Module, args, output) -> None:
         if self.state != S.FORWARD or not self.reshard_after_forward:

@@ -19,6 +19,8 @@ Primitives only: ``copies.py`` is their one caller (it decides when, and keeps t
 
 from __future__ import annotations
 
+import traceback
+
 import torch
 import torch.nn as nn
 
@@ -73,6 +75,12 @@ def _freed_class(cls: type) -> type:
             if not safe:
                 freed = [a for a in (*args, *(kwargs or {}).values()) if type(a) is sub]  # nn.init: tensor=
                 what = _WHY.get(id(freed[0]), "a DMuon param freed on this rank") if freed else ""
+                if _in_fully_shard():
+                    raise ValueError(
+                        f"DMuon: fully_shard reached {what}, a matrix dedicated by "
+                        "dmuon.dedicate_params: FSDP2 must not manage DMuon's params. Pass "
+                        "ignored_params=set(dm) to every fully_shard call over a module that "
+                        "holds them: fully_shard(module, mesh=mesh, ignored_params=set(dm)).")
                 raise RuntimeError(
                     f"DMuon: cannot run {name} on {what}. Its storage on this rank is freed "
                     "(a non-holder between steps: Z3 frees its copy after forward, and with "
@@ -90,6 +98,12 @@ def _freed_class(cls: type) -> type:
             "__module__": __name__,
         })
     return _FREED_CLASSES[cls]
+
+
+def _in_fully_shard() -> bool:
+    """Whether FSDP2's ``fully_shard`` is on the stack (its init reads every param it manages:
+    a dedicated one reaches it only when ``ignored_params`` left it out). Error path only."""
+    return any(f.name == "fully_shard" and "fsdp" in f.filename for f in traceback.extract_stack())
 
 
 def _convert_freed(sub: type, func, args, kwargs) -> torch.Tensor:

@@ -90,8 +90,7 @@ def warn_if_not_averaged(rest: list[tuple[str, nn.Parameter]], ddp_seen: bool, d
     """``rest="wrapper"`` at a ``step()``: something must average the rest's grads over the
     data-parallel ranks, or each rank's AdamW steps on its own micro-batch and the ranks drift
     apart. Averaged: a forward ran inside DDP (``ddp_seen``), or every trainable param of the
-    rest with a grad is an FSDP2 shard (a DTensor over more than the ``tp_size`` ranks of its
-    TP group). Otherwise a ``UserWarning`` names a param and the fixes (a warning, not an
+    rest with a grad is an FSDP2 shard (:func:`_fsdp_shard`). Otherwise a ``UserWarning`` names a param and the fixes (a warning, not an
     error: the user may average those grads by hand). Local, the same on every rank.
 
     Returns:
@@ -102,8 +101,7 @@ def warn_if_not_averaged(rest: list[tuple[str, nn.Parameter]], ddp_seen: bool, d
     if dp_size < 2 or ddp_seen or not trainable:
         return True
     with_grad = [(n, p) for n, p in trainable if p.grad is not None]
-    bare = [n for n, p in with_grad
-            if not (isinstance(p, DTensor) and p.device_mesh.size() > tp_size)]
+    bare = [n for n, p in with_grad if not _fsdp_shard(p, tp_size)]
     if bare:
         warnings.warn(
             f"DMuon: rest='wrapper' but nothing averages the grads of {bare[0]} (and "
@@ -116,6 +114,19 @@ def warn_if_not_averaged(rest: list[tuple[str, nn.Parameter]], ddp_seen: bool, d
             stacklevel=4,
         )
     return bool(with_grad)
+
+
+def _fsdp_shard(p: torch.Tensor, tp_size: int) -> bool:
+    """Whether ``p`` is an FSDP2 shard: a DTensor whose mesh has a data-parallel dim (a dim
+    not named ``"tp"``: the shard axis alone, or shard × tp), or, on a mesh without dim names,
+    spans more than the ``tp_size`` ranks of one TP group. A TP-only DTensor (mesh ``("tp",)``)
+    is not, whatever N is (at N = T both meshes have T ranks: the size alone misjudged it)."""
+    if not isinstance(p, DTensor):
+        return False
+    names = p.device_mesh.mesh_dim_names
+    if names:
+        return any(n != tp.TP_AXIS for n in names)
+    return p.device_mesh.size() > tp_size
 
 
 def check_dtypes(model: nn.Module, dedicated: set[str], param_dtype: torch.dtype) -> None:
