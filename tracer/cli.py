@@ -10,7 +10,10 @@ Subcommands (each module registers its own parser, see ``register_cli`` in it):
 Comparing events with a prediction is ``dmuon-verify check`` (``verify/cli.py``): the tracer
 never imports the harness.
 
-Exit status, every subcommand: 0 events written, every input read; 2 bad input or arguments
+Exit status, every subcommand: 0 events written, every input read; 1 events written but
+some lines, entries or rows of the inputs were dropped as issues (listed in the summary; an
+impossible call, e.g. a root outside its communicator or ``[nranks=0]``, is one) unless
+``--lenient``, which accepts them with exit 0; 2 bad input or arguments
 (a missing path, a damaged export, ``--out`` a folder or unwritable, ``--strict`` and a damaged
 entry: nothing written), or an input file not read or not read to its end (binary, not the
 format, unreadable, a truncated gzip, a FIFO: the events of the other files are written and
@@ -30,7 +33,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 #: Exit codes shared by every subcommand (see the module docstring).
-EXIT_OK, EXIT_BAD_INPUT, EXIT_NOTHING_FOUND = 0, 2, 3
+EXIT_OK, EXIT_DROPPED, EXIT_BAD_INPUT, EXIT_NOTHING_FOUND = 0, 1, 2, 3
 
 #: Subcommand -> (module with ``register_cli(subparsers)``, one-line help). A module is
 #: imported only when its subcommand runs, so ``--help`` and each parser start fast; adding a
@@ -90,6 +93,10 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     for name, (module, help_line) in SUBCOMMANDS.items():
         if command in (name, "*"):
             importlib.import_module(module).register_cli(subparsers)
+            subparsers.choices[name].add_argument(
+                "--lenient", action="store_true",
+                help="exit 0 even when lines, entries or rows were dropped as issues "
+                     "(default: exit 1; they are listed in the summary either way)")
         else:  # listed in --help without importing the parser behind it
             subparsers.add_parser(name, help=help_line)
     return parser
@@ -110,11 +117,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         if problem:
             print(f"{prog}: error: {problem}", file=sys.stderr)
             return EXIT_BAD_INPUT
+    if getattr(args, "strict", False) and args.lenient:
+        print(f"{prog}: error: --strict and --lenient exclude each other (--strict stops at the "
+              "first issue, --lenient accepts every issue); pass one", file=sys.stderr)
+        return EXIT_BAD_INPUT
     try:
-        return int(args.func(args) or 0)
+        code = int(args.func(args) or 0)
     except (ValueError, OSError) as exc:  # user-facing: a damaged or unwritable file
         print(f"{prog}: error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    dropped, first = getattr(args, "dropped", (0, ""))  # set by the subcommand's parser
+    if code == EXIT_OK and dropped and not args.lenient:
+        print(f"{prog}: error: {dropped} line(s), entries or rows dropped as issues (listed "
+              f"above; first: {first}); the other events were written. Fix the input, or pass "
+              "--lenient to accept the loss", file=sys.stderr)
+        return EXIT_DROPPED
+    return code
 
 
 if __name__ == "__main__":

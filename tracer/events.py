@@ -93,6 +93,25 @@ _INT_BITS: dict[str, int] = {
 
 #: Optional string fields (``source``, ``op`` are checked against their vocabularies).
 _STR_FIELDS = ("group_id", "dtype", "phase", "module", "source_ref", "host", "comm")
+#: Ops whose ``root`` is a group rank: the root, or the peer of send / recv.
+ROOTED_OPS: frozenset[str] = frozenset({"broadcast", "reduce", "gather", "scatter", "send", "recv"})
+
+
+def impossible_reason(op: str, group_size: int | None, root: int | None,
+                      group_rank: int | None = None) -> str | None:
+    """Why a call with these values cannot have happened, or ``None``: a group of 0 ranks,
+    or a root / peer (``op`` in :data:`ROOTED_OPS`) or a ``group_rank`` outside
+    ``[0, group_size)``. Unknown values (``None``) are not judged. The parsers report such a
+    record as an issue, not an event, where the record itself states the group size (an NCCL
+    COLL line's ``[nranks=N]``, a Flight Recorder entry's process group)."""
+    if group_size is not None and group_size < 1:
+        return f"group size {group_size}: a communicator has at least 1 rank"
+    if op in ROOTED_OPS and root is not None and (root < 0 or (group_size and root >= group_size)):
+        what = "peer" if op in ("send", "recv") else "root"
+        return f"{op} {what} {root} outside the group's ranks 0..{(group_size or 1) - 1}"
+    if group_rank is not None and (group_rank < 0 or (group_size and group_rank >= group_size)):
+        return f"group rank {group_rank} outside the group's ranks 0..{(group_size or 1) - 1}"
+    return None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -703,6 +703,7 @@ def _run_cli(args) -> int:
         if bar is not None:
             bar.close()
     print(result.summary())
+    args.dropped = (len(result.issues), result.issues[0] if result.issues else "")  # tracer.cli
     if not result.events:
         print(f"{prog}: error: no NCCL collective ranges in {args.report} (see the warnings "
               "above); nothing written", file=sys.stderr)

@@ -607,6 +607,7 @@ def _cli(args: argparse.Namespace) -> int:
     out = write_parquet(events, args.out)
     print(f"wrote {len(events)} events to {out}")
     issues = [i for t in traces for i in t.issues]
+    args.dropped = (len(issues), issues[0] if issues else "")  # tracer.cli: --lenient
     if skipped:
         print(f"{prog}: error: {len(skipped)} file(s) not read (listed above; first: "
               f"{skipped[0][0]}: {skipped[0][1]}); the events of the others were written",

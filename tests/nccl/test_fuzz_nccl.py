@@ -478,6 +478,8 @@ def test_oversized_numbers_are_issues_naming_the_field(fields):
                 word = {"cudaDev": "cudaDev", "pid": "pid"}.get(field, field)
                 assert issues[0].reason.startswith((word, "count * dtype bytes", "the 'host"))
                 assert len(issues[0].text) <= fmt.EXCERPT_CHARS + 40
+            elif field == "root":  # fits int32 but not [nranks=2]: an impossible call
+                assert k not in refs and "impossible COLL line" in issues[0].reason, (k, issues)
             else:
                 assert k in refs and not issues, (k, field, issues)
         assert_same([("mem", lines)], [("mem", lines)])

@@ -687,6 +687,8 @@ def _cli(args: argparse.Namespace) -> int:
         print(f"{prog}: error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
     print("\n".join(summary_lines(read)))
+    entries = [u for u in read.unreadable if u not in set(read.skipped_files)]
+    args.dropped = (len(entries), entries[0] if entries else "")  # tracer.cli: --lenient
     if before is not None:
         dumped = len(read.events)
         read.events[:] = fr_window(before, read.events)

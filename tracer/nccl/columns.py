@@ -29,7 +29,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from tracer.events import OPS
+from tracer.events import OPS, ROOTED_OPS
 from tracer.inputs import GZIP_ERRORS, folder_entries, gzip_problem, is_gzip, not_regular
 from tracer.nccl import formats as fmt
 
@@ -428,6 +428,10 @@ _OP_POS, _OP_TABLE = _op_lookup()
 _TOKENS = np.array([1, 20, 4, 12, 14, 18, 21])
 
 
+#: Indices into OPS of the ops whose root is checked against the group size.
+_ROOTED = np.array(sorted(OPS.index(o) for o in ROOTED_OPS))
+
+
 def fast_coll_fields(block: LineBlock) -> FastFields | None:
     """Fields of the block's fast lines, or ``None`` when it has none."""
     data, starts = block.data, block.starts
@@ -461,12 +465,21 @@ def fast_coll_fields(block: LineBlock) -> FastFields | None:
     has_n = buf[begs[:, 6]] == _LBRACKET  # "[nranks=" N "]", else "stream"
     nranks = np.full(len(line), NULL)
     nranks[has_n] = _uints(words, begs[has_n, 6] + 8, ends[has_n, 6] - 1)
+    root = np.where(neg, -root, root)
+    # impossible calls (tracer.events.impossible_reason) take the general path, which names them
+    known, rooted = nranks != NULL, np.isin(op, _ROOTED)
+    fine = ~((known & (nranks < 1)) | (rooted & ((root < 0) | (known & (root >= nranks)))))
+    if not fine.all():
+        line, st, has_ts, begs, ends, first = (a[fine] for a in (line, st, has_ts, begs, ends, first))
+        prefix_idx, comm_idx, op, root, nranks = (a[fine] for a in (prefix_idx, comm_idx, op, root, nranks))
+        if not len(line):
+            return None
     t_ns = t_valid = t_bad = None
     if has_ts.any():
         t_ns, t_valid = _timestamps(data, words, buf, st, spaces[first + 1], has_ts)
         t_bad = has_ts & ~t_valid
     return FastFields(line, prefix_idx, prefixes, op, _uints(words, begs[:, 3], ends[:, 3]),
-                      _uints(words, begs[:, 4], ends[:, 4]), np.where(neg, -root, root),
+                      _uints(words, begs[:, 4], ends[:, 4]), root,
                       comm_idx, comms, nranks, t_ns, t_valid, t_bad)
 
 

@@ -544,6 +544,7 @@ def _cli_main(args) -> int:
         print(f"{prog}: error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
     result.unread[:0] = skipped
+    args.dropped = (result.issue_count, str(result.issues[0]) if result.issues else "")  # tracer.cli
     print(result.summary(max_issues=args.max_issues))
     if not result.rows:
         if files:

@@ -16,7 +16,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from tracer.events import DTYPE_BYTES
+from tracer.events import DTYPE_BYTES, impossible_reason
 from tracer.nccl import formats as fmt
 
 _MAX_JOINS = 3
@@ -613,7 +613,9 @@ def iter_nccl_records(
                     rec = new(CollRecord, (
                         file, line_no, op, nccl_op, int(opc, 16), int(count), int(dt), dtype,
                         int(redop), int(root), comm, int(nranks) if nranks else None) + tail)
-                    if range_problem(rec) is None:  # else: the general path says which
+                    # else: the general path says which number is wrong or impossible
+                    if range_problem(rec) is None and impossible_reason(
+                            op, rec.nranks, rec.root if op in fmt.ROOTED_OPS else None) is None:
                         parser.expect_tail = False
                         st.coll_lines += 1
                         yield rec
@@ -683,6 +685,12 @@ def _coll_records(m, file: str, line_no: int, prefix: tuple, unattributed: bool 
     bad = range_issue(rec, m.group(0), prefix)
     if bad is not None:
         yield bad
+        return
+    why = impossible_reason(op, rec.nranks, rec.root if op in fmt.ROOTED_OPS else None)
+    if why is not None:  # [nranks=0], a root / peer not in the communicator: no event
+        at = m.group(0).find("[nranks=" if rec.nranks == 0 else " root ")
+        yield issue(file, line_no, f"impossible COLL line ({why}); no event", m.group(0),
+                    at if at >= 0 else None)
         return
     if dtype is None:
         yield issue(file, line_no, f"unknown datatype {fmt.show_int(datatype)} (NCCL "
