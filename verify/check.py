@@ -13,13 +13,17 @@ layout without any event make a *partial rank set*: flagged and failed, with the
 still compared.
 
 Sources differ in what they know, so the comparison key adapts to the events given:
-``(rank, op, count, dtype, group_size, root, in_elems, out_elems)`` always, the totals of an
+``(rank, op, count, dtype, group_size, root, in_elems, out_elems)`` always (``group_size``: see
+below), the totals of an
 all_to_all as :func:`tracer.events.all_to_all_elems` gives them (from its count where a source
 records no totals, an NCCL log; ``None`` for other ops); ``phase`` when the events have one
 (interposer); ``group_id`` when every event's group id is a rank list (interposer, Flight
 Recorder; NCCL logs name communicators by commId instead). Those two are all or nothing: a
 file where some events have a phase and others not is rejected up front, never compared on a
-weaker key. Column types and required values are checked up front too
+weaker key. ``group_size`` is resolved where a source left it blank (torch.profiler writes
+no ``Group size`` for some calls, e.g. DDP's bucket all_reduce on gloo): from the event's
+group id where that is a rank list; where some still have none, ``group_size`` leaves the
+key and ``notes`` says so (the op, count, dtype and root still compare every call). Column types and required values are checked up front too
 (:func:`tracer.events.read_parquet`, :func:`validate_events`).
 """
 
@@ -115,11 +119,33 @@ def _field(x, name: str):
     return getattr(x, name)
 
 
+def _rank_list(group_id: str | None) -> bool:
+    return bool(group_id) and all(p.isdigit() for p in group_id.split(","))
+
+
+def resolve_group_sizes(events: Sequence[CollectiveEvent]) -> tuple[list[CollectiveEvent], list[str]]:
+    """``events`` with a blank ``group_size`` filled from a rank-list ``group_id`` (its length),
+    and the notes to show: one naming how many were filled, one where some stay blank."""
+    filled, out = 0, []
+    for ev in events:
+        if ev.group_size is None and _rank_list(ev.group_id):
+            ev, filled = ev.replace(group_size=len(ev.group_id.split(","))), filled + 1
+        out.append(ev)
+    notes = [f"group_size filled from the group's rank list on {filled} event(s)"] if filled else []
+    blank = [ev for ev in out if ev.group_size is None]
+    if blank:
+        notes.append(f"group_size left out of the key: {len(blank)} of {len(out)} event(s) have "
+                     f"none and no rank-list group id (first: {blank[0].source_ref})")
+    return out, notes
+
+
 def _key_fields(events: Sequence[CollectiveEvent]) -> tuple[str, ...]:
-    fields = ["rank", "op", "count", "dtype", "group_size", "root", "in_elems", "out_elems"]
+    fields = ["rank", "op", "count", "dtype", "root", "in_elems", "out_elems"]
+    if events and all(ev.group_size is not None for ev in events):
+        fields.insert(4, "group_size")
     if events and all(ev.phase for ev in events):
         fields.append("phase")
-    if events and all(ev.group_id and all(p.isdigit() for p in ev.group_id.split(",")) for ev in events):
+    if events and all(_rank_list(ev.group_id) for ev in events):
         fields.append("group_id")
     return tuple(fields)
 
@@ -138,7 +164,7 @@ def check_events(
     Returns:
         ``{"pass", "steps", "steps_by_rank", "key", "events", "predicted", "ranks",
         "absent_ranks", "partial", "missing", "unexpected", "missing_calls",
-        "unexpected_calls"}``: ``missing`` / ``unexpected`` are lists of ``(key dict, n)``;
+        "unexpected_calls", "notes"}``: ``missing`` / ``unexpected`` are lists of ``(key dict, n)``;
         ``missing_calls`` has one dict per missing key (``n`` and the predicted ``modules``),
         ``unexpected_calls`` one per surplus key (``n`` and the surplus events'
         ``source_refs``); ``predicted`` counts the given ranks' calls.
@@ -149,6 +175,7 @@ def check_events(
     if steps is not None and (type(steps) is not int or steps < 1):
         raise ValueError(f"Invalid {steps=}. Must be an int >= 1 (or None to infer it).")
     validate_events(events)
+    events, notes = resolve_group_sizes(events)
     fields = _key_fields(events)
     key = lambda x: tuple(_field(x, f) for f in fields)  # noqa: E731
     pred: dict[int, list[Expected]] = defaultdict(list)
@@ -195,6 +222,7 @@ def check_events(
         "unexpected": as_rows(unexpected),
         "missing_calls": missing_calls,
         "unexpected_calls": unexpected_calls,
+        "notes": notes,
     }
 
 
@@ -209,6 +237,7 @@ def report_lines(result: dict, mode: str, limit: int = 20) -> list[str]:
     fields = result["key"]
     lines = [f"{mode}: {result['events']} events vs {result['predicted']} predicted over "
              f"{result['steps']} step(s) on ranks {result['ranks']}, key {fields}"]
+    lines += [f"note: {n}" for n in result.get("notes", ())]
     if len(set(result["steps_by_rank"].values())) > 1:
         lines.append(f"ranks disagree on the step count (events / predicted per step): "
                      f"{result['steps_by_rank']}")

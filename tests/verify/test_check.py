@@ -114,3 +114,26 @@ def test_cli_exit_codes_and_streams(run_dir, tmp_path, capsys):
     assert "not readable as Parquet" in capsys.readouterr().err
     assert dmuon_verify(["check", str(good), "--against", str(tmp_path / "nowhere")]) == 2
     assert "no layout.json" in capsys.readouterr().err
+
+
+def test_blank_group_size_is_filled_from_the_rank_list_not_a_false_mismatch():
+    """torch.profiler leaves ``Group size`` blank on some calls (a DDP run's bucket all_reduce):
+    before, every such event was 'unexpected' and its predicted twin 'missing'."""
+    events = measured(2)
+    assert all(ev.group_id and ev.group_size for ev in events)
+    blank = [ev.replace(group_size=None) if i % 2 else ev for i, ev in enumerate(events)]
+    result = check_events(blank, CHECK_LAYOUT)
+    assert result["pass"] and "group_size" in result["key"]
+    assert result["notes"] == [f"group_size filled from the group's rank list on {len(events) // 2} event(s)"]
+
+
+def test_blank_group_size_without_a_rank_list_leaves_the_key_and_says_so():
+    events = [ev.replace(group_size=None, group_id=None) if ev.rank == 1 else ev.replace(group_id=None)
+              for ev in measured(2)]
+    result = check_events(events, CHECK_LAYOUT)
+    assert result["pass"] and "group_size" not in result["key"]
+    assert "group_size left out of the key" in "\n".join(report_lines(result, "m"))
+    # the rest of the key still compares every call: a wrong count on a blank-size event fails
+    i = next(i for i, ev in enumerate(events) if ev.rank == 1 and ev.op == "broadcast")
+    events[i] = events[i].replace(count=events[i].count + 1, msg_bytes=None)
+    assert not check_events(events, CHECK_LAYOUT)["pass"]
