@@ -9,12 +9,20 @@ not predicted is *unexpected*; either fails the run.
 Traffic figures follow ``verify.traffic.formulas``: the W-average of f(n)·S. The Muon-param share of
 a measured event (``dedicated`` figures) is the share of its matched prediction: a DDP
 bucket or an FSDP2 group may fuse Muon and AdamW params in one call, and only the plan knows
-the split; the existence and size of every call is measured. Likewise an all_to_all's own
+the split; the existence and size of every call is measured. An unmatched event (a call the
+prediction does not have: a bucket cut differently, a wrong root) gets the share of the
+predicted calls of its ``(rank, phase, op, group)``, else of its ``(phase, op, group)``, else of
+its module's calls in its phase, so bytes that moved are not read as 0 (:func:`unmatched_share`). Likewise an all_to_all's own
 chunk (which it neither sends nor receives): no source records it, so a measured all_to_all
 is charged the elements its matched prediction sends, ``in_elems - self_elems``
 (:func:`verify.traffic.formulas.avg_elems`; an uneven one has no single count). Unmatched
-events count towards totals but not towards the Muon share (and fail the run anyway); an
-unmatched all_to_all without a count is charged (n-1)/n of its input, the even case's.
+events fail the run anyway; an unmatched all_to_all without a count is charged (n-1)/n of its
+input, the even case's.
+
+Per run it also reports (``verify.report.checks``): the owners the traffic shows against the
+harness's buckets (``owners``, :mod:`verify.traffic.owners`) and, for modes where each matrix
+has one owner, Newton–Schulz calls per rank and the plan's NS cost per rank against the
+harness's own bound from the shapes (``ns_balance``, :mod:`verify.traffic.ns_bound`).
 
 The closed form gates every run, in every phase and in total: the measured W-average must equal
 docs/spec.md §2's formula at P_M (DMuon and DDP modes, any shapes: they move whole matrices) or at
@@ -40,7 +48,10 @@ from verify.traffic.predict import (
     Expected,
     RunLayout,
     dmuon_hierarchy,
+    dmuon_block,
+    dmuon_layout,
     kept_elems,
+    layout_buckets,
     ns_calls_per_step,
     owner_numels,
     predict_step,
@@ -48,6 +59,8 @@ from verify.traffic.predict import (
     run_closed_form,
 )
 from verify.traffic.formulas import PADDED_MODES, avg_elems, closed_form_p_m
+from verify.traffic.ns_bound import ns_bound, owner_loads
+from verify.traffic.owners import owner_findings
 from verify.traffic.tp import predict_tp_step, tp_closed_form, tp_ns_calls_per_step
 
 
@@ -78,6 +91,68 @@ def _close(measured: float, expected: float, scale: int) -> bool:
     return abs(measured - expected) <= CLOSED_FORM_REL_TOL * max(scale, 1)
 
 
+def _class_of(key: tuple, wide: bool) -> tuple:
+    rank, phase, op, group_id = key[:4]
+    return (phase, op, group_id) if wide else (rank, phase, op, group_id)
+
+
+def class_shares(predicted: Sequence[Expected]) -> tuple[dict, dict, dict]:
+    """The Muon-target share of the predicted calls (sum of dedicated f(n)·S over sum of
+    f(n)·S, calls that move nothing left out) per ``(rank, phase, op, group)``, per
+    ``(phase, op, group)`` and per ``(phase, module)``: what a measured call the prediction
+    does not have is charged (:func:`unmatched_share`, module docstring)."""
+    sums: dict[tuple, list[float]] = defaultdict(lambda: [0.0, 0.0])
+    for e in predicted:
+        total, ded = e.avg_elems(), e.dedicated_avg_elems()
+        for kind, cls in ((0, _class_of(e.key(), False)), (1, _class_of(e.key(), True)),
+                          (2, (e.phase, e.module))):
+            sums[(kind, cls)][0] += ded
+            sums[(kind, cls)][1] += total
+    tables: tuple[dict, dict, dict] = ({}, {}, {})
+    for (kind, cls), (d, t) in sums.items():
+        if t:
+            tables[kind][cls] = d / t
+    return tables
+
+
+def unmatched_share(ev: CollectiveEvent, key: tuple, tables: tuple[dict, dict, dict],
+                    unit_of: dict[str, str] | None = None) -> float:
+    """The Muon-target share of a measured call the prediction does not have: that of the
+    predicted calls of its ``(rank, phase, op, group)``, else of its ``(phase, op, group)``,
+    else of the calls its module (the DMuon unit or FSDP2 module in whose span it ran; a DMuon
+    block is mapped to its predicted unit by ``unit_of``) was predicted to make in its phase
+    (a bucket moved by another op, or a unit split differently), else 0."""
+    narrow, broad, by_module = tables
+    module = (unit_of or {}).get(dmuon_block(ev.module), ev.module) if ev.module else ev.module
+    for table, cls in ((narrow, _class_of(key, False)), (broad, _class_of(key, True)),
+                       (by_module, (ev.phase, module))):
+        if cls in table:
+            return table[cls]
+    return 0.0
+
+
+#: Modes whose NS work sits on one owner per matrix (``ns_balance`` applies to these modes).
+OWNER_MODES = ("zero1-muon", "dmuon-ddp", "dmuon-z2", "dmuon-z3", "dmuon-hsdp-z2", "dmuon-hsdp-z3")
+
+
+def ns_balance(layout: RunLayout, ns_calls_per_rank: Sequence[float] | None) -> dict | None:
+    """report.json ``ns_balance`` of an owner mode (:data:`OWNER_MODES`, not TP): the
+    harness's bound (:func:`verify.traffic.ns_bound.ns_bound` over the Muon matrices'
+    shapes), Newton–Schulz calls per rank per step as measured, and the NS cost (FLOPs per
+    step) per rank of the plan the run used (``layout.plan()``; a planner bug shows there as
+    well as in the measured counts). ``None`` for other modes."""
+    if layout.mode not in OWNER_MODES or getattr(layout, "tp_size", 1) > 1:
+        return None
+    specs = layout.muon_specs()
+    shapes = {s.name: [s.matrix_shape] * s.matrices for s in specs}
+    bound = ns_bound([m for s in specs for m in shapes[s.name]], layout.world_size)
+    cost, count = owner_loads(dict(layout.plan().owner), shapes, layout.world_size)
+    return {"cost_bound_flops": bound.cost_bound, "count_bound": bound.count_bound,
+            "total_cost_flops": bound.total_cost, "max_matrix_cost_flops": bound.max_cost,
+            "plan_cost_flops_per_rank": cost, "plan_calls_per_rank": count,
+            "calls_per_rank": None if ns_calls_per_rank is None else list(ns_calls_per_rank)}
+
+
 def _call_dict(key: tuple, n: int, module: str | None) -> dict:
     rank, phase, op, group_id, count, dtype, root, in_elems, out_elems = key
     return dict(rank=rank, phase=phase, op=op, group_id=group_id, count=count, dtype=dtype,
@@ -90,6 +165,7 @@ def compare_run(
     *,
     steps: int,
     ns_calls: int,
+    ns_calls_per_rank: Sequence[int] | None = None,
 ) -> dict:
     """The report entry of one run (keys of report.json's ``runs[]``, see verify/report/render.py).
 
@@ -98,6 +174,8 @@ def compare_run(
         events: every rank's interposer events over ``steps`` measured steps.
         steps: number of measured steps (> 0).
         ns_calls: measured Newton–Schulz calls over those steps, summed over ranks.
+        ns_calls_per_rank: the same per rank (rank order), for ``ns_balance``; ``None``:
+            only the plan's figures are gated there.
 
     Raises:
         ValueError: ``steps`` < 1.
@@ -119,6 +197,9 @@ def compare_run(
     meas_counter = Counter(event_key(ev) for ev in events)
     missing = pred_counter - meas_counter
     unexpected = meas_counter - pred_counter
+    tables = class_shares(predicted)
+    unit_of = ({blk: b.module for b in layout_buckets(dmuon_layout(layout)) for blk in b.blocks}
+               if layout.is_dmuon and not tp else {})
 
     phases: dict[str, dict] = {}
     p_m = layout.p_m()
@@ -141,7 +222,10 @@ def compare_run(
         key = event_key(ev)
         elems = measured_avg_elems(ev, self_of.get(key))
         total_measured += elems
-        ded = elems * share.get(key, 0.0)
+        if key in share:
+            ded = elems * share[key]
+        else:  # not predicted: its class's share (module docstring), never 0 for moved bytes
+            ded = elems * unmatched_share(ev, key, tables, unit_of)
         meas_phase[ev.phase] += ded
         meas_phase_n[ev.phase] += 1
         per_rank[ev.rank] += ded
@@ -180,7 +264,7 @@ def compare_run(
     )
     ok = not missing and not unexpected and ns_per_step == ns_expected and closed_ok
     run = dict(
-        mode=layout.mode,
+        mode=layout.run_name,  # a variant's label (verify.traffic.variants)
         world_size=w,
         shard_size=layout.shard_size,
         replicate_size=layout.replicate_size,
@@ -202,6 +286,13 @@ def compare_run(
         total_measured_avg_elems=total_measured / (w * steps),
         total_predicted_avg_elems=total_predicted / w,
         phases=phases,
+        units=(len({b.module for b in layout_buckets(dmuon_layout(layout))})
+               if layout.is_dmuon and not tp else None),  # DMuon's units (coalescing)
+        calls_measured_per_step=len(events) / steps,
+        calls_predicted_per_step=len(predicted),
+        owners=owner_findings(layout, predicted, missing, unexpected),
+        ns_balance=ns_balance(layout, None if ns_calls_per_rank is None
+                              else [c / steps for c in ns_calls_per_rank]),
         missing=[_call_dict(k, n, module_of.get(k)) for k, n in sorted(missing.items(), key=str)],
         unexpected=[_call_dict(k, n, None) for k, n in sorted(unexpected.items(), key=str)],
         closed_form_matches=closed_ok,

@@ -8,6 +8,14 @@ Per run (report.json ``runs[].checks``, in this order; a run passes when all of 
 - ``closed_form``: the measured W-average equals the closed form of docs/spec.md §2, in every
   phase and in total;
 - ``ns_calls``: Newton–Schulz calls per step equal the expected count;
+- ``owners``: no dedicated matrix's owner, as the traffic shows it (the root of its broadcast,
+  the dst of its reduce, its holder's part of an aligned call), differs from the harness's
+  (``verify.traffic.owners``); DMuon modes;
+- ``ns_balance``: on every rank, Newton–Schulz calls per step and the plan's NS cost stay
+  within the bound the harness derives from the shapes (``verify.traffic.ns_bound``); modes
+  where each matrix has one owner;
+- ``baseline``: the run's gated figures equal the baseline's (``verify.report.baseline``);
+  only where a baseline was compared;
 - ``loss``: the loss (mean over ranks) of the last step is below the first; only where the
   producer gates on it, i.e. the run carries ``loss_falls`` (verify-traffic does;
   ``verify.run.record.TrafficWindow`` does not);
@@ -37,9 +45,13 @@ _LABELS: dict[str, tuple[str, str]] = {
     "collectives": ("collectives equal the prediction", "collectives differ from the prediction"),
     "closed_form": ("averages equal the closed form", "average differs from the closed form"),
     "ns_calls": ("NS calls as expected", "NS calls differ from expected"),
+    "owners": ("owners as the traffic shows them equal the plan's", "owner differs from the plan"),
+    "ns_balance": ("NS calls and cost per rank within the shape bound",
+                   "NS load of a rank above the shape bound"),
     "loss": ("loss falls", "loss did not fall"),
     **{f"source:{s}": (f"{s} matches one to one", f"{s} trace does not match")
        for s in SOURCES if s != "interposer"},
+    "baseline": ("figures equal the baseline", "figures differ from the baseline"),
     "error": ("no mode raised", "mode raised an error"),
 }
 #: Every check name, in display order.
@@ -77,6 +89,24 @@ def _check(name: str, passed: bool, detail: str) -> dict:
     return {"check": name, "pass": bool(passed), "detail": detail}
 
 
+def volume_text(run: Mapping) -> str:
+    """How the measured volume and call count compare with the prediction, e.g. ``same
+    bytes, 8× calls (128 vs 16 per step)`` or ``+12.5% bytes, 1.06× calls (17 vs 16 per
+    step)``; ``""`` where the run has no call counts."""
+    meas_calls, pred_calls = run.get("calls_measured_per_step"), run.get("calls_predicted_per_step")
+    if meas_calls is None or pred_calls is None:
+        return ""
+    meas, pred = run["total_measured_avg_elems"], run["total_predicted_avg_elems"]
+    if readings_equal(meas, pred):
+        volume = "same bytes"
+    elif pred:
+        volume = f"{(meas - pred) / pred * 100:+.1f}% bytes"
+    else:
+        volume = f"{_elems(meas)} elem where none predicted"
+    calls = f"{meas_calls / pred_calls:.3g}×" if pred_calls else "∞×"
+    return f"{volume}, {calls} calls ({_count(meas_calls)} vs {_count(pred_calls)} per step)"
+
+
 def _collectives(run: Mapping) -> dict:
     missing = sum(e["n"] for e in run["missing"])
     unexpected = sum(e["n"] for e in run["unexpected"])
@@ -84,8 +114,46 @@ def _collectives(run: Mapping) -> dict:
         per_step = sum(ph["collectives_predicted"] for ph in run["phases"].values())
         return _check("collectives", True, f"{_count(per_step)} calls per step, as predicted")
     phases = sorted({str(e["phase"]) for e in run["missing"] + run["unexpected"]})
-    return _check("collectives", False, f"{missing} missing and {unexpected} unexpected calls "
-                                        f"over the measured steps (phases: {', '.join(phases)})")
+    volume = volume_text(run)
+    return _check("collectives", False, (f"{volume}; " if volume else "") +
+                  f"{missing} missing and {unexpected} unexpected calls over the measured steps "
+                  f"(phases: {', '.join(phases)})")
+
+
+#: Owner findings named in a check's detail (the rest counted).
+MAX_OWNERS_SHOWN = 4
+
+
+def _owners(run: Mapping) -> dict:
+    found = run["owners"]
+    if not found:
+        return _check("owners", True, "no owner differs from the plan in the traffic")
+    shown = "; ".join(f"owner of {f['param']}: expected rank {f['expected_rank']}, traffic shows "
+                      f"rank {f['traffic_rank']} ({f['phase']} {f['op']})"
+                      for f in found[:MAX_OWNERS_SHOWN])
+    more = len(found) - MAX_OWNERS_SHOWN
+    return _check("owners", False, shown + (f"; and {more} more" if more > 0 else ""))
+
+
+def _ns_balance(run: Mapping) -> dict:
+    nb = run["ns_balance"]
+    over = []
+    calls = nb["calls_per_rank"]
+    for r, c in enumerate(calls or ()):
+        if c > nb["count_bound"]:
+            over.append(f"rank {r} runs {_count(c)} NS calls per step > bound {nb['count_bound']}")
+    for r, c in enumerate(nb["plan_cost_flops_per_rank"]):
+        if c > nb["cost_bound_flops"]:
+            over.append(f"rank {r}'s NS cost {c / nb['cost_bound_flops']:.2f}× the bound "
+                        f"({c:.3g} > {nb['cost_bound_flops']:.3g} FLOPs per step)")
+    if over:
+        return _check("ns_balance", False, "; ".join(over) + " (bound from the shapes: T/W + "
+                      "(1-1/W)·c_max; docs/traffic-model.md, 'Newton–Schulz balance')")
+    shown = "/".join(_count(c) for c in calls) if calls is not None else "not measured"
+    peak = max(nb["plan_cost_flops_per_rank"], default=0)
+    return _check("ns_balance", True, f"NS calls per rank {shown} (bound {nb['count_bound']}), "
+                                      f"busiest rank's cost {peak / nb['cost_bound_flops']:.2f}× the bound"
+                  if nb["cost_bound_flops"] else "no Muon matrix")
 
 
 def _closed_form(run: Mapping) -> dict:
@@ -132,6 +200,10 @@ def run_checks(run: Mapping) -> list[dict]:
     :data:`RUN_CHECK_NAMES` order: ``[{"check", "pass", "detail"}]`` (see module docstring;
     ``loss`` only where the run carries ``loss_falls``)."""
     out = [_collectives(run), _closed_form(run), _ns_calls(run)]
+    if run.get("owners") is not None and run["mode"].startswith("dmuon-"):
+        out.append(_owners(run))
+    if run.get("ns_balance") is not None:
+        out.append(_ns_balance(run))
     if "loss_falls" in run:
         out.append(_loss(run))
     out += [_source(s, run["sources"][s]) for s in SOURCES

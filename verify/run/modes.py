@@ -24,6 +24,7 @@ from dmuon.ownership.plan import specs_from_named_parameters
 from verify.run.baselines import MatrixMuon, NaiveShardedMuon, ZeroOneMuon
 from verify.traffic.predict import (DMUON_HIERARCHIES, DMUON_REST_MODES, RunLayout, dmuon_coalesce_bytes,
                                     dmuon_flattens, dmuon_reduce_by_gather, dmuon_uneven_aligned)
+from verify.traffic.variants import split_mode
 from verify.workload.usermodel import block_names
 
 #: Hyper-parameters every mode uses (Muon's and AdamW's torch defaults except the lrs).
@@ -143,9 +144,16 @@ def build(mode: str, make_model: Callable[[], nn.Module], device: str = "cpu",
     from which the predictor derives flat or hierarchical itself
     (:func:`verify.traffic.predict.dmuon_hierarchy`; on a 1-D mesh it changes nothing).
 
+    ``mode`` may be a variant (``"dmuon-z3[block]"``, :mod:`verify.traffic.variants`): its
+    knobs replace ``coalesce`` / ``hierarchy``, and the layout records the label.
+
     Raises:
         ValueError: unknown mode, ``rest`` or ``hierarchy``, or a world size the mode cannot use.
     """
+    label = mode
+    mode, knobs = split_mode(label)
+    coalesce = knobs.get("coalesce", coalesce)
+    hierarchy = knobs.get("hierarchy", hierarchy)
     if rest not in DMUON_REST_MODES:
         raise ValueError(f"Invalid rest={rest!r}. Must be one of {DMUON_REST_MODES}.")
     if hierarchy not in DMUON_HIERARCHIES:
@@ -184,6 +192,7 @@ def build(mode: str, make_model: Callable[[], nn.Module], device: str = "cpu",
             dmuon_rest="replicate" if replicated else "wrapper",
             dmuon_hierarchy=hierarchy if mode.startswith("dmuon-") else "auto",
             dmuon_auto_flat=dmuon_flattens(backend),
+            label=label if label != mode else "",
         )
 
     mp = mp_policy(mixed_precision)

@@ -142,6 +142,9 @@ class RunLayout:
         dmuon_auto_flat: the harness's backend table entry for ``hierarchy="auto"``
             (:func:`dmuon_flattens`: gloo); ``False`` in layouts written before the knob,
             which all ran hierarchical.
+        label: the run's name where it is a variant of ``mode`` (``"dmuon-z3[block]"``,
+            :mod:`verify.traffic.variants`), ``""`` for the mode itself; reports name the run
+            by it. The knobs the variant overrides are in the fields above.
     """
 
     mode: str
@@ -167,6 +170,7 @@ class RunLayout:
     dmuon_rest: str = "wrapper"
     dmuon_hierarchy: str = "auto"
     dmuon_auto_flat: bool = False
+    label: str = ""
 
     def calls_of(self, module: str) -> int:
         """How many times ``module``'s forward runs per forward (:attr:`module_calls`; 1)."""
@@ -178,6 +182,9 @@ class RunLayout:
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"Invalid mode={self.mode!r}. Must be one of {MODES}.")
+        if self.label and not self.label.startswith(self.mode + "["):
+            raise ValueError(f"Invalid label={self.label!r} for mode={self.mode!r}. Must be "
+                             f"'' or a variant '{self.mode}[...]' (verify.traffic.variants).")
         for name in ("mp_param_dtype", "mp_reduce_dtype"):
             value = getattr(self, name)
             if value is not None and value not in DTYPE_BYTES:
@@ -212,6 +219,11 @@ class RunLayout:
     @property
     def world_size(self) -> int:
         return self.replicate_size * self.shard_size
+
+    @property
+    def run_name(self) -> str:
+        """The run's name in reports: :attr:`label` for a variant, else :attr:`mode`."""
+        return self.label or self.mode
 
     @property
     def is_dmuon(self) -> bool:

@@ -1,0 +1,78 @@
+"""The harness's NS bound and the baseline comparison, on hand-made inputs (no processes)."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+
+from verify.report.baseline import apply_baseline, make_baseline, read_baseline, write_baseline
+from verify.traffic.ns_bound import ns_bound, ns_cost
+
+
+def test_ns_cost_counts_the_iteration_by_hand():
+    # 2x3: m=2, n=3; prologue 3*6+1 = 19; per step 2*4*3 + (2*8 + 3*4) + (2*4*3 + 3*6) = 94
+    assert ns_cost(2, 3, steps=1) == 19 + 94 and ns_cost(3, 2, steps=2) == 19 + 2 * 94
+
+
+def test_ns_bound_is_graham_and_counts_cheapest_first():
+    b = ns_bound([(4, 4)] * 3 + [(8, 8)], world_size=2)
+    small, big = ns_cost(4, 4), ns_cost(8, 8)
+    assert b.cost_bound == pytest.approx((3 * small + big) / 2 + big / 2)
+    assert b.count_bound == 3  # the 3 small fit; all 4 (T) exceed T/2 + big/2
+    with pytest.raises(ValueError, match="world_size"):
+        ns_bound([(4, 4)], 0)
+
+
+def _report(calls=8.0) -> dict:
+    run = {"mode": "dmuon-z2", "pass": True, "calls_measured_per_step": calls,
+           "phases": {"forward": {"collectives_measured": calls / 2, "measured_avg_elems": 10.0}},
+           "bytes": {"measured_avg_bytes": {"forward": {"float32": 40.0}}},
+           "wire": {"busiest_rank": 0, "max_recv_elems": 10.0},
+           "ns_balance": {"calls_per_rank": [4.0, 4.0]}, "units": 1, "timing": {"step_ms": 100.0},
+           "checks": [{"check": "collectives", "pass": True, "detail": ""}]}
+    return {"pass": True, "world_size": 2, "backend": "gloo", "model": "tinygpt",
+            "torch_version": "2.13.0", "config": {"modes": ["dmuon-z2"], "coalesce": "auto",
+                                                  "out_dir": "a"},
+            "runs": [run], "failures": []}
+
+
+def test_baseline_equal_passes_and_reports_step_time_only():
+    base = make_baseline(_report())
+    run = _report()
+    run["runs"][0]["timing"]["step_ms"] = 900.0  # slower, outside the band: reported, not gated
+    apply_baseline(run, base, "b.json", explicit=False)
+    assert run["pass"] and run["baseline"]["compared"]
+    assert run["baseline"]["step_time"][0]["within_noise_band"] is False
+
+
+def test_baseline_difference_fails_naming_the_figure():
+    base = make_baseline(_report())
+    run = _report(calls=12.0)
+    apply_baseline(run, base, "b.json", explicit=False)
+    assert not run["pass"]
+    assert "calls_per_step: 12 vs baseline 8" in run["failures"][0]["detail"]
+
+
+def test_baseline_of_another_run_skips_by_default_fails_when_explicit():
+    base = make_baseline(_report())
+    other = _report()
+    other["config"]["coalesce"] = "block"
+    skipped = apply_baseline(copy.deepcopy(other), base, "b.json", explicit=False)
+    assert skipped["pass"] and "coalesce='block'" in skipped["baseline"]["reason"]
+    failed = apply_baseline(other, base, "b.json", explicit=True)
+    assert not failed["pass"] and "coalesce='block'" in failed["failures"][0]["detail"]
+
+
+def test_baseline_file_round_trip_and_errors(tmp_path):
+    path = write_baseline(_report(), tmp_path / "b.json")
+    assert read_baseline(path)["modes"]["dmuon-z2"]["figures"]["units"] == 1
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"baseline_version": 0}))
+    with pytest.raises(ValueError, match="version-1"):
+        read_baseline(bad)
+    failing = _report()
+    failing["pass"] = False
+    with pytest.raises(ValueError, match="known-good"):
+        write_baseline(failing, tmp_path / "c.json")
