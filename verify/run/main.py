@@ -27,7 +27,7 @@ from verify.workload.data import global_batch_size
 from verify.run.ci import EXIT_FILE
 from verify.run.groups import init_kwargs
 from verify.run.runner import RunConfig, run_all, runnable_modes
-from verify.traffic.formulas import MODES
+from verify.traffic.variants import RUN_MODES as MODES  # modes and their variants
 from verify.traffic.predict import DMUON_HIERARCHIES
 from verify.workload.usermodel import BUILTIN, skip_reasons
 
@@ -79,7 +79,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "naive-fsdp2-z2, naive-fsdp2-z3 on a (W/T) x T mesh ('shard', 'tp'); "
                              "dmuon-hsdp-z2/z3 on (2, W/(2T), T) where W/T is even and >= 4), the "
                              "built-in model's MLPs tensor parallel (verify/run/tp_modes.py)")
+    parser.add_argument("--baseline", default=None, metavar="FILE",
+                        help="compare every mode's gated figures with FILE (written by --write-baseline) "
+                        "and fail on any difference; default: the committed baseline of the default "
+                        "run where this is that run (docs/verify.md, 'Baseline')")
+    parser.add_argument("--write-baseline", default=None, metavar="FILE",
+                        help="write this run's gated figures to FILE when it passes")
+    parser.add_argument("--no-baseline", action="store_true",
+                        help="do not compare with the committed default baseline")
     args = parser.parse_args(argv)
+    if args.baseline is not None and not Path(args.baseline).is_file():
+        parser.error(f"Invalid --baseline {args.baseline}: no such file. Must be a file written "
+                     "by --write-baseline.")
     if args.tp < 1:
         parser.error(f"Invalid --tp {args.tp}. Must be >= 1 (1: no tensor parallelism).")
     if args.tp > 1 and args.model != BUILTIN:
@@ -164,7 +175,8 @@ def main(argv: list[str] | None = None) -> int:
         if bar:
             bar.close()
     if rank == 0:
-        code = _finish(report, Path(args.out_dir), wide=args.wide)
+        code = _finish(report, Path(args.out_dir), wide=args.wide, baseline=args.baseline,
+                       write_baseline=args.write_baseline, use_default=not args.no_baseline)
         # torchrun turns a worker's non-zero exit into a crash report; the verdict travels
         # through a file instead and verify.run.launch returns it as its exit code.
         (Path(args.out_dir) / VERDICT_FILE).write_text(f"{code}\n")
@@ -172,16 +184,30 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _finish(report: dict, out_dir: Path, wide: bool = False) -> int:
+def _finish(report: dict, out_dir: Path, wide: bool = False, baseline: str | None = None,
+            write_baseline: str | None = None, use_default: bool = True) -> int:
+    from verify.report import baseline as bl
     from verify.report.checks import final_line
     from verify.report.render import write_report
     from verify.report.terminal import format_table
 
     report.setdefault("created_utc", datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
     report.setdefault("run_id", out_dir.name)
+    if baseline is not None:  # --baseline FILE (checked to exist before torchrun)
+        bl.apply_baseline(report, bl.read_baseline(baseline), baseline, explicit=True)
+    elif use_default and bl.DEFAULT_BASELINE.is_file():
+        bl.apply_baseline(report, bl.read_baseline(bl.DEFAULT_BASELINE),
+                          str(bl.DEFAULT_BASELINE.relative_to(Path(bl.__file__).parents[2])), explicit=False)
     paths = write_report(report, out_dir)
     print(format_table(report, wide=wide), flush=True)
     print("wrote " + ", ".join(str(p) for p in paths.values()), flush=True)
+    for line in bl.summary_lines(report):
+        print(line, flush=True)
+    if write_baseline is not None:
+        try:
+            print(f"wrote baseline {bl.write_baseline(report, write_baseline)}", flush=True)
+        except ValueError as exc:
+            print(f"verify-traffic: {exc}", file=sys.stderr, flush=True)
     print(final_line(report), flush=True)  # CI reads this line: every failed check, by mode
     return EXIT_PASS if report["pass"] else EXIT_MISMATCH
 

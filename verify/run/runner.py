@@ -483,6 +483,7 @@ def _assemble_run(mode: str, config: RunConfig, source: ModelSource, gathered: l
         events,
         steps=config.steps_measured,
         ns_calls=sum(r["ns_calls"] for r in gathered),
+        ns_calls_per_rank=[r["ns_calls"] for r in gathered],  # the ns_balance check
     )
     losses = [sum(r["losses"][i] for r in gathered) / world for i in range(len(gathered[0]["losses"]))]
     run["loss_first"], run["loss_last"] = _finite(losses[0]), _finite(losses[-1])
