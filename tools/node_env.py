@@ -19,8 +19,10 @@ own imports would fail):
    venv (whose packages a child venv would not see), a ``.pth`` file in the new venv adds
    this venv's site-packages after the child's own. No pip is copied in where this Python
    has one (``venv/bin/python -m pip`` then runs it).
-4. Installs only the unmet requirements with pip, torch held at the found version by a
-   constraint (this step alone may need an index: network or ``PIP_FIND_LINKS``).
+4. Installs only the requirements still unmet as the new venv sees them (it may see more
+   than this Python: its base interpreter's site-packages) with pip, torch held at the
+   found version by a constraint (this step alone may need an index: network or
+   ``PIP_FIND_LINKS``).
    ``--check-only`` stops before any change instead, exit 1 when something is unmet.
 5. Links this checkout into the venv: ``pip install --no-deps --no-build-isolation
    --no-index -e .`` where the visible setuptools can build an editable wheel offline
@@ -37,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata as metadata
+import json
 import os
 import site
 import subprocess
@@ -232,9 +235,14 @@ def main(argv: list[str] | None = None) -> int:
                     help="report what is unmet and change nothing (exit 1 if anything is)")
     ap.add_argument("--link", choices=("auto", "pip", "pth"), default="auto",
                     help="how the venv imports this checkout (default: %(default)s)")
+    ap.add_argument("--unmet-json", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     extras = [e for e in args.extras.split(",") if e]
     requires_python, reqs = read_requirements(ROOT / "pyproject.toml", extras)
+    if args.unmet_json:  # run by main() with the new venv's Python: what it sees
+        print(json.dumps(unmet([r for r in reqs if not r.replace(" ", "").startswith("torch")],
+                               installed_version)))
+        return 0
     torch_version = check_base(requires_python, reqs)
     missing = unmet([r for r in reqs if not r.replace(" ", "").startswith("torch")],
                     installed_version)
@@ -245,6 +253,10 @@ def main(argv: list[str] | None = None) -> int:
     venv_dir = args.venv.resolve()
     purelib = create_venv(venv_dir)
     py = venv_python(venv_dir)
+    if missing:  # what the new venv sees can be more (its base's own site-packages)
+        missing = json.loads(subprocess.run(
+            [str(py), __file__, "--venv", str(venv_dir), "--extras", args.extras, "--unmet-json"],
+            capture_output=True, text=True, check=True).stdout)
     if missing:
         install_unmet(py, [r for r, _ in missing], torch_version)
     how = link_checkout(py, purelib, args.link)
