@@ -29,6 +29,7 @@ import torch
 
 from tracer.fr.parse import flight_recorder_env
 from verify.run.ci import record_exit
+from verify.run.nodes import NODE_FILE, report_elsewhere
 from verify.run.main import EXIT_MISMATCH, EXIT_NO_HARDWARE, EXIT_USAGE, VERDICT_FILE, parse_args
 from verify.run.runner import RunConfig
 from verify.traffic.tp import tp_skip_reason
@@ -39,13 +40,35 @@ DEFAULT_CPU_PROCS = 4
 PROG = "verify-traffic"
 
 
-def launch_command(nproc: int, out_dir: Path, extra: list[str]) -> list[str]:
-    """The torchrun command line (a pure function, tested)."""
+def rendezvous_args(nnodes: int, endpoint: str | None, rdzv_id: str) -> list[str]:
+    """torchrun's rendezvous flags: ``--standalone`` on one node, else c10d rendezvous at
+    ``endpoint`` (``HOST:PORT`` every node reaches; the node whose address it names hosts the
+    store) under the job id ``rdzv_id`` (a pure function, tested).
+
+    Raises:
+        ValueError: ``nnodes`` < 1, or > 1 without an ``endpoint`` of the form ``HOST:PORT``.
+    """
+    if nnodes < 1:
+        raise ValueError(f"Invalid --nnodes {nnodes}. Must be >= 1.")
+    if nnodes == 1 and endpoint is None:
+        return ["--standalone"]
+    host, _, port = (endpoint or "").rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"Invalid --rdzv-endpoint {endpoint!r}. Must be HOST:PORT (the address "
+                         "of one node, reachable from every node; a free port) with --nnodes > 1.")
+    return ["--nnodes", str(nnodes), "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint,
+            "--rdzv-id", rdzv_id]
+
+
+def launch_command(nproc: int, out_dir: Path, extra: list[str],
+                   rendezvous: list[str] = ("--standalone",)) -> list[str]:
+    """The torchrun command line (a pure function, tested); ``rendezvous``:
+    :func:`rendezvous_args`."""
     return [
         sys.executable,
         "-m",
         "torch.distributed.run",
-        "--standalone",
+        *rendezvous,
         f"--nproc-per-node={nproc}",
         "-m",
         "verify.run.main",
@@ -123,7 +146,7 @@ def clear_run_outputs(out_dir: Path) -> list[Path]:
     (``<mode>/error_rank<r>.txt``, :func:`rank_errors`; the verdict file), so that a reused
     folder (``--run-id``, ``make timeline-png``'s fixed ``--out-dir``) never reports another
     run's error or verdict. Returns the removed paths."""
-    stale = [*out_dir.glob("*/error_rank*.txt"), out_dir / VERDICT_FILE]
+    stale = [*out_dir.glob("*/error_rank*.txt"), out_dir / VERDICT_FILE, out_dir / NODE_FILE]
     removed = []
     for path in stale:
         if path.is_file():
@@ -178,6 +201,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="auto: NCCL on >= 2 GPUs, else gloo; nccl / gloo force one")
     parser.add_argument("--run-id", default=None, help="traces/<run-id>/ (default: UTC timestamp)")
     parser.add_argument("--out-dir", default=None, help="output folder (default: traces/<run-id>/)")
+    parser.add_argument("--nnodes", type=int, default=1,
+                        help="nodes of the job; > 1: run this command on every node with the same "
+                             "--rdzv-endpoint and --rdzv-id (docs/verify.md, 'More than one node')")
+    parser.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT",
+                        help="c10d rendezvous address (one node's, reachable from all)")
+    parser.add_argument("--rdzv-id", default="dmuon-verify", help="rendezvous job id (default: %(default)s)")
     args, extra = parser.parse_known_args(argv)
     run_id = args.run_id or datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     out_dir = Path(args.out_dir) if args.out_dir else Path("traces") / run_id
@@ -188,7 +217,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"make verify-traffic: error: {exc}", file=sys.stderr)
         no_gpu = args.backend == "nccl" and gpus == 0  # missing hardware, not a usage error
         return record_exit(out_dir, EXIT_NO_HARDWARE if no_gpu else EXIT_USAGE, PROG)
-    problem = usage_problem(extra, out_dir, nproc)
+    try:
+        rendezvous = rendezvous_args(args.nnodes, args.rdzv_endpoint, args.rdzv_id)
+    except ValueError as exc:
+        print(f"make verify-traffic: error: {exc}", file=sys.stderr)
+        return record_exit(out_dir, EXIT_USAGE, PROG)
+    problem = usage_problem(extra, out_dir, nproc * args.nnodes)  # W over every node
     if problem:  # one line and exit 2 here, not the same error from every rank under torchrun
         print(f"make verify-traffic: error: {problem}", file=sys.stderr)
         return record_exit(out_dir, EXIT_USAGE, PROG)
@@ -196,16 +230,23 @@ def main(argv: list[str] | None = None) -> int:
     clear_run_outputs(out_dir)  # only this run's errors and verdict are read below
     cpu_why = "" if args.backend == "gloo" else " (no ≥2 GPUs visible)"
     where = f"{nproc} GPU(s), NCCL" if use_nccl else f"{nproc} local CPU processes, gloo{cpu_why}"
-    print(f"verify-traffic: {where}; output in {out_dir}/", flush=True)
-    cmd = launch_command(nproc, out_dir, [*extra, "--backend", "nccl" if use_nccl else "gloo"])
+    nodes = f" per node, {args.nnodes} nodes" if args.nnodes > 1 else ""
+    print(f"verify-traffic: {where}{nodes}; output in {out_dir}/", flush=True)
+    cmd = launch_command(nproc, out_dir, [*extra, "--backend", "nccl" if use_nccl else "gloo"],
+                         rendezvous)
     code = subprocess.call(cmd, env=launch_env(use_nccl, out_dir))
+    verdict = out_dir / VERDICT_FILE
     if code != 0:
         raised = rank_errors(out_dir)
         cause = f"; {raised}" if raised else ""
+        if verdict.is_file():  # rank 0 reported the failure (verify.run.failstop)
+            cause = f"; rank 0's report names it: {out_dir / 'report.md'}"
         print(f"verify-traffic: torchrun exited with {code} (a worker failed; see above){cause}",
               file=sys.stderr)
         return record_exit(out_dir, EXIT_MISMATCH, PROG)  # the run failed: 1, whatever torchrun's
-    verdict = out_dir / VERDICT_FILE
+    elsewhere = report_elsewhere(out_dir)
+    if elsewhere:  # a node without rank 0: the verdict came through the store
+        print(f"verify-traffic: {elsewhere}", flush=True)
     if not verdict.is_file():
         print(f"verify-traffic: no verdict in {verdict}; the run did not finish", file=sys.stderr)
         return record_exit(out_dir, EXIT_MISMATCH, PROG)

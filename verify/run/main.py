@@ -25,6 +25,9 @@ import torch.distributed as dist
 from tracer.progress import terminal_bar
 from verify.workload.data import global_batch_size
 from verify.run.ci import EXIT_FILE
+from verify.run.collect import DEFAULT_MAX_MB, collect_to_rank0
+from verify.run.failstop import Board, exit_now, watch_sigterm
+from verify.run.nodes import node_map, this_node, write_node_file
 from verify.run.groups import init_kwargs
 from verify.run.runner import RunConfig, run_all, runnable_modes
 from verify.traffic.variants import RUN_MODES as MODES  # modes and their variants
@@ -56,6 +59,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--model", default=BUILTIN,
                         help=f"'{BUILTIN}' (built in), a preset of verify.workload.presets, or pkg.module:factory "
                         "returning (model, loss_fn) (docs/verify.md: Verify your own model)")
+    parser.add_argument("--collect-max-mb", type=int, default=DEFAULT_MAX_MB,
+                        help="on more than one node: the most MiB of trace files sent to rank 0 "
+                             "when the nodes share no filesystem (verify/run/collect.py)")
     parser.add_argument("--wide", action="store_true",
                         help="print every column (default: a table that fits 120 columns)")
 
@@ -130,6 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if use_cuda:
         torch.cuda.set_device(local_rank)
+    watch_sigterm(nccl=use_cuda)  # before any thread starts (verify.run.failstop)
     # NCCL: device_id, communicators created here, not in DMuon's first hook (verify.run.groups)
     dist.init_process_group(**init_kwargs("nccl" if use_cuda else "gloo", local_rank, args.timeout_s))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // dist.get_world_size()))
@@ -164,8 +171,12 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"skipping {mode}: {why}", flush=True)
         bar = terminal_bar(len(modes) * (config.steps_warmup + config.steps_measured),
                            desc="training steps", unit="step")  # None unless stderr is a terminal
+    board = Board()
+    infos: list = [None] * dist.get_world_size()
+    dist.all_gather_object(infos, this_node())  # verify.run.nodes: each rank's node
+    nodes = node_map(infos)
     try:
-        report = run_all(config, progress=bar.update if bar else None)
+        report = run_all(config, progress=bar.update if bar else None, board=board, nodes=nodes)
     except ValueError as exc:  # a user mistake (e.g. --model), raised alike on every rank
         if rank == 0:
             print(f"verify-traffic: {exc}", file=sys.stderr, flush=True)
@@ -174,14 +185,40 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if bar:
             bar.close()
+    collected = None
+    if board.stopped is None and nodes["count"] > 1:  # no shared filesystem: files to rank 0
+        collected = collect_to_rank0(args.out_dir, args.collect_max_mb * 2**20)
     if rank == 0:
+        report["nodes"] = {**nodes, "collected": collected}
+        if collected and collected["error"]:
+            print(f"verify-traffic: {collected['error']}", file=sys.stderr, flush=True)
         code = _finish(report, Path(args.out_dir), wide=args.wide, baseline=args.baseline,
                        write_baseline=args.write_baseline, use_default=not args.no_baseline)
         # torchrun turns a worker's non-zero exit into a crash report; the verdict travels
         # through a file instead and verify.run.launch returns it as its exit code.
         (Path(args.out_dir) / VERDICT_FILE).write_text(f"{code}\n")
+        board.store.set("verdict", str(code))
+    elif nodes["of_rank"][rank] != nodes["of_rank"][0] and int(os.environ.get("LOCAL_RANK", "0")) == 0:
+        _node_verdict(board, nodes, rank, args)  # this node's launcher returns rank 0's verdict
+    if board.stopped is not None:  # a rank failed: end without a collective (verify.run.failstop)
+        exit_now(0)
     dist.destroy_process_group()
     return 0
+
+
+def _node_verdict(board, nodes: dict, rank: int, args) -> None:
+    """On a node without rank 0 (its local rank 0): wait for rank 0's verdict in the store and
+    write it, with ``node.json`` naming the report's host, to this node's ``--out-dir``."""
+    try:
+        board.store.wait(["verdict"], datetime.timedelta(seconds=args.timeout_s))
+        code = int(board.store.get("verdict"))
+    except Exception as exc:  # noqa: BLE001 - rank 0 failed: the launcher says no verdict
+        print(f"verify-traffic: rank {rank}: no verdict from rank 0 ({exc})", file=sys.stderr, flush=True)
+        return
+    node = nodes["of_rank"][rank]
+    write_node_file(args.out_dir, node, [r for r, n in enumerate(nodes["of_rank"]) if n == node],
+                    nodes["hosts"][nodes["of_rank"][0]], code)
+    (Path(args.out_dir) / VERDICT_FILE).write_text(f"{code}\n")
 
 
 def _finish(report: dict, out_dir: Path, wide: bool = False, baseline: str | None = None,

@@ -9,9 +9,11 @@ to rank 0, which compares with the prediction (``verify.compare``) and cross-che
 sources. The global batch is ``batch_per_rank`` times W unless ``global_batch`` is given.
 
 Every check a run is gated on is named in its ``checks`` and the report's ``failures``
-(``verify.report.checks``). A mode that raises (on any rank, in training or in rank 0's
-comparison) is an ``error`` failure with its message; its traceback goes to
-``<out_dir>/<mode>/error_rank<r>.txt`` and the other modes still run and are reported.
+(``verify.report.checks``). A mode that raises (in training or in rank 0's comparison) is an
+``error`` failure with its message; its traceback goes to ``<out_dir>/<mode>/error_rank<r>.txt``.
+Where it raised alike on every rank (or only in rank 0's comparison) the other modes still run;
+where some ranks raised, a rank died or the gather failed, the run stops within seconds and the
+report names each rank's error and the modes not run (``verify.run.failstop``).
 
 After each mode, once every rank has sent its results, every rank closes the mode's
 ``DedicatedParams`` and destroys the process groups the mode created (``verify.run.groups``),
@@ -57,6 +59,8 @@ from verify.run.compute_spans import BlockCompute
 from verify.workload.data import ByteCorpus, global_batch_size
 from verify.run.modes import build
 from verify.run.groups import ModeScope
+from verify.run.failstop import COLLECT_S, Board, stopped_failures, stopped_report
+from verify.run.nodes import node_traffic, own_chunks
 from verify.sources.nccl_source import WindowMark, capture_active, nccl_source_report
 from verify.sources.nvlink import nvlink_report
 from verify.report.checks import failures_of_runs, run_checks
@@ -383,13 +387,19 @@ def _error_failure(mode: str, errors: dict[int, dict], where: str) -> dict:
                       f"(traceback: {errors[first]['file']})"}
 
 
-def run_all(config: RunConfig, progress=None) -> dict | None:
+def run_all(config: RunConfig, progress=None, board: Board | None = None,
+            nodes: dict | None = None) -> dict | None:
     """Run every mode; returns the report dict on rank 0 and ``None`` elsewhere.
 
     ``progress(n)`` is called after every training step on rank 0 (e.g. ``tqdm.update``).
-    A mode that raises becomes an ``error`` failure of the report (module docstring); if the
-    ranks then fall out of step (the gather of their results fails), the remaining modes are
-    not run and the report holds what finished.
+    A mode that raises alike on every rank becomes an ``error`` failure of the report (module
+    docstring) and the next modes run. A mode that fails on some ranks only, a rank that dies,
+    or a failed gather stops the run (``verify.run.failstop``, through ``board``, default: a
+    new one on the default store): ``board.stopped`` then says where, the report (rank 0) has
+    ``stopped`` and an ``error`` failure naming each rank's error and every mode not run, and
+    the caller must end the process without another collective (``failstop.exit_now``).
+    ``nodes`` (``verify.run.nodes.node_map``) over more than one node adds each run's bytes
+    per node and between nodes (``run["nodes"]``, ``verify.run.nodes.node_traffic``).
 
     Raises:
         ValueError: ``--model`` breaks the protocol (``validate_source``), or no mode of
@@ -403,22 +413,30 @@ def run_all(config: RunConfig, progress=None) -> dict | None:
     source = _source(config, None)
     validate_source(source, config.seed)  # on every rank, before any training collective
     tick = progress if (progress is not None and rank == 0) else (lambda n: None)
+    board = board if board is not None else Board()
     runs: list[dict] = []
     errors: list[dict] = []
-    for mode in modes:
-        scope = ModeScope()  # this mode's groups and DMuon hooks, released after the gather
-        try:
-            mine = _train_mode(mode, config, None, tick, source, scope)
-        except Exception as exc:  # reported as this mode's failure; the other modes still run
-            mine = _record_error(config, mode, exc)
-        gathered: list = [None] * world if rank == 0 else None
-        try:
-            dist.gather_object(mine, gathered, dst=0)
-        except Exception as exc:  # the ranks fell out of step: no further collective is safe
+    for i, mode in enumerate(modes):
+        board.stopped = board.broken(mode) if board.run_broken() else None
+        if board.stopped is None:
+            scope = ModeScope()  # this mode's groups and DMuon hooks, released after the gather
+            try:
+                mine = _train_mode(mode, config, None, tick, source, scope)
+            except Exception as exc:  # a failed mode; the next run if every rank raised alike
+                mine = _record_error(config, mode, exc)
+            board.stopped = board.settle(mode, mine)  # verify.run.failstop, steps 1-3
+        if board.stopped is None:
+            gathered: list = [None] * world if rank == 0 else None
+            try:
+                dist.gather_object(mine, gathered, dst=0)
+            except Exception as exc:  # a peer left or died: no further collective is safe
+                board.post(mode, _record_error(config, mode, exc))
+                board.stopped = board.broken(mode)
+        if board.stopped is not None:
             if rank == 0:
-                errors.append(_error_failure(mode, {0: _record_error(config, mode, exc)},
-                                             "gathering the ranks' results"))
-            break  # groups left to the caller's destroy_process_group()
+                board.stopped = board.broken(mode, collect_s=COLLECT_S)
+                errors += stopped_failures(board.stopped, modes[i + 1:], world)
+            break  # the caller ends the process: its groups cannot be used again
         # every rank is past the mode's collectives: free its communicators before the next
         # mode builds its own (on NCCL 0.5-1.6 GB each; verify.run.groups)
         unreleased = scope.close()
@@ -437,13 +455,17 @@ def run_all(config: RunConfig, progress=None) -> dict | None:
             continue
         try:
             runs.append(_assemble_run(mode, config, source, gathered))
+            if nodes is not None and nodes["count"] > 1:
+                runs[-1]["nodes"] = node_traffic(
+                    [ev for r in gathered for ev in r["events"]], nodes["of_rank"],
+                    config.steps_measured, own_chunks(gathered[0]["layout"]), nodes["hosts"])
         except Exception as exc:
             errors.append(_error_failure(mode, {0: _record_error(config, mode, exc)},
                                          "comparing (rank 0)"))
     if rank != 0:
         return None
     failures = failures_of_runs(runs) + errors
-    return {
+    report = {
         "pass": not failures,
         "torch_version": torch.__version__,
         "backend": report_backend(dist.get_backend()),
@@ -457,6 +479,9 @@ def run_all(config: RunConfig, progress=None) -> dict | None:
         "runs": runs,
         "failures": failures,
     }
+    if board.stopped is not None:
+        report["stopped"] = stopped_report(board.stopped, modes[modes.index(board.stopped.mode) + 1:])
+    return report
 
 
 def _skipped(config: RunConfig, world: int) -> dict[str, str]:
