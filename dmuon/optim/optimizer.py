@@ -2,8 +2,9 @@
 
 ``step()`` issues no collective on 1-D meshes: owners already hold the averaged gradient
 (reduced in backward) and non-owners skip the matrix. On HSDP meshes the owner's async
-replicate broadcast starts as ``step()`` returns (phase ``replicate``); its wait is in the
-module's next forward pre-hook.
+replicate broadcast starts as ``step()`` returns (phase ``replicate``), after the step
+post-hooks registered on the optimizer (``register_step_post_hook``: their edits of the owned
+params reach every copy); its wait is in the module's next forward pre-hook.
 
 The Muon math is ``torch.optim.Muon``'s (same argument names and defaults, see
 ``muon_math.py``), applied to every matrix of a dedicated param: a 2-D weight is one, a 3-D
@@ -140,6 +141,10 @@ class DMuon(Optimizer):
                            for n, p in zip(dedicated.names, dedicated.params)}
         checkpoint.complete_state(self)  # the state DCP's templates need, before the first step
         self._guard = GradGuard()  # refuses a step after torch's clip_grad_norm_ (grad_guard.py)
+        # The refresh (copies STALE, HSDP replicate broadcast) runs as the last step post-hook,
+        # so the user's post-hooks edit the masters before any copy or broadcast reads them.
+        self._stepped = False
+        self._refresh = super().register_step_post_hook(self._after_hooks)
         note = weakref.WeakMethod(self._note_grads)  # dm must not keep a dropped optimizer alive
         dedicated.on_grads_final(lambda: note() is not None and note()())
 
@@ -247,6 +252,21 @@ class DMuon(Optimizer):
             )
         super().add_param_group(param_group)
 
+    def register_step_post_hook(self, hook):
+        """``torch.optim.Optimizer.register_step_post_hook``; DMuon's refresh stays the last
+        per-optimizer post-hook, so ``hook`` runs on the stepped masters (owners) before the
+        compute copies and HSDP replicas are refreshed from them: its edits (a clamp, an EMA
+        swap, QK-clip) reach every rank. Global post-hooks
+        (``torch.optim.optimizer.register_optimizer_step_post_hook``) run after the refresh."""
+        handle = super().register_step_post_hook(hook)
+        self._optimizer_step_post_hooks.move_to_end(self._refresh.id)
+        return handle
+
+    def _after_hooks(self, optimizer=None, args=None, kwargs=None) -> None:
+        if self._stepped:
+            self._stepped = False
+            self.dedicated.after_step()
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none)
         self._guard.note(())  # the next backward notes its own grads
@@ -278,7 +298,7 @@ class DMuon(Optimizer):
                     self._muon_group(group)
                 else:
                     self._adamw_group(group)
-        self.dedicated.after_step()
+        self._stepped = True  # dedicated.after_step() follows the post-hooks (_after_hooks)
         return loss
 
     def _validate_groups(self) -> None:

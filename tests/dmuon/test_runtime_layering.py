@@ -31,6 +31,7 @@ FOREIGN_PRIVATE = {
     "_device_types": {"collectives.py"},
     "_get_backend": {"collectives.py"},
     "_timeout": {"collectives.py"},
+    "_optimizer_step_post_hooks": {"optimizer.py"},  # DMuon's refresh stays the last post-hook
     "_version": {"grad_guard.py"},  # a grad's version counter: scaled in place since backward?
 }
 
