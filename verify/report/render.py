@@ -497,6 +497,7 @@ def format_markdown(report: Mapping) -> str:
             "",
             tab((o_headers, o_rows), "github"),
         ]
+    md += node_bytes_md(report)
     nvlink = nvlink_lines(report, "github")
     if nvlink:
         md += ["", "## NVLink counters", ""] + nvlink
@@ -517,6 +518,36 @@ def format_markdown(report: Mapping) -> str:
             for title, body in failure_sections(run, "github"):
                 md += ["", f"**{title}**", "", body]
     return "\n".join(md) + "\n"
+
+
+def node_bytes_md(report: Mapping) -> list[str]:
+    """report.md section of a run over more than one node (``run["nodes"]``,
+    ``verify.run.nodes.node_traffic``): per mode and node its ranks, the bytes its ranks send
+    and receive per step (all collectives) and the part to / from another node; the groups
+    whose bytes cross; and the trace files collected to rank 0."""
+    runs = [run for run in report["runs"] if run.get("nodes")]
+    if not runs:
+        return []
+    rows = [[run["mode"], e["node"], e["host"], ",".join(map(str, e["ranks"])),
+             fmt_bytes(e["sent_bytes"]), fmt_bytes(e["recv_bytes"]),
+             fmt_bytes(e["inter_node_sent_bytes"]), fmt_bytes(e["inter_node_recv_bytes"])]
+            for run in runs for e in run["nodes"]["per_node"]]
+    md = ["", "## Nodes: bytes between nodes", "",
+          "Bytes per step of every measured collective, under the per-rank wire model "
+          "(verify/traffic/wire.py; verify/run/nodes.py); `between` = sent to / received from "
+          "a rank on another node.", "",
+          tab((["mode", "node", "host", "ranks", "sent [B]", "recv [B]", "sent between [B]",
+                "recv between [B]"], rows), "github"), ""]
+    md += [f"- {run['mode']}: {run['nodes']['inter_node_share']:.1%} of the bytes cross nodes, "
+           f"in groups {', '.join('{' + g + '}' for g in run['nodes']['spanning_groups']) or 'none'}"
+           + (f"; {run['nodes']['unplaced_events']} event(s) without a group peer left out"
+              if run["nodes"]["unplaced_events"] else "") for run in runs]
+    collected = (report.get("nodes") or {}).get("collected")
+    if collected:
+        md += [f"- trace files from ranks {collected['ranks']} sent to rank 0: "
+               f"{collected['files']} file(s), {fmt_bytes(collected['bytes'])}"
+               + (f"; {collected['error']}" if collected["error"] else "")]
+    return md
 
 
 #: report.md lists at most this many params (report.json has them all).
