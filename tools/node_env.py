@@ -173,7 +173,11 @@ def create_venv(path: Path) -> Path:
     purelib = Path(sysconfig.get_path("purelib", scheme="venv", vars=where))
     if _base_is_venv():
         # A child venv sees the base *interpreter's* site-packages, not this venv's.
-        (purelib / BASE_PTH).write_text("\n".join(site.getsitepackages()) + "\n")
+        # every site dir this Python sees, those its own .pth files add included (a venv
+        # over a venv over a venv), in its order
+        dirs = [d for d in sys.path if Path(d).name in ("site-packages", "dist-packages")]
+        (purelib / BASE_PTH).write_text("\n".join(dict.fromkeys(site.getsitepackages() + dirs))
+                                        + "\n")
     return purelib
 
 

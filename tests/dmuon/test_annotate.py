@@ -82,7 +82,7 @@ def test_switching_inside_an_open_range_keeps_push_and_pop_balanced(domain):
 def test_enabling_without_the_nvtx_package_is_a_clear_error(monkeypatch):
     monkeypatch.setattr(annotate, "_nvtx_on", annotate._nvtx_on)  # restored after the test
     monkeypatch.setattr(annotate, "_NVTX_DOMAIN", None)
-    with pytest.raises(ValueError, match=r"set_nvtx_enabled\(True\).*pip install nvtx"):
+    with pytest.raises(ValueError, match=r"set_nvtx_enabled\(True\).*pip install 'nvtx'.*\.\[gpu\]"):
         annotate.set_nvtx_enabled(True)
     annotate.set_nvtx_enabled(False)  # switching off always works
     assert annotate.nvtx_enabled() is False
