@@ -352,12 +352,39 @@ class Bucket:
             for q in self.compute:
                 q.grad = None
 
-    def wait_reduce(self) -> torch.Tensor:
-        """Wait for the shard reduce (once); returns its buffer (the sums, on the holder)."""
+    def wait_reduce(self) -> torch.Tensor | None:
+        """Wait for the shard reduce (once); returns its buffer (the sums, on the holder;
+        ``None`` on a non-holder once :meth:`reduce_settled`)."""
         if self._reduce is not None:
             self._reduce.wait()
             self._reduce = None
         return self._reduce_buf
+
+    def reduce_settled(self) -> None:
+        """Wait for the shard reduce; a non-holder, which reads nothing back, then frees its
+        grad buffer (and a reduce-dtype copy of it) at once, not at the end of backward.
+        On CUDA the wait orders the compute stream after the call, so the allocator hands
+        the memory out again only after the call read it (``collectives.Pending``)."""
+        self.wait_reduce()
+        if not self.is_holder:
+            self._reduce_buf = None
+            self.free_grad_buffer()
+
+    def grads_pending(self) -> bool:
+        """Whether a grad of this bucket can still arrive in the running backward: a compute
+        param that requires grad, has not had its grad yet, and whose grad accumulator the
+        autograd engine will run in this backward (``torch._C._will_engine_execute_node``;
+        outside a backward: True). False for a block that did not run on this rank, or whose
+        output the loss does not use here."""
+        if torch._C._current_graph_task_id() == -1:
+            return True
+        for i, q in enumerate(self.compute):
+            if i not in self.arrived and q.requires_grad:
+                with torch._C.DisableTorchFunctionSubclass(), torch.enable_grad():
+                    node = q.view_as(q).grad_fn.next_functions[0][0]  # q's grad accumulator
+                if torch._C._will_engine_execute_node(node):
+                    return True
+        return False
 
     def reduced(self, used: list[bool], world_size: int) -> None:
         """Every reduce into the holder's buffer is waited: owners set each param's averaged

@@ -524,11 +524,12 @@ class DedicatedParams:
         collectives this rank takes part in per step outside the first, by protocol step
         (``forward``, ``backward`` (Z3 re-broadcasts of every unit but the last, and
         reduces), ``replicate``; an aligned group counts one call per channel);
-        ``z3_peak_bytes``: under Z3 the most compute-copy bytes this rank holds at once for buckets it does not hold between steps, over
-        consecutive pairs of units (a unit plus the next, which prefetch may fill while it
-        runs; ``prefetch_depth`` > 1 can reach further), when every block runs in the
-        forward: a unit with a block that does not run stays allocated until the end of the
-        forward (docs/traffic-model.md, "Z3 memory bound"); 0 under Z2; ``rest``: ``{"mode",
+        ``z3_peak_bytes``: under Z3 the most compute-copy bytes this rank holds at once for
+        buckets it does not hold (docs/traffic-model.md, "Z3 memory bound"): over every unit,
+        its buckets and the ``prefetch_depth`` buckets after them (forward) or before them
+        (backward), each widened to its whole aligned group, when every block runs once per
+        forward (a block that does not run keeps its unit until the root's post-forward, a
+        rerun refills its unit); 0 under Z2; ``rest``: ``{"mode",
         "params", "bytes"}``, the rest DMuon replicates (``rest="replicate"``: its all_reduces,
         one per dtype, count in ``backward``; 0 params under ``"wrapper"``).
         """
@@ -536,11 +537,9 @@ class DedicatedParams:
         units: dict[str, dict] = {}
         for b in rt.buckets:
             row = units.setdefault(b.module_name, {"name": b.module_name, "blocks": b.blocks,
-                                                   "bytes": 0, "aligned": True, "_free": 0})
+                                                   "bytes": 0, "aligned": True})
             row["aligned"] = row["aligned"] and b.aligned
             row["bytes"] += b.numel * b.flat.element_size()
-            if not b.is_holder:
-                row["_free"] += b.numel * b.lp.element_size()
         def calls_of(buckets) -> int:  # an aligned group counts once
             return len({id(rt.schedule.groups_of.get(id(b), b)) for b in buckets})
 
@@ -553,8 +552,7 @@ class DedicatedParams:
             held = [b for b in rt.buckets if b.is_holder]
             replicate = 2 * calls_of(held)
         z3 = self.reshard_after_forward
-        free = [row.pop("_free") for row in units.values()]
-        peak = max((a + b for a, b in zip(free, free[1:] + [0])), default=0) if z3 else 0
+        peak = _z3_window_bytes(rt.buckets, rt.schedule.groups_of, self.prefetch_depth) if z3 else 0
         rest = rt.rest.params() if rt.rest is not None else []
         rest_calls = len({p.dtype for p in rest if p.requires_grad})  # one all_reduce per dtype
         hsdp = self.topology.replicate_size > 1
@@ -747,3 +745,23 @@ def _mesh_rows(mesh, topology: Topology) -> list[list[int]]:
         return [list(topology.shard_group_ranks)]
     ranks = mesh.mesh.tolist()
     return [ranks] if mesh.ndim == 1 else ranks
+
+
+def _z3_window_bytes(buckets: list, groups_of: dict, depth: int) -> int:
+    """The Z3 memory bound of ``coalescing()`` (docs/traffic-model.md, "Z3 memory bound"):
+    the most non-held compute-copy bytes over each unit's forward window (its buckets and the
+    next ``depth``) and backward window (its buckets and the ``depth`` before them), a bucket
+    counting with its whole aligned group (one call fills them all)."""
+    n = len(buckets)
+    size = [0 if b.is_holder else b.numel * b.lp.element_size() for b in buckets]
+    first = {id(b): min(m.index for m in groups_of.get(id(b), [b])) for b in buckets}
+    last = {id(b): max(m.index for m in groups_of.get(id(b), [b])) for b in buckets}
+    peak, lo = 0, 0
+    for hi in range(n):
+        if hi + 1 < n and buckets[hi + 1].module_name == buckets[hi].module_name:
+            continue  # [lo, hi] is one unit
+        fwd_end = last[id(buckets[min(hi + depth, n - 1)])]
+        bwd_start = first[id(buckets[max(lo - depth, 0)])]
+        peak = max(peak, sum(size[lo : fwd_end + 1]), sum(size[bwd_start : hi + 1]))
+        lo = hi + 1
+    return peak

@@ -312,13 +312,15 @@ class Runtime:
                 "`with dm.no_sync():`."
             )
         self._enter(S.BACKWARD)
+        self.schedule.reduces = not self.no_sync
         torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
 
     def _end_backward(self) -> None:
-        if self.reshard_after_forward:
+        if not self.no_sync:  # every call left, re-broadcasts included, in the one order
+            self.schedule.advance_reduce(final=True)
+        elif self.reshard_after_forward:
             self.schedule.advance_rebroadcast(0)
         if not self.no_sync:
-            self.schedule.advance_reduce(final=True)
             if self.rest is not None:  # after the last shard reduce, waited with them
                 self.rest.issue(self.schedule.launcher)
             self.schedule.finish_reduces()
@@ -359,14 +361,18 @@ class Runtime:
         own = self._own.get(module, ())
         if self.state == S.BACKWARD and in_backward():  # activation-checkpoint recompute
             if self.reshard_after_forward:
-                self.schedule.advance_rebroadcast(lo)
+                self._rebroadcast_for(module)
             return
         if self.state != S.FORWARD:
             self.begin_forward()  # a forward that did not enter through the root
+        # a driver waits only for its own buckets; one that only encloses blocks (HF's
+        # model.model, an encoder) lets its blocks' hooks move the cursor, and prefetches
         if own:
             self._check_reentrant_reuse(module)
             self.order.note(own[0].module_name)
-        self.schedule.advance_forward(hi)
+            self.schedule.advance_forward(max(b.index for b in own))
+        else:
+            self.schedule.issue_forward(lo + self.schedule.prefetch_depth - 1)
         for b in own:
             if b.copy is not Copy.VALID:  # Z3, the block runs again in this forward (every rank)
                 self.schedule.refill(b)
@@ -396,16 +402,27 @@ class Runtime:
             return  # recompute, or Z2
         lo, hi = self._span[module]
         self._ran |= self._blocks_under[module]
-        for b in self.buckets[lo : min(hi, self.schedule.cursors.fwd_waited - 1) + 1]:
+        self.schedule.advance_forward(hi)  # units of sub-blocks that did not run: freed below
+        for b in self.buckets[lo : hi + 1]:
             # a unit stays until all its blocks ran; the last one until the root's end decides
             # (a reentrant-checkpointed block runs under no_grad inside a forward with grad)
             if self._ran.issuperset(b.blocks) and not self._last_unit(b):
                 self.schedule.free(b)
-        self._on_first_grad(output, lambda: self._pre_backward(lo))
+        self._on_first_grad(output, lambda: self._pre_backward(module))
 
-    def _pre_backward(self, lo: int) -> None:
+    def _pre_backward(self, module: nn.Module) -> None:
         self.begin_backward()
-        self.schedule.advance_rebroadcast(lo)
+        self._rebroadcast_for(module)
+
+    def _rebroadcast_for(self, module: nn.Module) -> None:
+        """Z3, ``module``'s backward (or recompute) starts: wait for its own buckets (and,
+        the cursor descending, every bucket above them); a driver that only encloses blocks
+        asks for the next ``prefetch_depth`` re-broadcasts and lets its blocks wait."""
+        own = self._own.get(module)
+        if own:
+            self.schedule.advance_rebroadcast(min(b.index for b in own))
+        else:
+            self.schedule.prefetch_rebroadcast(self._span[module][1] - self.schedule.prefetch_depth + 1)
 
     @staticmethod
     def _on_first_grad(output, fn) -> None:

@@ -28,12 +28,14 @@ class Cursors:
     - ``fwd_issued`` / ``fwd_waited``: the next bucket index whose forward broadcast is
       issued / waited (upwards; step 1);
     - ``bwd_issued`` / ``bwd_waited``: the same for Z3's backward re-broadcasts (downwards;
-      step 3);
+      step 3); ``bwd_wanted``: the lowest index whose re-broadcast was asked for (prefetch
+      included; ``n``: none yet);
     - ``reduced``: how many buckets, in reverse index order, have had their reduce issued
-      (step 4); ``released``: how many have all their grads (freed under Z3; reduced once
-      no re-broadcast is left, so ``reduced <= released``);
-    - ``rebroadcasts_done``: no Z3 re-broadcast of this backward is left to issue
-      (:meth:`Schedule.rebroadcast_ahead`).
+      (step 4); ``released``: how many are done with in this backward (all their grads
+      arrived, or their reduce was issued; freed under Z3);
+    - ``reducing``: the reduces of this backward, oldest first, not waited yet (a list of
+      aligned groups / buckets; :meth:`Schedule._settle`); ``settles``: whether this rank
+      still waits them early (False once it issued a call out of the order's triggers).
     """
 
     def __init__(self, n: int) -> None:
@@ -43,12 +45,14 @@ class Cursors:
         """Every cursor at the start of a pass over ``n`` buckets."""
         self.fwd_issued = self.fwd_waited = 0
         self.bwd_issued = self.bwd_waited = n - 1
+        self.bwd_wanted = n
         self.reduced = self.released = 0
-        self.rebroadcasts_done = False  # Schedule.rebroadcast_ahead found none left
+        self.reducing: list[list[Bucket]] = []
+        self.settles = True
 
     def __repr__(self) -> str:
         return (f"Cursors(fwd {self.fwd_waited}/{self.fwd_issued}, bwd {self.bwd_waited}/"
-                f"{self.bwd_issued}, reduced {self.reduced}/{self.released})")
+                f"{self.bwd_issued}/{self.bwd_wanted}, reduced {self.reduced}/{self.released})")
 
 
 class Schedule:
@@ -78,6 +82,7 @@ class Schedule:
         self.world_size = world_size
         self.reduce_by_gather = reduce_by_gather
         self.cursors = Cursors(len(buckets))
+        self.reduces = True  # this backward reduces (not under no_sync: the runtime sets it)
         self._launchers: dict[torch.device, collectives.Launcher] = {}
         self._index_groups()
 
@@ -85,6 +90,10 @@ class Schedule:
         """id(bucket) -> its aligned group (``buckets.py``): the consecutive aligned buckets
         of one unit and dtype, in index order (one call moves them all)."""
         self.groups_of: dict[int, list[Bucket]] = {}
+        # bucket index -> its unit's position in the bucket order (the backward's issue order)
+        self.unit_at = [0] * len(self.buckets)
+        for i, b in enumerate(self.buckets[1:], 1):
+            self.unit_at[i] = self.unit_at[i - 1] + (b.module_name != self.buckets[i - 1].module_name)
         self.held_of: dict[int, list[Bucket]] = {}  # id(group) -> the members this rank holds
         key = lambda b: (b.aligned, b.module_name, b.flat.dtype)  # noqa: E731
         for (aligned, _, _), run in groupby(self.buckets, key):
@@ -138,68 +147,144 @@ class Schedule:
 
     # ------------------------------------------------------------------ backward (steps 3-5)
     def advance_rebroadcast(self, first: int) -> None:
-        """Wait for every bucket down to ``first``, after issuing up to ``prefetch_depth``
-        buckets below it (Z3)."""
+        """Z3: wait for every bucket down to ``first``, after asking for the re-broadcasts of
+        up to ``prefetch_depth`` buckets below it; compute needs ``first``, so every
+        re-broadcast down to it is issued now (:meth:`_pump`)."""
+        self.prefetch_rebroadcast(first - self.prefetch_depth, need=first)
         c = self.cursors
-        end = max(first - self.prefetch_depth, 0)
-        while c.bwd_issued >= end:
-            b = self.buckets[c.bwd_issued]
-            if b.copy in (Copy.FREED, Copy.STALE):
-                self._broadcast(b, "backward")
-            c.bwd_issued -= 1
         while c.bwd_waited >= first:
             self.buckets[c.bwd_waited].wait_broadcast()
             c.bwd_waited -= 1
 
+    def prefetch_rebroadcast(self, end: int, need: int | None = None) -> None:
+        """Ask for the re-broadcast of every bucket down to index ``end`` (issued in the
+        backward's order, :meth:`_pump`; ``need``: those down to it are needed now)."""
+        c = self.cursors
+        c.bwd_wanted = min(c.bwd_wanted, max(end, 0))
+        self._pump(need=need)
+
     def advance_reduce(self, final: bool) -> None:
-        """Issue the reduce of every bucket, in reverse index order, whose grads (and whose
-        predecessors' grads) all arrived, once no re-broadcast is left to issue
-        (:meth:`rebroadcast_ahead`); ``final``: of every remaining bucket. Z3 frees such a
-        bucket as its grads arrive, whether or not its reduce is issued yet."""
+        """Issue what the backward's order allows now that grads arrived (:meth:`_pump`);
+        ``final`` (the end of backward): everything left, a param without a local grad
+        contributing zeros. Z3 frees a bucket once all its grads arrived or its reduce is
+        issued."""
+        self._pump(final=final)
+
+    def _pump(self, need: int | None = None, final: bool = False) -> None:
+        """Issue the backward's calls in its one order, the same on every rank (docs/
+        performance.md, "One issue order across channels"): buckets by descending unit, each
+        unit's re-broadcasts (Z3; bucket ``j`` counts at the unit of bucket
+        ``j + prefetch_depth``, where the cursor asks for it) before its reduces; each
+        channel in descending bucket index. A call goes once every call before it went and
+        its trigger happened: a re-broadcast when asked for, a reduce when all its grads
+        arrived or none can arrive in this backward on this rank (``Bucket.grads_pending``:
+        a block that did not run here; it sends zeros). Where compute needs a re-broadcast
+        (``need``) behind a reduce whose grads can still arrive, the re-broadcast goes first
+        (on every rank alike where the same modules ran)."""
         c, n = self.cursors, len(self.buckets)
-        while c.released < n:  # Z3: its module's backward is done (its grads arrived)
-            members = self.groups_of.get(id(self.buckets[n - 1 - c.released]), [self.buckets[n - 1 - c.released]])
-            if not final and any(len(m.arrived) < len(m.params) for m in members):
+        while True:
+            j = self._next_rebroadcast()
+            k = n - 1 - c.reduced if self.reduces and c.reduced < n else None
+            asked = j is not None and (final or j >= c.bwd_wanted)
+            if j is not None and (k is None or self.unit_at[min(j + self.prefetch_depth, n - 1)]
+                                  >= self.unit_at[k]):
+                if not asked:
+                    break
+                self._rebroadcast(j)
+            elif k is None:
+                break
+            elif final or self._reduce_ready(k, later=asked):
+                self._reduce(k)
+            elif asked and need is not None and j >= need:
+                c.settles = False  # see _settle
+                self._rebroadcast(j)  # compute needs it; the reduce's grads are still to come
+            else:
+                break
+        self._release(final)
+
+    def _next_rebroadcast(self) -> int | None:
+        """The next bucket (descending) that a Z3 re-broadcast must refill, or None; the
+        cursor passes buckets that need none (VALID: the kept last unit, a group's members
+        already in flight)."""
+        c = self.cursors
+        if not self.reshard_after_forward:
+            return None
+        while c.bwd_issued >= 0 and self.buckets[c.bwd_issued].copy not in (Copy.FREED, Copy.STALE):
+            c.bwd_issued -= 1
+        return c.bwd_issued if c.bwd_issued >= 0 else None
+
+    def _rebroadcast(self, j: int) -> None:
+        self._broadcast(self.buckets[j], "backward")
+        self.cursors.bwd_issued = j - 1
+
+    def _reduce_ready(self, k: int, later: bool) -> bool:
+        """Whether the reduce of bucket ``k``'s group may go: all its grads arrived, or (only
+        asked when a later call waits for it: ``later``) none can still arrive."""
+        members = self.groups_of.get(id(self.buckets[k]), [self.buckets[k]])
+        if all(len(m.arrived) == len(m.params) for m in members):
+            return True
+        if later and not any(m.grads_pending() for m in members):
+            self.cursors.settles = False  # see _settle
+            return True
+        return False
+
+    def _reduce(self, k: int) -> None:
+        """Issue the reduce of bucket ``k`` (an aligned group's last member: the whole
+        group), then settle the reduces issued before it (:meth:`_settle`)."""
+        c, b = self.cursors, self.buckets[k]
+        members = self.groups_of.get(id(b), [b])
+        bufs = [m.reduce_buffer(self.reduce_dtype) for m in members]
+        with annotate.phase("backward"), annotate.span("dmuon.reduce", module=b.module_name,
+                                                       owner=None if b.aligned else b.owner):
+            if b.aligned:
+                work = self._reduce_scatter(members, bufs, lambda m: m.is_holder,
+                                            self.groups.reduce, "reduce", _shard_rank)
+            else:
+                work = self.launcher(bufs[0]).reduce(bufs[0], b.shard_owner, self.groups.reduce)
+        for m, buf in zip(members, bufs):
+            m.reduce_issued(work, buf)
+        c.reduced += len(members)
+        self._settle(self.unit_at[k])
+        c.reducing.append(members)
+
+    def _settle(self, unit: int) -> None:
+        """Wait for the reduces of the units above ``unit``, whose reduce is being issued
+        (each unit's reduces fly while the next unit computes, as FSDP2 waits its previous
+        reduce_scatter at the next one): non-holders then free their
+        grad buffers (``Bucket.reduce_settled``), so they hold the unit being reduced and
+        the one accumulating, not every bucket. On CUDA the wait makes the compute stream
+        wait the call's event, so the freed memory is reused only after the call read it.
+        Where every rank issues the same calls in the same order (the same blocks ran, each
+        call at its trigger), no rank waits for a call another has not issued. A rank that
+        sent a reduce without its trigger (a block that did not run here) or a re-broadcast
+        before a reduce still due stops these waits for the rest of the backward (its
+        reduces are waited at the end, ``finish_reduces``): with ranks whose blocks ran in
+        different orders, it may be waiting for a re-broadcast that a rank blocked here
+        has not issued yet (measured: a hang of ``test_dmuon_exec_order.py``'s disagreeing
+        first step without this)."""
+        c = self.cursors
+        if not c.settles:
+            return
+        for members in c.reducing:
+            if self.unit_at[members[0].index] > unit:
+                for m in members:
+                    m.reduce_settled()
+        c.reducing[:] = [g for g in c.reducing if self.unit_at[g[0].index] <= unit]
+
+    def _release(self, final: bool) -> None:
+        """Z3: free, from the top, every bucket done with in this backward (all its grads
+        arrived, or its reduce issued)."""
+        c, n = self.cursors, len(self.buckets)
+        while c.released < n:
+            members = self.groups_of.get(id(self.buckets[n - 1 - c.released]),
+                                         [self.buckets[n - 1 - c.released]])
+            done = final or c.released < c.reduced or all(
+                len(m.arrived) == len(m.params) for m in members)
+            if not done:
                 break
             for m in members:
                 self.free(m)
             c.released += len(members)
-        if not final and self.rebroadcast_ahead():
-            return  # one issue order on every rank: no reduce before the last re-broadcast
-        while c.reduced < c.released:
-            b = self.buckets[n - 1 - c.reduced]
-            members = self.groups_of.get(id(b), [b])  # b is an aligned group's last
-            bufs = [m.reduce_buffer(self.reduce_dtype) for m in members]
-            with annotate.phase("backward"), annotate.span("dmuon.reduce", module=b.module_name,
-                                                           owner=None if b.aligned else b.owner):
-                if b.aligned:
-                    work = self._reduce_scatter(members, bufs, lambda m: m.is_holder,
-                                                self.groups.reduce, "reduce", _shard_rank)
-                else:
-                    work = self.launcher(bufs[0]).reduce(bufs[0], b.shard_owner, self.groups.reduce)
-            for m, buf in zip(members, bufs):
-                m.reduce_issued(work, buf)
-            c.reduced += len(members)
-
-    def rebroadcast_ahead(self) -> bool:
-        """Z3 backward: whether a re-broadcast of this backward is still to be issued (a
-        bucket at or below the re-broadcast cursor is not VALID; the same answer on every
-        rank at the same point of its call sequence, copy states being agreed).
-
-        Reduces wait for it (:meth:`advance_reduce`), so that every rank issues DMuon's
-        calls of a backward in one order across channels, all re-broadcasts then all
-        reduces: a reduce's trigger (its grads arrived) depends on which modules ran on a
-        rank, a re-broadcast never waits for a reduce, and NCCL deadlocks when two ranks
-        enqueue kernels of two communicators in opposite orders and both cannot run at once
-        (``CUDA_DEVICE_MAX_CONNECTIONS=1``, few free SMs). docs/performance.md, "One issue
-        order across channels"."""
-        c = self.cursors
-        if c.rebroadcasts_done or not self.reshard_after_forward:
-            return False
-        if any(b.copy in (Copy.FREED, Copy.STALE) for b in self.buckets[: c.bwd_issued + 1]):
-            return True
-        c.rebroadcasts_done = True  # the cursor only descends and issued buckets stay issued
-        return False
 
     def finish_reduces(self) -> None:
         """Wait for every shard reduce, run the HSDP replicate reduces (issued as each shard
