@@ -84,7 +84,10 @@ Per step (docs/spec.md §1):
    in index order (from the second step on, the blocks' execution order: step 7). The
    root's pre-hook issues the first ``prefetch_depth`` buckets (no wait: they fly during
    the root's prologue, an embedding, FSDP2's root all_gather). A driver's pre-hook
-   advances it to the driver's last bucket ``hi``; the root's post-hook advances it to the
+   advances it to the driver's own last bucket ``hi`` (a driver without buckets of its own,
+   one that only encloses blocks, issues its first ``prefetch_depth`` buckets and waits for
+   nothing: its blocks' hooks advance the cursor); a driver's post-hook advances it to its
+   subtree's last bucket; the root's post-hook advances it to the
    end (so buckets of modules that did not run on this rank are still sent). Advancing to
    ``hi`` first *issues* every bucket up to
    ``hi + prefetch_depth`` not issued yet (each waits for its pending replicate broadcast
@@ -112,7 +115,8 @@ Per step (docs/spec.md §1):
    were freed reads the freed guard and raises.
 3. **backward**, Z3 (channel ``broadcast``, phase ``backward``): a re-broadcast cursor walks
    the buckets in reverse index order. A driver's pre-backward hook (its outputs' first
-   grad) advances it to the driver's first bucket; activation-checkpoint recompute (a
+   grad) advances it to the driver's own first bucket (one without buckets of its own asks
+   for the next ``prefetch_depth`` re-broadcasts only); activation-checkpoint recompute (a
    driver's forward while backward runs) does the same and neither frees nor broadcasts in
    forward; the end of backward flushes the rest. Each bucket that is not VALID (all but
    the last unit's, step 2) is re-broadcast exactly once,
@@ -121,10 +125,15 @@ Per step (docs/spec.md §1):
    in flight (the free waits for it first).
 4. **backward reduces** (channel ``reduce``, phase ``backward``): buckets reduce (sum) to the
    holder over the shard axis in reverse index order, asynchronously, each as soon as it and
-   every bucket before it in that order have all their grads and (Z3) no re-broadcast of
-   this backward is left to issue (one issue order across channels on every rank:
-   ``Schedule.rebroadcast_ahead``; Z3 frees a bucket as its grads arrive); at the end of backward every
-   remaining bucket is reduced, a param without a local grad contributing zeros. A bucket's
+   every bucket before it in that order have all their grads, or none of its grads can
+   arrive in this backward on this rank (a block that did not run here: it sends zeros).
+   Z3's re-broadcasts and the reduces follow one order on every rank (``Schedule._pump``:
+   units descending, each unit's re-broadcasts, counted at the unit ``prefetch_depth``
+   buckets above, before its reduces; docs/performance.md "One issue order across
+   channels"); Z3 frees a bucket once its grads arrived or its reduce was issued. A unit's
+   reduces are waited when the next unit's are issued (``Schedule._settle``) and
+   non-holders free their grad buffers then. At the end of backward every remaining call
+   is issued in that order, a param without a local grad contributing zeros. A bucket's
    reduce carries ``numel + len(params)`` elements of the reduce dtype: the grads (params
    in bucket order), then one **usage** element per param, 1 if this rank produced a grad
    for it since the last reduce, else 0. Then all reduces are waited on, and (HSDP) each
@@ -135,7 +144,8 @@ Per step (docs/spec.md §1):
    dtype): a param's grad hook copies a fresh ``.grad`` into its view and makes ``.grad``
    that view, so later accumulations (``no_sync`` micro-batches) land there in place and the
    reduce sends the buffer itself (no ``torch.cat``). Holders keep it between steps (the
-   owner's ``.grad`` are its views); non-holders free its storage after the reduce wait.
+   owner's ``.grad`` are its views); non-holders free its storage at the reduce wait (the
+   next unit's issue, else the end of backward).
    Grad states (``state.Grads``): a grad hook makes the bucket LOCAL, the issue REDUCING,
    the wait below REDUCED. **On gloo** (``buckets.LINK_COSTS``: ``reduce_by_gather``) every
    reduce of this step, shard and replicate, is a **gather** to the same root of the same
