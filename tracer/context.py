@@ -23,8 +23,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 #: Phase names DMuon itself uses, in report order; a training loop may add its own.
-#: ``checkpoint``: ``sync_params()`` broadcasts.
-PHASES = ("setup", "forward", "backward", "optimizer", "replicate", "checkpoint")
+#: ``checkpoint``: ``sync_params()`` broadcasts; ``qk_clip``: MuonClip's per-step max all_reduce.
+PHASES = ("setup", "forward", "backward", "optimizer", "replicate", "qk_clip", "checkpoint")
 
 _phase_stack: list[str] = []
 _lock = threading.Lock()

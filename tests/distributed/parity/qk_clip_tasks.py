@@ -1,0 +1,137 @@
+"""MuonClip (QK-clip) on a tiny HF Llama (4 query heads, 2 KV heads: GQA) under DMuon, and a
+single-process MuonClip oracle written independently of ``dmuon/optim/qk_clip.py``.
+
+The oracle: ``torch.optim.Muon`` over every matrix (``MatrixMuon``) + ``AdamW``, loss = the
+mean of the W ranks' losses (each rank's batch its own forward, as the ranks run it), and
+QK-clip after each step from maxima it computes itself: a forward pre-hook on every attention
+module recomputes q and k from the hidden states (``q_proj`` / ``k_proj``, the model's own
+RoPE), the logits of each query head against its KV head one head at a time with an explicit
+causal mask, and the clip scales each head's rows in a loop (γ_h^α on the queries, the
+group's smallest γ to the power 1-α on the keys).
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+from torch.nn.parallel import DistributedDataParallel
+
+import dmuon
+from dmuon.optim.qk_clip import QKClip
+from dmuon.optim.qk_clip_hf import attention_layers
+from tests.distributed.parity import hf_tasks as H
+from tests.distributed.parity.dmuon_tasks import ADAMW_LR, MUON_LR, _mesh
+from verify.run.baselines import MatrixMuon
+
+#: Below the init maxima of some heads (0.019 … 0.036 at step 0), above others: the clip bites
+#: on a mix of heads, and on a KV group with one clipped and one unclipped head.
+TAU, ALPHA = 0.03, 0.5
+
+
+def _record_maxima(model, maxima: dict):
+    """Pre-hooks that fold each attention call's per-head max logit into ``maxima[name]``."""
+    rope = sys.modules[type(model.model.layers[0].self_attn).__module__].apply_rotary_pos_emb
+    handles = []
+    for name, m in model.named_modules():
+        if not name.endswith("self_attn"):
+            continue
+
+        def hook(mod, args, kwargs, name=name):
+            h = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+            cos, sin = kwargs["position_embeddings"]
+            b, t, _ = h.shape
+            with torch.no_grad():
+                q = mod.q_proj(h).view(b, t, -1, mod.head_dim).transpose(1, 2)
+                k = mod.k_proj(h).view(b, t, -1, mod.head_dim).transpose(1, 2)
+                q, k = rope(q, k, cos, sin)
+                rep = q.shape[1] // k.shape[1]
+                future = torch.ones(t, t, dtype=torch.bool).triu(1)
+                out = maxima.setdefault(name, [-math.inf] * q.shape[1])
+                for head in range(q.shape[1]):
+                    s = (q[:, head] @ k[:, head // rep].transpose(-1, -2)) * mod.scaling
+                    out[head] = max(out[head], s.masked_fill(future, -math.inf).max().item())
+
+        handles.append(m.register_forward_pre_hook(hook, with_kwargs=True))
+    return handles
+
+
+@torch.no_grad()
+def _oracle_clip(model, maxima: dict, tau: float, alpha: float) -> None:
+    for name, s in maxima.items():
+        mod = model.get_submodule(name)
+        d, heads = mod.head_dim, len(s)
+        rep = heads // (mod.k_proj.weight.shape[0] // d)
+        gamma = [min(1.0, tau / x) for x in s]
+        for head in range(heads):
+            mod.q_proj.weight[head * d:(head + 1) * d] *= gamma[head] ** alpha
+        for g in range(heads // rep):
+            mod.k_proj.weight[g * d:(g + 1) * d] *= min(gamma[g * rep:(g + 1) * rep]) ** (1 - alpha)
+
+
+def oracle(world: int, steps: int, tau: float = TAU, alpha: float = ALPHA) -> dict:
+    """The single-process MuonClip oracle (module docstring) at the ranks' thread count:
+    initial and final params, the Muon params, and each step's per-head maxima."""
+    with H._threads(H.RANK_THREADS):
+        model = H.make_model("llama")
+        init = {n: p.detach().clone() for n, p in model.named_parameters()}
+        named = dict(model.named_parameters())
+        matrices = H.muon_matrices(model)
+        muon = MatrixMuon([named[n] for n in matrices], list(matrices.values()), lr=MUON_LR)
+        adamw = torch.optim.AdamW([p for n, p in named.items() if n not in matrices], lr=ADAMW_LR)
+        history = []
+        for step in range(steps):
+            maxima: dict = {}
+            handles = _record_maxima(model, maxima)
+            (sum(H._loss(model, H.batch(step, r)) for r in range(world)) / world).backward()
+            for h in handles:
+                h.remove()
+            for opt in (muon, adamw):
+                opt.step()
+                opt.zero_grad()
+            _oracle_clip(model, maxima, tau, alpha)
+            history.append(maxima)
+        return {"init": init, "final": {n: p.detach().clone() for n, p in model.named_parameters()},
+                "muon": matrices, "maxima": history}
+
+
+def train(mode: str, steps: int, tau: float = TAU, alpha: float = ALPHA, enabled: bool = True) -> dict:
+    """DMuon + QKClip on the tiny Llama in ``mode`` (ddp, z2, z3, hsdp-z3): the owned
+    dedicated params, each step's reported maxima and clipped heads, and the number of
+    ``qk_clip``-phase all_reduces this rank issued (counted at ``dist.all_reduce``)."""
+    rank = dist.get_rank()
+    mesh = _mesh("hsdp" if mode.startswith("hsdp") else "flat")
+    model = H.make_model("llama")
+    dm = dmuon.dedicate_params(model, mesh, reshard_after_forward=mode.endswith("z3"))
+    if mode == "ddp":
+        wrapped = DistributedDataParallel(model)
+    else:
+        fully_shard(model, mesh=mesh, ignored_params=set(dm))
+        wrapped = model
+    opt = dmuon.DMuon(wrapped.parameters(), dedicated=dm, lr=MUON_LR, adamw_lr=ADAMW_LR)
+    clip = QKClip(opt, attention_layers(model), tau=tau, alpha=alpha, enabled=enabled)
+    calls = []
+    original = dist.all_reduce
+
+    def counting(tensor, *args, **kwargs):
+        from tracer.context import current_phase
+        calls.append((current_phase(), tensor.numel() * tensor.element_size()))
+        return original(tensor, *args, **kwargs)
+
+    history = []
+    dist.all_reduce = counting
+    try:
+        for step in range(steps):
+            H._loss(wrapped, H.batch(step, rank)).backward()
+            opt.step()
+            opt.zero_grad()
+            history.append(({n: s.tolist() for n, s in clip.max_logits.items()}, dict(clip.clipped)))
+    finally:
+        dist.all_reduce = original
+    dm.wait_pending()
+    owned = {id(p) for p in dm.owned()}
+    return {"owned": {n: p.detach().clone() for n, p in model.named_parameters() if id(p) in owned},
+            "history": history, "qk_calls": [c for c in calls if c[0] == "qk_clip"]}
