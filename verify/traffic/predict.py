@@ -142,6 +142,9 @@ class RunLayout:
         dmuon_auto_flat: the harness's backend table entry for ``hierarchy="auto"``
             (:func:`dmuon_flattens`: gloo); ``False`` in layouts written before the knob,
             which all ran hierarchical.
+        qk_clip_heads: query heads whose per-step max logit MuonClip's QK-clip packs into its
+            one MAX all_reduce (Σ n_heads over the attention layers, counted by the harness
+            from the model's own config); 0: no QK-clip. DMuon modes only.
         label: the run's name where it is a variant of ``mode`` (``"dmuon-z3[block]"``,
             :mod:`verify.traffic.variants`), ``""`` for the mode itself; reports name the run
             by it. The knobs the variant overrides are in the fields above.
@@ -170,6 +173,7 @@ class RunLayout:
     dmuon_rest: str = "wrapper"
     dmuon_hierarchy: str = "auto"
     dmuon_auto_flat: bool = False
+    qk_clip_heads: int = 0
     label: str = ""
 
     def calls_of(self, module: str) -> int:
@@ -199,6 +203,11 @@ class RunLayout:
         if self.dmuon_hierarchy not in DMUON_HIERARCHIES:
             raise ValueError(f"Invalid dmuon_hierarchy={self.dmuon_hierarchy!r}. Must be one of "
                              f"{DMUON_HIERARCHIES}.")
+        if isinstance(self.qk_clip_heads, bool) or not isinstance(self.qk_clip_heads, int) or (
+                self.qk_clip_heads < 0) or (self.qk_clip_heads and not self.is_dmuon):
+            raise ValueError(f"Invalid qk_clip_heads={self.qk_clip_heads!r} with mode={self.mode!r}. "
+                             "Must be an int >= 0, and 0 outside the DMuon modes (QK-clip is "
+                             "DMuon's step post-hook).")
         if self.dmuon_rest not in DMUON_REST_MODES:
             raise ValueError(f"Invalid dmuon_rest={self.dmuon_rest!r}. Must be one of {DMUON_REST_MODES}.")
         if self.dmuon_rest == "replicate" and (not self.is_dmuon or self.fsdp_modules or self.ddp_buffers):
@@ -808,7 +817,8 @@ def _zero1_step_calls(layout: RunLayout, rank: int) -> list[Expected]:
 
 
 def predict_step(layout: RunLayout) -> list[Expected]:
-    """Every call of one training step on every rank (forward, backward, optimizer[, replicate]);
+    """Every call of one training step on every rank (forward, backward, optimizer[, replicate]
+    [, qk_clip]);
     DMuon's dedicated calls on :func:`dmuon_layout` (flat HSDP: the 1-D rule over all W)."""
     out: list[Expected] = []
     dedicated = set(layout.muon_names) if layout.is_dmuon else set()
@@ -827,7 +837,19 @@ def predict_step(layout: RunLayout) -> list[Expected]:
             out += _axis_calls(layout, rank, fsdp_calls(layout, dedicated))
         if layout.mode.startswith("naive-"):
             out += _naive_step_calls(layout, rank)
+        out += qk_clip_calls(layout, rank)
     return out
+
+
+def qk_clip_calls(layout: RunLayout, rank: int) -> list[Expected]:
+    """MuonClip's QK-clip on ``rank`` per step: one all_reduce (MAX) over all W ranks of the
+    per-head maxima, fp32, ``count = qk_clip_heads`` (4 bytes a head), phase ``qk_clip``, no
+    Muon payload; ``[]`` without QK-clip (docs/traffic-model.md, "QK-clip")."""
+    if not layout.qk_clip_heads:
+        return []
+    world = group_id_from_ranks(list(range(layout.world_size)))
+    return [Expected(rank, "qk_clip", "all_reduce", world, layout.world_size, layout.qk_clip_heads,
+                     "float32", None, None, 0)]
 
 
 def ns_calls_per_step(layout: RunLayout) -> int:

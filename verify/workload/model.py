@@ -59,6 +59,10 @@ class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         self.n_heads = config.n_heads
+        #: ``None``, or an object whose ``observe_qk(q, k, scaling=, is_causal=True)`` receives
+        #: every training forward's q, k (B, H, T, D / H): MuonClip's per-head max logit
+        #: (``dmuon.optim.qk_clip.HeadLogitMax``); not a module, not in the state.
+        self.qk_observer = None
         self.qkv = nn.Linear(config.d_model, 3 * config.d_model, bias=False)
         self.proj = nn.Linear(config.d_model, config.d_model, bias=False)
 
@@ -67,6 +71,8 @@ class CausalSelfAttention(nn.Module):
         b, t, d = x.shape
         q, k, v = self.qkv(x).split(d, dim=2)  # each (B, T, D)
         q, k, v = (z.view(b, t, self.n_heads, d // self.n_heads).transpose(1, 2) for z in (q, k, v))
+        if self.qk_observer is not None and self.training:
+            self.qk_observer.observe_qk(q, k, scaling=q.shape[-1] ** -0.5, is_causal=True)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H, T, D / H)
         return self.proj(y.transpose(1, 2).reshape(b, t, d))
 

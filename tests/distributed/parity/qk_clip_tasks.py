@@ -135,3 +135,68 @@ def train(mode: str, steps: int, tau: float = TAU, alpha: float = ALPHA, enabled
     owned = {id(p) for p in dm.owned()}
     return {"owned": {n: p.detach().clone() for n, p in model.named_parameters() if id(p) in owned},
             "history": history, "qk_calls": [c for c in calls if c[0] == "qk_clip"]}
+
+
+def tinygpt_layers(model) -> list:
+    """HeadLogitMax for each TinyGPT block (fused ``qkv``: q rows 0…D, k rows D…2D, MHA),
+    wired to the attention's ``qk_observer``."""
+    from dmuon.optim.qk_clip import HeadLogitMax
+
+    layers = []
+    for i, block in enumerate(model.blocks):
+        attn, d = block.attn, model.config.d_model
+        site = HeadLogitMax(f"blocks.{i}.attn", attn.qkv.weight, attn.qkv.weight,
+                            n_heads=attn.n_heads, n_kv_heads=attn.n_heads,
+                            head_dim=d // attn.n_heads, q_row0=0, k_row0=d)
+        attn.qk_observer = site
+        layers.append(site)
+    return layers
+
+
+def tinygpt_qk_calls(mode: str, steps: int = 2) -> list:
+    """TinyGPT (``dmuon_tasks.build``) with QKClip at τ = 0 + ε (every head clipped): the
+    ``qk_clip``-phase all_reduces this rank issued, as (group ranks, numel, dtype)."""
+    from tests.distributed.parity import dmuon_tasks as T
+    from tracer.context import current_phase
+    from verify.workload.data import local_slice
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    wrapped, model, dm, opt = T.build(mode)
+    QKClip(opt, tinygpt_layers(model), tau=1e-6)
+    calls, original = [], dist.all_reduce
+
+    def counting(tensor, *args, group=None, **kwargs):
+        if current_phase() == "qk_clip":
+            calls.append((sorted(dist.get_process_group_ranks(group)), tensor.numel(),
+                          str(tensor.dtype).removeprefix("torch.")))
+        return original(tensor, *args, group=group, **kwargs)
+
+    dist.all_reduce = counting
+    try:
+        for step in range(steps):
+            x, y = T.corpus().global_batch(step, T.GLOBAL_BATCH, T.SMALL.seq_len)
+            T._loss(wrapped, local_slice(x, rank, world), local_slice(y, rank, world)).backward()
+            opt.step()
+            opt.zero_grad()
+    finally:
+        dist.all_reduce = original
+    dm.wait_pending()
+    return calls
+
+
+def bad_qkclip(case: str) -> str:
+    """One invalid QKClip construction on TinyGPT (z2): the error message on this rank."""
+    from tests.distributed.parity import dmuon_tasks as T
+
+    wrapped, model, dm, opt = T.build("z2")
+    layers = tinygpt_layers(model)
+    kw = {"tau": -1.0} if case == "tau" else {"alpha": 1.5} if case == "alpha" else {}
+    if case == "foreign":  # a layer built from another model's weights
+        layers = tinygpt_layers(T.make_model())
+    try:
+        QKClip(torch.optim.SGD(model.parameters()) if case == "not_dmuon" else opt, layers, **kw)
+    except ValueError as exc:
+        return str(exc)
+    finally:
+        dm.close()
+    return "no error"

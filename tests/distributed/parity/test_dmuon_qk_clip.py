@@ -72,3 +72,26 @@ def test_without_the_clip_the_comparison_fails(pool2, pool4, oracles, world):
     dist = _distances(oracles[world], results)
     qk = {n: d for n, d in dist.items() if n.endswith(("q_proj.weight", "k_proj.weight"))}
     assert min(qk.values()) > 10 * DIST_TOL, qk
+
+
+@pytest.mark.parametrize("mode", ["ddp", "z3"])
+def test_tinygpt_issues_exactly_the_predicted_call(pool2, mode):
+    """Phase D's prediction (``verify.traffic.predict.qk_clip_calls``, from TinyGPT's head
+    count) against the calls DMuon + QKClip issue in phase ``qk_clip`` (counted at
+    ``dist.all_reduce``, 2 steps, W = 2; τ ≈ 0 so every head of the fused ``qkv`` is clipped)."""
+    from tests.distributed.parity import dmuon_tasks as T
+    from tests.verify.test_predict_qk_clip import _layout
+    from verify.traffic.predict import qk_clip_calls
+
+    heads = T.SMALL.n_layers * T.SMALL.n_heads
+    want = qk_clip_calls(_layout(heads=heads), 0)[0]
+    for r in pool2.run_with_timeout(TIMEOUT_S, Q.tinygpt_qk_calls, mode):
+        assert r == [([0, 1], want.count, want.dtype)] * 2
+
+
+@pytest.mark.parametrize("case,match", [("tau", "Invalid tau"), ("alpha", "Invalid alpha"),
+                                        ("not_dmuon", "Must be a dmuon.DMuon"),
+                                        ("foreign", "not among the optimizer's params")])
+def test_bad_arguments_raise_on_every_rank(pool2, case, match):
+    for msg in pool2.run_with_timeout(TIMEOUT_S, Q.bad_qkclip, case):
+        assert match in msg, msg
