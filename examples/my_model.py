@@ -57,10 +57,12 @@ def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def loss_fn(model: nn.Module, rank: int, step: int) -> torch.Tensor:
-    """Mean squared error of this rank's batch at ``step`` (a 0-dim tensor)."""
+    """Mean squared error of this rank's batch at ``step`` (a 0-dim fp32 tensor). The output is
+    cast to fp32 first: under a bf16 ``MixedPrecisionPolicy`` it is bf16, and torch 2.11's
+    ``mse_loss`` cannot backpropagate over mixed dtypes (pytorch#94086)."""
     x, y = _batch(rank, step)
     device = next(model.parameters()).device
-    return nn.functional.mse_loss(model(x.to(device)), y.to(device))
+    return nn.functional.mse_loss(model(x.to(device)).float(), y.to(device))
 
 
 def factory() -> tuple[nn.Module, object]:

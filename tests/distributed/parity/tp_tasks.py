@@ -64,7 +64,10 @@ def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def loss_of(model, x, y):
-    return F.mse_loss(model(x), y)
+    """MSE in fp32: under a bf16 ``MixedPrecisionPolicy`` the output is bf16, and torch 2.11's
+    ``mse_loss`` backward fails on mixed dtypes ("Found dtype Float but expected BFloat16",
+    pytorch#94086; later releases promote). On fp32 outputs ``.float()`` is a no-op."""
+    return F.mse_loss(model(x).float(), y)
 
 
 def targets(model: nn.Module) -> list[str]:
