@@ -15,8 +15,9 @@ DMUON = Path(__file__).resolve().parents[2] / "dmuon"
 
 #: Private names of torch / the standard library DMuon uses, and where.
 FOREIGN_PRIVATE = {
-    "_C": {"residency.py", "hooks.py"},  # torch._C (graph task id, torch-function toggles)
-    "_current_graph_task_id": {"hooks.py"},
+    "_C": {"residency.py", "hooks.py", "copies.py"},  # torch._C (graph task id, torch-function toggles)
+    "_current_graph_task_id": {"hooks.py", "copies.py"},
+    "_will_engine_execute_node": {"copies.py"},  # can a grad still arrive (Bucket.grads_pending)
     "_execution_engine": {"hooks.py"},  # queue_callback: the end of backward
     "_parameters": {"copies.py"},  # nn.Module's registry (FSDP2 swaps it the same way)
     "_unsafe_preserve_version_counter": {"collectives.py"},  # aligned copy-out (as FSDP2 does)
