@@ -57,10 +57,11 @@ Glossary (see ``topology.py`` for the mesh terms):
   current" below means ``VALID``.
 - **driver**: a module whose subtree holds buckets (the blocks and their ancestors, not the
   root). Its hooks cover the buckets of its whole subtree, a contiguous index range. With
-  ``mp_policy``, the modules that hold dedicated params also get hooks that swap their
-  compute params in for their forward, cast its inputs to ``param_dtype`` and hand its
-  outputs back in the dtype the inputs arrived in (``precision.py``; in any state,
-  activation-checkpoint recompute included).
+  ``mp_policy``, a block's hooks also register the compute params of its modules for the
+  block's forward, and the modules that hold dedicated params get hooks that cast their
+  inputs to ``param_dtype`` and hand their outputs back in the dtype the inputs arrived in
+  (``precision.ModuleSwaps``; in any state; such a module run outside its block's forward,
+  as in an activation-checkpoint recompute of the block's body, swaps them in itself).
 - **state**: :class:`dmuon.runtime.state.TrainingState`, one per DedicatedParams (``dm.state``); the
   per-bucket states (copy, master copy, HSDP replica, grads) and every allowed transition
   are in ``state.py``. Entering FORWARD or BACKWARD resets the pass's cursors

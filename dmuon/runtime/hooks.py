@@ -89,7 +89,6 @@ class Runtime:
         self._moved: dict[int, Bucket] = {}  # buckets an _apply touched, not re-bound yet
         self._rebound: dict[int, Bucket] = {}  # re-bound since the last forward (recast there)
         self._groups_checked = True  # no bucket re-bound since check_groups last passed
-        self._leaf_out_dtype: dict[nn.Module, torch.dtype | None] = {}  # mixed precision, per call
         # unit -> the drivers of all its blocks (order.py's contiguity rule, the spans)
         self._drivers = {b.module_name: list(dict.fromkeys(
             d for block in b.blocks for d in order.drivers_of(block))) for b in buckets}
@@ -97,6 +96,8 @@ class Runtime:
         for b in buckets:
             b.make_compute(self.param_dtype)
         self._index_params()
+        # mixed precision: the compute params' swaps and the casts (installed by install())
+        self.mp = None if mp_policy is None else precision.ModuleSwaps(mp_policy, buckets, self._modules, model)
 
     @property
     def buckets(self) -> list[Bucket]:
@@ -139,8 +140,6 @@ class Runtime:
         # driver module -> (first, last) bucket index of its subtree, and its own buckets
         self._span: dict[nn.Module, tuple[int, int]] = {}
         self._own: dict[nn.Module, list[Bucket]] = {}
-        # module holding dedicated params (not the root) -> buckets with params in it
-        self._leaf: dict[nn.Module, list[Bucket]] = {}
         # followed module (holds params, or a block) -> its buckets
         self._followed: dict[nn.Module, list[Bucket]] = {}
         # driver -> the blocks in its subtree (its post-forward means they all finished)
@@ -152,9 +151,6 @@ class Runtime:
                 self._own.setdefault(m, []).append(b)
             for m in dict.fromkeys([*b.param_modules, *block_modules]):
                 self._followed.setdefault(m, []).append(b)
-            for m in dict.fromkeys(b.param_modules):
-                if m is not self.root:
-                    self._leaf.setdefault(m, []).append(b)
             for driver in self._drivers[b.module_name]:
                 m = self._modules[driver]
                 lo, hi = self._span.get(m, (b.index, b.index))
@@ -177,19 +173,24 @@ class Runtime:
 
     def install(self, hooks: attach.HookSet) -> None:
         """Register the forward hooks (into ``hooks``) and follow the modules' moves.
-        torch.compile: the hooks run eagerly (Dynamo must not trace into the schedule or
-        inspect freed Z3 copies); the modules' own forwards are still compiled."""
+        torch.compile: the root's and the drivers' hooks run eagerly (Dynamo must not trace
+        into the schedule or inspect freed copies: Z3's, mixed precision's fp32 masters); the
+        modules' own forwards are still compiled, with mixed precision's per-module casts
+        traced into them (``precision.ModuleSwaps``: a block is one graph, as without it)."""
         model, off = self.root, torch.compiler.disable
-        hooks.add(model.register_forward_pre_hook(self._root_pre_forward),
-                  model.register_forward_hook(self._root_post_forward),
+        hooks.add(model.register_forward_pre_hook(off(self._root_pre_forward)),
+                  model.register_forward_hook(off(self._root_post_forward)),
                   model.register_state_dict_pre_hook(lambda *a, **k: self.wait_pending()))
-        if self.mp_policy is not None:  # first: post-hooks swap back before a block frees
-            for m in self._leaf:
-                hooks.add(m.register_forward_pre_hook(off(self._leaf_pre_forward)),
-                          m.register_forward_hook(off(self._leaf_post_forward)))
-        for m in self._span:
-            hooks.add(m.register_forward_pre_hook(off(self._pre_forward)),
-                      m.register_forward_hook(off(self._post_forward)))
+        mp = self.mp
+        for m in self._span:  # mixed precision: a block swaps its compute params in and out
+            pre, post = self._pre_forward, self._post_forward
+            if mp is not None and m in mp.block_leaves:
+                pre, post = mp.pre_hook(pre), mp.post_hook(post)
+            hooks.add(m.register_forward_pre_hook(off(pre)), m.register_forward_hook(off(post)))
+        if mp is not None:  # casts only: traced into a compiled block (precision.ModuleSwaps)
+            for m in mp.buckets_of:
+                hooks.add(m.register_forward_pre_hook(mp.leaf_pre_forward),
+                          m.register_forward_hook(mp.leaf_post_forward))
         for m in self._followed:
             attach.follow_moves(m, self)
 
@@ -429,19 +430,6 @@ class Runtime:
         outputs = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
         if outputs and torch.is_grad_enabled():
             register_multi_grad_hook(outputs, lambda grads: fn(), mode="any")
-
-    def _leaf_pre_forward(self, module: nn.Module, args):
-        """Mixed precision: the module's compute params in, its inputs cast (any state); the
-        dtype its outputs go back in noted for the post-hook (``precision.py``)."""
-        for b in self._leaf[module]:
-            b.swap(True, module)
-        self._leaf_out_dtype[module] = precision.output_dtype(self.mp_policy, args)
-        return precision.cast_inputs(self.mp_policy, args)
-
-    def _leaf_post_forward(self, module: nn.Module, args, output):
-        for b in self._leaf[module]:
-            b.swap(False, module)
-        return precision.cast_output(self._leaf_out_dtype.pop(module, None), output)
 
     def _grad_hook(self, b: Bucket, i: int):
         # Weak references: a tensor's grad hooks are invisible to Python's garbage collector,

@@ -10,7 +10,10 @@ input hands back ``output_dtype`` when set)."""
 from __future__ import annotations
 
 import torch
+import torch.nn as nn
 from torch.utils._pytree import tree_map
+
+from dmuon.ownership.buckets import block_of
 
 
 def dtypes(policy) -> tuple[torch.dtype | None, torch.dtype | None]:
@@ -44,3 +47,81 @@ def cast_output(dtype: torch.dtype | None, output):
     if dtype is None or (isinstance(output, torch.Tensor) and output.dtype == dtype):
         return None
     return tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, output)
+
+
+class ModuleSwaps:
+    """Where the compute params go in, and the casts at each dedicated module (module
+    docstring), arranged so that ``torch.compile`` of a block gives as many graphs as without
+    a policy (1 per block on TinyGPT, 0 breaks; ``tests/distributed/parity/test_compile.py``).
+
+    - **Swap, per block** (:meth:`pre_hook` / :meth:`post_hook` wrap the block's driver hooks,
+      which run eagerly under ``torch.compiler.disable``): after the block's pre-forward the
+      compute params of every module of that block holding dedicated params are registered
+      in it; before its post-forward (hence before a Z3 free) the registered params are back.
+    - **Casts, per module** (:meth:`leaf_pre_forward` / :meth:`leaf_post_forward`, plain
+      hooks Dynamo traces into the block's graph): inputs to ``param_dtype``, outputs back in
+      the dtype the inputs arrived in. Per call they keep one entry on a stack (LIFO, so
+      nested modules pair up; an exception leaves a stale entry below, never popped).
+    - A module run outside its block's forward (its compute params not registered) swaps them
+      in for its own forward (a compiled region breaks there; eager code is unaffected).
+
+    ``buckets``: the runtime's (``copies.Bucket``: ``names``, ``param_modules``, ``compute``,
+    ``swap``); ``modules``: dotted name -> module; params of ``root`` are never swapped.
+    """
+
+    def __init__(self, policy, buckets, modules: dict[str, nn.Module], root: nn.Module) -> None:
+        self.policy = policy
+        self.buckets_of: dict[nn.Module, list] = {}  # module holding dedicated params -> buckets
+        self.probe: dict[nn.Module, tuple] = {}  # such module -> (bucket, index, attribute name)
+        self.block_leaves: dict[nn.Module, list[nn.Module]] = {}  # block -> its such modules
+        self.calls: list[tuple[torch.dtype | None, bool]] = []  # (output dtype, swapped here)
+        for b in buckets:
+            for i, (m, name) in enumerate(zip(b.param_modules, b.names)):
+                if m is root:
+                    continue
+                owner_name, _, attr = name.rpartition(".")
+                if b not in self.buckets_of.setdefault(m, []):
+                    self.buckets_of[m].append(b)
+                self.probe.setdefault(m, (b, i, attr))
+                leaves = self.block_leaves.setdefault(modules[block_of(owner_name)], [])
+                if m not in leaves:
+                    leaves.append(m)
+
+    def swap_block(self, block: nn.Module, compute: bool) -> None:
+        for m in self.block_leaves[block]:
+            for b in self.buckets_of[m]:
+                b.swap(compute, m)
+
+    def pre_hook(self, hook):
+        """``hook`` (a block's forward pre-hook returning None), then the block's compute
+        params in (after it: a forward's start may re-bind the buckets or recover)."""
+        def pre(module: nn.Module, args) -> None:
+            hook(module, args)
+            self.swap_block(module, True)
+        return pre
+
+    def post_hook(self, hook):
+        """The block's registered params back, then ``hook`` (which may free the copies)."""
+        def post(module: nn.Module, args, output):
+            self.swap_block(module, False)
+            return hook(module, args, output)
+        return post
+
+    @torch.compiler.disable
+    def _swap_leaf(self, module: nn.Module, compute: bool) -> None:
+        for b in self.buckets_of[module]:
+            b.swap(compute, module)
+
+    def leaf_pre_forward(self, module: nn.Module, args):
+        b, i, attr = self.probe[module]
+        here = module._parameters[attr] is not b.compute[i]  # outside its block's forward
+        if here:
+            self._swap_leaf(module, True)
+        self.calls.append((output_dtype(self.policy, args), here))
+        return cast_inputs(self.policy, args)
+
+    def leaf_post_forward(self, module: nn.Module, args, output):
+        dtype, here = self.calls.pop()
+        if here:
+            self._swap_leaf(module, False)
+        return cast_output(dtype, output)

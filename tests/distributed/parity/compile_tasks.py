@@ -10,7 +10,7 @@ import warnings
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import dmuon
 from tests.distributed.parity import dmuon_tasks as T
@@ -18,16 +18,24 @@ from tracer.fr.parse import dump_flight_recorder, fr_window, read_flight_recorde
 from verify.workload.data import local_slice
 
 
-def _build(mode: str, backend: str | None):
-    """TinyGPT under DMuon Z2 / Z3 + FSDP2; each block compiled in place when ``backend``."""
+#: The mixed-precision policy of the ``mp=True`` runs, given to DMuon and fully_shard alike.
+BF16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+
+
+def _build(mode: str, backend: str | None, mp: bool = False, whole: bool = False):
+    """TinyGPT under DMuon Z2 / Z3 + FSDP2 (with :data:`BF16` on both when ``mp``); each
+    block compiled in place when ``backend`` (the whole model when ``whole``)."""
     mesh = T._mesh("flat")
     model = T.make_model()
     reshard = mode == "z3"
-    dm = dmuon.dedicate_params(model, mesh, reshard_after_forward=reshard)
+    policy = {"mp_policy": BF16} if mp else {}
+    dm = dmuon.dedicate_params(model, mesh, reshard_after_forward=reshard, **policy)
     for block in model.blocks:
-        fully_shard(block, mesh=mesh, reshard_after_forward=reshard, ignored_params=set(dm))
-    fully_shard(model, mesh=mesh, ignored_params=set(dm))
-    if backend is not None:
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard, ignored_params=set(dm), **policy)
+    fully_shard(model, mesh=mesh, ignored_params=set(dm), **policy)
+    if backend is not None and whole:
+        model.compile(backend=backend)
+    elif backend is not None:
         for block in model.blocks:
             # In place (module names, hence the plan and state_dict keys, stay as they are);
             # torch.compile(block) re-registered as the block is the same compiled region.
@@ -36,12 +44,14 @@ def _build(mode: str, backend: str | None):
     return model, dm, opt
 
 
-def train(mode: str, backend: str | None, steps: int, fr_dir: str) -> dict:
+def train(mode: str, backend: str | None, steps: int, fr_dir: str, mp: bool = False,
+          whole: bool = False) -> dict:
     """Train ``steps`` steps; returns the params this rank holds authoritative values of
     (owned dedicated ones, full non-dedicated ones), the losses, Dynamo's graph count, and the
     collectives of the last step as (op, count, group, root) in issue order, read from the
     Flight Recorder (C++ side; the interposer, a TorchDispatchMode, would make Dynamo skip
-    the compiled frames). Needs a pool started with ``flight_recorder_env()``.
+    the compiled frames). Needs a pool started with ``flight_recorder_env()``. ``mp`` and
+    ``whole``: :func:`_build`'s.
     """
     import torch._dynamo
     import torch._inductor.config
@@ -50,7 +60,7 @@ def train(mode: str, backend: str | None, steps: int, fr_dir: str) -> dict:
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     rank, world = dist.get_rank(), dist.get_world_size()
-    model, dm, opt = _build(mode, backend)
+    model, dm, opt = _build(mode, backend, mp, whole)
     losses = []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # dynamo's "cannot trace pybind11 builtin" notes
@@ -79,17 +89,23 @@ def train(mode: str, backend: str | None, steps: int, fr_dir: str) -> dict:
             "graphs": stats["unique_graphs"], "frames": stats["calls_captured"]}
 
 
-def graph_breaks(mode: str) -> dict:
+def graph_breaks(mode: str, mp: bool = False, whole: bool = False) -> dict:
     """``torch._dynamo.explain`` of the first block with DMuon's hooks (every rank must run it:
-    the hooks issue collectives). Returns graph / break counts and the distinct reasons."""
+    the hooks issue collectives), with :data:`BF16` when ``mp`` (the block's input then in
+    bf16, as FSDP2's root unit hands it on); of the whole model on a token batch when
+    ``whole``. Returns graph / break counts and the distinct reasons."""
     import torch._dynamo
 
     torch._dynamo.reset()
-    model, dm, _ = _build(mode, None)
-    x = torch.randn(2, T.SMALL.seq_len, T.SMALL.d_model)
+    model, dm, _ = _build(mode, None, mp)
+    if whole:
+        target, x = model, T.corpus().global_batch(0, 2, T.SMALL.seq_len)[0]
+    else:
+        target = model.blocks[0]
+        x = torch.randn(2, T.SMALL.seq_len, T.SMALL.d_model, dtype=torch.bfloat16 if mp else None)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        explained = torch._dynamo.explain(model.blocks[0])(x)
+        explained = torch._dynamo.explain(target)(x)
     reasons = []
     for r in explained.break_reasons:
         frame = r.user_stack[-1] if r.user_stack else None

@@ -56,6 +56,40 @@ def test_compiled_blocks_aot_eager_bit_identical_to_eager(fr_pool2, mode, tmp_pa
         assert e["calls"] == c["calls"] and e["calls"]  # same collectives, same order
 
 
+@pytest.mark.parametrize("mode, whole", [("z3", False), ("z2", False), ("z3", True)],
+                         ids=["z3-block", "z2-block", "z3-whole-model"])
+def test_bf16_policy_gives_the_graphs_of_fp32(fr_pool2, mode, whole):
+    """``torch._dynamo.explain`` with and without ``MixedPrecisionPolicy(bf16)``: a TinyGPT
+    block (4 dedicated Linears) is 1 graph with 0 breaks either way. Fails without
+    precision.ModuleSwaps: DMuon's compute-param swaps ran in ``torch.compiler.disable``d
+    hooks on each Linear, 5 graphs and 4 breaks per block. Whole model (``model.compile()``):
+    the blocks' hooks break the root's loop over the blocks, so Dynamo runs the root eagerly
+    and compiles each block's forward, the same graphs again; before DMuon's root hooks were
+    excluded from Dynamo too, tracing them read the freed storage of non-holders (Z3 copies,
+    bf16's fp32 masters) and raised."""
+    plain = fr_pool2.run_with_timeout(120, C.graph_breaks, mode, False, whole)
+    bf16 = fr_pool2.run_with_timeout(120, C.graph_breaks, mode, True, whole)
+    for p, b in zip(plain, bf16):
+        assert (p["graphs"], p["breaks"]) == (1, 0), p["reasons"]
+        assert (b["graphs"], b["breaks"]) == (1, 0), b["reasons"]
+
+
+@pytest.mark.parametrize("whole", [False, True], ids=["block", "whole-model"])
+def test_bf16_compiled_aot_eager_bit_identical_to_eager(fr_pool2, whole, tmp_path):
+    """Z3 with ``MixedPrecisionPolicy(bf16)`` on DMuon and FSDP2, compiled per block or whole
+    (``aot_eager``): params bit-identical to the eager bf16 run, the same collectives in the
+    same order, and as many graphs per rank as the compiled run without the policy."""
+    eager = fr_pool2.run_with_timeout(120, C.train, "z3", None, STEPS, str(tmp_path), True)
+    compiled = fr_pool2.run_with_timeout(120, C.train, "z3", "aot_eager", STEPS, str(tmp_path), True, whole)
+    plain = fr_pool2.run_with_timeout(120, C.train, "z3", "aot_eager", STEPS, str(tmp_path), False, whole)
+    assert [r["graphs"] for r in compiled] == [r["graphs"] for r in plain] == [1, 1]  # one block
+    a, b = _merged(eager), _merged(compiled)
+    assert sorted(a) == sorted(b) and all(t.dtype == torch.float32 for t in b.values())
+    assert all(torch.equal(a[n], b[n]) for n in a), [n for n in a if not torch.equal(a[n], b[n])]
+    for e, c in zip(eager, compiled):
+        assert e["calls"] == c["calls"] and e["calls"]
+
+
 def _rel_err(got: dict, ref: dict, init: dict) -> float:
     """Worst max|got - ref| over params, relative to the reference's displacement max|ref - init|."""
     return max((got[n] - r).abs().max().item() / max((r - init[n]).abs().max().item(), 1e-12)
