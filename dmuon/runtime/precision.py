@@ -61,7 +61,8 @@ class ModuleSwaps:
     - **Casts, per module** (:meth:`leaf_pre_forward` / :meth:`leaf_post_forward`, plain
       hooks Dynamo traces into the block's graph): inputs to ``param_dtype``, outputs back in
       the dtype the inputs arrived in. Per call they keep one entry on a stack (LIFO, so
-      nested modules pair up; an exception leaves a stale entry below, never popped).
+      nested modules pair up); a post-hook drops the entries above its own, which a forward
+      that raised inside a module left behind (the exception caught by an enclosing one).
     - A module run outside its block's forward (its compute params not registered) swaps them
       in for its own forward (a compiled region breaks there; eager code is unaffected).
 
@@ -74,7 +75,7 @@ class ModuleSwaps:
         self.buckets_of: dict[nn.Module, list] = {}  # module holding dedicated params -> buckets
         self.probe: dict[nn.Module, tuple] = {}  # such module -> (bucket, index, attribute name)
         self.block_leaves: dict[nn.Module, list[nn.Module]] = {}  # block -> its such modules
-        self.calls: list[tuple[torch.dtype | None, bool]] = []  # (output dtype, swapped here)
+        self.calls: list[tuple] = []  # per module call in flight: (module, output dtype, swapped here)
         for b in buckets:
             for i, (m, name) in enumerate(zip(b.param_modules, b.names)):
                 if m is root:
@@ -117,11 +118,13 @@ class ModuleSwaps:
         here = module._parameters[attr] is not b.compute[i]  # outside its block's forward
         if here:
             self._swap_leaf(module, True)
-        self.calls.append((output_dtype(self.policy, args), here))
+        self.calls.append((module, output_dtype(self.policy, args), here))
         return cast_inputs(self.policy, args)
 
     def leaf_post_forward(self, module: nn.Module, args, output):
-        dtype, here = self.calls.pop()
+        m, dtype, here = self.calls.pop()
+        while m is not module:  # left by a call that raised (list, docstring)
+            m, dtype, here = self.calls.pop()
         if here:
             self._swap_leaf(module, False)
         return cast_output(dtype, output)

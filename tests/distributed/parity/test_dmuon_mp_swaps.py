@@ -37,3 +37,13 @@ def test_mp_recompute_runs_in_bf16_and_params_equal_no_ac(pool2, mode, variants)
         got = _merged(results)
         assert got.keys() == ref.keys()
         assert all(torch.equal(got[n], ref[n]) for n in ref), (variant, [n for n in ref if not torch.equal(got[n], ref[n])])
+
+
+def test_mp_casts_pair_up_after_a_module_raised_inside_another(pool2):
+    """A dedicated Linear raises inside its forward (so its post-hook never runs) and the
+    enclosing block, which holds a dedicated matrix itself, catches it: the block still hands
+    its output back in its fp32 input's dtype (DDP keeps the rest fp32) and no per-call entry
+    stays in flight. Fails if a post-hook took the top entry as its own: the block got the
+    inner call's bf16 and its own entry stayed behind."""
+    for r in pool2.run_with_timeout(TIMEOUT_S, M.caught_inner_error):
+        assert r == {"block_out": ["torch.float32"], "in_flight": 0}, r
