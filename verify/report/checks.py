@@ -14,6 +14,10 @@ Per run (report.json ``runs[].checks``, in this order; a run passes when all of 
 - ``ns_balance``: on every rank, Newton–Schulz calls per step and the plan's NS cost stay
   within the bound the harness derives from the shapes (``verify.traffic.ns_bound``); modes
   where each matrix has one owner;
+- ``memory``: on every rank, the peak bytes of DMuon's dedicated params in forward, in
+  backward and between steps, and of its grad buffers, measured at the harness's hooks, stay
+  within the bound predicted from the plan (``verify.traffic.memory``); DMuon modes where the
+  run carries ``memory``;
 - ``baseline``: the run's gated figures equal the baseline's (``verify.report.baseline``);
   only where a baseline was compared;
 - ``loss``: the loss (mean over ranks) of the last step is below the first; only where the
@@ -51,6 +55,8 @@ _LABELS: dict[str, tuple[str, str]] = {
     "loss": ("loss falls", "loss did not fall"),
     **{f"source:{s}": (f"{s} matches one to one", f"{s} trace does not match")
        for s in SOURCES if s != "interposer"},
+    "memory": ("DMuon's peak bytes per rank within the plan's bound",
+               "DMuon's memory above the plan's bound"),
     "baseline": ("figures equal the baseline", "figures differ from the baseline"),
     "error": ("no mode raised", "mode raised an error"),
 }
@@ -156,6 +162,35 @@ def _ns_balance(run: Mapping) -> dict:
                   if nb["cost_bound_flops"] else "no Muon matrix")
 
 
+def _mb(n: float) -> str:
+    return f"{n / 1e6:.2f} MB"
+
+
+def _memory(run: Mapping) -> dict:
+    mem = run["memory"]
+    over, worst = [], 0.0
+    for r in mem["ranks"]:
+        b, m = r["bound"], r["measured"]
+        why = (f"Z3 window of {b['window_units']} unit{'s' if b['window_units'] != 1 else ''}"
+               if mem["z3"] else "Z2: every copy resident")
+        for phase, bound, cause in (("forward", b["peak_bytes"], why), ("backward", b["peak_bytes"], why),
+                                    ("between steps", b["between_bytes"], "held buckets" if mem["z3"] else why),
+                                    ("grads", b["grads_bytes"], "held buffers + 2 units")):
+            got = m["between" if phase == "between steps" else phase]
+            if bound:
+                worst = max(worst, got / bound)
+            if got > bound:
+                what = "grad buffers" if phase == "grads" else f"peak {phase}"
+                over.append(f"rank {r['rank']} {what} {_mb(got)} > bound {_mb(bound)} ({cause})")
+    if over:
+        shown = "; ".join(over[:MAX_OWNERS_SHOWN])
+        more = len(over) - MAX_OWNERS_SHOWN
+        return _check("memory", False, shown + (f"; and {more} more" if more > 0 else "")
+                      + " (docs/verify.md, 'Memory')")
+    return _check("memory", True, f"every rank within the bound (at most {worst:.2f}× it; "
+                                  f"prefetch_depth {mem['prefetch_depth']})")
+
+
 def _closed_form(run: Mapping) -> dict:
     off = []
     for name, ph in run["phases"].items():
@@ -204,6 +239,8 @@ def run_checks(run: Mapping) -> list[dict]:
         out.append(_owners(run))
     if run.get("ns_balance") is not None:
         out.append(_ns_balance(run))
+    if run.get("memory") is not None:
+        out.append(_memory(run))
     if "loss_falls" in run:
         out.append(_loss(run))
     out += [_source(s, run["sources"][s]) for s in SOURCES

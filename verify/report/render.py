@@ -39,6 +39,7 @@ from verify.report.schema import (
     validate_report,
 )
 from verify.traffic.formulas import MODES
+from verify.report.memory_view import memory_md
 
 __all__ = ["MODES", "READING_REL_TOL", "validate_report", "format_markdown",
            "report_json", "read_report", "write_report", "table_rows"]
@@ -498,6 +499,7 @@ def format_markdown(report: Mapping) -> str:
             tab((o_headers, o_rows), "github"),
         ]
     md += node_bytes_md(report)
+    md += memory_md(report)
     nvlink = nvlink_lines(report, "github")
     if nvlink:
         md += ["", "## NVLink counters", ""] + nvlink
@@ -673,12 +675,14 @@ def write_report(report: Mapping, out_dir: str | Path) -> dict[str, Path]:
     mode × check) and traffic.png into ``out_dir`` (created if needed).
 
     Returns:
-        ``{"json": path, "markdown": path, "junit": path, "traffic_png": path}``.
+        ``{"json": path, "markdown": path, "junit": path, "traffic_png": path}``, and
+        ``"memory_png"`` where a run carries DMuon's memory (``verify.report.memory_view``).
 
     Raises:
         ValueError: ``report`` does not follow the data model (see :func:`validate_report`).
     """
     from verify.report.junit import junit_xml
+    from verify.report.memory_view import plot_memory
     from verify.report.plots import plot_traffic  # matplotlib import only when plotting
 
     text = report_json(report)  # validates before anything is written
@@ -690,4 +694,6 @@ def write_report(report: Mapping, out_dir: str | Path) -> dict[str, Path]:
     paths["markdown"].write_text(format_markdown(report), encoding="utf-8")
     paths["junit"].write_text(junit_xml(report), encoding="utf-8")
     plot_traffic(report, paths["traffic_png"])
+    if plot_memory(report, out / "memory.png") is not None:  # DMuon runs' bytes per rank
+        paths["memory_png"] = out / "memory.png"
     return paths

@@ -135,10 +135,11 @@ PARAM_KEYS: dict[str, tuple] = {
 #: (``{"measured_avg_bytes"|"predicted_avg_bytes": {phase|"total": {dtype: bytes}}}``),
 #: ``timing`` (verify.run.steptime.timing_report), ``checks`` (``[{"check", "pass", "detail"}]``,
 #: verify.report.checks; derived from the figures where absent) and ``loss_falls`` (the run is
-#: gated on its loss).
+#: gated on its loss); ``memory`` (DMuon modes: measured peak bytes per rank against the
+#: predicted bound, verify.traffic.memory.memory_report).
 OPTIONAL_RUN_KEYS: dict[str, tuple] = {"tp_size": (int,), "wire": (dict,), "bytes": (dict,),
                                        "timing": (dict,), "checks": (list,), "loss_falls": (bool,),
-                                       "hierarchy": (str,)}
+                                       "hierarchy": (str,), "memory": (dict,)}
 #: ``run["hierarchy"]``: how a DMuon run on a 2-D mesh moved its dedicated params
 #: (``verify.traffic.predict.dmuon_hierarchy``; absent on 1-D meshes, other modes and older
 #: reports, which all ran hierarchical; docs/traffic-model.md, "HSDP: flat or hierarchical").

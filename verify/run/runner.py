@@ -66,8 +66,10 @@ from verify.sources.nvlink import nvlink_report
 from verify.report.checks import failures_of_runs, run_checks
 from verify.report.plots import plot_timeline
 from verify.run.figures import add_figures, interposer_source, params_report
+from verify.run.memory_meter import MemoryMeter
 from verify.run.steptime import StepTime, sample
 from verify.traffic.formulas import MODES
+from verify.traffic.memory import memory_report
 from verify.workload.usermodel import (
     BUILTIN,
     ModelSource,
@@ -312,6 +314,9 @@ def _train_mode(mode: str, config: RunConfig, corpus: ByteCorpus, progress,
     # (verify.run.block_order), agreed after the loop (outside the window)
     blocks = blocks_of(built.dedicated.names) if built.dedicated is not None else ()
     recorder = BlockOrderRecorder(bare_model(model), blocks, built.layout.fsdp_modules)
+    meter = None  # DMuon's bytes at every hook (verify.run.memory_meter), 1-D / HSDP only
+    if built.dedicated is not None and config.tp == 1:
+        meter = MemoryMeter(bare_model(model), built.dedicated, config.device).attach()
     ns_before = 0
     try:
         with tagging:
@@ -319,6 +324,10 @@ def _train_mode(mode: str, config: RunConfig, corpus: ByteCorpus, progress,
                 if step == config.steps_warmup:
                     ns_before = opt.ns_calls
                     window.open(drain=built.dedicated.wait_pending if built.dedicated is not None else None)
+                    if meter is not None:
+                        meter.start()
+                if meter is not None and meter.on:
+                    meter.step()
                 before = sample()
                 losses.append(loss_step(model, opt, loss_fn, rank, step))
                 if step >= config.steps_warmup:
@@ -329,6 +338,9 @@ def _train_mode(mode: str, config: RunConfig, corpus: ByteCorpus, progress,
     except BaseException:
         window.abort()
         raise
+    finally:
+        if meter is not None:
+            meter.close()
     recorded = window.close()
     layout = dataclasses.replace(built.layout, module_calls=recorder.call_counts())
     if built.dedicated is not None:
@@ -348,6 +360,8 @@ def _train_mode(mode: str, config: RunConfig, corpus: ByteCorpus, progress,
         "ns_calls": opt.ns_calls - ns_before,
         "layout": layout,
         "plan_digest": built.dedicated.plan.digest() if built.dedicated else None,
+        "memory": None if meter is None else {**meter.result(),
+                                              "prefetch_depth": built.dedicated.prefetch_depth},
     }
 
 
@@ -531,6 +545,8 @@ def _assemble_run(mode: str, config: RunConfig, source: ModelSource, gathered: l
         title = f"{mode} ({source.name}, W={world}, {dist.get_backend()}): last measured step"
         plot_timeline(timeline.with_suffix(".png"), per_rank, title=title,
                       t0_ns=min(a for a, _ in last), t1_ns=max(b for _, b in last))
+    if all(r.get("memory") is not None for r in gathered):  # DMuon's bytes vs the bound
+        run["memory"] = memory_report(gathered[0]["layout"], [r["memory"] for r in gathered])
     run["checks"] = run_checks(run)
     run["pass"] = all(c["pass"] for c in run["checks"])
     return run
