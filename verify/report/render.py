@@ -398,6 +398,42 @@ def hsdp_reading_rows(report: Mapping) -> tuple[list[str], list[list[str]]]:
     return headers, rows
 
 
+def qk_clip_rows(report: Mapping) -> tuple[list[str], list[list[str]]]:
+    """``--qk-clip``: per run its ``qk_clip`` phase (``verify.run.qk_clip.run_entry``): τ, the
+    heads, the message of one all_reduce (MAX, fp32), calls per step measured / predicted, the
+    W-average bytes per rank per step measured / predicted (all of them: the maxima are not
+    dedicated-param traffic, which the per-phase table counts), the heads the clip scaled per
+    step (warm-up, then measured), and whether calls and bytes equal the prediction; a mode
+    without QK-clip (a baseline) is ``n/a`` (why: :func:`qk_clip_not_run`). Empty rows without
+    ``--qk-clip``."""
+    headers = ["mode", "τ", "heads", "msg [B]", "calls/step meas/pred", "measured avg [B]",
+               "predicted avg [B]", "heads clipped per step", "result"]
+    rows = []
+    for run in report["runs"]:
+        q = run.get("qk_clip")
+        if q is None:
+            continue
+        if not q["applies"]:
+            rows.append([run["mode"], f"{q['tau']:g}", "–", "–", "–", "–", "–", "–", "n/a"])
+            continue
+        rows.append([run["mode"], f"{q['tau']:g}", str(q["heads"]), _fmt_int_bytes(q["msg_bytes"]),
+                     f"{fmt_count(q['calls_measured_per_step'])}/"
+                     f"{fmt_count(q['calls_predicted_per_step'])}",
+                     fmt_elems(q["measured_avg_bytes"]), fmt_elems(q["predicted_avg_bytes"]),
+                     " ".join(map(str, q["clipped_per_step"])), verdict(q["pass"])])
+    return headers, rows
+
+
+def qk_clip_not_run(report: Mapping) -> list[str]:
+    """``"<reason>: <modes>"`` per reason of the runs whose ``qk_clip`` does not apply."""
+    by_reason: dict[str, list[str]] = {}
+    for run in report["runs"]:
+        q = run.get("qk_clip")
+        if q is not None and not q["applies"]:
+            by_reason.setdefault(q["reason"], []).append(run["mode"])
+    return [f"{why}: {', '.join(modes)}" for why, modes in by_reason.items()]
+
+
 def overlap_rows(report: Mapping) -> tuple[list[str], list[list[str]]]:
     """Per run with ``replicate_overlap`` entries: how the async replicate broadcast hid
     behind compute. ``issue→wait`` is ``waited_ns - issued_ns`` (both from the start of the
@@ -487,6 +523,20 @@ def format_markdown(report: Mapping) -> str:
             tabulate(h_rows, headers=h_headers, tablefmt="github", disable_numparse=True,
                      colalign=("left", "left") + ("right",) * 4 + ("left",)),
         ]
+    q_headers, q_rows = qk_clip_rows(report)
+    if q_rows:
+        md += [
+            "",
+            "## QK-clip (MuonClip): phase qk_clip",
+            "",
+            "One all_reduce (MAX) per rank and step over all W ranks of every head's fp32 max "
+            "logit (docs/traffic-model.md, \"QK-clip\"). Bytes per rank per step, W-average of "
+            "f(n)·S; they are not dedicated-param traffic (0 in the table above). Whether each "
+            "call matches is the `collectives` check's.",
+            "",
+            tab((q_headers, q_rows), "github"),
+        ]
+        md += ["", *(f"n/a: {line}" for line in qk_clip_not_run(report))]
     o_headers, o_rows = overlap_rows(report)
     if o_rows:
         md += [

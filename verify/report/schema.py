@@ -136,10 +136,12 @@ PARAM_KEYS: dict[str, tuple] = {
 #: ``timing`` (verify.run.steptime.timing_report), ``checks`` (``[{"check", "pass", "detail"}]``,
 #: verify.report.checks; derived from the figures where absent) and ``loss_falls`` (the run is
 #: gated on its loss); ``memory`` (DMuon modes: measured peak bytes per rank against the
-#: predicted bound, verify.traffic.memory.memory_report).
+#: predicted bound, verify.traffic.memory.memory_report); ``qk_clip`` (``--qk-clip``: the phase's bytes in a DMuon run, or
+#: ``{"applies": false, "reason"}`` in a baseline; verify.run.qk_clip).
 OPTIONAL_RUN_KEYS: dict[str, tuple] = {"tp_size": (int,), "wire": (dict,), "bytes": (dict,),
                                        "timing": (dict,), "checks": (list,), "loss_falls": (bool,),
-                                       "hierarchy": (str,), "memory": (dict,)}
+                                       "hierarchy": (str,), "qk_clip": (dict,),
+                                       "memory": (dict,)}
 #: ``run["hierarchy"]``: how a DMuon run on a 2-D mesh moved its dedicated params
 #: (``verify.traffic.predict.dmuon_hierarchy``; absent on 1-D meshes, other modes and older
 #: reports, which all ran hierarchical; docs/traffic-model.md, "HSDP: flat or hierarchical").

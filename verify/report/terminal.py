@@ -30,6 +30,8 @@ from verify.report.render import (
     nvlink_lines,
     ordered_phases,
     phase_bytes,
+    qk_clip_not_run,
+    qk_clip_rows,
     readings_equal,
     tab,
     table_rows,
@@ -186,6 +188,14 @@ def format_table(report: Mapping, *, wide: bool = False) -> str:
              tab(all_params_rows(report, two_line=True), "simple")]
     for entry in report.get("skipped", []):
         parts.append(_wrap(f"skipped {entry['mode']}: {entry['reason']}"))
+    q_headers, q_rows = qk_clip_rows(report)
+    if q_rows:  # --qk-clip: the phase's own bytes (not dedicated-param traffic)
+        applies = [r for r in q_rows if r[-1] != "n/a"]
+        parts.append("")
+        if applies:
+            parts += ["qk_clip phase (MuonClip's all_reduce MAX of per-head fp32 maxima; bytes "
+                      "per rank-step, W-average):", tab((q_headers, applies), "simple")]
+        parts += [_wrap(f"qk_clip n/a: {line}") for line in qk_clip_not_run(report)]
     nvlink = nvlink_lines(report, "simple")
     if nvlink:
         parts += [""] + (nvlink if wide else [_wrap(line) if line else line for line in nvlink])

@@ -194,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="make verify-traffic", description=__doc__.split("\n\n")[0],
         epilog="Every other option (--modes, --model, --coalesce, --rest, --hierarchy, --tp, "
-               "--mixed-precision, ...) goes to each rank's python -m verify.run.main: see its "
+               "--qk-clip, --mixed-precision, ...) goes to each rank's python -m verify.run.main: see its "
                "--help; docs/verify.md.")
     parser.add_argument("--nproc", type=int, default=None, help=f"CPU processes when < 2 GPUs (default {DEFAULT_CPU_PROCS})")
     parser.add_argument("--backend", default="auto", choices=BACKENDS,

@@ -29,8 +29,10 @@ from verify.run.collect import DEFAULT_MAX_MB, collect_to_rank0
 from verify.run.failstop import Board, exit_now, watch_sigterm
 from verify.run.nodes import node_map, this_node, write_node_file
 from verify.run.groups import init_kwargs
+from verify.run.qk_clip import DEFAULT_TAU as QK_CLIP_DEFAULT_TAU
 from verify.run.runner import RunConfig, run_all, runnable_modes
 from verify.traffic.variants import RUN_MODES as MODES  # modes and their variants
+from verify.traffic.variants import split_mode
 from verify.traffic.predict import DMUON_HIERARCHIES
 from verify.workload.usermodel import BUILTIN, skip_reasons
 
@@ -85,6 +87,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "naive-fsdp2-z2, naive-fsdp2-z3 on a (W/T) x T mesh ('shard', 'tp'); "
                              "dmuon-hsdp-z2/z3 on (2, W/(2T), T) where W/T is even and >= 4), the "
                              "built-in model's MLPs tensor parallel (verify/run/tp_modes.py)")
+    parser.add_argument("--qk-clip", type=float, nargs="?", const=QK_CLIP_DEFAULT_TAU, default=None,
+                        metavar="TAU", dest="qk_clip",
+                        help="run MuonClip's QK-clip (dmuon.optim.qk_clip.QKClip, alpha 0.5) in the "
+                        "DMuon modes at threshold TAU (default %(const)s: it clips the built-in "
+                        "model's heads) and verify its all_reduce, phase qk_clip; the other modes "
+                        "run without it (docs/verify.md, '--qk-clip')")
     parser.add_argument("--baseline", default=None, metavar="FILE",
                         help="compare every mode's gated figures with FILE (written by --write-baseline) "
                         "and fail on any difference; default: the committed baseline of the default "
@@ -111,9 +119,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     unknown = [m for m in args.modes.split(",") if m not in MODES]
     if unknown:
         parser.error(f"Invalid --modes entries {unknown}. Must be among {list(MODES)}.")
+    if args.qk_clip is not None:
+        _check_qk_clip(parser, args)
     if args.steps_measured < 1 or args.steps_warmup < 1:
         parser.error("--steps-warmup and --steps-measured must be >= 1 (the first step is never steady).")
     return args
+
+
+def _check_qk_clip(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """``--qk-clip TAU``: a finite TAU > 0, the built-in model, no ``--tp``, and a DMuon mode
+    in ``--modes`` (the only modes that run the clip); else the parser's usage error."""
+    if not 0 < args.qk_clip < float("inf"):
+        parser.error(f"Invalid --qk-clip {args.qk_clip}. Must be a finite threshold > 0 on the "
+                     f"pre-softmax logit (e.g. {QK_CLIP_DEFAULT_TAU}, the default).")
+    if args.model != BUILTIN:
+        parser.error(f"--qk-clip runs the built-in model only (--model {BUILTIN}): the harness "
+                     "reads q and k from its attention (verify/run/qk_clip.py).")
+    if args.tp > 1:
+        parser.error("--qk-clip runs without --tp (the TP modes' builder, verify/run/tp_modes.py, "
+                     "attaches no QK-clip yet).")
+    if not any(split_mode(m)[0].startswith("dmuon-") for m in args.modes.split(",")):
+        parser.error(f"--qk-clip with --modes {args.modes}: no DMuon mode, so nothing would run "
+                     "the clip. Add a dmuon-* mode (the baselines have no QK-clip).")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -155,6 +182,7 @@ def main(argv: list[str] | None = None) -> int:
         rest=args.rest,
         hierarchy=args.hierarchy,
         tp=args.tp,
+        qk_clip_tau=args.qk_clip,
     )
     rank = dist.get_rank()
     modes = runnable_modes(config, dist.get_world_size())

@@ -41,6 +41,8 @@ class Built:
     optimizer: object
     layout: RunLayout
     dedicated: dmuon.DedicatedParams | None = None
+    #: The mode's ``dmuon.optim.qk_clip.QKClip`` (``--qk-clip``, DMuon modes), else ``None``.
+    qk_clip: object | None = None
 
 
 class _Pair:
@@ -129,7 +131,7 @@ def _fsdp_wrap(model: nn.Module, mesh, reshard: bool, ignored: set, per_linear: 
 
 def build(mode: str, make_model: Callable[[], nn.Module], device: str = "cpu",
           mixed_precision: str | None = None, coalesce: str = "auto", rest: str = "wrapper",
-          hierarchy: str = "auto") -> Built:
+          hierarchy: str = "auto", qk_clip_tau: float | None = None) -> Built:
     """Build ``mode`` on this rank: wrap ``make_model()`` and create its optimizer.
 
     ``coalesce``: DMuon's ``dedicate_params(coalesce=...)`` (the layout gets the target the
@@ -144,11 +146,16 @@ def build(mode: str, make_model: Callable[[], nn.Module], device: str = "cpu",
     from which the predictor derives flat or hierarchical itself
     (:func:`verify.traffic.predict.dmuon_hierarchy`; on a 1-D mesh it changes nothing).
 
+    ``qk_clip_tau``: ``--qk-clip``'s τ: the DMuon modes get MuonClip's QK-clip on their
+    optimizer (:mod:`verify.run.qk_clip`, ``Built.qk_clip``) and the layout its head count
+    (``RunLayout.qk_clip_heads``, counted from the model); the other modes run without it.
+
     ``mode`` may be a variant (``"dmuon-z3[block]"``, :mod:`verify.traffic.variants`): its
     knobs replace ``coalesce`` / ``hierarchy``, and the layout records the label.
 
     Raises:
-        ValueError: unknown mode, ``rest`` or ``hierarchy``, or a world size the mode cannot use.
+        ValueError: unknown mode, ``rest`` or ``hierarchy``, a world size the mode cannot use,
+            or ``qk_clip_tau`` with a model without TinyGPT's attention (or a bad τ).
     """
     label = mode
     mode, knobs = split_mode(label)
@@ -173,6 +180,12 @@ def build(mode: str, make_model: Callable[[], nn.Module], device: str = "cpu",
     # DDP broadcasts the module's buffers from rank 0 before every forward
     buffers = tuple((str(b.dtype).removeprefix("torch."), b.numel()) for _, b in model.named_buffers())
 
+    clip_heads = 0
+    if qk_clip_tau is not None and mode.startswith("dmuon-"):
+        from verify.run.qk_clip import count_heads
+
+        clip_heads = count_heads(model)  # the harness's own count, before any wrapping
+
     def layout(fsdp_modules=(), reshard_flag=reshard) -> RunLayout:
         return RunLayout(
             mode=mode,
@@ -192,6 +205,7 @@ def build(mode: str, make_model: Callable[[], nn.Module], device: str = "cpu",
             dmuon_rest="replicate" if replicated else "wrapper",
             dmuon_hierarchy=hierarchy if mode.startswith("dmuon-") else "auto",
             dmuon_auto_flat=dmuon_flattens(backend),
+            qk_clip_heads=clip_heads,
             label=label if label != mode else "",
         )
 
@@ -201,6 +215,7 @@ def build(mode: str, make_model: Callable[[], nn.Module], device: str = "cpu",
     if mode.startswith("dmuon-"):
         dm = dmuon.dedicate_params(model, mesh, params=list(targets), reshard_after_forward=reshard,
                                    mp_policy=mp, coalesce=coalesce, rest=rest, hierarchy=hierarchy)
+        bare = model  # DDP wraps it below; fully_shard keeps the object
         if replicated:
             fsdp_modules = ()
         elif mode == "dmuon-ddp":
@@ -209,7 +224,12 @@ def build(mode: str, make_model: Callable[[], nn.Module], device: str = "cpu",
         else:
             fsdp_modules = _fsdp_wrap(model, mesh, reshard, set(dm), [], mp, blocks=False)
         opt = dmuon.DMuon(model.parameters(), dedicated=dm, lr=MUON_LR, adamw_lr=ADAMW_LR)
-        return Built(model, opt, layout(fsdp_modules), dm)
+        clip = None
+        if qk_clip_tau is not None:
+            from verify.run.qk_clip import attach
+
+            clip = attach(opt, bare, qk_clip_tau)
+        return Built(model, opt, layout(fsdp_modules), dm, clip)
 
     if mode == "ddp-muon":
         named = dict(model.named_parameters())

@@ -68,6 +68,7 @@ from verify.report.plots import plot_timeline
 from verify.run.figures import add_figures, interposer_source, params_report
 from verify.run.memory_meter import MemoryMeter
 from verify.run.steptime import StepTime, sample
+from verify.run.qk_clip import clipped_heads, not_run_entry as qk_clip_not_run, run_entry as qk_clip_run_entry
 from verify.traffic.formulas import MODES
 from verify.traffic.memory import memory_report
 from verify.workload.usermodel import (
@@ -111,6 +112,9 @@ class RunConfig:
             hierarchical"). Not ``"flat"`` with ``tp`` > 1.
         tp: tensor-parallel degree T; > 1 runs the TP-capable modes on a (W/T) × T mesh
             (``verify.run.tp_modes``; built-in model only).
+        qk_clip_tau: ``--qk-clip``'s τ, or ``None``: the DMuon modes run MuonClip's QK-clip
+            and their prediction has its ``qk_clip`` all_reduce (``verify.run.qk_clip``;
+            built-in model, not with ``tp`` > 1).
     """
 
     modes: tuple[str, ...] = MODES
@@ -132,6 +136,7 @@ class RunConfig:
     rest: str = "wrapper"
     hierarchy: str = "auto"
     tp: int = 1
+    qk_clip_tau: float | None = None
 
 
 def runnable_modes(config: RunConfig, world_size: int) -> list[str]:
@@ -277,6 +282,9 @@ def _train_mode(mode: str, config: RunConfig, corpus: ByteCorpus, progress,
 
     tagging = contextlib.nullcontext()
     if config.tp > 1:  # tensor parallel (verify.run.tp_modes)
+        if config.qk_clip_tau is not None:
+            raise ValueError(f"Invalid qk_clip_tau={config.qk_clip_tau!r} with tp={config.tp}. "
+                             "Must be None under TP: the TP builder runs no QK-clip yet.")
         if config.rest != "wrapper":
             raise ValueError(f"Invalid rest={config.rest!r} with tp={config.tp}. Must be 'wrapper' "
                              "under TP (dedicate_params refuses rest='replicate' on a 'tp' mesh).")
@@ -301,13 +309,13 @@ def _train_mode(mode: str, config: RunConfig, corpus: ByteCorpus, progress,
         tagging = tp_modes.tp_phase()
     else:
         built = build(mode, make_model, config.device, config.mixed_precision, config.coalesce,
-                      config.rest, config.hierarchy)
+                      config.rest, config.hierarchy, qk_clip_tau=config.qk_clip_tau)
         if scope is not None and built.dedicated is not None:
             scope.adopt(built.dedicated)
         loss_fn = made[-1][1]
     model, opt = built.model, built.optimizer
     out = Path(config.out_dir) / mode
-    losses, step_bounds, step_times = [], [], []
+    losses, step_bounds, step_times, clipped = [], [], [], []
     window = _MeasuredWindow(mode, out, config.device, model, config.profiler)
     # DMuon numbers its buckets by the first forward's block order, and Z3 / FSDP2 re-send a
     # module that runs twice: the harness records both with its own hooks
@@ -330,6 +338,8 @@ def _train_mode(mode: str, config: RunConfig, corpus: ByteCorpus, progress,
                     meter.step()
                 before = sample()
                 losses.append(loss_step(model, opt, loss_fn, rank, step))
+                if built.qk_clip is not None:  # heads the clip scaled (verify.run.qk_clip)
+                    clipped.append(clipped_heads(built.qk_clip))
                 if step >= config.steps_warmup:
                     after = sample()
                     step_times.append(StepTime.between(before, after))
@@ -362,6 +372,7 @@ def _train_mode(mode: str, config: RunConfig, corpus: ByteCorpus, progress,
         "plan_digest": built.dedicated.plan.digest() if built.dedicated else None,
         "memory": None if meter is None else {**meter.result(),
                                               "prefetch_depth": built.dedicated.prefetch_depth},
+        "qk_clip_clipped": clipped,
     }
 
 
@@ -545,6 +556,11 @@ def _assemble_run(mode: str, config: RunConfig, source: ModelSource, gathered: l
         title = f"{mode} ({source.name}, W={world}, {dist.get_backend()}): last measured step"
         plot_timeline(timeline.with_suffix(".png"), per_rank, title=title,
                       t0_ns=min(a for a, _ in last), t1_ns=max(b for _, b in last))
+    if config.qk_clip_tau is not None:  # --qk-clip: the phase's bytes, or n/a and why
+        layout = gathered[0]["layout"]
+        run["qk_clip"] = (qk_clip_run_entry(layout, events, config.steps_measured, config.qk_clip_tau,
+                                            gathered[0]["qk_clip_clipped"])
+                          if layout.qk_clip_heads else qk_clip_not_run(config.qk_clip_tau))
     if all(r.get("memory") is not None for r in gathered):  # DMuon's bytes vs the bound
         run["memory"] = memory_report(gathered[0]["layout"], [r["memory"] for r in gathered])
     run["checks"] = run_checks(run)

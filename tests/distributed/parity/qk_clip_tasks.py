@@ -137,20 +137,7 @@ def train(mode: str, steps: int, tau: float = TAU, alpha: float = ALPHA, enabled
             "history": history, "qk_calls": [c for c in calls if c[0] == "qk_clip"]}
 
 
-def tinygpt_layers(model) -> list:
-    """HeadLogitMax for each TinyGPT block (fused ``qkv``: q rows 0…D, k rows D…2D, MHA),
-    wired to the attention's ``qk_observer``."""
-    from dmuon.optim.qk_clip import HeadLogitMax
-
-    layers = []
-    for i, block in enumerate(model.blocks):
-        attn, d = block.attn, model.config.d_model
-        site = HeadLogitMax(f"blocks.{i}.attn", attn.qkv.weight, attn.qkv.weight,
-                            n_heads=attn.n_heads, n_kv_heads=attn.n_heads,
-                            head_dim=d // attn.n_heads, q_row0=0, k_row0=d)
-        attn.qk_observer = site
-        layers.append(site)
-    return layers
+from verify.run.qk_clip import tinygpt_layers  # noqa: E402 - TinyGPT's layers, moved to the harness
 
 
 def tinygpt_qk_calls(mode: str, steps: int = 2) -> list:
