@@ -12,6 +12,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from pathlib import Path
 
+from tabulate import tabulate
+
 from verify.report.schema import mode_label
 
 
@@ -42,8 +44,6 @@ def memory_rows(report: Mapping) -> tuple[list[str], list[list[str]]]:
 
 def memory_md(report: Mapping) -> list[str]:
     """report.md's "Memory" section (empty where no run carries ``memory``)."""
-    from verify.report.render import tab
-
     headers, rows = memory_rows(report)
     if not rows:
         return []
@@ -52,7 +52,8 @@ def memory_md(report: Mapping) -> list[str]:
             "and of DMuon's grad buffers at every forward / backward hook, measured by the "
             "harness's hooks; the bound is predicted from the plan (`verify.traffic.memory`), "
             "gated by the `memory` check. Between steps: measured / predicted.",
-            "", tab((headers, rows), "github"), "", "![DMuon memory per rank over one step](memory.png)"]
+            "", tabulate(rows, headers=headers, tablefmt="github", disable_numparse=True,
+                        colalign=("left",) + ("right",) * (len(headers) - 1)), "", "![DMuon memory per rank over one step](memory.png)"]
 
 
 def plot_memory(report: Mapping, path: str | Path) -> Path | None:
