@@ -12,7 +12,7 @@ import torch.nn as nn
 
 from dmuon.runtime import attach, collectives, tp
 from dmuon.ownership.buckets import (DEFAULT_BUCKET_CAP_MB, Coalescing, bucket_layout,
-                                     check_hierarchy, resolve_coalesce, resolve_hierarchy)
+                                     check_hierarchy, check_link, resolve_coalesce, resolve_hierarchy)
 from dmuon.runtime.dedicate import DedicatedParams
 from dmuon.runtime import rest as replicated_rest
 from dmuon.ownership.plan import OwnershipPlan, plan_ownership, specs_from_named_parameters
@@ -33,6 +33,7 @@ def dedicate_params(
     coalesce: str | int = "auto",
     rest: str = "wrapper",
     hierarchy: str = "auto",
+    link: str = "auto",
 ) -> DedicatedParams:
     """Give every Muon-target matrix of ``model`` one owner rank and install DMuon's hooks.
 
@@ -97,6 +98,14 @@ def dedicate_params(
             params are one unit (same W-average bytes), else hierarchical. No effect on a
             1-D mesh; a TP mesh stays hierarchical. :meth:`DedicatedParams.coalescing` says
             which was chosen. The wrapper's handling of the rest is unaffected.
+        link: whose link policy DMuon follows (``buckets.LINK_COSTS``: the ``"auto"``
+            coalescing target, whether reduces run as gathers and aligned reduce_scatters as
+            all_to_alls, whether ``hierarchy="auto"`` may go flat). ``"auto"`` (default): the
+            backend DMuon's groups run on (``collectives.link_backend``). ``"nccl"`` or
+            ``"gloo"``: that backend's policy on any backend, e.g. ``"nccl"`` on a CPU/gloo
+            job runs NCCL's calls (real reduces and reduce_scatters, equal aligned groups
+            only) to check them without a GPU (docs/user-guide.md, "Link policy"). Changes
+            which calls carry the bytes, never the results.
 
     Returns:
         The :class:`DedicatedParams` handle. Release it with ``dm.close()`` on every rank, or
@@ -117,7 +126,8 @@ def dedicate_params(
             or ``"replicate"`` (or ``"replicate"`` on a TP mesh, or with an ``mp_policy``
             whose ``param_dtype`` would meet a rest param of another dtype in a module holding
             a dedicated param: a Linear's bias), ``hierarchy`` is not one of ``"auto"``,
-            ``"hierarchical"``, ``"flat"`` (or ``"flat"`` on a TP mesh), or the mesh is invalid (see
+            ``"hierarchical"``, ``"flat"`` (or ``"flat"`` on a TP mesh), ``link`` is not one of
+            ``"auto"``, ``"nccl"``, ``"gloo"``, or the mesh is invalid (see
             ``topology_from_mesh``). All checked locally, before any DMuon group exists; with
             ``torch.distributed`` initialised the raising rank still takes part in the setup
             agreement's one all_gather, so the other ranks raise too (below).
@@ -164,6 +174,7 @@ def dedicate_params(
         cap_bytes = _bucket_cap_bytes(bucket_cap_mb)
         resolve_coalesce(coalesce, "gloo")  # validates, before anything else
         check_hierarchy(hierarchy)
+        check_link(link)
         if hierarchy == "flat" and tp.is_tp_mesh(mesh):
             raise ValueError(
                 "Invalid hierarchy='flat' on a mesh with a 'tp' axis: DMuon moves a tensor-parallel "
@@ -204,8 +215,8 @@ def dedicate_params(
             plan = plan_ownership(specs, topology.mesh_shape)
         # the link policy comes from the backend DMuon's groups run on, never from where the
         # params happen to be (a meta-built model gets its backend's policy: link_backend)
-        backend = collectives.link_backend(collectives.default_backend(),
-                                           {p.device.type for _, p, _ in named})
+        backend = link if link != "auto" else collectives.link_backend(
+            collectives.default_backend(), {p.device.type for _, p, _ in named})
         coalescing = resolve_coalesce(coalesce, backend)
         flat = topology.replicate_size > 1 and tp_layout is None and resolve_hierarchy(
             hierarchy, coalescing, lambda: bucket_layout(specs, plan, cap_bytes, coalescing.target_bytes,
@@ -225,7 +236,7 @@ def dedicate_params(
     return DedicatedParams(model, named, topology, plan, reshard_after_forward, mesh=mesh,
                            mp_policy=mp_policy, bucket_cap_bytes=cap_bytes,
                            prefetch_depth=prefetch_depth, coalescing=coalescing,
-                           assignments=assignments, tp=tp_layout, hierarchy=hierarchy, flat=flat,
+                           assignments=assignments, tp=tp_layout, hierarchy=hierarchy, flat=flat, link=link,
                            rest=[n for n, _ in rest_params] if rest == "replicate" else None)
 
 

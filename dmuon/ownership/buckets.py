@@ -108,6 +108,23 @@ class LinkCost:
 LINK_COSTS = {"nccl": LinkCost(alpha_us=10.0, gbps=360.0),
               "gloo": LinkCost(alpha_us=2000.0, gbps=1.0, reduce_by_gather=True, flat_hsdp=True)}
 
+#: ``dedicate_params(link=...)`` values: ``"auto"`` (the policy of the backend DMuon's groups
+#: run on, ``collectives.link_backend``) or a key of :data:`LINK_COSTS` (that backend's policy
+#: on any backend: ``"nccl"`` on gloo runs the reduces and aligned reduce_scatters as such, with
+#: NCCL's coalescing target and hierarchy rule).
+LINK_POLICIES = ("auto", *LINK_COSTS)
+
+
+def check_link(link) -> None:
+    """Raise ``ValueError`` unless ``link`` is one of :data:`LINK_POLICIES`."""
+    if not isinstance(link, str) or link not in LINK_POLICIES:
+        raise ValueError(
+            f"Invalid link={link!r}. Must be one of {LINK_POLICIES}: whose link policy DMuon "
+            "follows (coalescing target, reduce by gather, flat HSDP; docs/user-guide.md, "
+            "'Link policy'); 'auto' is the process group's backend's."
+        )
+
+
 #: ``dedicate_params(hierarchy=...)`` values (:func:`resolve_hierarchy`).
 HIERARCHY_MODES = ("auto", "hierarchical", "flat")
 

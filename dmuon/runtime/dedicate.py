@@ -337,6 +337,8 @@ class DedicatedParams:
             ``"hierarchical"`` or ``"flat"``); ``flat``: whether an HSDP mesh moves the
             dedicated params flat (as a 1-D mesh of all W ranks; ``topology`` and ``plan``
             stay the mesh's).
+        link: the ``link`` given to ``dedicate_params`` (``"auto"``, ``"nccl"`` or
+            ``"gloo"``: whose link policy ``coalescing`` follows).
         rest: who handles the params that are not dedicated: ``"wrapper"`` (DDP / FSDP2) or
             ``"replicate"`` (DMuon, ``rest.py``; the constructor's ``rest`` is then their
             names, else ``None``); ``rest_names``: those params in model order under
@@ -361,9 +363,11 @@ class DedicatedParams:
         rest: list[str] | None = None,
         hierarchy: str = "auto",
         flat: bool = False,
+        link: str = "auto",
     ) -> None:
         self._assignments = list(assignments or ())
         self.hierarchy = hierarchy
+        self.link = link  # dedicate_params(link=...) as given
         self.mesh_ranks = None if mesh is None else mesh.mesh.tolist()
         self.flat = flat
         # what the runtime moves by: an HSDP mesh moved flat is a 1-D layout of all W ranks

@@ -4,8 +4,8 @@ several caps and world sizes: the same buckets, and each block a contiguous inde
 
 import pytest
 
-from dmuon.ownership.buckets import (LINK_COSTS, block_of, bucket_layout, check_hierarchy,
-                                     resolve_coalesce, resolve_hierarchy, unit_layout)
+from dmuon.ownership.buckets import (LINK_COSTS, LINK_POLICIES, block_of, bucket_layout, check_hierarchy,
+                                     check_link, resolve_coalesce, resolve_hierarchy, unit_layout)
 from dmuon.ownership.plan import ParamSpec, plan_ownership
 from tests.builders import tinygpt_layout
 from verify.traffic.predict import dmuon_block, dmuon_buckets, dmuon_coalesce_bytes
@@ -152,3 +152,16 @@ def test_resolve_hierarchy_counts_units_after_the_saving_rule():
 def test_check_hierarchy_rejects_other_values(bad):
     with pytest.raises(ValueError, match=r"Invalid hierarchy=.*Must be one of \('auto', 'hierarchical', 'flat'\)"):
         check_hierarchy(bad)
+
+
+@pytest.mark.parametrize("bad", ["infiniband", "", None, 1, "NCCL"])
+def test_check_link_rejects_other_values(bad):
+    with pytest.raises(ValueError, match=r"Invalid link=.*Must be one of \('auto', 'nccl', 'gloo'\)"):
+        check_link(bad)
+
+
+def test_link_policies_are_auto_and_every_backend_entry():
+    """dedicate_params(link=...) names an entry of LINK_COSTS: each must pass the check."""
+    assert LINK_POLICIES == ("auto", *LINK_COSTS)
+    for link in LINK_POLICIES:
+        check_link(link)

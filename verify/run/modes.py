@@ -7,6 +7,7 @@ and ``ns_calls``, and the :class:`verify.traffic.predict.RunLayout` the predicto
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -23,8 +24,9 @@ from dmuon.ownership.plan import specs_from_named_parameters
 
 from verify.run.baselines import MatrixMuon, NaiveShardedMuon, ZeroOneMuon
 from verify.traffic.predict import (DMUON_HIERARCHIES, DMUON_REST_MODES, RunLayout, dmuon_coalesce_bytes,
-                                    dmuon_flattens, dmuon_reduce_by_gather, dmuon_uneven_aligned)
-from verify.traffic.variants import split_mode
+                                    dmuon_flattens, dmuon_policy_backend, dmuon_reduce_by_gather,
+                                    dmuon_uneven_aligned)
+from verify.traffic.variants import split_mode, variant_targets
 from verify.workload.usermodel import block_names
 
 #: Hyper-parameters every mode uses (Muon's and AdamW's torch defaults except the lrs).
@@ -151,7 +153,10 @@ def build(mode: str, make_model: Callable[[], nn.Module], device: str = "cpu",
     (``RunLayout.qk_clip_heads``, counted from the model); the other modes run without it.
 
     ``mode`` may be a variant (``"dmuon-z3[block]"``, :mod:`verify.traffic.variants`): its
-    knobs replace ``coalesce`` / ``hierarchy``, and the layout records the label.
+    knobs replace ``coalesce`` / ``hierarchy``, set ``dedicate_params(link=...)`` (the layout
+    then takes the harness's tables of that backend, :func:`verify.traffic.predict.dmuon_policy_backend`)
+    and which Muon targets are dedicated (:func:`verify.traffic.variants.variant_targets`), and
+    the layout records the label.
 
     Raises:
         ValueError: unknown mode, ``rest`` or ``hierarchy``, a world size the mode cannot use,
@@ -161,19 +166,22 @@ def build(mode: str, make_model: Callable[[], nn.Module], device: str = "cpu",
     mode, knobs = split_mode(label)
     coalesce = knobs.get("coalesce", coalesce)
     hierarchy = knobs.get("hierarchy", hierarchy)
+    link = knobs.get("link", "auto")  # dedicate_params(link=...): whose link policy DMuon follows
     if rest not in DMUON_REST_MODES:
         raise ValueError(f"Invalid rest={rest!r}. Must be one of {DMUON_REST_MODES}.")
     if hierarchy not in DMUON_HIERARCHIES:
         raise ValueError(f"Invalid hierarchy={hierarchy!r}. Must be one of {DMUON_HIERARCHIES}.")
     world = dist.get_world_size()
     model = make_model().to(device)
-    targets = muon_names(model)
+    targets = variant_targets(knobs.get("targets", "all"), muon_names(model),
+                              {name: p.numel() for name, p in model.named_parameters()})
     matrices = matrix_shapes(model, targets)
     specs = tuple(specs_from_named_parameters(model.named_parameters(), matrices))
     mesh = _mesh(mode, world, device)
     r_size, n = (mesh.shape if mesh.ndim == 2 else (1, world))
     reshard = mode.endswith("z3") or mode == "naive-hsdp"
     backend = "nccl" if device.startswith("cuda") else "gloo"  # DMuon's coalescing depends on it
+    policy = dmuon_policy_backend(link, backend)  # the harness's tables, by the link DMuon follows
     frozen = tuple(name for name, p in model.named_parameters() if not p.requires_grad)
     replicated = mode.startswith("dmuon-") and rest == "replicate"  # nothing wraps the model
 
@@ -196,15 +204,15 @@ def build(mode: str, make_model: Callable[[], nn.Module], device: str = "cpu",
             fsdp_modules=fsdp_modules,
             reshard_after_forward=reshard_flag,
             ddp_bucket_cap_bytes=DDP_BUCKET_CAP_MB * 1024 * 1024,
-            dmuon_coalesce_bytes=dmuon_coalesce_bytes(coalesce, backend),
-            dmuon_reduce_by_gather=dmuon_reduce_by_gather(backend),
-            dmuon_uneven_aligned=dmuon_uneven_aligned(backend),
+            dmuon_coalesce_bytes=dmuon_coalesce_bytes(coalesce, policy),
+            dmuon_reduce_by_gather=dmuon_reduce_by_gather(policy),
+            dmuon_uneven_aligned=dmuon_uneven_aligned(policy),
             mp_param_dtype=mp_name if (mode.startswith("dmuon-") or fsdp_modules) else None,
             ddp_buffers=buffers if mode in ("ddp-muon", "zero1-muon", "dmuon-ddp") and not replicated else (),
             frozen_names=frozen,
             dmuon_rest="replicate" if replicated else "wrapper",
             dmuon_hierarchy=hierarchy if mode.startswith("dmuon-") else "auto",
-            dmuon_auto_flat=dmuon_flattens(backend),
+            dmuon_auto_flat=dmuon_flattens(policy),
             qk_clip_heads=clip_heads,
             label=label if label != mode else "",
         )
@@ -213,8 +221,12 @@ def build(mode: str, make_model: Callable[[], nn.Module], device: str = "cpu",
     mp_name = str(mp.param_dtype).removeprefix("torch.") if mp is not None else None
 
     if mode.startswith("dmuon-"):
-        dm = dmuon.dedicate_params(model, mesh, params=list(targets), reshard_after_forward=reshard,
-                                   mp_policy=mp, coalesce=coalesce, rest=rest, hierarchy=hierarchy)
+        with warnings.catch_warnings():
+            if "targets" in knobs:  # the variant leaves the other matrices to AdamW on purpose
+                warnings.filterwarnings("ignore", "dmuon.dedicate_params: .* go to AdamW", UserWarning)
+            dm = dmuon.dedicate_params(model, mesh, params=list(targets), reshard_after_forward=reshard,
+                                       mp_policy=mp, coalesce=coalesce, rest=rest, hierarchy=hierarchy,
+                                       link=link)
         bare = model  # DDP wraps it below; fully_shard keeps the object
         if replicated:
             fsdp_modules = ()

@@ -64,7 +64,8 @@ from tracer.interposer import Interposer
 from verify.run.block_order import BlockOrderRecorder, bare_model, blocks_of
 from verify.compare import compare_run
 from verify.report.checks import failures_of_runs, final_line, run_checks
-from verify.traffic.predict import DMUON_HIERARCHIES, RunLayout, dmuon_flattens, dmuon_uneven_aligned
+from verify.traffic.predict import (DMUON_HIERARCHIES, RunLayout, dmuon_flattens, dmuon_policy_backend,
+                                    dmuon_uneven_aligned)
 from verify.run.figures import add_figures, interposer_source, params_report
 from verify.run.steptime import StepTime, sample
 
@@ -116,7 +117,8 @@ def layout_from_job(model: nn.Module, dedicated: dmuon.DedicatedParams,
     # Muon's matrix shape of each dedicated param, as DMuon planned it (the plan's specs)
     matrices = {sp.name: sp.matrix_shape for sp in dedicated.plan.specs}
     mp = _mp_dtypes(dedicated.mp_policy)
-    backend = _backend(dedicated)
+    # the harness's own tables, by the backend whose link policy DMuon follows (link=...)
+    backend = dmuon_policy_backend(getattr(dedicated, "link", "auto"), _backend(dedicated))
     bare = model.module if isinstance(model, DistributedDataParallel) else model
     common = dict(replicate_size=topo.replicate_size, shard_size=topo.shard_size,
                   frozen_names=tuple(n for n, p in bare.named_parameters() if not p.requires_grad),
@@ -124,8 +126,8 @@ def layout_from_job(model: nn.Module, dedicated: dmuon.DedicatedParams,
                   dmuon_bucket_cap_bytes=int(dedicated.bucket_cap_bytes),
                   dmuon_coalesce_bytes=int(dedicated.coalesce_bytes),
                   dmuon_reduce_by_gather=bool(dedicated.reduce_by_gather),
-                  # the harness's own table, by the backend the params' device selects (uneven
-                  # groups reduce by all_to_all: only where DMuon reduces by gather)
+                  # the harness's own table, by the backend the params' device (or link=...)
+                  # selects (uneven groups reduce by all_to_all: only where DMuon reduces by gather)
                   dmuon_uneven_aligned=bool(dedicated.reduce_by_gather)
                   and dmuon_uneven_aligned(backend),
                   dmuon_block_order=tuple(block_order), mp_param_dtype=mp[0], mp_reduce_dtype=mp[1],

@@ -397,6 +397,24 @@ def dmuon_flattens(backend: str) -> bool:
     return backend in DMUON_AUTO_FLAT
 
 
+#: ``dedicate_params(link=...)`` values: ``"auto"`` or a backend whose link policy DMuon then
+#: follows on any backend (docs/user-guide.md, "Link policy").
+DMUON_LINKS = ("auto", "nccl", "gloo")
+
+
+def dmuon_policy_backend(link: str, backend: str) -> str:
+    """The backend whose entries of this module's tables (coalescing target, reduce by gather,
+    uneven aligned groups, flat HSDP) describe DMuon under ``dedicate_params(link=link)`` on a
+    process group of ``backend``: ``link`` unless ``"auto"``.
+
+    Raises:
+        ValueError: ``link`` is not one of :data:`DMUON_LINKS`.
+    """
+    if link not in DMUON_LINKS:
+        raise ValueError(f"Invalid link={link!r}. Must be one of {DMUON_LINKS}.")
+    return backend if link == "auto" else link
+
+
 def dmuon_coalesce_bytes(coalesce: str | int, backend: str) -> int:
     """The unit target of ``dedicate_params(coalesce=...)`` (docs/traffic-model.md)."""
     if coalesce == "auto":

@@ -20,6 +20,8 @@ CASES = {
     "coalesce_invalid": ("ValueError", "Invalid coalesce='fastest'. Must be one of ('auto', 'block', 'all')"),
     "hierarchy_mismatch": ("RuntimeError", "setup (ownership plan and hierarchy,"),
     "hierarchy_invalid": ("ValueError", "Invalid hierarchy='2d'. Must be one of ('auto', 'hierarchical', 'flat')"),
+    "link_invalid": ("ValueError", "Invalid link='infiniband'. Must be one of ('auto', 'nccl', 'gloo')"),
+    "link_mismatch": ("RuntimeError", "coalesce, rest or device type) differs across ranks"),
     "already_ddp": ("ValueError", "already wrapped by DDP or FSDP2"),
     "optimizer_missing_params": ("ValueError", "are not among them"),
     "optimizer_param_groups": ("ValueError", "Invalid params[1]['amsgrad']=True. DMuon's AdamW is "

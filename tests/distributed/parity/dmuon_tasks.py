@@ -202,6 +202,10 @@ def expect_error(case: str) -> str:
             dmuon.dedicate_params(model, _mesh("flat"), coalesce="fastest" if rank == 1 else "auto")
         elif case == "hierarchy_invalid":
             dmuon.dedicate_params(model, _mesh("hsdp"), hierarchy="2d")
+        elif case == "link_invalid":
+            dmuon.dedicate_params(model, _mesh("flat"), link="infiniband")
+        elif case == "link_mismatch":  # rank 1 follows NCCL's policy on gloo: other calls, caught
+            dmuon.dedicate_params(model, _mesh("flat"), link="nccl" if rank == 1 else "auto")
         elif case == "already_ddp":
             dmuon.dedicate_params(DistributedDataParallel(model), _mesh("flat"))
         elif case == "optimizer_missing_params":

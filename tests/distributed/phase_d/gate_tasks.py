@@ -4,7 +4,9 @@ planner or the predictor the harness shares with it).
 
 Every mutation patches the names the runtime resolves at call time and restores them after
 the run; each fails loudly (AttributeError) if the runtime no longer has the name, so a
-refactor cannot turn a mutation into a no-op silently. Issue 33's table, one entry each.
+refactor cannot turn a mutation into a no-op silently. Issue 33's table, one entry each, then
+one or two in each path the default run's variants were added for (the aligned all_gather /
+reduce_scatter form, the per-owner replicate axis).
 """
 
 from __future__ import annotations
@@ -34,6 +36,22 @@ def _repeat_first(fn):
         if work is not None:
             work.wait()
         return fn(*args, async_op=async_op, **kwargs)
+    return call
+
+
+def _twice_on_channel(method, channel: str):
+    """``Launcher`` method ``method`` issuing its call twice on ``channel`` (the first waited)."""
+    def call(self, *args, **kwargs):
+        if kwargs.get("channel") == channel:
+            method(self, *args, **kwargs).wait()
+        return method(self, *args, **kwargs)
+    return call
+
+
+def _by_gather(init):
+    """``Launcher.__init__`` that always reduces by gather, whatever the link policy says."""
+    def call(self, device, accel=None, reduce_by_gather=False):
+        init(self, device, accel, reduce_by_gather=True)
     return call
 
 
@@ -83,6 +101,20 @@ def mutation(name: str):
             patch(api, "resolve_coalesce", resolve)
             patch(predict, "DMUON_AUTO_COALESCE_BYTES",
                   {**predict.DMUON_AUTO_COALESCE_BYTES, "gloo": CHANGED_AUTO_TARGET_BYTES})
+        # the aligned all_gather / reduce_scatter form (dmuon-z2[nccl+largest]):
+        elif name == "reduce_scatter_twice":  # the aligned reduce_scatter issued twice
+            patch(coll, "reduce_scatter_sum_", _repeat_first(coll.reduce_scatter_sum_))
+        elif name == "link_ignored":  # the runtime reduces by gather whatever link= says
+            patch(coll.Launcher, "__init__", _by_gather(coll.Launcher.__init__))
+        # the per-owner replicate axis (dmuon-hsdp-z3[block+hierarchical]):
+        elif name == "replicate_broadcast_twice":  # the owner's replicate broadcast issued twice
+            patch(coll.Launcher, "broadcast", _twice_on_channel(coll.Launcher.broadcast, "replicate"))
+        elif name == "replicate_reduce_to_0":  # every replicate reduce to replicate rank 0
+            original = coll.Launcher.reduce
+
+            def reduce(self, buf, dst, group, channel="reduce"):
+                return original(self, buf, 0 if channel == "replicate" else dst, group, channel=channel)
+            patch(coll.Launcher, "reduce", reduce)
         elif name != "none":
             raise ValueError(f"Invalid mutation={name!r}.")
         yield
