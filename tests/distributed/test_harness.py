@@ -47,21 +47,36 @@ def _new_group_sum():
     return t.tolist()
 
 
-#: gloo threads of the default group alone: two pt_gloo_runloop, one gloo_tcp_loop.
-DEFAULT_GROUP_GLOO_THREADS = 3
+def _thread_names():
+    return [open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")]
 
 
 def _gloo_threads():
-    names = [open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")]
-    return sum(n in ("pt_gloo_runloop", "gloo_tcp_loop") for n in names)
+    """This process's threads named by gloo (pt_gloo_runloop; gloo_tcp_loop where the release
+    names its TCP loop thread: torch 2.13 does, 2.11 leaves it unnamed)."""
+    return sum(n in ("pt_gloo_runloop", "gloo_tcp_loop") for n in _thread_names())
 
 
-def _census():
+def _gloo_threads_per_group():
+    """Named gloo threads one process group has on this rank: ProcessGroupGloo's runloops (its
+    Options' thread count) and the TCP loop where the release names it (torch 2.13: 2 + 1;
+    2.11: 2). Read off the default group, whose threads named themselves long ago (a group
+    created a moment before may not have yet)."""
+    return dist.ProcessGroupGloo._Options()._threads + ("gloo_tcp_loop" in _thread_names())
+
+
+def _per_group(pool):
+    per_group = pool.run(_gloo_threads_per_group)
+    assert len(set(per_group)) == 1 and per_group[0] >= 2, per_group
+    return per_group[0]
+
+
+def _census(default_group_threads):
     """(threads, open fds, live process groups, gloo threads) of this rank, once the gloo
-    threads are down to the default group's (a joined thread leaves /proc a moment later; at
-    most 2 s)."""
+    threads are down to ``default_group_threads`` (a joined thread leaves /proc a moment later;
+    at most 2 s)."""
     deadline = time.monotonic() + 2
-    while _gloo_threads() > DEFAULT_GROUP_GLOO_THREADS and time.monotonic() < deadline:
+    while _gloo_threads() > default_group_threads and time.monotonic() < deadline:
         time.sleep(0.01)
     return (len(os.listdir("/proc/self/task")), len(os.listdir("/proc/self/fd")),
             len(_world.pg_map), _gloo_threads())
@@ -87,6 +102,20 @@ def _groups_and_meshes(destroy_some):
         dist.destroy_process_group(mine[2])
         dist.destroy_process_group(mine[0])
     return total, _gloo_threads(), len(_world.pg_map)
+
+
+def _leaked_mesh():
+    """A 2-D mesh, used once, then given one reference nothing will ever return (ctypes'
+    Py_IncRef): a stand-in for torch 2.11, whose DTensor fast path leaks references to a
+    DTensorSpec (so to its mesh) on every ``fully_shard`` (verify/run/groups.py,
+    drop_destroyed_groups_from_meshes); on 2.13 only this stand-in shows it."""
+    import ctypes
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    x = distribute_tensor(torch.ones(4, 4), mesh, [Replicate(), Shard(0)])
+    x.redistribute(mesh, [Replicate(), Replicate()])
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(mesh))
+    return len(_world.pg_map)
 
 
 def _dedicated_hsdp_step():
@@ -154,33 +183,46 @@ def test_tasks_leave_no_groups_threads_or_fds_behind(pool4):
     # Every task's groups are destroyed after it (in creation order, the same on every rank),
     # the DTensor caches forget its meshes (a repeated identical mesh must not get the old,
     # destroyed groups back), and groups a task destroyed itself are skipped.
+    per_group = _per_group(pool4)
     generation = pool4.generation
     pool4.run(_groups_and_meshes, False)  # the first task: lazily started non-gloo threads
-    base = pool4.run(_census)
-    # nothing of the first task left either: only the default group and its 3 gloo threads
-    # (a cache that kept the task's mesh would keep its 2 groups' 6 threads)
-    assert all(r[2:] == (1, DEFAULT_GROUP_GLOO_THREADS) for r in base), base
+    base = pool4.run(_census, per_group)
+    # nothing of the first task left either: only the default group and its gloo threads
+    # (a cache that kept the task's mesh would keep its 2 groups' threads)
+    assert all(r[2:] == (1, per_group) for r in base), base
     for i in range(4):
         results = pool4.run(_groups_and_meshes, destroy_some=i % 2 == 1)
         # sum(1..16) replicated, plus each rank's 3 all_reduces of ones (group sizes 2, 2, 4)
         assert [r[0] for r in results] == [136.0 + 8] * 4
         # while the task ran: the 2-D mesh's 2 groups + the 3 of its own this rank is in (less
-        # the 2 it destroyed), 3 gloo threads each
+        # the 2 it destroyed), per_group gloo threads each
         live = 2 + (1 if i % 2 else 3)
         assert all(r[2] == 1 + live for r in results), results
-        assert all(r[1] >= 3 * live for r in results), results
-    after = pool4.run(_census)
+        assert all(r[1] >= per_group * live for r in results), results
+    after = pool4.run(_census, per_group)
     assert after == base, f"per rank (threads, fds, groups, gloo threads): {base} -> {after}"
     assert pool4.generation == generation  # the same workers all along
 
 
 def test_dmuon_groups_are_destroyed_after_the_task(pool4):
+    per_group = _per_group(pool4)
     assert pool4.run(_dedicated_hsdp_step) == [1 + 6] * 4  # mesh 2 + DMuon's 4 (HSDP)
-    base = pool4.run(_census)
-    assert all(r[2:] == (1, DEFAULT_GROUP_GLOO_THREADS) for r in base), base
+    base = pool4.run(_census, per_group)
+    # torch 2.11 leaks the HSDP mesh (fully_shard): its 2 groups' threads ran on without
+    # drop_destroyed_groups_from_meshes
+    assert all(r[2:] == (1, per_group) for r in base), base
     for _ in range(2):
         pool4.run(_dedicated_hsdp_step)
-    assert pool4.run(_census) == base
+    assert pool4.run(_census, per_group) == base
+
+
+def test_groups_of_a_mesh_that_outlives_its_task_are_freed(pool4):
+    # Fails without verify/run/groups.py drop_destroyed_groups_from_meshes on any torch: the
+    # leaked mesh's 2 groups keep 2 * per_group gloo threads (and their fds) running.
+    per_group = _per_group(pool4)
+    base = pool4.run(_census, per_group)
+    assert pool4.run(_leaked_mesh) == [1 + 2] * 4
+    assert pool4.run(_census, per_group) == base
 
 
 def test_global_state_is_restored_after_a_task(pool2):
@@ -194,7 +236,7 @@ def test_task_destroying_the_default_group_replaces_the_workers(pool2):
     generation = pool2.generation
     with pytest.raises(RankError, match="the task destroyed the default process group"):
         pool2.run(_destroy_default_group)
-    assert pool2.run(_census)[0][2] == 1 and pool2.generation == generation + 1
+    assert pool2.run(_census, _per_group(pool2))[0][2] == 1 and pool2.generation == generation + 1
 
 
 def test_exception_carries_rank_traceback_and_pool_recovers(pool2):
