@@ -8,7 +8,7 @@ import torch.distributed as dist
 
 from tracer.events import CollectiveEvent
 from verify.run import failstop
-from verify.run.collect import limit_problem, own_files
+from verify.run.collect import limit_problem, needs_gloo_group, own_files
 from verify.run.launch import launch_command, rendezvous_args
 from verify.run.nodes import cross_share, node_map, node_traffic
 
@@ -118,3 +118,14 @@ def test_a_rank_that_posted_nothing_is_named_as_ended_without_exception():
     assert broken.missing == [1]
     assert "rank 1 posted no status: its process ended without a Python exception" in failstop.describe(broken, 2)
     assert json.dumps(failstop.stopped_report(broken, ["m2"]))  # report.json-ready
+
+
+def test_files_move_on_the_default_group_where_it_has_gloo_for_cpu():
+    # torch's default group on a GPU node is "cpu:gloo,cuda:nccl": its gloo half carries the
+    # host tensors. The string comparison `!= "gloo"` that was in collect_to_rank0 made every
+    # rank create an extra gloo group there (this test fails against it).
+    assert not needs_gloo_group("cpu:gloo,cuda:nccl")
+    assert not needs_gloo_group("gloo") and not needs_gloo_group("GLOO")
+    assert needs_gloo_group("nccl") and needs_gloo_group("cpu:mpi,cuda:nccl")
+    with pytest.raises(ValueError, match="Invalid backend"):
+        needs_gloo_group("")

@@ -31,6 +31,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from tracer.backends import parse_backend
+
 #: Default limit of the bytes collected over the process group (``--collect-max-mb``).
 DEFAULT_MAX_MB = 512
 MARKER = ".rank0-marker"
@@ -59,6 +61,17 @@ def limit_problem(manifests: list[dict], max_bytes: int) -> str | None:
             "--out-dir to rank 0's machine (the report itself is complete).")
 
 
+def needs_gloo_group(backend: str) -> bool:
+    """Whether a group with ``backend`` (a ``dist.get_backend()`` string) lacks gloo for CPU
+    tensors, so the files need a gloo group of their own: ``"nccl"`` yes; ``"gloo"`` and torch's
+    default on a GPU node, ``"cpu:gloo,cuda:nccl"``, no (``tracer.backends``).
+
+    Raises:
+        ValueError: a malformed backend string (``tracer.backends.parse_backend``).
+    """
+    return parse_backend(backend).get("cpu") != "gloo"
+
+
 def collect_to_rank0(out_dir: str | Path, max_bytes: int = DEFAULT_MAX_MB * 2**20,
                      group=None) -> dict | None:
     """Bring the files of ranks that do not share rank 0's filesystem into rank 0's
@@ -67,8 +80,8 @@ def collect_to_rank0(out_dir: str | Path, max_bytes: int = DEFAULT_MAX_MB * 2**2
     Args:
         out_dir: this rank's ``--out-dir`` (each node's may differ).
         max_bytes: the most bytes moved in all; 0 moves nothing and says so.
-        group: the group to move them on (default: the default group on gloo, a new gloo
-            group on other backends).
+        group: the group to move them on (default: the default group where it has gloo for
+            CPU tensors, else a new gloo group; :func:`needs_gloo_group`).
 
     Returns:
         On rank 0 ``{"ranks": [senders], "files", "bytes", "error"}`` (``error`` ``None``
@@ -99,7 +112,7 @@ def collect_to_rank0(out_dir: str | Path, max_bytes: int = DEFAULT_MAX_MB * 2**2
     if problem:
         summary["error"] = problem
         return summary if rank == 0 else None
-    if senders and group is None and dist.get_backend() != "gloo":
+    if senders and group is None and needs_gloo_group(dist.get_backend()):
         group = dist.new_group(backend="gloo")  # every rank: host tensors under NCCL
     for m in senders:
         for rel, size in m["files"]:
