@@ -209,7 +209,10 @@ class _MeasuredWindow:
         if profiler:
             from torch.profiler import ProfilerActivity, profile
 
-            self._profiler = profile(activities=[ProfilerActivity.CPU], record_shapes=True)
+            # acc_events: one cycle either way; without it torch 2.11 warns on every rank that
+            # a profiler "clears events at the end of each cycle" (2.13: only on a second cycle)
+            self._profiler = profile(activities=[ProfilerActivity.CPU], record_shapes=True,
+                                     acc_events=True)
 
     def open(self, drain=None) -> None:
         """Start every recorder. ``drain()`` runs after the interposer stops and before the
