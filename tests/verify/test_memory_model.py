@@ -113,3 +113,65 @@ def test_memory_report_refuses_mixed_depths():
     m = {"peak_bytes": {}, "peak_grads_bytes": 0, "cuda_max_allocated_bytes": None, "trace": []}
     with pytest.raises(ValueError, match="same prefetch_depth"):
         memory_report(layout, [{**m, "prefetch_depth": 1}, {**m, "prefetch_depth": 2}])
+
+
+def _direct_bounds(layout, depth: int) -> list[tuple]:
+    """The module docstring's per-rank sums, rank by rank, with :func:`z3_window` over each
+    rank's own sizes: the reference ``predict_memory``'s per-class fast path must equal."""
+    from tracer.events import DTYPE_BYTES
+    from verify.traffic.memory import _units, is_holder
+    from verify.traffic.predict import dmuon_layout, layout_buckets
+
+    moved = dmuon_layout(layout)
+    buckets = layout_buckets(moved)
+    mp = layout.mp_param_dtype
+    out = []
+    for rank in range(layout.world_size):
+        held = grads_held = 0
+        sizes, grads = [], []
+        for b in buckets:
+            lp = DTYPE_BYTES[mp or b.dtype]
+            grad = (b.numel + len(b.names)) * lp
+            if is_holder(b, rank, moved.shard_size):
+                held += b.numel * DTYPE_BYTES[b.dtype] + (b.numel * lp if mp not in (None, b.dtype) else 0)
+                grads_held += grad
+                sizes.append(0)
+                grads.append(0)
+            else:
+                sizes.append(b.numel * lp)
+                grads.append(grad)
+        window = z3_window(sizes, buckets, depth) if layout.reshard_after_forward else (sum(sizes), len(_units(buckets)))
+        per_unit = [sum(grads[lo : hi + 1]) for lo, hi in _units(buckets)]
+        two = max((a + c for a, c in zip(per_unit, per_unit[1:])), default=sum(per_unit))
+        out.append((rank, held, sum(sizes), *window, grads_held, grads_held + two))
+    return out
+
+
+@pytest.mark.parametrize("mesh", [(1, 6), (2, 3)])
+@pytest.mark.parametrize("z3", [True, False])
+@pytest.mark.parametrize("mp", [None, "bfloat16"])
+def test_predict_memory_per_class_equals_the_direct_sums(mesh, z3, mp):
+    """predict_memory computes each holder class once from all-non-held sums less the held
+    buckets (for W = 1024 speed); on uneven blocks (some with fewer matrices than ranks: idle
+    holders), coalesced units with aligned groups, HSDP and mixed precision it equals the
+    formula evaluated rank by rank."""
+    from dmuon.ownership.plan import ParamSpec
+    from verify.traffic.predict import RunLayout, layout_buckets
+
+    shapes = [(16, 16), (32, 16), (8, 24), (16, 40)]
+    params = tuple(ParamSpec(f"blocks.{i}.m{j}.weight", shapes[(i + j) % 4], "float32", f"blocks.{i}.m{j}")
+                   for i in range(5) for j in range(1 + i % 4))
+    # block 5: six equal matrices, one per owner: an aligned group
+    params += tuple(ParamSpec(f"blocks.5.m{j}.weight", (16, 16), "float32", f"blocks.5.m{j}")
+                    for j in range(6))
+    for coalesce in (0, 6000):
+        layout = RunLayout(mode=f"dmuon-{'hsdp-' if mesh[0] > 1 else ''}{'z3' if z3 else 'z2'}",
+                           replicate_size=mesh[0], shard_size=mesh[1], params=params,
+                           muon_names=tuple(p.name for p in params), reshard_after_forward=z3,
+                           dmuon_rest="replicate", dmuon_coalesce_bytes=coalesce,
+                           mp_param_dtype=mp)
+        assert any(b.aligned for b in layout_buckets(layout)) == (coalesce > 0)
+        for depth in (0, 1, 2):
+            got = [(m.rank, m.held_bytes, m.non_held_bytes, m.window_bytes, m.window_units,
+                    m.grads_held_bytes, m.grads_bytes) for m in predict_memory(layout, depth)]
+            assert got == _direct_bounds(layout, depth)

@@ -32,6 +32,7 @@ with ``held grads + two units``.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
@@ -105,6 +106,33 @@ def _group_ends(buckets: Sequence[DMuonBucket]) -> tuple[list[int], list[int]]:
     return first, last
 
 
+def _windows(buckets: Sequence[DMuonBucket], depth: int) -> list[tuple[int, int]]:
+    """``[(a, b)]``: every Z3 window as a bucket index range, per unit ``[lo, hi]`` its
+    forward reach ``[lo, last(hi + d)]`` then its backward reach ``[first(lo - d), hi]``
+    (module docstring); the same for every rank."""
+    n = len(buckets)
+    first, last = _group_ends(buckets)
+    return [w for lo, hi in _units(buckets)
+            for w in ((lo, last[min(hi + depth, n - 1)]), (first[max(lo - depth, 0)], hi))]
+
+
+def _widest(sums: Sequence[int], windows: Sequence[tuple[int, int]],
+            unit_of: Sequence[int]) -> tuple[int, int]:
+    """``(bytes, units)`` of the first window with the most bytes (``sums``, one per window)."""
+    best, span = 0, 0
+    for held, (a, b) in zip(sums, windows):
+        if held > best:
+            best, span = held, unit_of[b] - unit_of[a] + 1
+    return best, span
+
+
+def _prefix(values: Sequence[int]) -> list[int]:
+    out = [0]
+    for v in values:
+        out.append(out[-1] + v)
+    return out
+
+
 def z3_window(sizes: Sequence[int], buckets: Sequence[DMuonBucket], depth: int) -> tuple[int, int]:
     """``(bytes, units)``: the Z3 window (module docstring) over ``sizes`` (non-held bytes
     per bucket, 0 where held), and how many units the widest window spans.
@@ -115,21 +143,19 @@ def z3_window(sizes: Sequence[int], buckets: Sequence[DMuonBucket], depth: int) 
     if depth < 0 or len(sizes) != len(buckets):
         raise ValueError(f"Invalid z3_window(depth={depth}, {len(sizes)} sizes, {len(buckets)} "
                          "buckets). Must be depth >= 0 (prefetch_depth) and one size per bucket.")
-    n = len(buckets)
-    first, last = _group_ends(buckets)
+    windows = _windows(buckets, depth)
+    total = _prefix(sizes)
     unit_of = [k for k, (lo, hi) in enumerate(_units(buckets)) for _ in range(lo, hi + 1)]
-    best, span = 0, 0
-    for lo, hi in _units(buckets):
-        for a, b in ((lo, last[min(hi + depth, n - 1)]), (first[max(lo - depth, 0)], hi)):
-            held = sum(sizes[a : b + 1])
-            if held > best:
-                best, span = held, unit_of[b] - unit_of[a] + 1
-    return best, span
+    return _widest([total[b + 1] - total[a] for a, b in windows], windows, unit_of)
 
 
 def predict_memory(layout: RunLayout, prefetch_depth: int = 1) -> list[MemoryBound] | None:
     """Every rank's :class:`MemoryBound` of a DMuon ``layout`` (``None`` for a mode without
     DMuon). ``prefetch_depth``: ``dedicate_params``' (DMuon's default 1).
+
+    A rank's bound depends only on the buckets it holds (``rank % shard_size``), so each
+    holder class is computed once, from the all-non-held sums less its held buckets (only
+    the windows covering a held bucket are summed again).
 
     Raises:
         ValueError: ``prefetch_depth`` is not an int >= 0.
@@ -141,36 +167,87 @@ def predict_memory(layout: RunLayout, prefetch_depth: int = 1) -> list[MemoryBou
         return None
     moved = dmuon_layout(layout)
     buckets = layout_buckets(moved)
-    z3 = layout.reshard_after_forward
+    sums = _Buckets(layout, buckets, prefetch_depth)
+    held_by: dict[int, list[int]] = {}  # holder class (rank % shard_size) -> its bucket indices
+    for i, b in enumerate(buckets):
+        held_by.setdefault(b.owner % moved.shard_size, []).append(i)
+    by_class: dict[int | None, MemoryBound] = {}
     out = []
     for rank in range(layout.world_size):
-        held_bytes = grads_held = 0
-        sizes, grad_sizes = [], []
-        for b in buckets:
-            lp = DTYPE_BYTES[layout.mp_param_dtype or b.dtype]
-            grad = (b.numel + len(b.names)) * lp
-            if is_holder(b, rank, moved.shard_size):
-                held_bytes += b.numel * DTYPE_BYTES[b.dtype]
-                held_bytes += b.numel * lp if layout.mp_param_dtype not in (None, b.dtype) else 0
-                grads_held += grad
-                sizes.append(0)
-                grad_sizes.append(0)
-            else:
-                sizes.append(b.numel * lp)
-                grad_sizes.append(grad)
-        non_held = sum(sizes)
-        if z3:
-            window, units = z3_window(sizes, buckets, prefetch_depth)
-        else:
-            window, units = non_held, len(_units(buckets))
-        per_unit = [sum(grad_sizes[lo : hi + 1]) for lo, hi in _units(buckets)]
-        two = max((a + b for a, b in zip(per_unit, per_unit[1:])), default=sum(per_unit))
-        out.append(MemoryBound(rank=rank, held_bytes=held_bytes, non_held_bytes=non_held,
-                               window_bytes=window, window_units=units,
-                               peak_bytes=held_bytes + window,
-                               between_bytes=held_bytes if z3 else held_bytes + non_held,
-                               grads_held_bytes=grads_held, grads_bytes=grads_held + two))
+        key = rank % moved.shard_size if rank % moved.shard_size in held_by else None
+        if key not in by_class:
+            by_class[key] = sums.bound(rank, held_by.get(key, []))
+        bound = by_class[key]
+        out.append(bound if bound.rank == rank else dataclasses.replace(bound, rank=rank))
     return out
+
+
+class _RangeMax:
+    """The largest sum of ``weights`` over fixed index ``ranges``, less the weights of a few
+    removed indices (a rank's held buckets): only the ranges covering a removed index are
+    summed again, the rest come from one sort by full sum."""
+
+    def __init__(self, ranges: Sequence[tuple[int, int]], weights: Sequence[int]) -> None:
+        total = _prefix(weights)
+        self.weights = weights
+        self.full = [total[b + 1] - total[a] for a, b in ranges]
+        self.order = sorted(range(len(ranges)), key=lambda k: (-self.full[k], k))
+        self.cover: list[list[int]] = [[] for _ in weights]  # index -> the ranges holding it
+        for k, (a, b) in enumerate(ranges):
+            for i in range(a, b + 1):
+                self.cover[i].append(k)
+
+    def best(self, removed: Sequence[int]) -> tuple[int, int]:
+        """``(sum, k)``: the first range ``k`` with the largest sum; ``(0, -1)`` when every
+        sum is 0 or there is no range."""
+        cut: dict[int, int] = {}
+        for i in removed:
+            for k in self.cover[i]:
+                cut[k] = cut.get(k, 0) + self.weights[i]
+        found = [(self.full[k] - c, -k) for k, c in cut.items()]
+        found += [(self.full[k], -k) for k in self.order[: len(cut) + 1] if k not in cut][:1]
+        value, k = max(found, default=(0, 1))
+        return (value, -k) if value > 0 else (0, -1)
+
+
+class _Buckets:
+    """Per-bucket bytes of a layout's buckets and what every rank's bound is taken from (all
+    non-held less its held ones): the compute copies over each Z3 window, the grad buffers
+    over each two adjacent units."""
+
+    def __init__(self, layout: RunLayout, buckets: Sequence[DMuonBucket], depth: int) -> None:
+        self.z3 = layout.reshard_after_forward
+        mp = layout.mp_param_dtype
+        lp = [DTYPE_BYTES[mp or b.dtype] for b in buckets]
+        self.copy = [b.numel * e for b, e in zip(buckets, lp)]  # a non-holder's compute copy
+        self.grad = [(b.numel + len(b.names)) * e for b, e in zip(buckets, lp)]  # flat buffer
+        # a holder's: its master copy, plus the compute copy where mixed precision casts
+        self.master = [b.numel * DTYPE_BYTES[b.dtype] + (c if mp not in (None, b.dtype) else 0)
+                       for b, c in zip(buckets, self.copy)]
+        units = _units(buckets)
+        self.n_units, self.copy_total = len(units), sum(self.copy)
+        unit_of = [k for k, (lo, hi) in enumerate(units) for _ in range(lo, hi + 1)]
+        self.windows = _windows(buckets, depth) if self.z3 else []
+        self.spans = [unit_of[b] - unit_of[a] + 1 for a, b in self.windows]
+        self.window_max = _RangeMax(self.windows, self.copy)
+        pairs = [(a[0], b[1]) for a, b in zip(units, units[1:])] or units[:1]
+        self.grads_max = _RangeMax(pairs, self.grad)
+
+    def bound(self, rank: int, held: list[int]) -> MemoryBound:
+        """:class:`MemoryBound` of ``rank``, which holds the buckets ``held``."""
+        non_held = self.copy_total - sum(self.copy[i] for i in held)
+        held_bytes = sum(self.master[i] for i in held)
+        if self.z3:
+            window, k = self.window_max.best(held)
+            units = self.spans[k] if k >= 0 else 0
+        else:
+            window, units = non_held, self.n_units
+        grads_held = sum(self.grad[i] for i in held)
+        two = self.grads_max.best(held)[0]
+        return MemoryBound(rank=rank, held_bytes=held_bytes, non_held_bytes=non_held,
+                           window_bytes=window, window_units=units, peak_bytes=held_bytes + window,
+                           between_bytes=held_bytes if self.z3 else held_bytes + non_held,
+                           grads_held_bytes=grads_held, grads_bytes=grads_held + two)
 
 
 def memory_report(layout: RunLayout, measured: Sequence[dict]) -> dict:

@@ -578,9 +578,12 @@ def _grouped(specs: Sequence[ParamSpec], plan: OwnershipPlan, cap_bytes: int,
     world = plan.mesh_shape[0] * plan.mesh_shape[1]
     aligned: set[tuple[str, str]] = set()  # (unit, dtype) groups moved by one call per channel
     if may_align and world > 1:
-        for unit, dtype in {(u, d) for u, _, d in members}:
-            runs = [members.get((unit, g, dtype), []) for g in range(world)]
-            if not all(len(r) == 1 for r in runs):
+        owners: dict[tuple[str, str], list[int]] = {}  # O(buckets), not O(groups · W)
+        for u, g, d in members:
+            owners.setdefault((u, d), []).append(g)
+        for (unit, dtype), gs in owners.items():
+            runs = [members[(unit, g, dtype)] for g in gs]
+            if len(gs) != world or not all(len(r) == 1 for r in runs):
                 continue
             sizes = {(sum(p.numel for p in r[0]), len(r[0])) for r in runs}
             if uneven_aligned or len(sizes) == 1:
