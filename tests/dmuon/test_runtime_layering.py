@@ -19,7 +19,11 @@ FOREIGN_PRIVATE = {
     "_current_graph_task_id": {"hooks.py", "copies.py"},
     "_will_engine_execute_node": {"copies.py"},  # can a grad still arrive (Bucket.grads_pending)
     "_execution_engine": {"hooks.py"},  # queue_callback: the end of backward
-    "_parameters": {"copies.py"},  # nn.Module's registry (FSDP2 swaps it the same way)
+    # nn.Module's registry: copies.py swaps it (as FSDP2 does); precision.py only reads which
+    # copy is registered (a module run outside its block's hooks)
+    "_parameters": {"copies.py", "precision.py"},
+    # transformers' config: the attention implementation in use (the adapter's only handle)
+    "_attn_implementation": {"qk_clip_hf.py"},
     "_unsafe_preserve_version_counter": {"collectives.py"},  # aligned copy-out (as FSDP2 does)
     # a TP DTensor's local shard: read in tp.py (to_local() makes a new view of a Parameter's),
     # re-pointed in residency.py (as FSDP2 re-points its sharded DTensors)

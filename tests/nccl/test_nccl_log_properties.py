@@ -49,7 +49,7 @@ def test_mutated_real_line_yields_an_event_or_an_issue_never_a_crash(pos, cut, j
 EVENTS = st.builds(
     lambda op, count, dtype, root, comm, n, host, pid, dev, ts: CollectiveEvent(
         source="nccl_log", op=op, count=count, dtype=dtype,
-        root=root if op in ROOTED_OPS else None,
+        root=root % n if op in ROOTED_OPS else None,  # a root outside [0, n) is an issue
         comm=f"0x{comm:x}", group_size=n, host=host, pid=pid, cuda_dev=dev, t_start_ns=ts),
     st.sampled_from(sorted(R.NCCL_NAME)), st.integers(0, 2**40),
     st.sampled_from(sorted(DATATYPE_NUMBERS)),
