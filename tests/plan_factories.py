@@ -39,3 +39,17 @@ def complex_linear() -> nn.Module:
 
 def not_a_module():
     return 42
+
+
+class FourBlocks(nn.Module):
+    """An embedding (3, 8) for AdamW and four blocks of one (8, 8) Linear each: the
+    hand-computed memory case of tests/run/test_plan_memory.py."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(3, 8)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(8, 8, bias=False)) for _ in range(4))
+
+
+def four_blocks() -> nn.Module:
+    return FourBlocks()

@@ -39,6 +39,7 @@ from dmuon.ownership.select import matrix_shapes, select_params
 from tracer._compat import require
 from tracer.events import DTYPE_BYTES
 
+from verify.plan.memory import format_memory, memory_summary
 from verify.plan.summary import format_plan_summary  # noqa: F401  (the CLI side owns the plan table)
 from verify.plan.args import (
     DTYPES,
@@ -173,10 +174,11 @@ def coalesce_target(cm: CostModel) -> int:
     return int(cm.intra_alpha_us * 1e-6 * cm.intra_gbps * 1e9)
 
 
-def report(ml: ModelLayout, mesh: tuple[int, int], cm: CostModel) -> dict:
+def report(ml: ModelLayout, mesh: tuple[int, int], cm: CostModel, memory: bool = True) -> dict:
     """The JSON-able report of one mesh: NS balance and one row per applicable mode; for a
     model without Muon-target params ``ns`` is None, ``modes`` is empty and ``note`` says why.
-    ``mesh`` is ``{"replicate": R, "shard": N}``."""
+    ``mesh`` is ``{"replicate": R, "shard": N}``. With ``memory``, each DMuon mode's row has
+    ``memory``: its per-rank memory summary (:func:`verify.plan.memory.memory_summary`)."""
     r, n = mesh
     # matrices Muon orthogonalizes (an expert stack of E counts E), in how many params
     head = {"model": ml.name, "params": ml.n_params,
@@ -191,7 +193,8 @@ def report(ml: ModelLayout, mesh: tuple[int, int], cm: CostModel) -> dict:
     rows = []
     target = coalesce_target(cm)
     for mode in layout_modes(r):
-        st = step_traffic(ml.layout(mode, r, n, target), plan, mode=mode)
+        layout = ml.layout(mode, r, n, target)
+        st = step_traffic(layout, plan, mode=mode)
         per_block = step_traffic(ml.layout(mode, r, n), plan, mode=mode) if mode.startswith("dmuon") else st
         comm = cm.busiest_comm_s(st)
         ns = cm.ns_s(ns_flops_busiest(st, plan))
@@ -214,6 +217,8 @@ def report(ml: ModelLayout, mesh: tuple[int, int], cm: CostModel) -> dict:
             "ns_s": ns,
             "step_s": comm + ns,
         })
+        if memory and mode.startswith("dmuon"):
+            rows[-1]["memory"] = memory_summary(layout, plan)
     return {**head, "plan_s": plan_s, "ns": _ns_report(plan, cm), "modes": rows}
 
 
@@ -273,6 +278,9 @@ def format_report(rep: dict, cm: CostModel) -> str:
         "dedicated params resident between steps (Z2 and DDP keep a full copy on every rank; "
         "Z3 keeps the owners' share) and Muon momentum. " + _cost_text(cm)
     )
+    memory = format_memory(rep)
+    if memory:
+        lines += ["", memory]
     return "\n".join(lines)
 
 
@@ -296,11 +304,11 @@ def sweep(ml: ModelLayout, cm: CostModel, worlds=None) -> list[dict]:
     and, above one node, HSDP with N = GPUs per node."""
     worlds = SWEEP_WORLDS if worlds is None else worlds
     out = []
-    for w in worlds:
-        out.append(report(ml, (1, w), cm))
+    for w in worlds:  # no memory summaries: --sweep shows none (a --mesh report has them)
+        out.append(report(ml, (1, w), cm, memory=False))
         g = cm.gpus_per_node
         if w > g and w % g == 0:
-            out.append(report(ml, (w // g, g), cm))
+            out.append(report(ml, (w // g, g), cm, memory=False))
     return out
 
 
@@ -407,6 +415,23 @@ UNITS: dict[str, str] = {
     "idle_owners": "ranks that own no matrix",
     "team": "ranks sharing one matrix's NS (modelled split)",
     "shape": "elements per dimension",
+    "memory": "a DMuon mode's memory per rank (verify.plan.memory, docs/scaling.md 'Memory per "
+              "rank'): min / median / max over the ranks of each figure, and the busiest rank's",
+    "min": "the smallest over the ranks, each figure on its own",
+    "median": "the median over the ranks, each figure on its own",
+    "max": "the largest over the ranks, each figure on its own",
+    "busiest": "the rank with the largest sum_bytes, with all its figures",
+    "rank": "world rank",
+    "z3": "true: Z3 (reshard after forward), false: Z2 / DDP (resident)",
+    "prefetch_depth": "DMuon's prefetch_depth, in buckets, the window assumes",
+    "window_units": "units the widest window spans",
+    "params_held_bytes": "bytes of dedicated params the rank holds",
+    "window_bytes": "bytes of non-held compute copies alive at once (Z3 window; Z2/DDP: all)",
+    "grads_held_bytes": "bytes of DMuon's grad buffers of held buckets",
+    "grads_in_flight_bytes": "bound, in bytes, on non-held grad buffers alive at once",
+    "momentum_bytes": "bytes of Muon momentum of the matrices the rank owns",
+    "adamw_rest_bytes": "bytes of AdamW's exp_avg + exp_avg_sq of the rank's part of the rest",
+    "sum_bytes": "bytes of the figures above together",
 }
 
 
