@@ -22,7 +22,7 @@ import re
 import textwrap
 
 #: Largest world size dmuon-plan plans (ranks): the plan and the per-shard tallies grow with
-#: W (about 10 s and 0.5 GB for llama-tiny at W = 2**20 on one core); above it, exit 2.
+#: W (about 20 s for llama-tiny at W = 2**20 on one core, the memory table included); above it, exit 2.
 MAX_WORLD_SIZE = 2**20
 #: Above this many ranks a warning: the cost model has one flat network tier (every GPU its
 #: own NIC at full bandwidth, one latency per call), while clusters that large add tiers.
