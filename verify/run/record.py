@@ -28,7 +28,11 @@ objects: the model's parameter shapes, ``dm``'s dedicated params, mesh and Z2/Z3
 wrapping: ``DistributedDataParallel`` and its bucket cap, or the modules wrapped with
 ``fully_shard`` and whether each reshards after forward, or none under
 ``dedicate_params(rest="replicate")``), the W-average against the closed
-form, and Newton–Schulz calls. Rank 0 writes ``report.json``, ``report.md`` and
+form, Newton–Schulz calls, and DMuon's memory: each rank's peak bytes of dedicated params and
+grad buffers in forward, backward and between steps, read by the harness's own hooks
+(``verify.run.memory_meter``, attached at :meth:`TrafficWindow.start`, removed at
+:meth:`TrafficWindow.finish`) against the bound from the plan (``verify.traffic.memory``;
+check ``memory``, docs/verify.md "Memory"). Rank 0 writes ``report.json``, ``report.md`` and
 ``traffic.png`` to ``out_dir`` (``verify.report.render``), the same files as ``make verify-traffic``.
 
 Create the window before the first training step: it records the order in which DMuon's
@@ -67,6 +71,8 @@ from verify.report.checks import failures_of_runs, final_line, run_checks
 from verify.traffic.predict import (DMUON_HIERARCHIES, RunLayout, dmuon_flattens, dmuon_policy_backend,
                                     dmuon_uneven_aligned)
 from verify.run.figures import add_figures, interposer_source, params_report
+from verify.run.memory_meter import MemoryMeter
+from verify.traffic.memory import memory_report
 from verify.run.steptime import StepTime, sample
 
 
@@ -245,6 +251,8 @@ class TrafficWindow:
         self._order = BlockOrderRecorder(bare_model(model), blocks_of(dedicated.names), units)
         self._forwards = 0  # forwards of the model while recording (not AC recompute)
         self._forward_hook = None
+        self._meter: MemoryMeter | None = None  # DMuon's bytes at every hook while recording
+        self._meter_trace: list = []  # the last complete recorded step's samples
 
     def _count_forward(self, module, args) -> None:
         if torch._C._current_graph_task_id() == -1:  # not a recompute inside backward
@@ -261,6 +269,10 @@ class TrafficWindow:
         self._ns_before = self.optimizer.ns_calls
         self._forwards = 0
         self._forward_hook = bare_model(self.model).register_forward_pre_hook(self._count_forward)
+        device = "cuda" if _backend(self.dedicated) == "nccl" else "cpu"
+        self._meter = MemoryMeter(bare_model(self.model), self.dedicated, device).attach()
+        self._meter.start()
+        self._meter.step()
         self._interposer = Interposer().__enter__()
         self._last = sample()
         return self
@@ -273,6 +285,8 @@ class TrafficWindow:
         self._losses.append(float(loss.detach() if isinstance(loss, torch.Tensor) else loss))
         self._times.append(StepTime.between(self._last, now))
         self._last = now
+        self._meter_trace = self._meter.trace  # this step's samples; the next step starts
+        self._meter.step()
 
     def finish(self) -> dict | None:
         """Stop, compare on rank 0, write the report, and raise on a mismatch on every rank.
@@ -286,6 +300,7 @@ class TrafficWindow:
         ip.__exit__(None, None, None)
         self._forward_hook.remove()
         self.dedicated.wait_pending()
+        memory = self._close_meter()
         steps = len(self._times)
         untagged = sum(ev.phase is None for ev in ip.events)
         problem = None
@@ -308,7 +323,7 @@ class TrafficWindow:
         layout = layout_from_job(self.model, self.dedicated, self._order.agreed())
         layout = dataclasses.replace(layout, module_calls=self._order.call_counts())
         mine = {"events": ip.events, "times": self._times, "losses": self._losses,
-                "ns_calls": self.optimizer.ns_calls - self._ns_before}
+                "ns_calls": self.optimizer.ns_calls - self._ns_before, "memory": memory}
         rank = dist.get_rank()
         gathered: list | None = [None] * dist.get_world_size() if rank == 0 else None
         dist.gather_object(mine, gathered, dst=0)
@@ -338,6 +353,8 @@ class TrafficWindow:
         run.update(loss_first=losses[0] if math.isfinite(losses[0]) else None,
                    loss_last=losses[-1] if math.isfinite(losses[-1]) else None,
                    replicate_overlap=[], timeline=None)
+        # DMuon's bytes against the plan's bound (check "memory")
+        run["memory"] = memory_report(layout, [r["memory"] for r in gathered])
         run["checks"] = run_checks(run)  # no loss check: a window of the user's steps
         run["pass"] = all(c["pass"] for c in run["checks"])
         report = {
@@ -368,6 +385,17 @@ class TrafficWindow:
             lines += [f"{title}:", body]
         return "\n".join(lines)
 
+    def _close_meter(self) -> dict:
+        """Stop measuring memory and remove the meter's hooks; this rank's figures
+        (``MemoryMeter.result`` with the last complete recorded step's trace) and DMuon's
+        ``prefetch_depth``."""
+        meter, self._meter = self._meter, None
+        if meter is None:
+            return {}
+        meter.close()
+        return {**meter.result(), "trace": [list(s) for s in self._meter_trace],
+                "prefetch_depth": self.dedicated.prefetch_depth}
+
     def __enter__(self) -> TrafficWindow:
         return self.start()
 
@@ -377,6 +405,7 @@ class TrafficWindow:
                 self._interposer.__exit__(None, None, None)
                 self._interposer = None
                 self._forward_hook.remove()
+                self._close_meter()
             return
         self.finish()
 

@@ -8,10 +8,21 @@ import torch.distributed as dist
 import dmuon
 
 
-def readme_example(out_dir: str, extra_call: bool = False) -> dict:
+def readme_example(out_dir: str, extra_call: bool = False, tiny_bound: bool = False) -> dict:
     """Run examples/own_script.train; with ``extra_call`` one unpredicted all_reduce is
-    issued in the first measured step's forward. Returns what was raised or the report."""
+    issued in the first measured step's forward; with ``tiny_bound`` the harness's memory
+    bound (``verify.traffic.memory.predict_memory``) is cut to 1 byte a rank in forward and
+    backward, so DMuon's measured bytes exceed it. Returns what was raised or the report."""
     from examples import own_script
+
+    if tiny_bound:
+        import dataclasses
+
+        from verify.traffic import memory
+
+        predict = memory.predict_memory
+        memory.predict_memory = lambda *a, **k: [dataclasses.replace(b, peak_bytes=1)
+                                                 for b in predict(*a, **k)]
 
     if extra_call:
         original = own_script.loss_fn
@@ -30,6 +41,8 @@ def readme_example(out_dir: str, extra_call: bool = False) -> dict:
     finally:
         if extra_call:
             own_script.loss_fn = original
+        if tiny_bound:
+            memory.predict_memory = predict
 
 
 def run_user_model(out_dir: str, modes: tuple[str, ...], model: str, profiler: bool = True,

@@ -50,6 +50,26 @@ def test_own_script_window_passes_and_writes_report(pool2, tmp_path):
     on_disk = json.loads((tmp_path / "report.json").read_text())
     assert on_disk["runs"][0]["missing"] == [] and (tmp_path / "traffic.png").stat().st_size > 0
     assert (tmp_path / "report.md").read_text().startswith("# verify-traffic report")
+    # memory, measured by the window's own hooks: every rank within the plan's bound
+    memory = next(c for c in run["checks"] if c["check"] == "memory")
+    assert memory["pass"] and memory["detail"].startswith("every rank within the bound")
+    for r in run["memory"]["ranks"]:
+        m, b = r["measured"], r["bound"]
+        assert 0 < m["forward"] <= b["peak_bytes"] and 0 < m["backward"] <= b["peak_bytes"]
+        assert 0 < m["grads"] <= b["grads_bytes"] and m["between"] <= b["between_bytes"]
+    assert [t[0] for t in run["memory"]["trace"][0]][:2] == ["between", "forward"]
+    assert "backward" in {t[0] for t in run["memory"]["trace"][0]}
+
+
+def test_own_script_memory_over_the_bound_fails_on_every_rank(pool2, tmp_path):
+    """The window's verdict includes the memory check: with the bound cut to 1 byte (a
+    stand-in for a runtime that holds more than the plan allows) every rank raises
+    TrafficMismatch naming the rank, the phase and the bound; without the memory check in
+    TrafficWindow this run passes (test above)."""
+    results = pool2.run(record_tasks.readme_example, str(tmp_path), tiny_bound=True)
+    for r in results:
+        assert r["error"] and r["error"].startswith("TrafficMismatch"), r["error"]
+        assert "rank 0 peak forward" in r["error"] and "> bound 0.00 MB" in r["error"]
 
 
 def test_own_script_extra_collective_fails_on_every_rank(pool2, tmp_path):
