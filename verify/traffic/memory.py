@@ -171,14 +171,13 @@ def predict_memory(layout: RunLayout, prefetch_depth: int = 1) -> list[MemoryBou
     held_by: dict[int, list[int]] = {}  # holder class (rank % shard_size) -> its bucket indices
     for i, b in enumerate(buckets):
         held_by.setdefault(b.owner % moved.shard_size, []).append(i)
-    by_class: dict[int | None, MemoryBound] = {}
+    by_class: dict[int | None, tuple] = {}  # holder class -> its figures after ``rank``
     out = []
     for rank in range(layout.world_size):
         key = rank % moved.shard_size if rank % moved.shard_size in held_by else None
         if key not in by_class:
-            by_class[key] = sums.bound(rank, held_by.get(key, []))
-        bound = by_class[key]
-        out.append(bound if bound.rank == rank else dataclasses.replace(bound, rank=rank))
+            by_class[key] = dataclasses.astuple(sums.bound(rank, held_by.get(key, [])))[1:]
+        out.append(MemoryBound(rank, *by_class[key]))
     return out
 
 
