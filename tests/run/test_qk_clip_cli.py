@@ -65,6 +65,7 @@ def test_the_default_baseline_applies_to_the_default_run_only():
     assert bl.summary_lines(clipped) == [f"baseline b.json: not compared ({clipped['baseline']['reason']})"]
 
 
+@pytest.mark.slow  # ~16 s; the wiring runs in make test in test_qk_clip_traffic.py (a pool)
 @pytest.mark.distributed
 def test_verify_traffic_qk_clip_end_to_end_two_processes(tmp_path):
     """torchrun, 2 gloo processes, two DMuon modes and one baseline, --qk-clip at its default:
