@@ -65,3 +65,36 @@ def test_unknown_tool_and_bad_code_folders_are_usage_errors(tmp_path, capsys):
     for code in ci.MEANINGS:
         ci.record_exit(tmp_path, code, "t")
         assert ci.main(["code", str(tmp_path)]) == code
+
+
+def test_the_documented_github_actions_workflow_names_what_exists():
+    """docs/ci/github-actions.yml (the CPU/gloo lane): valid YAML whose run lines name a make
+    target of the Makefile and a ``bin/dmuon-ci verify-traffic`` command line that the tool's
+    own checks accept (``verify.run.launch.usage_problem``: launcher flags, then the job's), and
+    whose uploaded JUnit file is the one the run writes (``<out-dir>/junit.xml``)."""
+    import shlex
+
+    import yaml
+
+    from verify.run.launch import usage_problem
+
+    flow = yaml.safe_load((ROOT / "docs" / "ci" / "github-actions.yml").read_text())
+    steps = flow["jobs"]["verify-traffic"]["steps"]
+    runs = [shlex.split(s["run"]) for s in steps if "run" in s]
+    makefile = (ROOT / "Makefile").read_text()
+    assert [r for r in runs if r[0] == "make"] == [["make", "install"]] and "\ninstall:" in makefile
+    (gate,) = [r for r in runs if r[0] == "bin/dmuon-ci"]
+    assert gate[1] == "verify-traffic" and (ROOT / gate[0]).is_file()
+    args = gate[2:]
+    nproc, out_dir = _pop(args, "--nproc"), _pop(args, "--out-dir")
+    assert usage_problem(args, Path(out_dir), int(nproc)) is None
+    reports = [s["with"] for s in steps if "with" in s and "report_paths" in s["with"]]
+    assert reports == [{"report_paths": f"{out_dir}/junit.xml"}]
+
+
+def _pop(args: list[str], flag: str) -> str:
+    """The value after ``flag`` in ``args``, both removed from it."""
+    i = args.index(flag)
+    value = args[i + 1]
+    del args[i : i + 2]
+    return value
