@@ -102,8 +102,10 @@ def drop_destroyed_groups_from_meshes() -> int:
     the destroyed groups from the leaked mesh frees them; the mesh itself (a few small objects)
     stays. Correct on any release (a live group is never touched); on 2.13 nothing is found.
 
-    Scans ``gc.get_objects()`` (objects frozen by ``gc.freeze()`` are not scanned: ~0.1 s per
-    200k objects when nothing is frozen).
+    Finds the meshes as the referrers of their classes (an instance of a Python class refers to
+    its type in the collector's traversal): one scan in C, ~0.02 s over 430k objects, against
+    0.14 s for a Python loop over ``gc.get_objects()`` (it runs after every test task on every
+    rank). Objects frozen by ``gc.freeze()`` are not scanned.
 
     Returns:
         How many registry entries were dropped.
@@ -112,9 +114,15 @@ def drop_destroyed_groups_from_meshes() -> int:
 
     live = set(_world.pg_map)
     dropped = 0
-    for obj in gc.get_objects():
+    classes, todo = set(), [DeviceMesh]
+    while todo:  # DeviceMesh and every subclass of it
+        cls = todo.pop()
+        if cls not in classes:
+            classes.add(cls)
+            todo.extend(cls.__subclasses__())
+    for obj in gc.get_referrers(*classes):
         # type(), not isinstance(): isinstance reads __class__, which some torch objects warn on
-        if not issubclass(type(obj), DeviceMesh):
+        if type(obj) not in classes:
             continue
         registry = getattr(obj, "_pg_registry", None)
         if not isinstance(registry, dict):
