@@ -57,6 +57,7 @@ def test_a_raise_on_rank1_alone_is_reported_within_60s_naming_rank1(tmp_path):
 
 
 @pytest.mark.distributed
+@pytest.mark.slow  # ~20 s of torchrun; the failure logic runs in make test on an in-memory store (test_nodes_failstop.py)
 @pytest.mark.timeout(300)
 def test_rank1_dying_without_exception_is_reported_within_60s(tmp_path):
     out = tmp_path / "run"

@@ -65,7 +65,7 @@ def test_muonclip_lands_on_the_oracle(pool2, pool4, oracles, mode):
                 assert clipped[name] == [h for h, x in enumerate(want[name]) if x > Q.TAU]
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_without_the_clip_the_comparison_fails(pool2, pool4, oracles, world):
     pool, mode = (pool4, "hsdp-z3") if world == 4 else (pool2, "z2")
     results = pool.run_with_timeout(TIMEOUT_S, Q.train, mode, STEPS_AT[world], enabled=False)

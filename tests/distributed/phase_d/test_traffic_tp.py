@@ -65,7 +65,7 @@ def test_tp_exact_collectives_closed_form_and_sources(pool4, mode):
     _assert_profiler_matches(results)
 
 
-@pytest.mark.parametrize("mp", [None, "bf16"])
+@pytest.mark.parametrize("mp", [None, pytest.param("bf16", marks=pytest.mark.slow)])
 def test_tp_bytes_wire_and_dmuon_verify_check_follow_the_tp_prediction(pool4, tmp_path, mp):
     """The report's bytes (per phase and dtype) and dmuon-verify check use the TP prediction:
     measured bytes equal predicted bytes; under bf16 DMuon's broadcasts and reduces of the
