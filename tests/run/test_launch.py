@@ -221,6 +221,7 @@ def test_verify_traffic_end_to_end_two_processes(tmp_path):
 
 
 @pytest.mark.distributed
+@pytest.mark.slow  # ~14 s of torchrun; a mode raising on every rank: test_nodes_failstop.py in make test
 def test_rising_loss_and_a_raising_mode_are_named_in_the_last_line(tmp_path):
     """A user model with exactly right traffic whose loss rises (dmuon-z2), and whose loss_fn
     raises under DDP in its first measured step (dmuon-ddp, run first): both are reported,
