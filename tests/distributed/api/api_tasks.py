@@ -32,14 +32,6 @@ BAD_HYPERPARAMETERS = {
 }
 
 
-def _error(fn) -> str:
-    try:
-        fn()
-    except (ValueError, RuntimeError) as exc:
-        return f"{type(exc).__name__}: {exc}"
-    return "no error"
-
-
 def bad_hyperparameters() -> dict:
     """Every bad keyword of DMuon on this rank: {keyword: error text}, plus ``owned`` and a
     bad value set in ``param_groups`` after construction (``step``)."""
@@ -48,13 +40,13 @@ def bad_hyperparameters() -> dict:
     out = {"owned": len(dm.owned())}
     for key, (value, _) in BAD_HYPERPARAMETERS.items():
         kwargs = {"dedicated": dm, key: value}
-        out[key] = _error(lambda: dmuon.DMuon(model.parameters(), **kwargs))
+        out[key] = T.error_text(lambda: dmuon.DMuon(model.parameters(), **kwargs))
     opt = dmuon.DMuon(model.parameters(), dedicated=dm)
     rank, world = dist.get_rank(), dist.get_world_size()
     x, y = T.corpus().global_batch(0, T.GLOBAL_BATCH, T.SMALL.seq_len)
     T._loss(model, local_slice(x, rank, world), local_slice(y, rank, world)).backward()
     opt.param_groups[0]["weight_decay"] = -1.0  # e.g. a broken scheduler
-    out["step"] = _error(opt.step)
+    out["step"] = T.error_text(opt.step)
     # the object stays usable: fix the value, step, and the next iteration runs
     opt.param_groups[0]["weight_decay"] = 0.1
     opt.step()
@@ -83,7 +75,7 @@ def setup_error(case: str) -> str:
         else:
             raise AssertionError(case)
 
-    return _error(run)
+    return T.error_text(run)
 
 
 class Conv1D(nn.Module):

@@ -9,10 +9,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 import dmuon
+from tests.distributed.parity.dmuon_tasks import root_unit
 from tests.distributed.runtime.zero_grad_tasks import ADAMW_LR, BATCH, DEDICATED, LR, STEPS, Net, _data
 
 MAX_NORM = 0.05  # below every step's norm: every step clips
@@ -43,12 +43,7 @@ def train(wrap: str, norm_type: float) -> dict:
     mesh = init_device_mesh("cpu", (world,))
     model = Net()
     dm = dmuon.dedicate_params(model, mesh, params=DEDICATED, reshard_after_forward=False)
-    if wrap == "ddp":
-        wrapped = DistributedDataParallel(model)
-    else:
-        fully_shard(model, mesh=mesh, ignored_params=set(dm))
-        wrapped = model
-    opt = dmuon.DMuon(wrapped.parameters(), dedicated=dm, lr=LR, adamw_lr=ADAMW_LR)
+    wrapped, opt = root_unit(model, mesh, dm, ddp=wrap == "ddp", lr=LR, adamw_lr=ADAMW_LR)
     norms = []
     for step in range(STEPS):
         model.step = step

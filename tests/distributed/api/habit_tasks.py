@@ -20,14 +20,6 @@ from dmuon.runtime.rest import warn_if_not_averaged
 from tests.distributed.parity import dmuon_tasks as T
 
 
-def _error(fn) -> str:
-    try:
-        fn()
-    except (ValueError, RuntimeError) as exc:
-        return f"{type(exc).__name__}: {exc}"
-    return "no error"
-
-
 def fully_shard_without_ignored_params(mode: str) -> str:
     """``fully_shard(model, mesh=mesh)`` after ``dedicate_params`` (no ``ignored_params``),
     then ``DMuon(model.parameters(), ...)``."""
@@ -38,7 +30,7 @@ def fully_shard_without_ignored_params(mode: str) -> str:
     def wrap_and_build():
         fully_shard(model, mesh=mesh)
         dmuon.DMuon(model.parameters(), dedicated=dm)
-    return _error(wrap_and_build)
+    return T.error_text(wrap_and_build)
 
 
 def rest_shape_differs() -> str:
@@ -47,7 +39,7 @@ def rest_shape_differs() -> str:
     if dist.get_rank() == 1:
         config = dataclasses.replace(config, vocab_size=320)
     model = T.make_model(config)
-    return _error(lambda: dmuon.dedicate_params(model, T._mesh("flat")))
+    return T.error_text(lambda: dmuon.dedicate_params(model, T._mesh("flat")))
 
 
 class _Block(nn.Module):
@@ -93,7 +85,7 @@ def reentrant_shared_block(mode: str, reentrant: bool) -> dict:
         grads.update({n: p.grad.clone() for n, p in model.named_parameters()
                       if p in dm and p.grad is not None})
         opt.step()
-    return {"error": _error(run), "grads": grads}
+    return {"error": T.error_text(run), "grads": grads}
 
 
 def reentrant_oracle() -> dict[str, torch.Tensor]:

@@ -7,11 +7,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.fsdp import fully_shard
-from torch.nn.parallel import DistributedDataParallel
 
 import dmuon
-from tests.distributed.parity.dmuon_tasks import _mesh
+from tests.distributed.parity.dmuon_tasks import _mesh, authoritative_params, root_unit
 
 D, N_EXPERTS, N_CLASSES = 16, 4, 5
 TOKENS_PER_RANK = 2  # at most 2 of the 3 routable experts run per rank and step
@@ -97,12 +95,7 @@ def train(mode: str) -> dict:
     model = make_net()
     before = model.moe.experts[N_EXPERTS - 1].weight.detach().clone()
     dm = dmuon.dedicate_params(model, mesh, params=DEDICATED, reshard_after_forward=mode.endswith("z3"))
-    if mode.startswith("ddp"):
-        wrapped = DistributedDataParallel(model)
-    else:
-        fully_shard(model, mesh=mesh, ignored_params=set(dm))
-        wrapped = model
-    opt = dmuon.DMuon(wrapped.parameters(), dedicated=dm, lr=MUON_LR, adamw_lr=ADAMW_LR)
+    wrapped, opt = root_unit(model, mesh, dm, ddp=mode.startswith("ddp"), lr=MUON_LR, adamw_lr=ADAMW_LR)
     ran = []
     for e, expert in enumerate(model.moe.experts):
         expert.register_forward_pre_hook(lambda m, a, e=e: ran.append((step, e)))
@@ -111,14 +104,8 @@ def train(mode: str) -> dict:
         _rank_loss(wrapped, x, y, rank).backward()
         opt.step()
         opt.zero_grad()
-    dm.wait_pending()
+    out = authoritative_params(model, dm)
     owned = {id(p) for p in dm.owned()}
-    out = {}
-    for n, p in model.named_parameters():
-        if id(p) in owned:
-            out[n] = p.detach().clone()
-        elif p not in dm:
-            out[n] = (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
     idle_expert = model.moe.experts[N_EXPERTS - 1].weight
     return {"params": out, "experts_run": sorted(set(ran)),
             "idle_unchanged": torch.equal(idle_expert.detach(), before) if id(idle_expert) in owned else None,

@@ -75,15 +75,7 @@ def train(mode: str, backend: str | None, steps: int, fr_dir: str, mp: bool = Fa
             losses.append(loss.item())
     after = read_flight_recorder(dump_flight_recorder(f"{fr_dir}/after", rank)).events
     calls = [(e.op, e.count, e.group_id, e.root) for e in fr_window(before, after)]
-    dm.wait_pending()
-    owned = {id(p) for p in dm.owned()}
-    params = {}
-    for name, p in model.named_parameters():
-        if p in dm:
-            if id(p) in owned:
-                params[name] = p.detach().clone()
-        else:
-            params[name] = p.full_tensor().detach().clone()
+    params = T.authoritative_params(model, dm)
     stats = torch._dynamo.utils.counters["stats"]
     return {"params": params, "losses": losses, "calls": calls,
             "graphs": stats["unique_graphs"], "frames": stats["calls_captured"]}

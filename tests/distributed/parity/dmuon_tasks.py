@@ -98,6 +98,42 @@ def build(mode: str, config=SMALL, wrap: bool = True, **dm_kw):
     return wrapped, model, dm, opt
 
 
+def root_unit(model, mesh, dm, ddp: bool, lr: float = MUON_LR, adamw_lr: float = ADAMW_LR):
+    """``(wrapped, DMuon)``: the rest of ``model`` under DDP (``ddp``) or one root FSDP2 unit on
+    ``mesh`` with ``dm``'s params ignored, and DMuon over the wrapped params."""
+    if ddp:
+        wrapped = DistributedDataParallel(model)
+    else:
+        fully_shard(model, mesh=mesh, ignored_params=set(dm))
+        wrapped = model
+    return wrapped, dmuon.DMuon(wrapped.parameters(), dedicated=dm, lr=lr, adamw_lr=adamw_lr)
+
+
+def authoritative_params(model, dm) -> dict[str, torch.Tensor]:
+    """After ``dm.wait_pending()``: {name: copy} of the params this rank holds authoritative
+    values of: the dedicated params it owns, and every other param in full
+    (``full_tensor()`` of an FSDP2 shard)."""
+    dm.wait_pending()
+    owned = {id(p) for p in dm.owned()}
+    out = {}
+    for name, p in model.named_parameters():
+        if p in dm:
+            if id(p) in owned:
+                out[name] = p.detach().clone()
+        else:
+            out[name] = (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+    return out
+
+
+def error_text(fn) -> str:
+    """``"<type>: <message>"`` of the ValueError / RuntimeError ``fn()`` raises, else ``"no error"``."""
+    try:
+        fn()
+    except (ValueError, RuntimeError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
 def train_dmuon(mode: str, steps: int, config: GPTConfig = SMALL, **dm_kw) -> dict:
     """Train with DMuon; returns the full params this rank holds authoritative values of.
 
@@ -110,18 +146,8 @@ def train_dmuon(mode: str, steps: int, config: GPTConfig = SMALL, **dm_kw) -> di
         _loss(wrapped, local_slice(x, rank, world), local_slice(y, rank, world)).backward()
         opt.step()
         opt.zero_grad()
-    dm.wait_pending()
-    owned = {id(p) for p in dm.owned()}
-    out = {}
-    for name, p in model.named_parameters():
-        if p in dm:
-            if id(p) in owned:
-                out[name] = p.detach().clone()
-        else:
-            full = p.full_tensor() if hasattr(p, "full_tensor") else p
-            out[name] = full.detach().clone()
-    return {"params": out, "ns_calls": opt.ns_calls, "hierarchy": dm.coalescing()["hierarchy"],
-            "momentum_on": sorted(
+    return {"params": authoritative_params(model, dm), "ns_calls": opt.ns_calls,
+            "hierarchy": dm.coalescing()["hierarchy"], "momentum_on": sorted(
         n for n, p in model.named_parameters() if p in dm and "momentum_buffer" in opt.state.get(p, {}))}
 
 

@@ -100,16 +100,7 @@ def train(mode: str, steps: int) -> dict:
         opt.step()
         opt.zero_grad()
         sched.step()
-    dm.wait_pending()
-    owned = {id(p) for p in dm.owned()}
-    out = {}
-    for name, p in model.named_parameters():
-        if p in dm:
-            if id(p) in owned:
-                out[name] = p.detach().clone()
-        else:
-            out[name] = (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
-    return {"params": out, "groups": _hparams(opt)}
+    return {"params": T.authoritative_params(model, dm), "groups": _hparams(opt)}
 
 
 def _hparams(opt) -> list[dict]:

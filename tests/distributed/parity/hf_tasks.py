@@ -20,12 +20,10 @@ from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import fully_shard
-from torch.nn.parallel import DistributedDataParallel
 
 import dmuon
 from dmuon.ownership.select import assign_params
-from tests.distributed.parity.dmuon_tasks import ADAMW_LR, MUON_LR, _mesh
+from tests.distributed.parity.dmuon_tasks import ADAMW_LR, MUON_LR, _mesh, root_unit
 from verify.run.baselines import MatrixMuon
 
 VOCAB, SEQ, ROWS_PER_RANK, STEPS = 64, 8, 2, 3
@@ -140,12 +138,7 @@ def train(kind: str, mode: str, steps: int = STEPS, plant: str | None = None) ->
     mesh = _mesh("hsdp" if mode.startswith("hsdp") else "flat")
     model = make_model(kind)
     dm = dmuon.dedicate_params(model, mesh, reshard_after_forward=mode.endswith("z3"))
-    if mode == "ddp":
-        wrapped = DistributedDataParallel(model)
-    else:
-        fully_shard(model, mesh=mesh, ignored_params=set(dm))
-        wrapped = model
-    opt = dmuon.DMuon(wrapped.parameters(), dedicated=dm, lr=MUON_LR, adamw_lr=ADAMW_LR)
+    wrapped, opt = root_unit(model, mesh, dm, ddp=mode == "ddp")
     for step in range(steps):
         _loss(wrapped, batch(step, rank)).backward()
         opt.step()

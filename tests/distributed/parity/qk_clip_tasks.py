@@ -17,14 +17,12 @@ import sys
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import fully_shard
-from torch.nn.parallel import DistributedDataParallel
 
 import dmuon
 from dmuon.optim.qk_clip import QKClip
 from dmuon.optim.qk_clip_hf import attention_layers
 from tests.distributed.parity import hf_tasks as H
-from tests.distributed.parity.dmuon_tasks import ADAMW_LR, MUON_LR, _mesh
+from tests.distributed.parity.dmuon_tasks import ADAMW_LR, MUON_LR, _mesh, root_unit
 from verify.run.baselines import MatrixMuon
 
 #: Below the init maxima of some heads (0.019 … 0.036 at step 0), above others: the clip bites
@@ -106,12 +104,7 @@ def train(mode: str, steps: int, tau: float = TAU, alpha: float = ALPHA, enabled
     mesh = _mesh("hsdp" if mode.startswith("hsdp") else "flat")
     model = H.make_model("llama")
     dm = dmuon.dedicate_params(model, mesh, reshard_after_forward=mode.endswith("z3"))
-    if mode == "ddp":
-        wrapped = DistributedDataParallel(model)
-    else:
-        fully_shard(model, mesh=mesh, ignored_params=set(dm))
-        wrapped = model
-    opt = dmuon.DMuon(wrapped.parameters(), dedicated=dm, lr=MUON_LR, adamw_lr=ADAMW_LR)
+    wrapped, opt = root_unit(model, mesh, dm, ddp=mode == "ddp")
     clip = QKClip(opt, attention_layers(model), tau=tau, alpha=alpha, enabled=enabled)
     calls = []
     original = dist.all_reduce
