@@ -115,14 +115,19 @@ LINK_COSTS = {"nccl": LinkCost(alpha_us=10.0, gbps=360.0),
 LINK_POLICIES = ("auto", *LINK_COSTS)
 
 
+def _check_choice(name: str, value, choices: tuple[str, ...], meaning: str) -> None:
+    """Raise ``ValueError`` naming ``name``, ``value`` and ``choices`` unless ``value`` is one
+    of the strings ``choices``; ``meaning`` says what the keyword decides."""
+    if not isinstance(value, str) or value not in choices:
+        raise ValueError(f"Invalid {name}={value!r}. Must be one of {choices}: {meaning}")
+
+
 def check_link(link) -> None:
     """Raise ``ValueError`` unless ``link`` is one of :data:`LINK_POLICIES`."""
-    if not isinstance(link, str) or link not in LINK_POLICIES:
-        raise ValueError(
-            f"Invalid link={link!r}. Must be one of {LINK_POLICIES}: whose link policy DMuon "
-            "follows (coalescing target, reduce by gather, flat HSDP; docs/user-guide.md, "
-            "'Link policy'); 'auto' is the process group's backend's."
-        )
+    _check_choice("link", link, LINK_POLICIES,
+                  "whose link policy DMuon follows (coalescing target, reduce by gather, flat "
+                  "HSDP; docs/user-guide.md, 'Link policy'); 'auto' is the process group's "
+                  "backend's.")
 
 
 #: ``dedicate_params(hierarchy=...)`` values (:func:`resolve_hierarchy`).
@@ -198,13 +203,10 @@ def resolve_coalesce(coalesce: str | int, backend: str) -> Coalescing:
 
 def check_hierarchy(hierarchy) -> None:
     """Raise ``ValueError`` unless ``hierarchy`` is one of :data:`HIERARCHY_MODES`."""
-    if not isinstance(hierarchy, str) or hierarchy not in HIERARCHY_MODES:
-        raise ValueError(
-            f"Invalid hierarchy={hierarchy!r}. Must be one of {HIERARCHY_MODES}: how an HSDP "
-            "mesh moves the dedicated params ('hierarchical': shard axis, then replicate axis; "
-            "'flat': one call per direction over all W ranks; 'auto': flat on a backend that "
-            "allows it when the dedicated params are one unit)."
-        )
+    _check_choice("hierarchy", hierarchy, HIERARCHY_MODES,
+                  "how an HSDP mesh moves the dedicated params ('hierarchical': shard axis, then "
+                  "replicate axis; 'flat': one call per direction over all W ranks; 'auto': flat "
+                  "on a backend that allows it when the dedicated params are one unit).")
 
 
 def resolve_hierarchy(hierarchy: str, coalescing: Coalescing,
