@@ -121,6 +121,7 @@ def _train_with_window(model, dm, opt, window, rank: int, accumulate: bool = Fal
     """4 steps of examples.my_model's loss, steps 2 and 3 recorded; ``accumulate``: each
     recorded step first backwards one more micro-batch inside ``no_sync``."""
     from examples.my_model import loss_fn
+    from verify.run.runner import loss_step
 
     for step in range(4):
         if step == 2:
@@ -130,12 +131,7 @@ def _train_with_window(model, dm, opt, window, rank: int, accumulate: bool = Fal
                 first = loss_fn(model, rank, step)
             with dm.no_sync(), dmuon.phase("backward"):
                 first.backward()
-        with dmuon.phase("forward"):
-            loss = loss_fn(model, rank, step)
-        with dmuon.phase("backward"):
-            loss.backward()
-        opt.step()
-        opt.zero_grad()
+        loss = loss_step(model, opt, loss_fn, rank, step)
         if window.recording:
             window.step_done(loss)
 
