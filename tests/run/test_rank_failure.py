@@ -5,6 +5,7 @@ Before ``verify.run.failstop`` a raise on rank 1 alone hung rank 0 to the 300 s 
 left no report.json: both tests below fail on that code (no report within 60 s, no rank 1,
 no ``not run``)."""
 
+import contextlib
 import json
 import os
 import socket
@@ -16,17 +17,18 @@ from pathlib import Path
 import pytest
 
 from tests.distributed.phase_d.failure_factories import PLANTED
+from tests.tools.session import run_session, session
 
 REPO = Path(__file__).resolve().parents[2]
 FACTORIES = "tests.distributed.phase_d.failure_factories"
 
 
 def _launch(out: Path, factory: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
+    return run_session(
         [sys.executable, "-m", "verify.run.launch", "--nproc", "2", "--out-dir", str(out),
          "--modes", "dmuon-ddp,dmuon-z2", "--steps-warmup", "2", "--steps-measured", "1",
          "--no-profiler", "--model", f"{FACTORIES}:{factory}"],
-        cwd=REPO, capture_output=True, text=True, timeout=240)
+        cwd=REPO, text=True, timeout=240)
 
 
 def _check_stopped_report(out: Path, failed_at: float, rank1_says: str) -> dict:
@@ -86,14 +88,17 @@ def test_two_agents_as_two_nodes_collect_to_rank0_and_show_bytes_between_nodes(t
     per-node bytes; the other node's launcher returns the same verdict and says where it is."""
     port = _free_port()
     procs = {}
-    for name in ("a", "b"):
-        procs[name] = subprocess.Popen(
-            [sys.executable, "-m", "verify.run.launch", "--nproc", "2", "--nnodes", "2",
-             "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"t{port}",
-             "--out-dir", str(tmp_path / name), "--modes", "dmuon-hsdp-z2",
-             "--hierarchy", "hierarchical", "--steps-warmup", "2", "--steps-measured", "1"],
-            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    logs = {n: p.communicate(timeout=360)[0] for n, p in procs.items()}
+    with contextlib.ExitStack() as stack:  # a timeout or an error stops both trees
+        for name in ("a", "b"):
+            procs[name] = stack.enter_context(session(
+                [sys.executable, "-m", "verify.run.launch", "--nproc", "2", "--nnodes", "2",
+                 "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"t{port}",
+                 "--out-dir", str(tmp_path / name), "--modes", "dmuon-hsdp-z2",
+                 "--hierarchy", "hierarchical", "--steps-warmup", "2", "--steps-measured", "1"],
+                cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        deadline = time.monotonic() + 360
+        logs = {n: p.communicate(timeout=max(1.0, deadline - time.monotonic()))[0]
+                for n, p in procs.items()}
     assert all(p.returncode == 0 for p in procs.values()), logs
     (home,) = [n for n in procs if (tmp_path / n / "report.json").is_file()]
     (other,) = set(procs) - {home}
