@@ -1,10 +1,12 @@
-"""Refuse a step after ``torch.nn.utils.clip_grad_norm_`` (issue 34, item 2). Local, no collective.
+"""Refuse a step after ``torch.nn.utils.clip_grad_norm_`` where every grad is a plain tensor
+(DDP, ``rest="replicate"``; issue 34, item 2). Local, no collective.
 
-Why not make torch's function right: it computes the norm of the grads it is given, and after
-DMuon's backward a dedicated matrix's grad exists on its owner only (the others have ``None``).
-The true norm needs every owner's part, i.e. a collective inside torch's function, which DMuon
-cannot add to it; so each rank clips by its own norm, the replicated params (DDP, or
-``rest="replicate"``) drift apart and nothing says so. ``opt.clip_grad_norm_`` is the collective
+Why not make torch's function right there: it computes the norm of the grads it is given, and
+after DMuon's backward a dedicated matrix's grad exists on its owner only (the others have
+``None``). The true norm needs every owner's part, i.e. a collective, and torch's function
+issues one only for DTensor grads: under FSDP2 DMuon shows its grads as DTensors and torch's
+norm is global (``dmuon/runtime/grad_view.py``); with plain grads each rank would clip by its
+own norm, the replicated params drift apart and nothing says so. ``opt.clip_grad_norm_`` is the collective
 version. So the step refuses: on every rank, before any param changes.
 
 How a rank tells (from its own grads; no message between ranks): when a backward outside
@@ -22,8 +24,8 @@ What passes: no in-place change; ``clip_grad_value_`` (elementwise, so right on 
 DMuon reads them: two foreach ops on plain tensors, the samples clamped, not scaled);
 ``opt.clip_grad_norm_`` (it notes the grads again); a grad replaced by another tensor. What
 also raises: any single in-place scaling of every changed grad by one factor (``GradScaler``'s
-unscale, ``p.grad.mul_(c)``): scale the loss instead. DTensor grads (FSDP2's rest) are not
-noted: torch's function refuses a mix of them with DMuon's plain grads itself.
+unscale, ``p.grad.mul_(c)``): scale the loss instead. DTensor grads (FSDP2's, and DMuon's
+shown ones) are not noted.
 """
 
 from __future__ import annotations

@@ -29,6 +29,7 @@ from torch.optim.adam import adam as _adam_functional
 
 from dmuon import annotate
 from dmuon.runtime import checkpoint
+from dmuon.runtime.grad_view import fsdp2_mesh
 from dmuon.runtime.dedicate import DedicatedParams
 from dmuon.optim import groups as groups_mod
 from dmuon.optim.grad_guard import GradGuard
@@ -140,13 +141,18 @@ class DMuon(Optimizer):
         self._matrix_of = {id(p): spec_of[n].matrix_shape
                            for n, p in zip(dedicated.names, dedicated.params)}
         checkpoint.complete_state(self)  # the state DCP's templates need, before the first step
-        self._guard = GradGuard()  # refuses a step after torch's clip_grad_norm_ (grad_guard.py)
+        # torch's clip_grad_norm_: the global norm where FSDP2 handles the rest (dedicated grads
+        # shown as DTensors on its mesh: runtime/grad_view.py), else the step refuses after it
+        # (grad_guard.py). TP-sharded grads are DTensors on the TP mesh: not shown.
+        adamw = [p for g in self.param_groups if g["algorithm"] == "adamw" for p in g["params"]]
+        self._grad_mesh = fsdp2_mesh(adamw) if dedicated.tp is None else None
+        self._guard = GradGuard()
         # The refresh (copies STALE, HSDP replicate broadcast) runs as the last step post-hook,
         # so the user's post-hooks edit the masters before any copy or broadcast reads them.
         self._stepped = False
         self._refresh = super().register_step_post_hook(self._after_hooks)
-        note = weakref.WeakMethod(self._note_grads)  # dm must not keep a dropped optimizer alive
-        dedicated.on_grads_final(lambda: note() is not None and note()())
+        final = weakref.WeakMethod(self._grads_final)  # dm must not keep a dropped optimizer alive
+        dedicated.on_grads_final(lambda: final() is not None and final()())
 
     # ------------------------------------------------------------------ state and checkpoints
     @staticmethod
@@ -198,23 +204,26 @@ class DMuon(Optimizer):
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
                         error_if_nonfinite: bool = False) -> torch.Tensor:
         """Clip every param's grad by the global norm over all ranks (a collective: call it
-        on every rank between ``backward()`` and ``step()``). Use it instead of
-        ``torch.nn.utils.clip_grad_norm_``, which would see each dedicated grad on its owner
-        only. Arguments, return value and errors: :func:`dmuon.optim.clip.clip_grad_norm_`."""
+        on every rank between ``backward()`` and ``step()``). Works in every mode; under DDP
+        and ``rest="replicate"`` use it instead of ``torch.nn.utils.clip_grad_norm_``, which
+        would see each dedicated grad on its owner only (under FSDP2 torch's is global too:
+        ``dmuon/runtime/grad_view.py``). Arguments, return value and errors:
+        :func:`dmuon.optim.clip.clip_grad_norm_`."""
         from dmuon.optim.clip import clip_grad_norm_
 
         muon = [p for g in self.param_groups if g["algorithm"] == "muon" for p in g["params"]]
         adamw = [p for g in self.param_groups if g["algorithm"] == "adamw" for p in g["params"]]
+        self.dedicated.take_back_grads()
         total = clip_grad_norm_(self.dedicated, muon, adamw, max_norm, norm_type, error_if_nonfinite)
-        self._note_grads()  # scaled here, by the global norm: what step() compares against
+        self._grads_final()  # scaled here, by the global norm: what step() compares against
         return total
 
     def clip_grad_value_(self, clip_value: float) -> None:
         """``torch.nn.utils.clip_grad_value_`` over every param's grad (elementwise: local, no
         collective; right on the grads where ``step()`` reads them). torch's own function over
-        ``model.parameters()`` does the same where every grad is a plain tensor (DDP,
-        ``rest="replicate"``); with FSDP2's DTensor grads beside DMuon's plain ones torch's
-        foreach call refuses the mix, so this clips each kind (each DTensor mesh) on its own.
+        ``model.parameters()`` does the same (under FSDP2 on the shown DTensor grads:
+        ``dmuon/runtime/grad_view.py``); this one also covers TP-sharded params, clipping each
+        kind (each DTensor mesh) on its own.
 
         Raises:
             ValueError: ``clip_value`` not a finite number > 0.
@@ -222,6 +231,7 @@ class DMuon(Optimizer):
         if isinstance(clip_value, bool) or not isinstance(clip_value, int | float) or not (
                 0 < clip_value < math.inf):
             raise ValueError(f"Invalid clip_value={clip_value!r}. Must be a finite number > 0.")
+        self.dedicated.take_back_grads()
         kinds: dict[object, list[torch.Tensor]] = {}
         for g in self.param_groups:
             for p in g["params"]:
@@ -229,8 +239,13 @@ class DMuon(Optimizer):
                     kinds.setdefault(getattr(p.grad, "device_mesh", None), []).append(p)
         for params in kinds.values():
             torch.nn.utils.clip_grad_value_(params, clip_value)
+        self._grads_final()
 
-    def _note_grads(self) -> None:
+    def _grads_final(self) -> None:
+        """Every grad is final (end of backward, or DMuon's clip): show the dedicated grads as
+        DTensors where FSDP2 handles the rest, then note the plain ones for the guard."""
+        if self._grad_mesh is not None:
+            self.dedicated.show_grads(self._grad_mesh)
         self._guard.note(p for g in self.param_groups for p in g["params"])
 
     def add_param_group(self, param_group: dict) -> None:
@@ -268,6 +283,7 @@ class DMuon(Optimizer):
             self.dedicated.after_step()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        self.dedicated.take_back_grads()
         super().zero_grad(set_to_none)
         self._guard.note(())  # the next backward notes its own grads
         self.dedicated.after_zero_grad()
@@ -279,9 +295,10 @@ class DMuon(Optimizer):
         Raises:
             ValueError: a hyper-parameter in ``param_groups`` became invalid (checked on every
                 rank before anything else).
-            RuntimeError: the grads were scaled in place by one factor after backward, as
-                ``torch.nn.utils.clip_grad_norm_`` does (use ``opt.clip_grad_norm_``;
-                ``dmuon/optim/grad_guard.py``), checked on each rank before any param changes.
+            RuntimeError: the plain-tensor grads (DDP, ``rest="replicate"``) were scaled in
+                place by one factor after backward, as ``torch.nn.utils.clip_grad_norm_`` does
+                (use ``opt.clip_grad_norm_``; ``dmuon/optim/grad_guard.py``), checked on each
+                rank before any param changes.
             RuntimeError: called in the middle of a backward pass (see
                 ``DedicatedParams.before_step``).
         """
@@ -290,6 +307,7 @@ class DMuon(Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._validate_groups()
+        self.dedicated.take_back_grads()
         self._guard.check()
         self.dedicated.before_step()
         with annotate.phase("optimizer"):

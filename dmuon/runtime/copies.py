@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from dmuon.runtime import residency, tp, usage
+from dmuon.runtime import grad_view, residency, tp, usage
 from dmuon.runtime.collectives import Pending
 from dmuon.runtime.state import Copy, Grads, Replica, check
 
@@ -407,6 +407,19 @@ class Bucket:
                 g = g.to(p.dtype).div_(world_size)
             p.grad = tp.like(p, g) if anywhere or p.grad is not None else None
             offset += n
+
+    def show_grads(self, mesh, specs: dict) -> None:
+        """Each param's ``.grad`` as a DTensor on ``mesh`` (``grad_view.py``), on every rank;
+        a ``.grad`` that already is a DTensor stays."""
+        for p in self.params:
+            if p.requires_grad and not isinstance(p.grad, grad_view.DTensor):
+                p.grad = grad_view.shown(p, p.grad if self.is_owner else None, mesh, specs)
+
+    def take_back_grads(self) -> None:
+        """The plain grads back from :meth:`show_grads` (``grad_view.plain``)."""
+        for p in self.params:
+            if isinstance(p.grad, grad_view.DTensor):
+                p.grad = grad_view.plain(p.grad, self.is_owner)
 
     def pass_ended(self) -> None:
         """A backward (or the iteration) ended: registered params in, arrivals forgotten."""

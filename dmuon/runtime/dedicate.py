@@ -751,6 +751,20 @@ class DedicatedParams:
         """Grads were cleared: a new accumulation may start (recovers an aborted step)."""
         self._live("optimizer.zero_grad()").after_zero_grad()
 
+    def show_grads(self, mesh) -> None:
+        """Every rank, local: each dedicated param's ``.grad`` becomes a DTensor on ``mesh``
+        (FSDP2's), ``Shard(0)`` on each mesh dim, the owner's local tensor its averaged grad,
+        the others' empty, so torch's ``clip_grad_norm_`` / ``get_total_norm`` reduce it with
+        FSDP2's grads (``dmuon/runtime/grad_view.py``). The optimizer calls it at the end of
+        each backward outside ``no_sync()`` where FSDP2 handles the rest."""
+        self._live("show_grads()").show_grads(mesh)
+
+    def take_back_grads(self) -> None:
+        """Every rank, local: the plain grads back after :meth:`show_grads` (owners: their
+        grad, as edited since; others: ``None``); nothing where none are shown."""
+        if self._runtime is not None:
+            self._runtime.take_back_grads()
+
 
 def _mesh_rows(mesh, topology: Topology) -> list[list[int]]:
     """World ranks of every shard group (one row per replicate index; one row of all W ranks

@@ -65,6 +65,7 @@ class Runtime:
         self.param_dtype, reduce_dtype = precision.dtypes(mp_policy)
         self.pass_state = StateMachine()
         self.no_sync = False
+        self.grad_mesh, self.grad_specs = None, {}  # dedicated grads shown as DTensors (grad_view.py)
         self.rest = rest  # rest="replicate" (rest.py), else None
         # rest="wrapper": until the first step() that can tell, whether a forward ran inside
         # DDP (rest.warn_if_not_averaged); None once told
@@ -471,6 +472,17 @@ class Runtime:
         for b in self.buckets:
             b.stepped()
         self.schedule.replicate()
+
+    def show_grads(self, mesh) -> None:
+        self.grad_mesh = mesh
+        for b in self.buckets:
+            b.show_grads(mesh, self.grad_specs)
+
+    def take_back_grads(self) -> None:
+        if self.grad_mesh is not None:
+            self.grad_mesh = None
+            for b in self.buckets:
+                b.take_back_grads()
 
     def after_zero_grad(self) -> None:
         if self.state in (S.FORWARD, S.BACKWARD):

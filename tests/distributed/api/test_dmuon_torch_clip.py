@@ -1,11 +1,15 @@
 """torch's clipping functions in a DMuon script (issue 34, item 2).
 
-``torch.nn.utils.clip_grad_norm_`` over ``model.parameters()`` sees each dedicated grad on its
-owner only, so each rank clips by its own norm and DDP-replicated params drift apart. Before
-the grad guard (``dmuon/optim/grad_guard.py``) ``step()`` ran silently after it, so
+Where every grad is a plain tensor (DDP, ``rest="replicate"``) ``torch.nn.utils.clip_grad_norm_``
+over ``model.parameters()`` sees each dedicated grad on its owner only, so each rank clips by
+its own norm and replicated params drift apart. Before the grad guard
+(``dmuon/optim/grad_guard.py``) ``step()`` ran silently after it, so
 ``test_step_after_torch_clip_grad_norm_raises_on_every_rank`` failed (no error, every param
-changed). ``clip_grad_value_`` is elementwise: on the grads where DMuon reads them it is the
-single-process clip, so it must keep working and match the oracle.
+changed). Where FSDP2 handles the rest the dedicated grads are shown as DTensors between
+backward and step (``dmuon/optim/grad_view.py``) and torch's function gives the global norm:
+before that it raised torch's own "mixed torch.Tensor and DTensor" error, so
+``test_torch_clip_grad_norm_matches_the_oracle_under_fsdp2`` failed. ``clip_grad_value_`` is
+elementwise: on the grads where DMuon reads them it is the single-process clip.
 """
 
 import pytest
@@ -37,14 +41,34 @@ def test_dmuon_clip_and_elementwise_clip_step(pool2, how):
         assert len(r["changed"]) > 0
 
 
-@pytest.mark.parametrize("mode,kw", CASES + [("z3", {"via_opt": True})])
-def test_clip_grad_value_matches_the_oracle(pool2, mode, kw):
-    """torch's clip_grad_value_ (DDP, rest="replicate"); under FSDP2 opt.clip_grad_value_
-    (torch's foreach refuses FSDP2's DTensor grads beside DMuon's plain ones)."""
-    steps = 4
+FSDP2 = [("z2", {}), ("z3", {}), ("hsdp-z3", {})]
+
+
+def _matches_oracle(pool, how: str, mode: str, kw: dict, steps: int = 4) -> list[dict]:
     init = T.make_model().state_dict()
-    ref = C.oracle_value(steps)
-    assert all(0.05 < f < 0.95 for f in ref["clamped"])  # the clip bites on part of the grads
-    floor = _rel_err(C.oracle_value(steps, micro_batches=2)["params"], init, ref["params"])
-    merged = T.merge_owned(pool2.run_with_timeout(TIMEOUT_S, C.train_value, mode, steps, **kw))
-    assert _rel_err(merged, init, ref["params"]) <= FLOOR_FACTOR * floor
+    ref = C.oracle(steps, how)
+    if how == "value":
+        assert all(0.05 < f < 0.95 for f in ref["clamped"])  # the clip bites on part of the grads
+    else:
+        assert all(n > 4 * C.MAX_NORM for n in ref["norms"])  # and here on every step
+    floor = _rel_err(C.oracle(steps, how, micro_batches=2)["params"], init, ref["params"])
+    results = pool.run_with_timeout(TIMEOUT_S, C.train, mode, steps, how, **kw)
+    assert _rel_err(T.merge_owned(results), init, ref["params"]) <= FLOOR_FACTOR * floor
+    return results
+
+
+@pytest.mark.parametrize("mode,kw", CASES + FSDP2 + [("z3", {"via_opt": True})])
+def test_clip_grad_value_matches_the_oracle(pool2, mode, kw):
+    """torch's clip_grad_value_ in every mode (under FSDP2 on the shown DTensor grads), and
+    opt.clip_grad_value_."""
+    _matches_oracle(pool2, "value", mode, kw)
+
+
+@pytest.mark.parametrize("mode,kw", FSDP2 + [("z2", {"via_opt": True})])
+def test_torch_clip_grad_norm_matches_the_oracle_under_fsdp2(pool2, mode, kw):
+    """torch's clip_grad_norm_ over model.parameters() returns the global norm on every rank
+    (the same float) and trains as the single-process clip does; opt.clip_grad_norm_ too."""
+    ref = C.oracle(4, "norm")
+    results = _matches_oracle(pool2, "norm", mode, kw)
+    assert results[0]["norms"] == results[1]["norms"]
+    assert results[0]["norms"][0] == pytest.approx(ref["norms"][0], rel=1e-5)

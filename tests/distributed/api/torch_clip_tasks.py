@@ -61,15 +61,24 @@ def _local(t):
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def oracle_value(steps: int, micro_batches: int = 1) -> dict[str, torch.Tensor]:
-    """One process: torch.optim.Muon + AdamW, ``clip_grad_value_`` on the global batch's grads."""
+def _clip_all(how: str, params) -> None:
+    if how == "value":
+        torch.nn.utils.clip_grad_value_(params, CLIP_VALUE)
+    else:
+        torch.nn.utils.clip_grad_norm_(params, MAX_NORM)
+
+
+def oracle(steps: int, how: str, micro_batches: int = 1) -> dict:
+    """One process: torch.optim.Muon + AdamW, torch's ``clip_grad_value_`` (``how="value"``)
+    or ``clip_grad_norm_`` (``"norm"``) on the global batch's grads; ``clamped``: the fraction
+    of grad elements over ``CLIP_VALUE``, ``norms``: the grad norm before each clip."""
     model = T.make_model()
     modules = dict(model.named_modules())
     named = dict(model.named_parameters())
     targets = [n for n, p in named.items() if dmuon.default_predicate(n, p, modules[n.rpartition(".")[0]])]
     muon = torch.optim.Muon([named[n] for n in targets], lr=T.MUON_LR)
     adamw = torch.optim.AdamW([p for n, p in named.items() if n not in targets], lr=T.ADAMW_LR)
-    clamped = []
+    clamped, norms = [], []
     for step in range(steps):
         x, y = T.corpus().global_batch(step, T.GLOBAL_BATCH, T.SMALL.seq_len)
         for m in range(micro_batches):
@@ -77,25 +86,33 @@ def oracle_value(steps: int, micro_batches: int = 1) -> dict[str, torch.Tensor]:
             (T._loss(model, xs, ys) / micro_batches).backward()
         grads = [p.grad for p in model.parameters()]
         clamped.append(sum(int((g.abs() > CLIP_VALUE).sum()) for g in grads) / sum(g.numel() for g in grads))
-        torch.nn.utils.clip_grad_value_(model.parameters(), CLIP_VALUE)
+        norms.append(float(torch.nn.utils.get_total_norm(grads)))
+        _clip_all(how, model.parameters())
         for opt in (muon, adamw):
             opt.step()
             opt.zero_grad()
-    return {"params": {n: p.detach().clone() for n, p in model.named_parameters()}, "clamped": clamped}
+    return {"params": {n: p.detach().clone() for n, p in model.named_parameters()},
+            "clamped": clamped, "norms": norms}
 
 
-def train_value(mode: str, steps: int, via_opt: bool = False, **dm_kw) -> dict:
-    """DMuon with ``torch.nn.utils.clip_grad_value_`` over the model's params every step
-    (``via_opt``: ``opt.clip_grad_value_``, which FSDP2's DTensor grads need)."""
+def train(mode: str, steps: int, how: str, via_opt: bool = False, **dm_kw) -> dict:
+    """DMuon with torch's ``clip_grad_value_`` / ``clip_grad_norm_`` (``how``) over the
+    model's params every step (``via_opt``: ``opt.clip_grad_value_`` / ``opt.clip_grad_norm_``);
+    ``norms``: what the clip returned each step, on this rank."""
     rank, world = dist.get_rank(), dist.get_world_size()
     wrapped, model, dm, opt = T.build(mode, **dm_kw)
+    norms = []
     for step in range(steps):
         x, y = T.corpus().global_batch(step, T.GLOBAL_BATCH, T.SMALL.seq_len)
         T._loss(wrapped, local_slice(x, rank, world), local_slice(y, rank, world)).backward()
-        if via_opt:
+        if how == "norm":
+            total = opt.clip_grad_norm_(MAX_NORM) if via_opt else torch.nn.utils.clip_grad_norm_(
+                wrapped.parameters(), MAX_NORM)
+            norms.append(float(total.full_tensor() if hasattr(total, "full_tensor") else total))
+        elif via_opt:
             opt.clip_grad_value_(CLIP_VALUE)
         else:
-            torch.nn.utils.clip_grad_value_(wrapped.parameters(), CLIP_VALUE)
+            _clip_all(how, wrapped.parameters())
         opt.step()
         opt.zero_grad()
     dm.wait_pending()
@@ -104,4 +121,4 @@ def train_value(mode: str, steps: int, via_opt: bool = False, **dm_kw) -> dict:
     for name, p in model.named_parameters():
         if p not in dm or id(p) in owned:
             out[name] = (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
-    return {"params": out}
+    return {"params": out, "norms": norms}

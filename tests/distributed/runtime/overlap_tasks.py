@@ -118,13 +118,20 @@ def grad_buffer_layout(mode: str) -> dict:
     where each dedicated param's ``.grad`` lives: after the ``no_sync`` backward (every
     local grad must be a view of its bucket's flat grad buffer) and after the reducing
     backward (owners: views of the buffer, holding the average; non-holders: no grads and
-    the buffer's storage freed). Returns the checks and the owned params after step 2."""
+    the buffer's storage freed). Under FSDP2 a ``.grad`` is then shown as a DTensor
+    (``dmuon/optim/grad_view.py``): its local tensor is what is checked (owners: the view;
+    others: empty). Returns the checks and the owned params after step 2."""
     import torch
+    from torch.distributed.tensor import DTensor
+
+    def local(g):
+        return g.to_local() if isinstance(g, DTensor) else g
 
     wrapped, model, dm, opt = build(mode, config=THREE_BLOCKS, coalesce="block")
 
     def inside(g, flat) -> bool:
         lo = flat.data_ptr()
+        g = local(g)
         return g is not None and lo <= g.data_ptr() < lo + flat.numel() * flat.element_size()
 
     out = {"accumulated_in_buffer": [], "owner_grad_in_buffer": [], "non_holder_freed": []}
@@ -144,7 +151,7 @@ def grad_buffer_layout(mode: str) -> dict:
                 if not b.is_holder:
                     out["non_holder_freed"].append(
                         b.grad_flat.untyped_storage().nbytes() == 0
-                        and all(q.grad is None for q in b.compute))
+                        and all(q.grad is None or local(q.grad).numel() == 0 for q in b.compute))
         opt.step()
         opt.zero_grad()
     out["owned"] = {n: p.detach().clone() for b in dm.buckets if b.is_owner
