@@ -1,0 +1,148 @@
+"""The training script people already have, written the FSDP2 way (issue 34, done-when), on a
+tiny HF Llama: ``fully_shard`` per decoder layer and at the root (``ignored_params=set(dm)``),
+param groups with no weight decay on norms and embeddings, ``torch.nn.utils.clip_grad_norm_``
+over ``model.parameters()``, MuonClip, a post-step hook that clamps the matrices, optionally
+FSDP2's bf16 ``MixedPrecisionPolicy`` (on DMuon too) and ``layer.compile()``.
+
+The oracle (one process) does the same arithmetic with torch alone: ``MatrixMuon``
+(``torch.optim.Muon`` over every matrix) and ``torch.optim.AdamW`` with the same groups, the
+grads averaged over the W ranks' batches, torch's ``clip_grad_norm_``, then QK-clip from maxima
+it computes itself (``qk_clip_tasks``), then the clamp, in the order the script's post-hooks
+run. Its bf16 form is the policy's arithmetic written out: fp32 masters, a bf16 copy of every
+param (buffers stay fp32, as FSDP2 casts params only) that runs each rank's batch, each rank's
+bf16 grads summed in fp32 and divided by W (``reduce_dtype=float32``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+import dmuon
+from dmuon.optim.qk_clip import QKClip
+from dmuon.optim.qk_clip_hf import attention_layers
+from tests.distributed.parity import hf_tasks as H
+from tests.distributed.parity import qk_clip_tasks as Q
+from tests.distributed.parity.dmuon_tasks import ADAMW_LR, MUON_LR, _mesh
+from verify.run.baselines import MatrixMuon
+
+MAX_NORM = 0.5  # below the grad norm at every step (checked by the test): the clip bites
+CLAMP = 0.05  # bites on part of the matrices' entries from step 1 on (checked by the test)
+BF16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+
+
+def _no_decay(name: str) -> bool:
+    return "norm" in name or "embed" in name
+
+
+def _clamp_(params) -> int:
+    """Clamp every tensor of ``params`` to [-CLAMP, CLAMP] in place; the entries it changed."""
+    changed = 0
+    for p in params:
+        changed += int((p.abs() > CLAMP).sum())
+        p.clamp_(-CLAMP, CLAMP)
+    return changed
+
+
+def oracle(world: int, steps: int, bf16: bool = False, halves: bool = False) -> dict:
+    """One process (module docstring): initial and final params, the Muon params, and per step
+    the grad norm before the clip and the matrix entries the clamp changed. ``halves``: each
+    rank's bf16 grad as the mean of its batch's two halves' (the same arithmetic in other bf16
+    roundings: the oracle's own noise)."""
+    with H._threads(H.RANK_THREADS):
+        model = H.make_model("llama")
+        compute = H.make_model("llama") if bf16 else model  # bf16: the compute copy
+        init = {n: p.detach().clone() for n, p in model.named_parameters()}
+        named = dict(model.named_parameters())
+        matrices = H.muon_matrices(model)
+        muon = MatrixMuon([named[n] for n in matrices], list(matrices.values()), lr=MUON_LR)
+        rest = [n for n in named if n not in matrices]
+        adamw = torch.optim.AdamW([
+            {"params": [named[n] for n in rest if not _no_decay(n)]},
+            {"params": [named[n] for n in rest if _no_decay(n)], "weight_decay": 0.0},
+        ], lr=ADAMW_LR)
+        norms, clamped = [], []
+        for step in range(steps):
+            maxima: dict = {}
+            handles = Q._record_maxima(compute, maxima)
+            if bf16:
+                _backward_bf16(model, compute, step, world, halves)
+            else:
+                (sum(H._loss(model, H.batch(step, r)) for r in range(world)) / world).backward()
+            for h in handles:
+                h.remove()
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)))
+            for opt in (muon, adamw):
+                opt.step()
+                opt.zero_grad()
+            Q._oracle_clip(model, maxima, Q.TAU, Q.ALPHA)
+            with torch.no_grad():
+                clamped.append(_clamp_(named[n] for n in matrices))
+        return {"init": init, "final": {n: p.detach().clone() for n, p in model.named_parameters()},
+                "muon": matrices, "norms": norms, "clamped": clamped}
+
+
+def _backward_bf16(model, compute, step: int, world: int, halves: bool) -> None:
+    """``model``'s grads: the mean over the W ranks of each rank's bf16 grads (``compute``, a
+    bf16 copy of ``model``'s params), summed in fp32."""
+    with torch.no_grad():
+        for p, q in zip(model.parameters(), compute.parameters()):
+            q.data = p.detach().to(torch.bfloat16)
+    grads = [torch.zeros_like(p) for p in model.parameters()]
+    for r in range(world):
+        ids = H.batch(step, r)
+        for part in ids.chunk(2) if halves else [ids]:
+            H._loss(compute, part).backward()
+            for g, q in zip(grads, compute.parameters()):
+                g.add_(q.grad.float(), alpha=part.shape[0] / ids.shape[0])
+                q.grad = None
+    for p, g in zip(model.parameters(), grads):
+        p.grad = g.div_(world)
+
+
+def train(mode: str, steps: int, bf16: bool = False, backend: str | None = None,
+          clip: bool = True) -> dict:
+    """The script on this rank, ``mode`` z2 / z3 / hsdp-z3; ``bf16``: FSDP2's and DMuon's
+    ``MixedPrecisionPolicy(bf16, reduce fp32)``; ``backend``: each decoder layer compiled
+    (``layer.compile(backend=...)``); ``clip=False``: the control without torch's clip. Returns the owned dedicated params, every param in full
+    on this rank after ``dm.sync_params()`` (to compare ranks), and the norms the clip returned."""
+    rank = dist.get_rank()
+    mesh = _mesh("hsdp" if mode.startswith("hsdp") else "flat")
+    mp = BF16 if bf16 else MixedPrecisionPolicy()
+    z3 = mode.endswith("z3")
+    model = H.make_model("llama")
+    dm = dmuon.dedicate_params(model, mesh, reshard_after_forward=z3, mp_policy=mp)
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh, reshard_after_forward=z3, mp_policy=mp, ignored_params=set(dm))
+    fully_shard(model, mesh=mesh, mp_policy=mp, ignored_params=set(dm))
+    if backend is not None:
+        torch._dynamo.reset()
+        for layer in model.model.layers:
+            layer.compile(backend=backend)
+    named = dict(model.named_parameters())
+    opt = dmuon.DMuon([
+        {"params": [p for n, p in named.items() if not _no_decay(n)]},
+        {"params": [p for n, p in named.items() if _no_decay(n)], "weight_decay": 0.0},
+    ], dedicated=dm, lr=MUON_LR, adamw_lr=ADAMW_LR)
+    QKClip(opt, attention_layers(model), tau=Q.TAU, alpha=Q.ALPHA)
+
+    def clamp(optimizer, args, kwargs):  # the owners' masters; DMuon refreshes every copy after
+        with torch.no_grad():
+            _clamp_(dm.owned())
+
+    opt.register_step_post_hook(clamp)
+    norms = []
+    for step in range(steps):
+        H._loss(model, H.batch(step, rank)).backward()
+        if clip:
+            total = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+            norms.append(float(total.full_tensor() if hasattr(total, "full_tensor") else total))
+        opt.step()
+        opt.zero_grad()
+    dm.sync_params()
+    full = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+            for n, p in model.named_parameters()}
+    owned = {id(p) for p in dm.owned()}
+    return {"owned": {n: p.detach().clone() for n, p in named.items() if id(p) in owned},
+            "full": full, "norms": norms}
