@@ -8,7 +8,9 @@ test machine's cores until they finish or reach their group timeout (``--timeout
 30 min for gloo subgroups created without one, e.g. a 2-D DeviceMesh's). Here the command
 runs in a new session; stopping it sends SIGTERM to that session (the launcher, the torchrun
 agent: the agent then stops its ranks, torchrun's own shutdown) and SIGKILL to what is left of
-it after ``grace_s``.
+it after ``grace_s``. The command starts with no signal blocked: a blocked mask survives fork
+and exec, and the test process may block SIGTERM (pytest's process in ``make test`` here had it
+blocked, so the stand-in launchers of ``test_session.py`` never saw the stop).
 """
 
 from __future__ import annotations
@@ -17,12 +19,16 @@ import contextlib
 import os
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Iterator, Sequence
 
 #: Seconds a stopped session gets to exit after SIGTERM before SIGKILL (torchrun's agent waits
 #: up to 30 s for its ranks before it kills them itself).
 GRACE_S = 45.0
+#: Run as ``python -c UNBLOCKED cmd...``: clear the signal mask, then exec ``cmd``.
+UNBLOCKED = ("import os, signal, sys; signal.pthread_sigmask(signal.SIG_SETMASK, ()); "
+             "os.execvp(sys.argv[1], sys.argv[1:])")
 
 
 def stop_session(proc: subprocess.Popen, grace_s: float = GRACE_S) -> None:
@@ -47,9 +53,11 @@ def stop_session(proc: subprocess.Popen, grace_s: float = GRACE_S) -> None:
 
 @contextlib.contextmanager
 def session(cmd: Sequence[str], grace_s: float = GRACE_S, **popen_kw) -> Iterator[subprocess.Popen]:
-    """``subprocess.Popen(cmd, start_new_session=True, **popen_kw)``, stopped on leaving the
-    block (:func:`stop_session`) whether the block ended normally or raised."""
-    proc = subprocess.Popen(cmd, start_new_session=True, **popen_kw)
+    """``subprocess.Popen(cmd, start_new_session=True, **popen_kw)`` with no signal blocked
+    (:data:`UNBLOCKED`), stopped on leaving the block (:func:`stop_session`) whether the block
+    ended normally or raised."""
+    proc = subprocess.Popen([sys.executable, "-c", UNBLOCKED, *cmd], start_new_session=True,
+                            **popen_kw)
     try:
         yield proc
     finally:
@@ -70,4 +78,4 @@ def run_session(cmd: Sequence[str], timeout: float, grace_s: float = GRACE_S,
     """
     with session(cmd, grace_s, stdout=subprocess.PIPE, stderr=subprocess.PIPE, **popen_kw) as proc:
         out, err = proc.communicate(timeout=timeout)
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+    return subprocess.CompletedProcess(list(cmd), proc.returncode, out, err)

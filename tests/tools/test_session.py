@@ -9,6 +9,7 @@ timeout does (SIGKILL to the parent alone) leaves the child running, so
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 import time
@@ -81,3 +82,18 @@ def test_run_session_returns_the_output_and_raises_on_timeout():
     assert (done.returncode, done.stdout) == (0, "hi\n")
     with pytest.raises(subprocess.TimeoutExpired):
         run_session([sys.executable, "-c", "import time; time.sleep(600)"], timeout=0.5)
+
+
+@pytest.mark.skipif(not hasattr(signal, "pthread_sigmask"), reason="needs POSIX signal masks")
+def test_a_blocked_sigterm_in_the_test_process_does_not_reach_the_launcher(tmp_path):
+    """The mask is inherited across fork and exec: with SIGTERM blocked here (as ``make test``'s
+    pytest process had it), the stand-in would ignore the stop and its child outlive it."""
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    try:
+        pid_file = tmp_path / "child.pid"
+        with session([sys.executable, "-c", PARENT, str(pid_file)], grace_s=20) as proc:
+            child = _wait_for(pid_file)
+        assert proc.returncode == 0  # the stand-in's own SIGTERM handler ran
+        assert _gone(child)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
