@@ -122,6 +122,7 @@ def test_readme_checkpointing_snippet_runs(pool2, tmp_path):
     assert pool2.run_with_timeout(TASK_TIMEOUT_S, C.readme_snippet, "z3", str(tmp_path)) == [[], []]
 
 
+@pytest.mark.slow  # waits out a 3 s group timeout in a fresh pool (8 s)
 def test_state_dict_on_one_rank_names_the_cause():
     """model.state_dict() on rank 0 only after a step: sync_params' broadcast times out (on
     gloo; NCCL's watchdog aborts) and the error says it is a collective of every rank."""

@@ -79,6 +79,7 @@ def test_bf16_script_within_the_oracle_noise(pool2, pool4, oracles, mode):
     assert results[0]["norms"] == pytest.approx(ref["norms"], rel=1e-3)
 
 
+@pytest.mark.slow  # compiling the layers takes 6 s; test_compile.py covers bf16 + compile in make test
 def test_bf16_compiled_layers_match_eager_bit_for_bit(pool2):
     eager = _params(pool2.run_with_timeout(TIMEOUT_S, S.train, "z3", STEPS, True))
     compiled = _params(pool2.run_with_timeout(TIMEOUT_S, S.train, "z3", STEPS, True, "aot_eager"))
