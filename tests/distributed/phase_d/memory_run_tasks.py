@@ -11,39 +11,17 @@ from unittest import mock
 import torch
 from torch import nn
 
+from tests.distributed.runtime.memory_tasks import Stack
 from verify.run.runner import RunConfig, run_all
 
 D, HIDDEN, BLOCKS, ROWS = 32, 96, 6, 8
-
-
-class Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.up = nn.Linear(D, HIDDEN, bias=False)
-        self.down = nn.Linear(HIDDEN, D, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.down(torch.relu(self.up(x)))
-
-
-class Body(nn.Module):
-    """Encloses the blocks and is called (as Hugging Face's ``model.model``)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.layers = nn.ModuleList(Block() for _ in range(BLOCKS))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for layer in self.layers:
-            x = layer(x)
-        return x
 
 
 class Nested(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.inp = nn.Linear(D, D, bias=False)
-        self.body = Body()
+        self.body = Stack(BLOCKS, d=D, hidden=HIDDEN)  # called, as Hugging Face's model.model
         self.head = nn.Linear(D, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

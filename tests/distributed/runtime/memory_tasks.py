@@ -62,19 +62,24 @@ class FlatLlama(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self) -> None:
+    """A residual MLP block of two bias-free Linears, ``d`` → ``hidden`` → ``d``."""
+
+    def __init__(self, d: int = HIDDEN, hidden: int = 4 * HIDDEN) -> None:
         super().__init__()
-        self.up = nn.Linear(HIDDEN, 4 * HIDDEN, bias=False)
-        self.down = nn.Linear(4 * HIDDEN, HIDDEN, bias=False)
+        self.up = nn.Linear(d, hidden, bias=False)
+        self.down = nn.Linear(hidden, d, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x + self.down(torch.relu(self.up(x)))
 
 
 class Stack(nn.Module):
-    def __init__(self, n: int) -> None:
+    """``n`` :class:`Block` s (``layers.i``), called in order: the enclosing module a nested
+    model calls (Hugging Face's ``model.model``)."""
+
+    def __init__(self, n: int, **block_dims) -> None:
         super().__init__()
-        self.layers = nn.ModuleList(Block() for _ in range(n))
+        self.layers = nn.ModuleList(Block(**block_dims) for _ in range(n))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for layer in self.layers:
