@@ -6,8 +6,8 @@ after DMuon's backward a dedicated matrix's grad exists on its owner only (the o
 ``None``). The true norm needs every owner's part, i.e. a collective, and torch's function
 issues one only for DTensor grads: under FSDP2 DMuon shows its grads as DTensors and torch's
 norm is global (``dmuon/runtime/grad_view.py``); with plain grads each rank would clip by its
-own norm, the replicated params drift apart and nothing says so. ``opt.clip_grad_norm_`` is the collective
-version. So the step refuses: on every rank, before any param changes.
+own norm, the replicated params drift apart and nothing says so. ``opt.clip_grad_norm_`` is the
+collective version. So the step refuses: on every rank, before any param changes.
 
 How a rank tells (from its own grads; no message between ranks): when a backward outside
 ``no_sync()`` has made every grad final (``DedicatedParams.on_grads_final``), the guard notes,

@@ -61,7 +61,7 @@ def test_fp32_script_lands_on_the_oracle(pool2, pool4, oracles, mode):
     results = (pool4 if world == 4 else pool2).run_with_timeout(TIMEOUT_S, S.train, mode, STEPS)
     assert _distance(ref, _params(results)) <= DIST_TOL
     for r in results:  # torch's clip: the global norm, on every rank
-        assert r["norms"] == pytest.approx(ref["norms"], rel=1e-5)
+        assert r["norms"] == pytest.approx(ref["norms"], rel=1e-6)  # measured <= 1e-7
 
 
 def test_without_the_clip_the_comparison_fails(pool2, oracles):
@@ -76,7 +76,7 @@ def test_bf16_script_within_the_oracle_noise(pool2, pool4, oracles, mode):
     floor = _distance(ref, S.oracle(world, STEPS, bf16=True, halves=True)["final"])
     results = (pool4 if world == 4 else pool2).run_with_timeout(TIMEOUT_S, S.train, mode, STEPS, True)
     assert _distance(ref, _params(results)) <= floor
-    assert results[0]["norms"] == pytest.approx(ref["norms"], rel=1e-3)
+    assert results[0]["norms"] == pytest.approx(ref["norms"], rel=1e-3)  # measured <= 7e-4 (W=4)
 
 
 @pytest.mark.slow  # compiling the layers takes 6 s; test_compile.py covers bf16 + compile in make test
