@@ -115,10 +115,4 @@ def train(mode: str, steps: int, how: str, via_opt: bool = False, **dm_kw) -> di
             _clip_all(how, wrapped.parameters())
         opt.step()
         opt.zero_grad()
-    dm.wait_pending()
-    owned = {id(p) for p in dm.owned()}
-    out = {}
-    for name, p in model.named_parameters():
-        if p not in dm or id(p) in owned:
-            out[name] = (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
-    return {"params": out, "norms": norms}
+    return {"params": T.authoritative_params(model, dm), "norms": norms}
