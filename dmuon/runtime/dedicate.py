@@ -754,7 +754,7 @@ class DedicatedParams:
     def show_grads(self, mesh) -> None:
         """Every rank, local: each dedicated param's ``.grad`` becomes a DTensor on ``mesh``
         (FSDP2's), ``Shard(0)`` on each mesh dim, the owner's local tensor its averaged grad,
-        the others' empty, so torch's ``clip_grad_norm_`` / ``get_total_norm`` reduce it with
+        the others' a row of zeros, so torch's ``clip_grad_norm_`` / ``get_total_norm`` reduce it with
         FSDP2's grads (``dmuon/runtime/grad_view.py``). The optimizer calls it at the end of
         each backward outside ``no_sync()`` where FSDP2 handles the rest."""
         self._live("show_grads()").show_grads(mesh)

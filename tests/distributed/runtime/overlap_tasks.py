@@ -119,8 +119,8 @@ def grad_buffer_layout(mode: str) -> dict:
     local grad must be a view of its bucket's flat grad buffer) and after the reducing
     backward (owners: views of the buffer, holding the average; non-holders: no grads and
     the buffer's storage freed). Under FSDP2 a ``.grad`` is then shown as a DTensor
-    (``dmuon/optim/grad_view.py``): its local tensor is what is checked (owners: the view;
-    others: empty). Returns the checks and the owned params after step 2."""
+    (``dmuon/runtime/grad_view.py``): owners' local tensor is the view checked; for the others
+    the plain grad it stands for (``None``). Returns the checks and the owned params after step 2."""
     import torch
     from torch.distributed.tensor import DTensor
 
@@ -151,7 +151,8 @@ def grad_buffer_layout(mode: str) -> dict:
                 if not b.is_holder:
                     out["non_holder_freed"].append(
                         b.grad_flat.untyped_storage().nbytes() == 0
-                        and all(q.grad is None or local(q.grad).numel() == 0 for q in b.compute))
+                        and all(getattr(q.grad, "dmuon_plain_grad", q.grad) is None
+                                for q in b.compute))
         opt.step()
         opt.zero_grad()
     out["owned"] = {n: p.detach().clone() for b in dm.buckets if b.is_owner
