@@ -11,7 +11,7 @@ other rank's one row of zeros (``(1, …, 1, shape[-1])``: an empty tensor would
 infinity norm raise, as it has no identity). torch's norm then sums (or maxes) every rank's
 part: the rest's shards and each dedicated grad once. The local shapes do not follow
 DTensor's even split, so only local ops are right on them (norms, scaling, clamping, in-place
-edits); ``full_tensor()`` / ``redistribute`` raise (on every rank: checked on gloo). ``clip_grad_value_`` and any elementwise or
+edits); ``full_tensor()`` raises (on every rank: checked on gloo, a 6×2 grad). ``clip_grad_value_`` and any elementwise or
 in-place edit act on the owner's grad. ``step()``, ``zero_grad()`` and DMuon's own clipping take
 the plain grads back (owners: the local tensor; others: ``None``). The optimizer decides when
 (``dmuon/optim/optimizer.py``); ``copies.Bucket`` assigns the ``.grad`` (the layering rule: one
