@@ -11,8 +11,8 @@ other rank's one row of zeros (``(1, …, 1, shape[-1])``: an empty tensor would
 infinity norm raise, as it has no identity). torch's norm then sums (or maxes) every rank's
 part: the rest's shards and each dedicated grad once. The local shapes do not follow
 DTensor's even split, so only local ops are right on them (norms, scaling, clamping, in-place
-edits); ``full_tensor()`` raises (on every rank: checked on gloo, a 6×2 grad). ``clip_grad_value_`` and any elementwise or
-in-place edit act on the owner's grad. ``step()``, ``zero_grad()`` and DMuon's own clipping take
+edits, ``clip_grad_value_``: they act on the owner's grad); ``full_tensor()`` raises (on every
+rank: checked on gloo, a 6×2 grad). ``step()``, ``zero_grad()`` and DMuon's own clipping take
 the plain grads back (owners: the local tensor; others: ``None``). The optimizer decides when
 (``dmuon/optim/optimizer.py``); ``copies.Bucket`` assigns the ``.grad`` (the layering rule: one
 module changes dedicated params); this module builds and reads the DTensors.
