@@ -10,14 +10,15 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from dmuon.runtime import attach, collectives, tp
+from dmuon.placement import layout_class
+from dmuon.placement.dense import already_wrapped
+from dmuon.runtime import attach, collectives
 from dmuon.ownership.buckets import (DEFAULT_BUCKET_CAP_MB, Coalescing, bucket_layout,
                                      check_hierarchy, check_link, resolve_coalesce, resolve_hierarchy)
 from dmuon.runtime.dedicate import DedicatedParams
 from dmuon.runtime import rest as replicated_rest
-from dmuon.ownership.plan import OwnershipPlan, plan_ownership, specs_from_named_parameters
+from dmuon.ownership.plan import OwnershipPlan, specs_from_named_parameters
 from dmuon.ownership.select import Predicate, adamw_matrices, assign_params, select_params
-from dmuon.ownership.topology import topology_from_mesh
 
 
 def dedicate_params(
@@ -47,7 +48,7 @@ def dedicate_params(
         mesh: a 1-D ``DeviceMesh`` (DDP, FSDP2) or a 2-D one named ``("replicate", "shard")``
             (HSDP); with tensor parallelism, the whole mesh named ``("shard", "tp")`` or
             ``("replicate", "shard", "tp")`` whose ``mesh["tp"]`` the model's blocks were
-            parallelized on (``parallelize_module``; ``dmuon/runtime/tp.py``).
+            parallelized on (``parallelize_module``; ``dmuon/placement/tp.py``).
         params: optional explicit dedicated params (Parameters or names) of at least 2 dims;
             default: ``predicate``.
         predicate: ``f(name, param, module) -> bool``; default :func:`default_predicate`
@@ -118,7 +119,7 @@ def dedicate_params(
     Raises:
         ValueError: ``model`` is already DDP- or FSDP2-wrapped (a DTensor param not on the
             TP mesh's ``"tp"`` axis), a dedicated TP param is not a 2-D ``Shard(0)`` /
-            ``Shard(1)`` matrix whose sharded dim the TP size divides (``tp.check_model``), ``dedicate_params`` was already
+            ``Shard(1)`` matrix whose sharded dim the TP size divides (``dmuon.placement.tp.check_model``), ``dedicate_params`` was already
             called on it, a dedicated param has fewer than 2 dims, is frozen or not in the model,
             ``reshard_after_forward`` is not a bool, ``bucket_cap_mb`` is not a positive
             number, ``prefetch_depth`` is not an int >= 0, ``coalesce`` is not one of
@@ -146,17 +147,10 @@ def dedicate_params(
     from torch.nn.parallel import DistributedDataParallel
 
     try:  # local checks and the plan: a ValueError on some ranks must not strand the others
-        if isinstance(model, DistributedDataParallel) or (not tp.is_tp_mesh(mesh) and any(
-            type(p).__name__ == "DTensor" for p in model.parameters()
-        )):
-            raise ValueError(
-                f"Invalid model of type {type(model).__name__}: already wrapped by DDP or FSDP2. "
-                "Call dmuon.dedicate_params on the bare model first, then wrap it with "
-                "DistributedDataParallel(model) or fully_shard(..., ignored_params=set(dm)). A "
-                "tensor-parallel model (DTensor params from parallelize_module) needs the whole "
-                "mesh, named ('shard', 'tp') or ('replicate', 'shard', 'tp'), whose mesh['tp'] "
-                "its blocks were parallelized on."
-            )
+        if isinstance(model, DistributedDataParallel):
+            raise already_wrapped(model)
+        kind = layout_class(mesh)  # the mesh's kind: dmuon/placement/
+        kind.check_model(model, mesh, set())  # a wrapped model, before anything reads it
         already = attach.dedicated_names(model)
         if already:
             raise ValueError(
@@ -175,14 +169,9 @@ def dedicate_params(
         resolve_coalesce(coalesce, "gloo")  # validates, before anything else
         check_hierarchy(hierarchy)
         check_link(link)
-        if hierarchy == "flat" and tp.is_tp_mesh(mesh):
-            raise ValueError(
-                "Invalid hierarchy='flat' on a mesh with a 'tp' axis: DMuon moves a tensor-parallel "
-                "model's matrices over the shard and replicate axes of each TP column. Use "
-                "hierarchy='auto' or 'hierarchical' there."
-            )
-        replicated_rest.check_rest(rest, mesh)
-        topology = tp.topology(mesh) if tp.is_tp_mesh(mesh) else topology_from_mesh(mesh)
+        kind.check_options(mesh, hierarchy=hierarchy, rest=rest)
+        replicated_rest.check_rest(rest)
+        topology = kind.topology(mesh)
         assignments = assign_params(model, params, predicate)
         named = select_params(model, params, predicate, assignments)
         if not named:
@@ -196,36 +185,21 @@ def dedicate_params(
         _warn_adamw_matrices(assignments)
         matrices = {a.name: a.matrix for a in assignments if a.matrix is not None}
         specs = specs_from_named_parameters(((n, p) for n, p, _ in named), matrices)
-        tp_layout = None
-        if tp.is_tp_mesh(mesh):  # TP: dedicate.py, "Tensor parallelism"; checked before any collective
-            tp.check_model(model, mesh, {n for n, _, _ in named})
-            full, plan, ns_rank = tp.plan_tp(specs, topology.mesh_shape, mesh[tp.TP_AXIS].size(),
-                                             {n for n, p, _ in named if tp.is_tp(p)})
-            tp_layout = tp.layout(mesh, full, ns_rank,
-                                  {n: tp.shard_dim(p) for n, p, _ in named if tp.is_tp(p)})
-            if named and not ns_rank:
-                warnings.warn(
-                    f"dmuon.dedicate_params got a mesh with a 'tp' axis of size "
-                    f"{mesh[tp.TP_AXIS].size()} but no dedicated param is a TP DTensor: every matrix "
-                    "is stepped in each TP column (that many Newton–Schulz runs of it). Parallelize "
-                    "the blocks on mesh['tp'] (parallelize_module) before dedicate_params.",
-                    stacklevel=2,
-                )
-        else:
-            plan = plan_ownership(specs, topology.mesh_shape)
+        kind.check_model(model, mesh, {n for n, _, _ in named})
+        layout = kind.build(mesh, named, specs, topology)  # the plan and every param's placement
         # the link policy comes from the backend DMuon's groups run on, never from where the
         # params happen to be (a meta-built model gets its backend's policy: link_backend)
         backend = link if link != "auto" else collectives.link_backend(
             collectives.default_backend(), {p.device.type for _, p, _ in named})
         coalescing = resolve_coalesce(coalesce, backend)
-        flat = topology.replicate_size > 1 and tp_layout is None and resolve_hierarchy(
-            hierarchy, coalescing, lambda: bucket_layout(specs, plan, cap_bytes, coalescing.target_bytes,
+        flat = topology.replicate_size > 1 and layout.allows_flat and resolve_hierarchy(
+            hierarchy, coalescing, lambda: bucket_layout(specs, layout.plan, cap_bytes, coalescing.target_bytes,
                                                          coalescing.reduce_by_gather))
         dedicated = {n for n, _, _ in named}
         rest_params = replicated_rest.rest_of(model, dedicated)  # agreed on in every mode
         if rest == "replicate" and rest_params and getattr(mp_policy, "param_dtype", None) is not None:
             replicated_rest.check_dtypes(model, dedicated, mp_policy.param_dtype)
-        digest = setup_digest(tp_layout.full_plan if tp_layout else plan, named,
+        digest = setup_digest(layout.agreed_plan, named,
                               reshard_after_forward, mp_policy, cap_bytes, coalescing, rest_params, flat,
                               rest_mode=rest)
     except Exception:  # a bad argument, or a user predicate that raised
@@ -233,10 +207,10 @@ def dedicate_params(
             collectives.check_plan_agreement(None, SETUP_WHAT)
         raise
     collectives.check_plan_agreement(digest, SETUP_WHAT)
-    return DedicatedParams(model, named, topology, plan, reshard_after_forward, mesh=mesh,
+    return DedicatedParams(model, named, topology, layout, reshard_after_forward, mesh=mesh,
                            mp_policy=mp_policy, bucket_cap_bytes=cap_bytes,
                            prefetch_depth=prefetch_depth, coalescing=coalescing,
-                           assignments=assignments, tp=tp_layout, hierarchy=hierarchy, flat=flat, link=link,
+                           assignments=assignments, hierarchy=hierarchy, flat=flat, link=link,
                            rest=[n for n, _ in rest_params] if rest == "replicate" else None)
 
 

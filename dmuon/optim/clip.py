@@ -26,20 +26,21 @@ from torch.distributed.tensor import DTensor
 
 from dmuon import annotate
 
-from dmuon.runtime import collectives, tp
+from dmuon.runtime import collectives
 from dmuon.runtime.dedicate import DedicatedParams
 from dmuon.runtime.state import TrainingState
 
 
 def _counted(dm: DedicatedParams, dedicated: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """The owned dedicated grads this rank adds to the norm, each element of every matrix
-    once over the W ranks. TP meshes: a TP param's local shard (its TP group's owners hold the
-    T shards), a param replicated over TP on TP index 0 only (each TP column's owner holds it)."""
-    if dm.tp is None:
-        return [g for g in (q.grad for q in dedicated) if g is not None]
-    name_of = dict(zip(map(id, dm.params), dm.names))
-    return [tp.local(q.grad) for q in dedicated if q.grad is not None
-            and (name_of[id(q)] in dm.tp.ns_rank or dm.tp.index == 0)]
+    once over the W ranks (``Placement.counts_in_norm``; the local tensor: under TP, a TP
+    param's shard, a param replicated over TP on TP index 0 only)."""
+    out = []
+    for q in dedicated:
+        pl = dm.placement_of(q)
+        if q.grad is not None and pl.counts_in_norm():
+            out.append(pl.local(q.grad))
+    return out
 
 
 def clip_grad_norm_(

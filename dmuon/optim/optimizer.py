@@ -28,14 +28,13 @@ from torch.optim import Optimizer
 from torch.optim.adam import adam as _adam_functional
 
 from dmuon import annotate
-from dmuon.runtime import checkpoint
+from dmuon.runtime import checkpoint, collectives
 from dmuon.runtime.grad_view import fsdp2_mesh
 from dmuon.runtime.dedicate import DedicatedParams
 from dmuon.optim import groups as groups_mod
 from dmuon.optim.grad_guard import GradGuard
 from dmuon.optim.hparams import validate_adamw, validate_muon
 from dmuon.optim.muon_math import MUON_DEFAULTS, muon_update_matrices_
-from dmuon.optim.tp_step import tp_step
 
 
 class DMuon(Optimizer):
@@ -132,10 +131,7 @@ class DMuon(Optimizer):
         self.dedicated = dedicated
         self.ns_calls = 0
         self._owned = {id(p) for p in dedicated.owned()}
-        # Module of each dedicated matrix: its Newton–Schulz span names it, like the comm spans.
-        self._module_of = {id(p): dedicated.unit_of(p) for p in dedicated.params}
-        self._name_of = dict(zip(map(id, dedicated.params), dedicated.names))
-        self._tp_launchers: dict = {}  # TP step: one collectives.Launcher per device
+        self._launchers: dict = {}  # placements' step collectives: one Launcher per device
         # Muon's view of each dedicated param: (rows, cols) of one matrix (stack or conv layout)
         spec_of = {sp.name: sp for sp in dedicated.plan.specs}
         self._matrix_of = {id(p): spec_of[n].matrix_shape
@@ -145,7 +141,7 @@ class DMuon(Optimizer):
         # shown as DTensors on its mesh: runtime/grad_view.py), else the step refuses after it
         # (grad_guard.py). TP-sharded grads are DTensors on the TP mesh: not shown.
         adamw = [p for g in self.param_groups if g["algorithm"] == "adamw" for p in g["params"]]
-        self._grad_mesh = fsdp2_mesh(adamw) if dedicated.tp is None else None
+        self._grad_mesh = fsdp2_mesh(adamw) if dedicated.layout.shows_grad_view else None
         self._guard = GradGuard()
         # The refresh (copies STALE, HSDP replicate broadcast) runs as the last step post-hook,
         # so the user's post-hooks edit the masters before any copy or broadcast reads them.
@@ -155,12 +151,28 @@ class DMuon(Optimizer):
         dedicated.on_grads_final(lambda: final() is not None and final()())
 
     # ------------------------------------------------------------------ state and checkpoints
-    @staticmethod
-    def new_momentum(p: torch.Tensor) -> torch.Tensor:
-        """A fresh Muon momentum buffer for ``p``: zeros of ``p``'s shape and dtype, as
-        ``torch.optim.Muon`` creates at a param's first step (DMuon creates it when the
-        optimizer is built; a step after a move casts it to the param's dtype and device)."""
-        return torch.zeros_like(p, memory_format=torch.preserve_format)
+    def momentum_of(self, p: torch.Tensor) -> torch.Tensor:
+        """The Muon momentum buffer of an owned dedicated param: created where missing
+        (``Placement.new_momentum``: zeros as ``torch.optim.Muon`` creates at a param's first
+        step; DMuon creates it when the optimizer is built), cast to ``p``'s dtype and device
+        after a move."""
+        state = self.state[p]
+        if "momentum_buffer" not in state:
+            state["momentum_buffer"] = self.dedicated.placement_of(p).new_momentum(p)
+        checkpoint.follow_moves(state, ("momentum_buffer",), p)
+        return state["momentum_buffer"]
+
+    def matrix_shape(self, p: torch.Tensor) -> tuple[int, int]:
+        """Muon's view of a dedicated param: (rows, cols) of one matrix (a stack's or a conv's
+        layout: ``ParamSpec.matrix_shape``)."""
+        return self._matrix_of[id(p)]
+
+    def launcher(self, device: torch.device) -> collectives.Launcher:
+        """This optimizer's :class:`~dmuon.runtime.collectives.Launcher` on ``device`` (created on
+        first use): a placement's step collectives, e.g. TP's gather and scatter."""
+        if device not in self._launchers:
+            self._launchers[device] = collectives.Launcher(device)
+        return self._launchers[device]
 
     @staticmethod
     def new_adamw_state(p: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -327,33 +339,17 @@ class DMuon(Optimizer):
             check(group, f"param_groups[{i}].")
 
     def _muon_group(self, group: dict) -> None:
-        """Owned params with a grad, batched by (matrix shape, dtype, device): one
-        Newton–Schulz ``bmm`` chain per batch of two or more matrices, an expert stack's
-        slices included (tolerance: see
-        :func:`~dmuon.optim.muon_math.zeropower_via_newtonschulz_batched`); a single matrix takes
-        the per-matrix path (torch.optim.Muon's arithmetic). One span per batch, named after
-        its first param's module."""
-        batches: dict[tuple, list[torch.Tensor]] = {}
-        tp_names = self.dedicated.tp.ns_rank if self.dedicated.tp is not None else {}
+        """The owned params with a grad, stepped by their placements' kinds
+        (``Placement.step``, kinds in ``step_order``, every kind on every rank: a kind whose
+        step has collectives meets its peers even with nothing to step here)."""
+        kinds: dict[type, list[torch.Tensor]] = {type(pl): [] for pl in self.dedicated.placements.values()}
         for p in group["params"]:
-            if id(p) not in self._owned or p.grad is None or self._name_of[id(p)] in tp_names:
-                continue  # TP-sharded params: tp_step below
-            state = self.state[p]
-            if "momentum_buffer" not in state:
-                state["momentum_buffer"] = self.new_momentum(p)
-            checkpoint.follow_moves(state, ("momentum_buffer",), p)
-            batches.setdefault((self._matrix_of[id(p)], p.dtype, p.device), []).append(p)
+            if id(p) in self._owned and p.grad is not None:
+                kinds[type(self.dedicated.placement_of(p))].append(p)
         hparams = {k: group[k] for k in ("lr", "weight_decay", "momentum", "nesterov",
                                          "ns_coefficients", "ns_steps", "eps", "adjust_lr_fn")}
-        if tp_names:  # gather, Newton–Schulz on the full matrix, scatter (tp_step.py)
-            self.ns_calls += tp_step(self, group, self._owned, hparams, self._tp_launchers)
-        for (matrix, _, _), params in batches.items():
-            grads = [p.grad for p in params]
-            bufs = [self.state[p]["momentum_buffer"] for p in params]
-            with annotate.span("dmuon.newton_schulz", module=self._module_of[id(params[0])],
-                               owner=self.dedicated.owner_of(params[0])):
-                muon_update_matrices_(params, grads, bufs, matrix_shape=matrix, **hparams)
-            self.ns_calls += sum(p.numel() for p in params) // (matrix[0] * matrix[1])
+        for kind in sorted(kinds, key=lambda k: k.step_order):
+            self.ns_calls += kind.step(self, kinds[kind], hparams)
 
     def _adamw_group(self, group: dict) -> None:
         params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []

@@ -229,7 +229,7 @@ class QKClip:
                         "optimizer's params. Build the layers from the model whose parameters() "
                         "went to DMuon (after fully_shard / parallelize_module, which replace "
                         "params): attention_layers(model) after wrapping.")
-            x.tp_index = dm.tp.index if dm.tp is not None else 0
+            x.tp_index = dm.layout.index
         self.layers, self.tau, self.alpha, self.enabled = layers, float(tau), float(alpha), enabled
         self._dm = dm
         self._owned = {id(p) for p in dm.owned()}

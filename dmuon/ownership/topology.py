@@ -131,7 +131,7 @@ def topology_from_mesh(mesh: DeviceMesh) -> Topology:
             f"Invalid mesh with ndim={mesh.ndim} (shape {tuple(mesh.shape)}). Must be 1-D "
             "(DDP, FSDP2) or 2-D ('replicate', 'shard') for HSDP; a mesh with a tensor-parallel "
             "axis must name it 'tp' (('shard', 'tp') or ('replicate', 'shard', 'tp'): "
-            "dmuon/runtime/tp.py)."
+            "dmuon/placement/tp.py)."
         )
     check_spans_world(mesh, "W = R * N", "init_device_mesh(device, (dist.get_world_size(),))")
     if mesh.ndim == 1:

@@ -63,7 +63,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn as nn
 
-from dmuon.runtime.tp import full_momentum, is_tp, momentum_params
 
 if TYPE_CHECKING:
     from dmuon.runtime.attach import HookSet
@@ -116,10 +115,10 @@ def _before_load(dm: DedicatedParams, prefix: str, local_metadata: dict) -> None
 
 # ------------------------------------------------------------------------------ optimizer side
 def _momentum_owned(dm) -> set[int]:
-    """ids of the dedicated params whose momentum this rank keeps: its owned params; under
-    TP, a TP-sharded param's only on the rank of its owner's TP group that runs its
-    Newton–Schulz (full shape, ``dmuon/optim/tp_step.py``)."""
-    return momentum_params(dm, {id(p) for p in dm.owned()})
+    """ids of the dedicated params whose momentum this rank keeps: its owned params whose
+    placement keeps it here (``Placement.keeps_momentum``: under TP, a TP-sharded param's
+    only on the rank of its owner's TP group that runs its Newton–Schulz, full shape)."""
+    return {id(p) for p in dm.owned() if dm.placement_of(p).keeps_momentum()}
 
 
 def complete_state(opt) -> None:
@@ -136,7 +135,7 @@ def complete_state(opt) -> None:
             state = opt.state[p]  # creates {} where missing
             if group["algorithm"] == "muon":
                 if id(p) in owned and MOMENTUM_KEY not in state:
-                    state[MOMENTUM_KEY] = (full_momentum(p) if is_tp(p) else opt.new_momentum(p))
+                    state[MOMENTUM_KEY] = opt.dedicated.placement_of(p).new_momentum(p)
             elif not state:
                 state.update(opt.new_adamw_state(p))
 

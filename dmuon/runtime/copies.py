@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from dmuon.runtime import grad_view, residency, tp, usage
+from dmuon.runtime import grad_view, residency, usage
 from dmuon.runtime.collectives import Pending
 from dmuon.runtime.state import Copy, Grads, Replica, check
 
@@ -41,8 +41,9 @@ class Bucket:
             the group's buckets: ``schedule.py``).
         owner: global owner index ``g = r * N + s``; ``shard_owner`` = ``s`` (group rank of
             the holder in each shard group), ``replicate_owner`` = ``r``.
-        names, params, param_modules: the params (model order), with the module each is
-            registered in.
+        names, params, param_modules, placements: the params (model order), with the module
+            each is registered in and its :class:`~dmuon.placement.base.Placement` (which
+            tensor of it the bucket holds and how a tensor is shown as it).
         is_holder, is_owner: this rank's roles.
         frees: Z3 (``reshard_after_forward``): non-holders free the compute copy between uses.
         on_grad: ``on_grad(bucket, i)`` -> the post-accumulate-grad hook of param ``i``'s
@@ -51,15 +52,16 @@ class Bucket:
 
     def __init__(self, *, index: int, module_name: str, module: nn.Module, blocks: tuple[str, ...],
                  aligned: bool, owner: int, shard_owner: int, replicate_owner: int, names: list[str],
-                 params: list[nn.Parameter], param_modules: list[nn.Module], is_holder: bool,
+                 params: list[nn.Parameter], param_modules: list[nn.Module], placements: list, is_holder: bool,
                  is_owner: bool, frees: bool, on_grad: Callable[[Bucket, int], Callable]) -> None:
         self.index, self.module_name, self.module = index, module_name, module
         self.blocks, self.aligned = tuple(blocks) or (module_name,), aligned
         self.owner, self.shard_owner, self.replicate_owner = owner, shard_owner, replicate_owner
         self.names, self.params, self.param_modules = names, params, param_modules
+        self.placements = placements
         self.is_holder, self.is_owner, self._frees = is_holder, is_owner, frees
         self._on_grad = on_grad
-        self.flat = residency.flatten_into_views(params)  # (numel,), the master dtype
+        self.flat = residency.flatten_into_views(self._locals())  # (numel,), the master dtype
         self.lp: torch.Tensor = self.flat  # (numel,), param_dtype copy (mixed precision)
         self.compute: list[nn.Parameter] = params  # views of lp that forward runs on
         self.copy = Copy.STALE  # made FREED by the first make_compute under Z3
@@ -99,6 +101,10 @@ class Bucket:
         setattr(self, field, check(f"bucket {self.index} ({self.module_name!r}) {field}",
                                    getattr(self, field), new))
 
+    def _locals(self) -> list[torch.Tensor]:
+        """The params' local tensors (``Placement.local``): what ``flat`` views."""
+        return [pl.local(p) for p, pl in zip(self.params, self.placements)]
+
     # ------------------------------------------------------------------ compute copy
     def make_compute(self, param_dtype: torch.dtype | None, *, keep_master: bool = False,
                      keep_copy: bool = False) -> None:
@@ -113,10 +119,10 @@ class Bucket:
             with torch.no_grad():
                 self.lp.copy_(self.flat)
             self.compute, offset = [], 0
-            for p in self.params:
-                shape = tp.local(p).shape  # TP: the compute param is a DTensor like p
+            for p, pl in zip(self.params, self.placements):
+                shape = pl.local(p).shape  # the compute param is shown like p (a DTensor under TP)
                 n = shape.numel()
-                self.compute.append(nn.Parameter(tp.like(p, self.lp[offset : offset + n].view(shape))))
+                self.compute.append(nn.Parameter(pl.like(p, self.lp[offset : offset + n].view(shape))))
                 offset += n
             self.master = Copy.STALE if keep_master else Copy.FREED  # a new master copy's state
             if not keep_master and not self.is_holder:
@@ -242,13 +248,13 @@ class Bucket:
 
     def _free_master_storage(self) -> None:
         residency.free_storage(self.flat)
-        for n, p in zip(self.names, self.params):
-            residency.mark_freed(p, f"{n} (owner rank {self.owner}) on rank {dist.get_rank()}")
+        for n, p, pl in zip(self.names, self.params, self.placements):
+            residency.mark_freed(pl.guarded(p), f"{n} (owner rank {self.owner}) on rank {dist.get_rank()}")
 
     def _alloc_master_storage(self) -> None:
         residency.alloc_storage(self.flat)
-        for p in self.params:
-            residency.mark_resident(p)
+        for p, pl in zip(self.params, self.placements):
+            residency.mark_resident(pl.guarded(p))
 
     # ------------------------------------------------------------------ binding
     def adopt_replaced(self) -> list[int]:
@@ -267,7 +273,7 @@ class Bucket:
 
     def is_bound(self) -> bool:
         """Whether every param is still its view of ``flat``."""
-        return residency.is_bound(self.params, self.flat)
+        return residency.is_bound(self._locals(), self.flat)
 
     def consistent(self) -> bool:
         """Whether the params share one device and dtype (a rebind can join them)."""
@@ -285,11 +291,11 @@ class Bucket:
         from_meta = self.flat.device.type == "meta"
         keep_copy = from_meta or self.copy is not Copy.FREED
         keep_master = from_meta or (self.master if self.mixed else self.copy) is not Copy.FREED
-        self.flat = residency.flatten_into_views(self.params)
+        self.flat = residency.flatten_into_views(self._locals())
         self.make_compute(param_dtype, keep_master=keep_master, keep_copy=keep_copy)
         if self.is_holder or (keep_master if self.mixed else keep_copy):
-            for p in self.params:  # flat is allocated here: no freed guard
-                residency.mark_resident(p)
+            for p, pl in zip(self.params, self.placements):  # flat is allocated here: no freed guard
+                residency.mark_resident(pl.guarded(p))
 
     def recast(self) -> None:
         """Holders: cast the master into the compute copy (after a rebind; mixed precision)."""
@@ -307,7 +313,7 @@ class Bucket:
             g = self.grad_flat = torch.empty(self.numel + len(self.params), dtype=self.lp.dtype,
                                              device=self.lp.device)
             self.grad_views, offset = [], 0
-            for p in map(tp.local, self.params):  # TP: views of the local shards
+            for p in self._locals():  # views of the local tensors (a TP param's shard)
                 self.grad_views.append(g[offset : offset + p.numel()].view(p.shape))
                 offset += p.numel()
         else:
@@ -323,22 +329,22 @@ class Bucket:
         if counts:
             self.arrived.add(i)
         self.grad_buffer()
-        view, g = self.grad_views[i], q.grad
-        if g is not None and not _is_view(tp.local(g), view):
+        view, g, pl = self.grad_views[i], q.grad, self.placements[i]
+        if g is not None and not _is_view(pl.local(g), view):
             with torch.no_grad():
-                view.copy_(tp.local(tp.placed_like(q, g)))
-            q.grad = tp.like(q, view)
+                view.copy_(pl.local(pl.placed_like(q, g)))
+            q.grad = pl.like(q, view)
 
     def reduce_buffer(self, reduce_dtype: torch.dtype | None) -> torch.Tensor:
         """The buffer to reduce: every local grad (zeros where none), then the usage
         elements (1 where ``used``), in ``reduce_dtype``."""
         buf = self.grad_buffer()
         with torch.no_grad():
-            for q, view in zip(self.compute, self.grad_views):
+            for q, view, pl in zip(self.compute, self.grad_views, self.placements):
                 if q.grad is None:
                     view.zero_()
-                elif not _is_view(tp.local(q.grad), view):
-                    view.copy_(tp.local(tp.placed_like(q, q.grad)))
+                elif not _is_view(pl.local(q.grad), view):
+                    view.copy_(pl.local(pl.placed_like(q, q.grad)))
         usage.fill_flags_(buf[self.numel :], self.used)  # no host-to-device copy (usage.py)
         return buf if reduce_dtype is None or buf.dtype == reduce_dtype else buf.to(reduce_dtype)
 
@@ -400,12 +406,12 @@ class Bucket:
         if same:
             buf.div_(world_size)
         offset = 0
-        for p, anywhere in zip(self.params, used):
-            n = tp.local(p).numel()
-            g = buf[offset : offset + n].view_as(tp.local(p))
+        for p, pl, anywhere in zip(self.params, self.placements, used):
+            n = pl.local(p).numel()
+            g = buf[offset : offset + n].view_as(pl.local(p))
             if not same:  # mixed precision: the master grad, averaged in its dtype
                 g = g.to(p.dtype).div_(world_size)
-            p.grad = tp.like(p, g) if anywhere or p.grad is not None else None
+            p.grad = pl.like(p, g) if anywhere or p.grad is not None else None
             offset += n
 
     def show_grads(self, mesh, specs: dict) -> None:

@@ -237,7 +237,7 @@ Outside the step:
   names DMuon added to DDP's ignore list and destroys DMuon's process groups (in a fixed
   order). The state becomes CLOSED; every later use of the handle raises.
 
-Tensor parallelism (``tp.py``, ``dmuon/optim/tp_step.py``). The mesh is ``("shard", "tp")``
+Tensor parallelism (``dmuon/placement/tp.py``, ``tp_step.py``). The mesh is ``("shard", "tp")``
 (N × T) or ``("replicate", "shard", "tp")`` (R × N × T), W = R·N·T; rank ``(r, s, t)``. The
 model's blocks were parallelized on ``mesh["tp"]`` first (``parallelize_module``); a
 dedicated TP param is a 2-D DTensor ``Shard(d)``, d in {0, 1}, whose dim d T divides, and rank
@@ -303,10 +303,9 @@ import torch.nn as nn
 from dmuon.runtime import attach, checkpoint, collectives
 from dmuon.ownership import buckets
 from dmuon.ownership.buckets import DEFAULT_BUCKET_CAP_MB
-from dmuon.ownership.plan import OwnershipPlan
+from dmuon.placement.base import MeshLayout
 from dmuon.runtime.hooks import Runtime, in_backward
 from dmuon.runtime.rest import ReplicatedRest, rest_of, warn_if_not_averaged
-from dmuon.runtime.tp import make_groups as tp_groups
 from dmuon.runtime.state import Grads, TrainingState
 from dmuon.ownership.topology import Topology
 
@@ -324,7 +323,11 @@ class DedicatedParams:
 
     Attributes:
         names: fully qualified names of the dedicated params, in model order.
-        plan: the :class:`~dmuon.ownership.plan.OwnershipPlan` every rank agreed on.
+        plan: the :class:`~dmuon.ownership.plan.OwnershipPlan` the runtime moves by (the
+            data-parallel plan; every rank agreed on ``layout.agreed_plan``).
+        layout: the :class:`~dmuon.placement.base.MeshLayout` of the mesh (its kind, this
+            rank's index on a model-parallel axis); ``placements``: name -> the
+            :class:`~dmuon.placement.base.Placement` of each dedicated param.
         topology: this rank's :class:`~dmuon.ownership.topology.Topology`.
         reshard_after_forward: ``True`` for Z3 (non-holders free after forward), ``False`` for Z2.
         bucket_cap_bytes, prefetch_depth: the knobs given to ``dedicate_params``.
@@ -350,7 +353,7 @@ class DedicatedParams:
         model: nn.Module,
         named: list[tuple[str, nn.Parameter, str]],
         topology: Topology,
-        plan: OwnershipPlan,
+        layout: MeshLayout,
         reshard_after_forward: bool,
         *,
         mesh=None,
@@ -359,7 +362,6 @@ class DedicatedParams:
         prefetch_depth: int = 1,
         coalescing: buckets.Coalescing = buckets.Coalescing(0),
         assignments: list | None = None,
-        tp=None,
         rest: list[str] | None = None,
         hierarchy: str = "auto",
         flat: bool = False,
@@ -371,6 +373,7 @@ class DedicatedParams:
         self.mesh_ranks = None if mesh is None else mesh.mesh.tolist()
         self.flat = flat
         # what the runtime moves by: an HSDP mesh moved flat is a 1-D layout of all W ranks
+        plan = layout.plan
         moved, moved_plan = topology, plan
         if flat:
             moved = topology.flattened()
@@ -386,15 +389,15 @@ class DedicatedParams:
         for _, p, _ in named:
             collectives.check_param_device(p.device, topology.shard_group, "the dedicated params")
         self._model = model
-        self.tp = tp  # dmuon.runtime.tp.TPLayout on a TP mesh, else None
-        self._groups = (tp_groups(mesh) if tp is not None
-                        else collectives.make_groups(_mesh_rows(mesh, moved)))
+        self.layout = layout
+        self.placements = layout.placements
+        self._groups = layout.make_groups(mesh, moved)
         self.rest = "wrapper" if rest is None else "replicate"
         self.rest_names = list(rest or ())
         replicated = None if rest is None else ReplicatedRest(model, self.rest_names, self._groups.world)
         for p in replicated.params() if replicated is not None else ():
             collectives.check_param_device(p.device, self._groups.world, "the rest's params")
-        self._runtime: Runtime | None = Runtime(model, named, moved, moved_plan, self._groups,
+        self._runtime: Runtime | None = Runtime(model, named, moved, moved_plan, self._groups, self.placements,
                                 reshard_after_forward=reshard_after_forward, mp_policy=mp_policy,
                                 bucket_cap_bytes=bucket_cap_bytes, prefetch_depth=prefetch_depth,
                                 coalescing=coalescing, rest=replicated)
@@ -622,6 +625,15 @@ class DedicatedParams:
         """
         return self._bucket_of(p, "unit_of()").module_name
 
+    def placement_of(self, p: nn.Parameter):
+        """The :class:`~dmuon.placement.base.Placement` of a dedicated param.
+
+        Raises:
+            ValueError: ``p`` is not a dedicated param.
+        """
+        b = self._bucket_of(p, "placement_of()")
+        return b.placements[next(i for i, q in enumerate(b.params) if q is p)]
+
     # ------------------------------------------------------------------ between steps
     @contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -721,9 +733,8 @@ class DedicatedParams:
             rt.recover()
         rt.check_groups()
         if rt.ddp_seen is not None:  # rest="wrapper": once, at the first step that can tell
-            tp_size = self.tp.size if self.tp is not None else 1
             if warn_if_not_averaged(rest_of(self._model, set(self.names)), rt.ddp_seen,
-                                    self.topology.world_size, tp_size):
+                                    self.topology.world_size, self.layout.size):
                 rt.ddp_seen = None
         local = self.unreduced_param()
         if local is not None:
@@ -764,16 +775,6 @@ class DedicatedParams:
         grad, as edited since; others: ``None``); nothing where none are shown."""
         if self._runtime is not None:
             self._runtime.take_back_grads()
-
-
-def _mesh_rows(mesh, topology: Topology) -> list[list[int]]:
-    """World ranks of every shard group (one row per replicate index; one row of all W ranks
-    for a 1-D mesh and for an HSDP mesh moved flat)."""
-    if mesh is None or topology.replicate_size == 1:
-        assert mesh is None or topology.world_size == mesh.size(), "a 1-D topology spans the mesh"
-        return [list(topology.shard_group_ranks)]
-    ranks = mesh.mesh.tolist()
-    return [ranks] if mesh.ndim == 1 else ranks
 
 
 def _z3_window_bytes(buckets: list, groups_of: dict, depth: int) -> int:

@@ -22,7 +22,7 @@ import torch.nn as nn
 from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_leaves
 
-from dmuon.runtime import attach, collectives, order, precision, tp
+from dmuon.runtime import attach, collectives, order, precision
 from dmuon.ownership.buckets import Coalescing, bucket_layout
 from dmuon.runtime.copies import Bucket
 from dmuon.runtime.rest import ReplicatedRest, inside_ddp_of
@@ -54,7 +54,8 @@ class Runtime:
     """Buckets, pass state and hook logic of one DedicatedParams (module docstring)."""
 
     def __init__(self, model: nn.Module, named: list[tuple[str, nn.Parameter, str]],
-                 topology: Topology, plan: OwnershipPlan, groups: collectives.DMuonGroups, *,
+                 topology: Topology, plan: OwnershipPlan, groups: collectives.DMuonGroups,
+                 placements: dict, *,
                  reshard_after_forward: bool, mp_policy, bucket_cap_bytes: int,
                  prefetch_depth: int, coalescing: Coalescing = Coalescing(0),
                  rest: ReplicatedRest | None = None) -> None:
@@ -76,7 +77,7 @@ class Runtime:
         # callback: DDP's and FSDP2's too); the optimizer's grad guard (dmuon/optim/grad_guard.py)
         self.grads_final: list = []
         self._modules = dict(model.named_modules())
-        buckets = self._build_buckets(named, plan, bucket_cap_bytes, coalescing)
+        buckets = self._build_buckets(named, plan, placements, bucket_cap_bytes, coalescing)
         self.schedule = Schedule(buckets, groups, prefetch_depth=prefetch_depth,
                                  reshard_after_forward=reshard_after_forward,
                                  reduce_dtype=reduce_dtype, world_size=topology.world_size,
@@ -116,12 +117,12 @@ class Runtime:
         return tuple(dict.fromkeys(block for b in self.buckets for block in b.blocks))
 
     # ------------------------------------------------------------------ construction
-    def _build_buckets(self, named, plan: OwnershipPlan, cap_bytes: int,
+    def _build_buckets(self, named, plan: OwnershipPlan, placements: dict, cap_bytes: int,
                        coalescing: Coalescing) -> list[Bucket]:
         topology, modules = self.topology, self._modules
         by_name = {n: p for n, p, _ in named}
-        # TP: buckets hold local shards, so the cap counts their bytes (dedicate.py, TP)
-        specs = specs_from_named_parameters((n, tp.local(p)) for n, p, _ in named)
+        # buckets hold the local tensors (a TP shard), so the cap counts their bytes
+        specs = specs_from_named_parameters((n, placements[n].local(p)) for n, p, _ in named)
         buckets = []
         for i, spec in enumerate(bucket_layout(specs, plan, cap_bytes, coalescing.target_bytes,
                                                coalescing.reduce_by_gather)):
@@ -132,6 +133,7 @@ class Runtime:
                 shard_owner=s, replicate_owner=r, names=list(spec.names),
                 params=[by_name[n] for n in spec.names],
                 param_modules=[modules[n.rpartition(".")[0]] for n in spec.names],
+                placements=[placements[n] for n in spec.names],
                 is_holder=s == topology.shard_index, is_owner=spec.owner == topology.global_index,
                 frees=self.reshard_after_forward, on_grad=self._grad_hook))
         return buckets

@@ -24,7 +24,6 @@ import traceback
 import torch
 import torch.nn as nn
 
-from dmuon.runtime import tp
 
 #: Tensor attributes a freed param may still answer (metadata and autograd bookkeeping).
 _SAFE_ATTRS = frozenset({
@@ -121,22 +120,22 @@ def _convert_freed(sub: type, func, args, kwargs) -> torch.Tensor:
     return out
 
 
-def mark_freed(p: nn.Parameter, why: str) -> None:
-    """Switch ``p`` to its guard class (``why`` names the param and rank in the error). A TP
-    DTensor's local tensor is guarded too (``to_local()`` hands it out without a torch
-    function call)."""
-    if p.device.type == "meta":
+def mark_freed(tensors: tuple[torch.Tensor, ...], why: str) -> None:
+    """Switch ``tensors`` (a param's, ``Placement.guarded``: the param, and a DTensor's local
+    tensor, which ``to_local()`` hands out without a torch function call) to their guard
+    class (``why`` names the param and rank in the error)."""
+    if tensors[0].device.type == "meta":
         return  # meta tensors have no memory to misread: nothing to guard
-    for t in (p, p._local_tensor) if tp.is_tp(p) else (p,):
+    for t in tensors:
         cls = type(t)
         if cls not in _FREED_CLASSES.values():
             _WHY[id(t)] = why
             t.__class__ = _freed_class(cls)
 
 
-def mark_resident(p: nn.Parameter) -> None:
-    """Undo :func:`mark_freed` (a no-op for a resident param)."""
-    for t in (p, p._local_tensor) if tp.is_tp(p) else (p,):
+def mark_resident(tensors: tuple[torch.Tensor, ...]) -> None:
+    """Undo :func:`mark_freed` (a no-op for resident tensors)."""
+    for t in tensors:
         cls = type(t)
         if cls in _FREED_CLASSES.values():
             t.__class__ = cls.__mro__[1]
@@ -166,60 +165,51 @@ def is_allocated(flat: torch.Tensor) -> bool:
     return flat.untyped_storage().nbytes() == flat.numel() * flat.element_size()
 
 
-def flatten_into_views(params: list[nn.Parameter]) -> torch.Tensor:
-    """Copy ``params`` into one new flat buffer (their device and dtype) and make their
-    ``.data`` views into it (a freed param's values are not copied: it has none). A TP
-    param (a DTensor) contributes its local shard, and its ``_local_tensor`` becomes the view
-    (``tp.py``). Returns the buffer, shape ``(sum of local numel,)``.
+def flatten_into_views(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """Copy ``tensors`` (the params' local tensors, ``Placement.local``: a plain param itself, a
+    DTensor's local shard) into one new flat buffer (their device and dtype) and make their
+    ``.data`` views into it (a freed tensor's values are not copied: it has none). Returns the
+    buffer, shape ``(sum of numel,)``.
 
     Raises:
-        ValueError: the params differ in device or dtype.
+        ValueError: the tensors differ in device or dtype.
     """
-    first = params[0]
-    kinds = {(p.device, p.dtype) for p in params}
+    first = tensors[0]
+    kinds = {(t.device, t.dtype) for t in tensors}
     if len(kinds) != 1:
         raise ValueError(
             f"Invalid bucket: params on {sorted(map(str, kinds))}. Must share one device and "
             "dtype: apply .to() to the whole model."
         )
-    flat = torch.empty(sum(tp.local(p).numel() for p in params), dtype=first.dtype, device=first.device)
+    flat = torch.empty(sum(t.numel() for t in tensors), dtype=first.dtype, device=first.device)
     offset = 0
     with torch.no_grad():
-        for p in params:
-            data = tp.local(p)
-            n = data.numel()
-            view = flat[offset : offset + n].view(data.shape)
-            if not is_freed(p):  # a freed param has no values to keep
-                view.copy_(data.data)
-            _set_data(p, view)
+        for t in tensors:
+            n = t.numel()
+            view = flat[offset : offset + n].view(t.shape)
+            if not is_freed(t):  # a freed tensor has no values to keep
+                view.copy_(t.data)
+            t.data = view
             offset += n
     return flat
 
 
-def _set_data(p: nn.Parameter, view: torch.Tensor) -> None:
-    """Make ``view`` (the local shard's shape) the data of ``p``: a TP DTensor's local tensor
-    (as FSDP2 re-points its sharded DTensors), a plain tensor's ``.data``."""
-    if tp.is_tp(p):
-        p._local_tensor = view
-    else:
-        p.data = view
-
-
-def is_bound(params: list[nn.Parameter], flat: torch.Tensor) -> bool:
-    """Whether every param is still the view of ``flat`` that :func:`flatten_into_views` made
-    (``.to()``, ``to_empty()`` or ``p.data = ...`` break this)."""
-    if any(p.device != flat.device or p.dtype != flat.dtype for p in params):
+def is_bound(tensors: list[torch.Tensor], flat: torch.Tensor) -> bool:
+    """Whether every tensor (as for :func:`flatten_into_views`) is still the view of ``flat``
+    that :func:`flatten_into_views` made (``.to()``, ``to_empty()`` or ``p.data = ...`` break
+    this)."""
+    if any(t.device != flat.device or t.dtype != flat.dtype for t in tensors):
         return False
     if not is_allocated(flat):
-        return all(is_freed(p) or p.device.type == "meta" for p in params) and all(
-            tp.local(p).untyped_storage().nbytes() == 0 for p in params
+        return all(is_freed(t) or t.device.type == "meta" for t in tensors) and all(
+            t.untyped_storage().nbytes() == 0 for t in tensors
         )
     if flat.device.type == "meta":
         return True
     base = flat.data_ptr()
     offset = 0
-    for p in map(tp.local, params):
-        if p.data_ptr() != base + offset * flat.element_size() or not p.is_contiguous():
+    for t in tensors:
+        if t.data_ptr() != base + offset * flat.element_size() or not t.is_contiguous():
             return False
-        offset += p.numel()
+        offset += t.numel()
     return True

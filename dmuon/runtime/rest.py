@@ -42,32 +42,25 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from dmuon import annotate
-from dmuon.runtime import collectives, tp, usage
+from dmuon.placement.tp import TP_AXIS
+from dmuon.runtime import collectives, usage
 
 #: ``dedicate_params``' ``rest`` values.
 REST_MODES = ("wrapper", "replicate")
 
 
-def check_rest(rest, mesh) -> None:
-    """Validate ``rest`` against the mesh (local, before any collective).
+def check_rest(rest) -> None:
+    """Validate ``rest`` (local, before any collective; what a mesh kind refuses is its
+    ``MeshLayout.check_options``, ``dmuon/placement/``).
 
     Raises:
-        ValueError: ``rest`` is not one of :data:`REST_MODES`; or ``"replicate"`` on a TP
-            mesh.
+        ValueError: ``rest`` is not one of :data:`REST_MODES`.
     """
     if not isinstance(rest, str) or rest not in REST_MODES:
         raise ValueError(
             f"Invalid rest={rest!r}. Must be 'wrapper' (the default: DDP or FSDP2 handles the "
             "params DMuon does not dedicate) or 'replicate' (DMuon keeps them replicated and "
             "averages their grads with one all_reduce per step; wrap nothing)."
-        )
-    if rest != "replicate":
-        return
-    if tp.is_tp_mesh(mesh):
-        raise ValueError(
-            "Invalid rest='replicate' on a mesh with a 'tp' axis: the rest of a tensor-parallel "
-            "model holds TP DTensors, which DMuon does not replicate. Use rest='wrapper' "
-            "(fully_shard on mesh['shard'])."
         )
 
 
@@ -125,7 +118,7 @@ def _fsdp_shard(p: torch.Tensor, tp_size: int) -> bool:
         return False
     names = p.device_mesh.mesh_dim_names
     if names:
-        return any(n != tp.TP_AXIS for n in names)
+        return any(n != TP_AXIS for n in names)
     return p.device_mesh.size() > tp_size
 
 

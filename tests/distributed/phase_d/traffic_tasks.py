@@ -66,7 +66,7 @@ def measure_with_shifted_ns_rank(mode: str, **config) -> dict:
     ``dmuon.api`` resolves; fails loudly if the runtime no longer has it."""
     from unittest import mock
 
-    from dmuon.runtime import tp
+    from dmuon.placement import tp
 
     original = tp.plan_tp
 

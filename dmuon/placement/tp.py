@@ -1,8 +1,10 @@
 """Tensor parallelism (TP): DMuon on a mesh with a ``"tp"`` axis, whose TP-sharded params are
 ``DTensor`` s (torch's ``parallelize_module`` with ``ColwiseParallel`` / ``RowwiseParallel``).
 
-The protocol is ``dedicate.py``'s docstring, section "Tensor parallelism"; this module holds
-what only TP needs, so that the data-parallel runtime stays the same on every TP column:
+The protocol is ``dmuon/runtime/dedicate.py``'s docstring, section "Tensor parallelism"; this
+module is TP's placement (``base.py``): :class:`TPShard`, a TP-sharded matrix, and
+:class:`TPMesh`, the mesh kind, so that the data-parallel runtime stays the same on every TP
+column. It holds:
 
 - the mesh rules and this rank's data-parallel :class:`~dmuon.ownership.topology.Topology`
   (:func:`topology`: the shard / replicate axes of this rank's TP column ``t``);
@@ -10,16 +12,16 @@ what only TP needs, so that the data-parallel runtime stays the same on every TP
 - the plan (:func:`plan_tp`): the existing planner over ``(R, N·T)`` slots, slot
   ``s' = s·T + t`` meaning "data-parallel owner ``(r, s)``, Newton–Schulz on TP rank ``t``";
 - DMuon's process groups with the ``tp`` channel (:func:`make_groups`);
-- the local-tensor accessors the buckets use (:func:`local`, :func:`like`): a TP param stays a
-  ``DTensor`` (the TP modules' forwards need one) whose local tensor is a view into DMuon's
-  flat buffer (``residency.flatten_into_views`` makes it so).
+- the local-tensor accessors the buckets use (:meth:`TPShard.local`, :meth:`TPShard.like`): a TP
+  param stays a ``DTensor`` (the TP modules' forwards need one) whose local tensor is a view
+  into DMuon's flat buffer (``residency.flatten_into_views`` makes it so).
 
-The step's gather / Newton–Schulz / scatter is :mod:`dmuon.optim.tp_step`.
+The step's gather / Newton–Schulz / scatter is :mod:`dmuon.placement.tp_step`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -29,6 +31,9 @@ from torch.distributed.tensor import DTensor, Shard
 
 from dmuon.ownership.plan import OwnershipPlan, ParamSpec, plan_ownership
 from dmuon.ownership.topology import Topology, check_initialized, check_spans_world
+from dmuon.placement import tp_step
+from dmuon.placement.base import MeshLayout, Placement
+from dmuon.placement.dense import Dense
 
 #: Name of the tensor-parallel mesh axis.
 TP_AXIS = "tp"
@@ -171,28 +176,6 @@ def check_model(model: nn.Module, mesh: DeviceMesh | None, dedicated: set[str]) 
 
 
 # ---------------------------------------------------------------------------------- plan
-@dataclass(frozen=True)
-class TPLayout:
-    """The TP side of one DedicatedParams on this rank.
-
-    Attributes:
-        size: T, ranks per TP group.
-        index: t of this rank (its group rank in its TP group).
-        ranks: world ranks of this rank's TP group, in ``t`` order.
-        full_plan: the planner's result over ``(R, N·T)`` slots (module docstring).
-        ns_rank: name of each TP-sharded dedicated param -> the TP index ``t_o`` of the rank
-            of its owner's TP group that runs its Newton–Schulz (and keeps its momentum).
-        shard_dims: the same names -> the dim (0 or 1) the param is sharded on.
-    """
-
-    size: int
-    index: int
-    ranks: tuple[int, ...]
-    full_plan: OwnershipPlan
-    ns_rank: dict[str, int] = field(default_factory=dict)
-    shard_dims: dict[str, int] = field(default_factory=dict)
-
-
 def plan_tp(specs: list[ParamSpec], mesh_shape: tuple[int, int], T: int,
             tp_names: set[str]) -> tuple[OwnershipPlan, OwnershipPlan, dict[str, int]]:
     """Plan the owners on a ``(R, N, T)`` mesh.
@@ -220,15 +203,6 @@ def plan_tp(specs: list[ParamSpec], mesh_shape: tuple[int, int], T: int,
             ns_rank[name] = t
     dp = OwnershipPlan(mesh_shape=(R, N), specs=full.specs, owner=owner, ns_cost=full.ns_cost)
     return full, dp, ns_rank
-
-
-def layout(mesh: DeviceMesh, full_plan: OwnershipPlan, ns_rank: dict[str, int],
-           shard_dims: dict[str, int]) -> TPLayout:
-    """This rank's :class:`TPLayout` (local)."""
-    tp_mesh = mesh[TP_AXIS]
-    ranks = tuple(int(x) for x in tp_mesh.mesh.tolist())
-    return TPLayout(size=len(ranks), index=ranks.index(dist.get_rank()), ranks=ranks,
-                    full_plan=full_plan, ns_rank=dict(ns_rank), shard_dims=dict(shard_dims))
 
 
 # ---------------------------------------------------------------------------------- groups
@@ -286,11 +260,117 @@ def full_momentum(p: torch.Tensor) -> torch.Tensor:
     return torch.zeros(tuple(p.shape), dtype=p.dtype, device=local(p).device)
 
 
-def momentum_params(dm, owned: set[int]) -> set[int]:
-    """ids of the dedicated params whose momentum this rank keeps: the owned ones, minus the
-    TP params whose Newton–Schulz runs on another rank of this TP group."""
-    if dm.tp is None:
-        return set(owned)
-    ns = dm.tp.ns_rank
-    return {id(p) for n, p in zip(dm.names, dm.params)
-            if id(p) in owned and ns.get(n, dm.tp.index) == dm.tp.index}
+# ---------------------------------------------------------------------------------- the objects
+class TPShard(Placement):
+    """A TP-sharded matrix: a 2-D ``DTensor`` ``Shard(d)`` on ``mesh["tp"]``; this rank holds
+    shard ``index`` (its local tensor, n/T elements of a matrix of n), which DMuon's buckets
+    hold and move per TP column. Its Newton–Schulz runs on TP index ``ns_rank`` of its owner's
+    TP group, which keeps the full-shape momentum (:mod:`dmuon.placement.tp_step`).
+
+    Attributes:
+        ns_rank: the TP index ``t_o`` of the rank that runs its Newton–Schulz.
+        shard_dim: the dim (0 or 1) it is sharded on.
+        index: this rank's TP index ``t``.
+    """
+
+    kind = "tp"
+    step_order = 0
+
+    def __init__(self, name: str, *, ns_rank: int, shard_dim: int, index: int) -> None:
+        super().__init__(name)
+        self.ns_rank, self.shard_dim, self.index = ns_rank, shard_dim, index
+
+    def local(self, t: torch.Tensor) -> torch.Tensor:
+        return local(t)
+
+    def like(self, p: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        return like(p, t)
+
+    def placed_like(self, p: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+        return placed_like(p, g)
+
+    def guarded(self, p: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The DTensor and its local tensor (``to_local()`` hands the latter out without a
+        torch function call)."""
+        return (p, local(p))
+
+    def keeps_momentum(self) -> bool:
+        return self.ns_rank == self.index
+
+    def new_momentum(self, p: torch.Tensor) -> torch.Tensor:
+        """Zeros of the **full** (global) shape, kept on the Newton–Schulz rank only."""
+        return full_momentum(p)
+
+    @classmethod
+    def step(cls, opt, params: list[torch.Tensor], hparams: dict) -> int:
+        """Gather to the NS rank, Newton–Schulz on the full matrix, scatter
+        (:func:`dmuon.placement.tp_step.run`; channel ``tp``)."""
+        return tp_step.run(opt, params, hparams)
+
+
+class TPMesh(MeshLayout):
+    """A mesh ``("shard", "tp")`` or ``("replicate", "shard", "tp")``: TP-sharded matrices are
+    :class:`TPShard`, other dedicated matrices (replicated over TP) :class:`~dmuon.placement.dense.Dense`,
+    stepped by their owner in every TP column (counted in the norm on TP index 0 only).
+
+    Attributes (besides :class:`~dmuon.placement.base.MeshLayout`'s, where ``agreed_plan`` is
+    the plan over ``(R, N·T)`` slots):
+        ns_rank: name of each TP-sharded param -> :attr:`TPShard.ns_rank`.
+        shard_dims: the same names -> :attr:`TPShard.shard_dim`.
+    """
+
+    kind = "tensor-parallel"
+    allows_flat = False
+    shows_grad_view = False  # a TP grad is a DTensor on mesh["tp"] already
+
+    @classmethod
+    def matches(cls, mesh) -> bool:
+        return is_tp_mesh(mesh)
+
+    @classmethod
+    def check_options(cls, mesh, *, hierarchy: str, rest: str) -> None:
+        if hierarchy == "flat":
+            raise ValueError(
+                "Invalid hierarchy='flat' on a mesh with a 'tp' axis: DMuon moves a tensor-parallel "
+                "model's matrices over the shard and replicate axes of each TP column. Use "
+                "hierarchy='auto' or 'hierarchical' there."
+            )
+        if rest == "replicate":
+            raise ValueError(
+                "Invalid rest='replicate' on a mesh with a 'tp' axis: the rest of a tensor-parallel "
+                "model holds TP DTensors, which DMuon does not replicate. Use rest='wrapper' "
+                "(fully_shard on mesh['shard'])."
+            )
+
+    @classmethod
+    def check_model(cls, model: nn.Module, mesh, dedicated: set[str]) -> None:
+        check_model(model, mesh, dedicated)
+
+    @classmethod
+    def topology(cls, mesh) -> Topology:
+        return topology(mesh)
+
+    @classmethod
+    def build(cls, mesh, named, specs, topology) -> TPMesh:
+        """The TP plan (:func:`plan_tp`) and the placements; warns when no dedicated param is
+        TP-sharded (every matrix then runs Newton–Schulz T times)."""
+        T = mesh[TP_AXIS].size()
+        dims = {n: shard_dim(p) for n, p, _ in named if is_tp(p)}
+        full, plan, ns_rank = plan_tp(specs, topology.mesh_shape, T, set(dims))
+        if named and not ns_rank:
+            warnings.warn(
+                f"dmuon.dedicate_params got a mesh with a 'tp' axis of size {T} but no dedicated "
+                "param is a TP DTensor: every matrix is stepped in each TP column (that many "
+                "Newton–Schulz runs of it). Parallelize the blocks on mesh['tp'] "
+                "(parallelize_module) before dedicate_params.",
+                stacklevel=3,
+            )
+        t = list(map(int, mesh[TP_AXIS].mesh.tolist())).index(dist.get_rank())
+        placements = {n: (TPShard(n, ns_rank=ns_rank[n], shard_dim=dims[n], index=t) if n in dims
+                          else Dense(n, counted=t == 0)) for n, _, _ in named}
+        layout = cls(plan, placements, index=t, size=T, agreed_plan=full)
+        layout.ns_rank, layout.shard_dims = ns_rank, dims
+        return layout
+
+    def make_groups(self, mesh, topology):
+        return make_groups(mesh)

@@ -1,4 +1,5 @@
-"""The Muon step of TP-sharded dedicated params (protocol: ``dedicate.py``, "Tensor parallelism").
+"""The Muon step of TP-sharded dedicated params, :meth:`dmuon.placement.tp.TPShard.step`
+(protocol: ``dmuon/runtime/dedicate.py``, "Tensor parallelism").
 
 After the data-parallel reduces, every rank ``(r, s, t)`` of the owner's TP group holds the
 averaged gradient of its own shard (``.grad``, a DTensor). For each TP rank ``t_o`` of the
@@ -27,67 +28,57 @@ import torch.distributed as dist
 
 from dmuon import annotate
 from dmuon.optim.muon_math import _momentum_update, adjust_lr, zeropower_via_newtonschulz
-from dmuon.runtime import checkpoint, collectives, tp
-from dmuon.runtime.tp import full_momentum
-
-MOMENTUM_KEY = "momentum_buffer"
 
 
-def tp_step(opt, group: dict, owned: set[int], hparams: dict,
-            launchers: dict[torch.device, collectives.Launcher]) -> int:
-    """Steps 1-4 above for the owned TP params with a grad. Returns the number of matrices
+def run(opt, params: list[torch.Tensor], hparams: dict) -> int:
+    """Steps 1-4 above for ``params``: the owned TP params of one param group that have a grad,
+    each with a :class:`~dmuon.placement.tp.TPShard` placement. Returns the number of matrices
     orthogonalized on this rank.
 
-    ``launchers``: the optimizer's :class:`~dmuon.runtime.collectives.Launcher` per device
-    (created here on first use; channel ``tp``): work handles on gloo, a side stream and
-    events on CUDA, as every other DMuon call."""
+    Collectives go through ``opt.launcher(device)`` (channel ``tp``): work handles on gloo, a
+    side stream and events on CUDA, as every other DMuon call."""
     dm = opt.dedicated
-    layout, tpg = dm.tp, dm.groups.tp
-    name_of = dict(zip(map(id, dm.params), dm.names))
+    tpg = dm.groups.tp
     batches: dict[tuple, list[torch.Tensor]] = {}
-    for p in group["params"]:
-        n = name_of.get(id(p))
-        if id(p) in owned and n in layout.ns_rank and p.grad is not None:
-            key = (layout.ns_rank[n], p.dtype, tp.local(p).device)
-            batches.setdefault(key, []).append(p)
+    for p in params:
+        pl = dm.placement_of(p)
+        batches.setdefault((pl.ns_rank, p.dtype, pl.local(p).device), []).append(p)
     if not batches:
         return 0
-    T, me = layout.size, layout.index
+    me, T = dm.layout.index, dm.layout.size
     keys = sorted(batches, key=lambda k: (k[0], str(k[1]), str(k[2])))
     gathered = {}
     with annotate.phase("optimizer"):
         for key in keys:  # 1. every gather issued, then waited
-            root, params = key[0], batches[key]
-            send = torch.cat([tp.local(p.grad).reshape(-1) for p in params])
+            root, ps = key[0], batches[key]
+            send = torch.cat([dm.placement_of(p).local(p.grad).reshape(-1) for p in ps])
             recv = [torch.empty_like(send) for _ in range(T)] if me == root else None
-            launcher = _launcher(launchers, send.device)
-            with annotate.span("dmuon.tp_gather", module=dm.block_of(params[0]),
-                               owner=dm.owner_of(params[0])):
-                work = launcher.launch("tp", lambda async_op, send=send, recv=recv, root=root: dist.gather(
-                    send, recv, group=tpg, group_dst=root, async_op=async_op), send, *(recv or ()))
+            with annotate.span("dmuon.tp_gather", module=dm.block_of(ps[0]), owner=dm.owner_of(ps[0])):
+                work = opt.launcher(send.device).launch(
+                    "tp", lambda async_op, send=send, recv=recv, root=root: dist.gather(
+                        send, recv, group=tpg, group_dst=root, async_op=async_op), send, *(recv or ()))
             gathered[key] = (work, send, recv)
         count, scatters = 0, []
         for key in keys:
-            root, params = key[0], batches[key]
+            root, ps = key[0], batches[key]
             work, send, recv = gathered[key]
             work.wait()
             chunks = None
             if me == root:  # 2. momentum and Newton-Schulz on the full matrices
-                chunks = _updates(opt, params, recv, layout, name_of, hparams)
-                count += len(params)
+                chunks = _updates(opt, ps, recv, T, hparams)
+                count += len(ps)
             out = torch.empty_like(send)
-            with annotate.span("dmuon.tp_scatter", module=dm.block_of(params[0]),
-                               owner=dm.owner_of(params[0])):
-                work = _launcher(launchers, out.device).launch(
+            with annotate.span("dmuon.tp_scatter", module=dm.block_of(ps[0]), owner=dm.owner_of(ps[0])):
+                work = opt.launcher(out.device).launch(
                     "tp", lambda async_op, out=out, chunks=chunks, root=root: dist.scatter(
                         out, chunks, group=tpg, group_src=root, async_op=async_op), out, *(chunks or ()))
-            scatters.append((work, out, params))
+            scatters.append((work, out, ps))
         lr, wd, fn = hparams["lr"], hparams["weight_decay"], hparams["adjust_lr_fn"]
-        for work, out, params in scatters:  # 4. each rank applies its shards
+        for work, out, ps in scatters:  # 4. each rank applies its shards
             work.wait()
             offset = 0
-            for p in params:
-                data = tp.local(p)
+            for p in ps:
+                data = dm.placement_of(p).local(p)
                 u = out[offset : offset + data.numel()].view_as(data)
                 data.mul_(1 - lr * wd)
                 data.add_(u, alpha=-adjust_lr(lr, fn, tuple(p.shape)))
@@ -95,34 +86,24 @@ def tp_step(opt, group: dict, owned: set[int], hparams: dict,
     return count
 
 
-def _launcher(launchers: dict, device: torch.device) -> collectives.Launcher:
-    if device not in launchers:
-        launchers[device] = collectives.Launcher(device)
-    return launchers[device]
-
-
-def _updates(opt, params, recv, layout, name_of, hparams) -> list[torch.Tensor]:
+def _updates(opt, params, recv, T: int, hparams) -> list[torch.Tensor]:
     """On the Newton–Schulz rank: the full grads from the gathered shards, momentum, NS; the
     update shards for each TP rank, concatenated in ``params`` order (the scatter list)."""
-    T = layout.size
+    dm = opt.dedicated
     shards: list[list[torch.Tensor]] = [[] for _ in range(T)]
     offset = 0
     for p in params:
-        local_shape = tp.local(p).shape
+        pl = dm.placement_of(p)
+        local_shape = pl.local(p).shape
         n = local_shape.numel()
-        d = layout.shard_dims[name_of[id(p)]]
-        grad = torch.cat([recv[t][offset : offset + n].view(local_shape) for t in range(T)], dim=d)
-        state = opt.state[p]
-        if MOMENTUM_KEY not in state:
-            state[MOMENTUM_KEY] = full_momentum(p)
-        checkpoint.follow_moves(state, (MOMENTUM_KEY,), grad)  # full shape: follow the grad
-        with annotate.span("dmuon.newton_schulz", module=opt.dedicated.block_of(p),
-                           owner=opt.dedicated.owner_of(p)):
-            update = _momentum_update(grad, state[MOMENTUM_KEY], hparams["momentum"],
+        grad = torch.cat([recv[t][offset : offset + n].view(local_shape) for t in range(T)],
+                         dim=pl.shard_dim)
+        with annotate.span("dmuon.newton_schulz", module=dm.block_of(p), owner=dm.owner_of(p)):
+            update = _momentum_update(grad, opt.momentum_of(p), hparams["momentum"],
                                       hparams["nesterov"])
             update = zeropower_via_newtonschulz(update, hparams["ns_coefficients"],
                                                 hparams["ns_steps"], hparams["eps"])
-        for t, piece in enumerate(update.to(p.dtype).chunk(T, dim=d)):
+        for t, piece in enumerate(update.to(p.dtype).chunk(T, dim=pl.shard_dim)):
             shards[t].append(piece.reshape(-1))
         offset += n
     return [torch.cat(s) for s in shards]
