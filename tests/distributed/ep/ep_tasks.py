@@ -14,6 +14,9 @@ the tests compare them with the oracle (test_ep_moe.py says how).
 
 from __future__ import annotations
 
+import pathlib
+import re
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -108,11 +111,16 @@ def _ep_mesh(layout: str):
 
 
 def _result(model: nn.Module, loss: torch.Tensor, out: torch.Tensor, ep_mesh) -> dict:
-    loss.backward()
+    """After backward: the loss, the output and every grad (a DTensor's as its local shard)."""
     grads = {n: (p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad).clone()
              for n, p in model.named_parameters()}
     return {"loss": loss.item(), "out": out.detach(), "grads": grads,
             "ep_rank": ep_mesh.get_local_rank()}
+
+
+def _step(model: nn.Module, loss: torch.Tensor, out: torch.Tensor, ep_mesh) -> dict:
+    loss.backward()
+    return _result(model, loss, out, ep_mesh)
 
 
 def run_layer(layout: str, norm_topk_prob: bool, control: bool = False) -> dict:
@@ -121,14 +129,28 @@ def run_layer(layout: str, norm_topk_prob: bool, control: bool = False) -> dict:
     layer = crafted_layer(ep_size(layout), norm_topk_prob,
                           SourceMajorEPMoE if control else EPMoE)
     shard_experts(layer, ep_mesh)
-    return _result(layer, *layer_loss(layer, dist.get_rank()), ep_mesh)
+    return _step(layer, *layer_loss(layer, dist.get_rank()), ep_mesh)
 
 
 def run_hf(layout: str) -> dict:
     """One forward/backward of the EPMoE Qwen3-MoE, sharded over ``layout``'s EP axis."""
     ep_mesh = _ep_mesh(layout)
     model = tiny_qwen3_moe_ep(ep_mesh)
-    return _result(model, *hf_loss(model, dist.get_rank()), ep_mesh)
+    return _step(model, *hf_loss(model, dist.get_rank()), ep_mesh)
+
+
+def run_guide_snippet() -> dict:
+    """Run docs/user-guide.md's ``<!-- snippet: ep-reference-layer -->`` block here (W = 4,
+    N = E = 2, ``"cuda"`` read as ``"cpu"``, ``ids`` = :func:`hf_batch` of this rank)."""
+    text = (pathlib.Path(__file__).parents[3] / "docs" / "user-guide.md").read_text()
+    match = re.search(r"<!-- snippet: ep-reference-layer -->\n```python\n(.*?)```", text, re.S)
+    if match is None:
+        raise ValueError("docs/user-guide.md has no <!-- snippet: ep-reference-layer --> block.")
+    ns = {"N": 2, "E": 2, "ids": hf_batch(dist.get_rank())}
+    code = match.group(1).replace('"cuda"', '"cpu"')
+    exec(compile(code, "docs/user-guide.md:ep-reference-layer", "exec"), ns)  # noqa: S102
+    out = ns["out"]
+    return _result(ns["model"], out.loss, out.logits, ns["mesh"]["ep"])
 
 
 def shard_errors() -> list[str]:

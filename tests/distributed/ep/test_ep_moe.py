@@ -95,6 +95,14 @@ def test_qwen3_moe_with_ep_experts_matches_hugging_face(request, layout, world):
 
 
 @pytest.mark.timeout(TIMEOUT_S * 2)
+def test_user_guide_snippet_is_exact(pool4):
+    """The user guide's EP snippet, run as written on a 2 x 2 mesh, gives the oracle's losses,
+    outputs and grads (summed as the guide says)."""
+    ref = E.oracle("hf", "shard2xep2", 4)
+    _check(ref, pool4.run_with_timeout(TIMEOUT_S, E.run_guide_snippet), 2)
+
+
+@pytest.mark.timeout(TIMEOUT_S * 2)
 def test_control_experts_fed_in_arrival_order_fail_the_comparison(pool2):
     ref = E.oracle("layer", "ep2", 2, True)
     results = pool2.run_with_timeout(TIMEOUT_S, E.run_layer, "ep2", True, control=True)
