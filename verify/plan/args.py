@@ -184,6 +184,10 @@ def build_parser(defaults, presets, sweep_worlds) -> argparse.ArgumentParser:
     p.add_argument("--tp", type=_gpus, default=1, metavar="T",
                    help="tensor-parallel degree: the mesh is R x N x T (W = R·N·T) and the report "
                         "adds the TP terms and the NS balance with TP (verify/plan/tp.py)")
+    p.add_argument("--ep", type=_gpus, default=1, metavar="E",
+                   help="expert-parallel degree: the mesh is R x N x E (W = R·N·E), expert "
+                        "stacks sharded over E, and the report adds the EP section; the table "
+                        "above it is the same W without EP (verify/plan/ep.py)")
     p.add_argument("--json", action="store_true",
                    help="print JSON (schema_version, dtype, element_bytes, units, warnings, "
                         "cost_model, reports) instead of the table")

@@ -35,6 +35,7 @@ from tabulate import tabulate
 
 from dmuon.ownership.plan import OwnershipPlan, plan_ownership, specs_from_named_parameters
 from verify.plan.tp import format_tp, tp_report
+from verify.plan.ep import ep_report, format_ep
 from dmuon.ownership.select import matrix_shapes, select_params
 from tracer._compat import require
 from tracer.events import DTYPE_BYTES
@@ -463,6 +464,16 @@ def _plan(args) -> tuple[list[dict], list[dict] | None, CostModel, ModelLayout, 
         gpus_per_node=args.gpus_per_node, intra_gbps=args.intra_gbps, inter_gbps=args.inter_gbps,
         intra_alpha_us=args.intra_alpha_us, inter_alpha_us=args.inter_alpha_us, tflops=args.tflops,
     )
+    if args.ep > 1 and (args.sweep or args.tp > 1):
+        raise UsageError(f"Invalid --ep {args.ep} with {'--sweep' if args.sweep else '--tp'}. "
+                         "Give --mesh N or RxN with --ep E alone (the mesh is R x N x E).")
+    if args.mesh and args.ep > 1:  # the table: the same W without EP, on (R, N·E)
+        r, n = args.mesh
+        if r * n * args.ep > MAX_WORLD_SIZE:
+            raise UsageError(f"Invalid --ep {args.ep} on mesh {r}x{n}: W = R·N·E = "
+                             f"{r * n * args.ep:,} ranks. Must be at most {MAX_WORLD_SIZE:,}; give "
+                             "a smaller --ep or --mesh.")
+        args.mesh = (r, n * args.ep)
     if args.mesh and args.mesh[0] * args.mesh[1] * args.tp > MAX_WORLD_SIZE:
         r, n = args.mesh
         raise UsageError(f"Invalid --tp {args.tp} on mesh {r}x{n}: W = R·N·T = {r * n * args.tp:,} "
@@ -471,6 +482,10 @@ def _plan(args) -> tuple[list[dict], list[dict] | None, CostModel, ModelLayout, 
     warnings = mesh_warnings(args.mesh, cm.gpus_per_node, args.tp) if args.mesh else []
     model = _load_model(args.model)
     ml = ModelLayout(model, args.model, None if args.dtype == MODEL_DTYPE else args.dtype)
+    if args.ep > 1:  # expert parallelism (verify/plan/ep.py) on (R, N, E); bad --ep exits here
+        ep = ep_report(ml, (args.mesh[0], args.mesh[1] // args.ep), args.ep,
+                       coalesce_bytes=coalesce_target(cm), config=getattr(model, "config", None),
+                       dtype_bytes=DTYPES.get(args.dtype), tflops=cm.tflops)
     swept = sweep(ml, cm) if args.sweep or args.png else None
     reports = swept if args.sweep else [report(ml, args.mesh, cm)]
     if args.tp > 1:  # tensor parallelism (verify/plan/tp.py)
@@ -478,6 +493,8 @@ def _plan(args) -> tuple[list[dict], list[dict] | None, CostModel, ModelLayout, 
             raise UsageError("Invalid --tp with --sweep or a model without Muon targets. Give "
                              "--mesh RxN with --tp T (the mesh is R x N x T).")
         reports[0]["tp"] = tp_report(ml, args.mesh, args.tp, coalesce_bytes=coalesce_target(cm))
+    if args.ep > 1:
+        reports[0]["ep"] = ep
     return reports, swept, cm, ml, warnings
 
 
@@ -508,6 +525,8 @@ def main(argv=None) -> int:
         print(format_report(reports[0], cm))
         if "tp" in reports[0]:
             print(format_tp(reports[0]["tp"]))
+        if "ep" in reports[0]:
+            print(format_ep(reports[0]["ep"]))
     if args.png and not args.json:
         print(f"wrote {args.png}")
     return 0

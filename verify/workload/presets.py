@@ -21,6 +21,7 @@ size a 671B model on a laptop). Parameter totals are pinned against the publishe
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -139,6 +140,11 @@ class MoEConfig:
     scoring: str = "softmax"
     """Router scores: ``"softmax"`` (Qwen3) or ``"sigmoid"`` (DeepSeek-V3); the top-k weights
     are renormalised to sum to 1 in both."""
+    stacked: bool = False
+    """Routed experts as three 3-D expert stacks ``experts.{gate_proj, up_proj, down_proj}``
+    of shapes (X, I, D), (X, I, D), (X, D, I) (:class:`StackedExperts`; torchtitan's
+    ``GroupedExperts`` w1 / w3 / w2, the layout expert parallelism shards on dim 0) instead of
+    X :class:`SwiGLU` modules; the same parameters, the same function."""
 
     def __post_init__(self) -> None:
         _check_positive(self, ("n_experts", "top_k", "expert_ffn_dim"))
@@ -240,8 +246,32 @@ class SwiGLU(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+class StackedExperts(nn.Module):
+    """X SwiGLU experts as three 3-D params: ``gate_proj`` (X, I, D), ``up_proj`` (X, I, D),
+    ``down_proj`` (X, D, I); slice j is expert j's ``nn.Linear`` weight (out, in), so expert
+    j computes what :class:`SwiGLU` with those weights computes.
+
+    ``forward(x, j)``: (T_j, D) rows routed to expert j -> (T_j, D).
+    """
+
+    def __init__(self, d: int, m: MoEConfig) -> None:
+        super().__init__()
+        x, i = m.n_experts, m.expert_ffn_dim
+        self.gate_proj = nn.Parameter(torch.empty(x, i, d))
+        self.up_proj = nn.Parameter(torch.empty(x, i, d))
+        self.down_proj = nn.Parameter(torch.empty(x, d, i))
+        if self.gate_proj.device.type != "meta":  # nn.Linear's default init, per slice
+            for w in (self.gate_proj, self.up_proj, self.down_proj):
+                bound = w.shape[-1] ** -0.5
+                nn.init.uniform_(w, -bound, bound)
+
+    def forward(self, x: Tensor, j: int) -> Tensor:
+        return (F.silu(x @ self.gate_proj[j].T) * (x @ self.up_proj[j].T)) @ self.down_proj[j].T
+
+
 class MoE(nn.Module):
-    """``router`` Linear(D, E), ``experts.{j}`` (:class:`SwiGLU`), optional ``shared_experts``.
+    """``router`` Linear(D, E), ``experts.{j}`` (:class:`SwiGLU`; ``MoEConfig.stacked``: one
+    :class:`StackedExperts`), optional ``shared_experts``.
 
     Each token goes to its top-k experts, weighted by the renormalised router scores; experts
     no token picked are not run in that forward (their grads are absent, as in any MoE).
@@ -251,7 +281,10 @@ class MoE(nn.Module):
         super().__init__()
         self.cfg = m
         self.router = nn.Linear(d, m.n_experts, bias=False)
-        self.experts = nn.ModuleList(SwiGLU(d, m.expert_ffn_dim) for _ in range(m.n_experts))
+        if m.stacked:
+            self.experts = StackedExperts(d, m)
+        else:
+            self.experts = nn.ModuleList(SwiGLU(d, m.expert_ffn_dim) for _ in range(m.n_experts))
         if m.n_shared_experts:
             self.shared_experts = SwiGLU(d, m.n_shared_experts * m.expert_ffn_dim)
 
@@ -264,7 +297,8 @@ class MoE(nn.Module):
         out = torch.zeros_like(flat)
         for e in chosen.unique().tolist():
             rows, slot = (chosen == e).nonzero(as_tuple=True)
-            out.index_add_(0, rows, self.experts[e](flat[rows]) * weight[rows, slot, None])
+            y = self.experts(flat[rows], e) if self.cfg.stacked else self.experts[e](flat[rows])
+            out.index_add_(0, rows, y * weight[rows, slot, None])
         if self.cfg.n_shared_experts:
             out = out + self.shared_experts(flat)
         return out.view_as(x)
@@ -485,6 +519,23 @@ PRESETS: dict[str, Preset] = {
         ),
     )
 }
+
+
+def _stacked(name: str, base: Preset) -> Preset:
+    """``base`` with its routed experts as 3-D expert stacks (``MoEConfig.stacked``): the same
+    config, parameter count and function; the layout expert parallelism shards."""
+    config = dataclasses.replace(base.config, moe=dataclasses.replace(base.config.moe, stacked=True))
+    return Preset(name, base.family, config, base.published_params, base.published_rounding,
+                  f"{base.source}. Experts stacked as torchtitan's GroupedExperts (w1/w3/w2 as "
+                  "experts.gate_proj/up_proj/down_proj), the layout `dmuon-plan --ep` shards")
+
+
+#: DeepSeek-V3-like with expert stacks: 58 MoE layers of three (256, ·, ·) stacks, what
+#: ``dmuon-plan --ep`` plans (the config checked against deepseek-ai/DeepSeek-V3's
+#: inference/configs/config_671B.json: dim 7168, inter_dim 18432, moe_inter_dim 2048,
+#: n_layers 61, n_dense_layers 3, n_heads 128, 256 routed + 1 shared experts, 8 activated,
+#: q_lora_rank 1536, kv_lora_rank 512, qk_nope 128, qk_rope 64, v_head 128, vocab 129280).
+PRESETS["deepseek-v3-like-stacked"] = _stacked("deepseek-v3-like-stacked", PRESETS["deepseek-v3-like"])
 
 
 def build_preset(name: str, device: str | torch.device = "meta") -> nn.Module:

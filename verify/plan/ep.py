@@ -1,0 +1,355 @@
+"""``dmuon-plan --ep E``: DMuon × expert parallelism on an (R, N, E) mesh, W = R·N·E.
+
+Derived from the EP protocol of issue 32 (docs/traffic-model.md, "Expert parallelism"), not
+from the runtime. An **expert stack** is a 3-D Muon param ``(X, a, b)`` in the stack layout
+(X matrices of a × b, ``ParamSpec.matrix`` ``None``); EP shards it ``Shard(0)`` over the
+``"ep"`` axis, so rank (r, s, e) holds the local stack ``(X/E, a, b)`` of experts
+``[e·X/E, (e+1)·X/E)``. Every other Muon param is **dense**: identical on all W ranks.
+
+- **Plan** (:func:`plan_ep`): the local stacks are planned over the column mesh (R, N) by
+  :func:`dmuon.ownership.plan.plan_ownership` (cost: X/E matrices of a × b); owner (r, s) of a
+  local stack owns it in every column e, so its load lands on world ranks (r, s, e) for every
+  e. The dense params are then planned over the W slots of the data-parallel mesh
+  (R, N·E) on top of that load: ``plan_ownership`` has no initial-load argument, so this
+  module runs the same greedy LPT (order by cost, bytes, name; least (load, bytes, g) first)
+  from the expert loads, without the planner's MULTIFIT retry.
+- **Traffic** per mode: the dense part is a plain DMuon over (R, N·E) at P_D, the expert part
+  a plain DMuon over each column's (R, N) at P_X/E (:func:`verify.traffic.scale.step_traffic`
+  on each part's own layout and plan); world rank (r, s, e) issues the dense calls of shard
+  index s·E + e and the expert calls of column shard index s. Figures are the dedicated ones
+  only (the rest's FSDP2 calls are not counted here; the table above has them).
+- **NS**: once per expert per step across the mesh (X per stack) and once per dense matrix;
+  balance = max / mean of the per-rank FLOPs over the W ranks.
+- **Memory** per rank (:func:`verify.plan.memory.rank_memory` of each part, summed per world
+  rank; rest AdamW from the whole model on (R, N·E)): Z2 holds P_D + P_X/E, Z3 the owned
+  share plus each part's prefetch window.
+- **Activations** (the token all_to_all over the EP group, not P_M): sized per routed token
+  from the model's ``config.moe.top_k`` and ``config.d_model`` when it has them (the presets).
+
+World rank of (r, s, e) = (r·N + s)·E + e; the dense slot of the (R, N·E) plan is that rank.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import statistics
+from dataclasses import dataclass
+
+from tabulate import tabulate
+
+from dmuon.ownership.plan import OwnershipPlan, ParamSpec, plan_ownership
+
+from verify.plan.args import UsageError
+from verify.plan.memory import FIELDS, adamw_rest_bytes, rank_memory
+from verify.plan.tp import tp_modes
+from verify.traffic.formulas import closed_form
+from verify.traffic.predict import RunLayout
+from verify.traffic.scale import StepTraffic, step_traffic
+
+__all__ = ["EPPlan", "ep_report", "expert_stacks", "format_ep", "part_traffic", "plan_ep", "rank_traffic",
+           "split_specs"]
+
+
+def expert_stacks(specs) -> list[ParamSpec]:
+    """The expert stacks among Muon ``specs``: 3-D, stack layout (module docstring)."""
+    return [sp for sp in specs if len(sp.shape) == 3 and sp.matrix_shape == tuple(sp.shape[-2:])]
+
+
+def split_specs(specs, e: int) -> tuple[list[ParamSpec], list[ParamSpec]]:
+    """``(dense, local_stacks)`` of the Muon ``specs`` at EP degree ``e``; a local stack is
+    its expert stack with dim 0 divided by ``e`` (same name, dtype, module).
+
+    Raises:
+        UsageError: no expert stack, or a stack whose X ``e`` does not divide.
+    """
+    stacks = expert_stacks(specs)
+    if not stacks:
+        raise UsageError(
+            f"Invalid --ep {e}: the model has no expert stacks (3-D Muon params (X, a, b)), so "
+            "nothing to shard over 'ep'. Use a model whose experts are 3-D params (e.g. the "
+            "preset deepseek-v3-like-stacked), or drop --ep.")
+    bad = [sp for sp in stacks if sp.shape[0] % e]
+    if bad:
+        sp = bad[0]
+        raise UsageError(
+            f"Invalid --ep {e} for expert stack {sp.name!r} of shape {tuple(sp.shape)}: X = "
+            f"{sp.shape[0]} experts must be divisible by E = {e} (each EP rank holds X/E of "
+            f"them). Give an --ep that divides {sp.shape[0]}.")
+    names = {sp.name for sp in stacks}
+    dense = [sp for sp in specs if sp.name not in names]
+    local = [dataclasses.replace(sp, shape=(sp.shape[0] // e, *sp.shape[1:])) for sp in stacks]
+    return dense, local
+
+
+@dataclass(frozen=True)
+class EPPlan:
+    """The two-level plan on an (R, N, E) mesh.
+
+    Attributes:
+        mesh: (R, N, E).
+        expert: owners of the local stacks on the column mesh (R, N): owner index r·N + s.
+        dense: owners of the dense params on (R, N·E): owner index = world rank.
+    """
+
+    mesh: tuple[int, int, int]
+    expert: OwnershipPlan
+    dense: OwnershipPlan
+
+    @property
+    def world_size(self) -> int:
+        r, n, e = self.mesh
+        return r * n * e
+
+    def column_rank(self, rank: int) -> int:
+        """The column owner index r·N + s of world rank (r, s, e)."""
+        return rank // self.mesh[2]
+
+    def ns_load(self) -> list[float]:
+        """NS FLOPs per world rank and step: its column owner's local stacks plus its dense
+        matrices."""
+        xl, dl = self.expert.ns_load, self.dense.ns_load
+        return [xl[self.column_rank(g)] + dl[g] for g in range(self.world_size)]
+
+
+def plan_ep(dense: list[ParamSpec], local_stacks: list[ParamSpec], mesh: tuple[int, int, int]) -> EPPlan:
+    """Plan the local stacks over (R, N), then the dense params over (R, N·E) on top of the
+    expert load of every world rank (module docstring: LPT from initial loads)."""
+    r, n, e = mesh
+    expert = plan_ownership(local_stacks, (r, n))
+    w = r * n * e
+    xl, xb = expert.ns_load, expert.bytes_load
+    heap = [(xl[g // e], xb[g // e], g) for g in range(w)]
+    heapq.heapify(heap)
+    ordered = sorted(dense, key=lambda sp: (-sp.ns_cost, -sp.nbytes, sp.name))
+    owner: dict[str, int] = {}
+    for sp in ordered:
+        load, held, g = heap[0]
+        owner[sp.name] = g
+        heapq.heapreplace(heap, (load + sp.ns_cost, held + sp.nbytes, g))
+    dense_plan = OwnershipPlan(mesh_shape=(r, n * e), specs=tuple(dense), owner=owner)
+    return EPPlan(mesh=(r, n, e), expert=expert, dense=dense_plan)
+
+
+@dataclass(frozen=True)
+class _PartLayout(RunLayout):
+    """One part's layout whose ``plan()`` is the EP plan's (the predictors ask the layout)."""
+
+    part_plan: OwnershipPlan | None = None
+
+    def plan(self) -> OwnershipPlan:
+        return self.part_plan
+
+
+def _part(base: RunLayout, specs: list[ParamSpec], plan: OwnershipPlan) -> _PartLayout:
+    fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(RunLayout)}
+    fields.update(params=tuple(specs), muon_names=tuple(sp.name for sp in specs))
+    return _PartLayout(**fields, part_plan=plan)
+
+
+def _per_shard(st: StepTraffic, attr: str) -> list[float]:
+    """``attr`` of the tally every rank of shard index s issues, for each s."""
+    base = getattr(st.common, attr)
+    return [base + (getattr(st.extra[s], attr) if s in st.extra else 0) for s in range(st.shard_size)]
+
+
+def _form_text(mode: str) -> str:
+    if mode == "dmuon-z2":
+        return "2(NE-1)/(NE)·P_D + 2(N-1)/N·P_X/E"
+    if mode == "dmuon-z3":
+        return "3(NE-1)/(NE)·P_D − (NE-1)/(NE)·P_D^L + 3(N-1)/N·P_X/E − (N-1)/N·P_X^L"
+    if mode == "dmuon-hsdp-z2":
+        return "2(W-1)/W·P_D + 2(RN-1)/(RN)·P_X/E"
+    return ("(2(W-1)/W + (NE-1)/(NE))·P_D − (NE-1)/(NE)·P_D^L + (2(RN-1)/(RN) + (N-1)/N)·P_X/E "
+            "− (N-1)/N·P_X^L")
+
+
+def part_traffic(ml, plan: EPPlan, mode: str, coalesce_bytes: int, dense, local):
+    """``(dense layout, expert layout, dense StepTraffic, expert StepTraffic)`` of ``mode``:
+    the dense part on (R, N·E), one column's expert part on (R, N) at the local shapes."""
+    r, n, e = plan.mesh
+    lay_d = _part(ml.layout(mode, r, n * e, coalesce_bytes), dense, plan.dense)
+    lay_x = _part(ml.layout(mode, r, n, coalesce_bytes), local, plan.expert)
+    return lay_d, lay_x, step_traffic(lay_d, plan.dense), step_traffic(lay_x, plan.expert)
+
+
+def rank_traffic(st_d: StepTraffic, st_x: StepTraffic, mesh: tuple[int, int, int]) -> dict[str, list]:
+    """Per world rank (r, s, e), in rank order: ``calls``, ``ded_avg_elems`` and
+    ``ded_avg_bytes`` of one step, the dense tally of shard index s·E + e plus the expert
+    tally of column shard index s (every replica r alike, as in ``StepTraffic``)."""
+    r, n, e = mesh
+    out = {}
+    for attr in ("calls", "ded_avg_elems", "ded_avg_bytes"):
+        d, x = _per_shard(st_d, attr), _per_shard(st_x, attr)
+        out[attr] = [d[s * e + k] + x[s] for s in range(n) for k in range(e)] * r
+    return out
+
+
+def _mode_row(mode: str, ml, plan: EPPlan, dense, local, coalesce_bytes: int) -> dict:
+    r, n, e = plan.mesh
+    lay_d, lay_x, st_d, st_x = part_traffic(ml, plan, mode, coalesce_bytes, dense, local)
+    p_d, p_x_loc = st_d.p_m, st_x.p_m
+    form_d = closed_form(mode, n * e, r).total_at(p_d, 0, st_d.p_m_kept)
+    form_x = closed_form(mode, n, r).total_at(p_x_loc, 0, st_x.p_m_kept)
+    per_rank = rank_traffic(st_d, st_x, plan.mesh)
+    return {
+        "mode": mode,
+        "closed_form": _form_text(mode),
+        "closed_form_elems": form_d + form_x,
+        "dense_elems": st_d.ded_avg_elems,
+        "expert_elems": st_x.ded_avg_elems,
+        "p_d_kept_elems": st_d.p_m_kept,
+        "p_x_kept_elems": st_x.p_m_kept,
+        "ded_avg_elems": st_d.ded_avg_elems + st_x.ded_avg_elems,
+        "ded_avg_bytes": st_d.ded_avg_bytes + st_x.ded_avg_bytes,
+        "ded_max_bytes": max(per_rank["ded_avg_bytes"]),
+        "calls_avg": st_d.calls_avg + st_x.calls_avg,
+        "calls_max": int(max(per_rank["calls"])),
+        "memory": _memory(ml, mode, plan, lay_d, lay_x, coalesce_bytes),
+    }
+
+
+def _memory(ml, mode: str, plan: EPPlan, lay_d, lay_x, coalesce_bytes: int) -> dict:
+    """Per world rank: each part's :func:`rank_memory` summed, the rest's AdamW states from
+    the whole model on (R, N·E); min / median / max per figure and the busiest rank."""
+    r, n, e = plan.mesh
+    dense = rank_memory(lay_d, plan.dense)
+    expert = rank_memory(lay_x, plan.expert)
+    rest = adamw_rest_bytes(ml.layout(mode, r, n * e, coalesce_bytes))
+    keys = [k for k, _ in FIELDS]
+    parts = keys[:-1]  # every figure but sum_bytes
+    rows = []
+    for g in range(plan.world_size):
+        d, x = dense[g], expert[plan.column_rank(g)]
+        row = {k: d[k] + x[k] for k in parts if k != "adamw_rest_bytes"}
+        row["adamw_rest_bytes"] = rest[g]
+        row["sum_bytes"] = sum(row[k] for k in parts)
+        rows.append(row)
+    busiest = max(range(len(rows)), key=lambda g: (rows[g]["sum_bytes"], -g))
+    stats = {name: {k: fn([row[k] for row in rows]) for k in keys}
+             for name, fn in (("min", min), ("median", statistics.median), ("max", max))}
+    return {"z3": mode.endswith("z3"), **stats, "busiest": {"rank": busiest, **rows[busiest]}}
+
+
+def _activations(config, stacks: list[ParamSpec], e: int, dtype_bytes: int | None) -> dict | None:
+    """The token all_to_all of one routed token per rank and step (docs/traffic-model.md,
+    "Expert parallelism"), uniform routing; ``None`` without ``config.moe.top_k`` and
+    ``config.d_model``."""
+    moe = getattr(config, "moe", None)
+    k, d = getattr(moe, "top_k", None), getattr(config, "d_model", None)
+    if not isinstance(k, int) or not isinstance(d, int) or dtype_bytes is None:
+        return None
+    layers = len({sp.module for sp in stacks})
+    x = stacks[0].shape[0]
+    per_layer = 4 * k * d * dtype_bytes * (e - 1) / e  # dispatch + combine, forward + backward
+    return {
+        "moe_layers": layers, "top_k": k, "d_model": d, "element_bytes": dtype_bytes,
+        "calls_per_step": 5 * layers,
+        "bytes_per_token_per_layer": per_layer,
+        "bytes_per_token": per_layer * layers,
+        "count_bytes_per_step": 8 * x * (e - 1) / e * layers,
+    }
+
+
+def ep_report(ml, mesh: tuple[int, int], e: int, *, coalesce_bytes: int, config=None,
+              dtype_bytes: int | None = None, tflops: float | None = None) -> dict:
+    """The EP section of one mesh (module docstring).
+
+    Args:
+        ml: the model (:class:`verify.plan.cli.ModelLayout`).
+        mesh: (R, N); the job's mesh is (R, N, E).
+        e: E >= 1.
+        coalesce_bytes: DMuon's unit target in bytes (the table's, ``coalesce="auto"``).
+        config: the model's ``config`` (``moe.top_k``, ``d_model``) for the activations row.
+        dtype_bytes: bytes per element of the activations (the plan's dtype).
+        tflops: NS rate (TFLOP/s) for ``ns_critical_path_s``.
+
+    Raises:
+        UsageError: no expert stack, or E does not divide a stack's X.
+    """
+    r, n = mesh
+    dense, local = split_specs(ml.muon_specs, e)
+    plan = plan_ep(dense, local, (r, n, e))
+    w = plan.world_size
+    load = plan.ns_load()
+    mean = sum(load) / w
+    stacks = expert_stacks(ml.muon_specs)
+    p_x = sum(sp.numel for sp in stacks)
+    # any dense plan on top of the fixed expert loads: the busiest column owner's load, the
+    # largest dense matrix on the least-loaded rank, the mean
+    xl = plan.expert.ns_load
+    bound = max(max(xl), min(xl) + max(plan.dense.ns_cost.values(), default=0), mean)
+    return {
+        "ep": e, "world_size": w, "mesh": {"replicate": r, "shard": n, "ep": e},
+        "expert_stacks": len(stacks), "experts": sorted({sp.shape[0] for sp in stacks}),
+        "p_d": sum(sp.numel for sp in dense), "p_x": p_x, "p_x_local": p_x // e,
+        "ns_calls": sum(sp.matrices for sp in dense) + sum(sp.matrices for sp in stacks),
+        "ns_max_over_mean": max(load) / mean if mean else 0.0,
+        "ns_max_flops": max(load),
+        "ns_critical_path_s": max(load) / (tflops * 1e12) if tflops else None,
+        "ns_bound_ratio": max(load) / bound if bound else 0.0,
+        "ns_idle_ranks": sum(1 for x in load if x == 0),
+        "modes": [_mode_row(mode, ml, plan, dense, local, coalesce_bytes) for mode in tp_modes(r)],
+        "activations": _activations(config, stacks, e, dtype_bytes),
+    }
+
+
+def _gib(b: float) -> str:
+    return f"{b / 2**30:.2f}"
+
+
+def format_ep(rep: dict) -> str:
+    """The EP section as text."""
+    m = rep["mesh"]
+    lines = [
+        f"expert parallel: mesh {m['replicate']}x{m['shard']}x{m['ep']} (R x N x E, W = "
+        f"{rep['world_size']:,}); {rep['expert_stacks']} expert stacks of X = "
+        f"{'/'.join(map(str, rep['experts']))} (P_X = {rep['p_x']:,} elements, P_X/E = "
+        f"{rep['p_x_local']:,} per rank), dense P_D = {rep['p_d']:,}",
+        f"  plan: stacks over (R, N) columns, then dense over (R, N·E) on that load (LPT); NS "
+        f"once per expert: {rep['ns_calls']:,} calls/step; NS max/mean {rep['ns_max_over_mean']:.3f}, "
+        f"max / bound {rep['ns_bound_ratio']:.3f} (bound: max(busiest column owner, least-loaded "
+        f"rank + largest dense matrix, mean)), idle ranks {rep['ns_idle_ranks']}"
+        + (f", NS critical path {rep['ns_critical_path_s'] * 1e3:.1f} ms"
+           if rep["ns_critical_path_s"] is not None else ""),
+    ]
+    headers = ["mode", "closed form (W-average)", "÷ (P_D + P_X/E)", "vs closed", "dense ÷ P_D",
+               "expert ÷ P_X/E", "ded GiB/rank avg", "ded GiB busiest", "calls/step busiest",
+               "calls/step avg"]
+    body = []
+    unit = (rep["p_d"] + rep["p_x_local"]) or 1
+    for row in rep["modes"]:
+        body.append([
+            row["mode"], row["closed_form"], f"{row['ded_avg_elems'] / unit:.4f}",
+            f"{row['ded_avg_elems'] / row['closed_form_elems']:.4f}" if row["closed_form_elems"] else "-",
+            f"{row['dense_elems'] / rep['p_d']:.4f}" if rep["p_d"] else "-",
+            f"{row['expert_elems'] / rep['p_x_local']:.4f}",
+            _gib(row["ded_avg_bytes"]), _gib(row["ded_max_bytes"]), row["calls_max"],
+            f"{row['calls_avg']:.1f}",
+        ])
+    lines.append(tabulate(body, headers=headers, tablefmt="github"))
+    mem_rows = []
+    for row in rep["modes"]:
+        mem = row["memory"]
+        big = mem["busiest"]
+        for i, (stat, label) in enumerate((("min", "min"), ("median", "median"), ("max", "max"),
+                                           ("busiest", f"busiest: rank {big['rank']}"))):
+            mem_rows.append([row["mode"] if i == 0 else "", label,
+                             *(_gib(mem[stat][k]) for k, _ in FIELDS)])
+    lines += ["  Memory per rank with EP, GiB (dense part + the rank's column's expert part, "
+              "verify.plan.memory per part; prefetch_depth 1):",
+              tabulate(mem_rows, headers=["mode", "ranks", *(h for _, h in FIELDS)], tablefmt="github")]
+    act = rep["activations"]
+    if act:
+        lines.append(
+            f"  activations (token all_to_all over the EP group, not P_M; uniform routing): "
+            f"{act['calls_per_step']} calls/step ({act['moe_layers']} MoE layers x 5); "
+            f"4·k·D·b·(E-1)/E = {act['bytes_per_token_per_layer'] / 2**10:,.1f} KiB per routed token "
+            f"per layer, {act['bytes_per_token'] / 2**20:,.2f} MiB per token per step (x T tokens "
+            f"per rank), + {act['count_bytes_per_step']:,.0f} B of counts")
+    else:
+        lines.append("  activations: not sized (the model states no config.moe.top_k / d_model); "
+                     "4·k·D·b·(E-1)/E bytes per routed token per MoE layer")
+    lines.append("  (docs/traffic-model.md, 'Expert parallelism'; the table above is the same W "
+                 "without EP: every rank holds all X experts of each stack)")
+    return "\n".join(lines)
