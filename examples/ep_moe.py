@@ -164,7 +164,8 @@ class EPMoE(nn.Module):
     def _by_expert(recv_counts: torch.Tensor) -> torch.Tensor:
         """The permutation that orders rows received source-major by local expert (stable)."""
         e, local = recv_counts.shape
-        expert_of_row = torch.arange(local).repeat(e).repeat_interleave(recv_counts.reshape(-1))
+        experts = torch.arange(local, device=recv_counts.device).repeat(e)
+        expert_of_row = experts.repeat_interleave(recv_counts.reshape(-1))
         return expert_of_row.argsort(stable=True)
 
 

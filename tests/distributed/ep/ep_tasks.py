@@ -100,7 +100,7 @@ class SourceMajorEPMoE(EPMoE):
 
     @staticmethod
     def _by_expert(recv_counts: torch.Tensor) -> torch.Tensor:
-        return torch.arange(int(recv_counts.sum()))
+        return torch.arange(int(recv_counts.sum()), device=recv_counts.device)
 
 
 def _ep_mesh(layout: str):
