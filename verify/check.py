@@ -40,7 +40,7 @@ from pathlib import Path
 from tracer.events import CollectiveEvent, all_to_all_elems, read_parquet
 
 from verify.traffic.predict import Expected, RunLayout
-from verify.traffic.tp import layout_from_dict, predict_calls
+from verify.traffic.layouts import layout_from_dict
 
 EXIT_OK, EXIT_MISMATCH, EXIT_BAD_INPUT = 0, 1, 2
 #: Fields every event needs for a comparison; ``count`` / ``dtype`` may be null on barriers.
@@ -65,7 +65,7 @@ def load_layout(path: str | Path) -> RunLayout:
             "verify-traffic run (traces/<run-id>/<mode>/) or its layout.json."
         )
     try:
-        return layout_from_dict(json.loads(path.read_text()))  # a TP run's too
+        return layout_from_dict(json.loads(path.read_text()))  # the class of its kind (a TP run's too)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ValueError(f"Invalid --against {str(path)!r}: not JSON ({exc}). Must be the "
                          "layout.json written by verify-traffic.") from None
@@ -179,7 +179,7 @@ def check_events(
     fields = _key_fields(events)
     key = lambda x: tuple(_field(x, f) for f in fields)  # noqa: E731
     pred: dict[int, list[Expected]] = defaultdict(list)
-    for e in predict_calls(layout):  # TP layouts too (verify/traffic/tp.py)
+    for e in layout.predict_calls():  # its kind's prediction (TP layouts too)
         pred[e.rank].append(e)
     meas: dict[int, list[CollectiveEvent]] = defaultdict(list)
     for ev in events:

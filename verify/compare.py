@@ -44,24 +44,10 @@ from collections.abc import Sequence
 from dmuon.annotate import PHASES
 from tracer.events import CollectiveEvent, all_to_all_elems
 
-from verify.traffic.predict import (
-    Expected,
-    RunLayout,
-    dmuon_hierarchy,
-    dmuon_block,
-    dmuon_layout,
-    kept_elems,
-    layout_buckets,
-    ns_calls_per_step,
-    owner_numels,
-    predict_step,
-    reused_elems,
-    run_closed_form,
-)
-from verify.traffic.formulas import PADDED_MODES, avg_elems, closed_form_p_m
+from verify.traffic.predict import Expected, RunLayout, dmuon_block, dmuon_hierarchy, layout_buckets
+from verify.traffic.formulas import PADDED_MODES, avg_elems
 from verify.traffic.ns_bound import ns_bound, owner_loads
 from verify.traffic.owners import owner_findings
-from verify.traffic.tp import predict_tp_step, tp_closed_form, tp_ns_calls_per_step
 
 
 def event_key(ev: CollectiveEvent) -> tuple:
@@ -136,17 +122,19 @@ OWNER_MODES = ("zero1-muon", "dmuon-ddp", "dmuon-z2", "dmuon-z3", "dmuon-hsdp-z2
 
 
 def ns_balance(layout: RunLayout, ns_calls_per_rank: Sequence[float] | None) -> dict | None:
-    """report.json ``ns_balance`` of an owner mode (:data:`OWNER_MODES`, not TP): the
-    harness's bound (:func:`verify.traffic.ns_bound.ns_bound` over the Muon matrices'
-    shapes), Newton–Schulz calls per rank per step as measured, and the NS cost (FLOPs per
-    step) per rank of the plan the run used (``layout.plan()``; a planner bug shows there as
-    well as in the measured counts). ``None`` for other modes."""
-    if layout.mode not in OWNER_MODES or getattr(layout, "tp_size", 1) > 1:
+    """report.json ``ns_balance`` of an owner mode (:data:`OWNER_MODES`) whose layout has one
+    NS owner per matrix (``layout.ns_plan()``; not TP): the harness's bound
+    (:func:`verify.traffic.ns_bound.ns_bound` over the Muon matrices' shapes), Newton–Schulz
+    calls per rank per step as measured, and the NS cost (FLOPs per step) per rank of the plan
+    the run used (a planner bug shows there as well as in the measured counts). ``None``
+    otherwise."""
+    plan = layout.ns_plan() if layout.mode in OWNER_MODES else None
+    if plan is None:
         return None
     specs = layout.muon_specs()
     shapes = {s.name: [s.matrix_shape] * s.matrices for s in specs}
     bound = ns_bound([m for s in specs for m in shapes[s.name]], layout.world_size)
-    cost, count = owner_loads(dict(layout.plan().owner), shapes, layout.world_size)
+    cost, count = owner_loads(dict(plan.owner), shapes, layout.world_size)
     return {"cost_bound_flops": bound.cost_bound, "count_bound": bound.count_bound,
             "total_cost_flops": bound.total_cost, "max_matrix_cost_flops": bound.max_cost,
             "plan_cost_flops_per_rank": cost, "plan_calls_per_rank": count,
@@ -183,8 +171,7 @@ def compare_run(
     if steps < 1:
         raise ValueError(f"Invalid steps={steps}. Must be >= 1.")
     w = layout.world_size
-    tp = getattr(layout, "tp_size", 1) > 1  # tensor parallel: verify/traffic/tp.py
-    predicted: list[Expected] = predict_tp_step(layout) if tp else predict_step(layout)
+    predicted: list[Expected] = layout.predict_calls()  # the layout's kind: dense, TP
     pred_counter = Counter()
     share: dict[tuple, float] = {}
     self_of: dict[tuple, int | None] = {}
@@ -198,21 +185,13 @@ def compare_run(
     missing = pred_counter - meas_counter
     unexpected = meas_counter - pred_counter
     tables = class_shares(predicted)
-    unit_of = ({blk: b.module for b in layout_buckets(dmuon_layout(layout)) for blk in b.blocks}
-               if layout.is_dmuon and not tp else {})
+    view = layout.dmuon_view()  # None: no single DMuon layout (not DMuon, or TP)
+    buckets = None if view is None else layout_buckets(view)
+    unit_of = {} if buckets is None else {blk: b.module for b in buckets for blk in b.blocks}
 
     phases: dict[str, dict] = {}
     p_m = layout.p_m()
-    if tp:  # the TP forms are exact at P_M (the harness refuses FSDP2 padding under TP) and
-        # hold their P_loc^L term already: p_m_k, one column's kept elements, is reported only
-        form, cf_p_m, p_m_r = tp_closed_form(layout), p_m, 0
-        p_m_k = kept_elems(layout.column())
-    else:
-        form = run_closed_form(layout)  # a flat DMuon HSDP run: the 1-D form at N = W
-        numels = owner_numels(layout.muon_specs(), layout.plan()) if layout.mode == "zero1-muon" else None
-        cf_p_m = closed_form_p_m(layout.mode, [s.shape for s in layout.muon_specs()], layout.shard_size,
-                                 numels)
-        p_m_r, p_m_k = reused_elems(layout), kept_elems(layout)
+    form, cf_p_m, p_m_r, p_m_k = layout.closed_form_check()  # flat DMuon HSDP: the 1-D form at N = W
     padded = layout.mode in PADDED_MODES and cf_p_m != p_m
     per_rank = defaultdict(float)
     total_measured = 0.0
@@ -258,7 +237,7 @@ def compare_run(
     measured_avg = sum(meas_phase.values()) / (w * steps)
     predicted_avg = sum(pred_phase.values()) / w
     ns_per_step = ns_calls / steps
-    ns_expected = tp_ns_calls_per_step(layout) if tp else ns_calls_per_step(layout)
+    ns_expected = layout.ns_calls_per_step()
     closed_ok = _close(measured_avg, form.total_at(cf_p_m, p_m_r, p_m_k), cf_p_m) and all(
         ph["closed_form_matches"] for ph in phases.values()
     )
@@ -268,7 +247,7 @@ def compare_run(
         world_size=w,
         shard_size=layout.shard_size,
         replicate_size=layout.replicate_size,
-        tp_size=getattr(layout, "tp_size", 1),
+        **layout.report_fields(),  # tp_size
         p_m=p_m,
         measured_avg_elems=measured_avg,
         predicted_avg_elems=predicted_avg,
@@ -286,8 +265,7 @@ def compare_run(
         total_measured_avg_elems=total_measured / (w * steps),
         total_predicted_avg_elems=total_predicted / w,
         phases=phases,
-        units=(len({b.module for b in layout_buckets(dmuon_layout(layout))})
-               if layout.is_dmuon and not tp else None),  # DMuon's units (coalescing)
+        units=None if buckets is None else len({b.module for b in buckets}),  # DMuon's units (coalescing)
         calls_measured_per_step=len(events) / steps,
         calls_predicted_per_step=len(predicted),
         owners=owner_findings(layout, predicted, missing, unexpected),

@@ -172,9 +172,8 @@ def own_chunks(layout) -> Callable[[CollectiveEvent], int | None]:
     """An uneven all_to_all's own chunk from the run's prediction (what ``verify.traffic.wire``
     needs to charge it), by the comparison's event key."""
     from verify.compare import event_key
-    from verify.traffic.tp import predict_calls
 
-    by_key = {e.key(): e for e in predict_calls(layout)}
+    by_key = {e.key(): e for e in layout.predict_calls()}
     return lambda ev: getattr(by_key.get(event_key(ev)), "self_elems", None)
 
 

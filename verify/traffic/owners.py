@@ -21,8 +21,7 @@ from collections import Counter
 from collections.abc import Iterable
 
 from tracer.events import group_id_from_ranks
-from verify.traffic.predict import (DMuonBucket, Expected, RunLayout, dmuon_layout, layout_buckets,
-                                    shard_ranks)
+from verify.traffic.predict import DMuonBucket, Expected, RunLayout, layout_buckets, shard_ranks
 
 #: Ops whose root is a DMuon bucket's owner (on gloo a reduce runs as a gather).
 ROOTED_OPS = ("broadcast", "reduce", "gather")
@@ -76,9 +75,9 @@ def owner_findings(layout: RunLayout, predicted: Iterable[Expected], missing: Co
     (:func:`verify.compare.event_key`); ``predicted``: the run's predicted calls (for the
     modules of missing keys and the parts of aligned calls).
     """
-    if not layout.is_dmuon or getattr(layout, "tp_size", 1) > 1:
+    view = layout.dmuon_view()  # None: not DMuon, or no single layout of its owners (TP)
+    if view is None:
         return []
-    view = dmuon_layout(layout)
     n = view.shard_size
     buckets = layout_buckets(view)
     module_of = {e.key(): e.module for e in predicted}

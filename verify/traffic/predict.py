@@ -58,12 +58,13 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import ClassVar, NamedTuple
 
 
 from dmuon.ownership.plan import OwnershipPlan, ParamSpec, plan_ownership
 from tracer.events import DTYPE_BYTES, all_to_all_count, all_to_all_elems, group_id_from_ranks
 
-from verify.traffic.formulas import MODES, ClosedForm, avg_elems, closed_form
+from verify.traffic.formulas import MODES, ClosedForm, avg_elems, closed_form, closed_form_p_m
 from verify.traffic.rules import (
     AxisCall,
     ddp_buckets,
@@ -83,6 +84,17 @@ DMUON_HIERARCHIES = ("auto", "hierarchical", "flat")
 
 #: "No limit" for the byte targets below (``coalesce="all"``, NCCL's aligned groups).
 NO_LIMIT = 2**63 - 1
+
+
+class ClosedFormCheck(NamedTuple):
+    """What a run's measured W-averages are gated against (:meth:`RunLayout.closed_form_check`):
+    ``form`` evaluated at ``p_m`` (elements: P_M, or P_M^pad for the padded baselines), its reuse
+    term at ``p_m_reused`` (P_M^r) and its kept-unit term at ``p_m_kept`` (P_M^L)."""
+
+    form: ClosedForm
+    p_m: int
+    p_m_reused: int
+    p_m_kept: int
 
 
 @dataclass(frozen=True)
@@ -148,7 +160,20 @@ class RunLayout:
         label: the run's name where it is a variant of ``mode`` (``"dmuon-z3[block]"``,
             :mod:`verify.traffic.variants`), ``""`` for the mode itself; reports name the run
             by it. The knobs the variant overrides are in the fields above.
+
+    A layout *kind* (this class: ``"dense"``, a data-parallel mesh; ``verify.traffic.tp.TPRunLayout``:
+    ``"tp"``) answers the harness's questions itself: :meth:`predict_calls`,
+    :meth:`ns_calls_per_step`, :meth:`closed_form_check`, :meth:`dmuon_view`, :meth:`ns_plan`,
+    :meth:`report_fields`, :attr:`flat_allowed`, :meth:`to_dict` / :meth:`from_dict`
+    (``verify.traffic.layouts.layout_from_dict`` picks the class by :attr:`kind`); a new kind
+    is one more subclass (docs/verify.md, "Layout kinds").
     """
+
+    #: The kind's name, written as ``layout.json``'s ``"kind"`` (``verify.traffic.layouts``).
+    kind: ClassVar[str] = "dense"
+    #: Whether DMuon may move this kind's dedicated params flat on an HSDP mesh
+    #: (:func:`dmuon_hierarchy`; docs/traffic-model.md, "HSDP: flat or hierarchical").
+    flat_allowed: ClassVar[bool] = True
 
     mode: str
     replicate_size: int
@@ -242,16 +267,35 @@ class RunLayout:
         """JSON-able form (written as ``<run>/<mode>/layout.json``)."""
         d = dataclasses.asdict(self)
         d["params"] = [dataclasses.asdict(p) for p in self.params]
+        d["kind"] = self.kind
         return d
+
+    @classmethod
+    def check_kind(cls, d: dict) -> None:
+        """Raise unless ``d`` (a :meth:`to_dict`) is of this class's :attr:`kind`; a ``d``
+        without ``"kind"`` (written before it) counts as this class's.
+
+        Raises:
+            ValueError: ``d["kind"]`` is another kind's.
+        """
+        if d.get("kind", cls.kind) != cls.kind:
+            raise ValueError(
+                f"Invalid layout for {cls.__name__}.from_dict: kind={d['kind']!r}, this class reads "
+                f"kind={cls.kind!r}. Must be loaded by verify.traffic.layouts.layout_from_dict, "
+                "which picks the class of its kind."
+            )
 
     @classmethod
     def from_dict(cls, d: dict) -> RunLayout:
         """Inverse of :meth:`to_dict`.
 
         Raises:
-            ValueError: a key is missing or the mode is unknown, or the layout has a
-                finite ``dmuon_aligned_max_bytes`` (an older DMuon's limit).
+            ValueError: a key is missing or the mode is unknown, the layout has a
+                finite ``dmuon_aligned_max_bytes`` (an older DMuon's limit), or its ``"kind"``
+                is another class's (``layout.json`` files written before ``"kind"`` are
+                ``"dense"``).
         """
+        cls.check_kind(d)
         if d.get("dmuon_aligned_max_bytes", NO_LIMIT) != NO_LIMIT:
             raise ValueError(
                 f"Invalid layout: dmuon_aligned_max_bytes={d['dmuon_aligned_max_bytes']}, a limit on "
@@ -288,6 +332,39 @@ class RunLayout:
     def p_m(self) -> int:
         """P_M: elements of the Muon-target params."""
         return sum(p.numel for p in self.muon_specs())
+
+    # -------------------------------------------- the kind's answers (class docstring)
+    def predict_calls(self) -> list[Expected]:
+        """Every call of one step on every rank: :func:`predict_step`."""
+        return predict_step(self)
+
+    def ns_calls_per_step(self) -> int:
+        """Newton–Schulz calls per step over all ranks: :func:`ns_calls_per_step`."""
+        return ns_calls_per_step(self)
+
+    def closed_form_check(self) -> ClosedFormCheck:
+        """The closed form the run is gated against and where to evaluate it:
+        :func:`run_closed_form` at :func:`verify.traffic.formulas.closed_form_p_m` (P_M, or
+        P_M^pad for the padded baselines), :func:`reused_elems`, :func:`kept_elems`."""
+        specs = self.muon_specs()
+        numels = owner_numels(specs, self.plan()) if self.mode == "zero1-muon" else None
+        p_m = closed_form_p_m(self.mode, [s.shape for s in specs], self.shard_size, numels)
+        return ClosedFormCheck(run_closed_form(self), p_m, reused_elems(self), kept_elems(self))
+
+    def dmuon_view(self) -> RunLayout | None:
+        """The one data-parallel layout DMuon's dedicated calls are predicted on, whose buckets
+        (:func:`layout_buckets`) name its units and owners (:func:`dmuon_layout`: this layout,
+        or its flat (1, W) view); ``None`` outside the DMuon modes."""
+        return dmuon_layout(self) if self.is_dmuon else None
+
+    def ns_plan(self) -> OwnershipPlan | None:
+        """The plan whose owners run each Muon matrix's Newton–Schulz once (the NS balance
+        check, ``verify.compare.ns_balance``, in the owner modes): :meth:`plan`."""
+        return self.plan()
+
+    def report_fields(self) -> dict:
+        """report.json ``runs[]`` keys describing the mesh beyond W, N, R: ``{"tp_size": 1}``."""
+        return {"tp_size": 1}
 
 
 @dataclass(frozen=True)
@@ -720,11 +797,11 @@ def dmuon_hierarchy(layout: RunLayout) -> str | None:
     table allows it (``layout.dmuon_auto_flat``, :func:`dmuon_flattens`) and the dedicated
     params form exactly one unit, i.e. every bucket of :func:`layout_buckets` (the coalescing
     rule's final units, after a multi-block unit that saves no call was split) has the same
-    unit; hierarchical otherwise. A TP layout (``tp_size`` > 1) is always hierarchical
-    (``verify.traffic.tp.TPRunLayout`` refuses ``"flat"``)."""
+    unit; hierarchical otherwise. A kind that never moves flat (``layout.flat_allowed``
+    False: ``verify.traffic.tp.TPRunLayout``, which refuses ``"flat"``) is always hierarchical."""
     if not layout.is_dmuon or layout.replicate_size == 1:
         return None
-    if getattr(layout, "tp_size", 1) > 1:
+    if not layout.flat_allowed:
         return "hierarchical"
     if layout.dmuon_hierarchy != "auto":
         return layout.dmuon_hierarchy

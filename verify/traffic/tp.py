@@ -28,12 +28,13 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import ClassVar
 
 from dmuon.ownership.plan import OwnershipPlan, ParamSpec, plan_ownership
 from tracer.events import group_id_from_ranks
 
 from verify.traffic.formulas import ClosedForm, closed_form
-from verify.traffic.predict import Expected, RunLayout, kept_elems, predict_step
+from verify.traffic.predict import ClosedFormCheck, Expected, RunLayout, kept_elems, predict_step
 
 #: Modes that run with TP (``--tp T``): DMuon Z2 / Z3 and the naive FSDP2 × TP baselines.
 TP_MODES = ("naive-fsdp2-z2", "naive-fsdp2-z3", "dmuon-z2", "dmuon-z3", "dmuon-hsdp-z2", "dmuon-hsdp-z3")
@@ -55,12 +56,15 @@ class TPRunLayout(RunLayout):
     """A :class:`RunLayout` on an ``R × N × T`` mesh (``replicate_size`` = R, ``shard_size`` = N).
 
     Attributes (besides RunLayout's, whose ``params`` keep their full shapes):
-        tp_size: T.
+        tp_size: T, >= 2 (a run without TP is a :class:`RunLayout`).
         tp_dims: ``(name, d)`` of every TP-sharded param (``Shard(d)`` on ``mesh["tp"]``).
         tp_activations: ``(module, style, numel, dtype)`` per TP layer in model order:
             ``style`` ``"colwise"`` (numel = its input's per-rank elements: the backward
             all_reduce) or ``"rowwise"`` (its output's: the forward all_reduce).
     """
+
+    kind: ClassVar[str] = "tp"
+    flat_allowed: ClassVar[bool] = False  # a TP mesh's params move hierarchically
 
     tp_size: int = 1
     tp_dims: tuple[tuple[str, int], ...] = ()
@@ -68,7 +72,10 @@ class TPRunLayout(RunLayout):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.dmuon_hierarchy == "flat" and self.tp_size > 1:
+        if isinstance(self.tp_size, bool) or not isinstance(self.tp_size, int) or self.tp_size < 2:
+            raise ValueError(f"Invalid tp_size={self.tp_size!r} for a TPRunLayout. Must be an int >= 2 "
+                             "(T; a run without tensor parallelism is a RunLayout).")
+        if self.dmuon_hierarchy == "flat":
             raise ValueError("Invalid dmuon_hierarchy='flat' with tp_size > 1. Must be 'auto' or "
                              "'hierarchical': DMuon moves a TP mesh's params hierarchically "
                              "(docs/traffic-model.md, \"HSDP: flat or hierarchical\").")
@@ -88,12 +95,43 @@ class TPRunLayout(RunLayout):
 
     @classmethod
     def from_dict(cls, d: dict) -> TPRunLayout:
+        """Inverse of :meth:`to_dict` (:meth:`RunLayout.from_dict`'s errors; ``tp_size`` required)."""
+        cls.check_kind(d)
         base = RunLayout.from_dict({k: v for k, v in d.items()
-                                    if k not in ("tp_size", "tp_dims", "tp_activations")})
+                                    if k not in ("tp_size", "tp_dims", "tp_activations", "kind")})
         return cls(**{f.name: getattr(base, f.name) for f in dataclasses.fields(RunLayout)},
                    tp_size=int(d["tp_size"]),
                    tp_dims=tuple((n, int(k)) for n, k in d.get("tp_dims", ())),
                    tp_activations=tuple((m, s, int(c), t) for m, s, c, t in d.get("tp_activations", ())))
+
+    # ------------------------------ the kind's answers (RunLayout's class docstring)
+    def predict_calls(self) -> list[Expected]:
+        """Every call of one step on every rank: :func:`predict_tp_step`."""
+        return predict_tp_step(self)
+
+    def ns_calls_per_step(self) -> int:
+        """Newton–Schulz calls per step over all ranks: :func:`tp_ns_calls_per_step`."""
+        return tp_ns_calls_per_step(self)
+
+    def closed_form_check(self) -> ClosedFormCheck:
+        """:func:`tp_closed_form` at P_M: exact there (the harness refuses FSDP2 padding under
+        TP), no reuse term, and its P_loc^L term already inside, so ``p_m_kept`` (one column's
+        kept elements, :func:`verify.traffic.predict.kept_elems`) is only reported."""
+        return ClosedFormCheck(tp_closed_form(self), self.p_m(), 0, kept_elems(self.column()))
+
+    def dmuon_view(self) -> None:
+        """``None``: DMuon's dedicated calls are predicted per TP column on the local shapes
+        (:meth:`column`), not on one layout whose buckets name the full matrices' owners."""
+        return None
+
+    def ns_plan(self) -> None:
+        """``None``: a matrix replicated over TP runs its Newton–Schulz on T ranks, not once
+        on one owner (:func:`tp_ns_calls_per_step`)."""
+        return None
+
+    def report_fields(self) -> dict:
+        """``{"tp_size": T}``."""
+        return {"tp_size": self.tp_size}
 
     # ----------------------------------------------------------------------- plan
     def full_plan(self) -> OwnershipPlan:
@@ -215,18 +253,6 @@ def _column_group(col: RunLayout, e: Expected) -> list[int]:
         if group_id_from_ranks(ranks) == e.group_id:
             return ranks
     raise ValueError(f"Invalid column call {e}: its group is not a shard, replicate or world group.")
-
-
-def predict_calls(layout: RunLayout) -> list[Expected]:
-    """Every call of one step: :func:`predict_tp_step` for a TP layout (``tp_size`` > 1),
-    else :func:`verify.traffic.predict.predict_step`."""
-    return predict_tp_step(layout) if getattr(layout, "tp_size", 1) > 1 else predict_step(layout)
-
-
-def layout_from_dict(d: dict) -> RunLayout:
-    """A ``layout.json``'s layout: :meth:`TPRunLayout.from_dict` when it has ``tp_size``,
-    else :meth:`RunLayout.from_dict`."""
-    return TPRunLayout.from_dict(d) if "tp_size" in d else RunLayout.from_dict(d)
 
 
 def tp_ns_calls_per_step(layout: TPRunLayout) -> int:

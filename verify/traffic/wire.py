@@ -238,13 +238,12 @@ def dedicated_traffic(layout, events: list[CollectiveEvent], steps: int) -> dict
         ``{"wire": wire_report(...), "bytes": {"measured_avg_bytes": {phase: {dtype: B}},
         "predicted_avg_bytes": {...}}}``; the dedicated share of each call, and an
         all_to_all's own chunk, come from the prediction
-        (``verify.traffic.predict.predict_step``; ``verify.traffic.tp.predict_tp_step`` for a TP
-        layout), unmatched events count as 0.
+        (``layout.predict_calls()``: ``verify.traffic.predict.predict_step``,
+        ``verify.traffic.tp.predict_tp_step`` for a TP layout), unmatched events count as 0.
     """
     from verify.compare import event_key, measured_avg_elems
-    from verify.traffic.tp import predict_calls  # TP layouts too (verify/traffic/tp.py)
 
-    predicted = predict_calls(layout)
+    predicted = layout.predict_calls()  # its kind's prediction (TP layouts too)
     by_key = {e.key(): e for e in predicted}
 
     def share_of(ev: CollectiveEvent) -> float:
