@@ -23,7 +23,9 @@ grouped by expert) and shows the output comparison fails by far more than RTOL.
 import pytest
 import torch
 
-pytest.importorskip("transformers")  # imported here so the pools inherit it
+# Imported here (at collection, before the pools fork) so the ranks inherit them: importing
+# Qwen3-MoE's modeling module in each forked rank costs seconds.
+pytest.importorskip("transformers.models.qwen3_moe.modeling_qwen3_moe")
 
 from examples.ep_moe import EXPERT_STACKS, EPMoE, tiny_qwen3_moe_ep  # noqa: E402
 from tests.distributed.ep import ep_tasks as E  # noqa: E402
