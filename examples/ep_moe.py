@@ -89,7 +89,8 @@ class EPMoE(nn.Module):
 
     @classmethod
     def from_hf(cls, block: nn.Module) -> EPMoE:
-        """An EPMoE carrying a Hugging Face ``Qwen3MoeSparseMoeBlock``'s own weights (copies).
+        """An EPMoE carrying a Hugging Face ``Qwen3MoeSparseMoeBlock``'s own weights (copies, on
+        the block's device, in its dtype).
 
         Raises:
             ValueError: the block's experts use another activation than SiLU.
@@ -99,12 +100,13 @@ class EPMoE(nn.Module):
         if act not in ("SiLU", "SiLUActivation"):
             raise ValueError(f"Invalid experts act_fn={act}. EPMoE computes SwiGLU: must be SiLU.")
         x, two_f, d = experts.gate_up_proj.shape
-        layer = cls(d, two_f // 2, x, gate.top_k, gate.norm_topk_prob)
+        layer = cls(d, two_f // 2, x, gate.top_k, gate.norm_topk_prob).to(
+            device=experts.gate_up_proj.device, dtype=experts.gate_up_proj.dtype)
         with torch.no_grad():
             for name, src in (("router", gate.weight), ("gate_up_proj", experts.gate_up_proj),
                               ("down_proj", experts.down_proj)):
                 getattr(layer, name).copy_(src)
-        return layer.to(experts.gate_up_proj.device)
+        return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``(..., D) -> (..., D)``, any float dtype (routing in fp32, as Qwen3-MoE's).

@@ -27,7 +27,8 @@ import torch
 # Qwen3-MoE's modeling module in each forked rank costs seconds.
 pytest.importorskip("transformers.models.qwen3_moe.modeling_qwen3_moe")
 
-from examples.ep_moe import EXPERT_STACKS, EPMoE, tiny_qwen3_moe_ep  # noqa: E402
+from examples.ep_moe import (  # noqa: E402
+    EXPERT_STACKS, EPMoE, replace_qwen3_moe_blocks, tiny_qwen3_moe_ep)
 from tests.distributed.ep import ep_tasks as E  # noqa: E402
 
 pytestmark = pytest.mark.distributed
@@ -144,3 +145,14 @@ def test_layer_refuses_bad_sizes_and_inputs():
         EPMoE(4, 0, 2, 1)
     with pytest.raises(ValueError, match=r"last dim must be d_model=4"):
         EPMoE(4, 4, 2, 1)(torch.zeros(3, 5))
+
+
+def test_from_hf_keeps_the_blocks_dtype():
+    """A bf16 Hugging Face model stays bf16 after the replacement (EPMoE's params were fp32
+    before ``from_hf`` took the block's dtype) and computes the same logits (one bf16 ulp)."""
+    hf = E.tiny_qwen3_moe().to(torch.bfloat16)
+    ours = replace_qwen3_moe_blocks(E.tiny_qwen3_moe().to(torch.bfloat16))
+    assert {p.dtype for p in ours.parameters()} == {torch.bfloat16}
+    ids = E.hf_batch(1)
+    want = hf(input_ids=ids).logits.float()
+    assert _rel_err(ours(input_ids=ids).logits.float(), want) <= 2**-8
