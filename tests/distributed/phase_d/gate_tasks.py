@@ -71,6 +71,7 @@ def _replanned(plan_fn, owner_of):
 def mutation(name: str):
     """Plant regression ``name`` (issue 33's table) in this process for the duration."""
     import dmuon.api as api
+    import dmuon.placement.dense as dense  # the runtime's planner call (DataParallelMesh.build)
     import dmuon.runtime.collectives as coll
     import verify.run.modes as modes
     import verify.traffic.predict as predict
@@ -86,10 +87,10 @@ def mutation(name: str):
             patch(modes.dmuon, "dedicate_params",
                   _rewrapped(modes.dmuon.dedicate_params, bucket_cap_mb=SMALL_BUCKET_CAP_MB))
         elif name == "owners_rotated":  # the runtime's owners g -> W-1-g (predictor untouched)
-            patch(api, "plan_ownership", _replanned(api.plan_ownership, lambda g, w: w - 1 - g))
+            patch(dense, "plan_ownership", _replanned(dense.plan_ownership, lambda g, w: w - 1 - g))
         elif name == "all_on_rank0":  # the planner the predictor shares gives rank 0 everything
-            zero = _replanned(api.plan_ownership, lambda g, w: 0)
-            patch(api, "plan_ownership", zero)
+            zero = _replanned(dense.plan_ownership, lambda g, w: 0)
+            patch(dense, "plan_ownership", zero)
             patch(predict, "plan_ownership", zero)
         elif name == "coalesce_target":  # auto's target changed in the runtime, mirrored in the predictor
             original = api.resolve_coalesce
