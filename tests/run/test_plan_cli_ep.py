@@ -219,7 +219,7 @@ def test_cli_prints_the_ep_section_and_json(capsys):
     assert "2(NE-1)/(NE)·P_D + 2(N-1)/N·P_X/E" in out and "activations" in out
     assert main(["--model", model, "--mesh", "2x1", "--ep", "2", "--json"]) == 0
     ep = json.loads(capsys.readouterr().out)["reports"][0]["ep"]
-    assert ep["mesh"] == {"replicate": 2, "shard": 1, "ep": 2}
+    assert ep["mesh"] == {"replicate": 2, "shard": 1, "ep": 2} and "p_x_local" in ep["units"]
     assert {m["mode"] for m in ep["modes"]} == {"dmuon-hsdp-z2", "dmuon-hsdp-z3"}
     act = ep["activations"]  # 2 MoE layers, top-2, D = 16, bf16, E = 2
     assert act["moe_layers"] == 2 and act["calls_per_step"] == 10
@@ -268,6 +268,10 @@ def test_stacked_experts_compute_what_separate_experts_compute():
     assert sum(p.numel() for p in stk.parameters()) == sum(p.numel() for p in sep.parameters())
 
 
+def z2_bytes(ep: dict) -> float:
+    return ep["modes"][0]["ded_avg_bytes"]
+
+
 @pytest.mark.slow
 def test_deepseek_v3_stacked_at_w1024(capsys):
     """docs/scaling.md's run: W = 1,024 = 16 x 64 with EP 64 (about 10-25 s here)."""
@@ -276,8 +280,11 @@ def test_deepseek_v3_stacked_at_w1024(capsys):
     rep, ep = doc["reports"][0], doc["reports"][0]["ep"]
     assert rep["world_size"] == ep["world_size"] == 1024
     assert ep["expert_stacks"] == 58 * 3 and ep["experts"] == [256]
-    assert ep["ns_calls"] == rep["modes"][0]["ns_calls"]  # once per matrix, EP or not
+    plain = {m["mode"]: m for m in rep["modes"]}["dmuon-z2"]
+    assert ep["ns_calls"] == plain["ns_calls"] == 45_090  # once per matrix, EP or not
+    assert z2_bytes(ep) < plain["ded_avg_bytes"] / 25  # the stacks no longer move whole
     z2 = ep["modes"][0]
+    assert ep["ns_bound_ratio"] == pytest.approx(1.0) and ep["ns_idle_ranks"] == 0
     assert z2["expert_elems"] == pytest.approx(2 * 15 / 16 * ep["p_x_local"])
     assert z2["dense_elems"] == pytest.approx(2 * 1023 / 1024 * ep["p_d"])
     resident = (ep["p_d"] + ep["p_x_local"]) * BF16

@@ -291,7 +291,31 @@ def ep_report(ml, mesh: tuple[int, int], e: int, *, coalesce_bytes: int, config=
         "ns_idle_ranks": sum(1 for x in load if x == 0),
         "modes": [_mode_row(mode, ml, plan, dense, local, coalesce_bytes) for mode in tp_modes(r)],
         "activations": _activations(config, stacks, e, dtype_bytes),
+        "units": EP_UNITS,
     }
+
+
+#: ``units`` of the EP section's JSON (``reports[0].ep``): field -> unit.
+EP_UNITS: dict[str, str] = {
+    "p_d": "elements of the dense Muon params (identical on all W ranks)",
+    "p_x": "elements of the expert stacks, global (X·a·b summed)",
+    "p_x_local": "elements of the expert stacks one rank holds (P_X/E)",
+    "experts": "X of the stacks (experts per stack)",
+    "expert_stacks": "count of 3-D expert-stack params",
+    "*_elems": "elements per rank per training step, W-average (dense_elems: dense part, "
+               "expert_elems: expert part; *_kept_elems: elements of Z3's kept unit)",
+    "*_bytes": "bytes (ded_avg_bytes: W-average per rank-step, ded_max_bytes: busiest rank; "
+               "memory: per rank)",
+    "calls_max": "DMuon's collective calls per training step of the busiest rank",
+    "calls_avg": "DMuon's collective calls per training step, mean over ranks",
+    "ns_calls": "Newton–Schulz calls per training step, all ranks together",
+    "ns_max_flops": "NS FLOPs per step of the busiest rank (ns_steps=5)",
+    "ns_critical_path_s": "seconds of the busiest rank's NS at the cost model's TFLOP/s",
+    "ns_bound_ratio": "busiest NS load over max(busiest column owner, least-loaded rank + "
+                      "largest dense matrix, mean)",
+    "activations": "the token all_to_all per routed token per rank (bytes_per_token*: per "
+                   "step, uniform routing), count_bytes_per_step, calls_per_step",
+}
 
 
 def _gib(b: float) -> str:
