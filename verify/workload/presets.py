@@ -8,7 +8,9 @@ Two architecture definitions, each a working module (forward runs on CPU at smal
   untied ``lm_head``; attention is grouped-query with one fused ``qkv_proj`` (optionally with
   per-head RMSNorm of q and k, as Qwen3) or DeepSeek's multi-head latent attention
   (:class:`MLAConfig`); the MLP is SwiGLU, or a mixture of experts (:class:`MoEConfig`) whose
-  experts are separate SwiGLU modules of 2-D ``nn.Linear`` weights (``mlp.experts.{j}``).
+  experts are separate SwiGLU modules of 2-D ``nn.Linear`` weights (``mlp.experts.{j}``), or
+  three 3-D expert stacks (``MoEConfig.stacked``: ``mlp.experts.{gate_proj, up_proj,
+  down_proj}``, preset ``deepseek-v3-like-stacked``).
 
 Names follow Hugging Face's where they exist; :func:`dmuon.ownership.select.default_predicate` picks
 every hidden ``nn.Linear`` (attention, MLP, experts, routers) and leaves embeddings, norms and
