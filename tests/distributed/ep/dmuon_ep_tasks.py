@@ -103,3 +103,49 @@ def train(mesh_name: str, z3: bool, steps: int = STEPS, plant: str | None = None
            "ns_calls": opt.ns_calls, "dedicated": sorted(dm.names), "grad_norms": norms}
     dm.close()
     return out
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return (t.to_local() if hasattr(t, "to_local") else t).detach().clone()
+
+
+def checkpoint_run(mesh_name: str, path: str, steps: range, load: bool) -> dict:
+    """On the EP mesh ``mesh_name`` (Z3): a fresh model and DMuon, loaded from the DCP checkpoint
+    at ``path`` when ``load`` (``get_state_dict`` / ``dcp.load`` / ``set_state_dict``), then the
+    steps ``steps`` (batches of those step numbers), then saved to ``path`` unless ``load``.
+    Returns, for what this rank holds: the params right after the load (``loaded``), the
+    momentum of each param it owns (``momentum``, local experts for a stack) and its EP index."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    shape, names = MESHES[mesh_name]
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    rank = dist.get_rank()
+    model = tiny_qwen3_moe_ep(mesh["ep"], seed=1 if load else 0)  # a load must overwrite all
+    dm = dmuon.dedicate_params(model, mesh, reshard_after_forward=True, rest="replicate")
+    opt = dmuon.DMuon(model.parameters(), dedicated=dm, lr=MUON_LR, adamw_lr=ADAMW_LR)
+    out = {"ep_rank": mesh.get_local_rank("ep"), "ep": mesh["ep"].size()}
+    if load:
+        model_sd, optim_sd = get_state_dict(model, opt)
+        dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+        set_state_dict(model, opt, model_state_dict=model_sd, optim_state_dict=optim_sd)
+        dm.sync_params()
+        out["loaded"] = {n: _local(p) for n, p in model.named_parameters()}
+        out["momentum"] = {n: _local(opt.state[p]["momentum_buffer"])
+                           for n, p in zip(dm.names, dm.params) if id(p) in {id(q) for q in dm.owned()}}
+    for step in steps:
+        _loss(model, batch(step, rank)).backward()
+        opt.step()
+        opt.zero_grad()
+    if not load:
+        model_sd, optim_sd = get_state_dict(model, opt)
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+        dm.sync_params()
+        out["saved"] = {n: _local(p) for n, p in model.named_parameters()}
+        out["momentum"] = {n: _local(opt.state[p]["momentum_buffer"])
+                           for n, p in zip(dm.names, dm.params) if id(p) in {id(q) for q in dm.owned()}}
+    else:
+        dm.sync_params()
+        out["final"] = {n: _local(p) for n, p in model.named_parameters()}
+    dm.close()
+    return out

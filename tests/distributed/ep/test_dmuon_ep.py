@@ -10,6 +10,7 @@ their column instead of W give another norm.
 """
 
 import pytest
+import torch
 
 pytest.importorskip("transformers")
 
@@ -84,3 +85,38 @@ def test_control_column_divisor_changes_the_norm(pool4, oracle4):
     results = pool4.run_with_timeout(TIMEOUT_S, T.train, "shard2xep2", False, 1, "column-divisor")
     got, want = results[0]["grad_norms"][0], oracle4["grad_norms"][0]
     assert abs(got - want) > 10 * NORM_RTOL * want, (got, want)
+
+
+def _full(results: list[dict], key: str) -> dict[str, torch.Tensor]:
+    """Each param's full value from what the ranks report under ``key`` (expert stacks joined
+    from their EP indices); asserts that every rank reporting a part reports the same."""
+    parts: dict[str, dict[int, torch.Tensor]] = {}
+    for res in results:
+        for name, t in res[key].items():
+            e = res["ep_rank"] if name.rpartition(".")[2] in EXPERT_STACKS else 0
+            seen = parts.setdefault(name, {})
+            if e in seen:
+                assert torch.equal(seen[e], t), (name, e)
+            seen[e] = t
+    return {n: torch.cat([p[e] for e in sorted(p)]) if len(p) > 1 else p[0] for n, p in parts.items()}
+
+
+@pytest.mark.parametrize("saved, loaded", [("shard2xep2", "ep4"), ("ep4", "hsdp2x1xep2")])
+def test_dcp_resumes_at_another_ep_degree_and_dp_size(pool4, oracle4, tmp_path, saved, loaded):
+    """DCP saved at one EP layout loads at another (EP 2 -> 4 with DP 2 -> 1, EP 4 -> 2 with a
+    replicate axis): every param and every owner's momentum (expert stacks resharded to the
+    new EP indices and owners) equals what was saved, bit for bit; the next step lands on the
+    single-process oracle's third step."""
+    path = str(tmp_path / "ckpt")
+    before = pool4.run_with_timeout(TIMEOUT_S, T.checkpoint_run, saved, path, range(2), False)
+    after = pool4.run_with_timeout(TIMEOUT_S, T.checkpoint_run, loaded, path, range(2, 3), True)
+    saved_params, loaded_params = _full(before, "saved"), _full(after, "loaded")
+    assert saved_params.keys() == loaded_params.keys()
+    for name, t in saved_params.items():
+        assert torch.equal(loaded_params[name], t), name
+    saved_m, loaded_m = _full(before, "momentum"), _full(after, "momentum")
+    assert saved_m.keys() == loaded_m.keys() and saved_m, sorted(saved_m)
+    for name, t in saved_m.items():
+        assert torch.equal(loaded_m[name], t), name
+    resumed = [{**r, "held": r["final"]} for r in after]
+    assert _distance(resumed, oracle4) <= RTOL
