@@ -149,3 +149,32 @@ def checkpoint_run(mesh_name: str, path: str, steps: range, load: bool) -> dict:
         out["final"] = {n: _local(p) for n, p in model.named_parameters()}
     dm.close()
     return out
+
+
+def expect_error(case: str) -> str:
+    """Run one unsupported EP setup on every rank; the error ``dedicate_params`` raised, as
+    ``"Type: message"`` (``"no error"`` if none). Cases: ``flat`` (``hierarchy="flat"``),
+    ``stack_2d`` (a dedicated 2-D DTensor on mesh["ep"]), ``other_mesh`` (an expert stack
+    sharded on another mesh than the one passed)."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("shard", "ep"))
+    model = tiny_qwen3_moe_ep(mesh["ep"])
+    kwargs = {}
+    if case == "flat":
+        kwargs["hierarchy"] = "flat"
+    elif case == "stack_2d":
+        router = model.model.layers[0].mlp.router
+        model.model.layers[0].mlp.router = torch.nn.Parameter(distribute_tensor(
+            router.detach(), mesh["ep"], [Shard(0)], src_data_rank=None))
+    elif case == "other_mesh":
+        other = init_device_mesh("cpu", (2, 2), mesh_dim_names=("ep", "shard"))
+        model = tiny_qwen3_moe_ep(other["ep"])
+    else:
+        raise ValueError(f"Invalid case={case!r}.")
+    try:
+        dm = dmuon.dedicate_params(model, mesh, **kwargs)
+    except Exception as exc:  # noqa: BLE001 - the test reads the message
+        return f"{type(exc).__name__}: {exc}"
+    dm.close()
+    return "no error"

@@ -120,3 +120,13 @@ def test_dcp_resumes_at_another_ep_degree_and_dp_size(pool4, oracle4, tmp_path, 
         assert torch.equal(loaded_m[name], t), name
     resumed = [{**r, "held": r["final"]} for r in after]
     assert _distance(resumed, oracle4) <= RTOL
+
+
+@pytest.mark.parametrize("case, text", [
+    ("flat", "Invalid hierarchy='flat' on a mesh with an 'ep' axis"),
+    ("stack_2d", "DMuon's expert stacks must be 3-D"),
+    ("other_mesh", "Under EP every DTensor param must be an expert stack sharded Shard(0) on mesh['ep']"),
+])
+def test_unsupported_ep_setups_raise_on_every_rank(pool4, case, text):
+    for rank, message in enumerate(pool4.run_with_timeout(TIMEOUT_S, T.expect_error, case)):
+        assert message.startswith("ValueError") and text in message, (rank, message)
