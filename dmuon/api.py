@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import warnings
@@ -192,6 +193,8 @@ def dedicate_params(
         backend = link if link != "auto" else collectives.link_backend(
             collectives.default_backend(), {p.device.type for _, p, _ in named})
         coalescing = resolve_coalesce(coalesce, backend)
+        if not layout.joins_blocks:  # one unit per block (dmuon/placement/base.py)
+            coalescing = dataclasses.replace(coalescing, target_bytes=0)
         flat = topology.replicate_size > 1 and layout.allows_flat and resolve_hierarchy(
             hierarchy, coalescing, lambda: bucket_layout(specs, layout.plan, cap_bytes, coalescing.target_bytes,
                                                          coalescing.reduce_by_gather))

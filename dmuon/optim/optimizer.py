@@ -133,7 +133,7 @@ class DMuon(Optimizer):
         self._owned = {id(p) for p in dedicated.owned()}
         self._launchers: dict = {}  # placements' step collectives: one Launcher per device
         # Muon's view of each dedicated param: (rows, cols) of one matrix (stack or conv layout)
-        spec_of = {sp.name: sp for sp in dedicated.plan.specs}
+        spec_of = {sp.name: sp for sp in dedicated.layout.agreed_plan.specs}
         self._matrix_of = {id(p): spec_of[n].matrix_shape
                            for n, p in zip(dedicated.names, dedicated.params)}
         checkpoint.complete_state(self)  # the state DCP's templates need, before the first step

@@ -407,6 +407,7 @@ def plan_ownership(
     *,
     ns_steps: int = DEFAULT_NS_STEPS,
     cost_table: Mapping[tuple[int, int], float] | None = None,
+    initial_load: Sequence[float] | None = None,
 ) -> OwnershipPlan:
     """Assign each param one global owner on a ``(R, N)`` mesh; deterministic everywhere.
 
@@ -441,11 +442,17 @@ def plan_ownership(
 
     Fewer params than owners is fine (some owners idle); an empty ``specs`` gives an empty plan.
 
+    ``initial_load``: an NS load already on each of the W owners (the cost unit above) that
+    step 2 starts from (another kind's params planned first, e.g. expert stacks:
+    ``dmuon/placement/ep.py``); MULTIFIT (step 3) is then skipped, and the guarantee below is
+    LPT's on the combined load only in the usual sense of list scheduling with release loads.
+
     Raises:
         ValueError: a shape of fewer than 2 dims or a non-positive dim, a matrix shape that
             is neither layout of :class:`ParamSpec`, a duplicate name, an unknown dtype
             name, a ``mesh_shape`` that is not two positive ints, a bad ``ns_steps``, or a
-            ``cost_table`` without a positive finite entry for a planned shape.
+            ``cost_table`` without a positive finite entry for a planned shape, or an
+            ``initial_load`` whose length is not R * N.
     """
     replicate_size, shard_size = _validate_mesh_shape(mesh_shape)
     valid = _validate_specs(specs)
@@ -453,9 +460,13 @@ def plan_ownership(
     nbytes = {sp.name: sp.numel * _DTYPE_BYTES[sp.dtype] for sp in valid}
     ordered = sorted(valid, key=lambda sp: (-cost[sp.name], -nbytes[sp.name], sp.name))
     world = replicate_size * shard_size
-    owner, worst = _lpt(ordered, cost, nbytes, world)
+    if initial_load is not None and len(initial_load) != world:
+        raise ValueError(f"Invalid initial_load of length {len(initial_load)}. Must have one "
+                         f"entry per owner: {world} for mesh_shape={mesh_shape}.")
+    owner, worst = _lpt(ordered, cost, nbytes, world, initial_load)
     if (
-        0 < len(ordered) <= MULTIFIT_MAX_MATRICES
+        initial_load is None
+        and 0 < len(ordered) <= MULTIFIT_MAX_MATRICES
         and worst > MULTIFIT_TRIGGER * makespan_lower_bound(list(cost.values()), world)
     ):
         packed = _multifit(ordered, cost, world, worst)
@@ -479,10 +490,13 @@ MULTIFIT_STEPS = 25
 
 
 def _lpt(
-    ordered: Sequence[ParamSpec], cost: Mapping[str, float], nbytes: Mapping[str, int], world: int
+    ordered: Sequence[ParamSpec], cost: Mapping[str, float], nbytes: Mapping[str, int], world: int,
+    initial_load: Sequence[float] | None = None,
 ) -> tuple[dict[str, int], float]:
-    """LPT on a heap of (NS load, bytes, g): (owner map, maximum load)."""
-    heap = [(0, 0, g) for g in range(world)]  # already a valid heap
+    """LPT on a heap of (NS load, bytes, g), from ``initial_load`` (else 0): (owner map,
+    maximum load)."""
+    heap = [(initial_load[g] if initial_load else 0, 0, g) for g in range(world)]
+    heapq.heapify(heap)
     owner: dict[str, int] = {}
     replace = heapq.heapreplace
     for sp in ordered:

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 from dmuon.placement.base import MeshLayout, Placement
 from dmuon.placement.dense import DataParallelMesh, Dense
+from dmuon.placement.ep import EPMesh, EPShard
 from dmuon.placement.tp import TPMesh, TPShard
 
 #: Mesh kinds, asked in this order (the first whose ``matches`` holds); the last is the fallback.
-LAYOUTS: tuple[type[MeshLayout], ...] = (TPMesh, DataParallelMesh)
+LAYOUTS: tuple[type[MeshLayout], ...] = (TPMesh, EPMesh, DataParallelMesh)
 
 
 def layout_class(mesh) -> type[MeshLayout]:
@@ -19,5 +20,5 @@ def layout_class(mesh) -> type[MeshLayout]:
     return next(cls for cls in LAYOUTS if cls.matches(mesh))
 
 
-__all__ = ["LAYOUTS", "DataParallelMesh", "Dense", "MeshLayout", "Placement", "TPMesh", "TPShard",
-           "layout_class"]
+__all__ = ["LAYOUTS", "DataParallelMesh", "Dense", "EPMesh", "EPShard", "MeshLayout", "Placement",
+           "TPMesh", "TPShard", "layout_class"]

@@ -37,10 +37,14 @@ class Placement:
         name: the param's fully qualified name.
         step_order: the order in which :meth:`step` runs per param group, kinds sorted by it
             (the same on every rank: a kind whose step issues collectives must meet its peers).
+        mesh_key: which data-parallel mesh its buckets move on (class attribute).
     """
 
     kind: ClassVar[str] = "base"
     step_order: ClassVar[int] = 0
+    #: The data-parallel mesh its buckets move on: ``"dp"``, the layout's own topology and
+    #: plan; any other key names one of ``MeshLayout.extra_meshes``.
+    mesh_key: ClassVar[str] = "dp"
 
     def __init__(self, name: str) -> None:
         self.name = name
@@ -118,6 +122,10 @@ class MeshLayout:
     #: Whether a dedicated grad is shown as a DTensor on FSDP2's mesh between backward and
     #: ``step()`` (``dmuon/runtime/grad_view.py``), so torch's ``clip_grad_norm_`` is global.
     shows_grad_view: ClassVar[bool] = True
+    #: Whether ``coalesce`` may join consecutive blocks into one unit. A kind whose params move
+    #: on two data-parallel meshes keeps one unit per block, so both meshes' buckets of a block
+    #: share its unit (its forward window, its free, its reduce trigger).
+    joins_blocks: ClassVar[bool] = True
 
     def __init__(self, plan: OwnershipPlan, placements: dict[str, Placement], *,
                  index: int = 0, size: int = 1, agreed_plan: OwnershipPlan | None = None) -> None:
@@ -152,6 +160,12 @@ class MeshLayout:
         """Plan the owners and place every dedicated param (local: the ranks agree on the plan
         afterwards, by the setup digest)."""
         raise NotImplementedError(f"{cls.__name__}.build")
+
+    def extra_meshes(self, groups: DMuonGroups) -> dict[str, tuple]:
+        """The data-parallel meshes other than the layout's own (``"dp"``) that some
+        placements' buckets move on: ``mesh_key`` -> ``(topology, plan, groups, divisor)``
+        (``divisor``: of the reduced grads). None by default."""
+        return {}
 
     def make_groups(self, mesh, topology: Topology) -> DMuonGroups:
         """DMuon's process groups (a collective: every rank, the same order). ``topology``: the

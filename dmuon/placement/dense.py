@@ -34,22 +34,30 @@ class Dense(Placement):
 
     @classmethod
     def step(cls, opt, params: list[torch.Tensor], hparams: dict) -> int:
-        """One Newton–Schulz ``bmm`` chain per batch of matrices of one (matrix shape, dtype,
-        device), an expert stack's slices included (tolerance: see
-        :func:`~dmuon.optim.muon_math.zeropower_via_newtonschulz_batched`); a single matrix
-        takes the per-matrix path (``torch.optim.Muon``'s arithmetic). One span per batch,
-        named after its first param's unit. No collective."""
-        batches: dict[tuple, list[torch.Tensor]] = {}
-        for p in params:
-            batches.setdefault((opt.matrix_shape(p), p.dtype, p.device), []).append(p)
-        count = 0
-        for (matrix, _, _), ps in batches.items():
-            bufs = [opt.momentum_of(p) for p in ps]
-            with annotate.span("dmuon.newton_schulz", module=opt.dedicated.unit_of(ps[0]),
-                               owner=opt.dedicated.owner_of(ps[0])):
-                muon_update_matrices_(ps, [p.grad for p in ps], bufs, matrix_shape=matrix, **hparams)
-            count += sum(p.numel() for p in ps) // (matrix[0] * matrix[1])
-        return count
+        """:func:`batched_step` on the params themselves. No collective."""
+        return batched_step(opt, params, hparams, lambda t: t)
+
+
+def batched_step(opt, params: list[torch.Tensor], hparams: dict, local) -> int:
+    """Muon on ``local(p)`` of each param (with ``local(p.grad)`` and ``local(momentum)``): one
+    Newton–Schulz ``bmm`` chain per batch of matrices of one (matrix shape, dtype, device), an
+    expert stack's slices included (tolerance: see
+    :func:`~dmuon.optim.muon_math.zeropower_via_newtonschulz_batched`); a single matrix takes
+    the per-matrix path (``torch.optim.Muon``'s arithmetic). One span per batch, named after its
+    first param's unit. Returns the number of matrices orthogonalized."""
+    batches: dict[tuple, list[torch.Tensor]] = {}
+    for p in params:
+        batches.setdefault((opt.matrix_shape(p), p.dtype, local(p).device), []).append(p)
+    count = 0
+    for (matrix, _, _), ps in batches.items():
+        bufs = [local(opt.momentum_of(p)) for p in ps]
+        data = [local(p) for p in ps]
+        with annotate.span("dmuon.newton_schulz", module=opt.dedicated.unit_of(ps[0]),
+                           owner=opt.dedicated.owner_of(ps[0])):
+            muon_update_matrices_(data, [local(p.grad) for p in ps], bufs, matrix_shape=matrix,
+                                  **hparams)
+        count += sum(t.numel() for t in data) // (matrix[0] * matrix[1])
+    return count
 
 
 class DataParallelMesh(MeshLayout):

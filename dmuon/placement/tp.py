@@ -110,6 +110,12 @@ def topology(mesh: DeviceMesh) -> Topology:
         ValueError, RuntimeError: as :func:`check_mesh`.
     """
     check_mesh(mesh)
+    return column_topology(mesh)
+
+
+def column_topology(mesh: DeviceMesh) -> Topology:
+    """This rank's column of a mesh ``(shard, X)`` or ``(replicate, shard, X)`` (X = ``"tp"`` or
+    ``"ep"``, last): the ranks with its index on X, as an ``(R, N)`` data-parallel topology."""
     shard = mesh["shard"].get_group()
     shard_ranks = tuple(dist.get_process_group_ranks(shard))
     s = dist.get_group_rank(shard, dist.get_rank())
@@ -217,6 +223,13 @@ def make_groups(mesh: DeviceMesh):
     Returns:
         A :class:`~dmuon.runtime.collectives.DMuonGroups` with ``tp`` set.
     """
+    return column_groups(mesh, last_axis_group=True)
+
+
+def column_groups(mesh: DeviceMesh, *, last_axis_group: bool, world=None):
+    """The column groups of a mesh ``(shard, X)`` / ``(replicate, shard, X)`` (see
+    :func:`make_groups`): ``tp`` set to the last axis' group when ``last_axis_group``;
+    ``world`` created unless given (a collective: every rank, the same order)."""
     from dmuon.runtime.collectives import DMuonGroups, new_group
 
     me = dist.get_rank()
@@ -237,12 +250,14 @@ def make_groups(mesh: DeviceMesh):
         for t in range(T):
             for s in range(N):
                 create("replicate", [grid[r][s][t] for r in range(R)])
-    create("world", sorted(x for plane in grid for row in plane for x in row))
-    for r in range(R):
-        for s in range(N):
-            create("tp", list(grid[r][s]))
-    return DMuonGroups(mine["broadcast"], mine["reduce"], mine.get("replicate"), mine["world"],
-                       tp=mine["tp"])
+    if world is None:
+        create("world", sorted(x for plane in grid for row in plane for x in row))
+    if last_axis_group:
+        for r in range(R):
+            for s in range(N):
+                create("tp", list(grid[r][s]))
+    return DMuonGroups(mine["broadcast"], mine["reduce"], mine.get("replicate"),
+                       world if world is not None else mine["world"], tp=mine.get("tp"))
 
 
 def placed_like(p: torch.Tensor, g: torch.Tensor) -> torch.Tensor:

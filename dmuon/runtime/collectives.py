@@ -222,6 +222,8 @@ class DMuonGroups:
     replicate: dist.ProcessGroup | None
     world: dist.ProcessGroup
     tp: dist.ProcessGroup | None = None  # TP meshes only: this rank's TP group (``tp.py``)
+    #: EP meshes only: the groups of this rank's expert column (``dmuon/placement/ep.py``)
+    column: DMuonGroups | None = None
 
 
 def new_group(ranks: list[int]) -> dist.ProcessGroup:
@@ -274,10 +276,12 @@ def synchronize(device: torch.device) -> None:
 def destroy_groups(groups: DMuonGroups) -> None:
     """Destroy DMuon's groups of this rank (``dist.destroy_process_group``, which shuts each
     backend down: gloo's threads and sockets, NCCL's communicator). Every rank, the same
-    order (broadcast, reduce, replicate, world, tp): NCCL's abort was a collective in some
+    order (broadcast, reduce, replicate, world, tp, then an EP column's): NCCL's abort was a collective in some
     versions, which is why torch shuts groups down in a fixed order too."""
     seen: list[dist.ProcessGroup] = []
-    for g in (groups.broadcast, groups.reduce, groups.replicate, groups.world, groups.tp):
+    column = groups.column
+    for g in (groups.broadcast, groups.reduce, groups.replicate, groups.world, groups.tp,
+              *((column.broadcast, column.reduce, column.replicate) if column else ())):
         if g is not None and all(g is not s for s in seen):
             seen.append(g)
             dist.destroy_process_group(g)

@@ -44,6 +44,9 @@ class Bucket:
         names, params, param_modules, placements: the params (model order), with the module
             each is registered in and its :class:`~dmuon.placement.base.Placement` (which
             tensor of it the bucket holds and how a tensor is shown as it).
+        groups, divisor: the process groups its collectives run on (its placements'
+            data-parallel mesh: ``broadcast``, ``reduce``, ``replicate``) and the divisor of its
+            reduced grads (W of the data the grads came from).
         is_holder, is_owner: this rank's roles.
         frees: Z3 (``reshard_after_forward``): non-holders free the compute copy between uses.
         on_grad: ``on_grad(bucket, i)`` -> the post-accumulate-grad hook of param ``i``'s
@@ -52,13 +55,15 @@ class Bucket:
 
     def __init__(self, *, index: int, module_name: str, module: nn.Module, blocks: tuple[str, ...],
                  aligned: bool, owner: int, shard_owner: int, replicate_owner: int, names: list[str],
-                 params: list[nn.Parameter], param_modules: list[nn.Module], placements: list, is_holder: bool,
+                 params: list[nn.Parameter], param_modules: list[nn.Module], placements: list,
+                 groups, divisor: int, is_holder: bool,
                  is_owner: bool, frees: bool, on_grad: Callable[[Bucket, int], Callable]) -> None:
         self.index, self.module_name, self.module = index, module_name, module
         self.blocks, self.aligned = tuple(blocks) or (module_name,), aligned
         self.owner, self.shard_owner, self.replicate_owner = owner, shard_owner, replicate_owner
         self.names, self.params, self.param_modules = names, params, param_modules
         self.placements = placements
+        self.groups, self.divisor = groups, divisor
         self.is_holder, self.is_owner, self._frees = is_holder, is_owner, frees
         self._on_grad = on_grad
         self.flat = residency.flatten_into_views(self._locals())  # (numel,), the master dtype

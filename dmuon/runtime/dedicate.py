@@ -398,6 +398,7 @@ class DedicatedParams:
         for p in replicated.params() if replicated is not None else ():
             collectives.check_param_device(p.device, self._groups.world, "the rest's params")
         self._runtime: Runtime | None = Runtime(model, named, moved, moved_plan, self._groups, self.placements,
+                                extra_meshes=layout.extra_meshes(self._groups),
                                 reshard_after_forward=reshard_after_forward, mp_policy=mp_policy,
                                 bucket_cap_bytes=bucket_cap_bytes, prefetch_depth=prefetch_depth,
                                 coalescing=coalescing, rest=replicated)

@@ -13,6 +13,7 @@ moves: ``.to()`` / ``to_empty()`` reach :meth:`Runtime.before_apply` / :meth:`Ru
 from __future__ import annotations
 
 import inspect
+from itertools import groupby
 import warnings
 
 import weakref
@@ -55,7 +56,7 @@ class Runtime:
 
     def __init__(self, model: nn.Module, named: list[tuple[str, nn.Parameter, str]],
                  topology: Topology, plan: OwnershipPlan, groups: collectives.DMuonGroups,
-                 placements: dict, *,
+                 placements: dict, *, extra_meshes: dict | None = None,
                  reshard_after_forward: bool, mp_policy, bucket_cap_bytes: int,
                  prefetch_depth: int, coalescing: Coalescing = Coalescing(0),
                  rest: ReplicatedRest | None = None) -> None:
@@ -77,10 +78,11 @@ class Runtime:
         # callback: DDP's and FSDP2's too); the optimizer's grad guard (dmuon/optim/grad_guard.py)
         self.grads_final: list = []
         self._modules = dict(model.named_modules())
-        buckets = self._build_buckets(named, plan, placements, bucket_cap_bytes, coalescing)
+        meshes = {"dp": (topology, plan, groups, topology.world_size), **(extra_meshes or {})}
+        buckets = self._build_buckets(named, meshes, placements, bucket_cap_bytes, coalescing)
         self.schedule = Schedule(buckets, groups, prefetch_depth=prefetch_depth,
                                  reshard_after_forward=reshard_after_forward,
-                                 reduce_dtype=reduce_dtype, world_size=topology.world_size,
+                                 reduce_dtype=reduce_dtype,
                                  reduce_by_gather=coalescing.reduce_by_gather)
         self.model_blocks = self.unit_order()  # model order (protocol step 7)
         self._ran: set[str] = set()  # blocks whose forward finished in this forward (Z3)
@@ -117,25 +119,42 @@ class Runtime:
         return tuple(dict.fromkeys(block for b in self.buckets for block in b.blocks))
 
     # ------------------------------------------------------------------ construction
-    def _build_buckets(self, named, plan: OwnershipPlan, placements: dict, cap_bytes: int,
+    def _build_buckets(self, named, meshes: dict, placements: dict, cap_bytes: int,
                        coalescing: Coalescing) -> list[Bucket]:
-        topology, modules = self.topology, self._modules
-        by_name = {n: p for n, p, _ in named}
-        # buckets hold the local tensors (a TP shard), so the cap counts their bytes
-        specs = specs_from_named_parameters((n, placements[n].local(p)) for n, p, _ in named)
+        """The buckets of every data-parallel mesh the params move on (``meshes``: a
+        placement's ``mesh_key`` -> (topology, plan, groups, divisor); ``"dp"`` for the dense
+        and TP kinds), each laid out by ``bucket_layout``, merged unit by unit in model order
+        (a unit of two meshes: the mesh of its first param first)."""
+        modules, by_name = self._modules, {n: p for n, p, _ in named}
+        position = {n: i for i, (n, _, _) in enumerate(named)}
+        runs = []
+        by_key: dict[str, list] = {}
+        for n, p, _ in named:
+            by_key.setdefault(placements[n].mesh_key, []).append((n, p))
+        for key, sub in by_key.items():
+            topology, plan, groups, divisor = meshes[key]
+            # buckets hold the local tensors (a TP shard), so the cap counts their bytes
+            specs = specs_from_named_parameters((n, placements[n].local(p)) for n, p in sub)
+            layout = bucket_layout(specs, plan, cap_bytes, coalescing.target_bytes,
+                                   coalescing.reduce_by_gather)
+            for _, unit in groupby(layout, lambda spec: spec.module):
+                unit = list(unit)
+                runs.append((min(position[n] for spec in unit for n in spec.names), unit,
+                             (topology, groups, divisor)))
         buckets = []
-        for i, spec in enumerate(bucket_layout(specs, plan, cap_bytes, coalescing.target_bytes,
-                                               coalescing.reduce_by_gather)):
-            r, s = topology.coords(spec.owner)
-            buckets.append(Bucket(
-                index=i, module_name=spec.module, module=modules[spec.module], owner=spec.owner,
-                blocks=spec.blocks, aligned=spec.aligned,
-                shard_owner=s, replicate_owner=r, names=list(spec.names),
-                params=[by_name[n] for n in spec.names],
-                param_modules=[modules[n.rpartition(".")[0]] for n in spec.names],
-                placements=[placements[n] for n in spec.names],
-                is_holder=s == topology.shard_index, is_owner=spec.owner == topology.global_index,
-                frees=self.reshard_after_forward, on_grad=self._grad_hook))
+        for _, unit, (topology, groups, divisor) in sorted(runs, key=lambda run: run[0]):
+            for spec in unit:
+                r, s = topology.coords(spec.owner)
+                buckets.append(Bucket(
+                    index=len(buckets), module_name=spec.module, module=modules[spec.module],
+                    owner=spec.owner, blocks=spec.blocks, aligned=spec.aligned,
+                    shard_owner=s, replicate_owner=r, names=list(spec.names),
+                    params=[by_name[n] for n in spec.names],
+                    param_modules=[modules[n.rpartition(".")[0]] for n in spec.names],
+                    placements=[placements[n] for n in spec.names], groups=groups,
+                    divisor=divisor, is_holder=s == topology.shard_index,
+                    is_owner=spec.owner == topology.global_index,
+                    frees=self.reshard_after_forward, on_grad=self._grad_hook))
         return buckets
 
     def _index(self) -> None:

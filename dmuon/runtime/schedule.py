@@ -60,18 +60,19 @@ class Schedule:
 
     Args:
         buckets: every bucket, in index order (``b.index == position``).
-        groups: DMuon's process groups (``broadcast``, ``reduce``, ``replicate``).
+        groups: DMuon's primary process groups (``world``: the order agreement); each bucket
+            moves on its own ``Bucket.groups`` (``broadcast``, ``reduce``, ``replicate``) and
+            divides its reduced grads by its ``Bucket.divisor``.
         prefetch_depth: buckets issued ahead of the one needed (``dedicate_params``).
         reshard_after_forward: Z3 (non-holders free after forward and re-receive in backward).
         reduce_dtype: dtype of the reduces (``None``: the grads' own).
-        world_size: W, the divisor of the reduced grads.
         reduce_by_gather: reduces as gathers, reduce_scatters as all_to_alls, each summed by
             the receiver (``collectives.Launcher``; ``buckets.LinkCost``: gloo).
     """
 
     def __init__(self, buckets: list[Bucket], groups: collectives.DMuonGroups, *,
                  prefetch_depth: int, reshard_after_forward: bool,
-                 reduce_dtype: torch.dtype | None, world_size: int,
+                 reduce_dtype: torch.dtype | None,
                  reduce_by_gather: bool = False) -> None:
         assert all(b.index == i for i, b in enumerate(buckets))
         self.buckets = buckets
@@ -79,7 +80,6 @@ class Schedule:
         self.prefetch_depth = prefetch_depth
         self.reshard_after_forward = reshard_after_forward
         self.reduce_dtype = reduce_dtype
-        self.world_size = world_size
         self.reduce_by_gather = reduce_by_gather
         self.cursors = Cursors(len(buckets))
         self.reduces = True  # this backward reduces (not under no_sync: the runtime sets it)
@@ -95,8 +95,8 @@ class Schedule:
         for i, b in enumerate(self.buckets[1:], 1):
             self.unit_at[i] = self.unit_at[i - 1] + (b.module_name != self.buckets[i - 1].module_name)
         self.held_of: dict[int, list[Bucket]] = {}  # id(group) -> the members this rank holds
-        key = lambda b: (b.aligned, b.module_name, b.flat.dtype)  # noqa: E731
-        for (aligned, _, _), run in groupby(self.buckets, key):
+        key = lambda b: (b.aligned, b.module_name, b.flat.dtype, id(b.groups))  # noqa: E731
+        for (aligned, _, _, _), run in groupby(self.buckets, key):
             if aligned:
                 run = list(run)
                 self.groups_of.update((id(m), run) for m in run)
@@ -238,9 +238,9 @@ class Schedule:
                                                        owner=None if b.aligned else b.owner):
             if b.aligned:
                 work = self._reduce_scatter(members, bufs, lambda m: m.is_holder,
-                                            self.groups.reduce, "reduce", _shard_rank)
+                                            b.groups.reduce, "reduce", _shard_rank)
             else:
-                work = self.launcher(bufs[0]).reduce(bufs[0], b.shard_owner, self.groups.reduce)
+                work = self.launcher(bufs[0]).reduce(bufs[0], b.shard_owner, b.groups.reduce)
         for m, buf in zip(members, bufs):
             m.reduce_issued(work, buf)
         c.reduced += len(members)
@@ -290,11 +290,11 @@ class Schedule:
         """Wait for every shard reduce, run the HSDP replicate reduces (issued as each shard
         reduce is waited, all waited before any result is read), then hand the sums to the
         buckets (owners set the averaged grads)."""
-        rep = self.groups.replicate
         replicate_works = []
         for b in self.buckets[::-1]:
             buf = b.wait_reduce()
             held = self._held(b)
+            rep = b.groups.replicate
             if rep is None or not b.is_holder or b is not held[-1]:
                 continue  # an aligned group: once, at its last held bucket in this order
             with annotate.phase("backward"), annotate.span(
@@ -317,7 +317,7 @@ class Schedule:
         k = 0
         for b in self.buckets:
             n = len(b.params) if b.is_owner else 0
-            b.reduced(used[k : k + n], self.world_size)
+            b.reduced(used[k : k + n], b.divisor)
             k += n
 
     def _held(self, b: Bucket) -> list[Bucket]:
@@ -340,21 +340,19 @@ class Schedule:
     def replicate(self) -> None:
         """Step 6 (HSDP): each holder receives its buckets from their owners over the
         replicate axis, asynchronously, in index order (waited at the next issue)."""
-        if self.groups.replicate is None:
-            return
         with annotate.phase("replicate"):
             for b in self.buckets:
                 held = self._held(b)
-                if not b.is_holder or b is not held[0]:
+                if b.groups.replicate is None or not b.is_holder or b is not held[0]:
                     continue  # an aligned group: once, at its first held bucket
                 with annotate.span("dmuon.replicate_broadcast", module=b.module_name,
                                    owner=None if b.aligned else b.owner):
                     if not b.aligned:
                         work = self.launcher(b.flat).broadcast(
-                            b.flat, b.replicate_owner, self.groups.replicate, channel="replicate")
+                            b.flat, b.replicate_owner, b.groups.replicate, channel="replicate")
                     else:  # the owner's bucket to the other holders of its shard index
                         work = self._all_gather(held, [m.flat for m in held], lambda m: m.is_owner,
-                                                self.groups.replicate, "replicate", _replicate_rank)
+                                                b.groups.replicate, "replicate", _replicate_rank)
                 for m in held:
                     m.replicate_issued(work)
 
@@ -367,7 +365,7 @@ class Schedule:
             if (b.master if b.mixed else b.copy) is not Copy.VALID:
                 buf = b.receive_buffer(master=True)
                 with annotate.phase("checkpoint"), annotate.span("dmuon.sync", module=b.module_name, owner=b.owner):
-                    collectives.broadcast_(buf, b.shard_owner, self.groups.broadcast)
+                    collectives.broadcast_(buf, b.shard_owner, b.groups.broadcast)
                 b.master_synced()
             elif b.copy is not Copy.VALID:
                 b.compute_from_master()
@@ -392,9 +390,9 @@ class Schedule:
                                                   owner=None if b.aligned else b.owner):
             if b.aligned:
                 work = self._all_gather(members, bufs, lambda m: m.is_holder,
-                                        self.groups.broadcast, "broadcast", _shard_rank)
+                                        b.groups.broadcast, "broadcast", _shard_rank)
             else:
-                work = self.launcher(bufs[0]).broadcast(bufs[0], b.shard_owner, self.groups.broadcast)
+                work = self.launcher(bufs[0]).broadcast(bufs[0], b.shard_owner, b.groups.broadcast)
         for m in members:
             m.broadcast_issued(work)
 

@@ -1,0 +1,180 @@
+"""DMuon on an expert-parallel mesh (``dmuon/placement/ep.py``): rank tasks and the oracle.
+
+The model is ``examples.ep_moe.tiny_qwen3_moe_ep``: a tiny Qwen3-MoE whose sparse blocks are
+the reference EP layer, its expert stacks ``Shard(0)`` over ``mesh["ep"]``. The oracle is the
+same model unsharded in one process: ``torch.optim.Muon`` on every matrix (each expert its own
+matrix: ``MatrixMuon``) and AdamW on the rest, on the mean of the W ranks' losses (each rank's
+batch: ``hf_tasks.batch``). DMuon runs with ``rest="replicate"`` (the rest is data parallel
+over all W ranks).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+import dmuon
+from examples.ep_moe import tiny_qwen3_moe_ep
+from tests.distributed.parity.dmuon_tasks import ADAMW_LR, MUON_LR
+from tests.distributed.parity.hf_tasks import RANK_THREADS, _roll_experts, _threads, batch, muon_matrices
+from verify.run.baselines import MatrixMuon
+
+#: Mesh layouts: name -> (shape, dim names); W = prod(shape), EP last.
+MESHES = {"shard2xep2": ((2, 2), ("shard", "ep")), "ep4": ((1, 4), ("shard", "ep")),
+          "ep2": ((1, 2), ("shard", "ep")), "hsdp2x1xep2": ((2, 1, 2), ("replicate", "shard", "ep"))}
+STEPS = 3
+
+
+def _loss(model, ids):
+    return model(input_ids=ids, labels=ids).loss
+
+
+def oracle(world: int, steps: int = STEPS) -> dict:
+    """The single-process run (module docstring): initial and final params, full shapes."""
+    with _threads(RANK_THREADS):
+        model = tiny_qwen3_moe_ep(None)
+        init = {n: p.detach().clone() for n, p in model.named_parameters()}
+        named = dict(model.named_parameters())
+        matrices = muon_matrices(model)
+        muon = MatrixMuon([named[n] for n in matrices], list(matrices.values()), lr=MUON_LR)
+        adamw = torch.optim.AdamW([p for n, p in named.items() if n not in matrices], lr=ADAMW_LR)
+        norms = []
+        for step in range(steps):
+            (sum(_loss(model, batch(step, r)) for r in range(world)) / world).backward()
+            norms.append(torch.linalg.vector_norm(torch.stack(
+                [torch.linalg.vector_norm(p.grad) for p in named.values()])).item())
+            for opt in (muon, adamw):
+                opt.step()
+                opt.zero_grad()
+        return {"init": init, "final": {n: p.detach().clone() for n, p in model.named_parameters()},
+                "muon": sorted(matrices), "grad_norms": norms}
+
+
+def train(mesh_name: str, z3: bool, steps: int = STEPS, plant: str | None = None) -> dict:
+    """DMuon on the EP mesh ``mesh_name`` for ``steps`` steps; after ``sync_params`` every
+    param this rank holds (an expert stack as its local experts), its EP index, the NS count
+    which names DMuon dedicated, and the global grad norm of each step (``opt.clip_grad_norm_``).
+    ``plant``: a control; ``"column-divisor"``, the expert grads averaged over their column
+    (R·N ranks) instead of W (Muon's update is blind to a grad's scale, the norm is not);
+    ``"roll-experts"``, each expert handed its neighbour's orthogonalized update
+    (``hf_tasks._roll_experts``)."""
+    if plant == "roll-experts":
+        from dmuon.optim import muon_math
+
+        original_ns = muon_math.zeropower_via_newtonschulz_batched
+        muon_math.zeropower_via_newtonschulz_batched = _roll_experts(original_ns)
+        try:
+            return train(mesh_name, z3, steps)
+        finally:
+            muon_math.zeropower_via_newtonschulz_batched = original_ns
+    if plant is not None:
+        if plant != "column-divisor":
+            raise ValueError(f"Invalid plant={plant!r}. Must be None, 'column-divisor' or "
+                             "'roll-experts'.")
+        from unittest import mock
+
+        from dmuon.placement.ep import COLUMN, EPMesh
+
+        original = EPMesh.extra_meshes
+
+        def column_divisor(layout, groups):
+            topo, plan, grps, _ = original(layout, groups)[COLUMN]
+            return {COLUMN: (topo, plan, grps, topo.world_size)}
+
+        with mock.patch.object(EPMesh, "extra_meshes", column_divisor):
+            return train(mesh_name, z3, steps)
+    shape, names = MESHES[mesh_name]
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    rank = dist.get_rank()
+    model = tiny_qwen3_moe_ep(mesh["ep"])
+    dm = dmuon.dedicate_params(model, mesh, reshard_after_forward=z3, rest="replicate")
+    opt = dmuon.DMuon(model.parameters(), dedicated=dm, lr=MUON_LR, adamw_lr=ADAMW_LR)
+    norms = []
+    for step in range(steps):
+        _loss(model, batch(step, rank)).backward()
+        norms.append(opt.clip_grad_norm_(1e9).item())  # the global norm; never clips here
+        opt.step()
+        opt.zero_grad()
+    dm.sync_params()
+    held = {n: (p.to_local() if hasattr(p, "to_local") else p).detach().clone()
+            for n, p in model.named_parameters()}
+    out = {"held": held, "ep_rank": mesh.get_local_rank("ep"), "ep": mesh["ep"].size(),
+           "ns_calls": opt.ns_calls, "dedicated": sorted(dm.names), "grad_norms": norms}
+    dm.close()
+    return out
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return (t.to_local() if hasattr(t, "to_local") else t).detach().clone()
+
+
+def checkpoint_run(mesh_name: str, path: str, steps: range, load: bool) -> dict:
+    """On the EP mesh ``mesh_name`` (Z3): a fresh model and DMuon, loaded from the DCP checkpoint
+    at ``path`` when ``load`` (``get_state_dict`` / ``dcp.load`` / ``set_state_dict``), then the
+    steps ``steps`` (batches of those step numbers), then saved to ``path`` unless ``load``.
+    Returns, for what this rank holds: the params right after the load (``loaded``), the
+    momentum of each param it owns (``momentum``, local experts for a stack) and its EP index."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    shape, names = MESHES[mesh_name]
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    rank = dist.get_rank()
+    model = tiny_qwen3_moe_ep(mesh["ep"], seed=1 if load else 0)  # a load must overwrite all
+    dm = dmuon.dedicate_params(model, mesh, reshard_after_forward=True, rest="replicate")
+    opt = dmuon.DMuon(model.parameters(), dedicated=dm, lr=MUON_LR, adamw_lr=ADAMW_LR)
+    out = {"ep_rank": mesh.get_local_rank("ep"), "ep": mesh["ep"].size()}
+    if load:
+        model_sd, optim_sd = get_state_dict(model, opt)
+        dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+        set_state_dict(model, opt, model_state_dict=model_sd, optim_state_dict=optim_sd)
+        dm.sync_params()
+        out["loaded"] = {n: _local(p) for n, p in model.named_parameters()}
+        out["momentum"] = {n: _local(opt.state[p]["momentum_buffer"])
+                           for n, p in zip(dm.names, dm.params) if id(p) in {id(q) for q in dm.owned()}}
+    for step in steps:
+        _loss(model, batch(step, rank)).backward()
+        opt.step()
+        opt.zero_grad()
+    if not load:
+        model_sd, optim_sd = get_state_dict(model, opt)
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+        dm.sync_params()
+        out["saved"] = {n: _local(p) for n, p in model.named_parameters()}
+        out["momentum"] = {n: _local(opt.state[p]["momentum_buffer"])
+                           for n, p in zip(dm.names, dm.params) if id(p) in {id(q) for q in dm.owned()}}
+    else:
+        dm.sync_params()
+        out["final"] = {n: _local(p) for n, p in model.named_parameters()}
+    dm.close()
+    return out
+
+
+def expect_error(case: str) -> str:
+    """Run one unsupported EP setup on every rank; the error ``dedicate_params`` raised, as
+    ``"Type: message"`` (``"no error"`` if none). Cases: ``flat`` (``hierarchy="flat"``),
+    ``stack_2d`` (a dedicated 2-D DTensor on mesh["ep"]), ``other_mesh`` (an expert stack
+    sharded on another mesh than the one passed)."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("shard", "ep"))
+    model = tiny_qwen3_moe_ep(mesh["ep"])
+    kwargs = {}
+    if case == "flat":
+        kwargs["hierarchy"] = "flat"
+    elif case == "stack_2d":
+        router = model.model.layers[0].mlp.router
+        model.model.layers[0].mlp.router = torch.nn.Parameter(distribute_tensor(
+            router.detach(), mesh["ep"], [Shard(0)], src_data_rank=None))
+    elif case == "other_mesh":
+        other = init_device_mesh("cpu", (2, 2), mesh_dim_names=("ep", "shard"))
+        model = tiny_qwen3_moe_ep(other["ep"])
+    else:
+        raise ValueError(f"Invalid case={case!r}.")
+    try:
+        dm = dmuon.dedicate_params(model, mesh, **kwargs)
+    except Exception as exc:  # noqa: BLE001 - the test reads the message
+        return f"{type(exc).__name__}: {exc}"
+    dm.close()
+    return "no error"
