@@ -283,6 +283,44 @@ a DTensor is replicated over TP.
   2-D or whose placement is not ``Shard(0)`` / ``Shard(1)`` (e.g. ``Replicate()``), or whose
   sharded dim T does not divide; a mesh whose names are not the two above.
 
+Expert parallelism (``dmuon/placement/ep.py``). The mesh is ``("shard", "ep")`` (N × E) or
+``("replicate", "shard", "ep")`` (R × N × E), W = R·N·E; rank ``(r, s, e)`` = world rank
+``(r·N + s)·E + e``. The model's expert stacks were sharded on ``mesh["ep"]`` first
+(``examples/ep_moe.py``: ``shard_experts``): a dedicated **expert stack** is a 3-D DTensor
+``Shard(0)`` of global shape ``(X, rows, cols)``, X a multiple of E, and rank ``(r, s, e)`` holds
+the local stack ``(X/E, rows, cols)``, experts ``[e·X/E, (e+1)·X/E)``. Every other dedicated param is
+a plain tensor, data parallel over all W ranks (each rank has its own batch; the model moves
+tokens to their experts by all_to_all over the EP group ``(r, s, *)``, which DMuon neither issues
+nor sees).
+
+- **Two data-parallel meshes, steps 1-6 unchanged on each.** The dense params move as on an
+  ``(R, N·E)`` mesh: shard axis the N·E ranks ``(r, *, *)``, replicate axis ``(*, s, e)``. The
+  expert stacks move per **column** e (the R·N ranks ``(*, *, e)``, ``mesh["shard"]`` /
+  ``mesh["replicate"]``), as on an ``(R, N)`` mesh of their local stacks; owner ``g = r·N + s``
+  is the same in every column. Each bucket holds params of one kind and runs on its kind's groups
+  (channels ``broadcast`` / ``reduce`` / ``replicate`` of its mesh); ``world`` is shared. Both kinds
+  divide the summed grads (step 5) by **W**: an expert's local grad already sums its EP group's
+  tokens (the all_to_all's backward), the column sum adds the other EP groups'.
+- **Units**: one per block (``coalesce`` does not join blocks on an EP mesh), so a block's dense
+  and expert buckets share its unit (its forward window, Z3 free and reduce trigger). Bucket
+  order: each kind's ``bucket_layout``, merged unit by unit in model order (a block's two kinds
+  ordered by their first param). No aligned groups (one call per bucket).
+- **Plan.** The expert stacks are planned first over ``(R, N)`` (the cost of a column's local
+  stack, X/E matrices); their load lands on every rank ``(r, s, *)``; the dense params are then
+  planned over the ``(R, N·E)`` slots starting from that load (``plan_ownership(initial_load=)``).
+  The ranks agree on both (one digest; an expert's owner recorded as column 0's rank).
+- **Step 6 for an expert stack**: the column owner runs ``torch.optim.Muon``'s momentum and
+  Newton–Schulz on each of its X/E local experts (one batch; no collective); its momentum is a
+  DTensor like the param, so DCP saves each column's experts at their offsets and loads them at
+  another EP degree or data-parallel size. Newton–Schulz: once per expert per step across the
+  mesh.
+- **Norm** (``opt.clip_grad_norm_``): each owner adds its owned grads (an expert stack's local
+  experts); torch's ``clip_grad_norm_`` is not supported here (the grads are not shown on FSDP2's
+  mesh), and ``rest="replicate"`` is the tested way to handle the rest.
+- **Unsupported** (``ValueError`` on every rank before any collective): ``hierarchy="flat"``, a
+  DTensor param not ``Shard(0)`` on ``mesh["ep"]``, a dedicated DTensor that is not 3-D or whose
+  expert count E does not divide, a mesh whose names are not the two above.
+
 Limit (blocking backends such as gloo): a module that runs on some ranks only is flushed by
 the next driver every rank runs (e.g. the MoE block around its experts) or by the root's
 end. If another library's blocking collective (an FSDP2 all_gather of a later block) comes
