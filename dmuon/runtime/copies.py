@@ -422,15 +422,17 @@ class Bucket:
     def show_grads(self, mesh, specs: dict) -> None:
         """Each param's ``.grad`` as a DTensor on ``mesh`` (``grad_view.py``), on every rank;
         a ``.grad`` that already is a DTensor stays."""
-        for p in self.params:
-            if p.requires_grad and not isinstance(p.grad, grad_view.DTensor):
-                p.grad = grad_view.shown(p, p.grad if self.is_owner else None, mesh, specs)
+        with torch._C.DisableTorchFunctionSubclass():  # freed Z3 params: plain attribute reads
+            for p in self.params:
+                if p.requires_grad and not isinstance(p.grad, grad_view.DTensor):
+                    p.grad = grad_view.shown(p, p.grad if self.is_owner else None, mesh, specs)
 
     def take_back_grads(self) -> None:
         """The plain grads back from :meth:`show_grads` (``grad_view.plain``)."""
-        for p in self.params:
-            if isinstance(p.grad, grad_view.DTensor):
-                p.grad = grad_view.plain(p.grad, self.is_owner)
+        with torch._C.DisableTorchFunctionSubclass():
+            for p in self.params:
+                if isinstance(p.grad, grad_view.DTensor):
+                    p.grad = grad_view.plain(p.grad, self.is_owner)
 
     def pass_ended(self) -> None:
         """A backward (or the iteration) ended: registered params in, arrivals forgotten."""
