@@ -169,7 +169,7 @@ class Runtime:
         count: dict[nn.Module, int] = {}
         for b in self.buckets:
             block_modules = [self._modules[block] for block in b.blocks]
-            for m in block_modules:  # a unit's buckets are every one of its blocks' own
+            for m in block_modules:  # a unit's buckets are every one of its blocks' own (index order)
                 self._own.setdefault(m, []).append(b)
             for m in dict.fromkeys([*b.param_modules, *block_modules]):
                 self._followed.setdefault(m, []).append(b)
@@ -364,7 +364,7 @@ class Runtime:
         self.begin_forward()
         if module in self._own:  # buckets of the root module itself
             self.order.note(self._own[module][0].module_name)
-            self.schedule.advance_forward(max(b.index for b in self._own[module]))
+            self.schedule.advance_forward(self._own[module][-1].index)
         else:  # nothing needed yet: the first buckets fly during the root's own prologue
             self.schedule.issue_forward(self.schedule.prefetch_depth - 1)
 
@@ -377,7 +377,7 @@ class Runtime:
     def _root_pre_backward(self) -> None:
         self.begin_backward()
         if self.reshard_after_forward and self.root in self._own:
-            self.schedule.advance_rebroadcast(min(b.index for b in self._own[self.root]))
+            self.schedule.advance_rebroadcast(self._own[self.root][0].index)
 
     def _pre_forward(self, module: nn.Module, args) -> None:
         lo, hi = self._span[module]
@@ -393,7 +393,7 @@ class Runtime:
         if own:
             self._check_reentrant_reuse(module)
             self.order.note(own[0].module_name)
-            self.schedule.advance_forward(max(b.index for b in own))
+            self.schedule.advance_forward(own[-1].index)
         else:
             self.schedule.issue_forward(lo + self.schedule.prefetch_depth - 1)
         for b in own:
@@ -443,7 +443,7 @@ class Runtime:
         asks for the next ``prefetch_depth`` re-broadcasts and lets its blocks wait."""
         own = self._own.get(module)
         if own:
-            self.schedule.advance_rebroadcast(min(b.index for b in own))
+            self.schedule.advance_rebroadcast(own[0].index)
         else:
             self.schedule.prefetch_rebroadcast(self._span[module][1] - self.schedule.prefetch_depth + 1)
 
