@@ -259,7 +259,10 @@ def ep_report(ml, mesh: tuple[int, int], e: int, *, coalesce_bytes: int, config=
         ml: the model (:class:`verify.plan.cli.ModelLayout`).
         mesh: (R, N); the job's mesh is (R, N, E).
         e: E >= 1.
-        coalesce_bytes: DMuon's unit target in bytes (the table's, ``coalesce="auto"``).
+        coalesce_bytes: DMuon's unit target in bytes (the table's, ``coalesce="auto"``); on an
+            EP mesh DMuon joins no blocks (``dmuon/runtime/dedicate.py``, "Expert parallelism":
+            one unit per block, its dense and expert buckets side by side), so the EP section
+            prices both parts at target 0 whatever is given.
         config: the model's ``config`` (``moe.top_k``, ``d_model``) for the activations row.
         dtype_bytes: bytes per element of the activations (the plan's dtype).
         tflops: NS rate (TFLOP/s) for ``ns_critical_path_s``.
@@ -289,7 +292,7 @@ def ep_report(ml, mesh: tuple[int, int], e: int, *, coalesce_bytes: int, config=
         "ns_critical_path_s": max(load) / (tflops * 1e12) if tflops else None,
         "ns_bound_ratio": max(load) / bound if bound else 0.0,
         "ns_idle_ranks": sum(1 for x in load if x == 0),
-        "modes": [_mode_row(mode, ml, plan, dense, local, coalesce_bytes) for mode in tp_modes(r)],
+        "modes": [_mode_row(mode, ml, plan, dense, local, 0) for mode in tp_modes(r)],
         "activations": _activations(config, stacks, e, dtype_bytes),
         "units": EP_UNITS,
     }
