@@ -171,20 +171,21 @@ def compare_run(
     if steps < 1:
         raise ValueError(f"Invalid steps={steps}. Must be >= 1.")
     w = layout.world_size
-    predicted: list[Expected] = layout.predict_calls()  # the layout's kind: dense, TP
+    predicted: list[Expected] = layout.predict_calls()  # the layout's kind: dense, TP, EP
+    window = layout.window_calls(steps)  # calls that differ per step (EP's token all_to_all)
     pred_counter = Counter()
     share: dict[tuple, float] = {}
     self_of: dict[tuple, int | None] = {}
     module_of: dict[tuple, str | None] = {}
-    for e in predicted:
-        pred_counter[e.key()] += steps
+    for e, times in [(e, steps) for e in predicted] + [(e, 1) for e in window]:
+        pred_counter[e.key()] += times
         share[e.key()] = e.dedicated_share()
         self_of[e.key()] = e.self_elems
         module_of[e.key()] = e.module
     meas_counter = Counter(event_key(ev) for ev in events)
     missing = pred_counter - meas_counter
     unexpected = meas_counter - pred_counter
-    tables = class_shares(predicted)
+    tables = class_shares(predicted + window)
     view = layout.dmuon_view()  # None: no single DMuon layout (not DMuon, or TP)
     buckets = None if view is None else layout_buckets(view)
     unit_of = {} if buckets is None else {blk: b.module for b in buckets for blk in b.blocks}
@@ -211,10 +212,10 @@ def compare_run(
     pred_phase = defaultdict(float)
     pred_phase_n = Counter()
     total_predicted = 0.0
-    for e in predicted:
-        total_predicted += e.avg_elems()
-        pred_phase[e.phase] += e.dedicated_avg_elems()
-        pred_phase_n[e.phase] += 1
+    for e, per_step in [(e, 1.0) for e in predicted] + [(e, 1 / steps) for e in window]:
+        total_predicted += e.avg_elems() * per_step
+        pred_phase[e.phase] += e.dedicated_avg_elems() * per_step
+        pred_phase_n[e.phase] += per_step
     for ph in [p for p in PHASES if p in pred_phase or p in meas_phase] + sorted(
         p for p in set(meas_phase) if p not in PHASES
     ):
@@ -267,7 +268,7 @@ def compare_run(
         phases=phases,
         units=None if buckets is None else len({b.module for b in buckets}),  # DMuon's units (coalescing)
         calls_measured_per_step=len(events) / steps,
-        calls_predicted_per_step=len(predicted),
+        calls_predicted_per_step=len(predicted) + len(window) / steps,
         owners=owner_findings(layout, predicted, missing, unexpected),
         ns_balance=ns_balance(layout, None if ns_calls_per_rank is None
                               else [c / steps for c in ns_calls_per_rank]),

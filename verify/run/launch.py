@@ -32,6 +32,7 @@ from verify.run.ci import record_exit
 from verify.run.nodes import NODE_FILE, report_elsewhere
 from verify.run.main import EXIT_MISMATCH, EXIT_NO_HARDWARE, EXIT_USAGE, VERDICT_FILE, parse_args
 from verify.run.runner import RunConfig
+from verify.traffic.ep import ep_skip_reason
 from verify.traffic.tp import tp_skip_reason
 from verify.workload.data import global_batch_size
 from verify.workload.usermodel import resolve, skip_reasons
@@ -170,7 +171,13 @@ def usage_problem(extra: list[str], out_dir: Path, nproc: int) -> str | None:
         return err.getvalue().strip().splitlines()[-1].partition("error: ")[2] or err.getvalue().strip()
     modes = args.modes.split(",")
     at = f"at W={nproc}"
-    if args.tp > 1:  # the workers' mesh is (W/T) x T (verify.run.tp_modes.tp_mesh)
+    if args.ep > 1:  # the workers' mesh is (W/E) x E (verify.run.ep_modes.ep_mesh)
+        if nproc % args.ep:
+            return (f"Invalid --ep {args.ep} at W={nproc} (--nproc). Must divide W, the mesh being "
+                    f"(W/E) x E: give an --nproc that {args.ep} divides.")
+        skipped = {m: why for m in modes if (why := ep_skip_reason(m, nproc, args.ep))}
+        at = f"with --ep {args.ep} at W={nproc}"
+    elif args.tp > 1:  # the workers' mesh is (W/T) x T (verify.run.tp_modes.tp_mesh)
         if nproc % args.tp:
             fits = [str(t) for t in range(2, nproc + 1) if nproc % t == 0]
             return (f"Invalid --tp {args.tp} at W={nproc} (--nproc). Must divide W, the mesh being "
@@ -194,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="make verify-traffic", description=__doc__.split("\n\n")[0],
         epilog="Every other option (--modes, --model, --coalesce, --rest, --hierarchy, --tp, "
-               "--qk-clip, --mixed-precision, ...) goes to each rank's python -m verify.run.main: see its "
+               "--ep, --qk-clip, --mixed-precision, ...) goes to each rank's python -m verify.run.main: see its "
                "--help; docs/verify.md.")
     parser.add_argument("--nproc", type=int, default=None, help=f"CPU processes when < 2 GPUs (default {DEFAULT_CPU_PROCS})")
     parser.add_argument("--backend", default="auto", choices=BACKENDS,

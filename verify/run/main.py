@@ -87,6 +87,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "naive-fsdp2-z2, naive-fsdp2-z3 on a (W/T) x T mesh ('shard', 'tp'); "
                              "dmuon-hsdp-z2/z3 on (2, W/(2T), T) where W/T is even and >= 4), the "
                              "built-in model's MLPs tensor parallel (verify/run/tp_modes.py)")
+    parser.add_argument("--ep", type=int, default=1,
+                        help="expert-parallel degree E: the DMuon modes (dmuon-z2, dmuon-z3 on a (W/E) x E "
+                             "mesh ('shard', 'ep'); dmuon-hsdp-z2/z3 on (2, W/(2E), E) where 2E divides W) "
+                             "with the reference EP layer's tiny Qwen3-MoE and rest='replicate'; the token "
+                             "all_to_all is checked as phase 'activations' (verify/run/ep_modes.py)")
     parser.add_argument("--qk-clip", type=float, nargs="?", const=QK_CLIP_DEFAULT_TAU, default=None,
                         metavar="TAU", dest="qk_clip",
                         help="run MuonClip's QK-clip (dmuon.optim.qk_clip.QKClip, alpha 0.5) in the "
@@ -105,6 +110,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.baseline is not None and not Path(args.baseline).is_file():
         parser.error(f"Invalid --baseline {args.baseline}: no such file. Must be a file written "
                      "by --write-baseline.")
+    if args.ep < 1:
+        parser.error(f"Invalid --ep {args.ep}. Must be >= 1 (1: no expert parallelism).")
     if args.tp < 1:
         parser.error(f"Invalid --tp {args.tp}. Must be >= 1 (1: no tensor parallelism).")
     if args.tp > 1 and args.model != BUILTIN:
@@ -116,6 +123,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.tp > 1 and args.rest != "wrapper":
         parser.error("--rest replicate runs without --tp (DMuon does not replicate a tensor-"
                      "parallel model's rest; dedicate_params refuses it on a mesh with a 'tp' axis).")
+    if args.ep > 1:
+        _check_ep(parser, args)
     unknown = [m for m in args.modes.split(",") if m not in MODES]
     if unknown:
         parser.error(f"Invalid --modes entries {unknown}. Must be among {list(MODES)}.")
@@ -124,6 +133,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.steps_measured < 1 or args.steps_warmup < 1:
         parser.error("--steps-warmup and --steps-measured must be >= 1 (the first step is never steady).")
     return args
+
+
+def _check_ep(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """``--ep E`` (E > 1): the EP workload is fixed (verify/run/ep_modes.py), so no ``--model``,
+    ``--tp``, ``--qk-clip``, ``--mixed-precision`` or ``--hierarchy flat``; else the parser's
+    usage error."""
+    fixed = [(args.model != BUILTIN, f"--model {args.model}", "the EP workload is the reference layer's tiny "
+              "Qwen3-MoE (examples/ep_moe.py)"),
+             (args.tp > 1, f"--tp {args.tp}", "one parallel axis at a time"),
+             (args.qk_clip is not None, "--qk-clip", "the EP builder attaches no QK-clip"),
+             (args.mixed_precision is not None, f"--mixed-precision {args.mixed_precision}",
+              "the EP builder runs fp32"),
+             (args.hierarchy == "flat", "--hierarchy flat",
+              "dedicate_params refuses 'flat' on a mesh with an 'ep' axis")]
+    for bad, flag, why in fixed:
+        if bad:
+            parser.error(f"--ep {args.ep} runs without {flag}: {why}.")
 
 
 def _check_qk_clip(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -155,6 +181,10 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"dmuon-verify-traffic: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    if world % args.ep:  # the mesh is (W/E) x E (the launcher checks this before torchrun too)
+        print(f"dmuon-verify-traffic: Invalid --ep {args.ep} at W={world}. Must divide the world "
+              "size: the mesh is (W/E) x E.", file=sys.stderr)
+        return EXIT_USAGE
     if world % args.tp:  # the mesh is (W/T) x T (the launcher checks this before torchrun too)
         print(f"dmuon-verify-traffic: Invalid --tp {args.tp} at W={world}. Must divide the world "
               "size: the mesh is (W/T) x T.", file=sys.stderr)
@@ -179,16 +209,21 @@ def main(argv: list[str] | None = None) -> int:
         model=args.model,
         mixed_precision=args.mixed_precision,
         coalesce=args.coalesce,
-        rest=args.rest,
+        rest="replicate" if args.ep > 1 else args.rest,  # EP: verify/run/ep_modes.py
         hierarchy=args.hierarchy,
         tp=args.tp,
         qk_clip_tau=args.qk_clip,
+        ep=args.ep,
     )
     rank = dist.get_rank()
     modes = runnable_modes(config, dist.get_world_size())
     bar = None
     if rank == 0:
-        if config.tp > 1:  # tensor parallel: verify.traffic.tp.tp_skip_reason
+        if config.ep > 1:  # expert parallel: verify.traffic.ep.ep_skip_reason
+            from verify.traffic.ep import ep_skip_reason
+
+            reasons = {m: ep_skip_reason(m, dist.get_world_size(), config.ep) for m in config.modes}
+        elif config.tp > 1:  # tensor parallel: verify.traffic.tp.tp_skip_reason
             from verify.traffic.tp import tp_skip_reason
 
             reasons = {m: tp_skip_reason(m, dist.get_world_size(), config.tp) for m in config.modes}

@@ -112,6 +112,8 @@ class RunConfig:
             hierarchical"). Not ``"flat"`` with ``tp`` > 1.
         tp: tensor-parallel degree T; > 1 runs the TP-capable modes on a (W/T) × T mesh
             (``verify.run.tp_modes``; built-in model only).
+        ep: expert-parallel degree E; > 1 runs the DMuon modes on an (W/E) × E mesh with the
+            reference EP layer's tiny Qwen3-MoE (``verify.run.ep_modes``; ``rest="replicate"``).
         qk_clip_tau: ``--qk-clip``'s τ, or ``None``: the DMuon modes run MuonClip's QK-clip
             and their prediction has its ``qk_clip`` all_reduce (``verify.run.qk_clip``;
             built-in model, not with ``tp`` > 1).
@@ -137,11 +139,16 @@ class RunConfig:
     hierarchy: str = "auto"
     tp: int = 1
     qk_clip_tau: float | None = None
+    ep: int = 1
 
 
 def runnable_modes(config: RunConfig, world_size: int) -> list[str]:
     """The modes of ``config`` this world size can run (``verify.workload.usermodel.skip_reasons``)."""
     skipped = skip_reasons(config.modes, world_size)
+    if config.ep > 1:  # EP (verify.run.ep_modes): only the EP-capable modes
+        from verify.traffic.ep import ep_skip_reason
+
+        return [m for m in config.modes if ep_skip_reason(m, world_size, config.ep) is None]
     if config.tp > 1:  # TP (verify.run.tp_modes): only the TP-capable modes
         from verify.traffic.tp import tp_skip_reason
 
@@ -264,6 +271,10 @@ class _MeasuredWindow:
 def _source(config: RunConfig, corpus: ByteCorpus | None) -> ModelSource:
     batch = global_batch_size(dist.get_world_size(), per_rank=config.batch_per_rank,
                               global_batch=config.global_batch)
+    if config.ep > 1:  # the reference EP layer's model (verify.run.ep_modes)
+        from verify.run.ep_modes import ep_source
+
+        return ep_source(global_batch=batch, seq_len=config.seq_len, seed=config.seed)
     return resolve(config.model, corpus=corpus, global_batch=batch,
                    seq_len=config.seq_len, d_model=config.d_model, n_layers=config.n_layers,
                    n_heads=config.n_heads, seed=config.seed)
@@ -284,7 +295,19 @@ def _train_mode(mode: str, config: RunConfig, corpus: ByteCorpus, progress,
         return made[-1][0]
 
     tagging = contextlib.nullcontext()
-    if config.tp > 1:  # tensor parallel (verify.run.tp_modes)
+    routing = None  # EP: the harness's routing recorder (verify.run.ep_modes)
+    if config.ep > 1:
+        from verify.run import ep_modes
+        from verify.run.modes import ADAMW_LR, MUON_LR, Built
+
+        ep_model, ep_opt, ep_layout, ep_dm, routing = ep_modes.build_ep(
+            mode, make_model, config.device, config.ep, muon_lr=MUON_LR, adamw_lr=ADAMW_LR,
+            coalesce=config.coalesce)
+        built = Built(ep_model, ep_opt, ep_layout, ep_dm)
+        if scope is not None:
+            scope.adopt(ep_dm)
+        loss_fn = made[-1][1]
+    elif config.tp > 1:  # tensor parallel (verify.run.tp_modes)
         if config.qk_clip_tau is not None:
             raise ValueError(f"Invalid qk_clip_tau={config.qk_clip_tau!r} with tp={config.tp}. "
                              "Must be None under TP: the TP builder runs no QK-clip yet.")
@@ -326,7 +349,7 @@ def _train_mode(mode: str, config: RunConfig, corpus: ByteCorpus, progress,
     blocks = blocks_of(built.dedicated.names) if built.dedicated is not None else ()
     recorder = BlockOrderRecorder(bare_model(model), blocks, built.layout.fsdp_modules)
     meter = None  # DMuon's bytes at every hook (verify.run.memory_meter), 1-D / HSDP only
-    if built.dedicated is not None and config.tp == 1:
+    if built.dedicated is not None and config.tp == 1 and config.ep == 1:
         meter = MemoryMeter(bare_model(model), built.dedicated, config.device).attach()
     ns_before = 0
     try:
@@ -337,10 +360,14 @@ def _train_mode(mode: str, config: RunConfig, corpus: ByteCorpus, progress,
                     window.open(drain=built.dedicated.wait_pending if built.dedicated is not None else None)
                     if meter is not None:
                         meter.start()
+                    if routing is not None:
+                        routing.on = True
                 if meter is not None and meter.on:
                     meter.step()
                 before = sample()
                 losses.append(loss_step(model, opt, loss_fn, rank, step))
+                if routing is not None:
+                    routing.check_closed()
                 if built.qk_clip is not None:  # heads the clip scaled (verify.run.qk_clip)
                     clipped.append(clipped_heads(built.qk_clip))
                 if step >= config.steps_warmup:
@@ -356,6 +383,9 @@ def _train_mode(mode: str, config: RunConfig, corpus: ByteCorpus, progress,
             meter.close()
     recorded = window.close()
     layout = dataclasses.replace(built.layout, module_calls=recorder.call_counts())
+    if routing is not None:  # every rank's routing of the window (a collective, after it)
+        routing.close()
+        layout = dataclasses.replace(layout, ep_routing=routing.gathered())
     if built.dedicated is not None:
         built.dedicated.wait_pending()
         layout = dataclasses.replace(layout, dmuon_block_order=recorder.agreed())
@@ -514,6 +544,11 @@ def run_all(config: RunConfig, progress=None, board: Board | None = None,
 
 def _skipped(config: RunConfig, world: int) -> dict[str, str]:
     """``{mode: reason}`` of the modes of ``config`` that did not run at W = ``world``."""
+    if config.ep > 1:
+        from verify.traffic.ep import ep_skip_reason
+
+        reasons = {m: ep_skip_reason(m, world, config.ep) for m in config.modes}
+        return {m: why for m, why in reasons.items() if why}
     if config.tp > 1:
         from verify.traffic.tp import tp_skip_reason
 

@@ -8,11 +8,13 @@ branches on the kind. A new kind is one more subclass and one more entry in
 
 from __future__ import annotations
 
+from verify.traffic.ep import EPRunLayout
 from verify.traffic.predict import RunLayout
 from verify.traffic.tp import TPRunLayout
 
-#: ``kind`` -> class: ``"dense"`` (a data-parallel mesh), ``"tp"`` (an R × N × T mesh).
-LAYOUT_KINDS: dict[str, type[RunLayout]] = {cls.kind: cls for cls in (RunLayout, TPRunLayout)}
+#: ``kind`` -> class: ``"dense"`` (a data-parallel mesh), ``"tp"`` (an R × N × T mesh),
+#: ``"ep"`` (an R × N × E expert-parallel mesh).
+LAYOUT_KINDS: dict[str, type[RunLayout]] = {cls.kind: cls for cls in (RunLayout, TPRunLayout, EPRunLayout)}
 
 
 def layout_kind(d: dict) -> str:

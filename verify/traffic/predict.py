@@ -163,7 +163,8 @@ class RunLayout:
 
     A layout *kind* (this class: ``"dense"``, a data-parallel mesh; ``verify.traffic.tp.TPRunLayout``:
     ``"tp"``) answers the harness's questions itself: :meth:`predict_calls`,
-    :meth:`ns_calls_per_step`, :meth:`closed_form_check`, :meth:`dmuon_view`, :meth:`ns_plan`,
+    :meth:`window_calls`, :meth:`ns_calls_per_step`, :meth:`closed_form_check`, :meth:`dmuon_view`,
+    :meth:`ns_plan`,
     :meth:`report_fields`, :attr:`flat_allowed`, :meth:`to_dict` / :meth:`from_dict`
     (``verify.traffic.layouts.layout_from_dict`` picks the class by :attr:`kind`); a new kind
     is one more subclass (docs/verify.md, "Layout kinds").
@@ -337,6 +338,12 @@ class RunLayout:
     def predict_calls(self) -> list[Expected]:
         """Every call of one step on every rank: :func:`predict_step`."""
         return predict_step(self)
+
+    def window_calls(self, steps: int) -> list[Expected]:
+        """Calls of the whole measured window of ``steps`` steps that differ from step to step
+        (each listed once per run; the comparison adds them to :meth:`predict_calls` times
+        ``steps``): none for this kind (``verify.traffic.ep.EPRunLayout``: the token all_to_all)."""
+        return []
 
     def ns_calls_per_step(self) -> int:
         """Newton–Schulz calls per step over all ranks: :func:`ns_calls_per_step`."""
