@@ -144,6 +144,9 @@ class EPRunLayout(RunLayout):
     def from_dict(cls, d: dict) -> EPRunLayout:
         """Inverse of :meth:`to_dict` (:meth:`RunLayout.from_dict`'s errors; ``ep_size`` required)."""
         cls.check_kind(d)
+        if "ep_size" not in d:
+            raise ValueError("Invalid layout for EPRunLayout.from_dict: missing ep_size. Must come "
+                             "from EPRunLayout.to_dict (a layout.json of an --ep run).")
         own = ("ep_size", "expert_names", "ep_layers", "ep_routing", "kind")
         base = RunLayout.from_dict({k: v for k, v in d.items() if k not in own})
         return cls(**{f.name: getattr(base, f.name) for f in dataclasses.fields(RunLayout)},
