@@ -76,3 +76,14 @@ def test_baseline_file_round_trip_and_errors(tmp_path):
     failing["pass"] = False
     with pytest.raises(ValueError, match="known-good"):
         write_baseline(failing, tmp_path / "c.json")
+
+
+def test_a_knob_a_baseline_predates_matches_at_its_default_only():
+    """A baseline written before ``--ep`` existed applies to a run at ``ep=1`` (without the
+    default mapped to None the default run silently lost its baseline check), not at ep=2."""
+    base = make_baseline(_report())
+    for ep, compared in ((1, True), (2, False)):
+        run = _report()
+        run["config"]["ep"] = ep
+        apply_baseline(run, base, "b.json", explicit=False)
+        assert run["baseline"]["compared"] is compared, (ep, run["baseline"]["reason"])
