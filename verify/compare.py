@@ -198,10 +198,12 @@ def compare_run(
     total_measured = 0.0
     meas_phase = defaultdict(float)
     meas_phase_n = Counter()
+    meas_all = defaultdict(float)  # every param's and activation's elements, per phase
     for ev in events:
         key = event_key(ev)
         elems = measured_avg_elems(ev, self_of.get(key))
         total_measured += elems
+        meas_all[ev.phase] += elems
         if key in share:
             ded = elems * share[key]
         else:  # not predicted: its class's share (module docstring), never 0 for moved bytes
@@ -211,9 +213,11 @@ def compare_run(
         per_rank[ev.rank] += ded
     pred_phase = defaultdict(float)
     pred_phase_n = Counter()
+    pred_all = defaultdict(float)
     total_predicted = 0.0
     for e, per_step in [(e, 1.0) for e in predicted] + [(e, 1 / steps) for e in window]:
         total_predicted += e.avg_elems() * per_step
+        pred_all[e.phase] += e.avg_elems() * per_step
         pred_phase[e.phase] += e.dedicated_avg_elems() * per_step
         pred_phase_n[e.phase] += per_step
     for ph in [p for p in PHASES if p in pred_phase or p in meas_phase] + sorted(
@@ -232,6 +236,9 @@ def compare_run(
             "seed_avg_elems": None if seed is None else seed * p_m,
             "collectives_measured": meas_phase_n[ph] / steps,
             "collectives_predicted": pred_phase_n[ph],
+            # all params' (and activations': EP's token all_to_all) elements, W-average
+            "all_measured_avg_elems": meas_all[ph] / (w * steps),
+            "all_predicted_avg_elems": pred_all[ph] / w,
             "closed_form_matches": cf_ok,
             "pass": ph_missing == 0 and ph_unexpected == 0 and cf_ok,
         }

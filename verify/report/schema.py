@@ -131,6 +131,7 @@ PARAM_KEYS: dict[str, tuple] = {
     "reason": (str,),
 }
 #: Optional per-run keys: ``tp_size`` (T of a tensor-parallel run, verify/traffic/tp.py),
+#: ``ep_size`` (E of an expert-parallel run, verify/traffic/ep.py),
 #: ``wire`` (verify.traffic.wire.wire_report), ``bytes``
 #: (``{"measured_avg_bytes"|"predicted_avg_bytes": {phase|"total": {dtype: bytes}}}``),
 #: ``timing`` (verify.run.steptime.timing_report), ``checks`` (``[{"check", "pass", "detail"}]``,
@@ -138,7 +139,7 @@ PARAM_KEYS: dict[str, tuple] = {
 #: gated on its loss); ``memory`` (DMuon modes: measured peak bytes per rank against the
 #: predicted bound, verify.traffic.memory.memory_report); ``qk_clip`` (``--qk-clip``: the phase's bytes in a DMuon run, or
 #: ``{"applies": false, "reason"}`` in a baseline; verify.run.qk_clip).
-OPTIONAL_RUN_KEYS: dict[str, tuple] = {"tp_size": (int,), "wire": (dict,), "bytes": (dict,),
+OPTIONAL_RUN_KEYS: dict[str, tuple] = {"tp_size": (int,), "ep_size": (int,), "wire": (dict,), "bytes": (dict,),
                                        "timing": (dict,), "checks": (list,), "loss_falls": (bool,),
                                        "hierarchy": (str,), "qk_clip": (dict,),
                                        "memory": (dict,)}
