@@ -297,6 +297,12 @@ def _train_mode(mode: str, config: RunConfig, corpus: ByteCorpus, progress,
     tagging = contextlib.nullcontext()
     routing = None  # EP: the harness's routing recorder (verify.run.ep_modes)
     if config.ep > 1:
+        if (config.rest, config.tp, config.qk_clip_tau, config.mixed_precision) != ("replicate", 1, None, None) \
+                or config.hierarchy == "flat":
+            raise ValueError(f"Invalid RunConfig with ep={config.ep}: rest={config.rest!r}, "
+                             f"tp={config.tp}, qk_clip_tau={config.qk_clip_tau!r}, mixed_precision="
+                             f"{config.mixed_precision!r}, hierarchy={config.hierarchy!r}. Must be "
+                             "rest='replicate', tp=1, no QK-clip, fp32, not flat (verify/run/ep_modes.py).")
         from verify.run import ep_modes
         from verify.run.modes import ADAMW_LR, MUON_LR, Built
 
