@@ -26,7 +26,7 @@ from torch.utils._pytree import tree_leaves
 from dmuon.runtime import attach, collectives, order, precision
 from dmuon.ownership.buckets import Coalescing, bucket_layout
 from dmuon.runtime.copies import Bucket
-from dmuon.runtime.rest import ReplicatedRest, inside_ddp_of
+from dmuon.runtime.rest import ReplicatedRest, ddp_group_size
 from dmuon.ownership.plan import OwnershipPlan, specs_from_named_parameters
 from dmuon.runtime.schedule import Schedule
 from dmuon.runtime.state import Copy, Grads, StateMachine, TrainingState
@@ -71,7 +71,7 @@ class Runtime:
         self.rest = rest  # rest="replicate" (rest.py), else None
         # rest="wrapper": until the first step() that can tell, whether a forward ran inside
         # DDP (rest.warn_if_not_averaged); None once told
-        self.ddp_seen: bool | None = False if rest is None else None
+        self.ddp_seen: int | bool | None = False if rest is None else None
         self.order = order.OrderRecorder()
         self.order_agreed = False
         # called once every grad of a reducing backward is final (after every end-of-backward
@@ -281,7 +281,7 @@ class Runtime:
         if self.rest is not None:
             self.rest.begin_forward()  # checks the rest is unwrapped; broadcasts it once
         elif self.ddp_seen is False:
-            self.ddp_seen = inside_ddp_of(self.root)
+            self.ddp_seen = ddp_group_size(self.root) or False
         self._enter(S.FORWARD)
         self._ran.clear()
         self._runs.clear()

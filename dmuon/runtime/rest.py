@@ -70,26 +70,44 @@ def rest_of(model: nn.Module, dedicated: set[str]) -> list[tuple[str, nn.Paramet
     return [(n, p) for n, p in model.named_parameters() if n not in dedicated]
 
 
-def inside_ddp_of(model: nn.Module) -> bool:
-    """Whether this forward of ``model`` runs inside the forward of a DDP that wraps it (torch
-    2.13 sets ``DistributedDataParallel._active_ddp_module`` for the duration of DDP's forward:
-    ``torch/nn/parallel/distributed.py``, ``_inside_ddp_forward``; False where torch lacks it)."""
+def ddp_group_size(model: nn.Module) -> int | None:
+    """The size of the process group of the DDP whose forward this forward of ``model`` runs
+    inside (torch 2.13 sets ``DistributedDataParallel._active_ddp_module`` for the duration of
+    DDP's forward: ``torch/nn/parallel/distributed.py``, ``_inside_ddp_forward``), else ``None``
+    (also where torch lacks it)."""
     ddp = getattr(DistributedDataParallel, "_active_ddp_module", None)
-    return ddp is not None and any(m is model for m in ddp.module.modules())
+    if ddp is None or not any(m is model for m in ddp.module.modules()):
+        return None
+    return ddp.process_group.size()
 
 
-def warn_if_not_averaged(rest: list[tuple[str, nn.Parameter]], ddp_seen: bool, dp_size: int,
+def warn_if_not_averaged(rest: list[tuple[str, nn.Parameter]], ddp_seen: int | bool, dp_size: int,
                          tp_size: int = 1) -> bool:
     """``rest="wrapper"`` at a ``step()``: something must average the rest's grads over the
     data-parallel ranks, or each rank's AdamW steps on its own micro-batch and the ranks drift
-    apart. Averaged: a forward ran inside DDP (``ddp_seen``), or every trainable param of the
-    rest with a grad is an FSDP2 shard (:func:`_fsdp_shard`). Otherwise a ``UserWarning`` names a param and the fixes (a warning, not an
-    error: the user may average those grads by hand). Local, the same on every rank.
+    apart. Averaged: a forward ran inside DDP over all ``dp_size`` data-parallel ranks
+    (``ddp_seen``: that DDP's group size, ``False`` if none ran), or every trainable param of the
+    rest with a grad is an FSDP2 shard (:func:`_fsdp_shard`). Otherwise a ``UserWarning`` names a
+    param and the fixes (a warning, not an error: the user may average those grads by hand).
+    Local, the same on every rank.
 
     Returns:
         Whether the check is done (False: the rest has trainable params but none has a grad
         yet; ask again at the next step).
+
+    Raises:
+        RuntimeError: the DDP's group is not the data-parallel ranks (e.g. ``mesh["shard"]`` of
+            an EP or HSDP mesh): it averages the rest over ``ddp_seen`` ranks, the dedicated
+            grads over ``dp_size``, so the ranks drift apart silently.
     """
+    if ddp_seen and ddp_seen != dp_size:
+        raise RuntimeError(
+            f"Invalid DistributedDataParallel process group of {ddp_seen} ranks: DMuon's "
+            f"data-parallel size here is {dp_size} (dedicated grads are averaged over it), so the "
+            "rest's grads must be averaged over the same ranks. Build "
+            "DistributedDataParallel(model) on the default group (or a group of all "
+            f"{dp_size} data-parallel ranks), or pass rest='replicate' to dedicate_params."
+        )
     trainable = [(n, p) for n, p in rest if p.requires_grad]
     if dp_size < 2 or ddp_seen or not trainable:
         return True

@@ -178,3 +178,30 @@ def expect_error(case: str) -> str:
         return f"{type(exc).__name__}: {exc}"
     dm.close()
     return "no error"
+
+
+def ddp_on_a_subgroup(ep_mesh: bool) -> str:
+    """``rest="wrapper"`` with the rest under a DDP whose group is ``mesh["shard"]`` (2 of the
+    4 ranks) on an EP mesh (``ep_mesh``) or an HSDP mesh: the error ``step()`` raised here
+    (``"no error"`` if none). Such a DDP averages the rest over 2 ranks while DMuon averages
+    the dedicated grads over 4: the ranks would drift apart with no error (found by a trial)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    if ep_mesh:
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("shard", "ep"))
+        model = tiny_qwen3_moe_ep(mesh["ep"])
+    else:
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+        model = tiny_qwen3_moe_ep(None)
+    dm = dmuon.dedicate_params(model, mesh)
+    ddp = DistributedDataParallel(model, process_group=mesh["shard"].get_group())
+    opt = dmuon.DMuon(ddp.parameters(), dedicated=dm, lr=MUON_LR, adamw_lr=ADAMW_LR)
+    _loss(ddp, batch(0, dist.get_rank())).backward()
+    try:
+        opt.step()
+        out = "no error"
+    except RuntimeError as exc:
+        out = f"RuntimeError: {exc}"
+    opt.zero_grad()
+    dm.close()
+    return out

@@ -130,3 +130,10 @@ def test_dcp_resumes_at_another_ep_degree_and_dp_size(pool4, oracle4, tmp_path, 
 def test_unsupported_ep_setups_raise_on_every_rank(pool4, case, text):
     for rank, message in enumerate(pool4.run_with_timeout(TIMEOUT_S, T.expect_error, case)):
         assert message.startswith("ValueError") and text in message, (rank, message)
+
+
+@pytest.mark.parametrize("ep_mesh", [True, False], ids=["ep", "hsdp"])
+def test_ddp_over_a_subgroup_is_refused_at_step_on_every_rank(pool4, ep_mesh):
+    for rank, message in enumerate(pool4.run_with_timeout(TIMEOUT_S, T.ddp_on_a_subgroup, ep_mesh)):
+        assert message.startswith("RuntimeError: Invalid DistributedDataParallel process group "
+                                  "of 2 ranks"), (rank, message)
