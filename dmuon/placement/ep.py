@@ -20,16 +20,15 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from dmuon.ownership.plan import OwnershipPlan, plan_ownership
-from dmuon.ownership.topology import Topology, check_initialized, check_spans_world, topology_from_mesh
+from dmuon.ownership.topology import Topology, topology_from_mesh
 from dmuon.placement.base import MeshLayout, Placement
 from dmuon.placement.dense import Dense, batched_step
-from dmuon.placement.tp import column_groups, column_topology, like, local, placed_like
+from dmuon.placement.tp import (check_column_mesh, column_groups, column_topology, like, local,
+                                 placed_like)
 from dmuon.runtime import collectives
 
 #: Name of the expert-parallel mesh axis.
 EP_AXIS = "ep"
-#: Accepted axis names of an EP mesh, in order (FSDP2 x EP, HSDP x EP).
-EP_MESH_NAMES = (("shard", EP_AXIS), ("replicate", "shard", EP_AXIS))
 #: ``Placement.mesh_key`` of the expert stacks: their column's ``(R, N)`` mesh.
 COLUMN = "ep-column"
 
@@ -43,22 +42,10 @@ def check_mesh(mesh: DeviceMesh) -> None:
     """Check an EP mesh's axis names and size (local: every rank raises the same error).
 
     Raises:
-        ValueError: the axes are not ``("shard", "ep")`` or ``("replicate", "shard", "ep")``,
-            or the mesh does not span the world or does not hold this rank.
-        RuntimeError: torch.distributed is not initialised.
+        ValueError, RuntimeError: as :func:`~dmuon.placement.tp.check_column_mesh`.
     """
-    names = tuple(mesh.mesh_dim_names or ())
-    if names not in EP_MESH_NAMES:
-        raise ValueError(
-            f"Invalid mesh_dim_names={names!r} of an expert-parallel mesh of shape "
-            f"{tuple(mesh.shape)}. Must be ('shard', 'ep') or ('replicate', 'shard', 'ep'), EP "
-            "last, e.g. init_device_mesh(device, (N, E), mesh_dim_names=('shard', 'ep')); "
-            "shard the experts on mesh['ep'] (examples/ep_moe.py: shard_experts) and pass the "
-            "whole mesh to dmuon.dedicate_params."
-        )
-    check_initialized()
-    check_spans_world(mesh, "W = R * N * E", "init_device_mesh(device, (W // E, E), "
-                      "mesh_dim_names=('shard', 'ep'))")
+    check_column_mesh(mesh, EP_AXIS, "expert-parallel",
+                      "shard the experts on mesh['ep'] (examples/ep_moe.py: shard_experts)")
 
 
 def _dense_rows(mesh: DeviceMesh) -> list[list[int]]:

@@ -37,8 +37,6 @@ from dmuon.placement.dense import Dense
 
 #: Name of the tensor-parallel mesh axis.
 TP_AXIS = "tp"
-#: Accepted axis names of a TP mesh, in order (FSDP2 × TP, HSDP × TP).
-TP_MESH_NAMES = (("shard", TP_AXIS), ("replicate", "shard", TP_AXIS))
 
 
 def is_tp_mesh(mesh) -> bool:
@@ -76,22 +74,33 @@ def check_mesh(mesh: DeviceMesh) -> None:
     """Check a TP mesh's axis names and size (local: every rank raises the same error).
 
     Raises:
-        ValueError: the axes are not ``("shard", "tp")`` or ``("replicate", "shard", "tp")``,
-            or the mesh does not span the world or does not hold this rank.
+        ValueError, RuntimeError: as :func:`check_column_mesh`.
+    """
+    check_column_mesh(mesh, TP_AXIS, "tensor-parallel",
+                      "parallelize the blocks on mesh['tp'] (parallelize_module)")
+
+
+def check_column_mesh(mesh: DeviceMesh, axis: str, kind: str, fix: str) -> None:
+    """Check a mesh ``("shard", axis)`` or ``("replicate", "shard", axis)`` (a model-parallel
+    ``axis`` last: TP's, EP's) and that it spans the world (local: every rank raises the same
+    error). ``kind`` and ``fix`` word the message.
+
+    Raises:
+        ValueError: other axis names, or the mesh does not span the world or does not hold
+            this rank.
         RuntimeError: torch.distributed is not initialised.
     """
     names = tuple(mesh.mesh_dim_names or ())
-    if names not in TP_MESH_NAMES:
+    if names not in (("shard", axis), ("replicate", "shard", axis)):
         raise ValueError(
-            f"Invalid mesh_dim_names={names!r} of a tensor-parallel mesh of shape "
-            f"{tuple(mesh.shape)}. Must be ('shard', 'tp') (FSDP2 x TP) or ('replicate', "
-            "'shard', 'tp') (HSDP x TP), TP last, e.g. init_device_mesh(device, (N, T), "
-            "mesh_dim_names=('shard', 'tp')); parallelize the blocks on mesh['tp'] and pass "
-            "the whole mesh to dmuon.dedicate_params."
+            f"Invalid mesh_dim_names={names!r} of a {kind} mesh of shape {tuple(mesh.shape)}. "
+            f"Must be ('shard', '{axis}') or ('replicate', 'shard', '{axis}'), {axis!r} last, e.g. "
+            f"init_device_mesh(device, (N, {axis.upper()}), mesh_dim_names=('shard', '{axis}')); "
+            f"{fix}, and pass the whole mesh to dmuon.dedicate_params."
         )
     check_initialized()
-    check_spans_world(mesh, "W = R * N * T", "init_device_mesh(device, (W // T, T), "
-                      "mesh_dim_names=('shard', 'tp'))")
+    check_spans_world(mesh, f"W = R * N * {axis.upper()}", f"init_device_mesh(device, (W // "
+                      f"{axis.upper()}, {axis.upper()}), mesh_dim_names=('shard', '{axis}'))")
 
 
 def _grid(mesh: DeviceMesh) -> list[list[list[int]]]:

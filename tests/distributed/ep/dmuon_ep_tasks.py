@@ -17,8 +17,8 @@ from torch.distributed.device_mesh import init_device_mesh
 import dmuon
 from examples.ep_moe import tiny_qwen3_moe_ep
 from tests.distributed.parity.dmuon_tasks import ADAMW_LR, MUON_LR
-from tests.distributed.parity.hf_tasks import RANK_THREADS, _roll_experts, _threads, batch, muon_matrices
-from verify.run.baselines import MatrixMuon
+from tests.distributed.parity.hf_tasks import (RANK_THREADS, _loss, _roll_experts, _threads, batch,
+                                                run_oracle)
 
 #: Mesh layouts: name -> (shape, dim names); W = prod(shape), EP last.
 MESHES = {"shard2xep2": ((2, 2), ("shard", "ep")), "ep4": ((1, 4), ("shard", "ep")),
@@ -26,29 +26,10 @@ MESHES = {"shard2xep2": ((2, 2), ("shard", "ep")), "ep4": ((1, 4), ("shard", "ep
 STEPS = 3
 
 
-def _loss(model, ids):
-    return model(input_ids=ids, labels=ids).loss
-
-
 def oracle(world: int, steps: int = STEPS) -> dict:
-    """The single-process run (module docstring): initial and final params, full shapes."""
+    """The single-process run (module docstring; ``hf_tasks.run_oracle``)."""
     with _threads(RANK_THREADS):
-        model = tiny_qwen3_moe_ep(None)
-        init = {n: p.detach().clone() for n, p in model.named_parameters()}
-        named = dict(model.named_parameters())
-        matrices = muon_matrices(model)
-        muon = MatrixMuon([named[n] for n in matrices], list(matrices.values()), lr=MUON_LR)
-        adamw = torch.optim.AdamW([p for n, p in named.items() if n not in matrices], lr=ADAMW_LR)
-        norms = []
-        for step in range(steps):
-            (sum(_loss(model, batch(step, r)) for r in range(world)) / world).backward()
-            norms.append(torch.linalg.vector_norm(torch.stack(
-                [torch.linalg.vector_norm(p.grad) for p in named.values()])).item())
-            for opt in (muon, adamw):
-                opt.step()
-                opt.zero_grad()
-        return {"init": init, "final": {n: p.detach().clone() for n, p in model.named_parameters()},
-                "muon": sorted(matrices), "grad_norms": norms}
+        return run_oracle(tiny_qwen3_moe_ep(None), world, steps)
 
 
 def train(mesh_name: str, z3: bool, steps: int = STEPS, plant: str | None = None) -> dict:

@@ -96,19 +96,28 @@ def oracle(kind: str, world: int, steps: int = STEPS) -> dict:
 
 
 def _oracle(kind: str, world: int, steps: int) -> dict:
-    model = make_model(kind)
+    return run_oracle(make_model(kind), world, steps)
+
+
+def run_oracle(model, world: int, steps: int) -> dict:
+    """MatrixMuon over ``model``'s default Muon matrices + AdamW on the rest, ``steps`` steps on
+    the mean of the W ranks' losses: ``init`` and ``final`` params, ``muon`` (name -> matrix
+    shape) and the global grad norm of each step (``grad_norms``)."""
     init = {n: p.detach().clone() for n, p in model.named_parameters()}
     named = dict(model.named_parameters())
     matrices = muon_matrices(model)
     muon = MatrixMuon([named[n] for n in matrices], list(matrices.values()), lr=MUON_LR)
     adamw = torch.optim.AdamW([p for n, p in named.items() if n not in matrices], lr=ADAMW_LR)
+    norms = []
     for step in range(steps):
         (sum(_loss(model, batch(step, r)) for r in range(world)) / world).backward()
+        norms.append(torch.linalg.vector_norm(torch.stack(
+            [torch.linalg.vector_norm(p.grad) for p in named.values() if p.grad is not None])).item())
         for opt in (muon, adamw):
             opt.step()
             opt.zero_grad()
     return {"init": init, "final": {n: p.detach().clone() for n, p in model.named_parameters()},
-            "muon": matrices}
+            "muon": matrices, "grad_norms": norms}
 
 
 def _roll_experts(batched_ns):
