@@ -109,8 +109,8 @@ class MeshLayout:
     collective); :meth:`build` makes this rank's instance (local: no collective).
 
     Attributes:
-        index: this rank's index on the model-parallel axis (TP's ``t``), 0 without one.
-        size: ranks per model-parallel group (TP's ``T``), 1 without one.
+        index: this rank's index on the model-parallel axis (TP's ``t``, EP's ``e``), 0 without one.
+        size: ranks per model-parallel group (TP's ``T``, EP's ``E``), 1 without one.
         plan: the data-parallel :class:`~dmuon.ownership.plan.OwnershipPlan` the runtime uses.
         agreed_plan: the plan the ranks' setup digest covers (the full plan under TP).
         placements: name -> :class:`Placement` of every dedicated param.
