@@ -118,6 +118,7 @@ def test_dmuon_verify_check_passes_on_a_run_and_names_a_dropped_call(pool2, tmp_
     assert "missing (1)" in out and "rank 1: 1 x reduce" in out and "FAIL" in out
 
 
+@pytest.mark.slow  # ~8 s; rest="replicate" through the whole gate runs in make test in every EP mode
 def test_w4_replicated_rest_verdict_passes(pool4, tmp_path):
     """verify-traffic --rest replicate: DMuon all-reduces the rest itself and nothing wraps the
     model; measured = predicted = closed form (unchanged: it concerns P_M only), three sources."""
