@@ -31,7 +31,6 @@ raise, as do the reserved ``algorithm`` / ``group``.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 
 import torch
 

@@ -34,7 +34,7 @@ from dmuon.runtime.dedicate import DedicatedParams
 from dmuon.optim import groups as groups_mod
 from dmuon.optim.grad_guard import GradGuard
 from dmuon.optim.hparams import validate_adamw, validate_muon
-from dmuon.optim.muon_math import MUON_DEFAULTS, muon_update_matrices_
+from dmuon.optim.muon_math import MUON_DEFAULTS
 
 
 class DMuon(Optimizer):

@@ -22,7 +22,6 @@ from __future__ import annotations
 import traceback
 
 import torch
-import torch.nn as nn
 
 
 #: Tensor attributes a freed param may still answer (metadata and autograd bookkeeping).
