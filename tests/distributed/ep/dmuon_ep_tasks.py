@@ -186,3 +186,56 @@ def ddp_on_a_subgroup(ep_mesh: bool) -> str:
     opt.zero_grad()
     dm.close()
     return out
+
+
+def _crafted_oracle(world: int, steps: int) -> dict:
+    from tests.distributed.ep.ep_tasks import crafted_layer, layer_loss
+    from tests.distributed.parity.hf_tasks import muon_matrices
+    from verify.run.baselines import MatrixMuon
+
+    layer = crafted_layer(2, True)
+    init = {n: p.detach().clone() for n, p in layer.named_parameters()}
+    named = dict(layer.named_parameters())
+    matrices = muon_matrices(layer)
+    muon = MatrixMuon([named[n] for n in matrices], list(matrices.values()), lr=MUON_LR)
+    for _ in range(steps):
+        (sum(layer_loss(layer, r)[0] for r in range(world)) / world).backward()
+        muon.step()
+        muon.zero_grad()
+    return {"init": init, "final": {n: p.detach().clone() for n, p in layer.named_parameters()},
+            "muon": matrices}
+
+
+def crafted_oracle(world: int, steps: int = STEPS) -> dict:
+    """One process: MatrixMuon on ``ep_tasks.crafted_layer`` (EP 2's routing: world rank 0 sends
+    no token to its peers, the last expert gets none at all), the mean of the W ranks' losses."""
+    with _threads(RANK_THREADS):
+        return _crafted_oracle(world, steps)
+
+
+def train_crafted(z3: bool, steps: int = STEPS) -> dict:
+    """DMuon on the crafted layer alone (its router and expert stacks dedicated, the layer the
+    root) on the ``("shard", "ep")`` 2 x 2 mesh: what this rank holds after ``steps`` steps,
+    and each step's expert-stack grads of the last expert (the one no token reaches)."""
+    from examples.ep_moe import shard_experts
+    from tests.distributed.ep.ep_tasks import crafted_layer, layer_loss
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("shard", "ep"))
+    layer = shard_experts(crafted_layer(2, True), mesh["ep"])
+    dm = dmuon.dedicate_params(layer, mesh, reshard_after_forward=z3, rest="replicate")
+    opt = dmuon.DMuon(layer.parameters(), dedicated=dm, lr=MUON_LR, adamw_lr=ADAMW_LR)
+    idle_grads = []
+    e = mesh.get_local_rank("ep")
+    for _ in range(steps):
+        layer_loss(layer, dist.get_rank())[0].backward()
+        if e == 1:  # the last expert lives on EP rank 1; its owner holds the averaged grad
+            idle_grads += [_local(p.grad)[-1].abs().max().item() for p in (layer.gate_up_proj,
+                                                                           layer.down_proj)
+                           if p.grad is not None]
+        opt.step()
+        opt.zero_grad()
+    dm.sync_params()
+    out = {"held": {n: _local(p) for n, p in layer.named_parameters()}, "ep_rank": e,
+           "ep": 2, "idle_grads": idle_grads}
+    dm.close()
+    return out

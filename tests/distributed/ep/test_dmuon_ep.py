@@ -137,3 +137,22 @@ def test_ddp_over_a_subgroup_is_refused_at_step_on_every_rank(pool4, ep_mesh):
     for rank, message in enumerate(pool4.run_with_timeout(TIMEOUT_S, T.ddp_on_a_subgroup, ep_mesh)):
         assert message.startswith("RuntimeError: Invalid DistributedDataParallel process group "
                                   "of 2 ranks"), (rank, message)
+
+
+@pytest.mark.parametrize("z3", [False, True], ids=["z2", "z3"])
+def test_an_expert_no_token_reaches_and_a_rank_routing_nothing_to_peers(pool4, z3):
+    """The crafted layer (``ep_tasks.crafted_layer``): world rank 0 routes every token to its own
+    experts and no token of any rank reaches the last expert. No hang; the idle expert's grads
+    are exactly zero on its owner; every param, the idle expert's slices included, lands on
+    per-expert single-process Muon (which, like DMuon, steps a zero-grad expert with its
+    momentum and weight decay only)."""
+    ref = T.crafted_oracle(4)
+    results = pool4.run_with_timeout(TIMEOUT_S, T.train_crafted, z3)
+    assert _distance(results, ref) <= RTOL
+    owners = [r["idle_grads"] for r in results if r["idle_grads"]]
+    assert owners and all(g == 0.0 for grads in owners for g in grads), owners
+    for res in results:
+        if res["ep_rank"] == 1:
+            for name in ("gate_up_proj", "down_proj"):
+                got, want = res["held"][name][-1], ref["final"][name][-1]
+                assert torch.allclose(got, want, rtol=0, atol=1e-6), name
