@@ -132,6 +132,9 @@ class DMuon(Optimizer):
         self.ns_calls = 0
         self._owned = {id(p) for p in dedicated.owned()}
         self._launchers: dict = {}  # placements' step collectives: one Launcher per device
+        # the placement kinds present, in step_order (every rank: the same list)
+        self._kinds = sorted({type(pl) for pl in dedicated.placements.values()},
+                             key=lambda k: k.step_order)
         # Muon's view of each dedicated param: (rows, cols) of one matrix (stack or conv layout)
         spec_of = {sp.name: sp for sp in dedicated.layout.agreed_plan.specs}
         self._matrix_of = {id(p): spec_of[n].matrix_shape
@@ -342,14 +345,14 @@ class DMuon(Optimizer):
         """The owned params with a grad, stepped by their placements' kinds
         (``Placement.step``, kinds in ``step_order``, every kind on every rank: a kind whose
         step has collectives meets its peers even with nothing to step here)."""
-        kinds: dict[type, list[torch.Tensor]] = {type(pl): [] for pl in self.dedicated.placements.values()}
+        kinds: dict[type, list[torch.Tensor]] = {kind: [] for kind in self._kinds}
         for p in group["params"]:
             if id(p) in self._owned and p.grad is not None:
                 kinds[type(self.dedicated.placement_of(p))].append(p)
         hparams = {k: group[k] for k in ("lr", "weight_decay", "momentum", "nesterov",
                                          "ns_coefficients", "ns_steps", "eps", "adjust_lr_fn")}
-        for kind in sorted(kinds, key=lambda k: k.step_order):
-            self.ns_calls += kind.step(self, kinds[kind], hparams)
+        for kind, params in kinds.items():
+            self.ns_calls += kind.step(self, params, hparams)
 
     def _adamw_group(self, group: dict) -> None:
         params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []

@@ -117,6 +117,8 @@ class MeshLayout:
     """
 
     kind: ClassVar[str] = "base"
+    #: The model-parallel mesh axis of this kind (``"tp"``, ``"ep"``), ``None`` without one.
+    axis: ClassVar[str | None] = None
     #: Whether an HSDP mesh of this kind may be moved flat (``hierarchy="flat"``).
     allows_flat: ClassVar[bool] = True
     #: Whether a dedicated grad is shown as a DTensor on FSDP2's mesh between backward and
@@ -142,7 +144,14 @@ class MeshLayout:
 
     @classmethod
     def check_options(cls, mesh, *, hierarchy: str, rest: str) -> None:
-        """Refuse ``dedicate_params`` options this kind does not support (``ValueError``)."""
+        """Refuse ``dedicate_params`` options this kind does not support (``ValueError``):
+        ``hierarchy="flat"`` unless :attr:`allows_flat`."""
+        if hierarchy == "flat" and not cls.allows_flat:
+            raise ValueError(
+                f"Invalid hierarchy='flat' on a mesh with the model-parallel axis {cls.axis!r}: "
+                "DMuon moves its dedicated params over the shard and replicate axes of each "
+                f"{cls.axis!r} column. Use hierarchy='auto' or 'hierarchical' there."
+            )
 
     @classmethod
     def check_model(cls, model: nn.Module, mesh, dedicated: set[str]) -> None:

@@ -139,6 +139,7 @@ class EPMesh(MeshLayout):
     """
 
     kind = "expert-parallel"
+    axis = EP_AXIS
     allows_flat = False
     shows_grad_view = False  # an expert grad is a DTensor on mesh["ep"] already
     joins_blocks = False  # dense and expert buckets of a block share one unit
@@ -146,15 +147,6 @@ class EPMesh(MeshLayout):
     @classmethod
     def matches(cls, mesh) -> bool:
         return is_ep_mesh(mesh)
-
-    @classmethod
-    def check_options(cls, mesh, *, hierarchy: str, rest: str) -> None:
-        if hierarchy == "flat":
-            raise ValueError(
-                "Invalid hierarchy='flat' on a mesh with an 'ep' axis: DMuon moves the expert "
-                "stacks over the shard and replicate axes of each EP column. Use "
-                "hierarchy='auto' or 'hierarchical' there."
-            )
 
     @classmethod
     def check_model(cls, model: nn.Module, mesh, dedicated: set[str]) -> None:

@@ -344,6 +344,7 @@ class TPMesh(MeshLayout):
     """
 
     kind = "tensor-parallel"
+    axis = TP_AXIS
     allows_flat = False
     shows_grad_view = False  # a TP grad is a DTensor on mesh["tp"] already
 
@@ -353,12 +354,7 @@ class TPMesh(MeshLayout):
 
     @classmethod
     def check_options(cls, mesh, *, hierarchy: str, rest: str) -> None:
-        if hierarchy == "flat":
-            raise ValueError(
-                "Invalid hierarchy='flat' on a mesh with a 'tp' axis: DMuon moves a tensor-parallel "
-                "model's matrices over the shard and replicate axes of each TP column. Use "
-                "hierarchy='auto' or 'hierarchical' there."
-            )
+        super().check_options(mesh, hierarchy=hierarchy, rest=rest)
         if rest == "replicate":
             raise ValueError(
                 "Invalid rest='replicate' on a mesh with a 'tp' axis: the rest of a tensor-parallel "

@@ -630,12 +630,16 @@ class DedicatedParams:
         return [p for b in self._live("owned()").buckets if b.is_owner for p in b.params]
 
     def _bucket_of(self, p: nn.Parameter, what: str):
+        return self._entry(p, what)[0]
+
+    def _entry(self, p: nn.Parameter, what: str):
+        """``(bucket, position)`` of a dedicated param (``Runtime.by_id``)."""
         entry = self._live(what).by_id.get(id(p))
         if entry is None:
             raise ValueError(
                 f"Invalid param of shape {tuple(p.shape)}: not dedicated by this DedicatedParams."
             )
-        return entry[0]
+        return entry
 
     def owner_of(self, p: nn.Parameter) -> int:
         """Global owner index ``g`` of a dedicated param.
@@ -670,8 +674,8 @@ class DedicatedParams:
         Raises:
             ValueError: ``p`` is not a dedicated param.
         """
-        b = self._bucket_of(p, "placement_of()")
-        return b.placements[next(i for i, q in enumerate(b.params) if q is p)]
+        b, i = self._entry(p, "placement_of()")
+        return b.placements[i]
 
     # ------------------------------------------------------------------ between steps
     @contextmanager

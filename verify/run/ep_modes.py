@@ -89,32 +89,19 @@ class _Tag:
             self.open.pop().__exit__(None, None, None)
 
 
-class _OpenInBackward(torch.autograd.Function):
-    """Identity; its backward opens the phase (applied to the exchange's output)."""
+class _MarkInBackward(torch.autograd.Function):
+    """Identity; its backward calls ``tag.enter()`` or ``tag.exit()`` (``action``): applied to
+    the exchange's output it opens the phase in backward, to its input rows it closes it."""
 
     @staticmethod
-    def forward(ctx, x, tag):
-        ctx.tag = tag
+    def forward(ctx, x, tag, action):
+        ctx.mark = getattr(tag, action)
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad):
-        ctx.tag.enter()
-        return grad, None
-
-
-class _CloseInBackward(torch.autograd.Function):
-    """Identity; its backward closes the phase (applied to the exchange's input rows)."""
-
-    @staticmethod
-    def forward(ctx, x, tag):
-        ctx.tag = tag
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        ctx.tag.exit()
-        return grad, None
+        ctx.mark()
+        return grad, None, None
 
 
 class RoutingRecorder:
@@ -145,8 +132,8 @@ class RoutingRecorder:
             if self.on:
                 self.entries.append((name, counts.tolist()))
             with annotate.phase(ACTIVATIONS):
-                out = exchange(_CloseInBackward.apply(rows, tag), counts)
-            return _OpenInBackward.apply(out, tag)
+                out = exchange(_MarkInBackward.apply(rows, tag, "exit"), counts)
+            return _MarkInBackward.apply(out, tag, "enter")
 
         return recorded
 

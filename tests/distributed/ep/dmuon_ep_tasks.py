@@ -17,7 +17,7 @@ from torch.distributed.device_mesh import init_device_mesh
 import dmuon
 from examples.ep_moe import tiny_qwen3_moe_ep
 from tests.distributed.parity.dmuon_tasks import ADAMW_LR, MUON_LR
-from tests.distributed.parity.hf_tasks import (RANK_THREADS, _loss, _roll_experts, _threads, batch,
+from tests.distributed.parity.hf_tasks import (RANK_THREADS, _loss, _threads, batch, rolled_experts,
                                                 run_oracle)
 
 #: Mesh layouts: name -> (shape, dim names); W = prod(shape), EP last.
@@ -39,16 +39,10 @@ def train(mesh_name: str, z3: bool, steps: int = STEPS, plant: str | None = None
     ``plant``: a control; ``"column-divisor"``, the expert grads averaged over their column
     (R·N ranks) instead of W (Muon's update is blind to a grad's scale, the norm is not);
     ``"roll-experts"``, each expert handed its neighbour's orthogonalized update
-    (``hf_tasks._roll_experts``)."""
+    (``hf_tasks.rolled_experts``)."""
     if plant == "roll-experts":
-        from dmuon.optim import muon_math
-
-        original_ns = muon_math.zeropower_via_newtonschulz_batched
-        muon_math.zeropower_via_newtonschulz_batched = _roll_experts(original_ns)
-        try:
+        with rolled_experts():
             return train(mesh_name, z3, steps)
-        finally:
-            muon_math.zeropower_via_newtonschulz_batched = original_ns
     if plant is not None:
         if plant != "column-divisor":
             raise ValueError(f"Invalid plant={plant!r}. Must be None, 'column-divisor' or "

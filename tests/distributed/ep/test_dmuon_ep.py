@@ -123,7 +123,7 @@ def test_dcp_resumes_at_another_ep_degree_and_dp_size(pool4, oracle4, tmp_path, 
 
 
 @pytest.mark.parametrize("case, text", [
-    ("flat", "Invalid hierarchy='flat' on a mesh with an 'ep' axis"),
+    ("flat", "Invalid hierarchy='flat' on a mesh with the model-parallel axis 'ep'"),
     ("stack_2d", "DMuon's expert stacks must be 3-D"),
     ("other_mesh", "Under EP every DTensor param must be an expert stack sharded Shard(0) on mesh['ep']"),
 ])

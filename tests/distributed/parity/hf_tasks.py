@@ -120,29 +120,32 @@ def run_oracle(model, world: int, steps: int) -> dict:
             "muon": matrices, "grad_norms": norms}
 
 
-def _roll_experts(batched_ns):
-    """A planted error: ``batched_ns`` whose result is rolled by one matrix, so each expert
-    slice gets its neighbour's orthogonalized update (a slice-to-expert mix-up)."""
-    def planted(grads, *args, **kwargs):
-        return batched_ns(grads, *args, **kwargs).roll(1, dims=0)
-    return planted
+@contextmanager
+def rolled_experts():
+    """A planted error for the duration: DMuon's batched Newton–Schulz result rolled by one
+    matrix, so each expert slice gets its neighbour's orthogonalized update (a slice-to-expert
+    mix-up)."""
+    from dmuon.optim import muon_math
+
+    original = muon_math.zeropower_via_newtonschulz_batched
+    muon_math.zeropower_via_newtonschulz_batched = (
+        lambda *args, **kwargs: original(*args, **kwargs).roll(1, dims=0))
+    try:
+        yield
+    finally:
+        muon_math.zeropower_via_newtonschulz_batched = original
 
 
 def train(kind: str, mode: str, steps: int = STEPS, plant: str | None = None) -> dict:
     """DMuon with the default selection in ``mode`` (ddp, z2, z3, hsdp-z3) for ``steps`` steps:
     the dedicated params this rank owns, the assignments and the Newton–Schulz count.
-    ``plant="roll-experts"`` plants :func:`_roll_experts` in DMuon's batched Newton–Schulz (the
+    ``plant="roll-experts"`` plants :func:`rolled_experts` in DMuon's batched Newton–Schulz (the
     test that the comparison can fail)."""
     if plant is not None:
         if plant != "roll-experts":
             raise ValueError(f"Invalid plant={plant!r}. Must be None or 'roll-experts'.")
-        from dmuon.optim import muon_math
-        original = muon_math.zeropower_via_newtonschulz_batched
-        muon_math.zeropower_via_newtonschulz_batched = _roll_experts(original)
-        try:
+        with rolled_experts():
             return train(kind, mode, steps)
-        finally:
-            muon_math.zeropower_via_newtonschulz_batched = original
     rank = dist.get_rank()
     mesh = _mesh("hsdp" if mode.startswith("hsdp") else "flat")
     model = make_model(kind)

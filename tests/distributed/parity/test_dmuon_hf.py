@@ -89,7 +89,7 @@ def test_every_muon_param_lands_on_the_oracle(pool2, pool4, oracles, kind, mode)
 @pytest.mark.parametrize("world", [2, 4])
 def test_a_planted_expert_mix_up_fails_the_comparison(pool2, pool4, oracles, world):
     """The control: each expert slice given its neighbour's orthogonalized update
-    (``hf_tasks._roll_experts``) must sit far outside DIST_TOL on the expert stacks, at both
+    (``hf_tasks.rolled_experts``) must sit far outside DIST_TOL on the expert stacks, at both
     world sizes and step counts the test above compares."""
     pool, mode = (pool4, "hsdp-z3") if world == 4 else (pool2, "z2")
     results = pool.run_with_timeout(TIMEOUT_S, H.train, "qwen3-moe", mode, STEPS_AT[world],
