@@ -91,12 +91,12 @@ def test_a_reused_run_folder_reports_only_this_runs_errors(tmp_path, capsys, mon
     (out / "dmuon-z2" / "error_rank0.txt").write_text("Traceback...\nValueError: stale error\n")
     (out / "exit_code").write_text("0\n")
 
-    def worker_fails(cmd, env):  # torchrun stands in: this run's dmuon-ddp raises on rank 1
+    def worker_fails(cmd, env, out_dir):  # torchrun stands in: this run's dmuon-ddp raises on rank 1
         (out / "dmuon-ddp").mkdir()
         (out / "dmuon-ddp" / "error_rank1.txt").write_text("Traceback...\nValueError: this run\n")
-        return 1
+        return 1, ""
 
-    monkeypatch.setattr(launch.subprocess, "call", worker_fails)
+    monkeypatch.setattr(launch, "supervise", worker_fails)
     assert launch.main(["--nproc", "2", "--backend", "gloo", "--out-dir", str(out),
                         "--modes", "dmuon-ddp"]) == 1
     err = capsys.readouterr().err
@@ -104,7 +104,7 @@ def test_a_reused_run_folder_reports_only_this_runs_errors(tmp_path, capsys, mon
     assert "stale error" not in err and not (out / "dmuon-z2" / "error_rank0.txt").exists()
     assert (out / "exit_code").read_text() == "1\n"  # this run's code, not the earlier verdict
 
-    monkeypatch.setattr(launch.subprocess, "call", lambda cmd, env: 0)  # a run that wrote no verdict
+    monkeypatch.setattr(launch, "supervise", lambda cmd, env, out_dir: (0, ""))  # no verdict written
     assert launch.main(["--nproc", "2", "--backend", "gloo", "--out-dir", str(out),
                         "--modes", "dmuon-ddp"]) == 1
     assert "no verdict" in capsys.readouterr().err
@@ -118,11 +118,11 @@ def test_the_workers_verdict_is_the_exit_code_and_recorded(tmp_path, capsys, mon
 
     out = tmp_path / "run"
 
-    def worker(cmd, env):  # torchrun stands in: rank 0 wrote its verdict
+    def worker(cmd, env, out_dir):  # torchrun stands in: rank 0 wrote its verdict
         (out / "exit_code").write_text(f"{verdict}\n")
-        return 0
+        return 0, ""
 
-    monkeypatch.setattr(launch.subprocess, "call", worker)
+    monkeypatch.setattr(launch, "supervise", worker)
     assert launch.main(["--nproc", "2", "--backend", "gloo", "--out-dir", str(out)]) == verdict
     meaning = "pass" if verdict == 0 else "a check failed"
     assert capsys.readouterr().err.strip().splitlines()[-1] == (

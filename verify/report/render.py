@@ -15,7 +15,9 @@ Glossary: W = world size, N = shard-group size (``shard_size``), R = replicate-g
 
 from __future__ import annotations
 
+import functools
 import json
+import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from statistics import median
@@ -505,7 +507,8 @@ def format_markdown(report: Mapping) -> str:
         "",
         tab(all_params_rows(report), "github"),
         "",
-        "![ratio to P_M per mode](traffic.png)",
+        "![ratio to P_M per mode](traffic.png)" if load_plots() is not None
+        else "(no traffic.png: matplotlib is not installed here)",
     ]
     md += _params_md(report)
     md += _busiest_and_time_md(report)
@@ -720,20 +723,33 @@ def read_report(path: str | Path) -> dict:
     return report
 
 
+@functools.cache
+def load_plots():
+    """The module ``verify.report.plots``, or ``None`` where matplotlib (the ``plots`` extra)
+    cannot be imported; then says once on stderr that the run writes every file but its PNGs."""
+    try:
+        from verify.report import plots
+    except ModuleNotFoundError as exc:
+        print(f"verify-traffic: writing no PNG (traffic.png, memory.png, timelines); every other "
+              f"file is written. {exc}", file=sys.stderr, flush=True)
+        return None
+    return plots
+
+
 def write_report(report: Mapping, out_dir: str | Path) -> dict[str, Path]:
     """Write report.json, report.md, junit.xml (``verify.report.junit``: one test case per
     mode × check) and traffic.png into ``out_dir`` (created if needed).
 
     Returns:
         ``{"json": path, "markdown": path, "junit": path, "traffic_png": path}``, and
-        ``"memory_png"`` where a run carries DMuon's memory (``verify.report.memory_view``).
+        ``"memory_png"`` where a run carries DMuon's memory (``verify.report.memory_view``);
+        without matplotlib no PNG (:func:`load_plots`) and no ``*_png`` key.
 
     Raises:
         ValueError: ``report`` does not follow the data model (see :func:`validate_report`).
     """
     from verify.report.junit import junit_xml
     from verify.report.memory_view import plot_memory
-    from verify.report.plots import plot_traffic  # matplotlib import only when plotting
 
     text = report_json(report)  # validates before anything is written
     out = Path(out_dir)
@@ -743,7 +759,11 @@ def write_report(report: Mapping, out_dir: str | Path) -> dict[str, Path]:
     paths["json"].write_text(text, encoding="utf-8")
     paths["markdown"].write_text(format_markdown(report), encoding="utf-8")
     paths["junit"].write_text(junit_xml(report), encoding="utf-8")
-    plot_traffic(report, paths["traffic_png"])
+    plots = load_plots()  # matplotlib only when plotting; None without it (said once)
+    if plots is None:
+        del paths["traffic_png"]
+        return paths
+    plots.plot_traffic(report, paths["traffic_png"])
     if plot_memory(report, out / "memory.png") is not None:  # DMuon runs' bytes per rank
         paths["memory_png"] = out / "memory.png"
     return paths

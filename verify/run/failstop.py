@@ -17,7 +17,9 @@ agent, not in a worker, and survives a worker's death):
    ``left/<rank>`` and **leaves** (its process ends, which breaks the blocked waits with
    "Connection closed by peer");
 4. a rank that finds the run broken (a peer posted ``left``, torchrun sent SIGTERM because a
-   worker died, or the gather itself failed) stops running modes; rank 0 waits up to
+   worker died, or the gather itself failed) stops running modes; the reporting rank
+   (:meth:`Board.claim_report`: rank 0, or the first surviving rank to claim it once rank 0
+   has not within :data:`COLLECT_S`, so that rank 0's own death is reported too) waits up to
    :data:`COLLECT_S` for the others' statuses and writes the report: the failed mode with
    every rank's error (the first rank whose error is not a consequence, a broken connection
    or torchrun's SIGTERM, named first), the ranks that posted nothing (their process died:
@@ -177,9 +179,21 @@ class Board:
                 return self.broken(mode)
             time.sleep(POLL_S)
 
+    def claim_report(self, wait_s: float = COLLECT_S) -> bool:
+        """Whether this rank writes the report of the stopped run. Rank 0 claims it at once;
+        another rank waits ``wait_s`` seconds for rank 0's claim (rank 0 died, or is blocked)
+        and then claims it itself; the store's ``compare_set`` lets exactly one claim win."""
+        if self.rank != 0:
+            deadline = time.monotonic() + wait_s
+            while time.monotonic() < deadline:
+                if self.store.check(["reporter"]):
+                    return False
+                time.sleep(POLL_S)
+        return self.store.compare_set("reporter", "", str(self.rank)).decode() == str(self.rank)
+
     def broken(self, mode: str, collect_s: float = 0.0) -> Broken:
-        """What the store says about ``mode`` now; rank 0 passes ``collect_s`` to wait for
-        every rank's status first."""
+        """What the store says about ``mode`` now; the reporting rank passes ``collect_s`` to
+        wait for every rank's status first."""
         deadline = time.monotonic() + collect_s
         statuses = self.statuses(mode)
         while len(statuses) < self.world and time.monotonic() < deadline:

@@ -11,7 +11,14 @@ Traces and reports go to ``traces/<run-id>/`` (or ``--out-dir``). The exit code:
 passed, 1 a check failed (verify.run.main's verdict: its last line names which, by mode) or a
 worker failed (torchrun's status is printed), 2 bad input, 3 ``--backend nccl`` without a GPU.
 It is also written to ``<out>/exit_code`` and printed on stderr (``verify.run.ci``: ``make``
-turns every failure into 2, ``bin/dmuon-ci verify-traffic`` returns the code itself).
+turns every failure into 2, ``bin/dmuon-ci verify-traffic`` returns the code itself); 5 where
+the output could not be written (the disk is full: ``verify.run.ci.EXIT_OUTPUT``).
+
+The launcher always ends and takes its process tree with it (:func:`supervise`): once the run's
+verdict is written it gives torchrun :data:`VERDICT_GRACE_S` seconds to end (a rank that hung
+keeps torchrun waiting after its peers exit), then stops torchrun and every worker; SIGTERM,
+SIGINT or SIGHUP to the launcher stop the tree the same way, and on Linux torchrun gets SIGTERM
+when the launcher dies by any means (``PR_SET_PDEATHSIG``).
 """
 
 from __future__ import annotations
@@ -21,14 +28,17 @@ import contextlib
 import datetime
 import io
 import os
+import signal
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import torch
 
 from tracer.fr.parse import flight_recorder_env
-from verify.run.ci import record_exit
+from verify.run.ci import EXIT_OUTPUT, read_code, record_exit, reserve_exit
 from verify.run.nodes import NODE_FILE, report_elsewhere
 from verify.run.main import EXIT_MISMATCH, EXIT_NO_HARDWARE, EXIT_USAGE, VERDICT_FILE, parse_args
 from verify.run.runner import RunConfig
@@ -126,6 +136,106 @@ def resolve_backend(backend: str, gpus: int, nproc: int | None) -> tuple[bool, i
 TRANSPORT_ERRORS = ("gloo/transport", "Connection reset by peer", "Connection closed by peer")
 
 
+#: Seconds torchrun may still run after the run's verdict is in ``<out>/exit_code`` (the report
+#: is written) before the launcher stops it: the time a finished job needs to exit.
+VERDICT_GRACE_S = 15.0
+#: Seconds between SIGTERM and SIGKILL when the launcher stops torchrun and its workers.
+KILL_GRACE_S = 5.0
+#: Poll period of :func:`supervise` (seconds).
+POLL_S = 0.2
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live descendant of ``pid`` (children first), from ``/proc/<p>/stat``'s parent
+    field; ``[]`` where ``/proc`` is absent. torchrun starts each worker in a session of its own,
+    so a process-group signal does not reach them; this list does."""
+    parents: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:  # "pid (comm) state ppid ...": comm may hold spaces and parentheses
+            fields = stat.read_text().rpartition(")")[2].split()
+            parents.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+        except (OSError, ValueError, IndexError):  # the process ended meanwhile
+            continue
+    out, todo = [], [pid]
+    while todo:
+        kids = parents.get(todo.pop(0), [])
+        out += kids
+        todo += kids
+    return out
+
+
+def stop_tree(proc: subprocess.Popen, grace_s: float = KILL_GRACE_S) -> None:
+    """Stop ``proc`` and every process under it: SIGTERM to all of them (torchrun then closes
+    its workers too), SIGKILL to those still alive ``grace_s`` seconds later, then reap ``proc``."""
+    tree = descendants(proc.pid)
+    for pid in [proc.pid, *tree]:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGTERM)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=grace_s)
+    for pid in [proc.pid, *tree, *descendants(proc.pid)]:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
+    proc.wait()
+
+
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
+    """The child's ``preexec_fn`` on Linux: SIGTERM when the launcher dies (``prctl(2)``
+    ``PR_SET_PDEATHSIG``), so that not even a SIGKILL of the launcher leaves torchrun running."""
+    import ctypes
+
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+
+
+class Interrupted(Exception):
+    """The launcher received a signal that ends it (its number in ``signum``)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def supervise(cmd: list[str], env: dict[str, str] | None, out_dir: Path,
+              verdict_grace_s: float = VERDICT_GRACE_S, kill_grace_s: float = KILL_GRACE_S) -> tuple[int, str]:
+    """Run ``cmd`` (torchrun) to its end, or until the run's verdict has been in
+    ``<out_dir>/exit_code`` for ``verdict_grace_s`` seconds, or until the launcher is told to
+    stop (SIGTERM, SIGINT, SIGHUP); in the last two cases stop its whole tree (:func:`stop_tree`).
+
+    Returns:
+        ``(returncode, why)``: torchrun's exit status and ``""`` where it ended by itself, else
+        ``-1`` and one line saying why it was stopped.
+    """
+    def on_signal(signum, frame):  # noqa: ARG001
+        raise Interrupted(signum)
+
+    linux = sys.platform.startswith("linux")
+    proc = subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent if linux else None)
+    previous = {}
+    if threading.current_thread() is threading.main_thread():  # where handlers may be set
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            previous[sig] = signal.signal(sig, on_signal)
+    try:
+        verdict_at = None
+        while proc.poll() is None:
+            if verdict_at is None and read_code(out_dir) is not None:
+                verdict_at = time.monotonic()
+            if verdict_at is not None and time.monotonic() - verdict_at > verdict_grace_s:
+                why = (f"the report's verdict was written {verdict_grace_s:.0f} s ago and torchrun "
+                       "has not ended (a rank is hung or did not exit); stopped torchrun and its "
+                       "workers")
+                stop_tree(proc, kill_grace_s)
+                return -1, why
+            time.sleep(POLL_S)
+        return proc.returncode, ""
+    except Interrupted as exc:
+        stop_tree(proc, kill_grace_s)
+        return -1, f"interrupted by {signal.Signals(exc.signum).name}; stopped torchrun and its workers"
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
 def rank_errors(out_dir: Path) -> str:
     """What the ranks recorded before a worker died (``<mode>/error_rank<r>.txt``, written by
     ``verify.run.runner`` when a mode raises on a rank; :func:`main` removes an earlier run's
@@ -136,7 +246,9 @@ def rank_errors(out_dir: Path) -> str:
     for path in sorted(out_dir.glob("*/error_rank*.txt")):
         lines = [ln for ln in path.read_text(errors="replace").splitlines() if ln.strip()]
         rank = path.stem.removeprefix("error_rank")
-        found.append(f"FAIL: {path.parent.name} raised on rank {rank}: {lines[-1] if lines else '?'}")
+        said = lines[-1] if lines else ("its error file is empty (the error could not be written: "
+                                        "is the disk full?)")
+        found.append(f"FAIL: {path.parent.name} raised on rank {rank}: {said}")
     # a peer's broken connection is a consequence: the ranks' own errors first
     found.sort(key=lambda text: any(mark in text for mark in TRANSPORT_ERRORS))
     return "; ".join(found)
@@ -233,31 +345,44 @@ def main(argv: list[str] | None = None) -> int:
     if problem:  # one line and exit 2 here, not the same error from every rank under torchrun
         print(f"make verify-traffic: error: {problem}", file=sys.stderr)
         return record_exit(out_dir, EXIT_USAGE, PROG)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    clear_run_outputs(out_dir)  # only this run's errors and verdict are read below
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        clear_run_outputs(out_dir)  # only this run's errors and verdict are read below
+        reserve_exit(out_dir)  # rank 0's verdict and this launcher's code fit on a full disk
+    except OSError as exc:
+        print(f"make verify-traffic: error: cannot write the output folder {out_dir}: {exc}",
+              file=sys.stderr)
+        return record_exit(out_dir, EXIT_OUTPUT, PROG)
     cpu_why = "" if args.backend == "gloo" else " (no ≥2 GPUs visible)"
     where = f"{nproc} GPU(s), NCCL" if use_nccl else f"{nproc} local CPU processes, gloo{cpu_why}"
     nodes = f" per node, {args.nnodes} nodes" if args.nnodes > 1 else ""
     print(f"verify-traffic: {where}{nodes}; output in {out_dir}/", flush=True)
     cmd = launch_command(nproc, out_dir, [*extra, "--backend", "nccl" if use_nccl else "gloo"],
                          rendezvous)
-    code = subprocess.call(cmd, env=launch_env(use_nccl, out_dir))
-    verdict = out_dir / VERDICT_FILE
+    code, stopped = supervise(cmd, launch_env(use_nccl, out_dir), out_dir)
+    verdict = read_code(out_dir)  # rank 0's (or the reporting rank's) verdict, or None
+    if stopped:
+        print(f"verify-traffic: {stopped}", file=sys.stderr, flush=True)
+        if verdict is not None and not stopped.startswith("interrupted"):
+            return record_exit(out_dir, verdict, PROG)
+        return record_exit(out_dir, EXIT_MISMATCH, PROG)
     if code != 0:
         raised = rank_errors(out_dir)
         cause = f"; {raised}" if raised else ""
-        if verdict.is_file():  # rank 0 reported the failure (verify.run.failstop)
-            cause = f"; rank 0's report names it: {out_dir / 'report.md'}"
+        if verdict is not None:  # a rank reported the failure (verify.run.failstop)
+            cause = f"; the report names it: {out_dir / 'report.md'}"
         print(f"verify-traffic: torchrun exited with {code} (a worker failed; see above){cause}",
               file=sys.stderr)
-        return record_exit(out_dir, EXIT_MISMATCH, PROG)  # the run failed: 1, whatever torchrun's
+        # the run failed: 1 whatever torchrun's, 5 where the report said the disk is full
+        return record_exit(out_dir, EXIT_OUTPUT if verdict == EXIT_OUTPUT else EXIT_MISMATCH, PROG)
     elsewhere = report_elsewhere(out_dir)
     if elsewhere:  # a node without rank 0: the verdict came through the store
         print(f"verify-traffic: {elsewhere}", flush=True)
-    if not verdict.is_file():
-        print(f"verify-traffic: no verdict in {verdict}; the run did not finish", file=sys.stderr)
+    if verdict is None:
+        print(f"verify-traffic: no verdict in {out_dir / VERDICT_FILE}; the run did not finish",
+              file=sys.stderr)
         return record_exit(out_dir, EXIT_MISMATCH, PROG)
-    return record_exit(out_dir, int(verdict.read_text()), PROG)
+    return record_exit(out_dir, verdict, PROG)
 
 
 if __name__ == "__main__":

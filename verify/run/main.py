@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from tracer.progress import terminal_bar
 from verify.workload.data import global_batch_size
-from verify.run.ci import EXIT_FILE
+from verify.run.ci import EXIT_FILE, EXIT_OUTPUT, disk_full_text, is_disk_full, write_code
 from verify.run.collect import DEFAULT_MAX_MB, collect_to_rank0
 from verify.run.failstop import Board, exit_now, watch_sigterm
 from verify.run.nodes import node_map, this_node, write_node_file
@@ -251,15 +251,23 @@ def main(argv: list[str] | None = None) -> int:
     collected = None
     if board.stopped is None and nodes["count"] > 1:  # no shared filesystem: files to rank 0
         collected = collect_to_rank0(args.out_dir, args.collect_max_mb * 2**20)
-    if rank == 0:
+    if report is not None:  # rank 0, or the survivor that reports a stopped run
         report["nodes"] = {**nodes, "collected": collected}
         if collected and collected["error"]:
             print(f"verify-traffic: {collected['error']}", file=sys.stderr, flush=True)
-        code = _finish(report, Path(args.out_dir), wide=args.wide, baseline=args.baseline,
-                       write_baseline=args.write_baseline, use_default=not args.no_baseline)
+        try:
+            code = _finish(report, Path(args.out_dir), wide=args.wide, baseline=args.baseline,
+                           write_baseline=args.write_baseline, use_default=not args.no_baseline)
+        except OSError as exc:  # the report did not fit: say where, exit 5 (verify.run.ci)
+            if not is_disk_full(exc):
+                raise
+            print(f"verify-traffic: {disk_full_text(exc.filename or args.out_dir, exc)}",
+                  file=sys.stderr, flush=True)
+            code = EXIT_OUTPUT
         # torchrun turns a worker's non-zero exit into a crash report; the verdict travels
-        # through a file instead and verify.run.launch returns it as its exit code.
-        (Path(args.out_dir) / VERDICT_FILE).write_text(f"{code}\n")
+        # through a file instead and verify.run.launch returns it as its exit code (written in
+        # place: the launcher reserved the file, so it fits on a full disk).
+        write_code(Path(args.out_dir) / VERDICT_FILE, code)
         board.store.set("verdict", str(code))
     elif nodes["of_rank"][rank] != nodes["of_rank"][0] and int(os.environ.get("LOCAL_RANK", "0")) == 0:
         _node_verdict(board, nodes, rank, args)  # this node's launcher returns rank 0's verdict
@@ -281,7 +289,7 @@ def _node_verdict(board, nodes: dict, rank: int, args) -> None:
     node = nodes["of_rank"][rank]
     write_node_file(args.out_dir, node, [r for r, n in enumerate(nodes["of_rank"]) if n == node],
                     nodes["hosts"][nodes["of_rank"][0]], code)
-    (Path(args.out_dir) / VERDICT_FILE).write_text(f"{code}\n")
+    write_code(Path(args.out_dir) / VERDICT_FILE, code)
 
 
 def _finish(report: dict, out_dir: Path, wide: bool = False, baseline: str | None = None,

@@ -64,7 +64,7 @@ from verify.run.nodes import node_traffic, own_chunks
 from verify.sources.nccl_source import WindowMark, capture_active, nccl_source_report
 from verify.sources.nvlink import nvlink_report
 from verify.report.checks import failures_of_runs, run_checks
-from verify.report.plots import plot_timeline
+from verify.report.render import load_plots
 from verify.run.figures import add_figures, interposer_source, params_report
 from verify.run.memory_meter import MemoryMeter
 from verify.run.steptime import StepTime, sample
@@ -453,7 +453,8 @@ def _error_failure(mode: str, errors: dict[int, dict], where: str) -> dict:
 
 def run_all(config: RunConfig, progress=None, board: Board | None = None,
             nodes: dict | None = None) -> dict | None:
-    """Run every mode; returns the report dict on rank 0 and ``None`` elsewhere.
+    """Run every mode; returns the report dict on the reporting rank (rank 0; where the run
+    stopped and rank 0 is gone, the surviving rank that claimed it) and ``None`` elsewhere.
 
     ``progress(n)`` is called after every training step on rank 0 (e.g. ``tqdm.update``).
     A mode that raises alike on every rank becomes an ``error`` failure of the report (module
@@ -480,6 +481,7 @@ def run_all(config: RunConfig, progress=None, board: Board | None = None,
     board = board if board is not None else Board()
     runs: list[dict] = []
     errors: list[dict] = []
+    reporter = rank == 0  # where the run stops: the rank that claimed the report
     for i, mode in enumerate(modes):
         board.stopped = board.broken(mode) if board.run_broken() else None
         if board.stopped is None:
@@ -497,9 +499,15 @@ def run_all(config: RunConfig, progress=None, board: Board | None = None,
                 board.post(mode, _record_error(config, mode, exc))
                 board.stopped = board.broken(mode)
         if board.stopped is not None:
-            if rank == 0:
+            reporter = board.claim_report()  # rank 0, or a survivor where rank 0 is gone
+            if reporter:
                 board.stopped = board.broken(mode, collect_s=COLLECT_S)
                 errors += stopped_failures(board.stopped, modes[i + 1:], world)
+                if rank != 0:  # the earlier modes' results were gathered to rank 0
+                    errors += [{"mode": m, "check": "error",
+                                "detail": f"ran, but its results were gathered to rank 0, which "
+                                          f"stopped before writing the report (rank {rank} "
+                                          "wrote it)"} for m in modes[:i]]
             break  # the caller ends the process: its groups cannot be used again
         # every rank is past the mode's collectives: free its communicators before the next
         # mode builds its own (on NCCL 0.5-1.6 GB each; verify.run.groups)
@@ -526,7 +534,7 @@ def run_all(config: RunConfig, progress=None, board: Board | None = None,
         except Exception as exc:
             errors.append(_error_failure(mode, {0: _record_error(config, mode, exc)},
                                          "comparing (rank 0)"))
-    if rank != 0:
+    if rank != 0 and not reporter:
         return None
     failures = failures_of_runs(runs) + errors
     report = {
@@ -598,8 +606,10 @@ def _assemble_run(mode: str, config: RunConfig, source: ModelSource, gathered: l
         # to its last end over all ranks (window close and dumps come after it)
         last = [r["step_bounds_ns"][-1] for r in gathered]
         title = f"{mode} ({source.name}, W={world}, {dist.get_backend()}): last measured step"
-        plot_timeline(timeline.with_suffix(".png"), per_rank, title=title,
-                      t0_ns=min(a for a, _ in last), t1_ns=max(b for _, b in last))
+        plots = load_plots()  # None without matplotlib: every file but the PNGs
+        if plots is not None:
+            plots.plot_timeline(timeline.with_suffix(".png"), per_rank, title=title,
+                                t0_ns=min(a for a, _ in last), t1_ns=max(b for _, b in last))
     if config.qk_clip_tau is not None:  # --qk-clip: the phase's bytes, or n/a and why
         layout = gathered[0]["layout"]
         run["qk_clip"] = (qk_clip_run_entry(layout, events, config.steps_measured, config.qk_clip_tau,
