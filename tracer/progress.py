@@ -58,10 +58,6 @@ class _Bar:
         if self._bar is not None:
             self._bar.update(_size(Path(path)))
 
-    def advance(self, n_bytes: int) -> None:
-        if self._bar is not None:
-            self._bar.update(n_bytes)
-
 
 @contextmanager
 def byte_progress(files: Sequence[str | Path], *, desc: str,

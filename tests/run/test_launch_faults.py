@@ -275,3 +275,30 @@ def test_without_matplotlib_every_file_but_the_pngs_is_written(tmp_path):
         assert (out / name).is_file(), name
     assert not list(out.rglob("*.png"))
     assert "no traffic.png: matplotlib is not installed" in (out / "report.md").read_text()
+
+
+@pytest.mark.distributed
+@pytest.mark.slow  # ~30 s of torchrun
+@pytest.mark.timeout(400)
+def test_a_run_on_a_full_disk_says_so_and_exits_5(tmp_path):
+    """verify-traffic with its output on a 256 KiB tmpfs: the run fills it. It used to end in a
+    raw OSError traceback, "raised on rank N: ?" for every rank, and an empty exit_code that
+    ``bin/dmuon-ci code`` read as 2."""
+    why = _small_tmpfs_available()
+    if why:
+        pytest.skip(why)
+    mnt, kept = tmp_path / "mnt", tmp_path / "kept"
+    mnt.mkdir()
+    run = [sys.executable, "-m", "verify.run.launch", "--nproc", "2", "--out-dir", f"{mnt}/run",
+           "--modes", "dmuon-ddp", "--steps-warmup", "1", "--steps-measured", "1"]
+    # the mount lives as long as the namespace: keep a copy of what the run left
+    shell = ('mount -t tmpfs -o size=256k tmpfs "$1" && shift && "$@"; code=$?; '
+             f'cp -r "{mnt}/run" "{kept}"; exit $code')
+    proc = run_session(["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", shell,
+                        "sh", str(mnt), *run], cwd=REPO, text=True, timeout=300,
+                       env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.returncode == ci.EXIT_OUTPUT, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "the disk is full: writing" in proc.stderr and "--out-dir on another filesystem" in proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert (kept / "exit_code").read_text() == "5\n"
+    assert ci.read_exit_code(kept) == 5

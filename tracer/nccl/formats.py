@@ -15,7 +15,7 @@ another rank's unterminated line) is ignored: records are found by searching for
 ``NCCL INFO `` anywhere in a physical line, never anchored at column 0. Terminal colours
 (:data:`ANSI_RE`) are removed from a line, and a BOM, CR or NUL before a prefix
 (:data:`LEAD_JUNK`) separates it from the text before, before a line is read. A COLL message whose
-prefix was lost is found by its ``<Op>: opCount`` (:func:`coll_heads`).
+prefix was lost is found by its ``<Op>: opCount`` (:func:`iter_coll_heads`).
 
 Every pattern here runs in linear time on any line: searches start at a literal or a
 bounded class, and the three whose plain ``search`` backtracks quadratically on long runs
@@ -143,7 +143,6 @@ OPCOUNT_MARK = ": opCount"
 #: :func:`lost_op_name` reads from its end).
 _OP_RUN_MAX = 64
 _OP_RUN_END_RE = re.compile(r"(?<![A-Za-z])[A-Za-z]+\Z")
-_OP_RUN_RE = re.compile(r"[A-Za-z]+")
 _WORD_CHAR_RE = re.compile(r"\w", re.ASCII)
 #: Characters read before an op name to tell a split name (``"All-Reduce"``) from glued text.
 _GAP_MAX = 16
@@ -168,17 +167,6 @@ def iter_coll_heads(line: str, lo: int = 0, hi: int | None = None) -> Iterator[t
             yield (i if m is None else m.start()), i
             floor = after
         i = line.find(mark, after, hi)
-
-
-def coll_heads(line: str, lo: int = 0, hi: int | None = None) -> list[tuple[int, int]]:
-    """:func:`iter_coll_heads` as a list."""
-    return list(iter_coll_heads(line, lo, hi))
-
-
-def op_run_end(line: str, start: int) -> int:
-    """End of the run of ASCII letters at ``start`` (``start`` itself when there is none)."""
-    m = _OP_RUN_RE.match(line, start)
-    return start if m is None else m.end()
 
 
 def op_token(line: str, colon: int, lo: int = 0) -> str:

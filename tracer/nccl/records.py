@@ -349,12 +349,9 @@ class LineParser:
             self.stats.stripped.update(stripped)
         return prefix, problem
 
-    def feed(self, line_no: int, line: str) -> list[Record]:
-        """Records of physical line ``line_no`` (``line`` with or without its line end)."""
-        return list(self.iter_feed(line_no, line))
-
     def iter_feed(self, line_no: int, line: str) -> Iterator[Record]:
-        """:meth:`feed`, lazily: records are read as they are consumed. A line of more than
+        """Records of physical line ``line_no`` (``line`` with or without its line end), read
+        as they are consumed. A line of more than
         :data:`tracer.nccl.formats.LONG_LINE` UTF-8 bytes holding non-ASCII characters is
         read as a :class:`tracer.nccl.formats.ByteLine` (whether it comes as one, from the
         file reader, or as text)."""

@@ -65,11 +65,6 @@ def split_mode(label: str) -> tuple[str, dict[str, str]]:
     raise ValueError(f"Invalid mode={label!r}. Must be one of {list(RUN_MODES)}.")
 
 
-def base_mode(label: str) -> str:
-    """The mode of :data:`verify.traffic.formulas.MODES` a label runs (:func:`split_mode`)."""
-    return split_mode(label)[0]
-
-
 def variant_targets(rule: str, names: Sequence[str], numels: Mapping[str, int]) -> tuple[str, ...]:
     """The Muon targets a variant dedicates, in ``names``' (model) order.
 
