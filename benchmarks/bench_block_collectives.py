@@ -1,4 +1,4 @@
-"""One block's DMuon traffic as per-owner calls vs one owner-aligned call (issue 9, step 1).
+"""One block's DMuon traffic as per-owner calls vs one owner-aligned call.
 
 For one block whose dedicated matrices are owned by several ranks of a W-rank gloo group,
 compare, in interleaved rounds within one invocation (odd rounds reversed):

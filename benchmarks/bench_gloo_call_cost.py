@@ -1,5 +1,5 @@
-"""CPU and wall time of one gloo collective per kind, at W ranks on this machine (issue 9:
-why DMuon's step time follows its number of calls on a CPU machine).
+"""CPU and wall time of one gloo collective per kind, at W ranks on this machine
+(why DMuon's step time follows its number of calls on a CPU machine).
 
 Each kind DMuon or a baseline issues per step is timed back to back, ``--iters`` calls per
 round, in ``--rounds`` interleaved rounds (odd rounds reversed), within one invocation:

@@ -25,7 +25,7 @@ memory section, ``--logs DIR`` generates the logs there and reuses them in later
 same ``--lines`` / ``--ranks`` (each pass checks the line count it reads), for a loaded
 machine where generating 5M lines takes minutes.
 
-Hostile single lines (``--line-mb 50``, issue 19 item 7): instead of the throughput run, one
+Hostile single lines (``--line-mb 50``): instead of the throughput run, one
 line of that many MB per shape of ``tests/tools/nccl_hostile.py`` (repeated markers, op
 heads, records, look-alike op names, INIT lines, colours, non-ASCII text, invalid UTF-8, ...;
 ``--shapes`` picks some), each parsed by ``write_nccl_parquet`` (what ``dmuon-trace nccl``

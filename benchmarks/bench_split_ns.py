@@ -1,6 +1,6 @@
 """Newton–Schulz of one matrix shared by a team of ranks, against one owner: measured on CPU.
 
-The split (issue 12): the wide orientation X (m, n), m <= n, is cut into ``k`` column blocks
+The split: the wide orientation X (m, n), m <= n, is cut into ``k`` column blocks
 X_j (m, n/k). Per iteration each member computes its Gram part X_j X_j^T (m, m), the team
 all_reduces it (sum, float32), each forms B = bA + cAA redundantly (m^3) and updates its own
 block X_j <- aX_j + B X_j. The Frobenius norm of the prologue is one all_reduce of a scalar.

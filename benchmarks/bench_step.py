@@ -4,10 +4,10 @@ One invocation, ``--world-size`` forked gloo ranks (``tests/distributed/harness.
 models:
 
 - ``mlp``: ``--mlp-layers`` x Linear(``--mlp-dim``, ``--mlp-dim``) + ReLU blocks and a 16-way
-  head, ``--mlp-batch`` random rows per rank (the model of the issue's table);
+  head, ``--mlp-batch`` random rows per rank (the compute-bound workload);
 - ``latency``: the same MLP at ``--latency-layers`` x (``--latency-dim``)² with
   ``--latency-batch`` rows per rank (default 12 x 64², 8 rows: a step made of many small
-  matrices, where each collective's fixed cost dominates; issue 20's latency-bound row);
+  matrices, where each collective's fixed cost dominates; the latency-bound row);
 - ``tinygpt``: the ``make verify-traffic`` model (``verify/workload/model.py`` defaults, byte tokens of
   the standard library, 2 sequences per rank).
 
@@ -47,7 +47,7 @@ run with ``hierarchy="auto"`` (flat on gloo for a one-unit model: docs/traffic-m
 flat or hierarchical") and also as ``<mode>/hier`` and ``<mode>/rest/hier`` with
 ``hierarchy="hierarchical"`` (``--no-hier`` skips them).
 
-Targets (issue 20, W=4, medians of the per-round ratios to the fastest baseline): dmuon-ddp,
+Targets (W=4, medians of the per-round ratios to the fastest baseline): dmuon-ddp,
 dmuon-z2, dmuon-hsdp-z2 <= 1.0; dmuon-z3, dmuon-hsdp-z3 <= 1.15, for every variant of the
 mode (``/block``, ``/rest``), with a PASS/FAIL column.
 
@@ -78,7 +78,7 @@ from verify.run.runner import train_step  # noqa: E402
 
 BASELINES = ("ddp-muon", "zero1-muon", "naive-fsdp2-z2", "naive-fsdp2-z3", "naive-hsdp")
 DMUON = ("dmuon-ddp", "dmuon-z2", "dmuon-z3", "dmuon-hsdp-z2", "dmuon-hsdp-z3")
-#: Issue 20's targets: median ratio to the fastest baseline of the round at W=4.
+#: The targets: median ratio to the fastest baseline of the round at W=4.
 TARGETS = {"dmuon-ddp": 1.0, "dmuon-z2": 1.0, "dmuon-hsdp-z2": 1.0, "dmuon-z3": 1.15,
            "dmuon-hsdp-z3": 1.15}
 CORPUS_BYTES = 200_000

@@ -1,5 +1,5 @@
 """Refuse a step after ``torch.nn.utils.clip_grad_norm_`` where every grad is a plain tensor
-(DDP, ``rest="replicate"``; issue 34, item 2). Local, no collective.
+(DDP, ``rest="replicate"``). Local, no collective.
 
 Why not make torch's function right there: it computes the norm of the grads it is given, and
 after DMuon's backward a dedicated matrix's grad exists on its owner only (the others have

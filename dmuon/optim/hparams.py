@@ -2,7 +2,7 @@
 
 Why it is separate from the update: the Muon update runs only on a matrix's owner, so a value
 checked there raises on the owners while a rank that owns nothing enters the next collective
-and hangs until the process-group timeout (issue 13, failure 6). Everything here is checked
+and hangs until the process-group timeout. Everything here is checked
 in ``DMuon.__init__`` and again at the start of every ``step()`` (a scheduler or the user may
 change ``param_groups``), on every rank, before any collective.
 

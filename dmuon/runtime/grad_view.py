@@ -1,5 +1,5 @@
-"""Dedicated grads as DTensors between backward and ``step()``, where FSDP2 handles the rest
-(issue 34, item 2): ``torch.nn.utils.clip_grad_norm_`` then gives the global norm.
+"""Dedicated grads as DTensors between backward and ``step()``, where FSDP2 handles the rest:
+``torch.nn.utils.clip_grad_norm_`` then gives the global norm.
 
 After DMuon's backward a dedicated matrix's averaged grad exists on its owner only. Under FSDP2
 the other params' grads are DTensor shards on the FSDP2 mesh, whose norms torch reduces over

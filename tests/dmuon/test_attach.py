@@ -1,5 +1,5 @@
 """dmuon.runtime.attach: the class swap that follows a module's moves (``_apply``) keeps the module's
-name, repr, pickling and deep copies, and is undone (issue 17, item 1)."""
+name, repr, pickling and deep copies, and is undone."""
 
 import copy
 import io

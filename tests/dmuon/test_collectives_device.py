@@ -1,4 +1,4 @@
-"""Which device DMuon's collective tensors live on (issue 13, failure 8), tested on CPU with
+"""Which device DMuon's collective tensors live on, tested on CPU with
 introspected / faked backend names: NCCL needs CUDA tensors, gloo takes CPU ones. What
 cannot run here: a real NCCL group (no GPU); the gpu-check runs that path."""
 
@@ -83,8 +83,8 @@ def test_plan_agreement_gathers_on_the_backend_device(monkeypatch):
     ("cuda:nccl", {"meta"}, "nccl"),
 ])
 def test_link_backend_comes_from_the_group_not_the_params(backend, devices, want):
-    """Issue 30: the link policy's key. Before the fix api.py chose "nccl" only for CUDA
-    params, so the ("nccl", {"meta"}) row got gloo's policy."""
+    """The link policy's key is the group's backend: choosing "nccl" only for CUDA params
+    would give the ("nccl", {"meta"}) row gloo's policy."""
     assert C.link_backend(backend, devices) == want
 
 

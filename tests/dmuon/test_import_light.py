@@ -1,5 +1,5 @@
 """``import dmuon`` (and every ``dmuon.*`` module) loads no presentation or dataframe library:
-a training script pays for torch and DMuon only (issue 17, item 6). Tables and plots belong
+a training script pays for torch and DMuon only. Tables and plots belong
 to the CLI side (``verify/``)."""
 
 import json

@@ -1,4 +1,4 @@
-"""Batched Newton–Schulz / Muon update (issue 9, owner-side compute) against the per-matrix
+"""Batched Newton–Schulz / Muon update (owner-side compute) against the per-matrix
 path, for wide, tall and square matrices, with and without Nesterov. The stated tolerance:
 each bfloat16 element of the orthogonalized update equals the loop's or differs by one ulp
 (relative 2**-7); on this CPU build 1 batch in ~20 of small matrices has such an element

@@ -1,4 +1,4 @@
-"""The runtime's layering rules, read from the source (issue 17, item 1):
+"""The runtime's layering rules, read from the source:
 
 - one module changes dedicated params: only ``dmuon/runtime/copies.py`` assigns ``.grad``, ``.data``
   or ``m._parameters[...]`` (with its storage primitives in ``residency.py``, which only

@@ -1,4 +1,4 @@
-"""Fuzzing the NCCL_DEBUG=INFO parser (issue 11): byte-level mutations of every real fixture
+"""Fuzzing the NCCL_DEBUG=INFO parser: byte-level mutations of every real fixture
 in ../shared/fixtures/nccl/, grammar-generated logs (INIT formats 2.4 ... 2.29+, COLL lines
 2.18 ... 2.30, 2.26+ timestamps, PyTorch comm lines; tests/tools/nccl_reference.py) mutated
 the same way, and lines of repeated format words (long-line shapes).
@@ -11,7 +11,7 @@ as in-memory lines. The default run (300 derandomized inputs) takes about 10 s o
 machine (40 s at load 15); the ``slow`` variants (``make test-all``, 3,000 random inputs)
 about ten times that.
 
-Issue 19 adds hostile classes whose right outcome is known per line (about 5 s more):
+The hostile classes add cases whose right outcome is known per line (about 5 s more):
 op-name look-alikes (punctuation, blanks, zero-width and other invisible characters,
 letters of other scripts, NUL, ESC inside or around a name, with and without a prefix;
 colours, which are presentation), garbage before prefixes (BOM, ANSI escapes, CR, NUL, also
@@ -179,7 +179,7 @@ def test_lines_of_repeated_format_words_long(lines):
     _check_bytes([("long.log", "".join(lines).encode())], None, f"{lines!r:.300}")
 
 
-# ------------------------------------------------------------------ issue 19: hostile classes
+# ------------------------------------------------------------------ hostile classes
 #
 # Each class below generates inputs whose right outcome is known per line, and asserts: no
 # traceback (and no hang: the CPU-time limit), no event whose op differs from the line's real

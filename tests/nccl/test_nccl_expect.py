@@ -1,11 +1,11 @@
-"""NCCL-log source: what torch's calls become in an NCCL log (tracer.nccl.expect, issue 30).
+"""NCCL-log source: what torch's calls become in an NCCL log (tracer.nccl.expect).
 
 The logs here are written in NCCL's own COLL / INIT formats (``src/enqueue.cc`` /
 ``src/init.cc``; the 2.21 INIT form of ``shared/fixtures/nccl/nccl_init_complete_
 ncclCommInitRank_format__nccl_issue1412.log``), line by line for what NCCL logs for each call,
 never rendered from the interposer events they are checked against; the point-to-point rule is
 also checked on the real Send / Recv lines of ``nccl_coll_sendrecv_oldformat__nccl_issue584.log``
-(NVIDIA/nccl issue 584). Without the rules the cross-check compared the interposer's calls
+(NVIDIA/nccl#584). Without the rules the cross-check compared the interposer's calls
 with the log as they are and failed every call below (each test asserts that too).
 """
 
@@ -154,7 +154,7 @@ def test_single_send_recv_use_the_pairs_communicator(tmp_path):
 
 
 def test_pair_rule_on_real_send_recv_lines(shared_fixtures):
-    """NVIDIA/nccl issue 584: one process's Send / Recv on two 2-rank communicators; it is the
+    """NVIDIA/nccl#584: one process's Send / Recv on two 2-rank communicators; it is the
     lower rank on one (peer 1) and the higher on the other (peer 0), as torch's pair
     communicators make it. The lines carry no INIT, so each comm is compared on its own."""
     read = parse_nccl_logs([shared_fixtures / "nccl/nccl_coll_sendrecv_oldformat__nccl_issue584.log"])

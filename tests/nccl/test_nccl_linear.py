@@ -1,4 +1,4 @@
-"""Linear time on any line (issue 11, item 2): long adversarial lines parse within a bound
+"""Linear time on any line: long adversarial lines parse within a bound
 measured as a ratio to reading the same file, and the linear matchers that replaced the
 quadratic regex searches return what those regexes define.
 

@@ -1,8 +1,8 @@
 """NCCL_DEBUG=INFO log parser (tracer.nccl.log) on the real fixtures and on edge cases.
 
-Fixtures: ../shared/fixtures/nccl/ (sources in shared/fixtures/SOURCES.md: NVIDIA/nccl issues
-203, 584, 734, 740, 1238, 1412, 1453, 1765, 1814, 2241, PR 1973; nccl-tests issue 29;
-pytorch/torchtitan issue 1369; NCCL docs troubleshooting/logging.rst and
+Fixtures: ../shared/fixtures/nccl/ (sources in shared/fixtures/SOURCES.md: NVIDIA/nccl
+#203, #584, #734, #740, #1238, #1412, #1453, #1765, #1814, #2241 and PR #1973;
+NVIDIA/nccl-tests#29; pytorch/torchtitan#1369; NCCL docs troubleshooting/logging.rst and
 plugins/profiler/inspector/README.md; an unattributed public PyTorch training log).
 """
 
@@ -53,7 +53,7 @@ EXPECTED_EVENTS = {
         (5, AR, 386560, F32, 2, "0x7f0c741162f0", None, None, 2, None, "gpu1", 13135, 0),
         (6, AR, 386560, F32, 2, "0x7f0c7410f0e0", None, None, 2, None, "gpu1", 13135, 1),
         (7, AR, 8192, F32, 2, "0x7f0c7410f0e0", None, None, 3, None, "gpu1", 13135, 1)],
-    # datatype 0 is ncclInt8 (the issue's title says uint8; the enum decides).
+    # datatype 0 is ncclInt8 (the upstream report's title says uint8; the enum decides).
     "nccl_coll_broadcast_uint8_linewrapped__nccl_issue740.log": [
         (1, "broadcast", 16384, "int8", 8, "0x155468002fb0", None, None, 0, 3, "se01gn002", 3874078, 0),
         (3, "broadcast", 16384, "int8", 8, "0x155468002fb0", None, None, 0, 3, "se01gn002", 3874080, 0),
@@ -395,7 +395,7 @@ def test_impossible_timestamp_is_an_issue_and_the_event_is_kept():
     assert "no month 13" in issue.reason and "t_start_ns empty" in issue.reason
 
 
-# ------------------------------------------------------------------ lost prefixes (item 7)
+# ------------------------------------------------------------------ lost prefixes
 
 TT = "nccl_coll_tp_allgather_reducescatter__torchtitan_issue1369.log"
 

@@ -16,7 +16,7 @@ from tracer.nccl.log import ParseIssue, iter_nccl_records, parse_nccl_logs
 
 REAL = ("hopper01:191370:191425 [1] NCCL INFO AllGather: opCount d sendbuff 0x7fa921200000 "
         "recvbuff 0x7fa915800000 count 2097152 datatype 7 op 0 root 0 comm 0x55fca23fc0f0 "
-        "[nranks=2] stream 0x55fca193e8e0")  # torchtitan issue 1369 fixture, line 1
+        "[nranks=2] stream 0x55fca193e8e0")  # pytorch/torchtitan#1369 fixture, line 1
 
 NOISE = st.text(alphabet=st.characters(codec="utf-8", exclude_categories=("Cs",)), max_size=80)
 TOKENS = st.sampled_from(["NCCL INFO ", "NCCL WARN ", ": opCount ", " stream", "comm 0x1 ",

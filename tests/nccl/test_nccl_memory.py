@@ -1,4 +1,4 @@
-"""Memory on one hostile physical line (issue 19, item 7): the traced peak of
+"""Memory on one hostile physical line: the traced peak of
 ``write_nccl_parquet`` (what ``dmuon-trace nccl`` runs) on a 2-3 MB line of each shape of
 ``tests/tools/nccl_hostile.py`` (16 MB in the ``slow`` run) stays within
 
@@ -12,7 +12,7 @@ whatever the line's size: records are resolved 4096 at a time, issues keep excer
 Parquet writer holds one row group of rows (the fixed term covers it and one flush of
 records). Communicators are state kept
 for the whole parse (the summary lists each one), so a line naming thousands of distinct
-ones costs that too. Before issue 19 a 50 MB line cost up to 24x its size (1,216 MiB).
+ones costs that too. Without that bound a 50 MB line cost up to 24x its size (1,216 MiB).
 
 tracemalloc counts Python objects and numpy arrays (Arrow's own pool is not traced), which
 makes the check deterministic; ``benchmarks/bench_nccl_parser.py --line-mb 50`` measures the

@@ -1,4 +1,4 @@
-"""Fuzzing ``dmuon-plan``'s arguments (issue 19): random ``--mesh`` texts, ``--dtype`` names,
+"""Fuzzing ``dmuon-plan``'s arguments: random ``--mesh`` texts, ``--dtype`` names,
 cost-model values, flags, models and stray tokens, in any order. Every input must exit 0 (a
 plan; JSON that parses under ``--json``) or 2 with exactly one line on stderr: never a
 traceback. The ``make test`` profile runs a few seconds; the ``slow`` one many more inputs."""

@@ -207,7 +207,7 @@ def test_verify_traffic_end_to_end_two_processes(tmp_path):
                  "dmuon-z3/layout.json", "dmuon-z3/profiler_rank0.json", "dmuon-z3/profiler_rank1.json"):
         assert (tmp_path / "runs/e2e" / name).is_file(), name
     assert "PASS" in proc.stdout and (tmp_path / "runs/e2e/exit_code").read_text() == "0\n"
-    # issue 33: nothing the user did not ask for (Kineto's USDT markers, tqdm off a terminal),
+    # nothing the user did not ask for (Kineto's USDT markers, tqdm off a terminal),
     # junit.xml beside report.json, and the real report valid under the committed JSON Schema
     for stream in (proc.stdout, proc.stderr):
         assert "USDT" not in stream and "profiler_start" not in stream and "training steps" not in stream

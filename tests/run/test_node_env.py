@@ -1,5 +1,5 @@
 """``tools/node_env.py`` (``make gpu-node``, ``make test-torch``): DMuon over a Python that
-already carries torch, installing nothing already there, offline (issue 30, item 1)."""
+already carries torch, installing nothing already there, offline."""
 
 import importlib.util
 import os

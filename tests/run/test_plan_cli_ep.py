@@ -15,7 +15,7 @@ from verify.plan.cli import ModelLayout, main
 from verify.plan.ep import ep_report, part_traffic, plan_ep, rank_traffic, split_specs
 from verify.workload.presets import Decoder, DecoderConfig, MoEConfig
 
-#: (R, N, E) meshes of the issue's done-when and around it: EP 2 x DP 2, EP 4, R = 2, W = 8;
+#: (R, N, E) meshes the EP support is documented for, and around them: EP 2 x DP 2, EP 4, R = 2, W = 8;
 #: at 2x4x2 the 6 local stacks leave column shard indices 2 and 3 one replicate pair fewer.
 MESHES = [(1, 2, 2), (1, 1, 4), (2, 1, 2), (2, 2, 2), (1, 3, 2), (2, 4, 2)]
 

@@ -1,4 +1,4 @@
-"""``verify-traffic --qk-clip [TAU]`` (issue 34, item 4): the flag reaches RunConfig, bad
+"""``verify-traffic --qk-clip [TAU]``: the flag reaches RunConfig, bad
 values are refused before torchrun with one line, the committed default baseline is skipped
 with its reason (not failed) on a --qk-clip run, and an end-to-end 2-process run shows the
 phase ``qk_clip`` with measured = predicted bytes and n/a for a baseline mode.

@@ -1,4 +1,4 @@
-"""A rank that raises or dies, and two torchrun agents as two nodes (issue 33, items 4-5).
+"""A rank that raises or dies, and two torchrun agents as two nodes.
 
 Before ``verify.run.failstop`` a raise on rank 1 alone hung rank 0 to the 300 s group timeout
 (the report then blamed rank 0's timeout and the next mode vanished), and a rank that died

@@ -1,5 +1,5 @@
 """junit.xml beside report.json: one test case per mode × check, from the checks the report is
-gated on (verify/report/junit.py; issue 33, item 4). Parsed back with the standard library."""
+gated on (verify/report/junit.py). Parsed back with the standard library."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""report.json's ``schema_version`` and its JSON Schema (issue 33, item 4).
+"""report.json's ``schema_version`` and its JSON Schema.
 
 ``verify/report/report.schema.json`` is generated from ``verify.report.schema``'s tables
 (``verify.report.schema_json``); these tests keep the committed file equal to the generator,

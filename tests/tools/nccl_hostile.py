@@ -1,4 +1,4 @@
-"""TEST TOOL: hostile single lines for the NCCL log reader's memory bound (issue 19 item 7).
+"""TEST TOOL: hostile single lines for the NCCL log reader's memory bound.
 
 Each shape is a unit repeated to fill one physical line of a given size: repeated markers,
 op heads, whole records (with and without prefix), op-name look-alikes, INIT and PyTorch

@@ -241,7 +241,7 @@ def physical_lines(draw, pid_lines: list[tuple[tuple, str]]) -> list[str]:
             out += [line[:cut], line[cut:]]
         elif how == "stream" and line.rstrip().endswith(("stream 0x5", "0x55aa00000000")):
             head, _, tail = line.rstrip().rpartition(" ")
-            out += [head, " " + tail]  # NCCL issue 740's wrap: the stream pointer alone
+            out += [head, " " + tail]  # NVIDIA/nccl#740's wrap: the stream pointer alone
         elif how == "join" and out:
             out[-1] += line  # another rank's line without its newline
         elif how == "cut":

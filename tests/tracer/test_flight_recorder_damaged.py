@@ -1,5 +1,5 @@
 """Flight Recorder dumps from elsewhere: crafted pickles never run, and every damaged entry or
-value has a defined outcome (issue 11, items 1 and 3): the entry is listed with its file and
+value has a defined outcome: the entry is listed with its file and
 index while the rest is parsed, or a value is left out with a warning, or the file is named in
 a clear error. Every outcome must still write Parquet."""
 
@@ -59,7 +59,7 @@ def test_malicious_pickle_in_a_dump_folder_runs_nothing(shared_fixtures, n_event
     assert not marker.exists()
     assert len(read.events) == n_events == 16 and len(read.unreadable) == 1
     assert "notes.txt" in read.unreadable[0] and "nothing was run" in read.unreadable[0]
-    # a file not read: exit 2, the events of the others written (issue 19 item 4)
+    # a file not read: exit 2, the events of the others written
     assert dmuon_trace(["fr", str(folder), "--out", str(tmp_path / "e.parquet")]) == 2
     err = capsys.readouterr().err
     assert not marker.exists() and "notes.txt" in err and (tmp_path / "e.parquet").is_file()
@@ -185,7 +185,7 @@ def test_nccl_log_given_to_fr_exits_3(shared_fixtures, tmp_path, capsys):
 
 def test_gzipped_malicious_pickle_is_refused_too(tmp_path):
     """gzip is read decompressed whatever the name; a pickle inside still meets the
-    restricted unpickler (issue 19 item 3)."""
+    restricted unpickler."""
     import gzip
 
     marker = tmp_path / "pwned"

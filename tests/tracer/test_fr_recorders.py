@@ -1,4 +1,4 @@
-"""Flight Recorder on NCCL (issue 30): the recorders of the backends in use are dumped.
+"""Flight Recorder on NCCL: the recorders of the backends in use are dumped.
 
 ProcessGroupNCCL records into the CUDA recorder, dumped by
 ``torch._C._distributed_c10d._dump_nccl_trace_json``, which the CPU wheel does not have. These

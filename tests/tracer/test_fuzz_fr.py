@@ -1,4 +1,4 @@
-"""Fuzzing the Flight Recorder parser (issue 11): byte-level mutations of the real dumps (JSON
+"""Fuzzing the Flight Recorder parser: byte-level mutations of the real dumps (JSON
 and pickled) and grammar-generated dumps. Every input must give events that write to Parquet
 plus listed issues, or a documented ``ValueError``: no other exception, no hang (per-input
 limit), nothing dropped silently, and a pickle never calls anything."""

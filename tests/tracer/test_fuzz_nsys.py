@@ -1,4 +1,4 @@
-"""Fuzzing the nsys export parser (issue 11): byte-level mutations of the real export and
+"""Fuzzing the nsys export parser: byte-level mutations of the real export and
 grammar-generated exports (the real DDL, rows of every SQLite type). Every input must parse to
 events that write to Parquet (with damaged rows listed) or raise the documented ``ValueError``
 naming the file: no other exception, no hang (per-input limit)."""

@@ -1,5 +1,5 @@
 """Kineto's ``USDT ... profiler_start / profiler_stop`` lines stay off the terminal, other
-stderr output does not (tracer/kineto_log.py; issue 33, item 4).
+stderr output does not (tracer/kineto_log.py).
 
 Kineto prints from C++ onto file descriptor 2, so each case runs in a fresh Python process
 and reads that process's real stderr. The bare profiler is run first in the same process:

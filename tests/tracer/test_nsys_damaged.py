@@ -1,4 +1,4 @@
-"""nsys exports from elsewhere (issue 11, item 4): an empty NVTX table, corrupt pages, NULL
+"""nsys exports from elsewhere: an empty NVTX table, corrupt pages, NULL
 thread ids, text where integers belong and invalid UTF-8 each get a defined outcome: no events
 and a warning, a clear error naming the file, or a skipped row named by table, column, rowid."""
 

@@ -1,4 +1,4 @@
-"""``dmuon-trace``'s shared conventions (issue 11, item 6): one exit-code convention for every
+"""``dmuon-trace``'s shared conventions: one exit-code convention for every
 subcommand, errors on stderr, ``--out`` checked before parsing, subcommands from one table."""
 
 from __future__ import annotations
@@ -108,7 +108,7 @@ def test_training_bar_only_on_a_terminal(monkeypatch):
     assert "training steps" in progress.sys.stderr.getvalue() and bar.n == 3
 
 
-# ------------------------------------------------------------ issue 19: gzip, folders, stderr
+# ------------------------------------------------------------ gzip, folders, stderr
 
 PROFILER = "profiler/torch2.13cpu_gloo_ws4_profiler_chrome_trace_collective_events_rank0.json"
 FR_JSON = "flight_recorder/torch2.13cpu_gloo_ws4_flight_recorder_dump_fr_trace_json_rank0.json"

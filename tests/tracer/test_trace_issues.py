@@ -1,5 +1,5 @@
 """``dmuon-trace``: dropped lines are a non-zero exit unless ``--lenient``; impossible calls are
-issues, not events (tracer/cli.py, tracer.events.impossible_reason; issue 33, item 6).
+issues, not events (tracer/cli.py, tracer.events.impossible_reason).
 
 The NCCL lines are hand-written in NCCL's COLL format (as in the fixture logs of
 ../shared/fixtures/nccl); each impossible value is checked on both the vectorized and the

@@ -1,4 +1,4 @@
-"""Layering (issue 10) and fast start (issue 11): ``tracer/`` imports neither ``dmuon`` nor
+"""Layering and fast start: ``tracer/`` imports neither ``dmuon`` nor
 ``verify``, and nothing but the interposer imports torch; a ``dmuon-trace`` parse leaves torch
 out of ``sys.modules``. Each check runs in a fresh interpreter (this one has torch loaded)."""
 

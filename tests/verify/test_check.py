@@ -1,5 +1,5 @@
 """``dmuon-verify check``: per-rank alignment, named missing / unexpected calls, up-front input
-validation (issue 11, item 5). The prediction is the harness's own for a small DMuon layout."""
+validation. The prediction is the harness's own for a small DMuon layout."""
 
 from __future__ import annotations
 

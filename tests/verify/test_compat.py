@@ -1,4 +1,4 @@
-"""The harness runs on torch 2.11 through the newest (issue 30, item 1): every call to a
+"""The harness runs on torch 2.11 through the newest: every call to a
 name newer than 2.11 goes through a fallback (``verify._compat``, DMuon's in
 ``dmuon.runtime.collectives``). On 2.11 a direct ``dist.all_gather_single(...)`` raised
 AttributeError in every zero1 / TP baseline of verify-traffic; these tests catch such a call

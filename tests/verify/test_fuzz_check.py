@@ -1,4 +1,4 @@
-"""Fuzzing ``dmuon-verify check`` (issue 11): mutated event tables (rows dropped, duplicated,
+"""Fuzzing ``dmuon-verify check``: mutated event tables (rows dropped, duplicated,
 altered; columns retyped or nulled; bytes of the Parquet file damaged). Every input must give
 exit 0 / 1 with each difference named, or exit 2 with a message: never a traceback. With
 ``--steps`` fixed, the named differences must add up exactly to the rows dropped and added."""

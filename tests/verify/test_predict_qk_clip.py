@@ -1,4 +1,4 @@
-"""The traffic predictor's QK-clip call (issue 34, item 4): one MAX all_reduce of 4 bytes a
+"""The traffic predictor's QK-clip call: one MAX all_reduce of 4 bytes a
 head per rank and step over all W ranks, its own phase ``qk_clip``, no Muon payload (what
 DMuon + ``QKClip`` on TinyGPT issues is checked against it in
 ``tests/distributed/parity/test_dmuon_qk_clip.py``).

@@ -1,6 +1,6 @@
 """``dmuon-plan --ep E``: DMuon × expert parallelism on an (R, N, E) mesh, W = R·N·E.
 
-Derived from the EP protocol of issue 32 (docs/traffic-model.md, "Expert parallelism"), not
+Derived from the documented EP protocol (docs/traffic-model.md, "Expert parallelism"), not
 from the runtime. An **expert stack** is a 3-D Muon param ``(X, a, b)`` in the stack layout
 (X matrices of a × b, ``ParamSpec.matrix`` ``None``); EP shards it ``Shard(0)`` over the
 ``"ep"`` axis, so rank (r, s, e) holds the local stack ``(X/E, a, b)`` of experts

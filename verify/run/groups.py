@@ -13,7 +13,7 @@ on the DMuon modes a ``DedicatedParams`` (DMuon's own groups, hooks on the model
 frees them when the mode ends: the hooks keep the model in a reference cycle through C++
 autograd metadata that ``gc`` cannot see, and every group stays registered in
 ``torch.distributed``. On NCCL each group holds a communicator (0.5-1.6 GB of device memory
-each, issue 30), so ten modes pile them up. The scope closes the DMuon handles and destroys
+each), so ten modes pile them up. The scope closes the DMuon handles and destroys
 every group created since it opened, in creation order, on every rank.
 """
 

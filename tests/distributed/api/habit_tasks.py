@@ -1,5 +1,4 @@
-"""Rank-side tasks: habits of FSDP2 / DDP scripts that must fail with an error naming the fix
-(issue 34, item 6)."""
+"""Rank-side tasks: habits of FSDP2 / DDP scripts that must fail with an error naming the fix."""
 
 from __future__ import annotations
 

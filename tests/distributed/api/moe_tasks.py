@@ -1,4 +1,4 @@
-"""Conditional execution under DMuon (issue 13, failure 7): a 4-expert top-1-routed MoE whose
+"""Conditional execution under DMuon: a 4-expert top-1-routed MoE whose
 experts go idle on some ranks, an expert no token reaches, and a module used on rank 0 only."""
 
 from __future__ import annotations

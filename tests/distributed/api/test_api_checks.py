@@ -1,4 +1,4 @@
-"""Validation on every rank, before any collective (issue 13, failures 6 and 9)."""
+"""Validation on every rank, before any collective."""
 
 import pytest
 import torch

@@ -1,4 +1,4 @@
-"""Checkpointing with the standard calls (issue 13, failure 1): resume is bit-identical.
+"""Checkpointing with the standard calls: resume is bit-identical.
 
 Every check compares with ``torch.equal`` (bit-identity, no tolerance): a checkpoint moves
 values without arithmetic, and a resumed run repeats the uninterrupted run's reductions in the

@@ -1,4 +1,4 @@
-"""Conditional execution is never silently wrong (issue 13, failure 7): MoE experts idle on
+"""Conditional execution is never silently wrong: MoE experts idle on
 some ranks, an expert idle everywhere and a module used on rank 0 only train like a
 single-process torch.optim.Muon oracle, within the timeout."""
 

@@ -1,4 +1,4 @@
-"""Habits of FSDP2 / DDP scripts get an error (or warning) that names the fix (issue 34, item 6).
+"""Habits of FSDP2 / DDP scripts get an error (or warning) that names the fix.
 
 What each test saw before its fix:
 

@@ -1,4 +1,4 @@
-"""torch's clipping functions in a DMuon script (issue 34, item 2).
+"""torch's clipping functions in a DMuon script.
 
 Where every grad is a plain tensor (DDP, ``rest="replicate"``) ``torch.nn.utils.clip_grad_norm_``
 over ``model.parameters()`` sees each dedicated grad on its owner only, so each rank clips by

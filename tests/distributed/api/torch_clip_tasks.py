@@ -1,4 +1,4 @@
-"""Rank-side tasks: torch's own clipping functions in a DMuon script (issue 34, item 2)."""
+"""Rank-side tasks: torch's own clipping functions in a DMuon script."""
 
 from __future__ import annotations
 

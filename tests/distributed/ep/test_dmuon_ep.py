@@ -1,4 +1,4 @@
-"""DMuon under expert parallelism matches single-process Muon (issue 32, items 2 and 3).
+"""DMuon under expert parallelism matches single-process Muon.
 
 On EP 2 x DP 2 and EP 4 (W=4), in Z2 and Z3, after 3 steps: every param every rank holds (an
 expert stack as its local experts, which must be the oracle's slice for its EP index) is within

@@ -1,4 +1,4 @@
-"""Rank-side tasks for DMuon with torch-style param groups (issue 34, item 1).
+"""Rank-side tasks for DMuon with torch-style param groups.
 
 The groups (by param name of ``dmuon_tasks.SMALL``'s TinyGPT):
 

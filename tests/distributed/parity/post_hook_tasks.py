@@ -1,5 +1,5 @@
 """Rank-side tasks: edits made by a ``register_step_post_hook`` hook reach every rank's compute
-copy (issue 34, item 3, the hook part)."""
+copy."""
 
 from __future__ import annotations
 

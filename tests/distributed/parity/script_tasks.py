@@ -1,4 +1,4 @@
-"""The training script people already have, written the FSDP2 way (issue 34, done-when), on a
+"""The training script people already have, written the FSDP2 way, on a
 tiny HF Llama: ``fully_shard`` per decoder layer and at the root (``ignored_params=set(dm)``),
 param groups with no weight decay on norms and embeddings, ``torch.nn.utils.clip_grad_norm_``
 over ``model.parameters()``, MuonClip, a post-step hook that clamps the matrices, optionally

@@ -1,5 +1,5 @@
 """torch.compile: each block compiled (``block.compile()``) with DMuon's hooks inside trains
-exactly like eager (issue 13, "torch.compile").
+exactly like eager.
 
 - make test: the ``aot_eager`` backend (Dynamo traces the block and DMuon's hooks, graph
   breaks included; AOTAutograd runs the same aten ops as eager): params bit-identical to eager

@@ -1,4 +1,4 @@
-"""Activation checkpointing under DMuon (issue 13, failure 2): recompute neither frees nor
+"""Activation checkpointing under DMuon: recompute neither frees nor
 broadcasts again, the collective list equals verify.traffic.predict's, and the params are
 bit-identical to the same run without AC."""
 

@@ -1,4 +1,4 @@
-"""DMuon with torch-style param groups (issue 34, item 1) against one process running
+"""DMuon with torch-style param groups against one process running
 torch.optim.Muon and torch.optim.AdamW with the same groups and the same per-group LambdaLR.
 
 Before this change ``DMuon(list_of_dicts, ...)`` raised ``ValueError`` ("DMuon takes a flat

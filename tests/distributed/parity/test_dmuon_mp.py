@@ -1,4 +1,4 @@
-"""Mixed precision under DMuon (issue 13, failure 3): dedicate_params(..., mp_policy=
+"""Mixed precision under DMuon: dedicate_params(..., mp_policy=
 MixedPrecisionPolicy(...)) as fully_shard takes it. Owners keep fp32 masters and momentum,
 forward computes in bf16, broadcasts send bf16 and reduces run in reduce_dtype; the traffic
 equals the prediction and the dedicated bytes of forward and backward halve."""

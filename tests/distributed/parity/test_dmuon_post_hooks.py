@@ -1,5 +1,5 @@
 """A ``register_step_post_hook`` hook edits the stepped weights before DMuon refreshes the
-compute copies and HSDP replicas from them (issue 34, item 3, the hook part).
+compute copies and HSDP replicas from them.
 
 Before: ``step()`` refreshed (bf16 compute copies cast from the masters, the HSDP replicate
 broadcast started) inside its body, before torch ran the post-hooks, so a hook's clamp reached

@@ -1,4 +1,4 @@
-"""MuonClip (QK-clip, issue 34 item 4) under DMuon matches a single-process MuonClip oracle
+"""MuonClip (QK-clip) under DMuon matches a single-process MuonClip oracle
 (``qk_clip_tasks``) on a tiny HF Llama with GQA, in DDP, Z2, Z3 and HSDP-Z3.
 
 What is compared, as in ``test_dmuon_hf.py`` (why: its docstring): at W = 2 the trajectories

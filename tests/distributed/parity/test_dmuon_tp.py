@@ -1,4 +1,4 @@
-"""DMuon with tensor parallelism (issue 21): blocks parallelized with torch's ColwiseParallel /
+"""DMuon with tensor parallelism: blocks parallelized with torch's ColwiseParallel /
 RowwiseParallel on mesh["tp"], DMuon on the whole ("shard", "tp") or ("replicate", "shard",
 "tp") mesh, FSDP2 on the data-parallel sub-mesh, against a single-process torch.optim.Muon +
 AdamW oracle on the full matrices (``tp_tasks.py``).

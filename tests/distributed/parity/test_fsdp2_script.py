@@ -1,5 +1,5 @@
-"""A HF Llama script written the FSDP2 way trains under DMuon in Z2, Z3 and HSDP (issue 34,
-done-when): param groups without weight decay on norms and embeddings,
+"""A HF Llama script written the FSDP2 way trains under DMuon in Z2, Z3 and HSDP:
+param groups without weight decay on norms and embeddings,
 ``torch.nn.utils.clip_grad_norm_``, a post-step clamp hook, MuonClip, and with FSDP2's bf16
 policy and compiled layers (``script_tasks`` has the script and its oracle).
 

@@ -1,10 +1,10 @@
 """Rank-side tasks for the gate tests: ``run_all`` (what each rank of ``make verify-traffic``
-runs) with one regression planted in the runtime (and, where the issue's table says so, in the
+runs) with one regression planted in the runtime (and, for the planner's own regression, in the
 planner or the predictor the harness shares with it).
 
 Every mutation patches the names the runtime resolves at call time and restores them after
 the run; each fails loudly (AttributeError) if the runtime no longer has the name, so a
-refactor cannot turn a mutation into a no-op silently. Issue 33's table, one entry each, then
+refactor cannot turn a mutation into a no-op silently. Six regressions (the first six names below), then
 one or two in each path the default run's variants were added for (the aligned all_gather /
 reduce_scatter form, the per-owner replicate axis).
 """
@@ -69,7 +69,7 @@ def _replanned(plan_fn, owner_of):
 
 @contextlib.contextmanager
 def mutation(name: str):
-    """Plant regression ``name`` (issue 33's table) in this process for the duration."""
+    """Plant regression ``name`` (one of the names below) in this process for the duration."""
     import dmuon.api as api
     import dmuon.placement.dense as dense  # the runtime's planner call (DataParallelMesh.build)
     import dmuon.runtime.collectives as coll

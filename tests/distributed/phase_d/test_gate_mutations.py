@@ -1,4 +1,4 @@
-"""Issue 33's six regressions, each planted in a real 2-rank run (``run_all``, what every rank of
+"""Six regressions, each planted in a real 2-rank run (``run_all``, what every rank of
 ``make verify-traffic`` runs; ``gate_tasks.mutation``), must FAIL the gate with a message that
 names its cause. W = 2 is the cheapest world that shows each; the modes are the default run's
 (``dmuon-z3[block]`` is the variant that makes the per-owner broadcast / reduce path run on gloo).

@@ -1,4 +1,4 @@
-"""The default run's variants for the paths it did not run before (issue 33, item 1): a change
+"""The default run's variants for the paths it did not run before: a change
 planted in each path fails the gate, in a real run (``run_all`` on every rank,
 ``gate_tasks.mutation``).
 

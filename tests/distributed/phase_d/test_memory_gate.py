@@ -1,4 +1,4 @@
-"""Phase D gates memory (issue 31, items 3 and 5): ``run_all`` measures DMuon's bytes per rank
+"""Phase D gates memory: ``run_all`` measures DMuon's bytes per rank
 at the harness's own hooks, predicts the bound from the plan (``verify.traffic.memory``) and
 fails the ``memory`` check where a rank's peak exceeds it, naming the rank, the phase, both
 figures and the cause.

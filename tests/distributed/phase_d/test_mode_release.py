@@ -1,5 +1,5 @@
 """verify-traffic releases each mode's process groups and DMuon hooks before the next mode, on
-every rank, also when the mode raised (issue 30: on NCCL each group holds a communicator of
+every rank, also when the mode raised (on NCCL each group holds a communicator of
 0.5-1.6 GB, and ten modes piled them up). Runs on gloo, where a group is threads and sockets;
 the count of live groups is the same whatever the backend.
 

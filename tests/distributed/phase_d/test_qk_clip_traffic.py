@@ -1,5 +1,5 @@
 """``verify-traffic --qk-clip`` in a real 2-rank run (``run_all``, what every rank of ``make
-verify-traffic ARGS="--qk-clip"`` runs; issue 34, item 4): the DMuon modes run MuonClip's
+verify-traffic ARGS="--qk-clip"`` runs): the DMuon modes run MuonClip's
 QK-clip, their prediction has its all_reduce, the report shows the phase ``qk_clip`` with
 measured = predicted bytes, a baseline mode says n/a, and one extra all_reduce planted in the
 clip's phase fails the run naming that phase.

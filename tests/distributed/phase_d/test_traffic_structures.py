@@ -1,4 +1,4 @@
-"""``verify-traffic --model pkg:factory`` at W=2 on the model structures of issue 18
+"""``verify-traffic --model pkg:factory`` at W=2 on the model structures of
 (``examples/experts.py``, ``examples/structures.py``): 3-D expert stacks inside P_M with the
 closed forms unchanged, a block run twice per forward (weight sharing: Z3 and FSDP2 send it
 again, the P_M^r term), a plain MLP as an ``nn.ModuleList`` of bare ``nn.Linear`` (the naive

@@ -1,6 +1,6 @@
 """Rank-side tasks for DedicatedParams' lifecycle: close() / the context manager release
 everything DMuon attached (hooks, class swaps, DDP ignore list, process groups), and the
-modules' moves are followed where ``_apply`` runs (issue 17)."""
+modules' moves are followed where ``_apply`` runs."""
 
 from __future__ import annotations
 

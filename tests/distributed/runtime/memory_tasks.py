@@ -1,4 +1,4 @@
-"""Rank-side tasks of ``test_z3_memory.py`` (issue 31): what a rank holds at every hook of a
+"""Rank-side tasks of ``test_z3_memory.py``: what a rank holds at every hook of a
 step, measured from outside DMuon's schedule.
 
 The models: a tiny Hugging Face Llama from a config (no download) called as Hugging Face

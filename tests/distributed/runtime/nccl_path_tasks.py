@@ -1,4 +1,4 @@
-"""Rank-side tasks for the NCCL-path tests (issue 30): the link policy from the backend, no
+"""Rank-side tasks for the NCCL-path tests: the link policy from the backend, no
 host–device sync in a step, one issue order across DMuon's channels, no deprecated call."""
 
 from __future__ import annotations

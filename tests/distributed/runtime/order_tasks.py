@@ -1,5 +1,5 @@
 """Rank-side tasks for the execution-order tests: a model whose forward runs its blocks in
-another order than it registers them (issue 9: buckets in execution order)."""
+another order than it registers them (buckets in execution order)."""
 
 from __future__ import annotations
 

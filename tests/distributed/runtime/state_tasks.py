@@ -1,4 +1,4 @@
-"""Rank-side tasks for the per-bucket states' regressions (issue 17, item 1): sequences the
+"""Rank-side tasks for the per-bucket states' regressions: sequences the
 old loose flags got wrong."""
 
 from __future__ import annotations

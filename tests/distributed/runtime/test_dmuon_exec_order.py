@@ -1,4 +1,4 @@
-"""Buckets in execution order (issue 9): a model that runs its blocks in another order than it
+"""Buckets in execution order: a model that runs its blocks in another order than it
 registers them, W=2 gloo. After the first step the forward broadcasts follow the execution
 order and prefetch the next block *in that order*; the traffic equals the prediction made
 from the harness's own record of the order; the params are bit-identical to the same run

@@ -1,5 +1,5 @@
 """DedicatedParams.close() and the context manager release everything DMuon attached, and
-``.to()`` is followed where it happens (issue 17, items 1 and 2)."""
+``.to()`` is followed where it happens."""
 
 import pytest
 import torch

@@ -1,4 +1,4 @@
-"""Forward prefetch and Z3's backward re-broadcast prefetch (issue 9), from the interposer's
+"""Forward prefetch and Z3's backward re-broadcast prefetch, from the interposer's
 ordered events on 4 gloo ranks, 3 transformer blocks: block j+1's first broadcast is issued
 before block j's forward returns, and (Z3) block j-1's last re-broadcast before block j's
 first grad arrives.
@@ -40,7 +40,7 @@ def test_without_prefetch_each_broadcast_waits_for_its_module(pool4):
 @pytest.mark.parametrize("mode", ["z3", "hsdp-z2"])
 def test_no_reduce_is_waited_on_before_the_next_one_is_issued(pool4, mode):
     """Each reduce flies at least until the next is issued (a unit's reduces overlap the
-    next unit's backward); since issue 31 a unit's reduces are waited when the next unit's
+    next unit's backward); a unit's reduces are waited when the next unit's
     are issued, not all at the end, so non-holders free their grad buffers early."""
     for log in pool4.run_with_timeout(TIMEOUT_S, T.reduce_issue_and_wait_order, mode):
         issues = [k for kind, k in log if kind == "issue"]
@@ -63,7 +63,7 @@ def test_prefetch_depth_changes_no_bits(pool4, mode):
 
 @pytest.mark.parametrize("mode", ["z3", "hsdp-z2"])
 def test_grads_live_in_one_flat_buffer_per_bucket(pool4, mode):
-    """Issue 9, backward: a bucket's grads are views of one persistent flat buffer (no
+    """Backward: a bucket's grads are views of one persistent flat buffer (no
     torch.cat per step); no_sync micro-batches accumulate into it in place; owners read the
     reduced average there; non-holders free it at a known point (after the reduce wait)."""
     for r in pool4.run_with_timeout(TIMEOUT_S, T.grad_buffer_layout, mode):

@@ -1,5 +1,5 @@
 """DMuon's runtime state: exceptions recover, sync_params / params_loaded, freed Z3 copies
-never SIGSEGV (issue 13, failures 1 (SIGSEGV part) and 5)."""
+never SIGSEGV."""
 
 import pytest
 import torch

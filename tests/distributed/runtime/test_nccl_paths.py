@@ -1,4 +1,4 @@
-"""DMuon's NCCL paths, checked on gloo with stand-ins (issue 30, the rows in ``dmuon/``). What
+"""DMuon's NCCL paths, checked on gloo with stand-ins (the paths in ``dmuon/``). What
 only a GPU shows (a real NCCL group, ``torch.cuda.set_sync_debug_mode``, a kernel queue
 deadlock under ``CUDA_DEVICE_MAX_CONNECTIONS=1``) is left to ``make gpu-check``; each test
 says which stand-in it uses and why it fails without its fix."""
@@ -52,14 +52,14 @@ def test_the_stand_in_sees_a_host_read():
 @pytest.mark.parametrize("z3", [True, False])
 def test_every_rank_issues_the_channels_in_one_order(pool2, z3):
     """Block 2 runs on rank 1 only (one unit per block, Z3): its grads never arrive on rank
-    0. Before issue 30's fix its reduce waited for the end of backward there while the
-    re-broadcasts went on, so rank 0 issued [..., broadcast, reduce] where rank 1 issued
-    [..., reduce, broadcast] (on NCCL two kernels of two communicators in opposite orders: a
-    deadlock when they cannot run at once). Issue 30 then issued every re-broadcast before
-    any reduce, which held every grad buffer to the end of backward; now both channels
-    follow one order (``Schedule._pump``) and rank 0 sends block 2's zeros where rank 1
-    sends its grads, so reduces go between the re-broadcasts (that assertion fails on the
-    issue-30 rule). The step's results stay equal on both ranks."""
+    0. If its reduce waited for the end of backward there while the re-broadcasts went on,
+    rank 0 would issue [..., broadcast, reduce] where rank 1 issues [..., reduce, broadcast]
+    (on NCCL two kernels of two communicators in opposite orders: a deadlock when they
+    cannot run at once). Issuing every re-broadcast before any reduce would avoid that but
+    hold every grad buffer to the end of backward; instead both channels follow one order
+    (``Schedule._pump``) and rank 0 sends block 2's zeros where rank 1 sends its grads, so
+    reduces go between the re-broadcasts (that assertion fails on the
+    re-broadcasts-first rule). The step's results stay equal on both ranks."""
     ranks = pool2.run_with_timeout(TIMEOUT_S, T.channel_order, z3, 0)
     assert ranks[0]["issued"] == ranks[1]["issued"]
     issued = ranks[0]["issued"]

@@ -1,5 +1,5 @@
 """Z3 keeps its memory promise whatever the nesting, and non-holders free a bucket's grad
-buffer once its reduce is waited (issue 31, items 1-4), on gloo at W = 4.
+buffer once its reduce is waited, on gloo at W = 4.
 
 Measured by the test's own hooks on every module (``memory_tasks.Meter``): the bytes of the
 compute copies and grad buffers of the buckets a rank does not hold, at every forward and
