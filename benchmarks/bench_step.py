@@ -1,4 +1,4 @@
-"""Step time of every Muon implementation of the harness, side by side (issue: DMuon's step time).
+"""Step time of every Muon implementation of the harness, side by side.
 
 One invocation, ``--world-size`` forked gloo ranks (``tests/distributed/harness.py``), three
 models:

@@ -7,6 +7,10 @@
   module the README's "Layout" tree names exists where the tree puts it.
 - The specification the code cites is docs/spec.md: no tracked .py or .md file cites the old,
   out-of-tree one (the cited name followed by a section sign, or its .md file name).
+- No page (README.md, CHANGELOG.md, docs/) and no module of the product packages (dmuon/,
+  verify/, tracer/) cites an issue by its number ("issue 31", "(issue 34, item 2)"): a user
+  cannot look those up; say what the text means today. Upstream reports are cited as
+  ``owner/repo#N``.
 """
 
 from __future__ import annotations
@@ -29,12 +33,19 @@ _REPO_PATH = re.compile(
 )
 #: The old specification's citations. Written so that this file does not match itself.
 _OLD_SPEC = re.compile(r"\bSPEC(?:[ \t]*\u00a7|\.md\b)")
+#: A citation of an issue by number ("issue 31", "Issues 30 and 31", "issue-30", "issue #7").
+#: Written so that this file does not match itself.
+_ISSUE_NUMBER = re.compile(r"\bissues?[\s-]+#?[0-9]", re.I)
+#: Where no issue number may appear: the pages and the product packages.
+_NO_ISSUE_NUMBERS = ("README.md", "CHANGELOG.md", "docs/*", "dmuon/*", "verify/*", "tracer/*")
+_TEXT_SUFFIXES = {".md", ".py", ".yml", ".yaml", ".json", ".toml", ".txt", ".cfg"}
 _FENCE = re.compile(r"^```.*?^```", re.S | re.M)
 _INLINE_CODE = re.compile(r"`[^`]*`")
 
 
 def _pages() -> list[Path]:
-    return [README, *sorted((ROOT / "docs").glob("*.md"))]
+    changelog = [ROOT / "CHANGELOG.md"] if (ROOT / "CHANGELOG.md").is_file() else []
+    return [README, *changelog, *sorted((ROOT / "docs").glob("*.md"))]
 
 
 def _prose(text: str) -> str:
@@ -173,3 +184,32 @@ def test_no_citation_of_the_out_of_tree_spec():
 ])
 def test_slug_follows_github(heading, slug):
     assert _slug(heading) == slug
+
+
+def test_no_issue_numbers_in_pages_or_product_code():
+    hits = []
+    for path in _tracked(*_NO_ISSUE_NUMBERS):
+        if path.suffix not in _TEXT_SUFFIXES:
+            continue
+        for number, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+            if _ISSUE_NUMBER.search(line):
+                hits.append(f"{path.relative_to(ROOT)}:{number}: {line.strip()}")
+    assert not hits, (
+        "issue numbers a user cannot look up; say what is meant today (history goes to "
+        "CHANGELOG.md without numbers, upstream reports as owner/repo#N):\n" + "\n".join(hits)
+    )
+
+
+@pytest.mark.parametrize("text,cites", [
+    ("dmuon-z3 was 1.27 before issue 31", True),
+    ("(issue 34, item 2)", True),
+    ("Issues 30 and 31 changed the order", True),
+    ("the issue-30 rule", True),
+    ("see issue #12", True),
+    ("the real Send/Recv lines of NVIDIA/nccl#584", False),
+    ("one issue order across channels", False),
+    ("a backward issues the reduces, 3 of them", False),
+])
+def test_issue_number_pattern(text, cites):
+    """The planted citations must be caught (the control of the check above), prose must not."""
+    assert bool(_ISSUE_NUMBER.search(text)) is cites

@@ -94,8 +94,8 @@ class LinkCost:
 #: - no size limit on an aligned group's buckets, and uneven groups: TinyGPT (owner shares 7, 7, 5, 5 d²)
 #:   and the MLP (256 KiB buckets) with ``rest="replicate"`` in one call per channel measured
 #:   0.93-1.17x the fastest baseline against 1.02-1.37x with per-owner calls, both layouts in
-#:   the same rounds (``benchmarks/bench_step.py``, docs/performance.md "Uneven aligned
-#:   groups"; a 64 KiB limit stood while the group's reduce was a multi-round reduce_scatter).
+#:   the same rounds (``benchmarks/bench_step.py``, docs/performance.md "Units and
+#:   aligned groups"; a 64 KiB limit stood while the group's reduce was a multi-round reduce_scatter).
 #:
 #: - ``flat_hsdp``: an HSDP model of one unit moves flat (:func:`resolve_hierarchy`): the same
 #:   bytes in 3 calls per rank-step against 5 with ``rest="replicate"`` (the replicate reduce and
