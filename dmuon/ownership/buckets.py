@@ -42,6 +42,7 @@ import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from dmuon.errors import invariant
 from dmuon.ownership.plan import OwnershipPlan, ParamSpec
 
 #: Default bucket cap, in MiB (DDP's ``bucket_cap_mb`` default).
@@ -270,7 +271,9 @@ def bucket_layout(specs: Sequence[ParamSpec], plan: OwnershipPlan, cap_bytes: in
     Raises:
         KeyError: a spec is not in the plan.
     """
-    assert cap_bytes > 0 and target_bytes >= 0, (cap_bytes, target_bytes)
+    invariant(cap_bytes > 0 and target_bytes >= 0,
+              lambda: f"bucket_layout: cap_bytes={cap_bytes}, target_bytes={target_bytes} (resolved options "
+                      "must be > 0 and >= 0)")
     units = unit_layout(specs, target_bytes)
     if target_bytes == 0:
         return _layout(specs, plan, cap_bytes, units, False, uneven)

@@ -86,6 +86,7 @@ import torch
 import torch.distributed as dist
 
 from dmuon import annotate
+from dmuon.errors import invariant
 
 #: Backends that take CPU tensors (a "cpu:gloo,cuda:nccl" backend takes both).
 _CPU_BACKENDS = ("gloo", "mpi", "ucc")
@@ -486,7 +487,7 @@ class Launcher:
 
     def stream(self, channel: str):
         """The side stream of ``channel`` (created on first use); CUDA only."""
-        assert self._accel is not None, "work handles have no streams"
+        invariant(self._accel is not None, "Launcher: a stream asked of a launcher with work handles only")
         s = self._streams.get(channel)
         if s is None:
             s = self._streams[channel] = self._accel.Stream(device=self.device, priority=self.STREAM_PRIORITY)

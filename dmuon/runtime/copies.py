@@ -118,7 +118,8 @@ class Bucket:
         brings it back); Z3 non-holders drop the compute copy (FREED) unless ``keep_copy``
         (then STALE: freed after the next forward)."""
         if param_dtype is None or param_dtype == self.flat.dtype:
-            self.lp, self.compute, self.master = self.flat, self.params, None
+            self.lp, self.compute = self.flat, self.params
+            self._to("master", None)  # no separate master copy (state.CREATED: a drop)
         else:
             self.lp = torch.empty(self.numel, dtype=param_dtype, device=self.flat.device)
             with torch.no_grad():
@@ -129,7 +130,8 @@ class Bucket:
                 n = shape.numel()
                 self.compute.append(nn.Parameter(pl.like(p, self.lp[offset : offset + n].view(shape))))
                 offset += n
-            self.master = Copy.STALE if keep_master else Copy.FREED  # a new master copy's state
+            # a new master copy (None -> its state), or the old one kept (STALE) or dropped
+            self._to("master", Copy.STALE if keep_master else Copy.FREED)
             if not keep_master and not self.is_holder:
                 self._free_master_storage()
         self._hook_grads()

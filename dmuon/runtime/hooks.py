@@ -23,8 +23,9 @@ import torch.nn as nn
 from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_leaves
 
+from dmuon.errors import invariant
 from dmuon.runtime import attach, collectives, order, precision
-from dmuon.ownership.buckets import Coalescing, bucket_layout
+from dmuon.ownership.buckets import Coalescing, block_of, bucket_layout
 from dmuon.runtime.copies import Bucket
 from dmuon.runtime.rest import ReplicatedRest, ddp_group_size
 from dmuon.ownership.plan import OwnershipPlan, specs_from_named_parameters
@@ -49,6 +50,24 @@ def _in_reentrant_checkpoint() -> bool:
             return True
         frame = frame.f_back
     return False
+
+
+def _used_again(block: str, unit: str) -> ValueError:
+    """The error for a block whose second use backpropagates in a backward that already took
+    its first use's grads for reduction (grads REDUCING or REDUCED: :meth:`Runtime._grad_hook`)
+    or, under Z3, already freed its copy (its recompute: :meth:`Runtime._pre_forward`): it was
+    used more than once and its uses backpropagate separately, each in its own nested backward.
+    Every rank runs the same model, so every rank raises at the same point."""
+    return ValueError(
+        f"DMuon: block {block!r} (unit {unit!r}) backpropagates a second use in one backward "
+        "after DMuon had taken its grads for reduction to their owner rank (and, under "
+        "reshard_after_forward=True, freed its copy): it was used more than once before this "
+        "backward (run twice in a forward, or in two forwards before one backward) and its uses "
+        "backpropagate separately, as under reentrant activation checkpointing "
+        "(torch.utils.checkpoint.checkpoint(..., use_reentrant=True), or checkpoint_wrapper with "
+        "CheckpointImpl.REENTRANT). Checkpoint it with use_reentrant=False "
+        "(CheckpointImpl.NO_REENTRANT), or call backward after each forward (with dm.no_sync() "
+        "for all but the last micro-batch).")
 
 
 class Runtime:
@@ -182,7 +201,9 @@ class Runtime:
                 for driver in order.drivers_of(block):
                     self._blocks_under.setdefault(self._modules[driver], set()).add(block)
         # a driver's hooks cover one index range: order.py keeps every driver contiguous
-        assert all(hi - lo + 1 == count[m] for m, (lo, hi) in self._span.items())
+        invariant(all(hi - lo + 1 == count[m] for m, (lo, hi) in self._span.items()), lambda: (
+            "Runtime: a driver's buckets are not one contiguous index range: "
+            f"{[(lo, hi, count[m]) for m, (lo, hi) in self._span.items() if hi - lo + 1 != count[m]]}"))
 
     def _index_params(self) -> None:
         """``by_id``: id(param) -> (bucket, position), for every registered dedicated param."""
@@ -384,6 +405,11 @@ class Runtime:
         own = self._own.get(module, ())
         if self.state == S.BACKWARD and in_backward():  # activation-checkpoint recompute
             if self.reshard_after_forward:
+                # a recompute of buckets this backward already waited, then freed: a second use
+                if own and own[0].index > self.schedule.cursors.bwd_waited and any(
+                        b.copy is not Copy.VALID for b in own):
+                    raise _used_again(next(n for n, m in self._modules.items() if m is module),
+                                      own[0].module_name)
                 self._rebroadcast_for(module)
             return
         if self.state != S.FORWARD:
@@ -464,6 +490,8 @@ class Runtime:
             if rt is None or b is None:
                 return
             rt.begin_backward()
+            if b.grads in (Grads.REDUCING, Grads.REDUCED):
+                raise _used_again(block_of(b.names[i].rpartition(".")[0]), b.module_name)
             b.grad_arrived(i, q, counts=not rt.no_sync)
             if not rt.no_sync:
                 rt.schedule.advance_reduce(final=False)

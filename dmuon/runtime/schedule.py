@@ -15,6 +15,7 @@ from itertools import groupby
 import torch
 
 from dmuon import annotate
+from dmuon.errors import invariant
 
 from dmuon.runtime import collectives, usage
 from dmuon.runtime.copies import Bucket
@@ -74,7 +75,8 @@ class Schedule:
                  prefetch_depth: int, reshard_after_forward: bool,
                  reduce_dtype: torch.dtype | None,
                  reduce_by_gather: bool = False) -> None:
-        assert all(b.index == i for i, b in enumerate(buckets))
+        invariant(all(b.index == i for i, b in enumerate(buckets)),
+                  lambda: f"Schedule: bucket indices {[b.index for b in buckets]} are not 0..{len(buckets) - 1}")
         self.buckets = buckets
         self.groups = groups
         self.prefetch_depth = prefetch_depth
@@ -108,7 +110,8 @@ class Schedule:
 
     def reorder(self, buckets: list[Bucket]) -> None:
         """Adopt a new bucket order (a permutation; nothing in flight) and renumber."""
-        assert sorted(map(id, buckets)) == sorted(map(id, self.buckets))
+        invariant(sorted(map(id, buckets)) == sorted(map(id, self.buckets)),
+                  "Schedule.reorder: the new order is not a permutation of the buckets")
         self.buckets[:] = buckets
         for i, b in enumerate(self.buckets):
             b.index = i
@@ -383,7 +386,9 @@ class Schedule:
         members = self.groups_of.get(id(b), [b])
         for m in members:  # HSDP: the held buckets' values must have landed before they are sent
             self.wait_replicate(m)
-        assert all(m.copy is b.copy for m in members), [m.copy for m in members]
+        invariant(all(m.copy is b.copy for m in members), lambda: (
+            f"aligned group of bucket {b.index} ({b.module_name!r}): members' copies differ "
+            f"({[m.copy.name for m in members]})"))
         bufs = [m.receive_buffer(master=False) for m in members]
         name = "dmuon.broadcast" if phase == "forward" else "dmuon.rebroadcast"
         with annotate.phase(phase), annotate.span(name, module=b.module_name,
@@ -444,7 +449,9 @@ def _parts(members: list[Bucket], bufs: list[torch.Tensor], rank_of) -> list[int
     parts: dict[int, int] = {}
     for m, buf in zip(members, bufs):
         parts[rank_of(m)] = parts.get(rank_of(m), 0) + buf.numel()
-    assert list(parts) == sorted(parts), (list(parts), [m.owner for m in members])
+    invariant(list(parts) == sorted(parts), lambda: (
+        f"aligned group of {members[0].module_name!r}: group ranks {list(parts)} out of order "
+        f"(owners {[m.owner for m in members]})"))
     return list(parts.values())
 
 

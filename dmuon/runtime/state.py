@@ -1,6 +1,9 @@
 """DMuon's runtime states: one value per question, each with its allowed transitions written
-down (:data:`TRANSITIONS`) and asserted on every change (the role of FSDP2's ``TrainingState``
-and ``ShardedState``).
+down (:data:`TRANSITIONS`) and checked on every change (the role of FSDP2's ``TrainingState``
+and ``ShardedState``). A change the tables do not allow is a bug in DMuon: :func:`check` raises
+:class:`~dmuon.errors.DMuonInternalError` naming the object and both states (an explicit
+raise, so the check holds under ``python -O``). Every write of a state goes through
+:func:`check`; a state's first value is set where its object is built.
 
 **Pass state** (:class:`TrainingState`, one per :class:`~dmuon.DedicatedParams`, ``dm.state``)::
 
@@ -60,12 +63,27 @@ reaches its end, so the next root forward, ``zero_grad()``, ``step()``, ``sync_p
 
   ``LOCAL`` persists across ``no_sync()`` backward passes (``step()`` in ``LOCAL`` raises).
   A backward that starts in ``REDUCED`` (no step since) or ``STEPPED`` (no ``zero_grad()``
-  since) raises, naming the cause.
+  since) raises, naming the cause. A grad that arrives in ``REDUCING`` or ``REDUCED`` (a
+  param used twice in one backward whose uses backpropagate separately: reentrant activation
+  checkpointing) is the user's ``ValueError`` raised by the grad hook, before this table.
+
+**Per runtime** (:class:`dmuon.runtime.hooks.Runtime`), besides the pass state:
+
+- :class:`BlockOrder` ``order_state``: ``RECORDING`` (the first forward records the blocks'
+  order) ``──first step()──▶ AGREED`` (renumbered, protocol step 7; terminal).
+- :class:`DdpCheck` ``ddp_check`` (``rest="wrapper"``: whether something averages the rest's
+  grads, ``rest.warn_if_not_averaged``): ``OFF`` under ``rest="replicate"`` (terminal);
+  ``LOOKING ──a forward inside DDP──▶ SEEN``; ``LOOKING, SEEN ──a step() that could tell──▶
+  DONE`` (terminal).
+- :class:`GroupCheck` ``group_check``: ``CHECKED ──a bucket re-bound (a move)──▶ PENDING
+  ──Runtime.check_groups passed──▶ CHECKED``.
 """
 
 from __future__ import annotations
 
 import enum
+
+from dmuon.errors import DMuonInternalError
 
 
 class TrainingState(enum.Enum):
@@ -105,6 +123,30 @@ class Grads(enum.Enum):
     STEPPED = "stepped"  # step() consumed them; zero_grad() not called since
 
 
+class BlockOrder(enum.Enum):
+    """Whether the ranks agreed on the blocks' execution order (protocol step 7)."""
+
+    RECORDING = "recording"  # model order; the first forward records the blocks' order
+    AGREED = "agreed"  # the first step() agreed (and renumbered the buckets if it differed)
+
+
+class DdpCheck(enum.Enum):
+    """``rest="wrapper"``: whether the check that something averages the rest's grads ran
+    (``rest.warn_if_not_averaged``, at the first ``step()`` that can tell)."""
+
+    OFF = "off"  # rest="replicate": DMuon averages the rest itself
+    LOOKING = "looking"  # no forward inside DistributedDataParallel seen yet
+    SEEN = "seen"  # a forward ran inside DDP (``Runtime.ddp_size`` ranks)
+    DONE = "done"  # checked (warned, or found averaged)
+
+
+class GroupCheck(enum.Enum):
+    """Whether the aligned groups were checked since a bucket was last re-bound."""
+
+    CHECKED = "checked"
+    PENDING = "pending"  # a move re-bound a bucket: Runtime.check_groups runs before the next call
+
+
 S, C, R, G = TrainingState, Copy, Replica, Grads
 
 #: Allowed ordinary transitions of each state kind (self-transitions are no-ops, always allowed;
@@ -132,29 +174,83 @@ TRANSITIONS: dict[type, dict[enum.Enum, frozenset]] = {
         G.REDUCED: frozenset({G.STEPPED, G.NONE}),
         G.STEPPED: frozenset({G.NONE}),
     },
+    BlockOrder: {BlockOrder.RECORDING: frozenset({BlockOrder.AGREED}), BlockOrder.AGREED: frozenset()},
+    DdpCheck: {
+        DdpCheck.OFF: frozenset(),
+        DdpCheck.LOOKING: frozenset({DdpCheck.SEEN, DdpCheck.DONE}),
+        DdpCheck.SEEN: frozenset({DdpCheck.DONE}),
+        DdpCheck.DONE: frozenset(),
+    },
+    GroupCheck: {GroupCheck.CHECKED: frozenset({GroupCheck.PENDING}),
+                 GroupCheck.PENDING: frozenset({GroupCheck.CHECKED})},
 }
 
+#: ``recover``'s transitions (protocol, "Outside the step"): the pass states an exception
+#: leaves behind, back to IDLE. Only :meth:`StateMachine.recover` takes them.
+RECOVERIES: dict[enum.Enum, frozenset] = {S.FORWARD: frozenset({S.IDLE}),
+                                           S.BACKWARD: frozenset({S.IDLE})}
 
-def check(what: str, old: enum.Enum, new: enum.Enum) -> enum.Enum:
-    """``new`` if ``old -> new`` is allowed (or ``old is new``); an internal invariant (not a
-    user error) otherwise. ``what`` names the object for the message."""
-    assert old is new or new in TRANSITIONS[type(old)][old], f"DMuon {what}: {old.name} -> {new.name}"
+#: The values an optional state (``Bucket.master``: mixed precision only) may be created with
+#: (``None -> value``, a new master copy); dropping one (``value -> None``, mixed precision off
+#: after a move) is allowed from any value but a call in flight.
+CREATED: dict[type, frozenset] = {C: frozenset({C.FREED, C.STALE})}
+
+
+def _name(state) -> str:
+    return "None" if state is None else state.name
+
+
+def check(what: str, old: enum.Enum | None, new: enum.Enum | None,
+          table: dict | None = None) -> enum.Enum | None:
+    """``new`` if ``old -> new`` is allowed: ``old is new`` (not with a ``table``), or listed in
+    ``table`` (default :data:`TRANSITIONS` for ``old``'s kind); for an optional state, ``None -> new`` in
+    :data:`CREATED` and ``old -> None`` from any value but ``IN_FLIGHT``.
+
+    Args:
+        what: names the object and the state (``"bucket 3 ('blocks.1') grads"``).
+        table: ``old`` -> allowed new values (:data:`RECOVERIES` for ``recover``).
+
+    Raises:
+        DMuonInternalError: the transition is not allowed (a bug in DMuon; the message names
+            ``what``, both states and says to report it). Holds under ``python -O``.
+    """
+    if old is new and table is None:  # recover's table lists no self-transition
+        return new
+    if old is None:
+        allowed = new in CREATED.get(type(new), ())
+    elif new is None:
+        allowed = old is not Copy.IN_FLIGHT
+    else:
+        rows = TRANSITIONS[type(old)] if table is None else table
+        allowed = type(new) is type(old) and new in rows.get(old, ())
+    if not allowed:
+        raise DMuonInternalError(f"{what}: illegal state transition {_name(old)} -> {_name(new)}")
     return new
 
 
 class StateMachine:
-    """The current :class:`TrainingState` and its asserted transitions."""
+    """The current :class:`TrainingState` and its checked transitions."""
 
     def __init__(self) -> None:
         self.state = TrainingState.IDLE
 
     def to(self, new: TrainingState) -> None:
-        """Move to ``new`` (asserted: :data:`TRANSITIONS`)."""
-        self.state = check("state", self.state, new)
+        """Move to ``new`` (checked: :data:`TRANSITIONS`).
+
+        Raises:
+            DMuonInternalError: the transition is not allowed.
+        """
+        self.state = check("pass state", self.state, new)
 
     def recover(self) -> TrainingState:
-        """Back to IDLE from any state; returns the state left (for the caller's cleanup)."""
-        old, self.state = self.state, TrainingState.IDLE
+        """Back to IDLE from the FORWARD or BACKWARD an exception left (checked:
+        :data:`RECOVERIES`); returns the state left (for the caller's cleanup).
+
+        Raises:
+            DMuonInternalError: the state is not FORWARD or BACKWARD.
+        """
+        old = self.state
+        self.state = check("pass state (recover)", old, TrainingState.IDLE, RECOVERIES)
         return old
 
     def __repr__(self) -> str:

@@ -24,11 +24,14 @@ from itertools import groupby
 
 import torch
 
+from dmuon.errors import invariant
+
 
 def fill_flags_(out: torch.Tensor, flags: Sequence[bool]) -> None:
     """``out[i] = 1 if flags[i] else 0`` (``out``: 1-D, ``len(flags)`` elements, any dtype
     and device), one ``fill_`` per run of equal flags, no host-to-device copy."""
-    assert out.dim() == 1 and out.numel() == len(flags), (tuple(out.shape), len(flags))
+    invariant(out.dim() == 1 and out.numel() == len(flags),
+              lambda: f"usage flags: buffer of shape {tuple(out.shape)} for {len(flags)} flags")
     start = 0
     with torch.no_grad():
         for flag, run in groupby(flags):

@@ -87,6 +87,32 @@ def reentrant_shared_block(mode: str, reentrant: bool) -> dict:
     return {"error": T.error_text(run), "grads": grads}
 
 
+def reentrant_two_forwards(mode: str, reentrant: bool) -> dict:
+    """Two forwards of a two-block model, each block checkpointed once per forward, then one
+    backward of the summed losses: each block is used twice in one backward, across
+    forwards (no block runs twice within one forward). Under reentrant checkpointing each
+    use backpropagates on its own, the second after DMuon reduced the first. The error
+    (or ``"no error"``) and, without one, this rank's owned grads."""
+    torch.manual_seed(0)
+    model = SharedBlockNet(reentrant)
+    model.forward = lambda x: model.out(checkpoint(model.blocks[1], checkpoint(
+        model.blocks[0], x, use_reentrant=reentrant), use_reentrant=reentrant))
+    matrices = [model.blocks[0].fc.weight, model.blocks[1].fc.weight]
+    dm = dmuon.dedicate_params(model, T._mesh("flat"), params=matrices,
+                               reshard_after_forward=mode == "z3")
+    opt = dmuon.DMuon(model.parameters(), dedicated=dm)
+    torch.manual_seed(1 + dist.get_rank())
+    xs = [torch.randn(4, 8, requires_grad=True) for _ in range(2)]
+    grads = {}
+
+    def run():
+        (model(xs[0]).sum() + model(xs[1]).sum()).backward()
+        grads.update({n: p.grad.clone() for n, p in model.named_parameters()
+                      if p in dm and p.grad is not None})
+        opt.step()
+    return {"error": T.error_text(run), "grads": grads}
+
+
 def reentrant_oracle() -> dict[str, torch.Tensor]:
     """One process, the global batch of both ranks: the dedicated grads (their mean)."""
     torch.manual_seed(0)
@@ -97,6 +123,19 @@ def reentrant_oracle() -> dict[str, torch.Tensor]:
         xs.append(torch.randn(4, 8))
     for x in xs:
         (model(x).sum() / 2).backward()
+    return {n: model.get_parameter(n).grad.clone() for n in ("blocks.0.fc.weight", "blocks.1.fc.weight")}
+
+
+def two_forwards_oracle() -> dict[str, torch.Tensor]:
+    """One process, both ranks' batches of :func:`reentrant_two_forwards`: the dedicated grads
+    (their mean over the ranks)."""
+    torch.manual_seed(0)
+    model = SharedBlockNet(reentrant=False)
+    for rank in range(2):
+        torch.manual_seed(1 + rank)
+        xs = [torch.randn(4, 8) for _ in range(2)]
+        forward = lambda x: model.out(model.blocks[1](model.blocks[0](x)))  # noqa: E731
+        ((forward(xs[0]).sum() + forward(xs[1]).sum()) / 2).backward()
     return {n: model.get_parameter(n).grad.clone() for n in ("blocks.0.fc.weight", "blocks.1.fc.weight")}
 
 

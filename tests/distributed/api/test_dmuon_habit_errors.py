@@ -14,6 +14,8 @@ What each test saw before its fix:
   dedicate them".
 """
 
+import re
+
 import pytest
 import torch
 
@@ -68,3 +70,31 @@ def test_shared_weight_warning_says_one_thing(pool2):
         msg = messages[0]
         assert "blocks.0.mlp.fc1.weight" in msg and "cannot dedicate it (reuse a whole block" in msg, msg
         assert "Pass params= or predicate=" not in msg, msg
+
+
+@pytest.mark.parametrize("mode", ["z2", "z3"])
+def test_reentrant_checkpointing_over_two_forwards_names_use_reentrant_false(pool2, mode):
+    """Two forwards, one backward: each block is used twice in one backward though no block
+    runs twice in a forward. Before: ``AssertionError: DMuon bucket 1 ('blocks.0') grads:
+    REDUCING -> LOCAL`` (the transition check, from a grad hook). Now every rank raises the
+    same ValueError naming the block and the fix (Z2: from the late grad's hook; Z3: from
+    the recompute, which finds the block's copy freed)."""
+    results = pool2.run_with_timeout(TIMEOUT_S, H.reentrant_two_forwards, mode, True)
+    for rank, r in enumerate(results):
+        assert re.match(r"ValueError: DMuon: block 'blocks\.\d' \(unit 'blocks\.0'\) backpropagates "
+                        "a second use in one backward", r["error"]), (rank, r["error"])
+        assert "Checkpoint it with use_reentrant=False" in r["error"], (rank, r["error"])
+    assert results[0]["error"] == results[1]["error"]
+
+
+@pytest.mark.parametrize("mode", ["z2", "z3"])
+def test_non_reentrant_checkpointing_over_two_forwards_works(pool2, mode):
+    """The fix the error names: both forwards' grads summed, reduced once, equal to one process
+    (the control: the same model and batches, only ``use_reentrant`` differs)."""
+    results = pool2.run_with_timeout(TIMEOUT_S, H.reentrant_two_forwards, mode, False)
+    assert all(r["error"] == "no error" for r in results), results
+    ref = H.two_forwards_oracle()
+    owned = {n: g for r in results for n, g in r["grads"].items()}
+    assert owned.keys() == ref.keys()
+    for n, g in owned.items():
+        torch.testing.assert_close(g, ref[n], rtol=1e-5, atol=1e-7)
