@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import warnings
@@ -14,8 +13,8 @@ import torch.nn as nn
 from dmuon.placement import layout_class
 from dmuon.placement.dense import already_wrapped
 from dmuon.runtime import attach, collectives
-from dmuon.ownership.buckets import (DEFAULT_BUCKET_CAP_MB, Coalescing, bucket_layout,
-                                     check_hierarchy, check_link, resolve_coalesce, resolve_hierarchy)
+from dmuon.options import DedicateOptions
+from dmuon.ownership.buckets import DEFAULT_BUCKET_CAP_MB, Coalescing
 from dmuon.runtime.dedicate import DedicatedParams
 from dmuon.runtime import rest as replicated_rest
 from dmuon.ownership.plan import OwnershipPlan, specs_from_named_parameters
@@ -123,14 +122,17 @@ def dedicate_params(
             ``Shard(1)`` matrix whose sharded dim the TP size divides (``dmuon.placement.tp.check_model``), ``dedicate_params`` was already
             called on it, a dedicated param has fewer than 2 dims, is frozen or not in the model,
             ``reshard_after_forward`` is not a bool, ``bucket_cap_mb`` is not a positive
-            number, ``prefetch_depth`` is not an int >= 0, ``coalesce`` is not one of
+            number, ``mp_policy`` is not ``None`` nor a mixed-precision policy (no
+            ``param_dtype``, e.g. a bare ``torch.bfloat16``, or a dtype field that is not a
+            floating ``torch.dtype``), ``prefetch_depth`` is not an int >= 0, ``coalesce`` is not one of
             ``"auto"``, ``"block"``, ``"all"`` or an int >= 0, ``rest`` is not ``"wrapper"``
             or ``"replicate"`` (or ``"replicate"`` on a TP mesh, or with an ``mp_policy``
             whose ``param_dtype`` would meet a rest param of another dtype in a module holding
             a dedicated param: a Linear's bias), ``hierarchy`` is not one of ``"auto"``,
             ``"hierarchical"``, ``"flat"`` (or ``"flat"`` on a TP mesh), ``link`` is not one of
             ``"auto"``, ``"nccl"``, ``"gloo"``, or the mesh is invalid (see
-            ``topology_from_mesh``). All checked locally, before any DMuon group exists; with
+            ``topology_from_mesh``). The knobs are checked once, into one
+            :class:`~dmuon.options.DedicateOptions` (``dm.options.given``). All checked locally, before any DMuon group exists; with
             ``torch.distributed`` initialised the raising rank still takes part in the setup
             agreement's one all_gather, so the other ranks raise too (below).
         RuntimeError: another rank raised one of the errors above (the message names those
@@ -148,6 +150,11 @@ def dedicate_params(
     from torch.nn.parallel import DistributedDataParallel
 
     try:  # local checks and the plan: a ValueError on some ranks must not strand the others
+        # every knob validated once, here (dmuon/options.py); the runtime reads this object
+        options = DedicateOptions(
+            reshard_after_forward=reshard_after_forward, mp_policy=mp_policy,
+            bucket_cap_mb=bucket_cap_mb, prefetch_depth=prefetch_depth, coalesce=coalesce,
+            rest=rest, hierarchy=hierarchy, link=link)
         if isinstance(model, DistributedDataParallel):
             raise already_wrapped(model)
         kind = layout_class(mesh)  # the mesh's kind: dmuon/placement/
@@ -161,17 +168,7 @@ def dedicate_params(
                 "ignored_params); to start over, call close() on that handle (every rank) or "
                 "build a fresh model."
             )
-        if isinstance(prefetch_depth, bool) or not isinstance(prefetch_depth, int) or prefetch_depth < 0:
-            raise ValueError(
-                f"Invalid prefetch_depth={prefetch_depth!r}. Must be an int >= 0 (buckets whose "
-                "broadcast is issued ahead of the module that needs them; 1 is the default)."
-            )
-        cap_bytes = _bucket_cap_bytes(bucket_cap_mb)
-        resolve_coalesce(coalesce, "gloo")  # validates, before anything else
-        check_hierarchy(hierarchy)
-        check_link(link)
-        kind.check_options(mesh, hierarchy=hierarchy, rest=rest)
-        replicated_rest.check_rest(rest)
+        kind.check_options(mesh, hierarchy=options.hierarchy, rest=options.rest)
         topology = kind.topology(mesh)
         assignments = assign_params(model, params, predicate)
         named = select_params(model, params, predicate, assignments)
@@ -188,33 +185,28 @@ def dedicate_params(
         specs = specs_from_named_parameters(((n, p) for n, p, _ in named), matrices)
         kind.check_model(model, mesh, {n for n, _, _ in named})
         layout = kind.build(mesh, named, specs, topology)  # the plan and every param's placement
-        # the link policy comes from the backend DMuon's groups run on, never from where the
-        # params happen to be (a meta-built model gets its backend's policy: link_backend)
-        backend = link if link != "auto" else collectives.link_backend(
-            collectives.default_backend(), {p.device.type for _, p, _ in named})
-        coalescing = resolve_coalesce(coalesce, backend)
-        if not layout.joins_blocks:  # one unit per block (dmuon/placement/base.py)
-            coalescing = dataclasses.replace(coalescing, target_bytes=0)
-        flat = topology.replicate_size > 1 and layout.allows_flat and resolve_hierarchy(
-            hierarchy, coalescing, lambda: bucket_layout(specs, layout.plan, cap_bytes, coalescing.target_bytes,
-                                                         coalescing.reduce_by_gather))
         dedicated = {n for n, _, _ in named}
         rest_params = replicated_rest.rest_of(model, dedicated)  # agreed on in every mode
-        if rest == "replicate" and rest_params and getattr(mp_policy, "param_dtype", None) is not None:
-            replicated_rest.check_dtypes(model, dedicated, mp_policy.param_dtype)
-        digest = setup_digest(layout.agreed_plan, named,
-                              reshard_after_forward, mp_policy, cap_bytes, coalescing, rest_params, flat,
-                              rest_mode=rest)
+        if options.rest == "replicate" and rest_params and options.param_dtype is not None:
+            replicated_rest.check_dtypes(model, dedicated, options.param_dtype)
+        # the link policy comes from the backend DMuon's groups run on, never from where the
+        # params happen to be (a meta-built model gets its backend's policy: link_backend)
+        backend = None if options.link != "auto" else collectives.link_backend(
+            collectives.default_backend(), {p.device.type for _, p, _ in named})
+        resolved = options.resolve(backend=backend, joins_blocks=layout.joins_blocks,
+                                   hsdp=topology.replicate_size > 1, allows_flat=layout.allows_flat,
+                                   specs=specs, plan=layout.plan,
+                                   rest_names=[n for n, _ in rest_params])
+        digest = setup_digest(layout.agreed_plan, named, options.reshard_after_forward,
+                              options.mp_policy, options.bucket_cap_bytes, resolved.coalescing,
+                              rest_params, resolved.flat, rest_mode=options.rest)
     except Exception:  # a bad argument, or a user predicate that raised
         if dist.is_initialized():  # every rank still takes part in the agreement, then raises
             collectives.check_plan_agreement(None, SETUP_WHAT)
         raise
     collectives.check_plan_agreement(digest, SETUP_WHAT)
-    return DedicatedParams(model, named, topology, layout, reshard_after_forward, mesh=mesh,
-                           mp_policy=mp_policy, bucket_cap_bytes=cap_bytes,
-                           prefetch_depth=prefetch_depth, coalescing=coalescing,
-                           assignments=assignments, hierarchy=hierarchy, flat=flat, link=link,
-                           rest=[n for n, _ in rest_params] if rest == "replicate" else None)
+    return DedicatedParams(model, named, topology, layout, resolved, mesh=mesh,
+                           assignments=assignments)
 
 
 #: What the setup agreement's digest covers, for its error message.
@@ -243,23 +235,6 @@ def _warn_adamw_matrices(assignments) -> None:
         "dm.assignments() lists every param and why.",
         stacklevel=3,
     )
-
-
-def _bucket_cap_bytes(bucket_cap_mb) -> int:
-    """``bucket_cap_mb`` in bytes (at least 1).
-
-    Raises:
-        ValueError: not a positive finite number.
-    """
-    if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) or not (
-        0 < bucket_cap_mb < float("inf")
-    ):
-        raise ValueError(
-            f"Invalid bucket_cap_mb={bucket_cap_mb!r}. Must be a positive number of MiB (a "
-            f"block's params per owner share one collective up to this size; default "
-            f"{DEFAULT_BUCKET_CAP_MB})."
-        )
-    return max(1, int(bucket_cap_mb * 1024 * 1024))
 
 
 def _policy_fields(mp_policy) -> dict | None:

@@ -20,6 +20,7 @@ waited; storage is never read back as state.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -28,6 +29,9 @@ import torch.nn as nn
 from dmuon.runtime import grad_view, residency, usage
 from dmuon.runtime.collectives import Pending
 from dmuon.runtime.state import Copy, Grads, Replica, check
+
+if TYPE_CHECKING:
+    from dmuon.options import ResolvedOptions
 
 
 class Bucket:
@@ -48,7 +52,9 @@ class Bucket:
             data-parallel mesh: ``broadcast``, ``reduce``, ``replicate``) and the divisor of its
             reduced grads (W of the data the grads came from).
         is_holder, is_owner: this rank's roles.
-        frees: Z3 (``reshard_after_forward``): non-holders free the compute copy between uses.
+        options: the :class:`~dmuon.options.ResolvedOptions` of its ``DedicatedParams``
+            (read: ``reshard_after_forward``, Z3: non-holders free the compute copy between
+            uses; ``param_dtype``, the compute copy's dtype; ``reduce_dtype``).
         on_grad: ``on_grad(bucket, i)`` -> the post-accumulate-grad hook of param ``i``'s
             compute param (registered here, moved when the compute params change).
     """
@@ -57,14 +63,15 @@ class Bucket:
                  aligned: bool, owner: int, shard_owner: int, replicate_owner: int, names: list[str],
                  params: list[nn.Parameter], param_modules: list[nn.Module], placements: list,
                  groups, divisor: int, is_holder: bool,
-                 is_owner: bool, frees: bool, on_grad: Callable[[Bucket, int], Callable]) -> None:
+                 is_owner: bool, options: ResolvedOptions,
+                 on_grad: Callable[[Bucket, int], Callable]) -> None:
         self.index, self.module_name, self.module = index, module_name, module
         self.blocks, self.aligned = tuple(blocks) or (module_name,), aligned
         self.owner, self.shard_owner, self.replicate_owner = owner, shard_owner, replicate_owner
         self.names, self.params, self.param_modules = names, params, param_modules
         self.placements = placements
         self.groups, self.divisor = groups, divisor
-        self.is_holder, self.is_owner, self._frees = is_holder, is_owner, frees
+        self.is_holder, self.is_owner, self.options = is_holder, is_owner, options
         self._on_grad = on_grad
         self.flat = residency.flatten_into_views(self._locals())  # (numel,), the master dtype
         self.lp: torch.Tensor = self.flat  # (numel,), param_dtype copy (mixed precision)
@@ -111,12 +118,12 @@ class Bucket:
         return [pl.local(p) for p, pl in zip(self.params, self.placements)]
 
     # ------------------------------------------------------------------ compute copy
-    def make_compute(self, param_dtype: torch.dtype | None, *, keep_master: bool = False,
-                     keep_copy: bool = False) -> None:
-        """Build the compute copy from ``flat`` and hook its grads. Mixed-precision
+    def make_compute(self, *, keep_master: bool = False, keep_copy: bool = False) -> None:
+        """Build the compute copy (``options.param_dtype``) from ``flat`` and hook its grads. Mixed-precision
         non-holders then drop their master copy unless ``keep_master`` (``sync_params``
         brings it back); Z3 non-holders drop the compute copy (FREED) unless ``keep_copy``
         (then STALE: freed after the next forward)."""
+        param_dtype = self.options.param_dtype
         if param_dtype is None or param_dtype == self.flat.dtype:
             self.lp, self.compute = self.flat, self.params
             self._to("master", None)  # no separate master copy (state.CREATED: a drop)
@@ -135,7 +142,7 @@ class Bucket:
             if not keep_master and not self.is_holder:
                 self._free_master_storage()
         self._hook_grads()
-        if self._frees and not keep_copy:
+        if self.options.reshard_after_forward and not keep_copy:
             self._to("copy", Copy.FREED)
             if not self.is_holder:
                 self._free_compute_storage()
@@ -286,7 +293,7 @@ class Bucket:
         """Whether the params share one device and dtype (a rebind can join them)."""
         return len({(p.device, p.dtype) for p in self.params}) == 1
 
-    def rebind(self, param_dtype: torch.dtype | None) -> None:
+    def rebind(self) -> None:
         """A new ``flat`` from the params' current data (their device and dtype; waits first
         for in-flight calls), and a new compute copy. Copies that had values (or come from
         the meta device: the user initialises them next) stay allocated, STALE until the next
@@ -299,7 +306,7 @@ class Bucket:
         keep_copy = from_meta or self.copy is not Copy.FREED
         keep_master = from_meta or (self.master if self.mixed else self.copy) is not Copy.FREED
         self.flat = residency.flatten_into_views(self._locals())
-        self.make_compute(param_dtype, keep_master=keep_master, keep_copy=keep_copy)
+        self.make_compute(keep_master=keep_master, keep_copy=keep_copy)
         if self.is_holder or (keep_master if self.mixed else keep_copy):
             for p, pl in zip(self.params, self.placements):  # flat is allocated here: no freed guard
                 residency.mark_resident(pl.guarded(p))
@@ -342,9 +349,10 @@ class Bucket:
                 view.copy_(pl.local(pl.placed_like(q, g)))
             q.grad = pl.like(q, view)
 
-    def reduce_buffer(self, reduce_dtype: torch.dtype | None) -> torch.Tensor:
+    def reduce_buffer(self) -> torch.Tensor:
         """The buffer to reduce: every local grad (zeros where none), then the usage
-        elements (1 where ``used``), in ``reduce_dtype``."""
+        elements (1 where ``used``), in ``options.reduce_dtype``."""
+        reduce_dtype = self.options.reduce_dtype
         buf = self.grad_buffer()
         with torch.no_grad():
             for q, view, pl in zip(self.compute, self.grad_views, self.placements):

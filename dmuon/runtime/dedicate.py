@@ -338,13 +338,13 @@ from contextlib import contextmanager
 import torch.distributed as dist
 import torch.nn as nn
 
+from dmuon.options import ResolvedOptions
 from dmuon.runtime import attach, checkpoint, collectives
 from dmuon.ownership import buckets
-from dmuon.ownership.buckets import DEFAULT_BUCKET_CAP_MB
 from dmuon.placement.base import MeshLayout
 from dmuon.runtime.hooks import Runtime, in_backward
-from dmuon.runtime.rest import ReplicatedRest, rest_of, warn_if_not_averaged
-from dmuon.runtime.state import Grads, TrainingState
+from dmuon.runtime.rest import ReplicatedRest, rest_of
+from dmuon.runtime.state import DdpCheck, Grads, TrainingState
 from dmuon.ownership.topology import Topology
 
 S = TrainingState
@@ -367,23 +367,18 @@ class DedicatedParams:
             rank's index on a model-parallel axis); ``placements``: name -> the
             :class:`~dmuon.placement.base.Placement` of each dedicated param.
         topology: this rank's :class:`~dmuon.ownership.topology.Topology`.
-        reshard_after_forward: ``True`` for Z3 (non-holders free after forward), ``False`` for Z2.
-        bucket_cap_bytes, prefetch_depth: the knobs given to ``dedicate_params``.
-        coalesce_bytes: the unit target in bytes (``dedicate_params``' ``coalesce`` resolved
-            by ``buckets.resolve_coalesce``).
+        options: the :class:`~dmuon.options.ResolvedOptions` every part of the runtime reads:
+            ``options.given`` the knobs given to ``dedicate_params`` (validated), the rest what
+            they resolved to here. Read-only views of it: ``reshard_after_forward`` (``True``
+            for Z3), ``bucket_cap_bytes``, ``prefetch_depth``, ``coalesce_bytes`` (the unit
+            target in bytes), ``reduce_by_gather``, ``hierarchy`` and ``link`` (as given),
+            ``flat`` (an HSDP mesh moved flat, as a 1-D mesh of all W ranks; ``topology`` and
+            ``plan`` stay the mesh's), ``rest`` (``"wrapper"``: DDP / FSDP2 handle the params
+            DMuon does not dedicate; ``"replicate"``: DMuon, ``rest.py``) and ``rest_names``
+            (those params in model order under ``"replicate"``, else empty).
         mesh_ranks: the world ranks of the mesh given to ``dedicate_params``
             (``mesh.mesh.tolist()``: nested lists, row r = replicate index r), ``None``
             without one.
-        hierarchy: the ``hierarchy`` given to ``dedicate_params`` (``"auto"``,
-            ``"hierarchical"`` or ``"flat"``); ``flat``: whether an HSDP mesh moves the
-            dedicated params flat (as a 1-D mesh of all W ranks; ``topology`` and ``plan``
-            stay the mesh's).
-        link: the ``link`` given to ``dedicate_params`` (``"auto"``, ``"nccl"`` or
-            ``"gloo"``: whose link policy ``coalescing`` follows).
-        rest: who handles the params that are not dedicated: ``"wrapper"`` (DDP / FSDP2) or
-            ``"replicate"`` (DMuon, ``rest.py``; the constructor's ``rest`` is then their
-            names, else ``None``); ``rest_names``: those params in model order under
-            ``"replicate"``, else empty.
     """
 
     def __init__(
@@ -392,60 +387,83 @@ class DedicatedParams:
         named: list[tuple[str, nn.Parameter, str]],
         topology: Topology,
         layout: MeshLayout,
-        reshard_after_forward: bool,
+        options: ResolvedOptions,
         *,
         mesh=None,
-        mp_policy=None,
-        bucket_cap_bytes: int = DEFAULT_BUCKET_CAP_MB * 1024 * 1024,
-        prefetch_depth: int = 1,
-        coalescing: buckets.Coalescing = buckets.Coalescing(0),
         assignments: list | None = None,
-        rest: list[str] | None = None,
-        hierarchy: str = "auto",
-        flat: bool = False,
-        link: str = "auto",
     ) -> None:
         self._assignments = list(assignments or ())
-        self.hierarchy = hierarchy
-        self.link = link  # dedicate_params(link=...) as given
+        self.options = options
         self.mesh_ranks = None if mesh is None else mesh.mesh.tolist()
-        self.flat = flat
         # what the runtime moves by: an HSDP mesh moved flat is a 1-D layout of all W ranks
         plan = layout.plan
         moved, moved_plan = topology, plan
-        if flat:
+        if options.flat:
             moved = topology.flattened()
             moved_plan = dataclasses.replace(plan, mesh_shape=moved.mesh_shape)
-        self.bucket_cap_bytes = bucket_cap_bytes
-        self.prefetch_depth = prefetch_depth
-        self.coalesce_bytes = coalescing.target_bytes
-        self.reduce_by_gather = coalescing.reduce_by_gather
         self.names = [n for n, _, _ in named]
         self.plan = plan
         self.topology = topology
-        self.reshard_after_forward = reshard_after_forward
         for _, p, _ in named:
             collectives.check_param_device(p.device, topology.shard_group, "the dedicated params")
         self._model = model
         self.layout = layout
         self.placements = layout.placements
         self._groups = layout.make_groups(mesh, moved)
-        self.rest = "wrapper" if rest is None else "replicate"
-        self.rest_names = list(rest or ())
-        replicated = None if rest is None else ReplicatedRest(model, self.rest_names, self._groups.world)
+        replicated = (None if options.rest != "replicate"
+                      else ReplicatedRest(model, list(options.rest_names), self._groups.world))
         for p in replicated.params() if replicated is not None else ():
             collectives.check_param_device(p.device, self._groups.world, "the rest's params")
         self._runtime: Runtime | None = Runtime(model, named, moved, moved_plan, self._groups, self.placements,
-                                extra_meshes=layout.extra_meshes(self._groups),
-                                reshard_after_forward=reshard_after_forward, mp_policy=mp_policy,
-                                bucket_cap_bytes=bucket_cap_bytes, prefetch_depth=prefetch_depth,
-                                coalescing=coalescing, rest=replicated)
+                                                options, extra_meshes=layout.extra_meshes(self._groups),
+                                                replicated=replicated)
         self._hooks = attach.HookSet()
         self._runtime.install(self._hooks)
         checkpoint.install(model, self, self._hooks)
         # rest="replicate": DDP must not handle the rest either (wrap nothing)
         self._ddp_ignored_before = attach.ignore_in_ddp(model, self.names + self.rest_names)
         attach.mark_dedicated((p for _, p, _ in named), self._runtime)
+
+    # ------------------------------------------------------------------ options (read-only)
+    @property
+    def reshard_after_forward(self) -> bool:
+        return self.options.reshard_after_forward
+
+    @property
+    def bucket_cap_bytes(self) -> int:
+        return self.options.bucket_cap_bytes
+
+    @property
+    def prefetch_depth(self) -> int:
+        return self.options.prefetch_depth
+
+    @property
+    def coalesce_bytes(self) -> int:
+        return self.options.coalescing.target_bytes
+
+    @property
+    def reduce_by_gather(self) -> bool:
+        return self.options.reduce_by_gather
+
+    @property
+    def hierarchy(self) -> str:
+        return self.options.given.hierarchy
+
+    @property
+    def link(self) -> str:
+        return self.options.given.link
+
+    @property
+    def flat(self) -> bool:
+        return self.options.flat
+
+    @property
+    def rest(self) -> str:
+        return self.options.rest
+
+    @property
+    def rest_names(self) -> list[str]:
+        return list(self.options.rest_names)
 
     # ------------------------------------------------------------------ lifecycle
     def assignments(self) -> list:
@@ -554,7 +572,8 @@ class DedicatedParams:
     def mp_policy(self):
         """The mixed-precision policy the hooks apply (``None``: none; fixed by
         ``dedicate_params``, whose setup agreement covers it)."""
-        return self._live("mp_policy").mp_policy
+        self._live("mp_policy")
+        return self.options.mp_policy
 
     @property
     def state(self) -> TrainingState:
@@ -610,7 +629,7 @@ class DedicatedParams:
             replicate = 2 * calls_of(held)
         z3 = self.reshard_after_forward
         peak = _z3_window_bytes(rt.buckets, rt.schedule.groups_of, self.prefetch_depth) if z3 else 0
-        rest = rt.rest.params() if rt.rest is not None else []
+        rest = rt.replicated.params() if rt.replicated is not None else []
         rest_calls = len({p.dtype for p in rest if p.requires_grad})  # one all_reduce per dtype
         hsdp = self.topology.replicate_size > 1
         return {"target_bytes": self.coalesce_bytes, "reduce_by_gather": self.reduce_by_gather,
@@ -775,10 +794,9 @@ class DedicatedParams:
                 )
             rt.recover()
         rt.check_groups()
-        if rt.ddp_seen is not None:  # rest="wrapper": once, at the first step that can tell
-            if warn_if_not_averaged(rest_of(self._model, set(self.names)), rt.ddp_seen,
-                                    self.topology.world_size, self.layout.size):
-                rt.ddp_seen = None
+        if rt.ddp_check in (DdpCheck.LOOKING, DdpCheck.SEEN):  # rest="wrapper", until it could tell
+            rt.check_rest_averaged(rest_of(self._model, set(self.names)), self.topology.world_size,
+                                   self.layout.size)
         local = self.unreduced_param()
         if local is not None:
             raise RuntimeError(

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import inspect
 from itertools import groupby
+from typing import TYPE_CHECKING
 import warnings
 
 import weakref
@@ -25,13 +26,17 @@ from torch.utils._pytree import tree_leaves
 
 from dmuon.errors import invariant
 from dmuon.runtime import attach, collectives, order, precision
-from dmuon.ownership.buckets import Coalescing, block_of, bucket_layout
+from dmuon.ownership.buckets import block_of, bucket_layout
 from dmuon.runtime.copies import Bucket
-from dmuon.runtime.rest import ReplicatedRest, ddp_group_size
+from dmuon.runtime.rest import ReplicatedRest, ddp_group_size, warn_if_not_averaged
 from dmuon.ownership.plan import OwnershipPlan, specs_from_named_parameters
 from dmuon.runtime.schedule import Schedule
-from dmuon.runtime.state import Copy, Grads, StateMachine, TrainingState
+from dmuon.runtime.state import (BlockOrder, Copy, DdpCheck, Grads, GroupCheck, StateMachine,
+                                  TrainingState, check)
 from dmuon.ownership.topology import Topology
+
+if TYPE_CHECKING:
+    from dmuon.options import ResolvedOptions
 
 S = TrainingState
 
@@ -75,34 +80,28 @@ class Runtime:
 
     def __init__(self, model: nn.Module, named: list[tuple[str, nn.Parameter, str]],
                  topology: Topology, plan: OwnershipPlan, groups: collectives.DMuonGroups,
-                 placements: dict, *, extra_meshes: dict | None = None,
-                 reshard_after_forward: bool, mp_policy, bucket_cap_bytes: int,
-                 prefetch_depth: int, coalescing: Coalescing = Coalescing(0),
-                 rest: ReplicatedRest | None = None) -> None:
+                 placements: dict, options: ResolvedOptions, *, extra_meshes: dict | None = None,
+                 replicated: ReplicatedRest | None = None) -> None:
         self.root = model
         self.topology = topology
-        self.reshard_after_forward = reshard_after_forward
-        self.mp_policy = mp_policy
-        self.param_dtype, reduce_dtype = precision.dtypes(mp_policy)
+        self.options = options  # every knob, resolved (dmuon/options.py)
         self.pass_state = StateMachine()
         self.no_sync = False
         self.grad_mesh, self.grad_specs = None, {}  # dedicated grads shown as DTensors (grad_view.py)
-        self.rest = rest  # rest="replicate" (rest.py), else None
-        # rest="wrapper": until the first step() that can tell, whether a forward ran inside
-        # DDP (rest.warn_if_not_averaged); None once told
-        self.ddp_seen: int | bool | None = False if rest is None else None
+        self.replicated = replicated  # rest="replicate": the rest DMuon replicates (rest.py)
+        # rest="wrapper": whether a forward ran inside DDP (of ddp_size ranks), until the first
+        # step() that can tell whether the rest's grads are averaged (state.DdpCheck)
+        self.ddp_check = DdpCheck.LOOKING if replicated is None else DdpCheck.OFF
+        self.ddp_size = 0
         self.order = order.OrderRecorder()
-        self.order_agreed = False
+        self.order_state = BlockOrder.RECORDING
         # called once every grad of a reducing backward is final (after every end-of-backward
         # callback: DDP's and FSDP2's too); the optimizer's grad guard (dmuon/optim/grad_guard.py)
         self.grads_final: list = []
         self._modules = dict(model.named_modules())
         meshes = {"dp": (topology, plan, groups, topology.world_size), **(extra_meshes or {})}
-        buckets = self._build_buckets(named, meshes, placements, bucket_cap_bytes, coalescing)
-        self.schedule = Schedule(buckets, groups, prefetch_depth=prefetch_depth,
-                                 reshard_after_forward=reshard_after_forward,
-                                 reduce_dtype=reduce_dtype,
-                                 reduce_by_gather=coalescing.reduce_by_gather)
+        buckets = self._build_buckets(named, meshes, placements)
+        self.schedule = Schedule(buckets, groups, options)
         self.model_blocks = self.unit_order()  # model order (protocol step 7)
         self._ran: set[str] = set()  # blocks whose forward finished in this forward (Z3)
         # hooked module -> whether a run of it in this forward was reentrant-checkpointed
@@ -111,16 +110,17 @@ class Runtime:
         self._applying = 0  # depth of followed _apply calls in progress
         self._moved: dict[int, Bucket] = {}  # buckets an _apply touched, not re-bound yet
         self._rebound: dict[int, Bucket] = {}  # re-bound since the last forward (recast there)
-        self._groups_checked = True  # no bucket re-bound since check_groups last passed
+        self.group_check = GroupCheck.CHECKED  # PENDING: a bucket re-bound since check_groups
         # unit -> the drivers of all its blocks (order.py's contiguity rule, the spans)
         self._drivers = {b.module_name: list(dict.fromkeys(
             d for block in b.blocks for d in order.drivers_of(block))) for b in buckets}
         self._index()
         for b in buckets:
-            b.make_compute(self.param_dtype)
+            b.make_compute()
         self._index_params()
         # mixed precision: the compute params' swaps and the casts (installed by install())
-        self.mp = None if mp_policy is None else precision.ModuleSwaps(mp_policy, buckets, self._modules, model)
+        policy = options.mp_policy
+        self.mp = None if policy is None else precision.ModuleSwaps(policy, buckets, self._modules, model)
 
     @property
     def buckets(self) -> list[Bucket]:
@@ -138,8 +138,7 @@ class Runtime:
         return tuple(dict.fromkeys(block for b in self.buckets for block in b.blocks))
 
     # ------------------------------------------------------------------ construction
-    def _build_buckets(self, named, meshes: dict, placements: dict, cap_bytes: int,
-                       coalescing: Coalescing) -> list[Bucket]:
+    def _build_buckets(self, named, meshes: dict, placements: dict) -> list[Bucket]:
         """The buckets of every data-parallel mesh the params move on (``meshes``: a
         placement's ``mesh_key`` -> (topology, plan, groups, divisor); ``"dp"`` for the dense
         and TP kinds), each laid out by ``bucket_layout``, merged unit by unit in model order
@@ -154,8 +153,9 @@ class Runtime:
             topology, plan, groups, divisor = meshes[key]
             # buckets hold the local tensors (a TP shard), so the cap counts their bytes
             specs = specs_from_named_parameters((n, placements[n].local(p)) for n, p in sub)
-            layout = bucket_layout(specs, plan, cap_bytes, coalescing.target_bytes,
-                                   coalescing.reduce_by_gather)
+            coalescing = self.options.coalescing
+            layout = bucket_layout(specs, plan, self.options.bucket_cap_bytes,
+                                   coalescing.target_bytes, coalescing.reduce_by_gather)
             for _, unit in groupby(layout, lambda spec: spec.module):
                 unit = list(unit)
                 runs.append((min(position[n] for spec in unit for n in spec.names), unit,
@@ -173,7 +173,7 @@ class Runtime:
                     placements=[placements[n] for n in spec.names], groups=groups,
                     divisor=divisor, is_holder=s == topology.shard_index,
                     is_owner=spec.owner == topology.global_index,
-                    frees=self.reshard_after_forward, on_grad=self._grad_hook))
+                    options=self.options, on_grad=self._grad_hook))
         return buckets
 
     def _index(self) -> None:
@@ -247,11 +247,24 @@ class Runtime:
         # drop the process groups: gloo's threads go with the last reference, and a closed
         # DedicatedParams may live on in a reference cycle until the garbage collector runs
         self.schedule.groups = None
-        if self.rest is not None:
-            self.rest.close()
+        if self.replicated is not None:
+            self.replicated.close()
         self._enter(S.CLOSED)
 
     # ------------------------------------------------------------------ pass state
+    def _set(self, field: str, new) -> None:
+        """Change one of the runtime's states (``state.py``: BlockOrder, DdpCheck, GroupCheck),
+        checked against its table."""
+        setattr(self, field, check(f"runtime {field}", getattr(self, field), new))
+
+    def check_rest_averaged(self, rest: list, dp_size: int, tp_size: int) -> None:
+        """``rest="wrapper"``, at ``step()``: until it could tell once, whether something
+        averages the rest's grads (``rest.warn_if_not_averaged``; warns, or raises its
+        RuntimeError for a DDP over other ranks)."""
+        if self.ddp_check in (DdpCheck.LOOKING, DdpCheck.SEEN):
+            if warn_if_not_averaged(rest, self.ddp_size or False, dp_size, tp_size):
+                self._set("ddp_check", DdpCheck.DONE)
+
     def _enter(self, new: TrainingState) -> None:
         self.pass_state.to(new)
         if new in (S.FORWARD, S.BACKWARD):
@@ -270,8 +283,8 @@ class Runtime:
         old = self.pass_state.recover()
         for b in self.buckets:
             b.abort(drop_grads=old == S.BACKWARD)
-        if self.rest is not None:
-            self.rest.abort(drop_grads=old == S.BACKWARD)
+        if self.replicated is not None:
+            self.replicated.abort(drop_grads=old == S.BACKWARD)
         elif old == S.BACKWARD:  # the wrapper's grads are not DMuon's to drop: say so
             warnings.warn(
                 "DMuon recovered from an exception inside backward and dropped that backward's "
@@ -299,10 +312,12 @@ class Runtime:
         for b in self._rebound.values():
             b.recast()
         self._rebound.clear()
-        if self.rest is not None:
-            self.rest.begin_forward()  # checks the rest is unwrapped; broadcasts it once
-        elif self.ddp_seen is False:
-            self.ddp_seen = ddp_group_size(self.root) or False
+        if self.replicated is not None:
+            self.replicated.begin_forward()  # checks the rest is unwrapped; broadcasts it once
+        elif self.ddp_check is DdpCheck.LOOKING:
+            self.ddp_size = ddp_group_size(self.root) or 0
+            if self.ddp_size:
+                self._set("ddp_check", DdpCheck.SEEN)
         self._enter(S.FORWARD)
         self._ran.clear()
         self._runs.clear()
@@ -362,14 +377,14 @@ class Runtime:
     def _end_backward(self) -> None:
         if not self.no_sync:  # every call left, re-broadcasts included, in the one order
             self.schedule.advance_reduce(final=True)
-        elif self.reshard_after_forward:
+        elif self.options.reshard_after_forward:
             self.schedule.advance_rebroadcast(0)
         if not self.no_sync:
-            if self.rest is not None:  # after the last shard reduce, waited with them
-                self.rest.issue(self.schedule.launcher)
+            if self.replicated is not None:  # after the last shard reduce, waited with them
+                self.replicated.issue(self.schedule.launcher)
             self.schedule.finish_reduces()
-            if self.rest is not None:
-                self.rest.finish(self.topology.world_size)
+            if self.replicated is not None:
+                self.replicated.finish(self.topology.world_size)
         for b in self.buckets:
             b.pass_ended()
             self.schedule.free(b)
@@ -387,7 +402,7 @@ class Runtime:
             self.order.note(self._own[module][0].module_name)
             self.schedule.advance_forward(self._own[module][-1].index)
         else:  # nothing needed yet: the first buckets fly during the root's own prologue
-            self.schedule.issue_forward(self.schedule.prefetch_depth - 1)
+            self.schedule.issue_forward(self.options.prefetch_depth - 1)
 
     def _root_post_forward(self, module: nn.Module, args, output) -> None:
         if self.state != S.FORWARD:
@@ -397,14 +412,14 @@ class Runtime:
 
     def _root_pre_backward(self) -> None:
         self.begin_backward()
-        if self.reshard_after_forward and self.root in self._own:
+        if self.options.reshard_after_forward and self.root in self._own:
             self.schedule.advance_rebroadcast(self._own[self.root][0].index)
 
     def _pre_forward(self, module: nn.Module, args) -> None:
         lo, hi = self._span[module]
         own = self._own.get(module, ())
         if self.state == S.BACKWARD and in_backward():  # activation-checkpoint recompute
-            if self.reshard_after_forward:
+            if self.options.reshard_after_forward:
                 # a recompute of buckets this backward already waited, then freed: a second use
                 if own and own[0].index > self.schedule.cursors.bwd_waited and any(
                         b.copy is not Copy.VALID for b in own):
@@ -421,7 +436,7 @@ class Runtime:
             self.order.note(own[0].module_name)
             self.schedule.advance_forward(own[-1].index)
         else:
-            self.schedule.issue_forward(lo + self.schedule.prefetch_depth - 1)
+            self.schedule.issue_forward(lo + self.options.prefetch_depth - 1)
         for b in own:
             if b.copy is not Copy.VALID:  # Z3, the block runs again in this forward (every rank)
                 self.schedule.refill(b)
@@ -447,7 +462,7 @@ class Runtime:
             "Checkpoint it with use_reentrant=False (CheckpointImpl.NO_REENTRANT).")
 
     def _post_forward(self, module: nn.Module, args, output) -> None:
-        if self.state != S.FORWARD or not self.reshard_after_forward:
+        if self.state != S.FORWARD or not self.options.reshard_after_forward:
             return  # recompute, or Z2
         lo, hi = self._span[module]
         self._ran |= self._blocks_under[module]
@@ -471,7 +486,7 @@ class Runtime:
         if own:
             self.schedule.advance_rebroadcast(own[0].index)
         else:
-            self.schedule.prefetch_rebroadcast(self._span[module][1] - self.schedule.prefetch_depth + 1)
+            self.schedule.prefetch_rebroadcast(self._span[module][1] - self.options.prefetch_depth + 1)
 
     @staticmethod
     def _on_first_grad(output, fn) -> None:
@@ -510,8 +525,9 @@ class Runtime:
         self._end_iteration()
         for b in self.buckets:
             b.step_consumed()
-        if not self.order_agreed:
-            self.order_agreed = True  # no call is in flight: every call of the step was waited
+        if self.order_state is BlockOrder.RECORDING:
+            # no call is in flight: every call of the step was waited
+            self._set("order_state", BlockOrder.AGREED)
             blocks = order.agree(self.model_blocks, self.order.recorded, self.schedule.groups.world,
                                  self._drivers)
             if blocks != self.model_blocks:
@@ -601,7 +617,7 @@ class Runtime:
             ValueError: the members of an aligned group differ in dtype or device (local:
                 every rank made the same moves, so every rank raises, before any call).
         """
-        if self._groups_checked:
+        if self.group_check is GroupCheck.CHECKED:
             return
         for members in {id(g): g for g in self.schedule.groups_of.values()}.values():
             if len({(m.flat.dtype, m.flat.device) for m in members}) > 1:
@@ -614,9 +630,9 @@ class Runtime:
                     "the unit's blocks or to the whole model, on every rank, or build with "
                     "dedicate_params(coalesce='block') (one unit per block)."
                 )
-        self._groups_checked = True
+        self._set("group_check", GroupCheck.CHECKED)
 
     def _rebind(self, b: Bucket) -> None:
-        b.rebind(self.param_dtype)
-        self._groups_checked = False
+        b.rebind()
+        self._set("group_check", GroupCheck.PENDING)
         self._rebound[id(b)] = b

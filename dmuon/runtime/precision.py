@@ -16,13 +16,6 @@ from torch.utils._pytree import tree_map
 from dmuon.ownership.buckets import block_of
 
 
-def dtypes(policy) -> tuple[torch.dtype | None, torch.dtype | None]:
-    """``(param_dtype, reduce_dtype)`` of ``policy`` (``None``: no mixed precision);
-    ``reduce_dtype`` defaults to ``param_dtype``, as in FSDP2."""
-    pd = getattr(policy, "param_dtype", None)
-    return pd, getattr(policy, "reduce_dtype", None) or pd
-
-
 def cast_inputs(policy, args: tuple):
     """Floating tensors of ``args`` in ``param_dtype`` (``None``: leave them)."""
     pd = getattr(policy, "param_dtype", None)

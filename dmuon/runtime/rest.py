@@ -122,7 +122,7 @@ def warn_if_not_averaged(rest: list[tuple[str, nn.Parameter]], ddp_seen: int | b
             "Wrap the model (DistributedDataParallel(model) or fully_shard(..., "
             "ignored_params=set(dm))) after dmuon.dedicate_params, pass rest='replicate', or "
             "average these grads yourself before step().",
-            stacklevel=4,
+            stacklevel=5,
         )
     return bool(with_grad)
 

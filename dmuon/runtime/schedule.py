@@ -11,6 +11,7 @@ asynchronous call through the launcher, on DMuon's own groups.
 from __future__ import annotations
 
 from itertools import groupby
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -20,6 +21,9 @@ from dmuon.errors import invariant
 from dmuon.runtime import collectives, usage
 from dmuon.runtime.copies import Bucket
 from dmuon.runtime.state import Copy, Replica
+
+if TYPE_CHECKING:
+    from dmuon.options import ResolvedOptions
 
 
 class Cursors:
@@ -64,25 +68,21 @@ class Schedule:
         groups: DMuon's primary process groups (``world``: the order agreement); each bucket
             moves on its own ``Bucket.groups`` (``broadcast``, ``reduce``, ``replicate``) and
             divides its reduced grads by its ``Bucket.divisor``.
-        prefetch_depth: buckets issued ahead of the one needed (``dedicate_params``).
-        reshard_after_forward: Z3 (non-holders free after forward and re-receive in backward).
-        reduce_dtype: dtype of the reduces (``None``: the grads' own).
-        reduce_by_gather: reduces as gathers, reduce_scatters as all_to_alls, each summed by
-            the receiver (``collectives.Launcher``; ``buckets.LinkCost``: gloo).
+        options: the :class:`~dmuon.options.ResolvedOptions` of its ``DedicatedParams``; read:
+            ``prefetch_depth`` (buckets issued ahead of the one needed),
+            ``reshard_after_forward`` (Z3: non-holders free after forward and re-receive in
+            backward), ``reduce_by_gather`` (reduces as gathers, reduce_scatters as
+            all_to_alls, each summed by the receiver: ``collectives.Launcher``;
+            ``buckets.LinkCost``: gloo); each bucket reads its reduce dtype itself.
     """
 
-    def __init__(self, buckets: list[Bucket], groups: collectives.DMuonGroups, *,
-                 prefetch_depth: int, reshard_after_forward: bool,
-                 reduce_dtype: torch.dtype | None,
-                 reduce_by_gather: bool = False) -> None:
+    def __init__(self, buckets: list[Bucket], groups: collectives.DMuonGroups,
+                 options: ResolvedOptions) -> None:
         invariant(all(b.index == i for i, b in enumerate(buckets)),
                   lambda: f"Schedule: bucket indices {[b.index for b in buckets]} are not 0..{len(buckets) - 1}")
         self.buckets = buckets
         self.groups = groups
-        self.prefetch_depth = prefetch_depth
-        self.reshard_after_forward = reshard_after_forward
-        self.reduce_dtype = reduce_dtype
-        self.reduce_by_gather = reduce_by_gather
+        self.options = options
         self.cursors = Cursors(len(buckets))
         self.reduces = True  # this backward reduces (not under no_sync: the runtime sets it)
         self._launchers: dict[torch.device, collectives.Launcher] = {}
@@ -121,7 +121,7 @@ class Schedule:
     def advance_forward(self, last: int) -> None:
         """Wait for every bucket up to ``last``, after issuing up to ``prefetch_depth``
         buckets beyond it."""
-        self.issue_forward(last + self.prefetch_depth)
+        self.issue_forward(last + self.options.prefetch_depth)
         c = self.cursors
         while c.fwd_waited <= last:
             self.buckets[c.fwd_waited].wait_broadcast()
@@ -153,7 +153,7 @@ class Schedule:
         """Z3: wait for every bucket down to ``first``, after asking for the re-broadcasts of
         up to ``prefetch_depth`` buckets below it; compute needs ``first``, so every
         re-broadcast down to it is issued now (:meth:`_pump`)."""
-        self.prefetch_rebroadcast(first - self.prefetch_depth, need=first)
+        self.prefetch_rebroadcast(first - self.options.prefetch_depth, need=first)
         c = self.cursors
         while c.bwd_waited >= first:
             self.buckets[c.bwd_waited].wait_broadcast()
@@ -189,7 +189,7 @@ class Schedule:
             j = self._next_rebroadcast()
             k = n - 1 - c.reduced if self.reduces and c.reduced < n else None
             asked = j is not None and (final or j >= c.bwd_wanted)
-            if j is not None and (k is None or self.unit_at[min(j + self.prefetch_depth, n - 1)]
+            if j is not None and (k is None or self.unit_at[min(j + self.options.prefetch_depth, n - 1)]
                                   >= self.unit_at[k]):
                 if not asked:
                     break
@@ -210,7 +210,7 @@ class Schedule:
         cursor passes buckets that need none (VALID: the kept last unit, a group's members
         already in flight)."""
         c = self.cursors
-        if not self.reshard_after_forward:
+        if not self.options.reshard_after_forward:
             return None
         while c.bwd_issued >= 0 and self.buckets[c.bwd_issued].copy not in (Copy.FREED, Copy.STALE):
             c.bwd_issued -= 1
@@ -236,7 +236,7 @@ class Schedule:
         group), then settle the reduces issued before it (:meth:`_settle`)."""
         c, b = self.cursors, self.buckets[k]
         members = self.groups_of.get(id(b), [b])
-        bufs = [m.reduce_buffer(self.reduce_dtype) for m in members]
+        bufs = [m.reduce_buffer() for m in members]
         with annotate.phase("backward"), annotate.span("dmuon.reduce", module=b.module_name,
                                                        owner=None if b.aligned else b.owner):
             if b.aligned:
@@ -332,7 +332,7 @@ class Schedule:
     # ------------------------------------------------------------------ residency
     def free(self, b: Bucket) -> None:
         """Z3: ``b``'s non-holders free it (a no-op under Z2)."""
-        if self.reshard_after_forward:
+        if self.options.reshard_after_forward:
             b.free()
 
     def wait_replicate(self, b: Bucket) -> None:
@@ -428,7 +428,7 @@ class Schedule:
         launcher = self._launchers.get(t.device)
         if launcher is None:
             launcher = self._launchers[t.device] = collectives.Launcher(
-                t.device, reduce_by_gather=self.reduce_by_gather)
+                t.device, reduce_by_gather=self.options.reduce_by_gather)
         return launcher
 
 

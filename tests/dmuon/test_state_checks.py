@@ -53,14 +53,17 @@ PROGRAM = textwrap.dedent('''
     # a planted illegal change on a real bucket: IN_FLIGHT -> FREED (a free while a broadcast
     # writes the copy; the free must wait it first)
     from dmuon.placement.dense import Dense
+    from dmuon.options import DedicateOptions
     from dmuon.runtime.copies import Bucket
+    options = DedicateOptions(reshard_after_forward=False).resolve(
+        backend="gloo", joins_blocks=True, hsdp=False, allows_flat=True, specs=[], plan=None)
     lin = nn.Linear(4, 4, bias=False)
     b = Bucket(index=0, module_name="blocks.0", module=lin, blocks=("blocks.0",), aligned=False,
                owner=0, shard_owner=0, replicate_owner=0, names=["blocks.0.weight"],
                params=[lin.weight], param_modules=[lin], placements=[Dense("blocks.0.weight")],
-               groups=None, divisor=1, is_holder=True, is_owner=True, frees=False,
+               groups=None, divisor=1, is_holder=True, is_owner=True, options=options,
                on_grad=lambda bucket, i: (lambda q: None))
-    b.make_compute(None)
+    b.make_compute()
     b.broadcast_issued(object())
     bucket_planted = raises(lambda: b._to("copy", Copy.FREED))
     print("debug", __debug__)
