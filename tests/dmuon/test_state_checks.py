@@ -5,26 +5,24 @@ a planted illegal transition on a real bucket. The ``-O`` run is a subprocess (i
 
 from __future__ import annotations
 
-import os
 import pathlib
 import subprocess
 import sys
 import textwrap
 
 import pytest
-import torch
 import torch.nn as nn
 
 from dmuon.errors import DMuonInternalError
 from dmuon.runtime import state
 from dmuon.runtime.state import Copy, Grads, StateMachine, TrainingState
 
-#: One program, run in-process and under ``python -O``: walks every table, plants illegal
-#: transitions, prints one line per result. Exit code 0 only when every check held.
+#: One program, run in this process and under ``python -O``: walks every table, plants illegal
+#: transitions, prints one line per result and sets ``ok``. It imports ``dmuon.errors`` and
+#: ``dmuon.runtime.state`` only (no torch: under ``-O`` torch's modules would be compiled
+#: anew, tens of seconds), through a bare ``dmuon`` package object when run alone.
 PROGRAM = textwrap.dedent('''
     import sys
-    import torch
-    import torch.nn as nn
     from dmuon.errors import DMuonInternalError
     from dmuon.runtime import state
     from dmuon.runtime.state import Copy, Grads, StateMachine, TrainingState
@@ -46,34 +44,29 @@ PROGRAM = textwrap.dedent('''
                 msg = raises(lambda: state.check("obj", old, new))
                 if allowed != (msg is None):
                     bad.append((kind.__name__, old.name, new.name, msg))
-    # a planted illegal change through the pass state machine and through recover
+    # planted illegal changes: through the pass state machine, through recover, and a
+    # bucket's copy IN_FLIGHT -> FREED (a free while a broadcast writes it: the one -O let
+    # through when the check was an assert)
     sm = StateMachine()
     idle_to_backward = raises(lambda: sm.to(TrainingState.BACKWARD))
     recover_from_idle = raises(sm.recover)
-    # a planted illegal change on a real bucket: IN_FLIGHT -> FREED (a free while a broadcast
-    # writes the copy; the free must wait it first)
-    from dmuon.placement.dense import Dense
-    from dmuon.options import DedicateOptions
-    from dmuon.runtime.copies import Bucket
-    options = DedicateOptions(reshard_after_forward=False).resolve(
-        backend="gloo", joins_blocks=True, hsdp=False, allows_flat=True, specs=[], plan=None)
-    lin = nn.Linear(4, 4, bias=False)
-    b = Bucket(index=0, module_name="blocks.0", module=lin, blocks=("blocks.0",), aligned=False,
-               owner=0, shard_owner=0, replicate_owner=0, names=["blocks.0.weight"],
-               params=[lin.weight], param_modules=[lin], placements=[Dense("blocks.0.weight")],
-               groups=None, divisor=1, is_holder=True, is_owner=True, options=options,
-               on_grad=lambda bucket, i: (lambda q: None))
-    b.make_compute()
-    b.broadcast_issued(object())
-    bucket_planted = raises(lambda: b._to("copy", Copy.FREED))
+    copy_planted = raises(lambda: state.check("bucket 0 ('blocks.0') copy", Copy.IN_FLIGHT, Copy.FREED))
     print("debug", __debug__)
     print("pairs", pairs)
     print("mismatches", bad)
     print("idle_to_backward", idle_to_backward)
     print("recover_from_idle", recover_from_idle)
-    print("bucket_planted", bucket_planted)
-    ok = bool(not bad and idle_to_backward and recover_from_idle and bucket_planted
-              and b.copy is Copy.IN_FLIGHT)
+    print("copy_planted", copy_planted)
+    ok = bool(not bad and idle_to_backward and recover_from_idle and copy_planted
+              and sm.state is TrainingState.IDLE)
+''')
+
+#: Runs PROGRAM alone: a ``dmuon`` package object without its ``__init__`` (which imports torch).
+BARE_PACKAGE = textwrap.dedent('''
+    import sys, types
+    pkg = types.ModuleType("dmuon")
+    pkg.__path__ = [{path!r}]
+    sys.modules["dmuon"] = pkg
 ''')
 
 
@@ -81,9 +74,9 @@ def _run(optimized: bool, capsys) -> dict[str, str]:
     """PROGRAM's lines, in a ``python -O`` subprocess (``optimized``) or in this process."""
     if optimized:
         root = pathlib.Path(__file__).resolve().parents[2]
-        env = {**os.environ, "PYTHONPATH": str(root)}
-        proc = subprocess.run([sys.executable, "-O", "-c", PROGRAM + "sys.exit(0 if ok else 1)\n"],
-                              capture_output=True, text=True, timeout=300, env=env, cwd=root)
+        code = BARE_PACKAGE.format(path=str(root / "dmuon")) + PROGRAM + "sys.exit(0 if ok else 1)\n"
+        proc = subprocess.run([sys.executable, "-O", "-c", code], capture_output=True, text=True,
+                              timeout=120, cwd=root)
         assert proc.returncode == 0, (proc.stdout, proc.stderr)
         stdout = proc.stdout
     else:
@@ -102,8 +95,35 @@ def test_planted_illegal_transitions_raise_with_and_without_O(optimized, capsys)
     assert out["mismatches"] == "[]"
     assert "pass state: illegal state transition IDLE -> BACKWARD" in out["idle_to_backward"]
     assert "pass state (recover): illegal state transition IDLE -> IDLE" in out["recover_from_idle"]
-    assert "bucket 0 ('blocks.0') copy: illegal state transition IN_FLIGHT -> FREED" in out["bucket_planted"]
-    assert "bug in DMuon" in out["bucket_planted"] and "report it" in out["bucket_planted"]
+    planted = out["copy_planted"]
+    assert "bucket 0 ('blocks.0') copy: illegal state transition IN_FLIGHT -> FREED" in planted
+    assert "bug in DMuon" in planted and "report it" in planted
+
+
+def test_planted_illegal_transition_on_a_real_bucket():
+    """A bucket's own write path (``Bucket._to``) goes through the table: a free planted while
+    its broadcast is in flight raises and leaves the state as it was."""
+    from dmuon.options import DedicateOptions
+    from dmuon.placement.dense import Dense
+    from dmuon.runtime.copies import Bucket
+
+    options = DedicateOptions(reshard_after_forward=False).resolve(
+        backend="gloo", joins_blocks=True, hsdp=False, allows_flat=True, specs=[], plan=None)
+    lin = nn.Linear(4, 4, bias=False)
+    b = Bucket(index=0, module_name="blocks.0", module=lin, blocks=("blocks.0",), aligned=False,
+               owner=0, shard_owner=0, replicate_owner=0, names=["blocks.0.weight"],
+               params=[lin.weight], param_modules=[lin], placements=[Dense("blocks.0.weight")],
+               groups=None, divisor=1, is_holder=True, is_owner=True, options=options,
+               on_grad=lambda bucket, i: (lambda q: None))
+    b.make_compute()
+    assert b.copy is Copy.STALE
+    b.broadcast_issued(object())
+    with pytest.raises(DMuonInternalError, match=r"bucket 0 \('blocks\.0'\) copy: illegal state "
+                                                 r"transition IN_FLIGHT -> FREED"):
+        b._to("copy", Copy.FREED)
+    assert b.copy is Copy.IN_FLIGHT
+    with pytest.raises(DMuonInternalError, match="grads: illegal state transition NONE -> REDUCED"):
+        b._to("grads", Grads.REDUCED)
 
 
 def test_internal_error_is_an_assertion_error_not_a_runtime_error():
