@@ -119,22 +119,24 @@ def dedicate_params(
     Raises:
         ValueError: ``model`` is already DDP- or FSDP2-wrapped (a DTensor param not on the
             TP mesh's ``"tp"`` axis), a dedicated TP param is not a 2-D ``Shard(0)`` /
-            ``Shard(1)`` matrix whose sharded dim the TP size divides (``dmuon.placement.tp.check_model``), ``dedicate_params`` was already
-            called on it, a dedicated param has fewer than 2 dims, is frozen or not in the model,
+            ``Shard(1)`` matrix whose sharded dim the TP size divides
+            (``dmuon.placement.tp.check_model``), ``dedicate_params`` was already called on
+            it, a dedicated param has fewer than 2 dims, is frozen or not in the model,
             ``reshard_after_forward`` is not a bool, ``bucket_cap_mb`` is not a positive
             number, ``mp_policy`` is not ``None`` nor a mixed-precision policy (no
             ``param_dtype``, e.g. a bare ``torch.bfloat16``, or a dtype field that is not a
-            floating ``torch.dtype``), ``prefetch_depth`` is not an int >= 0, ``coalesce`` is not one of
-            ``"auto"``, ``"block"``, ``"all"`` or an int >= 0, ``rest`` is not ``"wrapper"``
-            or ``"replicate"`` (or ``"replicate"`` on a TP mesh, or with an ``mp_policy``
-            whose ``param_dtype`` would meet a rest param of another dtype in a module holding
-            a dedicated param: a Linear's bias), ``hierarchy`` is not one of ``"auto"``,
-            ``"hierarchical"``, ``"flat"`` (or ``"flat"`` on a TP mesh), ``link`` is not one of
-            ``"auto"``, ``"nccl"``, ``"gloo"``, or the mesh is invalid (see
-            ``topology_from_mesh``). The knobs are checked once, into one
-            :class:`~dmuon.options.DedicateOptions` (``dm.options.given``). All checked locally, before any DMuon group exists; with
-            ``torch.distributed`` initialised the raising rank still takes part in the setup
-            agreement's one all_gather, so the other ranks raise too (below).
+            floating ``torch.dtype``), ``prefetch_depth`` is not an int >= 0, ``coalesce``
+            is not one of ``"auto"``, ``"block"``, ``"all"`` or an int >= 0, ``rest`` is not
+            ``"wrapper"`` or ``"replicate"`` (or ``"replicate"`` on a TP mesh, or with an
+            ``mp_policy`` whose ``param_dtype`` would meet a rest param of another dtype in a
+            module holding a dedicated param: a Linear's bias), ``hierarchy`` is not one of
+            ``"auto"``, ``"hierarchical"``, ``"flat"`` (or ``"flat"`` on a TP mesh), ``link``
+            is not one of ``"auto"``, ``"nccl"``, ``"gloo"``, or the mesh is invalid (see
+            ``topology_from_mesh``). The knobs are checked first, once, into one
+            :class:`~dmuon.options.DedicateOptions` (``dm.options.given``). All checked
+            locally, before any DMuon group exists; with ``torch.distributed`` initialised
+            the raising rank still takes part in the setup agreement's one all_gather, so the
+            other ranks raise too (below).
         RuntimeError: another rank raised one of the errors above (the message names those
             ranks), or the ranks computed different setups (plan, ``reshard_after_forward``,
             mixed-precision policy, bucket cap, coalescing, hierarchy, rest, devices:

@@ -15,8 +15,9 @@ from typing import Any
 
 import torch
 
-from dmuon.ownership.buckets import (DEFAULT_BUCKET_CAP_MB, Coalescing, bucket_layout, check_hierarchy,
-                                     check_link, resolve_coalesce, resolve_hierarchy)
+from dmuon.ownership.buckets import (DEFAULT_BUCKET_CAP_MB, Coalescing, bucket_layout,
+                                     check_hierarchy, check_link, resolve_coalesce,
+                                     resolve_hierarchy)
 from dmuon.ownership.plan import OwnershipPlan, ParamSpec
 from dmuon.runtime.rest import check_rest
 

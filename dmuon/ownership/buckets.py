@@ -272,8 +272,8 @@ def bucket_layout(specs: Sequence[ParamSpec], plan: OwnershipPlan, cap_bytes: in
         KeyError: a spec is not in the plan.
     """
     invariant(cap_bytes > 0 and target_bytes >= 0,
-              lambda: f"bucket_layout: cap_bytes={cap_bytes}, target_bytes={target_bytes} (resolved options "
-                      "must be > 0 and >= 0)")
+              lambda: f"bucket_layout: cap_bytes={cap_bytes}, target_bytes={target_bytes} "
+                      "(resolved options must be > 0 and >= 0)")
     units = unit_layout(specs, target_bytes)
     if target_bytes == 0:
         return _layout(specs, plan, cap_bytes, units, False, uneven)
