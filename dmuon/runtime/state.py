@@ -174,7 +174,8 @@ TRANSITIONS: dict[type, dict[enum.Enum, frozenset]] = {
         G.REDUCED: frozenset({G.STEPPED, G.NONE}),
         G.STEPPED: frozenset({G.NONE}),
     },
-    BlockOrder: {BlockOrder.RECORDING: frozenset({BlockOrder.AGREED}), BlockOrder.AGREED: frozenset()},
+    BlockOrder: {BlockOrder.RECORDING: frozenset({BlockOrder.AGREED}),
+                 BlockOrder.AGREED: frozenset()},
     DdpCheck: {
         DdpCheck.OFF: frozenset(),
         DdpCheck.LOOKING: frozenset({DdpCheck.SEEN, DdpCheck.DONE}),
@@ -202,9 +203,9 @@ def _name(state) -> str:
 
 def check(what: str, old: enum.Enum | None, new: enum.Enum | None,
           table: dict | None = None) -> enum.Enum | None:
-    """``new`` if ``old -> new`` is allowed: ``old is new`` (not with a ``table``), or listed in
-    ``table`` (default :data:`TRANSITIONS` for ``old``'s kind); for an optional state, ``None -> new`` in
-    :data:`CREATED` and ``old -> None`` from any value but ``IN_FLIGHT``.
+    """``new`` if ``old -> new`` is allowed: ``old is new`` (not with a ``table``), or listed
+    in ``table`` (default :data:`TRANSITIONS` for ``old``'s kind); for an optional state,
+    ``None -> new`` in :data:`CREATED` and ``old -> None`` from any value but ``IN_FLIGHT``.
 
     Args:
         what: names the object and the state (``"bucket 3 ('blocks.1') grads"``).
