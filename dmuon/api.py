@@ -12,7 +12,7 @@ import torch.nn as nn
 
 from dmuon.placement import layout_class
 from dmuon.placement.dense import already_wrapped
-from dmuon.runtime import attach, collectives
+from dmuon.runtime import attach, collectives, start
 from dmuon.options import DedicateOptions
 from dmuon.ownership.buckets import DEFAULT_BUCKET_CAP_MB, Coalescing
 from dmuon.runtime.dedicate import DedicatedParams
@@ -41,7 +41,9 @@ def dedicate_params(
     Call it on every rank, on the bare model, **before** wrapping: then
     ``DistributedDataParallel(model)`` skips the dedicated params (they are added to DDP's
     params-to-ignore list here) and ``fully_shard(module, mesh=..., ignored_params=set(dm))``
-    leaves them to DMuon.
+    leaves them to DMuon. As DDP does for its params, every rank's dedicated params then take
+    the mesh's first rank's values (one broadcast of them per mesh dim, after the setup
+    agreement: ``dmuon/runtime/start.py``; not for meta-device params or on TP / EP meshes).
 
     Args:
         model: the bare ``nn.Module`` (not yet DDP / FSDP2 wrapped), identical on all ranks.
@@ -207,6 +209,7 @@ def dedicate_params(
             collectives.check_plan_agreement(None, SETUP_WHAT)
         raise
     collectives.check_plan_agreement(digest, SETUP_WHAT)
+    start.from_first_rank([p for _, p, _ in named], mesh, layout.size)  # DDP's start (start.py)
     return DedicatedParams(model, named, topology, layout, resolved, mesh=mesh,
                            assignments=assignments)
 

@@ -22,10 +22,11 @@ calls torch's function on its own grads), whether or not clipping bit, from the 
 
 What passes: no in-place change; ``clip_grad_value_`` (elementwise, so right on the grads where
 DMuon reads them: two foreach ops on plain tensors, the samples clamped, not scaled);
-``opt.clip_grad_norm_`` (it notes the grads again); a grad replaced by another tensor. What
-also raises: any single in-place scaling of every changed grad by one factor (``GradScaler``'s
-unscale, ``p.grad.mul_(c)``): scale the loss instead. DTensor grads (FSDP2's, and DMuon's
-shown ones) are not noted.
+``opt.clip_grad_norm_`` (it notes the grads again); a grad replaced by another tensor;
+``GradScaler``'s unscale (its kernel leaves the version counters unchanged, and an elementwise
+unscale is right on the grads DMuon reads: ``dmuon/optim/amp.py``). What also raises: any
+other single in-place scaling of every changed grad by one factor (``p.grad.mul_(c)``): scale
+the loss instead. DTensor grads (FSDP2's, and DMuon's shown ones) are not noted.
 """
 
 from __future__ import annotations

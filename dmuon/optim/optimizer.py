@@ -31,6 +31,7 @@ from dmuon import annotate
 from dmuon.runtime import checkpoint, collectives
 from dmuon.runtime.grad_view import fsdp2_mesh
 from dmuon.runtime.dedicate import DedicatedParams
+from dmuon.optim import agreement, amp
 from dmuon.optim import groups as groups_mod
 from dmuon.optim.grad_guard import GradGuard
 from dmuon.optim.hparams import validate_adamw, validate_muon
@@ -71,6 +72,10 @@ class DMuon(Optimizer):
             from ``params``, or a hyper-parameter is invalid (rules in
             ``dmuon/optim/hparams.py``: ``torch.optim.Muon``'s and ``AdamW``'s, checked on every
             rank here and again at each ``step()``, so a rank that owns nothing raises too).
+        RuntimeError: the ranks built different optimizers (hyper-parameters, params' shapes,
+            dtypes or ``requires_grad``), or another rank raised one of the errors above:
+            ``dmuon/optim/agreement.py``, one all_gather of 32 bytes per rank on the default
+            group (a collective: build DMuon on every rank).
     """
 
     def __init__(
@@ -91,6 +96,21 @@ class DMuon(Optimizer):
         adamw_eps: float = 1e-8,
         adamw_weight_decay: float = 1e-2,
     ) -> None:
+        try:  # local checks: a rank that raises still takes part in the agreement (agreement.py)
+            self._build(params, dedicated, dict(
+                lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
+                ns_coefficients=ns_coefficients, eps=eps, ns_steps=ns_steps,
+                adjust_lr_fn=adjust_lr_fn), dict(lr=adamw_lr, betas=adamw_betas, eps=adamw_eps,
+                                                 weight_decay=adamw_weight_decay))
+        except Exception:
+            agreement.agree(None)
+            raise
+        self._names = dict(zip(map(id, dedicated.params), dedicated.names))
+        agreement.agree(agreement.describe(self.param_groups, self._names))
+        self._agreed_requires_grad = agreement.requires_grad_of(self.param_groups)
+
+    def _build(self, params, dedicated, muon_defaults: dict, adamw_defaults: dict) -> None:
+        """The constructor's local part: checks, the groups, the state (no collective)."""
         if not isinstance(dedicated, DedicatedParams):
             raise ValueError(
                 f"Invalid dedicated={dedicated!r} (type {type(dedicated).__name__}). Must be the "
@@ -115,11 +135,6 @@ class DMuon(Optimizer):
                 "model.parameters() of the model given to dedicate_params (or groups that hold "
                 "every one of its params)."
             )
-        muon_defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum,
-                             nesterov=nesterov, ns_coefficients=ns_coefficients, eps=eps,
-                             ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn)
-        adamw_defaults = dict(lr=adamw_lr, betas=adamw_betas, eps=adamw_eps,
-                              weight_decay=adamw_weight_decay)
         groups = groups_mod.split(given, dedicated, muon_defaults, adamw_defaults)
         if not groups:
             raise ValueError("Invalid params: no parameters (every group is empty). Pass "
@@ -130,6 +145,7 @@ class DMuon(Optimizer):
         super().__init__(groups, defaults={})
         self.dedicated = dedicated
         self.ns_calls = 0
+        self._warned_partial = False  # checkpoint.warn_partial_save: once
         self._owned = {id(p) for p in dedicated.owned()}
         self._launchers: dict = {}  # placements' step collectives: one Launcher per device
         # the placement kinds present, in step_order (every rank: the same list)
@@ -196,10 +212,21 @@ class DMuon(Optimizer):
         requires grad, AdamW's ``step`` / ``exp_avg`` / ``exp_avg_sq``. ``param_groups`` are
         identical on every rank. Before the first step the tensors are the zeros the first
         step would start from. Save it on every rank (momentum is on owners only), or use
-        DCP's ``get_state_dict`` + ``dcp.save``.
+        DCP's ``get_state_dict`` + ``dcp.save``. No collective. The dict also has the key
+        ``checkpoint.SAVED_BY_KEY`` (``{"rank", "world_size", "momentum_of"}``), which
+        :meth:`load_state_dict` names when a rank loads another rank's save.
+
+        Warns:
+            checkpoint.PartialStateWarning: once per optimizer, on more than one rank and
+                outside DCP: this rank's dict lacks the other owners' momentum.
         """
         checkpoint.complete_state(self)
-        return super().state_dict()
+        out = super().state_dict()
+        record = checkpoint.saved_by(self)
+        out[checkpoint.SAVED_BY_KEY] = record
+        if not self._warned_partial:
+            self._warned_partial = checkpoint.warn_partial_save(self, record)
+        return out
 
     def load_state_dict(self, state_dict: dict) -> None:
         """``torch.optim.Optimizer.load_state_dict``, keeping momentum on owners only.
@@ -303,9 +330,18 @@ class DMuon(Optimizer):
         self._guard.note(())  # the next backward notes its own grads
         self.dedicated.after_zero_grad()
 
+    #: ``torch.amp.GradScaler.step(opt)`` calls ``opt.step(grad_scaler=scaler)`` on every rank
+    #: and leaves the skip decision to it (``dmuon/optim/amp.py``).
+    _step_supports_amp_scaling = True
+
     @torch.no_grad()
-    def step(self, closure=None):
+    def step(self, closure=None, grad_scaler=None):
         """Update owned dedicated params with Muon and all others with AdamW.
+
+        ``grad_scaler``: passed by ``torch.amp.GradScaler.step(opt)`` (and ``ShardedGradScaler``),
+        not by the user: the grads are unscaled and the scaler's found-Inf flags agreed over
+        every rank (one all_reduce of one element), then every rank steps or every rank skips
+        the update (``dmuon/optim/amp.py``); a skipped step leaves params and state unchanged.
 
         Raises:
             ValueError: a hyper-parameter in ``param_groups`` became invalid (checked on every
@@ -316,17 +352,22 @@ class DMuon(Optimizer):
                 rank before any param changes.
             RuntimeError: called in the middle of a backward pass (see
                 ``DedicatedParams.before_step``).
+            RuntimeError: a param's ``requires_grad`` changed since DMuon was built
+                (``agreement.check_frozen``).
         """
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         self._validate_groups()
+        agreement.check_frozen(self.param_groups, self._agreed_requires_grad, self._names)
+        skip = grad_scaler is not None and grad_scaler.is_enabled() and amp.found_inf_everywhere(
+            self, grad_scaler)
         self.dedicated.take_back_grads()
         self._guard.check()
         self.dedicated.before_step()
         with annotate.phase("optimizer"):
-            for group in self.param_groups:
+            for group in self.param_groups if not skip else ():
                 if group["algorithm"] == "muon":
                     self._muon_group(group)
                 else:

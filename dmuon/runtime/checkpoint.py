@@ -11,7 +11,9 @@ A ``state_dict`` pre-hook on each module holding dedicated params calls
 :meth:`DedicatedParams.sync_params`: a collective (phase ``checkpoint``: one broadcast per
 stale bucket from its holder over the shard axis, after waiting for in-flight HSDP replicate
 broadcasts) when some copy is stale, and no collective when every copy is current. So ``model.state_dict()``, ``get_state_dict``
-and ``dcp.save`` must be called on **every rank**, as with FSDP. DCP writes a replicated
+and ``dcp.save`` must be called on **every rank**, as with FSDP, where a copy is stale; a rank
+that calls it alone then raises instead of hanging (:func:`sync_if_every_rank` asks the
+rendezvous store first). DCP writes a replicated
 tensor from one rank of its choosing (``dedup_save_plans``: the rank with the smallest plan
 so far); every rank holds the same values, so any choice is right. The returned tensors alias
 the live params, as in plain torch: use (save or copy) them before the next forward, which
@@ -60,8 +62,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+import datetime
+import os
+
 import torch
+import torch.distributed as dist
 import torch.nn as nn
+
+from dmuon.runtime.state import Copy
 
 
 if TYPE_CHECKING:
@@ -86,7 +94,8 @@ def install(model: nn.Module, dm: DedicatedParams, hooks: HookSet) -> None:
     for name in dict.fromkeys(n.rpartition(".")[0] for n in dm.names):
         module = modules[name]
         hooks.add(
-            module.register_state_dict_pre_hook(lambda module, prefix, keep_vars: dm.sync_params()),
+            module.register_state_dict_pre_hook(
+                lambda module, prefix, keep_vars: sync_if_every_rank(dm, "model.state_dict()")),
             module.register_load_state_dict_pre_hook(
                 lambda module, state_dict, prefix, local_metadata, *rest: _before_load(
                     dm, prefix, local_metadata
@@ -110,6 +119,67 @@ def _before_load(dm: DedicatedParams, prefix: str, local_metadata: dict) -> None
             "replaces the params, which are views into DMuon's flat buffers. Must be False "
             "while loading."
         )
+    sync_if_every_rank(dm, "model.load_state_dict()")
+
+
+#: Seconds a rank waits at a checkpoint sync for the other ranks to make the same call before it
+#: raises (:func:`sync_if_every_rank`); ``DMUON_CHECKPOINT_WAIT_S`` in the environment overrides it.
+CHECKPOINT_WAIT_S = 60.0
+
+_arrivals: dict[str, int] = {}  # per DedicatedParams (its world group's name): checkpoint syncs so far
+
+
+def needs_collective(dm: DedicatedParams) -> bool:
+    """Whether :meth:`DedicatedParams.sync_params` would broadcast: some bucket's copy (its
+    master copy under mixed precision) is not current on its non-holders (after ``step()``
+    until the next forward; Z3 non-holders after every forward). The same answer on every
+    rank (a bucket's copy state is global); local, no collective."""
+    return any((b.master if b.mixed else b.copy) is not Copy.VALID for b in dm.buckets)
+
+
+def sync_if_every_rank(dm: DedicatedParams, what: str) -> None:
+    """The checkpoint hooks' sync: no collective where every copy is current; otherwise
+    :meth:`DedicatedParams.sync_params` once every rank of DMuon's world group has made the
+    same call, or ``RuntimeError`` on the rank that made it alone.
+
+    Whether the others made the call is asked of ``torch.distributed``'s store (the rendezvous
+    key-value store, not a collective: a rank calling alone, as in ``if rank == 0:
+    torch.save(model.state_dict())``, would otherwise issue a broadcast its peers never join
+    and hang, or pair it with their next forward's): each rank adds 1 to a counter keyed by
+    DMuon's world group and the call's sequence number, the last to arrive sets a done key,
+    and every rank waits for it for at most :data:`CHECKPOINT_WAIT_S` seconds
+    (``DMUON_CHECKPOINT_WAIT_S``). Two store round trips per rank and call.
+
+    Raises:
+        RuntimeError: the other ranks did not make the same call within the wait (names the
+            call, this rank, the wait and the fixes).
+    """
+    if not needs_collective(dm):
+        return
+    world = dm.groups.world
+    size = dist.get_world_size(world)
+    if size > 1:
+        store = dist.distributed_c10d._get_default_store()
+        name = world.group_name
+        seq = _arrivals.get(name, 0)
+        _arrivals[name] = seq + 1
+        key = f"dmuon/checkpoint/{name}/{seq}"
+        wait_s = float(os.environ.get("DMUON_CHECKPOINT_WAIT_S", CHECKPOINT_WAIT_S))
+        if store.add(key, 1) == size:
+            store.set(key + "/done", "1")
+        try:
+            store.wait([key + "/done"], datetime.timedelta(seconds=wait_s))
+        except (RuntimeError, dist.DistStoreError) as exc:
+            stale = [b.names[0] for b in dm.buckets if (b.master if b.mixed else b.copy) is not Copy.VALID][:3]
+            raise RuntimeError(
+                f"DMuon: {what} on rank {dist.get_rank()} needs the owners' current values of "
+                f"dedicated params (e.g. {stale}: after step() until the next forward, and under "
+                "Z3 freed after every forward on the ranks that do not hold them), which takes a "
+                f"broadcast from each owner, but the other {size - 1} ranks did not make the same "
+                f"call within {wait_s:g} s (DMUON_CHECKPOINT_WAIT_S). Call it on every rank and "
+                "save from one: `sd = model.state_dict()` on every rank, then `if rank == 0: "
+                "torch.save(sd, path)`; or use DCP (get_state_dict + dcp.save on every rank)."
+            ) from exc
     dm.sync_params()
 
 
@@ -148,6 +218,67 @@ def follow_moves(state: dict, keys: tuple[str, ...], like: torch.Tensor) -> None
         t = state[key]
         if t.dtype != like.dtype or t.device != like.device:
             state[key] = t.to(device=like.device, dtype=like.dtype)
+
+
+#: The key :meth:`DMuon.state_dict` adds next to ``state`` and ``param_groups``: which rank of how
+#: many saved it and whose momentum it holds (``torch.optim.Optimizer.load_state_dict`` and DCP
+#: ignore it; :func:`filter_loaded_state` names it in its error).
+SAVED_BY_KEY = "dmuon_saved_by"
+
+
+class PartialStateWarning(UserWarning):
+    """``DMuon.state_dict()`` on one rank holds the momentum of that rank's owned params only
+    (filter it with ``warnings.filterwarnings("ignore", category=PartialStateWarning)`` where
+    every rank saves its own)."""
+
+
+def saved_by(opt) -> dict[str, Any]:
+    """``{"rank", "world_size", "momentum_of"}``: this rank, the world size and the names of
+    the dedicated params whose momentum this rank's state dict holds. Local."""
+    dm = opt.dedicated
+    owned = _momentum_owned(dm)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    return {"rank": rank, "world_size": world,
+            "momentum_of": [n for n, p in zip(dm.names, dm.params) if id(p) in owned]}
+
+
+def _called_by_dcp() -> bool:
+    """Whether DCP's ``get_state_dict`` / ``get_optimizer_state_dict`` is on the stack (it
+    calls ``state_dict()`` on every rank and routes each momentum from its owner)."""
+    import sys
+
+    frame = sys._getframe(1)
+    for _ in range(12):
+        if frame is None:
+            return False
+        if frame.f_globals.get("__name__", "").startswith("torch.distributed.checkpoint"):
+            return True
+        frame = frame.f_back
+    return False
+
+
+def warn_partial_save(opt, record: dict[str, Any]) -> bool:
+    """Warn (:class:`PartialStateWarning`, once per optimizer: returns whether it warned) where
+    this rank's state dict lacks some dedicated param's momentum (it lives on its owner) and DCP
+    is not the caller: a file saved from one rank (``if rank == 0: torch.save(opt.state_dict())``)
+    cannot resume the others. Local, no collective."""
+    dm = opt.dedicated
+    if record["world_size"] < 2 or len(record["momentum_of"]) == len(
+            [p for p in dm.params if p.requires_grad]) or _called_by_dcp():
+        return False
+    import warnings
+
+    warnings.warn(
+        f"DMuon.state_dict() on rank {record['rank']} of {record['world_size']} holds the Muon "
+        f"momentum of the {len(record['momentum_of'])} dedicated params this rank owns only (of "
+        f"{len(dm.names)}; the others' momentum is on their owners and is not gathered). A file "
+        "saved from one rank (`if rank == 0: torch.save(opt.state_dict(), path)`) cannot resume "
+        "the other ranks. Save on every rank, each to its own file and loaded by the same rank "
+        "(`torch.save(opt.state_dict(), f'opt{rank}.pt')`), or use DCP (get_state_dict + "
+        "dcp.save on every rank: each momentum once, from its owner, any world size on resume).",
+        PartialStateWarning, stacklevel=3)
+    return True
 
 
 def filter_loaded_state(opt, state_dict: dict[str, Any]) -> dict[str, Any]:
@@ -198,9 +329,22 @@ def filter_loaded_state(opt, state_dict: dict[str, Any]) -> dict[str, Any]:
             raise ValueError(
                 f"Invalid state_dict: momentum_buffer of dedicated param {name_of[id(p)]!r} "
                 f"(owned by this rank, global owner index {dm.owner_of(p)}) is {got}. Must be a "
-                f"tensor of shape {tuple(p.shape)}. DMuon keeps momentum on owners only: load on "
+                f"tensor of shape {tuple(p.shape)}. {_saved_by_text(state_dict)}"
+                "DMuon keeps momentum on owners only: load on "
                 "each rank the optimizer state dict that rank saved under the same ownership "
                 "plan, or use DCP (get_state_dict, dcp.save / dcp.load, set_state_dict), which "
                 "routes momentum to the new owners at any world size."
             )
     return {**state_dict, "state": state}
+
+
+def _saved_by_text(state_dict: dict[str, Any]) -> str:
+    """How the loaded state dict was saved, for the load error ('' where it does not say)."""
+    record = state_dict.get(SAVED_BY_KEY)
+    if not isinstance(record, dict):
+        return ""
+    here = dist.get_rank() if dist.is_initialized() else 0
+    return (f"This state dict was saved by DMuon.state_dict() on rank {record.get('rank')} of "
+            f"{record.get('world_size')} (it holds the momentum of that rank's "
+            f"{len(record.get('momentum_of', ()))} owned params only) and is loaded on rank "
+            f"{here}. ")

@@ -271,13 +271,27 @@ class Bucket:
             residency.mark_resident(pl.guarded(p))
 
     # ------------------------------------------------------------------ binding
-    def adopt_replaced(self) -> list[int]:
+    def adopt_replaced(self, same_kind: bool = False) -> list[int]:
         """Adopt params their modules now register instead of ours (``to_empty`` from meta,
-        ``m.weight = nn.Parameter(...)``); returns their positions."""
+        ``m.weight = nn.Parameter(...)``); returns their positions. ``same_kind``: only a
+        replacement that is a DTensor exactly where ours is (not FSDP2's shard of a param
+        ``fully_shard`` took because it was not in ``ignored_params``: the optimizer names
+        that)."""
         replaced = []
         for i, (m, n) in enumerate(zip(self.param_modules, self.names)):
             q = m._parameters.get(n.rpartition(".")[2])
+            if same_kind and q is not None and (
+                    type(q).__name__ == "DTensor") != (type(self.params[i]).__name__ == "DTensor"):
+                continue
             if q is not None and q is not self.params[i] and not any(q is c for c in self.compute):
+                if q.shape != self.params[i].shape:
+                    raise ValueError(
+                        f"Invalid replacement of dedicated param {n!r}: the module now holds a "
+                        f"param of shape {tuple(q.shape)} in place of the dedicated one of shape "
+                        f"{tuple(self.params[i].shape)} (replaced by hand after "
+                        "dmuon.dedicate_params, whose ownership plan is for the old shape). "
+                        "Replace params before dedicate_params, or write new values into the "
+                        "dedicated one: `with torch.no_grad(): module.weight.copy_(new)`.")
                 self.params[i] = q
                 replaced.append(i)
         if replaced and not self.mixed:

@@ -560,7 +560,9 @@ class DedicatedParams:
     def params(self) -> list[nn.Parameter]:
         """The dedicated params, in model order: plain tensors, or (TP meshes) the model's own
         TP DTensors, whose local shards DMuon manages."""
-        by_name = {n: p for b in self._live("params").buckets for n, p in zip(b.names, b.params)}
+        rt = self._live("params")
+        rt.adopt_replaced()  # replaced by hand since: the new objects (set(dm), the optimizer)
+        by_name = {n: p for b in rt.buckets for n, p in zip(b.names, b.params)}
         return [by_name[n] for n in self.names]
 
     @property
@@ -702,7 +704,10 @@ class DedicatedParams:
         """Accumulate grads locally (no reduce) in backward passes inside the block.
 
         Use it for all micro-batches but the last of a gradient-accumulation step, like
-        ``DistributedDataParallel.no_sync``.
+        ``DistributedDataParallel.no_sync``. Not needed under a wrapper: DDP's ``no_sync()``
+        and ``require_backward_grad_sync = False`` and FSDP2's
+        ``set_requires_gradient_sync(False)`` have the same effect on DMuon
+        (``rest.wrapper_defers_sync``, read at each forward's start).
         """
         rt = self._live("no_sync()")
         rt.no_sync = True

@@ -28,7 +28,7 @@ from dmuon.errors import invariant
 from dmuon.runtime import attach, collectives, order, precision
 from dmuon.ownership.buckets import block_of, bucket_layout
 from dmuon.runtime.copies import Bucket
-from dmuon.runtime.rest import ReplicatedRest, ddp_group_size, warn_if_not_averaged
+from dmuon.runtime.rest import ReplicatedRest, ddp_group_size, warn_if_not_averaged, wrapper_defers_sync
 from dmuon.ownership.plan import OwnershipPlan, specs_from_named_parameters
 from dmuon.runtime.schedule import Schedule
 from dmuon.runtime.state import (BlockOrder, Copy, DdpCheck, Grads, GroupCheck, StateMachine,
@@ -86,7 +86,8 @@ class Runtime:
         self.topology = topology
         self.options = options  # every knob, resolved (dmuon/options.py)
         self.pass_state = StateMachine()
-        self.no_sync = False
+        self.user_no_sync = False  # inside dm.no_sync()
+        self.wrapper_no_sync = False  # this pass's wrapper skips its reduction (rest.wrapper_defers_sync)
         self.grad_mesh, self.grad_specs = None, {}  # dedicated grads shown as DTensors (grad_view.py)
         self.replicated = replicated  # rest="replicate": the rest DMuon replicates (rest.py)
         # rest="wrapper": whether a forward ran inside DDP (of ddp_size ranks), until the first
@@ -121,6 +122,16 @@ class Runtime:
         # mixed precision: the compute params' swaps and the casts (installed by install())
         policy = options.mp_policy
         self.mp = None if policy is None else precision.ModuleSwaps(policy, buckets, self._modules, model)
+
+    @property
+    def no_sync(self) -> bool:
+        """Whether this pass accumulates dedicated grads locally: inside ``dm.no_sync()``, or
+        its wrapper (DDP, FSDP2) skips its own reduction (``rest.wrapper_defers_sync``)."""
+        return self.user_no_sync or self.wrapper_no_sync
+
+    @no_sync.setter
+    def no_sync(self, value: bool) -> None:
+        self.user_no_sync = value
 
     @property
     def buckets(self) -> list[Bucket]:
@@ -318,6 +329,7 @@ class Runtime:
             self.ddp_size = ddp_group_size(self.root) or 0
             if self.ddp_size:
                 self._set("ddp_check", DdpCheck.SEEN)
+        self.wrapper_no_sync = self.replicated is None and wrapper_defers_sync(self.root)
         self._enter(S.FORWARD)
         self._ran.clear()
         self._runs.clear()
@@ -579,6 +591,17 @@ class Runtime:
                 if not b.is_bound():
                     self._rebind(b)
                 del self._moved[key]
+
+    def adopt_replaced(self) -> None:
+        """Adopt params replaced by hand (``m.weight = nn.Parameter(...)``) now, not only at
+        the next forward: ``set(dm)`` (``fully_shard``'s ``ignored_params``) and the optimizer
+        then see the new objects. Their buffers are rebound at that forward (:meth:`check_bindings`).
+
+        Raises:
+            ValueError: a replacement has another shape (``Bucket.adopt_replaced``).
+        """
+        if any([b.adopt_replaced(same_kind=True) for b in self.buckets]):
+            self._index_params()
 
     def check_bindings(self) -> None:
         """The one detection point (every forward's start): adopt params replaced or

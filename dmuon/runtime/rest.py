@@ -81,6 +81,32 @@ def ddp_group_size(model: nn.Module) -> int | None:
     return ddp.process_group.size()
 
 
+def wrapper_defers_sync(model: nn.Module) -> bool:
+    """Whether the wrapper of ``model`` skips its grad reduction in the backward of the forward
+    that is starting, so DMuon accumulates its dedicated grads locally too (as in ``dm.no_sync()``).
+
+    True when this forward runs inside a ``DistributedDataParallel`` over ``model`` whose
+    ``require_backward_grad_sync`` is ``False`` (DDP's ``no_sync()`` sets it, and scripts set it
+    by hand: ``ddp.require_backward_grad_sync = micro_step == last``; DDP reads it in the same
+    forward), or when the outermost FSDP2 module in ``model`` that manages params was told
+    ``set_requires_gradient_sync(False)`` (its param group's ``reduce_grads``, torch 2.13).
+    Read at the start of every forward, before the wrapper's own hooks; local, no collective.
+    """
+    ddp = getattr(DistributedDataParallel, "_active_ddp_module", None)
+    if ddp is not None and any(m is model for m in ddp.module.modules()):
+        return not ddp.require_backward_grad_sync
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - torch without FSDP2
+        return False
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            group = getattr(m._get_fsdp_state(), "_fsdp_param_group", None)
+            if group is not None:
+                return not group.reduce_grads
+    return False
+
+
 def warn_if_not_averaged(rest: list[tuple[str, nn.Parameter]], ddp_seen: int | bool, dp_size: int,
                          tp_size: int = 1) -> bool:
     """``rest="wrapper"`` at a ``step()``: something must average the rest's grads over the

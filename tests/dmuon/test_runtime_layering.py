@@ -38,6 +38,10 @@ FOREIGN_PRIVATE = {
     "_timeout": {"collectives.py"},
     "_optimizer_step_post_hooks": {"optimizer.py"},  # DMuon's refresh stays the last post-hook
     "_version": {"grad_guard.py"},  # a grad's version counter: scaled in place since backward?
+    "_per_optimizer_states": {"amp.py"},  # GradScaler's found-Inf flags, agreed over the ranks
+    "_get_fsdp_state": {"rest.py"},  # FSDP2's set_requires_gradient_sync flag (reduce_grads)
+    "_get_default_store": {"checkpoint.py"},  # the rendezvous store: did every rank call state_dict?
+    "_getframe": {"checkpoint.py"},  # is DCP the caller of opt.state_dict()?
 }
 
 

@@ -327,11 +327,11 @@ def readme_checkpoint_code() -> str:
     return match.group(1)
 
 
-def state_dict_on_rank0_only(timeout_s: float) -> str:
-    """``if rank == 0: torch.save(model.state_dict())`` after a Z2 step (a break-it trial: it
-    hung until gloo's timeout with a message that did not name the cause). Rank 0's
-    ``sync_params`` waits for a broadcast rank 1 never joins; rank 1 outlives the timeout so its
-    groups stay up. Returns rank 0's error text."""
+def sync_params_on_rank0_only(timeout_s: float) -> str:
+    """``if rank == 0: dm.sync_params()`` after a Z2 step (``model.state_dict()`` on one rank
+    raises before any collective: ``test_dmuon_habit_errors.py``; the explicit call is the
+    collective itself). Rank 0's broadcast waits for rank 1, which never joins; rank 1 outlives
+    the timeout so its groups stay up. Returns rank 0's error text."""
     import time
 
     wrapped, model, dm, opt = T.build("z2", rest="replicate")
@@ -344,7 +344,7 @@ def state_dict_on_rank0_only(timeout_s: float) -> str:
         time.sleep(timeout_s + 5)
         return ""
     try:
-        model.state_dict()
+        dm.sync_params()
     except RuntimeError as exc:
         return str(exc)
     return "no error"

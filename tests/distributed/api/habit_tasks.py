@@ -17,6 +17,8 @@ from torch.utils.checkpoint import checkpoint
 import dmuon
 from dmuon.runtime.rest import warn_if_not_averaged
 from tests.distributed.parity import dmuon_tasks as T
+from verify.workload.data import local_slice
+from verify.workload.model import TinyGPT
 
 
 def fully_shard_without_ignored_params(mode: str) -> str:
@@ -169,3 +171,207 @@ def shared_weight_warning() -> list[str]:
         dm = dmuon.dedicate_params(model, T._mesh("flat"))
     dm.close()
     return [str(w.message) for w in caught if "go to AdamW" in str(w.message)]
+
+
+# ------------------------------------------------------------------ scripts' own habits
+def _micro_batches(step: int, micro: int):
+    """This rank's slice of global batch ``step``, cut into ``micro`` micro-batches."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    x, y = T.corpus().global_batch(step, T.GLOBAL_BATCH, T.SMALL.seq_len)
+    x, y = local_slice(x, rank, world), local_slice(y, rank, world)
+    return [(local_slice(x, m, micro), local_slice(y, m, micro)) for m in range(micro)]
+
+
+def wrapper_accumulation(mode: str, how: str, steps: int = 2, micro: int = 2) -> dict:
+    """``steps`` steps of ``micro`` micro-batches each, accumulation told by ``how``:
+    ``"dm"``: ``dm.no_sync()`` together with the wrapper's own (DDP's ``no_sync()``, FSDP2's
+    ``set_requires_gradient_sync``), as the guide said before; ``"flag"``: only the wrapper's
+    attribute (DDP: ``ddp.require_backward_grad_sync = last``, nanoGPT's way; FSDP2:
+    ``model.set_requires_gradient_sync(last)``, torchtitan's); ``"ctx"``: only DDP's
+    ``with ddp.no_sync():``. Returns this rank's authoritative params and the error text."""
+    import contextlib
+
+    wrapped, model, dm, opt = T.build(mode)
+
+    def train():
+        for step in range(steps):
+            for m, (xs, ys) in enumerate(_micro_batches(step, micro)):
+                last = m == micro - 1
+                ctx = contextlib.ExitStack()
+                if mode == "ddp":
+                    if how == "flag":
+                        wrapped.require_backward_grad_sync = last
+                    elif not last:
+                        ctx.enter_context(wrapped.no_sync())
+                else:
+                    model.set_requires_gradient_sync(last)
+                if how == "dm" and not last:
+                    ctx.enter_context(dm.no_sync())
+                with ctx:
+                    (T._loss(wrapped, xs, ys) / micro).backward()
+            opt.step()
+            opt.zero_grad()
+    error = T.error_text(train)
+    return {"error": error, "params": T.authoritative_params(model, dm) if error == "no error" else {}}
+
+
+def rank0_model_state_dict(mode: str, after: str, wait_s: float) -> dict:
+    """One step, then (``after="step"``) nothing or (``"eval"``) an eval forward under
+    ``no_grad`` (nanoGPT's ``estimate_loss``), then ``if rank == 0: model.state_dict()`` with
+    a checkpoint wait of ``wait_s`` seconds. Rank 0: the error text and seconds taken, and on
+    success its state dict's dedicated values; the other ranks wait at a barrier (on the
+    default group, which the lone call cannot pair with) and return their owned params."""
+    import os
+    import time
+
+    os.environ["DMUON_CHECKPOINT_WAIT_S"] = str(wait_s)
+    try:
+        wrapped, model, dm, opt = T.build(mode)
+        (xs, ys), = _micro_batches(0, 1)
+        T._loss(wrapped, xs, ys).backward()
+        opt.step()
+        opt.zero_grad()
+        if after == "eval":
+            with torch.no_grad():
+                T._loss(wrapped, xs, ys)
+        out = {"owned": {n: p.detach().clone() for n, p in model.named_parameters()
+                         if p in dm and any(p is q for q in dm.owned())}}
+        if dist.get_rank() == 0:
+            t0 = time.perf_counter()
+            sd = {}
+            out["error"] = T.error_text(lambda: sd.update(model.state_dict()))
+            out["seconds"] = time.perf_counter() - t0
+            out["state"] = {k: v.clone() for k, v in sd.items() if k in set(dm.names)}
+        dist.barrier()
+        return out
+    finally:
+        del os.environ["DMUON_CHECKPOINT_WAIT_S"]
+
+
+def rank0_optimizer_state_dict(mode: str) -> dict:
+    """One step; rank 0 saves ``opt.state_dict()`` (the warnings it gives), the object goes
+    to every rank as a file would (``broadcast_object_list``), and every rank loads it into a
+    fresh DMuon (the error text)."""
+    wrapped, model, dm, opt = T.build(mode)
+    (xs, ys), = _micro_batches(0, 1)
+    T._loss(wrapped, xs, ys).backward()
+    opt.step()
+    opt.zero_grad()
+    saved = [None]
+    caught = []
+    if dist.get_rank() == 0:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            saved[0] = opt.state_dict()
+    dist.broadcast_object_list(saved, src=0)
+    wrapped2, model2, dm2, opt2 = T.build(mode)
+    return {"warnings": [f"{w.category.__name__}: {w.message}" for w in caught],
+            "error": T.error_text(lambda: opt2.load_state_dict(saved[0]))}
+
+
+def per_rank_seed_start(mode: str) -> dict[str, torch.Tensor]:
+    """nanoGPT seeds every rank differently before building the model
+    (``torch.manual_seed(1337 + seed_offset)``); returns this rank's dedicated params after
+    ``dedicate_params`` and one forward (every copy current under Z2 / DDP; owners under Z3)."""
+    torch.manual_seed(1337 + dist.get_rank())
+    model = TinyGPT(T.SMALL)
+    mesh = T._mesh("hsdp" if mode.startswith("hsdp") else "flat")
+    dm = T.dedicate(model, mesh, reshard_after_forward=mode.endswith("z3"))
+    owned = {id(p) for p in dm.owned()}
+    return {n: p.detach().clone() for n, p in model.named_parameters()
+            if p in dm and id(p) in owned}
+
+
+def seeded_model(seed: int) -> dict[str, torch.Tensor]:
+    torch.manual_seed(seed)
+    return {n: p.detach().clone() for n, p in TinyGPT(T.SMALL).named_parameters()}
+
+
+def grad_scaler_owner_inf(mode: str, steps: int = 3) -> dict:
+    """``torch.amp.GradScaler`` over DMuon; at step 1 an Inf is planted into one dedicated
+    grad before its reduce (a hook on the param, every rank), so only its owner's reduced
+    grad holds it. Returns the scale after each ``update()``, whether the step was skipped
+    (the planted param unchanged on its owner), and the rest's params (replicated)."""
+    wrapped, model, dm, opt = T.build(mode)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
+    name = dm.names[0]
+    planted = model.get_parameter(name)
+    state = {"plant": False}
+
+    def plant(g):
+        return g.clone().fill_(float("inf")) if state["plant"] else g
+    planted.register_hook(plant)
+    scales, skipped = [], []
+    for step in range(steps):
+        (xs, ys), = _micro_batches(step, 1)
+        state["plant"] = step == 1
+        scaler.scale(T._loss(wrapped, xs, ys)).backward()
+        before = [p.detach().clone() for p in dm.owned()]
+        scaler.step(opt)
+        scaler.update()
+        after = list(dm.owned())
+        skipped.append(bool(before) and all(torch.equal(a, b) for a, b in zip(before, after)))
+        scales.append(float(scaler.get_scale()))
+        opt.zero_grad()
+    rest = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+            for n, p in model.named_parameters() if p not in dm}
+    return {"scales": scales, "skipped": skipped, "rest": rest,
+            "owned": T.authoritative_params(model, dm)}
+
+
+def optimizer_differs(case: str) -> str:
+    """Rank 1 builds DMuon differently: ``"lr"`` (lr 0.03 against 0.02), ``"adamw_betas"``,
+    ``"frozen"`` (a dedicated matrix frozen before DMuon is built), ``"bad"`` (an invalid lr
+    on rank 1 only: its own ValueError there, the agreement's RuntimeError elsewhere)."""
+    model = T.make_model()
+    mesh = T._mesh("flat")
+    dm = dmuon.dedicate_params(model, mesh)
+    kw = dict(lr=0.02)
+    if dist.get_rank() == 1:
+        if case == "lr":
+            kw["lr"] = 0.03
+        elif case == "adamw_betas":
+            kw["adamw_betas"] = (0.9, 0.95)
+        elif case == "frozen":
+            model.get_parameter(dm.names[0]).requires_grad_(False)
+        elif case == "bad":
+            kw["lr"] = -1.0
+    wrapped = DistributedDataParallel(model)
+    return T.error_text(lambda: dmuon.DMuon(wrapped.parameters(), dedicated=dm, **kw))
+
+
+def frozen_after_build() -> str:
+    """Rank 1 freezes a dedicated matrix after DMuon is built, then trains a step: the error
+    text of that step (rank 0 trains normally and returns ``"no error"``)."""
+    wrapped, model, dm, opt = T.build("ddp")
+    if dist.get_rank() == 1:
+        model.get_parameter(dm.names[0]).requires_grad_(False)
+    (xs, ys), = _micro_batches(0, 1)
+
+    def one():
+        T._loss(wrapped, xs, ys).backward()
+        opt.step()
+    return T.error_text(one)
+
+
+def replaced_after_dedicate(mode: str) -> dict:
+    """``block.mlp.fc1.weight = nn.Parameter(...)`` between ``dedicate_params`` and wrapping
+    (a re-initialisation by hand), then ``fully_shard(..., ignored_params=set(dm))`` / DDP and
+    DMuon, one step. The error text, and whether the new param is the one DMuon steps."""
+    model = T.make_model()
+    mesh = T._mesh("flat")
+    dm = T.dedicate(model, mesh, reshard_after_forward=mode == "z3")
+    fc1 = model.blocks[0].mlp.fc1
+    torch.manual_seed(5)
+    fc1.weight = nn.Parameter(torch.randn(tuple(fc1.weight.shape)) * 0.02)
+    new = fc1.weight
+    result = {}
+
+    def run():
+        wrapped, opt = T.root_unit(model, mesh, dm, ddp=mode == "ddp")
+        (xs, ys), = _micro_batches(0, 1)
+        T._loss(wrapped, xs, ys).backward()
+        opt.step()
+        result["adopted"] = new in dm
+    result["error"] = T.error_text(run)
+    return result

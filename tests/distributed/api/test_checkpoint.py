@@ -123,13 +123,13 @@ def test_readme_checkpointing_snippet_runs(pool2, tmp_path):
 
 
 @pytest.mark.slow  # waits out a 3 s group timeout in a fresh pool (8 s)
-def test_state_dict_on_one_rank_names_the_cause():
-    """model.state_dict() on rank 0 only after a step: sync_params' broadcast times out (on
-    gloo; NCCL's watchdog aborts) and the error says it is a collective of every rank."""
+def test_sync_params_on_one_rank_names_the_cause():
+    """dm.sync_params() on rank 0 only after a step: its broadcast times out (on gloo; NCCL's
+    watchdog aborts) and the error says it is a collective of every rank."""
     from tests.distributed.harness import DistributedPool
 
     timeout_s = 3
     with DistributedPool(2, timeout_s=timeout_s) as pool:
-        message = pool.run_with_timeout(60, C.state_dict_on_rank0_only, timeout_s)[0]
+        message = pool.run_with_timeout(60, C.sync_params_on_rank0_only, timeout_s)[0]
     assert message.startswith("DMuon: sync_params() failed in its broadcasts"), message
     assert "call those on every rank" in message, message

@@ -98,3 +98,126 @@ def test_non_reentrant_checkpointing_over_two_forwards_works(pool2, mode):
     assert owned.keys() == ref.keys()
     for n, g in owned.items():
         torch.testing.assert_close(g, ref[n], rtol=1e-5, atol=1e-7)
+
+
+# ------------------------------------------------------------------ scripts' own habits
+# What each test saw before its fix:
+# - DDP's require_backward_grad_sync / no_sync() and FSDP2's set_requires_gradient_sync(False)
+#   alone: the second micro-batch's backward raised "a second backward started ... wrap all but
+#   the last micro-batch in `with dm.no_sync():`".
+# - `if rank == 0: model.state_dict()` after a step: a broadcast the other ranks never join (a
+#   hang until the group timeout, or a pairing with their next forward's broadcast).
+# - rank 0's opt.state_dict(): no warning; rank 1's load said only "momentum_buffer ... is none".
+# - per-rank seeds: each dedicated matrix started from its owner's init, not rank 0's.
+# - GradScaler with an Inf in an owner-only grad under DDP: the owner skipped and halved its
+#   scale, the other rank stepped (scales 128 vs 256), the next forward hung.
+# - a different lr / adamw_betas / a matrix frozen on one rank: accepted.
+# - a param replaced by hand between dedicate_params and fully_shard(ignored_params=set(dm)):
+#   "fully_shard managed them (it was called without ignored_params)".
+
+@pytest.mark.parametrize("mode,how", [("ddp", "flag"), ("ddp", "ctx"), ("z2", "flag"), ("z3", "flag")])
+def test_wrappers_accumulation_flags_drive_dmuon(pool2, mode, how):
+    """The wrapper's flag alone gives the same params, bit for bit, as dm.no_sync() with it."""
+    ref = pool2.run_with_timeout(TIMEOUT_S, H.wrapper_accumulation, mode, "dm")
+    got = pool2.run_with_timeout(TIMEOUT_S, H.wrapper_accumulation, mode, how)
+    for rank, (r, g) in enumerate(zip(ref, got)):
+        assert r["error"] == "no error" and g["error"] == "no error", (rank, r["error"], g["error"])
+        assert r["params"].keys() == g["params"].keys()
+        for n in r["params"]:
+            assert torch.equal(r["params"][n], g["params"][n]), (rank, n)
+
+
+@pytest.mark.parametrize("mode", ["ddp", "z2", "z3", "hsdp-z3"])
+def test_rank0_only_model_state_dict_never_hangs(pool2, pool4, mode):
+    """After a step every copy but the owners' is stale: rank 0 alone raises within the wait,
+    naming the fix; the other ranks go on (no hang)."""
+    pool = pool4 if mode.startswith("hsdp") else pool2
+    results = pool.run_with_timeout(TIMEOUT_S, H.rank0_model_state_dict, mode, "step", 2.0)
+    msg = results[0]["error"]
+    assert msg.startswith("RuntimeError: DMuon: model.state_dict() on rank 0 needs the owners'"), msg
+    assert "did not make the same call within 2 s" in msg and "sd = model.state_dict()` on every rank" in msg
+    assert 1.9 < results[0]["seconds"] < 30, results[0]["seconds"]
+
+
+@pytest.mark.parametrize("mode", ["ddp", "z2", "z3"])
+def test_rank0_only_model_state_dict_after_eval_forward(pool2, mode):
+    """nanoGPT's order (eval forward, then save): under DDP and Z2 every copy is current, so
+    rank 0 alone gets the owners' values with no collective; Z3 frees them: it raises."""
+    results = pool2.run_with_timeout(TIMEOUT_S, H.rank0_model_state_dict, mode, "eval", 2.0)
+    if mode == "z3":
+        assert results[0]["error"].startswith("RuntimeError: DMuon: model.state_dict() on rank 0"), results[0]
+        return
+    assert results[0]["error"] == "no error", results[0]["error"]
+    assert results[0]["seconds"] < 1.5
+    owned = {n: t for r in results for n, t in r["owned"].items()}
+    assert owned.keys() == results[0]["state"].keys()
+    for n, t in owned.items():
+        assert torch.equal(results[0]["state"][n], t), n
+
+
+def test_rank0_only_optimizer_state_dict_warns_and_its_load_names_the_save(pool2):
+    results = pool2.run_with_timeout(TIMEOUT_S, H.rank0_optimizer_state_dict, "ddp")
+    (warning,) = results[0]["warnings"]
+    assert warning.startswith("PartialStateWarning: DMuon.state_dict() on rank 0 of 2"), warning
+    assert "use DCP" in warning and "Save on every rank" in warning
+    assert results[0]["error"] == "no error", results[0]["error"]
+    msg = results[1]["error"]
+    assert msg.startswith("ValueError: Invalid state_dict: momentum_buffer of dedicated param"), msg
+    assert "saved by DMuon.state_dict() on rank 0 of 2" in msg and "loaded on rank 1" in msg, msg
+
+
+@pytest.mark.parametrize("mode", ["ddp", "z3", "hsdp-z2"])
+def test_per_rank_seeds_start_from_rank0_values(pool2, pool4, mode):
+    pool = pool4 if mode.startswith("hsdp") else pool2
+    results = pool.run_with_timeout(TIMEOUT_S, H.per_rank_seed_start, mode)
+    rank0 = H.seeded_model(1337)
+    rank1 = H.seeded_model(1338)
+    owned = {n: t for r in results for n, t in r.items()}
+    assert len(owned) == len({n for r in results for n in r}) and owned
+    for n, t in owned.items():
+        assert torch.equal(t, rank0[n]), n
+        assert not torch.equal(t, rank1[n]), n  # control: the seeds do differ
+
+
+@pytest.mark.parametrize("mode", ["ddp", "z2"])
+def test_grad_scaler_with_an_owner_only_inf_skips_on_every_rank(pool2, mode):
+    results = pool2.run_with_timeout(TIMEOUT_S, H.grad_scaler_owner_inf, mode)
+    assert results[0]["scales"] == results[1]["scales"] == [256.0, 128.0, 128.0], [r["scales"] for r in results]
+    owners = [r for r in results if any(r["skipped"])]
+    assert owners and all(r["skipped"][1] and not r["skipped"][2] for r in owners), [r["skipped"] for r in results]
+    for n, t in results[0]["rest"].items():
+        assert torch.equal(t, results[1]["rest"][n]), n
+
+
+@pytest.mark.parametrize("case,expect", [
+    ("lr", "param_groups[0]['lr']: 0.02 vs 0.03"),
+    ("adamw_betas", "param_groups[1]['betas']: [0.9, 0.999] vs [0.9, 0.95]"),
+    ("frozen", "(requires_grad): "),
+])
+def test_optimizer_differing_across_ranks_is_refused_on_every_rank(pool2, case, expect):
+    for rank, msg in enumerate(pool2.run_with_timeout(TIMEOUT_S, H.optimizer_differs, case)):
+        assert msg.startswith("RuntimeError: DMuon optimizer setup (each param group's"), (rank, msg)
+        assert "differs across ranks" in msg and expect in msg, (rank, msg)
+
+
+def test_optimizer_invalid_on_one_rank_is_refused_on_every_rank(pool2):
+    msgs = pool2.run_with_timeout(TIMEOUT_S, H.optimizer_differs, "bad")
+    assert msgs[0].startswith("RuntimeError: DMuon optimizer setup failed on ranks [1]"), msgs[0]
+    assert msgs[1].startswith("ValueError: "), msgs[1]
+
+
+def test_optimizer_same_on_every_rank_is_accepted(pool2):
+    assert pool2.run_with_timeout(TIMEOUT_S, H.optimizer_differs, "same") == ["no error", "no error"]
+
+
+def test_param_frozen_on_one_rank_after_build_raises_there(pool2):
+    """Rank 1 raises at its step; rank 0, which cannot tell, steps and waits in its next
+    collective until rank 1 leaves it (the task returns): an error from the lost peer, or none."""
+    msgs = pool2.run_with_timeout(TIMEOUT_S, H.frozen_after_build)
+    assert msgs[1].startswith("RuntimeError: DMuon: 'blocks.0.") and "requires_grad=False on rank 1" in msgs[1], msgs[1]
+
+
+@pytest.mark.parametrize("mode", ["ddp", "z3"])
+def test_param_replaced_between_dedicate_and_wrap_is_adopted(pool2, mode):
+    for rank, r in enumerate(pool2.run_with_timeout(TIMEOUT_S, H.replaced_after_dedicate, mode)):
+        assert r["error"] == "no error" and r["adopted"], (rank, r)
