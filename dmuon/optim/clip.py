@@ -55,7 +55,8 @@ def clip_grad_norm_(
 
     A collective over all W ranks (one ``all_reduce`` of one fp32 element on DMuon's world
     group, phase ``optimizer``; plus ``DTensor`` norm reductions on FSDP2's mesh for
-    ``others``): call it on every rank, after ``backward()`` and before ``step()``.
+    ``others``, phase ``optimizer`` too: docs/traffic-model.md, "Clipping"): call it on every
+    rank, after ``backward()`` and before ``step()``.
 
     Args:
         dm: the model's DedicatedParams.
@@ -104,11 +105,13 @@ def clip_grad_norm_(
     meshes: dict[object, list[torch.Tensor]] = {}  # DTensor grads by mesh (FSDP2; FSDP2 x TP: two)
     for g in grads:
         meshes.setdefault(g.device_mesh if isinstance(g, DTensor) else None, []).append(g)
-    for group in meshes.values():  # DTensor grads (one norm reduction per mesh), plain ones (DDP)
-        if group:
-            n = torch.nn.utils.get_total_norm(group, p)
-            n = (n.full_tensor() if isinstance(n, DTensor) else n).float().cpu()
-            rest = torch.maximum(rest, n) if inf else rest + n.pow(p)
+    # DTensor grads (one norm reduction per mesh), plain ones (DDP); tagged like the all_reduce
+    with annotate.phase("optimizer"), annotate.span("dmuon.clip_grad_norm"):
+        for group in meshes.values():
+            if group:
+                n = torch.nn.utils.get_total_norm(group, p)
+                n = (n.full_tensor() if isinstance(n, DTensor) else n).float().cpu()
+                rest = torch.maximum(rest, n) if inf else rest + n.pow(p)
     total = torch.maximum(ded, rest) if inf else (ded + rest).pow(1.0 / p)
     if error_if_nonfinite and not torch.isfinite(total):
         raise RuntimeError(

@@ -43,3 +43,25 @@ def test_no_qk_clip_outside_dmuon():
     with pytest.raises(ValueError, match="DMuon modes"):
         _layout(mode="naive-fsdp2-z2", heads=4)
 
+
+
+def _clipped(clips, mode="dmuon-z2"):
+    specs = (ParamSpec("blocks.0.attn.qkv.weight", (96, 32), "float32", "blocks.0.attn"),
+             ParamSpec("blocks.0.ln.weight", (32,), "float32", "blocks.0.ln"))
+    return RunLayout(mode=mode, replicate_size=1, shard_size=2, params=specs,
+                     muon_names=("blocks.0.attn.qkv.weight",), fsdp_modules=("",), grad_clips=clips)
+
+
+def test_dmuons_clip_is_one_fp32_all_reduce_per_call_in_the_optimizer_phase():
+    plain, clipped = predict_step(_clipped(0)), predict_step(_clipped(2))
+    extra = [e for e in clipped if e.phase == "optimizer"]
+    assert [e for e in clipped if e.phase != "optimizer"] == plain
+    assert len(extra) == 4 and sorted(e.rank for e in extra) == [0, 0, 1, 1]
+    for e in extra:
+        assert (e.op, e.group_id, e.group_size, e.count, e.dtype, e.dedicated_count) == (
+            "all_reduce", group_id_from_ranks([0, 1]), 2, 1, "float32", 0)
+    assert RunLayout.from_dict(_clipped(2).to_dict()).grad_clips == 2
+    with pytest.raises(ValueError, match="grad_clips"):
+        _clipped(-1)
+    with pytest.raises(ValueError, match="DMuon modes"):
+        _clipped(1, mode="naive-fsdp2-z2")

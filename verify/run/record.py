@@ -203,20 +203,36 @@ class TrafficWindow:
         optimizer: the ``dmuon.DMuon`` optimizer (its ``ns_calls`` counts Newton–Schulz).
         out_dir: where rank 0 writes the report files (``None``: no files).
         run_id: the report's run id (default: ``out_dir``'s name).
+        qk_clip_heads: the query heads MuonClip's QK-clip (``dmuon.optim.qk_clip.QKClip`` on
+            ``optimizer``) packs into its per-step MAX all_reduce (Σ ``n_heads`` over the
+            layers you gave it); 0 (default): no QK-clip.
+
+    What the window counts itself, from construction on (never from the measured calls):
+    forwards of the model with grad enabled per optimizer step (the warm-up steps must have
+    one each: gradient accumulation is refused at :meth:`start`), and calls of the
+    optimizer's ``clip_grad_norm_`` per recorded step (``RunLayout.grad_clips``: DMuon's
+    one-element all_reduce each).
 
     Raises:
         ValueError: at construction, an optimizer without ``ns_calls``, a process group
-            that is not initialised, or a DMuon mesh that does not span every rank (tensor
-            parallelism: not modelled here, ``make verify-traffic ARGS="--tp T"`` is); at
-            :meth:`finish` (on every rank), no step recorded, collectives without a phase
-            tag, or not one forward of the model per recorded step.
+            that is not initialised, a DMuon mesh that does not span every rank (tensor
+            parallelism: not modelled here, ``make verify-traffic ARGS="--tp T"`` is), or
+            ``qk_clip_heads`` not an int >= 0; at :meth:`start`, warm-up steps of more than
+            one forward each (gradient accumulation: not modelled); at :meth:`finish` (on
+            every rank), no step recorded, collectives without a phase tag, not one forward
+            of the model per recorded step, or a different number of ``clip_grad_norm_``
+            calls in different recorded steps.
         TrafficMismatch: at :meth:`finish`, on every rank, when the check fails.
         RuntimeError: at :meth:`finish`, on every rank, when rank 0 could not build or write
             the report (its error's text; the other ranks do not wait forever).
     """
 
     def __init__(self, model: nn.Module, dedicated: dmuon.DedicatedParams, optimizer, *,
-                 out_dir: str | os.PathLike | None = None, run_id: str | None = None) -> None:
+                 out_dir: str | os.PathLike | None = None, run_id: str | None = None,
+                 qk_clip_heads: int = 0) -> None:
+        if isinstance(qk_clip_heads, bool) or not isinstance(qk_clip_heads, int) or qk_clip_heads < 0:
+            raise ValueError(f"Invalid qk_clip_heads={qk_clip_heads!r}. Must be an int >= 0 (the "
+                             "query heads QKClip watches; 0: no QK-clip).")
         if not dist.is_initialized():
             raise ValueError("Invalid call: torch.distributed is not initialised. Must create a "
                              "TrafficWindow inside the job, after init_process_group.")
@@ -253,6 +269,26 @@ class TrafficWindow:
         self._forward_hook = None
         self._meter: MemoryMeter | None = None  # DMuon's bytes at every hook while recording
         self._meter_trace: list = []  # the last complete recorded step's samples
+        self.qk_clip_heads = qk_clip_heads
+        # grad-enabled forwards per optimizer step from construction on (accumulation at start())
+        self._step_forwards: list[int] = []
+        self._since_step = 0
+        self._grad_forward_hook = bare_model(model).register_forward_pre_hook(self._count_grad_forward)
+        self._step_hook = optimizer.register_step_post_hook(self._count_step)
+        self._clips = 0  # clip_grad_norm_ calls in the current recorded step
+        self._clips_per_step: list[int] = []
+
+    def _count_grad_forward(self, module, args) -> None:
+        if torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1:
+            self._since_step += 1
+
+    def _count_step(self, optimizer, args, kwargs) -> None:
+        self._step_forwards.append(self._since_step)
+        self._since_step = 0
+
+    def _count_clip(self, *args, **kwargs):
+        self._clips += 1
+        return type(self.optimizer).clip_grad_norm_(self.optimizer, *args, **kwargs)
 
     def _count_forward(self, module, args) -> None:
         if torch._C._current_graph_task_id() == -1:  # not a recompute inside backward
@@ -266,7 +302,18 @@ class TrafficWindow:
         """Start recording (call between steps, after at least one warm-up step)."""
         if self._interposer is not None:
             raise ValueError("Invalid start(): already recording. Must call finish() first.")
+        accumulated = sorted({n for n in self._step_forwards if n != 1})
+        if accumulated:
+            raise ValueError(
+                f"Invalid start(): the warm-up steps ran {accumulated} forwards with grad each "
+                f"(of {len(self._step_forwards)} steps). TrafficWindow predicts one forward and "
+                "one backward per step; gradient accumulation (M micro-batches per step: Z3 and "
+                "FSDP2 gather again at every micro-batch, reduces run at the last) is not "
+                "modelled. Record a window of single-batch steps (M = 1, the same global "
+                "batch per step), or check the traffic with make verify-traffic.")
         self._ns_before = self.optimizer.ns_calls
+        self._clips, self._clips_per_step = 0, []
+        self.optimizer.clip_grad_norm_ = self._count_clip  # counted, then DMuon's own
         self._forwards = 0
         self._forward_hook = bare_model(self.model).register_forward_pre_hook(self._count_forward)
         device = "cuda" if _backend(self.dedicated) == "nccl" else "cpu"
@@ -287,6 +334,8 @@ class TrafficWindow:
         self._last = now
         self._meter_trace = self._meter.trace  # this step's samples; the next step starts
         self._meter.step()
+        self._clips_per_step.append(self._clips)
+        self._clips = 0
 
     def finish(self) -> dict | None:
         """Stop, compare on rank 0, write the report, and raise on a mismatch on every rank.
@@ -299,6 +348,7 @@ class TrafficWindow:
         ip, self._interposer = self._interposer, None
         ip.__exit__(None, None, None)
         self._forward_hook.remove()
+        self._stop_counting()
         self.dedicated.wait_pending()
         memory = self._close_meter()
         steps = len(self._times)
@@ -315,13 +365,19 @@ class TrafficWindow:
                        "run one forward and one backward per recorded step: the prediction "
                        "models that step (no gradient accumulation, evaluation or extra "
                        "forwards inside the window).")
+        elif len(set(self._clips_per_step)) > 1:
+            problem = (f"opt.clip_grad_norm_ called {self._clips_per_step} times in the recorded "
+                       "steps. Must call it the same number of times in every recorded step "
+                       "(the prediction has one count per step).")
         problems: list = [None] * dist.get_world_size()
         dist.all_gather_object(problems, problem)
         bad = {r: p for r, p in enumerate(problems) if p}
         if bad:
             raise ValueError(f"Invalid TrafficWindow recording on ranks {sorted(bad)}: {next(iter(bad.values()))}")
         layout = layout_from_job(self.model, self.dedicated, self._order.agreed())
-        layout = dataclasses.replace(layout, module_calls=self._order.call_counts())
+        layout = dataclasses.replace(layout, module_calls=self._order.call_counts(),
+                                     qk_clip_heads=self.qk_clip_heads,
+                                     grad_clips=self._clips_per_step[0])
         mine = {"events": ip.events, "times": self._times, "losses": self._losses,
                 "ns_calls": self.optimizer.ns_calls - self._ns_before, "memory": memory}
         rank = dist.get_rank()
@@ -405,9 +461,14 @@ class TrafficWindow:
                 self._interposer.__exit__(None, None, None)
                 self._interposer = None
                 self._forward_hook.remove()
+                self._stop_counting()
                 self._close_meter()
             return
         self.finish()
+
+    def _stop_counting(self) -> None:
+        """The optimizer's own ``clip_grad_norm_`` again (the window's counter goes)."""
+        self.optimizer.__dict__.pop("clip_grad_norm_", None)
 
 
 def _ddp_first_bucket_cap(model) -> int | None:

@@ -157,6 +157,10 @@ class RunLayout:
         qk_clip_heads: query heads whose per-step max logit MuonClip's QK-clip packs into its
             one MAX all_reduce (Σ n_heads over the attention layers, counted by the harness
             from the model's own config); 0: no QK-clip. DMuon modes only.
+        grad_clips: calls of DMuon's ``opt.clip_grad_norm_`` per step (counted by the harness
+            where the user's script calls it: ``verify.run.record.TrafficWindow``); each is one
+            all_reduce over all W ranks of one fp32 element, phase ``optimizer``, no Muon
+            payload (:func:`grad_clip_calls`; docs/traffic-model.md, "Clipping"). DMuon modes only.
         label: the run's name where it is a variant of ``mode`` (``"dmuon-z3[block]"``,
             :mod:`verify.traffic.variants`), ``""`` for the mode itself; reports name the run
             by it. The knobs the variant overrides are in the fields above.
@@ -200,6 +204,7 @@ class RunLayout:
     dmuon_hierarchy: str = "auto"
     dmuon_auto_flat: bool = False
     qk_clip_heads: int = 0
+    grad_clips: int = 0
     label: str = ""
 
     def calls_of(self, module: str) -> int:
@@ -234,6 +239,11 @@ class RunLayout:
             raise ValueError(f"Invalid qk_clip_heads={self.qk_clip_heads!r} with mode={self.mode!r}. "
                              "Must be an int >= 0, and 0 outside the DMuon modes (QK-clip is "
                              "DMuon's step post-hook).")
+        if isinstance(self.grad_clips, bool) or not isinstance(self.grad_clips, int) or (
+                self.grad_clips < 0) or (self.grad_clips and not self.is_dmuon):
+            raise ValueError(f"Invalid grad_clips={self.grad_clips!r} with mode={self.mode!r}. "
+                             "Must be an int >= 0, and 0 outside the DMuon modes (it counts "
+                             "DMuon's own clip_grad_norm_).")
         if self.dmuon_rest not in DMUON_REST_MODES:
             raise ValueError(f"Invalid dmuon_rest={self.dmuon_rest!r}. Must be one of {DMUON_REST_MODES}.")
         if self.dmuon_rest == "replicate" and (not self.is_dmuon or self.fsdp_modules or self.ddp_buffers):
@@ -943,7 +953,18 @@ def predict_step(layout: RunLayout) -> list[Expected]:
         if layout.mode.startswith("naive-"):
             out += _naive_step_calls(layout, rank)
         out += qk_clip_calls(layout, rank)
+        out += grad_clip_calls(layout, rank)
     return out
+
+
+def grad_clip_calls(layout: RunLayout, rank: int) -> list[Expected]:
+    """DMuon's ``clip_grad_norm_`` on ``rank`` per step, :attr:`RunLayout.grad_clips` times:
+    one all_reduce (SUM of the owners' p-th powers, or MAX for the inf-norm) over all W ranks of
+    one fp32 element, phase ``optimizer``, no Muon payload (docs/traffic-model.md, "Clipping");
+    ``[]`` where the script clips nothing."""
+    world = group_id_from_ranks(list(range(layout.world_size)))
+    return [Expected(rank, "optimizer", "all_reduce", world, layout.world_size, 1, "float32",
+                     None, None, 0)] * layout.grad_clips
 
 
 def qk_clip_calls(layout: RunLayout, rank: int) -> list[Expected]:

@@ -204,3 +204,97 @@ def window_case(out_dir: str, case: str) -> str:
         return f"{type(exc).__name__}: {exc}"
     finally:
         dm.close()
+
+
+def clipped_window(out_dir: str, mode: str, accumulate_warmup: bool = False) -> dict:
+    """The nanoGPT-style loop on examples.my_model under TrafficWindow: ``mode`` ``"ddp"``
+    (DDP), ``"z3"`` (FSDP2 per block and root) or ``"hsdp-z3"``; ``opt.clip_grad_norm_(1.0)``
+    between backward and step, as the guide prescribes, in every step. With
+    ``accumulate_warmup``, the warm-up steps run two micro-batches each (DDP's
+    ``require_backward_grad_sync``), so ``start()`` must refuse. Returns ``{"error", "report"}``
+    (the report on rank 0)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel
+
+    from examples.my_model import ResidualMLP, loss_fn
+    from verify.run.record import TrafficWindow
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    hsdp = mode.startswith("hsdp")
+    mesh = (init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard")) if hsdp
+            else init_device_mesh("cpu", (world,)))
+    bare = ResidualMLP()
+    dm = dmuon.dedicate_params(bare, mesh, reshard_after_forward=mode.endswith("z3"))
+    if mode == "ddp":
+        model = DistributedDataParallel(bare)
+    else:
+        for block in bare.blocks:
+            fully_shard(block, mesh=mesh, ignored_params=set(dm))
+        model = fully_shard(bare, mesh=mesh, ignored_params=set(dm))
+    opt = dmuon.DMuon(model.parameters(), dedicated=dm, lr=0.02, adamw_lr=3e-3)
+    window = TrafficWindow(model, dm, opt, out_dir=out_dir)
+    out = {"error": None, "report": None}
+    try:
+        for step in range(4):
+            if step == 2:
+                window.start()
+            micro = 2 if accumulate_warmup and not window.recording else 1
+            for m in range(micro):
+                if mode == "ddp":
+                    model.require_backward_grad_sync = m == micro - 1
+                with dmuon.phase("forward"):
+                    loss = loss_fn(model, rank, step) / micro
+                with dmuon.phase("backward"):
+                    loss.backward()
+            opt.clip_grad_norm_(1.0)
+            opt.step()
+            opt.zero_grad()
+            if window.recording:
+                window.step_done(loss)
+        out["report"] = window.finish()
+    except (ValueError, RuntimeError, AssertionError) as exc:
+        out["error"] = f"{type(exc).__name__}: {exc}"
+    return out
+
+
+def qk_clip_window(out_dir: str, tell_heads: bool) -> dict:
+    """TinyGPT under DMuon + DDP with MuonClip's QK-clip (``verify.run.qk_clip.attach``, τ low
+    enough to clip) and ``opt.clip_grad_norm_`` each step, recorded by a TrafficWindow told the
+    heads (``tell_heads``) or not. Returns ``{"error", "report"}``."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.nn.parallel import DistributedDataParallel
+
+    from tests.distributed.parity import dmuon_tasks as T
+    from verify.run import qk_clip
+    from verify.run.record import TrafficWindow
+    from verify.workload.data import local_slice
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    bare = T.make_model()
+    dm = dmuon.dedicate_params(bare, init_device_mesh("cpu", (world,)), reshard_after_forward=False)
+    model = DistributedDataParallel(bare)
+    opt = dmuon.DMuon(model.parameters(), dedicated=dm, lr=0.02, adamw_lr=3e-3)
+    clip = qk_clip.attach(opt, bare, qk_clip.DEFAULT_TAU)
+    heads = qk_clip.count_heads(bare) if tell_heads else 0
+    window = TrafficWindow(model, dm, opt, out_dir=out_dir, qk_clip_heads=heads)
+    out = {"error": None, "report": None, "clipped": 0}
+    try:
+        for step in range(4):
+            if step == 2:
+                window.start()
+            x, y = T.corpus().global_batch(step, T.GLOBAL_BATCH, T.SMALL.seq_len)
+            with dmuon.phase("forward"):
+                loss = T._loss(model, local_slice(x, rank, world), local_slice(y, rank, world))
+            with dmuon.phase("backward"):
+                loss.backward()
+            opt.clip_grad_norm_(1.0)
+            opt.step()
+            out["clipped"] += qk_clip.clipped_heads(clip)
+            opt.zero_grad()
+            if window.recording:
+                window.step_done(loss)
+        out["report"] = window.finish()
+    except (ValueError, RuntimeError, AssertionError) as exc:
+        out["error"] = f"{type(exc).__name__}: {exc}"
+    return out

@@ -156,3 +156,35 @@ def test_window_cases_found_by_a_break_it_trial(pool2, tmp_path, case, expected)
     outcomes = pool2.run_with_timeout(120, record_tasks.window_case, str(tmp_path), case)
     for outcome in outcomes:
         assert outcome.startswith(expected), (case, outcome)
+
+
+@pytest.mark.parametrize("mode", ["ddp", "z3"])
+def test_window_predicts_dmuons_clip_all_reduce(pool2, tmp_path, mode):
+    """The loop the user guide prescribes (opt.clip_grad_norm_ between backward and step)
+    passes: the window counts the clip calls and predicts one fp32 all_reduce each (without
+    that, 'unexpected collectives ... optimizer all_reduce')."""
+    results = pool2.run_with_timeout(200, record_tasks.clipped_window, str(tmp_path), mode)
+    assert [r["error"] for r in results] == [None, None], results[0]["error"]
+    run = results[0]["report"]["runs"][0]
+    assert results[0]["report"]["pass"] and run["missing"] == [] and run["unexpected"] == []
+    optimizer = run["phases"]["optimizer"]
+    assert optimizer["collectives_measured"] == optimizer["collectives_predicted"] > 0, optimizer
+
+
+def test_window_refuses_accumulation_at_start(pool2, tmp_path):
+    results = pool2.run_with_timeout(200, record_tasks.clipped_window, str(tmp_path), "ddp", True)
+    for r in results:
+        assert r["error"].startswith("ValueError: Invalid start(): the warm-up steps ran [2] forwards"), r["error"]
+        assert "gradient accumulation" in r["error"]
+
+
+@pytest.mark.parametrize("tell_heads", [True, False])
+def test_window_predicts_qk_clips_max_when_told_the_heads(pool2, tmp_path, tell_heads):
+    results = pool2.run_with_timeout(200, record_tasks.qk_clip_window, str(tmp_path), tell_heads)
+    assert results[0]["clipped"] > 0  # the clip did clip: its all_reduce ran every step
+    if tell_heads:
+        assert [r["error"] for r in results] == [None, None], results[0]["error"]
+        assert results[0]["report"]["pass"]
+    else:  # the control: the MAX all_reduce is unexpected
+        for r in results:
+            assert r["error"].startswith("TrafficMismatch") and "qk_clip" in r["error"], r["error"]
