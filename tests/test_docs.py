@@ -213,3 +213,14 @@ def test_no_issue_numbers_in_pages_or_product_code():
 def test_issue_number_pattern(text, cites):
     """The planted citations must be caught (the control of the check above), prose must not."""
     assert bool(_ISSUE_NUMBER.search(text)) is cites
+
+
+def test_every_test_the_porting_guide_names_exists():
+    """docs/porting.md ties each checklist item to a test that runs that habit: each named
+    ``test_...`` is a test function somewhere under tests/ (a renamed or deleted test fails
+    here, so the checklist cannot cite a test that no longer runs)."""
+    named = set(re.findall(r"`(test_\w+)", (ROOT / "docs" / "porting.md").read_text()))
+    defined = {m for path in (ROOT / "tests").rglob("test_*.py")
+               for m in re.findall(r"^def (test_\w+)", path.read_text(), re.M)}
+    assert len(named) >= 20, sorted(named)
+    assert sorted(named - defined) == []

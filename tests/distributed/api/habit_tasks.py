@@ -375,3 +375,99 @@ def replaced_after_dedicate(mode: str) -> dict:
         result["adopted"] = new in dm
     result["error"] = T.error_text(run)
     return result
+
+
+# ------------------------------------------------------------------ a nanoGPT-style port
+NANO_STEPS, NANO_MICRO, NANO_CLIP = 3, 2, 0.5
+
+
+def _lr_factor(it: int) -> float:
+    """A warm-up-then-decay schedule's factor at iteration ``it`` (nanoGPT's get_lr, scaled)."""
+    return (0.5, 1.0, 0.8)[it]
+
+
+def nanogpt_oracle(world: int) -> dict[str, torch.Tensor]:
+    """One process, the global batch as ``world * NANO_MICRO`` micro-batches: torch's Muon on the
+    default targets + AdamW, each group's lr scaled by the schedule, torch's
+    ``clip_grad_norm_`` over every param."""
+    model = T.make_model()
+    modules = dict(model.named_modules())
+    named = dict(model.named_parameters())
+    targets = [n for n, p in named.items() if dmuon.default_predicate(n, p, modules[n.rpartition(".")[0]])]
+    muon = torch.optim.Muon([named[n] for n in targets], lr=T.MUON_LR)
+    adamw = torch.optim.AdamW([p for n, p in named.items() if n not in targets], lr=T.ADAMW_LR)
+    micro = world * NANO_MICRO
+    for it in range(NANO_STEPS):
+        for opt, base in ((muon, T.MUON_LR), (adamw, T.ADAMW_LR)):
+            opt.param_groups[0]["lr"] = base * _lr_factor(it)
+        x, y = T.corpus().global_batch(it, T.GLOBAL_BATCH, T.SMALL.seq_len)
+        for m in range(micro):
+            (T._loss(model, local_slice(x, m, micro), local_slice(y, m, micro)) / micro).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), NANO_CLIP)
+        muon.step()
+        adamw.step()
+        muon.zero_grad()
+        adamw.zero_grad()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def nanogpt_port(mode: str, out_dir: str, checkpoint: bool = True) -> dict:
+    """nanoGPT's ``train.py`` habits with only the lines docs/porting.md lists changed
+    (``# PORT``): per-rank seeds, accumulation through the wrapper's own flag, an lr schedule
+    written into ``param_group['lr']``, a clip between backward and step, an eval forward under
+    ``no_grad`` then a checkpoint. ``mode``: ``"ddp"`` (DDP, rank-0-only save as nanoGPT does it)
+    or ``"z3"`` (FSDP2, torchtitan's ``set_requires_gradient_sync``; every rank calls
+    ``state_dict``). Returns this rank's authoritative params, the clip's norms and whether the
+    checkpoint round-trips."""
+    import os
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    # nanoGPT seeds per rank (1337 + seed_offset; here rank 0's init is the oracle's); FSDP2
+    # keeps each rank's own shard of the rest, so an FSDP2 script seeds alike (torchtitan does)
+    torch.manual_seed(rank if mode == "ddp" else 0)
+    model = TinyGPT(T.SMALL)
+    mesh = init_device_mesh("cpu", (world,))
+    dm = dmuon.dedicate_params(model, mesh, reshard_after_forward=mode == "z3")  # PORT
+    if mode == "ddp":
+        wrapped = DistributedDataParallel(model)
+    else:
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh, ignored_params=set(dm))  # PORT: ignored_params
+        wrapped = fully_shard(model, mesh=mesh, ignored_params=set(dm))  # PORT: ignored_params
+    opt = dmuon.DMuon(wrapped.parameters(), dedicated=dm, lr=T.MUON_LR, adamw_lr=T.ADAMW_LR)  # PORT
+    base = {"muon": T.MUON_LR, "adamw": T.ADAMW_LR}  # PORT: one base lr per part
+    norms, saved = [], None
+    for it in range(NANO_STEPS):
+        for group in opt.param_groups:
+            group["lr"] = base[group["algorithm"]] * _lr_factor(it)  # PORT: per part
+        if it == 1 and checkpoint:  # estimate_loss, then the checkpoint
+            wrapped.eval()
+            with torch.no_grad():
+                (xs, ys), = _micro_batches(it, 1)
+                T._loss(wrapped, xs, ys)
+            wrapped.train()
+            if mode == "ddp":  # nanoGPT: if master_process: torch.save(...)
+                if rank == 0:
+                    saved = {k: v.clone() for k, v in model.state_dict().items()}
+            else:  # PORT: every rank calls state_dict under Z3, rank 0 saves
+                sd = model.state_dict()
+                saved = {k: v.full_tensor() if hasattr(v, "full_tensor") else v.clone() for k, v in sd.items()}
+            with warnings.catch_warnings():  # PORT: the optimizer's state per rank
+                warnings.simplefilter("ignore", dmuon.runtime.checkpoint.PartialStateWarning)
+                torch.save(opt.state_dict(), os.path.join(out_dir, f"opt{rank}.pt"))
+        for m, (xs, ys) in enumerate(_micro_batches(it, NANO_MICRO)):
+            last = m == NANO_MICRO - 1
+            if mode == "ddp":
+                wrapped.require_backward_grad_sync = last
+            else:
+                wrapped.set_requires_gradient_sync(last)
+            (T._loss(wrapped, xs, ys) / NANO_MICRO).backward()
+        norms.append(float(opt.clip_grad_norm_(NANO_CLIP)))  # PORT (DDP): DMuon's clip
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    if checkpoint:
+        opt2 = dmuon.DMuon(wrapped.parameters(), dedicated=dm, lr=T.MUON_LR, adamw_lr=T.ADAMW_LR)
+        opt2.load_state_dict(torch.load(os.path.join(out_dir, f"opt{rank}.pt"), weights_only=False))
+    out = {"params": T.authoritative_params(model, dm), "norms": norms, "saved": saved}
+    dm.close()  # PORT
+    return out
