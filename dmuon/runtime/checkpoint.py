@@ -148,7 +148,8 @@ def sync_if_every_rank(dm: DedicatedParams, what: str) -> None:
     and hang, or pair it with their next forward's): each rank adds 1 to a counter keyed by
     DMuon's world group and the call's sequence number, the last to arrive sets a done key,
     and every rank waits for it for at most :data:`CHECKPOINT_WAIT_S` seconds
-    (``DMUON_CHECKPOINT_WAIT_S``). Two store round trips per rank and call.
+    (``DMUON_CHECKPOINT_WAIT_S``). Two store round trips per rank and call. A rank that gives
+    up takes its arrival back, so a later call on every rank (the fix) meets on the same key.
 
     Raises:
         RuntimeError: the other ranks did not make the same call within the wait (names the
@@ -170,6 +171,9 @@ def sync_if_every_rank(dm: DedicatedParams, what: str) -> None:
         try:
             store.wait([key + "/done"], datetime.timedelta(seconds=wait_s))
         except (RuntimeError, dist.DistStoreError) as exc:
+            # take this arrival back, so a later call on every rank meets on the same key
+            store.add(key, -1)
+            _arrivals[name] = seq
             stale = [b.names[0] for b in dm.buckets if (b.master if b.mixed else b.copy) is not Copy.VALID][:3]
             raise RuntimeError(
                 f"DMuon: {what} on rank {dist.get_rank()} needs the owners' current values of "

@@ -243,6 +243,9 @@ def rank0_model_state_dict(mode: str, after: str, wait_s: float) -> dict:
             out["seconds"] = time.perf_counter() - t0
             out["state"] = {k: v.clone() for k, v in sd.items() if k in set(dm.names)}
         dist.barrier()
+        every = {}  # the fix the error names: the same call on every rank
+        out["every_rank_error"] = T.error_text(lambda: every.update(model.state_dict()))
+        out["every_rank_state"] = {k: v.clone() for k, v in every.items() if k in set(dm.names)}
         return out
     finally:
         del os.environ["DMUON_CHECKPOINT_WAIT_S"]

@@ -137,6 +137,13 @@ def test_rank0_only_model_state_dict_never_hangs(pool2, pool4, mode):
     assert msg.startswith("RuntimeError: DMuon: model.state_dict() on rank 0 needs the owners'"), msg
     assert "did not make the same call within 2 s" in msg and "sd = model.state_dict()` on every rank" in msg
     assert 1.9 < results[0]["seconds"] < 30, results[0]["seconds"]
+    # then the fix, every rank calling it: every rank holds the owners' values
+    owned = {n: t for r in results for n, t in r["owned"].items()}
+    for rank, r in enumerate(results):
+        assert r["every_rank_error"] == "no error", (rank, r["every_rank_error"])
+        assert r["every_rank_state"].keys() == owned.keys()
+        for n, t in owned.items():
+            assert torch.equal(r["every_rank_state"][n], t), (rank, n)
 
 
 @pytest.mark.parametrize("mode", ["ddp", "z2", "z3"])
