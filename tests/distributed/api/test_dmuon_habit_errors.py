@@ -186,14 +186,16 @@ def test_per_rank_seeds_start_from_rank0_values(pool2, pool4, mode):
         assert not torch.equal(t, rank1[n]), n  # control: the seeds do differ
 
 
-@pytest.mark.parametrize("mode", ["ddp", "z2"])
-def test_grad_scaler_with_an_owner_only_inf_skips_on_every_rank(pool2, mode):
-    results = pool2.run_with_timeout(TIMEOUT_S, H.grad_scaler_owner_inf, mode)
-    assert results[0]["scales"] == results[1]["scales"] == [256.0, 128.0, 128.0], [r["scales"] for r in results]
+@pytest.mark.parametrize("mode", ["ddp", "z2", "z3", "hsdp-z3"])
+def test_grad_scaler_with_an_owner_only_inf_skips_on_every_rank(pool2, pool4, mode):
+    pool = pool4 if mode.startswith("hsdp") else pool2
+    results = pool.run_with_timeout(TIMEOUT_S, H.grad_scaler_owner_inf, mode)
+    assert all(r["scales"] == [256.0, 128.0, 128.0] for r in results), [r["scales"] for r in results]
     owners = [r for r in results if any(r["skipped"])]
     assert owners and all(r["skipped"][1] and not r["skipped"][2] for r in owners), [r["skipped"] for r in results]
-    for n, t in results[0]["rest"].items():
-        assert torch.equal(t, results[1]["rest"][n]), n
+    for r in results[1:]:
+        for n, t in results[0]["rest"].items():
+            assert torch.equal(t, r["rest"][n]), n
 
 
 @pytest.mark.parametrize("case,expect", [
