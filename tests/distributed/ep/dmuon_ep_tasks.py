@@ -17,25 +17,29 @@ from torch.distributed.device_mesh import init_device_mesh
 import dmuon
 from examples.ep_moe import tiny_qwen3_moe_ep
 from tests.distributed.parity.dmuon_tasks import ADAMW_LR, MUON_LR
-from tests.distributed.parity.hf_tasks import (RANK_THREADS, _loss, _threads, batch, rolled_experts,
-                                                run_oracle)
+from tests.distributed.noise_floor import nudge_init_, oracle_threads
+from tests.distributed.parity.hf_tasks import _loss, batch, rolled_experts, run_oracle
 
 #: Mesh layouts: name -> (shape, dim names); W = prod(shape), EP last.
 MESHES = {"shard2xep2": ((2, 2), ("shard", "ep")), "ep4": ((1, 4), ("shard", "ep")),
           "ep2": ((1, 2), ("shard", "ep")), "hsdp2x1xep2": ((2, 1, 2), ("replicate", "shard", "ep"))}
-STEPS = 3
+#: Steps compared: the second is the first that uses the momentum; the third already moves a
+#: one-ulp nudge of the oracle's init by a tenth of its displacement (``noise_floor``).
+STEPS = 2
 
 
-def oracle(world: int, steps: int = STEPS) -> dict:
-    """The single-process run (module docstring; ``hf_tasks.run_oracle``)."""
-    with _threads(RANK_THREADS):
-        return run_oracle(tiny_qwen3_moe_ep(None), world, steps)
+def oracle(world: int, steps: int = STEPS, nudge: str | None = None) -> dict:
+    """The single-process run (module docstring; ``hf_tasks.run_oracle``); ``nudge``: one of
+    ``noise_floor.NUDGES``."""
+    with oracle_threads(nudge):
+        return run_oracle(nudge_init_(tiny_qwen3_moe_ep(None), nudge), world, steps)
 
 
 def train(mesh_name: str, z3: bool, steps: int = STEPS, plant: str | None = None) -> dict:
-    """DMuon on the EP mesh ``mesh_name`` for ``steps`` steps; after ``sync_params`` every
-    param this rank holds (an expert stack as its local experts), its EP index, the NS count
-    which names DMuon dedicated, and the global grad norm of each step (``opt.clip_grad_norm_``).
+    """DMuon on the EP mesh ``mesh_name`` for ``steps`` steps: after each step, ``sync_params``
+    and every param this rank holds (``steps``; an expert stack as its local experts; ``held``:
+    after the last), its EP index, the NS count, which names DMuon dedicated, and the global grad
+    norm of each step (``opt.clip_grad_norm_``).
     ``plant``: a control; ``"column-divisor"``, the expert grads averaged over their column
     (R·N ranks) instead of W (Muon's update is blind to a grad's scale, the norm is not);
     ``"roll-experts"``, each expert handed its neighbour's orthogonalized update
@@ -65,16 +69,15 @@ def train(mesh_name: str, z3: bool, steps: int = STEPS, plant: str | None = None
     model = tiny_qwen3_moe_ep(mesh["ep"])
     dm = dmuon.dedicate_params(model, mesh, reshard_after_forward=z3, rest="replicate")
     opt = dmuon.DMuon(model.parameters(), dedicated=dm, lr=MUON_LR, adamw_lr=ADAMW_LR)
-    norms = []
+    norms, after = [], []
     for step in range(steps):
         _loss(model, batch(step, rank)).backward()
         norms.append(opt.clip_grad_norm_(1e9).item())  # the global norm; never clips here
         opt.step()
         opt.zero_grad()
-    dm.sync_params()
-    held = {n: (p.to_local() if hasattr(p, "to_local") else p).detach().clone()
-            for n, p in model.named_parameters()}
-    out = {"held": held, "ep_rank": mesh.get_local_rank("ep"), "ep": mesh["ep"].size(),
+        dm.sync_params()
+        after.append({n: _local(p) for n, p in model.named_parameters()})
+    out = {"held": after[-1], "steps": after, "ep_rank": mesh.get_local_rank("ep"), "ep": mesh["ep"].size(),
            "ns_calls": opt.ns_calls, "dedicated": sorted(dm.names), "grad_norms": norms}
     dm.close()
     return out
@@ -182,29 +185,32 @@ def ddp_on_a_subgroup(ep_mesh: bool) -> str:
     return out
 
 
-def _crafted_oracle(world: int, steps: int) -> dict:
+def _crafted_oracle(world: int, steps: int, nudge: str | None) -> dict:
     from tests.distributed.ep.ep_tasks import crafted_layer, layer_loss
     from tests.distributed.parity.hf_tasks import muon_matrices
     from verify.run.baselines import MatrixMuon
 
-    layer = crafted_layer(2, True)
+    layer = nudge_init_(crafted_layer(2, True), nudge)
     init = {n: p.detach().clone() for n, p in layer.named_parameters()}
     named = dict(layer.named_parameters())
     matrices = muon_matrices(layer)
     muon = MatrixMuon([named[n] for n in matrices], list(matrices.values()), lr=MUON_LR)
+    after = []
     for _ in range(steps):
         (sum(layer_loss(layer, r)[0] for r in range(world)) / world).backward()
         muon.step()
         muon.zero_grad()
-    return {"init": init, "final": {n: p.detach().clone() for n, p in layer.named_parameters()},
-            "muon": matrices}
+        after.append({n: p.detach().clone() for n, p in layer.named_parameters()})
+    return {"init": init, "steps": after, "final": after[-1], "muon": matrices}
 
 
-def crafted_oracle(world: int, steps: int = STEPS) -> dict:
+def crafted_oracle(world: int, steps: int = STEPS, nudge: str | None = None) -> dict:
     """One process: MatrixMuon on ``ep_tasks.crafted_layer`` (EP 2's routing: world rank 0 sends
-    no token to its peers, the last expert gets none at all), the mean of the W ranks' losses."""
-    with _threads(RANK_THREADS):
-        return _crafted_oracle(world, steps)
+    no token to its peers, the last expert gets none at all), the mean of the W ranks' losses:
+    ``init``, the params after each step (``steps``) and after the last (``final``).
+    ``nudge``: one of ``noise_floor.NUDGES``."""
+    with oracle_threads(nudge):
+        return _crafted_oracle(world, steps, nudge)
 
 
 def train_crafted(z3: bool, steps: int = STEPS) -> dict:
@@ -218,7 +224,7 @@ def train_crafted(z3: bool, steps: int = STEPS) -> dict:
     layer = shard_experts(crafted_layer(2, True), mesh["ep"])
     dm = dmuon.dedicate_params(layer, mesh, reshard_after_forward=z3, rest="replicate")
     opt = dmuon.DMuon(layer.parameters(), dedicated=dm, lr=MUON_LR, adamw_lr=ADAMW_LR)
-    idle_grads = []
+    idle_grads, after = [], []
     e = mesh.get_local_rank("ep")
     for _ in range(steps):
         layer_loss(layer, dist.get_rank())[0].backward()
@@ -228,8 +234,8 @@ def train_crafted(z3: bool, steps: int = STEPS) -> dict:
                            if p.grad is not None]
         opt.step()
         opt.zero_grad()
-    dm.sync_params()
-    out = {"held": {n: _local(p) for n, p in layer.named_parameters()}, "ep_rank": e,
-           "ep": 2, "idle_grads": idle_grads}
+        dm.sync_params()
+        after.append({n: _local(p) for n, p in layer.named_parameters()})
+    out = {"held": after[-1], "steps": after, "ep_rank": e, "ep": 2, "idle_grads": idle_grads}
     dm.close()
     return out

@@ -7,11 +7,9 @@ default selection must dedicate every one of them; the oracle applies ``torch.op
 every matrix (each expert slice its own 2-D parameter: ``verify.run.baselines.MatrixMuon``)
 and ``torch.optim.AdamW`` to the rest, on the same global batch.
 
-The oracle runs at the ranks' thread count (:data:`RANK_THREADS`): a CPU GEMM's blocking, and
-so its rounding, depends on the thread count, and Muon on a rank-deficient gradient (a router's
-sums to zero over the experts; an expert slice sees few tokens) turns one rounding difference
-into a move of a fifth of the displacement (measured before this was pinned: 0.22 of the
-oracle's displacement on a router with the oracle at 2 threads and the ranks at 1).
+The oracle runs at the ranks' thread count (``noise_floor.RANK_THREADS``): a CPU GEMM's blocking, and
+so its rounding, depends on the thread count. Its nudged runs (``noise_floor.NUDGES``: the
+same arithmetic rounded otherwise) give the tests their noise floor.
 """
 
 from __future__ import annotations
@@ -23,12 +21,11 @@ import torch.distributed as dist
 
 import dmuon
 from dmuon.ownership.select import assign_params
+from tests.distributed.noise_floor import nudge_init_, oracle_threads
 from tests.distributed.parity.dmuon_tasks import ADAMW_LR, MUON_LR, _mesh, root_unit
 from verify.run.baselines import MatrixMuon
 
 VOCAB, SEQ, ROWS_PER_RANK, STEPS = 64, 8, 2, 3
-#: ``torch.get_num_threads()`` in every rank of ``tests/distributed/harness.py``'s pools.
-RANK_THREADS = 1
 
 
 def make_model(kind: str):
@@ -63,16 +60,6 @@ def muon_matrices(model) -> dict[str, tuple[int, int]]:
     return {a.name: a.matrix for a in assign_params(model) if a.optimizer == "muon"}
 
 
-@contextmanager
-def _threads(n: int):
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
 def is_router(name: str) -> bool:
     """Qwen3-MoE's router weight ``(E, H)``: one row of logits per expert."""
     return name.endswith(".mlp.gate.weight")
@@ -87,23 +74,21 @@ def routing_part(name: str, t: torch.Tensor) -> torch.Tensor:
     return t - t.mean(dim=0, keepdim=True) if is_router(name) else t
 
 
-def oracle(kind: str, world: int, steps: int = STEPS) -> dict:
-    """One process at :data:`RANK_THREADS` threads: MatrixMuon (torch.optim.Muon over every
-    matrix) + AdamW, loss = the mean of the W ranks' losses; returns the initial and final
-    params after ``steps`` steps."""
-    with _threads(RANK_THREADS):
-        return _oracle(kind, world, steps)
-
-
-def _oracle(kind: str, world: int, steps: int) -> dict:
-    return run_oracle(make_model(kind), world, steps)
+def oracle(kind: str, world: int, steps: int = STEPS, nudge: str | None = None) -> dict:
+    """One process at the ranks' thread count: MatrixMuon (torch.optim.Muon over every
+    matrix) + AdamW, loss = the mean of the W ranks' losses; :func:`run_oracle`'s result.
+    ``nudge``: one of ``noise_floor.NUDGES`` (a run for the noise floor)."""
+    with oracle_threads(nudge):
+        return run_oracle(nudge_init_(make_model(kind), nudge), world, steps)
 
 
 def run_oracle(model, world: int, steps: int) -> dict:
     """MatrixMuon over ``model``'s default Muon matrices + AdamW on the rest, ``steps`` steps on
-    the mean of the W ranks' losses: ``init`` and ``final`` params, ``muon`` (name -> matrix
-    shape) and the global grad norm of each step (``grad_norms``)."""
+    the mean of the W ranks' losses: ``init`` params, the params after each step (``steps``)
+    and after the last (``final``), ``muon`` (name -> matrix shape) and the global grad norm of
+    each step (``grad_norms``)."""
     init = {n: p.detach().clone() for n, p in model.named_parameters()}
+    after = []
     named = dict(model.named_parameters())
     matrices = muon_matrices(model)
     muon = MatrixMuon([named[n] for n in matrices], list(matrices.values()), lr=MUON_LR)
@@ -116,8 +101,9 @@ def run_oracle(model, world: int, steps: int) -> dict:
         for opt in (muon, adamw):
             opt.step()
             opt.zero_grad()
-    return {"init": init, "final": {n: p.detach().clone() for n, p in model.named_parameters()},
-            "muon": matrices, "grad_norms": norms}
+        after.append({n: p.detach().clone() for n, p in model.named_parameters()})
+    return {"init": init, "steps": after, "final": after[-1], "muon": matrices,
+            "grad_norms": norms}
 
 
 @contextmanager
