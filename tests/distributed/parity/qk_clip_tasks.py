@@ -21,6 +21,7 @@ import torch.distributed as dist
 import dmuon
 from dmuon.optim.qk_clip import QKClip
 from dmuon.optim.qk_clip_hf import attention_layers
+from tests.distributed.noise_floor import nudge_init_, oracle_threads
 from tests.distributed.parity import hf_tasks as H
 from tests.distributed.parity.dmuon_tasks import ADAMW_LR, MUON_LR, _mesh, root_unit
 from verify.run.baselines import MatrixMuon
@@ -70,12 +71,15 @@ def _oracle_clip(model, maxima: dict, tau: float, alpha: float) -> None:
             mod.k_proj.weight[g * d:(g + 1) * d] *= min(gamma[g * rep:(g + 1) * rep]) ** (1 - alpha)
 
 
-def oracle(world: int, steps: int, tau: float = TAU, alpha: float = ALPHA) -> dict:
+def oracle(world: int, steps: int, tau: float = TAU, alpha: float = ALPHA,
+           nudge: str | None = None) -> dict:
     """The single-process MuonClip oracle (module docstring) at the ranks' thread count:
-    initial and final params, the Muon params, and each step's per-head maxima."""
-    with H._threads(H.RANK_THREADS):
-        model = H.make_model("llama")
+    initial params, the params after each step (``steps``) and after the last (``final``), the
+    Muon params, and each step's per-head maxima. ``nudge``: one of ``noise_floor.NUDGES``."""
+    with oracle_threads(nudge):
+        model = nudge_init_(H.make_model("llama"), nudge)
         init = {n: p.detach().clone() for n, p in model.named_parameters()}
+        after = []
         named = dict(model.named_parameters())
         matrices = H.muon_matrices(model)
         muon = MatrixMuon([named[n] for n in matrices], list(matrices.values()), lr=MUON_LR)
@@ -92,14 +96,16 @@ def oracle(world: int, steps: int, tau: float = TAU, alpha: float = ALPHA) -> di
                 opt.zero_grad()
             _oracle_clip(model, maxima, tau, alpha)
             history.append(maxima)
-        return {"init": init, "final": {n: p.detach().clone() for n, p in model.named_parameters()},
-                "muon": matrices, "maxima": history}
+            after.append({n: p.detach().clone() for n, p in model.named_parameters()})
+        return {"init": init, "steps": after, "final": after[-1], "muon": matrices,
+                "maxima": history}
 
 
 def train(mode: str, steps: int, tau: float = TAU, alpha: float = ALPHA, enabled: bool = True) -> dict:
     """DMuon + QKClip on the tiny Llama in ``mode`` (ddp, z2, z3, hsdp-z3): the owned
-    dedicated params, each step's reported maxima and clipped heads, and the number of
-    ``qk_clip``-phase all_reduces this rank issued (counted at ``dist.all_reduce``)."""
+    dedicated params after each step (``steps``) and after the last (``owned``), each step's
+    reported maxima and clipped heads, and the number of ``qk_clip``-phase all_reduces this
+    rank issued (counted at ``dist.all_reduce``)."""
     rank = dist.get_rank()
     mesh = _mesh("hsdp" if mode.startswith("hsdp") else "flat")
     model = H.make_model("llama")
@@ -114,7 +120,8 @@ def train(mode: str, steps: int, tau: float = TAU, alpha: float = ALPHA, enabled
         calls.append((current_phase(), tensor.numel() * tensor.element_size()))
         return original(tensor, *args, **kwargs)
 
-    history = []
+    history, after = [], []
+    owned = {id(p) for p in dm.owned()}
     dist.all_reduce = counting
     try:
         for step in range(steps):
@@ -122,12 +129,12 @@ def train(mode: str, steps: int, tau: float = TAU, alpha: float = ALPHA, enabled
             opt.step()
             opt.zero_grad()
             history.append(({n: s.tolist() for n, s in clip.max_logits.items()}, dict(clip.clipped)))
+            dm.wait_pending()
+            after.append({n: p.detach().clone() for n, p in model.named_parameters() if id(p) in owned})
     finally:
         dist.all_reduce = original
-    dm.wait_pending()
-    owned = {id(p) for p in dm.owned()}
-    return {"owned": {n: p.detach().clone() for n, p in model.named_parameters() if id(p) in owned},
-            "history": history, "qk_calls": [c for c in calls if c[0] == "qk_clip"]}
+    return {"owned": after[-1], "steps": after, "history": history,
+            "qk_calls": [c for c in calls if c[0] == "qk_clip"]}
 
 
 from verify.run.qk_clip import tinygpt_layers  # noqa: E402 - TinyGPT's layers, moved to the harness

@@ -1,42 +1,65 @@
-"""MuonClip (QK-clip) under DMuon matches a single-process MuonClip oracle
-(``qk_clip_tasks``) on a tiny HF Llama with GQA, in DDP, Z2, Z3 and HSDP-Z3.
+"""MuonClip (QK-clip) under DMuon matches a single-process MuonClip oracle (``qk_clip_tasks``)
+on a tiny HF Llama with GQA, in DDP, Z2, Z3 and HSDP-Z3.
 
-What is compared, as in ``test_dmuon_hf.py`` (why: its docstring): at W = 2 the trajectories
-of 3 steps, at W = 4 one step; max |p - oracle| / max |oracle - init| per Muon param.
-τ = ``qk_clip_tasks.TAU`` is low enough that the clip scales some heads at every step
+What is compared: after each step (2 at W = 2, 1 at W = 4), max |p - oracle| / max |oracle -
+init| per Muon param, within the bound of that step's noise floor (``noise_floor``: the oracle
+against its nudged runs). Measured on a 2-core AMD EPYC: DMuon bit-identical to the oracle at
+W = 2, 0.6 % at W = 4, against floors of 3.4 % (W = 2, step 1), 10 % (step 2) and 1.3 %
+(W = 4); after 3 steps the floor is 12-18 % (an ``o_proj``), which is why no third step is
+compared. τ = ``qk_clip_tasks.TAU`` is low enough that the clip scales some heads at every step
 (checked: the oracle's clipped set is not empty and not every head), so q_proj / k_proj land
 on the oracle only if DMuon clips the same heads by the same factors on the owners before the
-refresh. Fails without the feature: ``dmuon.optim.qk_clip`` did not exist; and the control
-(``enabled=False``: the same maxima and all_reduce, no scaling) must sit far outside the
-tolerance on q_proj / k_proj, so the comparison can tell.
+refresh. The control (``enabled=False``: the same maxima and all_reduce, no scaling) must land
+beyond the first step's bound on q_proj / k_proj, so the comparison can tell.
 """
 
 import pytest
 
 pytest.importorskip("transformers")
 
+from tests.distributed import noise_floor as NF  # noqa: E402
 from tests.distributed.parity import qk_clip_tasks as Q  # noqa: E402
 
 pytestmark = pytest.mark.distributed
 
-DIST_TOL = 0.01
 TIMEOUT_S = 120
-STEPS_AT = {2: 3, 4: 1}
+STEPS_AT = {2: 2, 4: 1}
 HEADS = 2 * 4  # layers × query heads of hf_tasks.make_model("llama")
+#: The per-head maxima of the first step against the oracle's: computed from the same params,
+#: they differ only by the fp32 order of a forward's sums (measured <= 1e-7 relative).
+MAXIMA_RTOL = 1e-5
 
 
 @pytest.fixture(scope="module")
 def oracles():
-    return {w: Q.oracle(w, STEPS_AT[w]) for w in STEPS_AT}
+    """Per world size: the oracle run, its per-step floors (``floors``) and its nudged runs'
+    maxima (``nudged_maxima``)."""
+    out = {}
+    for w, steps in STEPS_AT.items():
+        ref = Q.oracle(w, steps)
+        nudged = {nudge: Q.oracle(w, steps, nudge=nudge) for nudge in NF.NUDGES}
+        ref["floors"] = NF.floors(ref, nudged, names=ref["muon"])
+        ref["nudged_maxima"] = [run["maxima"] for run in nudged.values()]
+        out[w] = ref
+    return out
 
 
-def _distances(ref: dict, results: list[dict]) -> dict[str, float]:
+def _distances(ref: dict, results: list[dict], step: int) -> dict[str, float]:
     owned = {}
     for r in results:
-        owned.update(r["owned"])
+        owned.update(r["steps"][step])
     assert owned.keys() == ref["muon"].keys()
-    return {n: (owned[n] - ref["final"][n]).abs().max().item()
-            / (ref["final"][n] - ref["init"][n]).abs().max().item() for n in ref["muon"]}
+    return NF.distances(owned, ref["steps"][step], ref["init"], ref["muon"])
+
+
+def _maxima_rtol(ref: dict, step: int, layer: str, head: int) -> float:
+    """MAXIMA_RTOL at the first step; later, FACTOR × the largest relative move of this head's
+    maximum among the nudged runs (the params it is computed from differ by the floor)."""
+    want = ref["maxima"][step][layer][head]
+    if step == 0:
+        return MAXIMA_RTOL
+    moved = max(abs(m[step][layer][head] - want) / want for m in ref["nudged_maxima"])
+    return max(MAXIMA_RTOL, NF.FACTOR * moved)
 
 
 def test_the_oracle_clips_some_heads_not_all(oracles):
@@ -51,27 +74,32 @@ def test_muonclip_lands_on_the_oracle(pool2, pool4, oracles, mode):
     pool, world = (pool4, 4) if mode.startswith("hsdp") else (pool2, 2)
     ref = oracles[world]
     results = pool.run_with_timeout(TIMEOUT_S, Q.train, mode, STEPS_AT[world])
-    dist = _distances(ref, results)
-    assert max(dist.values()) <= DIST_TOL, sorted(dist.items(), key=lambda kv: -kv[1])[:4]
+    for step, floor in enumerate(ref["floors"]):
+        NF.assert_within(_distances(ref, results, step), floor, f"{mode}, step {step + 1}")
     for r in results:
         # one packed MAX all_reduce per step, 4 bytes per head, phase qk_clip
         assert r["qk_calls"] == [("qk_clip", 4 * HEADS)] * STEPS_AT[world], r["qk_calls"]
-        # every rank reports the global maxima (all ranks' batches), the oracle's
+        # every rank reports the global maxima (all ranks' batches), the oracle's, and clips
+        # the heads the oracle clips (a head whose maximum is within the tolerance of τ is
+        # not judged)
         for step, (maxima, clipped) in enumerate(r["history"]):
             want = ref["maxima"][step]
             assert maxima.keys() == want.keys()
             for name, s in maxima.items():
-                assert s == pytest.approx(want[name], rel=1e-5), (step, name)
-                assert clipped[name] == [h for h, x in enumerate(want[name]) if x > Q.TAU]
+                for head, (got, x) in enumerate(zip(s, want[name])):
+                    rtol = _maxima_rtol(ref, step, name, head)
+                    assert got == pytest.approx(x, rel=rtol), (step, name, head)
+                    if abs(x - Q.TAU) > rtol * x:
+                        assert (head in clipped[name]) == (x > Q.TAU), (step, name, head)
 
 
 @pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_without_the_clip_the_comparison_fails(pool2, pool4, oracles, world):
     pool, mode = (pool4, "hsdp-z3") if world == 4 else (pool2, "z2")
-    results = pool.run_with_timeout(TIMEOUT_S, Q.train, mode, STEPS_AT[world], enabled=False)
-    dist = _distances(oracles[world], results)
+    results = pool.run_with_timeout(TIMEOUT_S, Q.train, mode, 1, enabled=False)
+    dist = _distances(oracles[world], results, 0)
     qk = {n: d for n, d in dist.items() if n.endswith(("q_proj.weight", "k_proj.weight"))}
-    assert min(qk.values()) > 10 * DIST_TOL, qk
+    NF.assert_beyond(qk, oracles[world]["floors"][0], f"{mode} without the clip")
 
 
 @pytest.mark.parametrize("mode", ["ddp", "z3"])
