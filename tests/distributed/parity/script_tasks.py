@@ -22,6 +22,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 import dmuon
 from dmuon.optim.qk_clip import QKClip
 from dmuon.optim.qk_clip_hf import attention_layers
+from tests.distributed.noise_floor import nudge_init_, oracle_threads
 from tests.distributed.parity import hf_tasks as H
 from tests.distributed.parity import qk_clip_tasks as Q
 from tests.distributed.parity.dmuon_tasks import ADAMW_LR, MUON_LR, _mesh
@@ -45,13 +46,18 @@ def _clamp_(params) -> int:
     return changed
 
 
-def oracle(world: int, steps: int, bf16: bool = False, halves: bool = False) -> dict:
-    """One process (module docstring): initial and final params, the Muon params, and per step
-    the grad norm before the clip and the matrix entries the clamp changed. ``halves``: each
-    rank's bf16 grad as the mean of its batch's two halves' (the same arithmetic in other bf16
-    roundings: the oracle's own noise)."""
-    with H._threads(H.RANK_THREADS):
-        model = H.make_model("llama")
+def oracle(world: int, steps: int, bf16: bool = False, nudge: str | None = None) -> dict:
+    """One process (module docstring): initial params, the params after each step (``steps``)
+    and after the last (``final``), the Muon params, and per step the grad norm before the clip
+    and the matrix entries the clamp changed. ``nudge``: one of ``noise_floor.NUDGES``, or
+    ``"halves"`` (bf16 only): each rank's bf16 grad as the mean of its batch's two halves' (the
+    same arithmetic in other bf16 roundings)."""
+    if nudge == "halves" and not bf16:
+        raise ValueError("Invalid nudge='halves' with bf16=False. Must be a bf16 oracle.")
+    halves = nudge == "halves"
+    own = None if halves else nudge  # a nudge noise_floor knows
+    with oracle_threads(own):
+        model = nudge_init_(H.make_model("llama"), own)
         compute = H.make_model("llama") if bf16 else model  # bf16: the compute copy
         init = {n: p.detach().clone() for n, p in model.named_parameters()}
         named = dict(model.named_parameters())
@@ -62,7 +68,7 @@ def oracle(world: int, steps: int, bf16: bool = False, halves: bool = False) -> 
             {"params": [named[n] for n in rest if not _no_decay(n)]},
             {"params": [named[n] for n in rest if _no_decay(n)], "weight_decay": 0.0},
         ], lr=ADAMW_LR)
-        norms, clamped = [], []
+        norms, clamped, after = [], [], []
         for step in range(steps):
             maxima: dict = {}
             handles = Q._record_maxima(compute, maxima)
@@ -79,8 +85,9 @@ def oracle(world: int, steps: int, bf16: bool = False, halves: bool = False) -> 
             Q._oracle_clip(model, maxima, Q.TAU, Q.ALPHA)
             with torch.no_grad():
                 clamped.append(_clamp_(named[n] for n in matrices))
-        return {"init": init, "final": {n: p.detach().clone() for n, p in model.named_parameters()},
-                "muon": matrices, "norms": norms, "clamped": clamped}
+            after.append({n: p.detach().clone() for n, p in model.named_parameters()})
+        return {"init": init, "steps": after, "final": after[-1], "muon": matrices,
+                "norms": norms, "clamped": clamped}
 
 
 def _backward_bf16(model, compute, step: int, world: int, halves: bool) -> None:
@@ -105,8 +112,10 @@ def train(mode: str, steps: int, bf16: bool = False, backend: str | None = None,
           clip: bool = True) -> dict:
     """The script on this rank, ``mode`` z2 / z3 / hsdp-z3; ``bf16``: FSDP2's and DMuon's
     ``MixedPrecisionPolicy(bf16, reduce fp32)``; ``backend``: each decoder layer compiled
-    (``layer.compile(backend=...)``); ``clip=False``: the control without torch's clip. Returns the owned dedicated params, every param in full
-    on this rank after ``dm.sync_params()`` (to compare ranks), and the norms the clip returned."""
+    (``layer.compile(backend=...)``); ``clip=False``: the control without torch's clip. Returns, after each step's
+    ``dm.sync_params()``, the owned dedicated params (``owned_steps``) and every param in full
+    on this rank (``steps``, to compare ranks; ``full``: after the last), and the norms the
+    clip returned."""
     rank = dist.get_rank()
     mesh = _mesh("hsdp" if mode.startswith("hsdp") else "flat")
     mp = BF16 if bf16 else MixedPrecisionPolicy()
@@ -132,7 +141,8 @@ def train(mode: str, steps: int, bf16: bool = False, backend: str | None = None,
             _clamp_(dm.owned())
 
     opt.register_step_post_hook(clamp)
-    norms = []
+    norms, full, owned_steps = [], [], []
+    owned = {id(p) for p in dm.owned()}
     for step in range(steps):
         H._loss(model, H.batch(step, rank)).backward()
         if clip:
@@ -140,9 +150,8 @@ def train(mode: str, steps: int, bf16: bool = False, backend: str | None = None,
             norms.append(float(total.full_tensor() if hasattr(total, "full_tensor") else total))
         opt.step()
         opt.zero_grad()
-    dm.sync_params()
-    full = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
-            for n, p in model.named_parameters()}
-    owned = {id(p) for p in dm.owned()}
-    return {"owned": {n: p.detach().clone() for n, p in named.items() if id(p) in owned},
-            "full": full, "norms": norms}
+        dm.sync_params()
+        full.append({n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+                     for n, p in model.named_parameters()})
+        owned_steps.append({n: p.detach().clone() for n, p in named.items() if id(p) in owned})
+    return {"owned_steps": owned_steps, "steps": full, "full": full[-1], "norms": norms}

@@ -1,16 +1,23 @@
-"""A HF Llama script written the FSDP2 way trains under DMuon in Z2, Z3 and HSDP:
-param groups without weight decay on norms and embeddings,
-``torch.nn.utils.clip_grad_norm_``, a post-step clamp hook, MuonClip, and with FSDP2's bf16
-policy and compiled layers (``script_tasks`` has the script and its oracle).
+"""A HF Llama script written the FSDP2 way trains under DMuon in Z2, Z3 and HSDP: param
+groups without weight decay on norms and embeddings, ``torch.nn.utils.clip_grad_norm_``, a
+post-step clamp hook, MuonClip, and with FSDP2's bf16 policy and compiled layers
+(``script_tasks`` has the script and its oracle).
 
-- fp32: every param within ``DIST_TOL`` of the single-process oracle's 3-step displacement (as
-  ``test_dmuon_qk_clip.py``), torch's clip returns the oracle's norm on every rank, and every
-  rank holds the same params after ``dm.sync_params()``. Fails before this issue: param groups
-  were refused and torch's clip raised "mixed torch.Tensor and DTensor". The control without
-  the clip must land outside the tolerance, so the comparison sees the clip.
-- bf16: bf16 rounding moves a 3-step trajectory far more than fp32 does, so the bound is the
-  bf16 oracle's own noise (the same arithmetic with each rank's batch run as two halves);
-  compiled layers (``aot_eager``) give the eager run's params bit for bit.
+After each of :data:`STEPS` steps, every param (Frobenius |p - oracle| / |oracle - init|)
+lands within the bound of that step's noise floor (``noise_floor``: the oracle against its
+nudged runs; in bf16 also the oracle with each rank's batch run as two halves), every rank
+holds the same params after ``dm.sync_params()``, and torch's clip returns the oracle's norm
+on every rank, within the bound of the norm's own floor.
+
+Measured on a 2-core AMD EPYC: DMuon bit-identical to the fp32 oracle, whose floor is 1.5 %
+after one step and 4-9 % after two, but 43 % (max norm) after three (an embedding row under
+AdamW), as far as removing the clip moves it: no third step is compared. The control without
+the clip lands at 19 %, beyond the first step's bound. In bf16 the params are ill-conditioned
+at this size (the bf16 oracle's own floor is 20 % after one step, as far as the fp32 oracle
+lies from it), so there the params are checked only against that floor, and what tells the bf16
+policy from fp32 is the first step's grad norm (floor 2e-5; fp32's norm lies 2.4e-4 to 4.4e-4
+off, checked as the control). Compiled layers (``aot_eager``) give the eager run's params bit
+for bit.
 """
 
 import pytest
@@ -18,34 +25,53 @@ import torch
 
 pytest.importorskip("transformers")
 
+from tests.distributed import noise_floor as NF  # noqa: E402
 from tests.distributed.parity import script_tasks as S  # noqa: E402
 
 pytestmark = pytest.mark.distributed
 
-DIST_TOL = 0.01
 TIMEOUT_S = 180
-STEPS = 3
+STEPS = 2
 MODES = {"z2": 2, "z3": 2, "hsdp-z3": 4}  # world size (HSDP: 2 replicas of 2 shards)
 
 
 @pytest.fixture(scope="module")
 def oracles():
-    return {(w, bf16): S.oracle(w, STEPS, bf16=bf16) for w in (2, 4) for bf16 in (False, True)}
+    """Per (world size, bf16): the oracle run with its per-step floors of the params
+    (``floors``) and of the clip's norm (``norm_floors``)."""
+    out = {}
+    for w in (2, 4):
+        for bf16 in (False, True):
+            ref = S.oracle(w, STEPS, bf16=bf16)
+            nudged = {n: S.oracle(w, STEPS, bf16=bf16, nudge=n)
+                      for n in NF.NUDGES + (("halves",) if bf16 else ())}
+            ref["floors"] = NF.floors(ref, nudged, norm="fro")
+            ref["norm_floors"] = NF.scalar_floors(ref["norms"], {n: r["norms"] for n, r in nudged.items()})
+            out[(w, bf16)] = ref
+    return out
 
 
-def _distance(ref: dict, params: dict) -> float:
-    return max((params[n] - ref["final"][n]).abs().max().item()
-               / (ref["final"][n] - ref["init"][n]).abs().max().item() for n in ref["final"])
-
-
-def _params(results: list[dict]) -> dict:
-    """Rank 0's full params, after checking every rank holds the same ones and each owner's
-    dedicated params are them."""
-    full = results[0]["full"]
+def _params(results: list[dict], step: int) -> dict:
+    """Rank 0's full params after step ``step`` (0-based), after checking every rank holds the
+    same ones and each owner's dedicated params are them."""
+    full = results[0]["steps"][step]
     for r in results:
-        assert all(torch.equal(r["full"][n], full[n]) for n in full), "ranks differ"
-        assert all(torch.equal(t, full[n]) for n, t in r["owned"].items())
+        assert all(torch.equal(r["steps"][step][n], full[n]) for n in full), "ranks differ"
+        assert all(torch.equal(t, full[n]) for n, t in r["owned_steps"][step].items())
     return full
+
+
+def _distances(params: dict, ref: dict, step: int) -> dict[str, float]:
+    return NF.distances(params, ref["steps"][step], ref["init"], norm="fro")
+
+
+def _assert_on_oracle(ref: dict, results: list[dict], what: str) -> None:
+    for step, floor in enumerate(ref["floors"]):
+        NF.assert_within(_distances(_params(results, step), ref, step), floor,
+                         f"{what}, step {step + 1}")
+    for r in results:  # torch's clip: the global norm, on every rank
+        for got, want, floor in zip(r["norms"], ref["norms"], ref["norm_floors"]):
+            assert abs(got - want) <= floor.bound * want, (got, want, str(floor))
 
 
 def test_the_habits_bite_in_the_oracle(oracles):
@@ -59,28 +85,37 @@ def test_fp32_script_lands_on_the_oracle(pool2, pool4, oracles, mode):
     world = MODES[mode]
     ref = oracles[(world, False)]
     results = (pool4 if world == 4 else pool2).run_with_timeout(TIMEOUT_S, S.train, mode, STEPS)
-    assert _distance(ref, _params(results)) <= DIST_TOL
-    for r in results:  # torch's clip: the global norm, on every rank
-        assert r["norms"] == pytest.approx(ref["norms"], rel=1e-6)  # measured <= 1e-7
+    _assert_on_oracle(ref, results, f"fp32 {mode}")
 
 
 def test_without_the_clip_the_comparison_fails(pool2, oracles):
-    results = pool2.run_with_timeout(TIMEOUT_S, S.train, "z2", STEPS, clip=False)
-    assert _distance(oracles[(2, False)], _params(results)) > 10 * DIST_TOL
+    """The control: without torch's clip the first step lands beyond its bound (on the params
+    as a whole: the clip scales every grad, and Muon's update is blind to that scale)."""
+    ref = oracles[(2, False)]
+    results = pool2.run_with_timeout(TIMEOUT_S, S.train, "z2", 1, clip=False)
+    dist = _distances(_params(results, 0), ref, 0)
+    NF.assert_beyond({"worst param": max(dist.values())}, ref["floors"][0], "without the clip")
 
 
 @pytest.mark.parametrize("mode", list(MODES))
 def test_bf16_script_within_the_oracle_noise(pool2, pool4, oracles, mode):
     world = MODES[mode]
-    ref = oracles[(world, True)]
-    floor = _distance(ref, S.oracle(world, STEPS, bf16=True, halves=True)["final"])
     results = (pool4 if world == 4 else pool2).run_with_timeout(TIMEOUT_S, S.train, mode, STEPS, True)
-    assert _distance(ref, _params(results)) <= floor
-    assert results[0]["norms"] == pytest.approx(ref["norms"], rel=1e-3)  # measured <= 7e-4 (W=4)
+    _assert_on_oracle(oracles[(world, True)], results, f"bf16 {mode}")
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_the_bf16_norm_tells_the_policy_from_fp32(oracles, world):
+    """The control of the bf16 comparison: the first step's grad norm in fp32 (which the fp32
+    script returns, test above) lands beyond the bf16 norm's bound."""
+    bf16, fp32 = oracles[(world, True)], oracles[(world, False)]
+    got, want, floor = fp32["norms"][0], bf16["norms"][0], bf16["norm_floors"][0]
+    assert abs(got - want) > floor.bound * want, (got, want, str(floor))
 
 
 @pytest.mark.slow  # compiling the layers takes 6 s; test_compile.py covers bf16 + compile in make test
 def test_bf16_compiled_layers_match_eager_bit_for_bit(pool2):
-    eager = _params(pool2.run_with_timeout(TIMEOUT_S, S.train, "z3", STEPS, True))
-    compiled = _params(pool2.run_with_timeout(TIMEOUT_S, S.train, "z3", STEPS, True, "aot_eager"))
+    eager = _params(pool2.run_with_timeout(TIMEOUT_S, S.train, "z3", STEPS, True), STEPS - 1)
+    compiled = _params(pool2.run_with_timeout(TIMEOUT_S, S.train, "z3", STEPS, True, "aot_eager"),
+                       STEPS - 1)
     assert all(torch.equal(eager[n], compiled[n]) for n in eager)
