@@ -25,7 +25,7 @@ from tests.distributed.noise_floor import nudge_init_, oracle_threads
 from tests.distributed.parity.dmuon_tasks import ADAMW_LR, MUON_LR, _mesh, root_unit
 from verify.run.baselines import MatrixMuon
 
-VOCAB, SEQ, ROWS_PER_RANK, STEPS = 64, 8, 2, 3
+VOCAB, SEQ, ROWS_PER_RANK, STEPS = 64, 8, 2, 2
 
 
 def make_model(kind: str):
@@ -124,7 +124,8 @@ def rolled_experts():
 
 def train(kind: str, mode: str, steps: int = STEPS, plant: str | None = None) -> dict:
     """DMuon with the default selection in ``mode`` (ddp, z2, z3, hsdp-z3) for ``steps`` steps:
-    the dedicated params this rank owns, the assignments and the Newton–Schulz count.
+    the dedicated params this rank owns after each step (``steps``) and after the last
+    (``owned``), the assignments and the Newton–Schulz count.
     ``plant="roll-experts"`` plants :func:`rolled_experts` in DMuon's batched Newton–Schulz (the
     test that the comparison can fail)."""
     if plant is not None:
@@ -137,14 +138,16 @@ def train(kind: str, mode: str, steps: int = STEPS, plant: str | None = None) ->
     model = make_model(kind)
     dm = dmuon.dedicate_params(model, mesh, reshard_after_forward=mode.endswith("z3"))
     wrapped, opt = root_unit(model, mesh, dm, ddp=mode == "ddp")
+    owned, after = {id(p) for p in dm.owned()}, []
     for step in range(steps):
         _loss(wrapped, batch(step, rank)).backward()
         opt.step()
         opt.zero_grad()
-    dm.wait_pending()
-    owned = {id(p) for p in dm.owned()}
+        dm.wait_pending()
+        after.append({n: p.detach().clone() for n, p in model.named_parameters() if id(p) in owned})
     return {
-        "owned": {n: p.detach().clone() for n, p in model.named_parameters() if id(p) in owned},
+        "owned": after[-1],
+        "steps": after,
         "assignments": [a.as_row() for a in dm.assignments()],
         "ns_calls": opt.ns_calls,
     }
