@@ -11,6 +11,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 import dmuon
+from tests.distributed.noise_floor import nudge_init_, oracle_threads
 from verify.workload.data import ByteCorpus, local_slice
 from verify.workload.model import GPTConfig, TinyGPT
 
@@ -38,27 +39,40 @@ def _loss(model, x, y):
 
 
 def oracle(steps: int, config: GPTConfig = SMALL, micro_batches: int = 1) -> dict[str, torch.Tensor]:
-    """Single process: torch.optim.Muon on the default targets + torch.optim.AdamW, full batch.
+    """Single process: torch.optim.Muon on the default targets + torch.optim.AdamW, full batch;
+    the params after ``steps`` steps (:func:`oracle_run`)."""
+    return oracle_run(steps, config, micro_batches)["final"]
+
+
+def oracle_run(steps: int, config: GPTConfig = SMALL, micro_batches: int = 1,
+               nudge: str | None = None) -> dict:
+    """:func:`oracle` at the ranks' thread count: ``init`` params, the params after each step
+    (``steps``) and after the last (``final``).
 
     ``micro_batches`` > 1 accumulates the same global batch as that many equal slices (the
-    same arithmetic in another summation order): the oracle's own reordering noise.
+    same arithmetic in another summation order); ``nudge``: one of ``noise_floor.NUDGES``.
     """
-    model = make_model(config)
-    modules = dict(model.named_modules())
-    named = dict(model.named_parameters())
-    targets = [n for n, p in named.items() if dmuon.default_predicate(n, p, modules[n.rpartition(".")[0]])]
-    muon = torch.optim.Muon([named[n] for n in targets], lr=MUON_LR)
-    adamw = torch.optim.AdamW([p for n, p in named.items() if n not in targets], lr=ADAMW_LR)
-    for step in range(steps):
-        x, y = corpus().global_batch(step, GLOBAL_BATCH, config.seq_len)
-        for m in range(micro_batches):
-            xs, ys = local_slice(x, m, micro_batches), local_slice(y, m, micro_batches)
-            (_loss(model, xs, ys) / micro_batches).backward()
-        muon.step()
-        adamw.step()
-        muon.zero_grad()
-        adamw.zero_grad()
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
+    with oracle_threads(nudge):
+        model = nudge_init_(make_model(config), nudge)
+        init = {n: p.detach().clone() for n, p in model.named_parameters()}
+        modules = dict(model.named_modules())
+        named = dict(model.named_parameters())
+        targets = [n for n, p in named.items()
+                   if dmuon.default_predicate(n, p, modules[n.rpartition(".")[0]])]
+        muon = torch.optim.Muon([named[n] for n in targets], lr=MUON_LR)
+        adamw = torch.optim.AdamW([p for n, p in named.items() if n not in targets], lr=ADAMW_LR)
+        after = []
+        for step in range(steps):
+            x, y = corpus().global_batch(step, GLOBAL_BATCH, config.seq_len)
+            for m in range(micro_batches):
+                xs, ys = local_slice(x, m, micro_batches), local_slice(y, m, micro_batches)
+                (_loss(model, xs, ys) / micro_batches).backward()
+            muon.step()
+            adamw.step()
+            muon.zero_grad()
+            adamw.zero_grad()
+            after.append({n: p.detach().clone() for n, p in model.named_parameters()})
+    return {"init": init, "steps": after, "final": after[-1] if after else init}
 
 
 def _mesh(kind: str):
@@ -78,9 +92,9 @@ def dedicate(model, mesh, **kw):
     return dmuon.dedicate_params(model, mesh, **kw)
 
 
-def build(mode: str, config=SMALL, wrap: bool = True, **dm_kw):
+def build(mode: str, config=SMALL, wrap: bool = True, opt_kw: dict | None = None, **dm_kw):
     """(model to call, bare model, dm, optimizer) for mode ddp / z2 / z3 / hsdp-z2 / hsdp-z3
-    (:func:`dedicate`)."""
+    (:func:`dedicate`); ``opt_kw``: more keyword arguments of ``dmuon.DMuon``."""
     mesh = _mesh("hsdp" if mode.startswith("hsdp") else "flat")
     model = make_model(config)
     reshard = mode.endswith("z3")
@@ -94,7 +108,8 @@ def build(mode: str, config=SMALL, wrap: bool = True, **dm_kw):
             fully_shard(block, mesh=mesh, reshard_after_forward=reshard, ignored_params=set(dm))
         fully_shard(model, mesh=mesh, ignored_params=set(dm))
         wrapped = model
-    opt = dmuon.DMuon(wrapped.parameters(), dedicated=dm, lr=MUON_LR, adamw_lr=ADAMW_LR)
+    opt = dmuon.DMuon(wrapped.parameters(), dedicated=dm, lr=MUON_LR, adamw_lr=ADAMW_LR,
+                      **(opt_kw or {}))
     return wrapped, model, dm, opt
 
 
@@ -134,19 +149,25 @@ def error_text(fn) -> str:
     return "no error"
 
 
-def train_dmuon(mode: str, steps: int, config: GPTConfig = SMALL, **dm_kw) -> dict:
-    """Train with DMuon; returns the full params this rank holds authoritative values of.
+def train_dmuon(mode: str, steps: int, config: GPTConfig = SMALL, every_step: bool = False,
+                opt_kw: dict | None = None, **dm_kw) -> dict:
+    """Train with DMuon; returns the full params this rank holds authoritative values of
+    (``params``; with ``every_step``, also after each step: ``steps``).
 
-    mode: "ddp", "z2", "z3", "hsdp-z2", "hsdp-z3".
+    mode: "ddp", "z2", "z3", "hsdp-z2", "hsdp-z3"; ``opt_kw``: more keyword arguments of
+    ``dmuon.DMuon`` (a control's changed hyper-parameter).
     """
     rank, world = dist.get_rank(), dist.get_world_size()
-    wrapped, model, dm, opt = build(mode, config, **dm_kw)
+    wrapped, model, dm, opt = build(mode, config, opt_kw=opt_kw, **dm_kw)
+    after = []
     for step in range(steps):
         x, y = corpus().global_batch(step, GLOBAL_BATCH, config.seq_len)
         _loss(wrapped, local_slice(x, rank, world), local_slice(y, rank, world)).backward()
         opt.step()
         opt.zero_grad()
-    return {"params": authoritative_params(model, dm), "ns_calls": opt.ns_calls,
+        if every_step:
+            after.append(authoritative_params(model, dm))
+    return {"params": authoritative_params(model, dm), "steps": after, "ns_calls": opt.ns_calls,
             "hierarchy": dm.coalescing()["hierarchy"], "momentum_on": sorted(
         n for n, p in model.named_parameters() if p in dm and "momentum_buffer" in opt.state.get(p, {}))}
 
