@@ -151,6 +151,26 @@ def floors(ref: Mapping, nudged: Mapping[str, Mapping], names: Iterable[str] | N
     return out
 
 
+def floored(oracle: Callable[[str | None], dict], extra: Mapping[str, Callable[[], dict]] | None = None,
+            names: Iterable[str] | None = None,
+            part: Callable[[str, torch.Tensor], torch.Tensor] | None = None,
+            norm: str = "max") -> dict:
+    """``oracle(None)``'s run with ``floors`` (:func:`floors`) from ``oracle(nudge)`` for each
+    of :data:`NUDGES` and each run of ``extra`` (label -> a nudged run of the test's own, e.g.
+    the batch as micro-batches); ``nudged``: those runs."""
+    ref = oracle(None)
+    nudged = {nudge: oracle(nudge) for nudge in NUDGES}
+    nudged.update({label: run() for label, run in (extra or {}).items()})
+    ref["floors"] = floors(ref, nudged, names, part, norm)
+    ref["nudged"] = nudged
+    return ref
+
+
+def final_only(init: Mapping[str, torch.Tensor], final: Mapping[str, torch.Tensor]) -> dict:
+    """A run that reports only its last step's params, as :func:`floors` reads runs."""
+    return {"init": dict(init), "steps": [dict(final)], "final": dict(final)}
+
+
 def scalar_floors(ref: list[float], nudged: Mapping[str, list[float]]) -> list[Floor]:
     """The relative floor of a per-step scalar (a grad norm): at each step the largest
     ``|nudged - ref| / |ref|`` over the nudges, at least :data:`MIN_SCALAR_FLOOR`."""

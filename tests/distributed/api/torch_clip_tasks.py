@@ -6,6 +6,7 @@ import torch
 import torch.distributed as dist
 
 import dmuon
+from tests.distributed.noise_floor import nudge_init_, oracle_threads
 from tests.distributed.parity import dmuon_tasks as T
 from verify.workload.data import local_slice
 
@@ -68,11 +69,18 @@ def _clip_all(how: str, params) -> None:
         torch.nn.utils.clip_grad_norm_(params, MAX_NORM)
 
 
-def oracle(steps: int, how: str, micro_batches: int = 1) -> dict:
+def oracle(steps: int, how: str, micro_batches: int = 1, nudge: str | None = None) -> dict:
     """One process: torch.optim.Muon + AdamW, torch's ``clip_grad_value_`` (``how="value"``)
     or ``clip_grad_norm_`` (``"norm"``) on the global batch's grads; ``clamped``: the fraction
-    of grad elements over ``CLIP_VALUE``, ``norms``: the grad norm before each clip."""
-    model = T.make_model()
+    of grad elements over ``CLIP_VALUE``, ``norms``: the grad norm before each clip.
+    ``micro_batches`` > 1: the batch accumulated as that many slices; ``nudge``: one of
+    ``noise_floor.NUDGES``."""
+    with oracle_threads(nudge):
+        return _oracle(steps, how, micro_batches, nudge)
+
+
+def _oracle(steps: int, how: str, micro_batches: int, nudge: str | None) -> dict:
+    model = nudge_init_(T.make_model(), nudge)
     modules = dict(model.named_modules())
     named = dict(model.named_parameters())
     targets = [n for n, p in named.items() if dmuon.default_predicate(n, p, modules[n.rpartition(".")[0]])]

@@ -21,6 +21,7 @@ from torch.optim.lr_scheduler import LambdaLR
 
 import dmuon
 from tests.distributed.api import checkpoint_tasks as C
+from tests.distributed.noise_floor import nudge_init_, oracle_threads
 from tests.distributed.parity import dmuon_tasks as T
 from verify.workload.data import local_slice
 
@@ -48,10 +49,18 @@ def factor(user_group: int):
     return (lambda s: 1.0) if user_group == 1 else (lambda s: 0.8 ** s)
 
 
-def oracle(steps: int, micro_batches: int = 1, schedule: bool = True) -> dict[str, torch.Tensor]:
+def oracle(steps: int, micro_batches: int = 1, schedule: bool = True,
+           nudge: str | None = None) -> dict[str, torch.Tensor]:
     """One process, the global batch: torch.optim.Muon and AdamW with the same groups (and,
-    with ``schedule``, the same per-group LambdaLR)."""
-    model = T.make_model()
+    with ``schedule``, the same per-group LambdaLR); the params after ``steps`` steps.
+    ``micro_batches`` > 1: the batch accumulated as that many slices; ``nudge``: one of
+    ``noise_floor.NUDGES``."""
+    with oracle_threads(nudge):
+        return _oracle(steps, micro_batches, schedule, nudge)
+
+
+def _oracle(steps: int, micro_batches: int, schedule: bool, nudge: str | None) -> dict:
+    model = nudge_init_(T.make_model(), nudge)
     named = dict(model.named_parameters())
     muon = torch.optim.Muon([
         {"params": [named[n] for n in ATTN], "weight_decay": 0.1},

@@ -21,32 +21,17 @@ import torch
 
 from tests.distributed import noise_floor as NF
 from tests.distributed.parity import dmuon_tasks as T
+from tests.distributed.parity.conftest import STEPS, assert_on_oracle, tinygpt_distances
 
 pytestmark = pytest.mark.distributed
 
 GRAD_RTOL, GRAD_ATOL = 1e-5, 1e-7
-STEPS = 2
 FLAT_MODES = ("ddp", "z2", "z3")
 
 
 @pytest.fixture(scope="module")
-def oracle_run():
-    """The oracle's run over STEPS steps, with its per-step floors (``floors``)."""
-    ref = T.oracle_run(STEPS)
-    nudged = {n: T.oracle_run(STEPS, nudge=n) for n in NF.NUDGES}
-    nudged.update({f"{w} micro-batches": T.oracle_run(STEPS, micro_batches=w) for w in (2, 4)})
-    ref["floors"] = NF.floors(ref, nudged, norm="fro")
-    return ref
-
-
-def _distances(ref: dict, results: list[dict], step: int) -> dict[str, float]:
-    got = T.merge_owned([{"params": r["steps"][step]} for r in results])
-    return NF.distances(got, ref["steps"][step], ref["init"], norm="fro")
-
-
-def _assert_on_oracle(ref: dict, results: list[dict], what: str) -> None:
-    for step, floor in enumerate(ref["floors"]):
-        NF.assert_within(_distances(ref, results, step), floor, f"{what}, step {step + 1}")
+def oracle_run(tinygpt_oracle):
+    return tinygpt_oracle
 
 
 @pytest.mark.parametrize("mode", FLAT_MODES + ("hsdp-z3",))
@@ -65,7 +50,7 @@ def test_owner_receives_the_global_mean_gradient(pool4, mode):
 
 @pytest.mark.parametrize("mode", FLAT_MODES)
 def test_n2_matches_oracle(pool2, oracle_run, mode):
-    _assert_on_oracle(oracle_run, pool2.run(T.train_dmuon, mode, STEPS, every_step=True), mode)
+    assert_on_oracle(oracle_run, pool2.run(T.train_dmuon, mode, STEPS, every_step=True), mode)
 
 
 def test_control_without_momentum_lands_beyond_the_bound(pool2, oracle_run):
@@ -73,7 +58,7 @@ def test_control_without_momentum_lands_beyond_the_bound(pool2, oracle_run):
     beyond the bound after each step."""
     results = pool2.run(T.train_dmuon, "z2", STEPS, every_step=True, opt_kw={"momentum": 0.0})
     for step, floor in enumerate(oracle_run["floors"]):
-        dist = _distances(oracle_run, results, step)
+        dist = tinygpt_distances(oracle_run, results, step)
         NF.assert_beyond({"worst param": max(dist.values())}, floor, f"momentum 0, step {step + 1}")
 
 
@@ -88,7 +73,7 @@ def test_n4_all_modes_match_oracle_and_each_other(pool4, oracle_run):
         assert {r["hierarchy"] for r in runs[m + "/hierarchical"]} == {"hierarchical"}, m
     merged = {m: T.merge_owned(r) for m, r in runs.items()}
     for mode, results in runs.items():
-        _assert_on_oracle(oracle_run, results, mode)
+        assert_on_oracle(oracle_run, results, mode)
     # Z2 and Z3 differ only in residency: bit-identical, on the 1-D and the 2-D mesh, flat or
     # hierarchical (flat HSDP against z2: FSDP2's HSDP sums the rest's grads in another order).
     for a, b in (("z2", "z3"), ("hsdp-z2", "hsdp-z3"),
