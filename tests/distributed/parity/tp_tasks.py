@@ -16,6 +16,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import dmuon
+from tests.distributed.noise_floor import nudge_init_, oracle_threads
 
 D_IN, D, HIDDEN, LAYERS = 8, 16, 32, 2
 GLOBAL_BATCH = 8
@@ -76,12 +77,21 @@ def targets(model: nn.Module) -> list[str]:
             if dmuon.default_predicate(n, p, modules[n.rpartition(".")[0]])]
 
 
-def oracle(steps: int, micro_batches: int = 1) -> dict[str, torch.Tensor]:
-    """Single process, full matrices: torch.optim.Muon on DMuon's default targets + AdamW."""
-    model = make_model()
+def oracle(steps: int, micro_batches: int = 1, nudge: str | None = None,
+           momentum: float = 0.95) -> dict[str, torch.Tensor]:
+    """Single process, full matrices: torch.optim.Muon on DMuon's default targets + AdamW; the
+    params after ``steps`` steps. ``micro_batches`` > 1: the batch accumulated as that many
+    slices; ``nudge``: one of ``noise_floor.NUDGES``; ``momentum``: Muon's (another value is
+    a control's planted error)."""
+    with oracle_threads(nudge):
+        return _oracle(steps, micro_batches, nudge, momentum)
+
+
+def _oracle(steps: int, micro_batches: int, nudge: str | None, momentum: float) -> dict:
+    model = nudge_init_(make_model(), nudge)
     named = dict(model.named_parameters())
     muon_names = targets(model)
-    muon = torch.optim.Muon([named[n] for n in muon_names], lr=MUON_LR)
+    muon = torch.optim.Muon([named[n] for n in muon_names], lr=MUON_LR, momentum=momentum)
     adamw = torch.optim.AdamW([p for n, p in named.items() if n not in muon_names], lr=ADAMW_LR)
     for step in range(steps):
         x, y = batch(step)
