@@ -10,8 +10,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from dmuon.placement import layout_class
-from dmuon.placement.dense import already_wrapped
+from dmuon.placement import already_wrapped, layout_for
 from dmuon.runtime import attach, collectives, start
 from dmuon.options import DedicateOptions
 from dmuon.ownership.buckets import DEFAULT_BUCKET_CAP_MB, Coalescing
@@ -35,6 +34,8 @@ def dedicate_params(
     rest: str = "wrapper",
     hierarchy: str = "auto",
     link: str = "auto",
+    replicate_dim: str | None = None,
+    shard_dims: str | tuple[str, ...] | None = None,
 ) -> DedicatedParams:
     """Give every Muon-target matrix of ``model`` one owner rank and install DMuon's hooks.
 
@@ -47,10 +48,13 @@ def dedicate_params(
 
     Args:
         model: the bare ``nn.Module`` (not yet DDP / FSDP2 wrapped), identical on all ranks.
-        mesh: a 1-D ``DeviceMesh`` (DDP, FSDP2) or a 2-D one named ``("replicate", "shard")``
-            (HSDP); with tensor parallelism, the whole mesh named ``("shard", "tp")`` or
-            ``("replicate", "shard", "tp")`` whose ``mesh["tp"]`` the model's blocks were
-            parallelized on (``parallelize_module``; ``dmuon/placement/tp.py``).
+        mesh: the whole ``DeviceMesh`` of the job (every rank): a 1-D one (DDP, FSDP2), or any
+            mesh whose data-parallel dims ``replicate_dim`` / ``shard_dims`` declare; the other
+            dims are model parallel. Each dedicated param's kind comes from its own DTensor
+            placements on dims of this mesh (docs/user-guide.md, "Meshes"): a plain tensor
+            (dense), ``Shard(0)`` / ``Shard(1)`` of a matrix on a model-parallel dim (tensor
+            parallel, ``parallelize_module``), ``Shard(0)`` of a 3-D stack (experts on an
+            expert-parallel dim, ``examples/ep_moe.py``).
         params: optional explicit dedicated params (Parameters or names) of at least 2 dims;
             default: ``predicate``.
         predicate: ``f(name, param, module) -> bool``; default :func:`default_predicate`
@@ -110,6 +114,17 @@ def dedicate_params(
             only) to check them without a GPU (docs/user-guide.md, "Link policy"). Changes
             which calls carry the bytes, never the results.
 
+        replicate_dim, shard_dims: the mesh's data-parallel dims, in FSDP2's terms: at most one
+            replicate dim (HSDP's outer dim) and one or more shard dims (a name or a tuple:
+            a dim whose ranks see different data: data, context or expert parallel, e.g.
+            ``replicate_dim="dp_replicate", shard_dims=("dp_shard", "cp")``; a flattened
+            ``"dp_shard_cp"`` is one). The owners of a dense matrix span the shard dims' product
+            (N); its grads are averaged over every data-parallel rank. ``None`` (default): read
+            from the names: a 1-D mesh is one shard dim, ``("replicate", "shard")`` HSDP,
+            ``("shard", "tp")`` / ``("replicate", "shard", "tp")`` tensor parallel,
+            ``("shard", "ep")`` / ``("replicate", "shard", "ep")`` expert parallel (``"ep"`` a
+            shard dim whose ranks hold different experts); any other names must be declared.
+
     Returns:
         The :class:`DedicatedParams` handle. Release it with ``dm.close()`` on every rank, or
         use it as a context manager (``with dmuon.dedicate_params(model, mesh) as dm:``):
@@ -119,11 +134,13 @@ def dedicate_params(
         Dropping the handle without ``close()`` frees the model but not the groups.
 
     Raises:
-        ValueError: ``model`` is already DDP- or FSDP2-wrapped (a DTensor param not on the
-            TP mesh's ``"tp"`` axis), a dedicated TP param is not a 2-D ``Shard(0)`` /
-            ``Shard(1)`` matrix whose sharded dim the TP size divides
-            (``dmuon.placement.tp.check_model``), ``dedicate_params`` was already called on
-            it, a dedicated param has fewer than 2 dims, is frozen or not in the model,
+        ValueError: ``model`` is already DDP- or FSDP2-wrapped (a DTensor param not on a
+            sub-mesh of ``mesh``, or split on its data-parallel dims other than as a 3-D stack's
+            ``Shard(0)``), a dedicated DTensor is neither a matrix ``Shard(0)`` / ``Shard(1)`` on
+            one model-parallel dim nor a stack ``Shard(0)``, or its sharded dim is not a multiple
+            of the dims' size (``MeshLayout.check_model``), ``replicate_dim`` / ``shard_dims``
+            do not name distinct dims of ``mesh`` or the mesh's names need them, ``dedicate_params`` was already
+            called on it, a dedicated param has fewer than 2 dims, is frozen or not in the model,
             ``reshard_after_forward`` is not a bool, ``bucket_cap_mb`` is not a positive
             number, ``mp_policy`` is not ``None`` nor a mixed-precision policy (no
             ``param_dtype``, e.g. a bare ``torch.bfloat16``, or a dtype field that is not a
@@ -161,7 +178,7 @@ def dedicate_params(
             rest=rest, hierarchy=hierarchy, link=link)
         if isinstance(model, DistributedDataParallel):
             raise already_wrapped(model)
-        kind = layout_class(mesh)  # the mesh's kind: dmuon/placement/
+        kind = layout_for(mesh, replicate_dim, shard_dims)  # dmuon/placement/layout.py
         kind.check_model(model, mesh, set())  # a wrapped model, before anything reads it
         already = attach.dedicated_names(model)
         if already:

@@ -36,6 +36,7 @@ from dmuon.optim import groups as groups_mod
 from dmuon.optim.grad_guard import GradGuard
 from dmuon.optim.hparams import validate_adamw, validate_muon
 from dmuon.optim.muon_math import MUON_DEFAULTS
+from dmuon.placement.base import StepContext
 
 
 class DMuon(Optimizer):
@@ -390,10 +391,16 @@ class DMuon(Optimizer):
         for p in group["params"]:
             if id(p) in self._owned and p.grad is not None:
                 kinds[type(self.dedicated.placement_of(p))].append(p)
-        hparams = {k: group[k] for k in ("lr", "weight_decay", "momentum", "nesterov",
-                                         "ns_coefficients", "ns_steps", "eps", "adjust_lr_fn")}
+        dm = self.dedicated
+        ctx = StepContext(
+            hparams={k: group[k] for k in ("lr", "weight_decay", "momentum", "nesterov",
+                                           "ns_coefficients", "ns_steps", "eps", "adjust_lr_fn")},
+            momentum_of=self.momentum_of, matrix_shape=self.matrix_shape,
+            placement_of=dm.placement_of, launcher=self.launcher,
+            groups=dm.groups.model_parallel,
+            label=lambda p: (dm.unit_of(p), dm.block_of(p), dm.owner_of(p)))
         for kind, params in kinds.items():
-            self.ns_calls += kind.step(self, params, hparams)
+            self.ns_calls += kind.step(ctx, params)
 
     def _adamw_group(self, group: dict) -> None:
         params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []

@@ -64,8 +64,9 @@ class HeadLogitMax:
     Attributes:
         maxima: ``(n_heads,)`` float32, the running maxima since the last step (-inf where
             nothing was observed), or ``None`` before the first observation.
-        tp_index: set by :class:`QKClip`: the TP index whose heads a local q holds when it has
-            fewer than ``n_heads`` heads (its heads are ``tp_index·h_local`` …).
+        head_shard: set by :class:`QKClip`: which of the equal row shards of ``q_weight`` this
+            rank holds when it computes fewer than ``n_heads`` heads (its heads are
+            ``head_shard·h_local`` …; read from the weight's DTensor placements).
 
     Raises:
         ValueError: a count is not a positive int, ``n_heads`` is not a multiple of
@@ -95,7 +96,7 @@ class HeadLogitMax:
         self.q_row0, self.k_row0 = q_row0, k_row0
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
         self.maxima: torch.Tensor | None = None
-        self.tp_index = 0
+        self.head_shard = 0
 
     @torch.no_grad()
     def observe(self, max_logit: torch.Tensor) -> None:
@@ -116,7 +117,7 @@ class HeadLogitMax:
         if self.maxima is None:
             self.maxima = torch.full((self.n_heads,), -math.inf, dtype=torch.float32,
                                      device=max_logit.device)
-        lo = 0 if h == self.n_heads else self.tp_index * h
+        lo = 0 if h == self.n_heads else self.head_shard * h
         part = self.maxima[lo:lo + h]
         torch.maximum(part, max_logit.detach().to(part), out=part)
 
@@ -159,6 +160,21 @@ class HeadLogitMax:
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
+
+
+def row_shard_index(w: torch.Tensor) -> int:
+    """Which of the equal row shards of ``w`` this rank holds: 0 for a plain tensor; for a
+    DTensor, its index along the mesh dims whose placement splits dim 0 (row-major, as torch
+    splits them)."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    if not isinstance(w, DTensor):
+        return 0
+    index = 0
+    for dim, pl in enumerate(w.placements):
+        if isinstance(pl, Shard) and pl.dim % w.ndim == 0:
+            index = index * w.device_mesh.size(dim) + w.device_mesh.get_local_rank(dim)
+    return index
 
 
 @torch.no_grad()
@@ -229,7 +245,7 @@ class QKClip:
                         "optimizer's params. Build the layers from the model whose parameters() "
                         "went to DMuon (after fully_shard / parallelize_module, which replace "
                         "params): attention_layers(model) after wrapping.")
-            x.tp_index = dm.layout.index
+            x.head_shard = row_shard_index(x.q_weight)
         self.layers, self.tau, self.alpha, self.enabled = layers, float(tau), float(alpha), enabled
         self._dm = dm
         self._owned = {id(p) for p in dm.owned()}

@@ -129,9 +129,8 @@ def topology_from_mesh(mesh: DeviceMesh) -> Topology:
     if mesh.ndim not in (1, 2):
         raise ValueError(
             f"Invalid mesh with ndim={mesh.ndim} (shape {tuple(mesh.shape)}). Must be 1-D "
-            "(DDP, FSDP2) or 2-D ('replicate', 'shard') for HSDP; a mesh with a tensor-parallel "
-            "axis must name it 'tp' (('shard', 'tp') or ('replicate', 'shard', 'tp'): "
-            "dmuon/placement/tp.py)."
+            "(DDP, FSDP2) or 2-D ('replicate', 'shard') for HSDP; declare the data-parallel dims "
+            "of any other mesh (dedicate_params(..., replicate_dim=..., shard_dims=...))."
         )
     check_spans_world(mesh, "W = R * N", "init_device_mesh(device, (dist.get_world_size(),))")
     if mesh.ndim == 1:

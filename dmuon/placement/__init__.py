@@ -1,24 +1,16 @@
-"""Placements: one object per kind of dedicated param, and one per kind of mesh (``base.py``).
-
-:func:`layout_class` is the one place that looks at the mesh to pick a kind; everything after
-asks the objects it returns.
+"""Placements: one object per kind of dedicated param (``base.py``), read from its DTensor
+layout by the one mesh layout (``layout.py``) against the mesh's declared data-parallel dims
+(``dims.py``). :func:`layout_for` is the one place that looks at the mesh; everything after asks
+the objects it returns.
 """
 
 from __future__ import annotations
 
-from dmuon.placement.base import MeshLayout, Placement
-from dmuon.placement.dense import DataParallelMesh, Dense
-from dmuon.placement.ep import EPMesh, EPShard
-from dmuon.placement.tp import TPMesh, TPShard
+from dmuon.placement.base import Placement, StepContext
+from dmuon.placement.dense import Dense
+from dmuon.placement.layout import MeshLayout, already_wrapped, layout_for
+from dmuon.placement.matrix import MatrixShard
+from dmuon.placement.stack import StackShard
 
-#: Mesh kinds, asked in this order (the first whose ``matches`` holds); the last is the fallback.
-LAYOUTS: tuple[type[MeshLayout], ...] = (TPMesh, EPMesh, DataParallelMesh)
-
-
-def layout_class(mesh) -> type[MeshLayout]:
-    """The :class:`MeshLayout` kind of ``mesh`` (a ``DeviceMesh``, a process group or ``None``)."""
-    return next(cls for cls in LAYOUTS if cls.matches(mesh))
-
-
-__all__ = ["LAYOUTS", "DataParallelMesh", "Dense", "EPMesh", "EPShard", "MeshLayout", "Placement",
-           "TPMesh", "TPShard", "layout_class"]
+__all__ = ["Dense", "MatrixShard", "MeshLayout", "Placement", "StackShard", "StepContext",
+           "already_wrapped", "layout_for"]

@@ -78,8 +78,8 @@ stand-in stream objects (``tests/dmuon/test_collectives_streams.py``).
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -222,9 +222,11 @@ class DMuonGroups:
     reduce: dist.ProcessGroup
     replicate: dist.ProcessGroup | None
     world: dist.ProcessGroup
-    tp: dist.ProcessGroup | None = None  # TP meshes only: this rank's TP group (``tp.py``)
-    #: EP meshes only: the groups of this rank's expert column (``dmuon/placement/ep.py``)
-    column: DMuonGroups | None = None
+    #: model-parallel dim -> this rank's group along it (a sharded matrix's step: gather, scatter)
+    model_parallel: Mapping[str, dist.ProcessGroup] = field(default_factory=dict)
+    #: mesh key -> the groups of this rank's column of the params sharded on some data-parallel
+    #: dims (``dmuon/placement/layout.py``)
+    columns: Mapping[str, DMuonGroups] = field(default_factory=dict)
 
 
 def new_group(ranks: list[int]) -> dist.ProcessGroup:
@@ -277,12 +279,14 @@ def synchronize(device: torch.device) -> None:
 def destroy_groups(groups: DMuonGroups) -> None:
     """Destroy DMuon's groups of this rank (``dist.destroy_process_group``, which shuts each
     backend down: gloo's threads and sockets, NCCL's communicator). Every rank, the same
-    order (broadcast, reduce, replicate, world, tp, then an EP column's): NCCL's abort was a collective in some
-    versions, which is why torch shuts groups down in a fixed order too."""
+    order (broadcast, reduce, replicate, world, the model-parallel groups, then each column's):
+    NCCL's abort was a collective in some versions, which is why torch shuts groups down in a
+    fixed order too."""
     seen: list[dist.ProcessGroup] = []
-    column = groups.column
-    for g in (groups.broadcast, groups.reduce, groups.replicate, groups.world, groups.tp,
-              *((column.broadcast, column.reduce, column.replicate) if column else ())):
+    columns = [groups.columns[k] for k in sorted(groups.columns)]
+    for g in (groups.broadcast, groups.reduce, groups.replicate, groups.world,
+              *(groups.model_parallel[k] for k in sorted(groups.model_parallel)),
+              *(g for c in columns for g in (c.broadcast, c.reduce, c.replicate))):
         if g is not None and all(g is not s for s in seen):
             seen.append(g)
             dist.destroy_process_group(g)

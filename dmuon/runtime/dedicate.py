@@ -341,7 +341,7 @@ import torch.nn as nn
 from dmuon.options import ResolvedOptions
 from dmuon.runtime import attach, checkpoint, collectives
 from dmuon.ownership import buckets
-from dmuon.placement.base import MeshLayout
+from dmuon.placement.layout import MeshLayout
 from dmuon.runtime.hooks import Runtime, in_backward
 from dmuon.runtime.rest import ReplicatedRest, rest_of
 from dmuon.runtime.state import DdpCheck, Grads, TrainingState
@@ -801,7 +801,7 @@ class DedicatedParams:
         rt.check_groups()
         if rt.ddp_check in (DdpCheck.LOOKING, DdpCheck.SEEN):  # rest="wrapper", until it could tell
             rt.check_rest_averaged(rest_of(self._model, set(self.names)), self.topology.world_size,
-                                   self.layout.size)
+                                   self.layout.is_data_sharded)
         local = self.unreduced_param()
         if local is not None:
             raise RuntimeError(

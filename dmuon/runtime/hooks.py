@@ -268,12 +268,13 @@ class Runtime:
         checked against its table."""
         setattr(self, field, check(f"runtime {field}", getattr(self, field), new))
 
-    def check_rest_averaged(self, rest: list, dp_size: int, tp_size: int) -> None:
+    def check_rest_averaged(self, rest: list, dp_size: int, is_shard) -> None:
         """``rest="wrapper"``, at ``step()``: until it could tell once, whether something
         averages the rest's grads (``rest.warn_if_not_averaged``; warns, or raises its
-        RuntimeError for a DDP over other ranks)."""
+        RuntimeError for a DDP over other ranks); ``is_shard(p)``: whether a rest param is an
+        FSDP2 shard (``MeshLayout.is_data_sharded``)."""
         if self.ddp_check in (DdpCheck.LOOKING, DdpCheck.SEEN):
-            if warn_if_not_averaged(rest, self.ddp_size or False, dp_size, tp_size):
+            if warn_if_not_averaged(rest, self.ddp_size or False, dp_size, is_shard):
                 self._set("ddp_check", DdpCheck.DONE)
 
     def _enter(self, new: TrainingState) -> None:

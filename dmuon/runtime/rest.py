@@ -42,7 +42,6 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from dmuon import annotate
-from dmuon.placement.tp import TP_AXIS
 from dmuon.runtime import collectives, usage
 
 #: ``dedicate_params``' ``rest`` values.
@@ -108,12 +107,14 @@ def wrapper_defers_sync(model: nn.Module) -> bool:
 
 
 def warn_if_not_averaged(rest: list[tuple[str, nn.Parameter]], ddp_seen: int | bool, dp_size: int,
-                         tp_size: int = 1) -> bool:
+                         is_shard=None) -> bool:
     """``rest="wrapper"`` at a ``step()``: something must average the rest's grads over the
     data-parallel ranks, or each rank's AdamW steps on its own micro-batch and the ranks drift
     apart. Averaged: a forward ran inside DDP over all ``dp_size`` data-parallel ranks
     (``ddp_seen``: that DDP's group size, ``False`` if none ran), or every trainable param of the
-    rest with a grad is an FSDP2 shard (:func:`_fsdp_shard`). Otherwise a ``UserWarning`` names a
+    rest with a grad is an FSDP2 shard (``is_shard(p)``: the mesh layout's
+    ``MeshLayout.is_data_sharded``, a DTensor split over data-parallel ranks; default: any
+    DTensor). Otherwise a ``UserWarning`` names a
     param and the fixes (a warning, not an error: the user may average those grads by hand).
     Local, the same on every rank.
 
@@ -138,7 +139,8 @@ def warn_if_not_averaged(rest: list[tuple[str, nn.Parameter]], ddp_seen: int | b
     if dp_size < 2 or ddp_seen or not trainable:
         return True
     with_grad = [(n, p) for n, p in trainable if p.grad is not None]
-    bare = [n for n, p in with_grad if not _fsdp_shard(p, tp_size)]
+    is_shard = is_shard or (lambda p: isinstance(p, DTensor))
+    bare = [n for n, p in with_grad if not is_shard(p)]
     if bare:
         warnings.warn(
             f"DMuon: rest='wrapper' but nothing averages the grads of {bare[0]} (and "
@@ -151,19 +153,6 @@ def warn_if_not_averaged(rest: list[tuple[str, nn.Parameter]], ddp_seen: int | b
             stacklevel=5,
         )
     return bool(with_grad)
-
-
-def _fsdp_shard(p: torch.Tensor, tp_size: int) -> bool:
-    """Whether ``p`` is an FSDP2 shard: a DTensor whose mesh has a data-parallel dim (a dim
-    not named ``"tp"``: the shard axis alone, or shard × tp), or, on a mesh without dim names,
-    spans more than the ``tp_size`` ranks of one TP group. A TP-only DTensor (mesh ``("tp",)``)
-    is not, whatever N is (at N = T both meshes have T ranks: the size alone misjudged it)."""
-    if not isinstance(p, DTensor):
-        return False
-    names = p.device_mesh.mesh_dim_names
-    if names:
-        return any(n != TP_AXIS for n in names)
-    return p.device_mesh.size() > tp_size
 
 
 def check_dtypes(model: nn.Module, dedicated: set[str], param_dtype: torch.dtype) -> None:

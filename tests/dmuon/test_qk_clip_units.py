@@ -41,7 +41,7 @@ def test_maxima_match_a_per_head_loop_under_every_mask_form():
 
 def test_a_tp_shard_fills_its_own_heads_and_max_accumulates():
     site = _site()
-    site.tp_index = 1
+    site.head_shard = 1
     site.observe(torch.tensor([1.0, 2.0]))
     site.observe(torch.tensor([3.0, 0.5]))
     assert site.maxima.tolist() == [-math.inf, -math.inf, 3.0, 2.0]

@@ -25,9 +25,9 @@ FOREIGN_PRIVATE = {
     # transformers' config: the attention implementation in use (the adapter's only handle)
     "_attn_implementation": {"qk_clip_hf.py"},
     "_unsafe_preserve_version_counter": {"collectives.py"},  # aligned copy-out (as FSDP2 does)
-    # a TP DTensor's local shard, read in placement/tp.py (to_local() makes a new view of a
-    # Parameter's); residency.py re-points its .data, as FSDP2 re-points its sharded DTensors
-    "_local_tensor": {"tp.py"},
+    # a sharded DTensor's local shard, read in placement/stack.py (to_local() makes a new view of
+    # a Parameter's); residency.py re-points its .data, as FSDP2 re-points its sharded DTensors
+    "_local_tensor": {"stack.py"},
     "_apply": {"attach.py"},  # super()._apply in the move-following subclass
     "_reconstructor": {"attach.py"},  # copyreg: pickling as the original class
     "_set_params_and_buffers_to_ignore_for_model": {"attach.py"},  # DDP's ignore list

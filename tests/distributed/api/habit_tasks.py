@@ -144,7 +144,10 @@ def two_forwards_oracle() -> dict[str, torch.Tensor]:
 def tp_rest_warning() -> dict[str, int]:
     """N = T = 2 on 4 ranks: which rest params ``warn_if_not_averaged`` warns about (FSDP2
     shards on the shard axis, of the TP group's size, must not count)."""
+    from dmuon.placement import layout_for
+
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("shard", "tp"))
+    is_shard = layout_for(mesh).is_data_sharded  # what DedicatedParams passes
     counts = {}
     for kind in ("fsdp_shard", "tp_only", "plain"):
         torch.manual_seed(0)
@@ -157,7 +160,7 @@ def tp_rest_warning() -> dict[str, int]:
         p.grad = torch.zeros_like(p)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            warn_if_not_averaged([("embed_tokens.weight", p)], False, dp_size=2, tp_size=2)
+            warn_if_not_averaged([("embed_tokens.weight", p)], False, dp_size=2, is_shard=is_shard)
         counts[kind] = sum("nothing averages the grads" in str(w.message) for w in caught)
     return counts
 

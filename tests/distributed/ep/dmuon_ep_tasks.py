@@ -53,15 +53,17 @@ def train(mesh_name: str, z3: bool, steps: int = STEPS, plant: str | None = None
                              "'roll-experts'.")
         from unittest import mock
 
-        from dmuon.placement.ep import COLUMN, EPMesh
+        from dmuon.placement.layout import MeshLayout
 
-        original = EPMesh.extra_meshes
+        original = MeshLayout.extra_meshes
 
         def column_divisor(layout, groups):
-            topo, plan, grps, _ = original(layout, groups)[COLUMN]
-            return {COLUMN: (topo, plan, grps, topo.world_size)}
+            columns = original(layout, groups)
+            assert columns, "no column of expert stacks to plant the divisor in"
+            return {key: (topo, plan, grps, topo.world_size)
+                    for key, (topo, plan, grps, _) in columns.items()}
 
-        with mock.patch.object(EPMesh, "extra_meshes", column_divisor):
+        with mock.patch.object(MeshLayout, "extra_meshes", column_divisor):
             return train(mesh_name, z3, steps)
     shape, names = MESHES[mesh_name]
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)

@@ -255,7 +255,7 @@ def train(mode: str, steps: int, *, mp: bool = False, checkpoint_blocks: bool = 
     result = {"params": full_params(model, dm), "ns_calls": opt.ns_calls, "momentum": momentum,
               "losses": losses, "compute_dtypes": sorted(seen), "registered": registered,
               "momentum_dtypes": momentum_dtypes,
-              "tp_names": sorted(dm.layout.ns_rank), "dtensor": sorted(
+              "tp_names": sorted(dm.layout.ns_index), "dtensor": sorted(
                   n for n, p in zip(dm.names, dm.params) if isinstance(p, DTensor))}
     dm.close()
     return result

@@ -12,15 +12,17 @@ def measure_with_experts_on_dense_groups(mode: str, **config) -> dict:
     """``measure_mode`` with the expert stacks' buckets moved on the dense params' groups (the
     (R, N·E) mesh of all W ranks) instead of their EP column's: the same elements, another
     group, so every byte count per rank is unchanged and only the groups show it. Patches
-    ``EPMesh.extra_meshes`` where the runtime asks for the column's groups; fails loudly if
-    the runtime no longer has it."""
-    from dmuon.placement.ep import COLUMN, EPMesh
+    ``MeshLayout.extra_meshes`` where the runtime asks for the columns' groups; fails loudly if
+    the runtime no longer has it or there is no column."""
+    from dmuon.placement.layout import MeshLayout
 
-    original = EPMesh.extra_meshes
+    original = MeshLayout.extra_meshes
 
     def on_dense_groups(layout, groups):
-        topology, plan, _, divisor = original(layout, groups)[COLUMN]
-        return {COLUMN: (topology, plan, groups, divisor)}
+        columns = original(layout, groups)
+        assert columns, "no column of expert stacks to move onto the dense groups"
+        return {key: (topology, plan, groups, divisor)
+                for key, (topology, plan, _, divisor) in columns.items()}
 
-    with mock.patch.object(EPMesh, "extra_meshes", on_dense_groups):
+    with mock.patch.object(MeshLayout, "extra_meshes", on_dense_groups):
         return measure_mode(mode, **config)

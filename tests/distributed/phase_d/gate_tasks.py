@@ -71,7 +71,7 @@ def _replanned(plan_fn, owner_of):
 def mutation(name: str):
     """Plant regression ``name`` (one of the names below) in this process for the duration."""
     import dmuon.api as api
-    import dmuon.placement.dense as dense  # the runtime's planner call (DataParallelMesh.build)
+    import dmuon.placement.layout as dense  # the runtime's planner call (MeshLayout.build)
     import dmuon.runtime.collectives as coll
     import verify.run.modes as modes
     import verify.traffic.predict as predict

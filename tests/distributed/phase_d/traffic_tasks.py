@@ -66,15 +66,18 @@ def measure_with_shifted_ns_rank(mode: str, **config) -> dict:
     ``dmuon.api`` resolves; fails loudly if the runtime no longer has it."""
     from unittest import mock
 
-    from dmuon.placement import tp
+    import dataclasses
 
-    original = tp.plan_tp
+    from dmuon.placement import layout
 
-    def shifted(specs, mesh_shape, t, tp_names):
-        full, dp, ns_rank = original(specs, mesh_shape, t, tp_names)
-        return full, dp, {n: 0 for n in ns_rank}
+    original = layout.plan_layout
 
-    with mock.patch.object(tp, "plan_tp", shifted):
+    def shifted(dims, layouts, specs):
+        planned = original(dims, layouts, specs)
+        assert planned.ns_index, "no sharded matrix whose Newton-Schulz rank to shift"
+        return dataclasses.replace(planned, ns_index={n: 0 for n in planned.ns_index})
+
+    with mock.patch.object(layout, "plan_layout", shifted):
         return measure_mode(mode, **config)
 
 
