@@ -75,11 +75,33 @@ def oracle_run(steps: int, config: GPTConfig = SMALL, micro_batches: int = 1,
     return {"init": init, "steps": after, "final": after[-1] if after else init}
 
 
+#: An HSDP mesh named as torchtitan names it: its data-parallel dims must be declared.
+TITAN_HSDP = ("dp_replicate", "fsdp")
+
+
 def _mesh(kind: str):
     world = dist.get_world_size()
     if kind == "hsdp":
         return init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+    if kind == "titan-hsdp":
+        return init_device_mesh("cpu", (2, world // 2), mesh_dim_names=TITAN_HSDP)
     return init_device_mesh("cpu", (world,))
+
+
+def _mesh_of(mode: str):
+    """The mesh of ``mode``: ``titan-hsdp-*`` (:data:`TITAN_HSDP`), ``hsdp-*``, else 1-D."""
+    return _mesh(next((k for k in ("titan-hsdp", "hsdp") if mode.startswith(k)), "flat"))
+
+
+def declared(mesh, mode: str = "") -> dict:
+    """``dedicate_params``' declaration of a :data:`TITAN_HSDP` mesh's dims (nothing for the
+    default names). ``mode`` ending ``/undeclared``: the control, ``"dp_replicate"`` left out
+    (so a model-parallel dim: the grads are averaged over ``"fsdp"`` only, a wrong mean)."""
+    if tuple(mesh.mesh_dim_names or ()) != TITAN_HSDP:
+        return {}
+    if mode.endswith("/undeclared"):
+        return {"shard_dims": "fsdp"}
+    return {"replicate_dim": "dp_replicate", "shard_dims": ("fsdp",)}
 
 
 def dedicate(model, mesh, **kw):
@@ -89,13 +111,14 @@ def dedicate(model, mesh, **kw):
     that want flat ask for "auto")."""
     if mesh.ndim == 2:
         kw.setdefault("hierarchy", "hierarchical")
-    return dmuon.dedicate_params(model, mesh, **kw)
+    return dmuon.dedicate_params(model, mesh, **{**declared(mesh), **kw})
 
 
 def build(mode: str, config=SMALL, wrap: bool = True, opt_kw: dict | None = None, **dm_kw):
     """(model to call, bare model, dm, optimizer) for mode ddp / z2 / z3 / hsdp-z2 / hsdp-z3
-    (:func:`dedicate`); ``opt_kw``: more keyword arguments of ``dmuon.DMuon``."""
-    mesh = _mesh("hsdp" if mode.startswith("hsdp") else "flat")
+    (and titan-hsdp-*: :data:`TITAN_HSDP`; :func:`dedicate`); ``opt_kw``: more keyword
+    arguments of ``dmuon.DMuon``."""
+    mesh = _mesh_of(mode)
     model = make_model(config)
     reshard = mode.endswith("z3")
     dm = dedicate(model, mesh, reshard_after_forward=reshard, **dm_kw)
@@ -193,9 +216,10 @@ def dmuon_owner_grads(mode: str, config: GPTConfig = SMALL) -> dict[str, torch.T
     """One backward under DMuon; the dedicated grads this rank owns (after reduce-to-owner),
     and the names whose grad is None here (non-owners must have dropped theirs)."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    mesh = _mesh("hsdp" if mode.startswith("hsdp") else "flat")
+    mesh = _mesh_of(mode)
     model = make_model(config)
-    dm = dmuon.dedicate_params(model, mesh, reshard_after_forward=mode.endswith("z3"))
+    z3 = mode.removesuffix("/undeclared").endswith("z3")
+    dm = dmuon.dedicate_params(model, mesh, reshard_after_forward=z3, **declared(mesh, mode))
     wrapped = DistributedDataParallel(model) if mode == "ddp" else model
     x, y = corpus().global_batch(0, GLOBAL_BATCH, config.seq_len)
     _loss(wrapped, local_slice(x, rank, world), local_slice(y, rank, world)).backward()

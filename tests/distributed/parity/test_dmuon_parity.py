@@ -34,8 +34,9 @@ def oracle_run(tinygpt_oracle):
     return tinygpt_oracle
 
 
-@pytest.mark.parametrize("mode", FLAT_MODES + ("hsdp-z3",))
+@pytest.mark.parametrize("mode", FLAT_MODES + ("hsdp-z3", "titan-hsdp-z3"))
 def test_owner_receives_the_global_mean_gradient(pool4, mode):
+    """``titan-hsdp-z3``: HSDP on a mesh named ``("dp_replicate", "fsdp")``, its dims declared."""
     ref = T.oracle_grads()
     results = pool4.run(T.dmuon_owner_grads, mode)
     seen = {}
@@ -46,6 +47,22 @@ def test_owner_receives_the_global_mean_gradient(pool4, mode):
         torch.testing.assert_close(g, ref[name], rtol=GRAD_RTOL, atol=GRAD_ATOL)
     for rank, r in enumerate(results):  # non-owners dropped theirs
         assert set(r["dropped"]) | set(r["grads"]) == set(seen), rank
+
+
+def test_an_undeclared_data_parallel_dim_misses_the_global_mean(pool4):
+    """The control of the declared dims: ``("dp_replicate", "fsdp")`` with only ``"fsdp"``
+    declared makes ``"dp_replicate"`` a model-parallel dim, so the owners average over 2 of the 4
+    ranks: their grads must miss the oracle's (and ``dedicate_params`` warns that no param is
+    sharded on the undeclared dim)."""
+    import warnings
+
+    ref = T.oracle_grads()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        results = pool4.run(T.dmuon_owner_grads, "titan-hsdp-z3/undeclared")
+    misses = [name for r in results for name, g in r["grads"].items()
+              if not torch.allclose(g, ref[name], rtol=GRAD_RTOL, atol=GRAD_ATOL)]
+    assert misses
 
 
 @pytest.mark.parametrize("mode", FLAT_MODES)
@@ -85,6 +102,16 @@ def test_n4_all_modes_match_oracle_and_each_other(pool4, oracle_run):
         assert sum(r["ns_calls"] for r in results) == STEPS * n_matrices, mode
         holders = [n for r in results for n in r["momentum_on"]]
         assert len(holders) == len(set(holders)) == n_matrices, mode
+
+
+def test_declared_dims_train_bit_identically_to_the_default_names(pool4):
+    """HSDP on ``("dp_replicate", "fsdp")`` with its dims declared is the same job as on
+    ``("replicate", "shard")``: the same owners, groups and sums, so the same bits after 3 steps
+    (FSDP2 handles the rest on either mesh alike)."""
+    default = T.merge_owned(pool4.run(T.train_dmuon, "hsdp-z3", 3))
+    titan = T.merge_owned(pool4.run(T.train_dmuon, "titan-hsdp-z3", 3))
+    assert default.keys() == titan.keys()
+    assert all(torch.equal(default[n], titan[n]) for n in default)
 
 
 def test_repeated_runs_are_bit_identical(pool4):

@@ -67,8 +67,10 @@ def _check_run(results, init, ref, floor):
     assert sum(r["ns_calls"] for r in results) == STEPS * per_step
 
 
-@pytest.mark.parametrize("mode", ["z2", "z3", "hsdp-z2", "hsdp-z3"])
+@pytest.mark.parametrize("mode", ["z2", "z3", "hsdp-z2", "hsdp-z3", "titan-z3", "titan-hsdp-z2"])
 def test_tp_trains_like_single_process_muon_on_full_matrices(pool4, oracle, mode):
+    """``titan-``: the mesh ``("dp_shard", "tp")`` / ``("dp_replicate", "dp_shard", "tp")``, its
+    data-parallel dims declared (``shard_dims=``, ``replicate_dim=``)."""
     _check_run(pool4.run_with_timeout(TIMEOUT_S, T.train, mode, STEPS), *oracle)
 
 

@@ -105,14 +105,25 @@ def _oracle(steps: int, micro_batches: int, nudge: str | None, momentum: float) 
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def tp_mesh(kind: str, T: int = 2):
+def tp_mesh(kind: str, T: int = 2, titan: bool = False):
     """``"z"``: (W/T, T) named ("shard", "tp"); ``"hsdp"``: (2, W/(2T), T) named
-    ("replicate", "shard", "tp")."""
+    ("replicate", "shard", "tp"); ``titan``: the data-parallel dims named as torchtitan names
+    them, ``"dp_replicate"`` and ``"dp_shard"`` (declared to ``dedicate_params``:
+    :func:`declared_dims`)."""
     world = dist.get_world_size()
+    rep, shard = ("dp_replicate", "dp_shard") if titan else ("replicate", "shard")
     if kind == "hsdp":
-        return init_device_mesh("cpu", (2, world // (2 * T), T),
-                                mesh_dim_names=("replicate", "shard", "tp"))
-    return init_device_mesh("cpu", (world // T, T), mesh_dim_names=("shard", "tp"))
+        return init_device_mesh("cpu", (2, world // (2 * T), T), mesh_dim_names=(rep, shard, "tp"))
+    return init_device_mesh("cpu", (world // T, T), mesh_dim_names=(shard, "tp"))
+
+
+def declared_dims(mesh) -> dict:
+    """``dedicate_params``' declaration of ``mesh``'s data-parallel dims: nothing for the
+    default names; ``replicate_dim`` / ``shard_dims`` for torchtitan's."""
+    names = mesh.mesh_dim_names
+    if "dp_shard" not in names:
+        return {}
+    return {"shard_dims": ("dp_shard",), **({"replicate_dim": "dp_replicate"} if "dp_replicate" in names else {})}
 
 
 def parallelize(model: TPNet, mesh) -> None:
@@ -121,7 +132,9 @@ def parallelize(model: TPNet, mesh) -> None:
 
 
 def dp_mesh(mesh):
-    return mesh["replicate", "shard"] if "replicate" in mesh.mesh_dim_names else mesh["shard"]
+    """The data-parallel sub-mesh (every dim but "tp")."""
+    names = tuple(n for n in mesh.mesh_dim_names if n != "tp")
+    return mesh[names] if len(names) > 1 else mesh[names[0]]
 
 
 def dp_index(mesh) -> tuple[int, int]:
@@ -137,8 +150,12 @@ def build(mode: str, *, mp: bool = False, meta: bool = False, **dm_kw):
     on mesh["tp"], then dedicate_params on the whole mesh, then fully_shard on the
     data-parallel sub-mesh (torchtitan's order). ``meta``: built on the meta device,
     dedicated, then ``to_empty`` and :func:`make_model`'s values copied in (the user guide's
-    meta-device init; a TP model's DTensor params take ``swap_tensors`` in ``to_empty``)."""
-    mesh = tp_mesh("hsdp" if mode.startswith("hsdp") else "z")
+    meta-device init; a TP model's DTensor params take ``swap_tensors`` in ``to_empty``).
+    ``mode`` prefixed ``"titan-"``: the mesh named as torchtitan names it (:func:`tp_mesh`)."""
+    titan = mode.startswith("titan-")
+    mode = mode.removeprefix("titan-")
+    mesh = tp_mesh("hsdp" if mode.startswith("hsdp") else "z", titan=titan)
+    dm_kw = {**declared_dims(mesh), **dm_kw}
     if meta:
         with torch.device("meta"):
             model = TPNet()
