@@ -217,14 +217,18 @@ class MeshLayout:
 
     # ------------------------------------------------------------------ checks
     def check_options(self, mesh, *, hierarchy: str, rest: str) -> None:
-        """Refuse options this mesh cannot take (``ValueError``): ``rest="replicate"`` with
-        model-parallel dims (the rest holds their DTensors); ``hierarchy="flat"`` with model
-        parallel dims (checked again after :meth:`build` for params sharded on data dims)."""
-        if self.model_dims and rest == "replicate":
+        """Refuse options this mesh cannot take (``ValueError``): ``hierarchy="flat"`` with
+        model-parallel dims (and, in :meth:`check_model`, with params sharded on data dims);
+        ``rest="replicate"`` with model-parallel dims: the grad of a plain param of the rest is
+        whole on some model-parallel ranks and a partial sum on others (a norm inside a
+        tensor-parallel region sees its heads only), which DMuon's all_reduce cannot tell apart
+        (FSDP2 on DTensors can)."""
+        if rest == "replicate" and self.model_dims:
             raise ValueError(
-                f"Invalid rest='replicate' on a mesh with the model-parallel dims "
-                f"{self.model_dims!r}: the rest of such a model holds their DTensors, which DMuon "
-                "does not replicate. Use rest='wrapper' (fully_shard on the data-parallel dims).")
+                f"Invalid rest='replicate' on a mesh with the model-parallel axis "
+                f"{self.model_dims[0]!r}: the rest of such a model holds params whose grads are "
+                "partial sums over that axis (or its DTensors), which DMuon does not replicate. "
+                "Use rest='wrapper' (fully_shard on the data-parallel dims).")
         if hierarchy == "flat" and self.model_dims:
             raise self.flat_refused(self.model_dims[0])
         self._hierarchy = hierarchy

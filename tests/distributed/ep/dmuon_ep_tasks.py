@@ -20,19 +20,72 @@ from tests.distributed.parity.dmuon_tasks import ADAMW_LR, MUON_LR
 from tests.distributed.noise_floor import nudge_init_, oracle_threads
 from tests.distributed.parity.hf_tasks import _loss, batch, rolled_experts, run_oracle
 
-#: Mesh layouts: name -> (shape, dim names); W = prod(shape), EP last.
+#: Mesh layouts: name -> (shape, dim names); W = prod(shape), EP last but for a "tp" dim.
+#: ``dp_shard x ep x tp``: torchtitan's names, attention tensor parallel on "tp" (its q, k, v,
+#: o projections: :func:`parallelize_attention`), experts on "ep", the data-parallel dims
+#: declared (:data:`DECLARED`).
 MESHES = {"shard2xep2": ((2, 2), ("shard", "ep")), "ep4": ((1, 4), ("shard", "ep")),
-          "ep2": ((1, 2), ("shard", "ep")), "hsdp2x1xep2": ((2, 1, 2), ("replicate", "shard", "ep"))}
+          "ep2": ((1, 2), ("shard", "ep")), "hsdp2x1xep2": ((2, 1, 2), ("replicate", "shard", "ep")),
+          "dp_shard1xep2xtp2": ((1, 2, 2), ("dp_shard", "ep", "tp"))}
+#: ``dedicate_params``' declaration of a mesh's data-parallel dims where its names need one.
+DECLARED = {"dp_shard1xep2xtp2": {"shard_dims": ("dp_shard", "ep")}}
+
+
+def parallelize_attention(model, tp_mesh) -> None:
+    """Every attention of the Qwen3-MoE tensor parallel on ``tp_mesh``: q, k, v column-wise
+    (each rank its heads), o row-wise (torch's ``parallelize_module``)."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    for layer in model.model.layers:
+        parallelize_module(layer.self_attn, tp_mesh, {
+            "q_proj": ColwiseParallel(), "k_proj": ColwiseParallel(), "v_proj": ColwiseParallel(),
+            "o_proj": RowwiseParallel()})
+
+
+def data_rank(mesh) -> int:
+    """This rank's data-parallel index: its coordinates on every dim but "tp" (whose ranks see
+    the same batch), row-major."""
+    index = 0
+    for name, size, c in zip(mesh.mesh_dim_names, mesh.shape, mesh.get_coordinate()):
+        if name != "tp":
+            index = index * size + c
+    return index
+
+
+def _held(p, dm) -> torch.Tensor:
+    """What this rank holds of ``p``: a dedicated expert stack's local experts, any other DTensor
+    whole (a tensor-parallel matrix, an FSDP2 shard: ``full_tensor``, a collective over its
+    mesh, every rank in model order)."""
+    if hasattr(p, "device_mesh") and not (p in dm and p.device_mesh.mesh_dim_names == ("ep",)):
+        return p.full_tensor().detach().clone()
+    return (p.to_local() if hasattr(p, "to_local") else p).detach().clone()
+
+
 #: Steps compared: the second is the first that uses the momentum; the third already moves a
 #: one-ulp nudge of the oracle's init by a tenth of its displacement (``noise_floor``).
 STEPS = 2
 
 
-def oracle(world: int, steps: int = STEPS, nudge: str | None = None) -> dict:
+def oracle(world: int, steps: int = STEPS, nudge: str | None = None,
+           frozen_qk_norms: bool = False) -> dict:
     """The single-process run (module docstring; ``hf_tasks.run_oracle``); ``nudge``: one of
-    ``noise_floor.NUDGES``."""
+    ``noise_floor.NUDGES``; ``frozen_qk_norms``: as :func:`train` on a mesh with a "tp" dim
+    (:func:`freeze_qk_norms`)."""
     with oracle_threads(nudge):
-        return run_oracle(nudge_init_(tiny_qwen3_moe_ep(None), nudge), world, steps)
+        model = nudge_init_(tiny_qwen3_moe_ep(None), nudge)
+        if frozen_qk_norms:
+            freeze_qk_norms(model)
+        return run_oracle(model, world, steps)
+
+
+def freeze_qk_norms(model) -> None:
+    """Freeze the attentions' q / k norm weights. They are plain params inside the tensor-parallel
+    region (applied to each rank's heads), so their grads are partial sums over "tp", which no
+    data-parallel wrapper of plain params sums: a limit of this test model under TP (torchtitan's
+    models keep such weights as DTensors), not of DMuon, which never sees them."""
+    for layer in model.model.layers:
+        for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
+            norm.weight.requires_grad_(False)
 
 
 def train(mesh_name: str, z3: bool, steps: int = STEPS, plant: str | None = None) -> dict:
@@ -67,9 +120,19 @@ def train(mesh_name: str, z3: bool, steps: int = STEPS, plant: str | None = None
             return train(mesh_name, z3, steps)
     shape, names = MESHES[mesh_name]
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
-    rank = dist.get_rank()
+    rank = data_rank(mesh)
     model = tiny_qwen3_moe_ep(mesh["ep"])
-    dm = dmuon.dedicate_params(model, mesh, reshard_after_forward=z3, rest="replicate")
+    tp = "tp" in names
+    if tp:  # the rest under FSDP2 on the data-parallel ranks ("ep" here: dp_shard is 1)
+        freeze_qk_norms(model)
+        parallelize_attention(model, mesh["tp"])
+    dm = dmuon.dedicate_params(model, mesh, reshard_after_forward=z3,
+                               rest="wrapper" if tp else "replicate", **DECLARED.get(mesh_name, {}))
+    if tp:
+        from torch.distributed.fsdp import fully_shard
+
+        assert mesh["dp_shard"].size() == 1, "the rest's FSDP2 mesh is mesh['ep'] only then"
+        fully_shard(model, mesh=mesh["ep"], reshard_after_forward=z3, ignored_params=set(dm))
     opt = dmuon.DMuon(model.parameters(), dedicated=dm, lr=MUON_LR, adamw_lr=ADAMW_LR)
     norms, after = [], []
     for step in range(steps):
@@ -78,7 +141,7 @@ def train(mesh_name: str, z3: bool, steps: int = STEPS, plant: str | None = None
         opt.step()
         opt.zero_grad()
         dm.sync_params()
-        after.append({n: _local(p) for n, p in model.named_parameters()})
+        after.append({n: _held(p, dm) for n, p in model.named_parameters()})
     out = {"held": after[-1], "steps": after, "ep_rank": mesh.get_local_rank("ep"), "ep": mesh["ep"].size(),
            "ns_calls": opt.ns_calls, "dedicated": sorted(dm.names), "grad_norms": norms}
     dm.close()

@@ -101,6 +101,50 @@ def test_dmuon_ep_matches_single_process_muon(pool4, oracle4, mesh, z3):
     assert sum(r["ns_calls"] for r in results) == T.STEPS * _ns_per_step(oracle4["muon"], results[0])
 
 
+@pytest.fixture(scope="module")
+def oracle2():
+    """The oracle of the TP x EP test: 2 data-parallel batches, one step (below)."""
+    return T.oracle(2, 1, frozen_qk_norms=True)
+
+
+#: The attention projections the TP x EP mesh shards on "tp" (``T.parallelize_attention``).
+ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+@pytest.mark.parametrize("plant", [None, "roll-experts"], ids=["dmuon", "control-rolled-experts"])
+def test_tp_x_ep_on_torchtitan_dims_matches_single_process_muon(pool4, oracle2, plant):
+    """The usual MoE layout on ``("dp_shard", "ep", "tp")`` (1 x 2 x 2, the data-parallel dims
+    declared ``shard_dims=("dp_shard", "ep")``): attention tensor parallel on "tp", experts on
+    "ep", in one model; the rest under FSDP2 (q / k norms frozen on both sides:
+    ``T.freeze_qk_norms``). After one step every param (attention matrices gathered whole,
+    expert stacks per EP index) lands on the single-process oracle of the 2 data-parallel
+    batches (measured: within 1e-3 of its displacement) and the step's global grad norm on the
+    oracle's (the grads' scale, which Muon's update is blind to); the control (each expert
+    handed its neighbour's update) lands far. One step, not three: the tensor-parallel matmuls
+    sum in another order, and by step 3 Newton–Schulz in bfloat16 and the top-k routing have
+    grown those ulps to 1-11 % of the displacement on this machine (the oracle against itself
+    in another summation order does the same). Each attention matrix runs Newton–Schulz once
+    per step (on one "tp" rank), each other dense matrix and each expert once per "tp" column
+    (both are replicated over "tp")."""
+    steps = 1
+    results = pool4.run_with_timeout(TIMEOUT_S, T.train, "dp_shard1xep2xtp2", True, steps, plant)
+    if plant is not None:
+        assert _distance(results, oracle2) > 10 * RTOL
+        return
+    assert _distance(results, oracle2) <= RTOL
+    for res in results:
+        for got, want in zip(res["grad_norms"], oracle2["grad_norms"]):
+            assert abs(got - want) <= NORM_RTOL * want, (got, want)
+    muon = list(oracle2["muon"])
+    attention = [n for n in muon if n.rpartition(".")[0].rpartition(".")[2] in ATTENTION]
+    assert len(attention) == 4 * 2, muon  # q, k, v, o of 2 layers: all dedicated
+    experts = {n: v for n, v in results[0]["held"].items() if n.rpartition(".")[2] in EXPERT_STACKS}
+    other = [n for n in muon if n not in experts and n not in attention]
+    tp = 2  # every expert of a stack: its local experts on each of the 2 EP ranks, in each tp column
+    per_step = len(attention) + tp * len(other) + tp * sum(v.shape[0] * 2 for v in experts.values())
+    assert sum(r["ns_calls"] for r in results) == steps * per_step
+
+
 def _ns_per_step(muon_names: list[str], res: dict) -> int:
     """Newton–Schulz calls per step across the mesh if each expert and dense matrix is
     orthogonalized once: the dense matrices plus every expert of every stack."""
