@@ -444,7 +444,7 @@ def plan_ownership(
 
     ``initial_load``: an NS load already on each of the W owners (the cost unit above) that
     step 2 starts from (another kind's params planned first, e.g. expert stacks:
-    ``dmuon/placement/ep.py``); MULTIFIT (step 3) is then skipped, and the guarantee below is
+    ``dmuon/placement/layout.py``); MULTIFIT (step 3) is then skipped, and the guarantee below is
     LPT's on the combined load only in the usual sense of list scheduling with release loads.
 
     Raises:

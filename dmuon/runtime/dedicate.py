@@ -237,7 +237,7 @@ Outside the step:
   names DMuon added to DDP's ignore list and destroys DMuon's process groups (in a fixed
   order). The state becomes CLOSED; every later use of the handle raises.
 
-Tensor parallelism (``dmuon/placement/tp.py``, ``tp_step.py``). The mesh is ``("shard", "tp")``
+Tensor parallelism (``dmuon/placement/matrix.py``, ``layout.py``). The mesh is ``("shard", "tp")``
 (N × T) or ``("replicate", "shard", "tp")`` (R × N × T), W = R·N·T; rank ``(r, s, t)``. The
 model's blocks were parallelized on ``mesh["tp"]`` first (``parallelize_module``); a
 dedicated TP param is a 2-D DTensor ``Shard(d)``, d in {0, 1}, whose dim d T divides, and rank
@@ -283,7 +283,7 @@ a DTensor is replicated over TP.
   2-D or whose placement is not ``Shard(0)`` / ``Shard(1)`` (e.g. ``Replicate()``), or whose
   sharded dim T does not divide; a mesh whose names are not the two above.
 
-Expert parallelism (``dmuon/placement/ep.py``). The mesh is ``("shard", "ep")`` (N × E) or
+Expert parallelism (``dmuon/placement/stack.py``, ``layout.py``). The mesh is ``("shard", "ep")`` (N × E) or
 ``("replicate", "shard", "ep")`` (R × N × E), W = R·N·E; rank ``(r, s, e)`` = world rank
 ``(r·N + s)·E + e``. The model's expert stacks were sharded on ``mesh["ep"]`` first
 (``examples/ep_moe.py``: ``shard_experts``): a dedicated **expert stack** is a 3-D DTensor
@@ -363,8 +363,8 @@ class DedicatedParams:
         names: fully qualified names of the dedicated params, in model order.
         plan: the :class:`~dmuon.ownership.plan.OwnershipPlan` the runtime moves by (the
             data-parallel plan; every rank agreed on ``layout.agreed_plan``).
-        layout: the :class:`~dmuon.placement.base.MeshLayout` of the mesh (its kind, this
-            rank's index on a model-parallel axis); ``placements``: name -> the
+        layout: the :class:`~dmuon.placement.layout.MeshLayout` of the mesh (its data-parallel
+            and model-parallel dims, the columns); ``placements``: name -> the
             :class:`~dmuon.placement.base.Placement` of each dedicated param.
         topology: this rank's :class:`~dmuon.ownership.topology.Topology`.
         options: the :class:`~dmuon.options.ResolvedOptions` every part of the runtime reads:

@@ -1,4 +1,4 @@
-"""DMuon on an expert-parallel mesh (``dmuon/placement/ep.py``): rank tasks and the oracle.
+"""DMuon on an expert-parallel mesh (``dmuon/placement/stack.py``): rank tasks and the oracle.
 
 The model is ``examples.ep_moe.tiny_qwen3_moe_ep``: a tiny Qwen3-MoE whose sparse blocks are
 the reference EP layer, its expert stacks ``Shard(0)`` over ``mesh["ep"]``. The oracle is the
