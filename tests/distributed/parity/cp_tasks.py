@@ -83,3 +83,70 @@ def train(steps: int, z3: bool = True, declared: tuple[str, ...] = ("dp_shard", 
            "ns_calls": opt.ns_calls, "dedicated": sorted(dm.names)}
     dm.close()
     return out
+
+
+#: Layouts a checkpoint moves between: name -> (mesh shape, dim names, declared shard dims).
+LAYOUTS = {"dp2xcp2": ((DP, CP), ("dp_shard", "cp"), ("dp_shard", "cp")),
+           "dp4": ((DP * CP,), ("dp_shard",), None)}
+
+
+def checkpoint_run(layout: str, path: str, steps: range, load: bool) -> dict:
+    """On ``layout`` (Z3): a fresh model (seeded differently when ``load``: the load must
+    overwrite every value), loaded from the DCP checkpoint at ``path`` when ``load``
+    (``get_state_dict`` / ``dcp.load`` / ``set_state_dict``), the steps ``steps`` (batches of
+    those step numbers: on ``"dp4"`` each rank one whole row, on ``"dp2xcp2"`` its rows and its
+    half of every sequence), then saved to ``path`` unless ``load``. Returns every param and the
+    momentum of each param this rank owns, at the save or right after the load, and every param
+    at the end."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    shape, names, declared = LAYOUTS[layout]
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    cp = "cp" in names
+    d = mesh.get_local_rank("dp_shard")
+    c = mesh.get_local_rank("cp") if cp else 0
+    n_dp, n_cp = (DP, CP) if cp else (DP * CP, 1)
+    group = mesh["cp"].get_group() if cp else None
+    rows = slice(d * ROWS // n_dp, (d + 1) * ROWS // n_dp)
+    part = slice(c * SEQ // n_cp, (c + 1) * SEQ // n_cp)
+    if load:
+        torch.manual_seed(1)
+        model = CPDecoder(vocab=VOCAB, dim=32, layers=2, heads=4, max_len=SEQ)
+    else:
+        model = make_model()
+    dm = dmuon.dedicate_params(model, mesh, reshard_after_forward=True,
+                               **({"shard_dims": declared} if declared else {}))
+    opt = dmuon.DMuon(model.parameters(), dedicated=dm, lr=MUON_LR, adamw_lr=ADAMW_LR)
+    rest = [p for p in model.parameters() if p not in dm]
+
+    def state() -> dict:
+        dm.sync_params()
+        owned = {id(p) for p in dm.owned()}
+        return {"params": {n: p.detach().clone() for n, p in model.named_parameters()},
+                "momentum": {n: opt.state[p]["momentum_buffer"].clone()
+                             for n, p in zip(dm.names, dm.params) if id(p) in owned}}
+
+    out = {}
+    if load:
+        model_sd, optim_sd = get_state_dict(model, opt)
+        dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+        set_state_dict(model, opt, model_state_dict=model_sd, optim_state_dict=optim_sd)
+        out["loaded"] = state()
+    for step in steps:
+        ids, tgt = batch(step)
+        model.loss(ids[rows, part], tgt[rows, part], offset=part.start, cp_group=group).backward()
+        for p in rest:  # averaged over every rank by hand, as in train()
+            dist.all_reduce(p.grad)
+            p.grad.div_(dist.get_world_size())
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            opt.step()
+        opt.zero_grad()
+    if not load:
+        model_sd, optim_sd = get_state_dict(model, opt)
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+        out["saved"] = state()
+    out["final"] = state()["params"]
+    dm.close()
+    return out

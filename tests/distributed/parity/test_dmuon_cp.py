@@ -36,7 +36,7 @@ def _rel_err(got: dict, init: dict, ref: dict) -> float:
     return worst
 
 
-@pytest.mark.parametrize("z3", [False, True], ids=["z2", "z3"])
+@pytest.mark.parametrize("z3", [pytest.param(False, marks=pytest.mark.slow), True], ids=["z2", "z3"])
 def test_cp_trains_like_single_process_muon_on_whole_sequences(pool4, oracle, z3):
     init, ref = oracle
     results = pool4.run_with_timeout(TIMEOUT_S, T.train, STEPS, z3)
@@ -52,3 +52,33 @@ def test_control_cp_left_undeclared_misses_the_oracle(pool4, oracle):
     init, ref = oracle
     results = pool4.run_with_timeout(TIMEOUT_S, T.train, STEPS, True, ("dp_shard",))
     assert _rel_err(results[0]["params"], init, ref) > 3 * REL_TOL
+
+
+def _union(results: list[dict], key: str) -> dict:
+    """Every owner's momentum from the ranks' ``key`` states (each matrix on one owner)."""
+    out = {}
+    for r in results:
+        for n, t in r[key]["momentum"].items():
+            assert n not in out, n
+            out[n] = t
+    return out
+
+
+@pytest.mark.parametrize("saved, loaded", [("dp2xcp2", "dp4"),
+                                           pytest.param("dp4", "dp2xcp2", marks=pytest.mark.slow)])
+def test_dcp_resumes_across_a_change_of_layout(pool4, tmp_path, saved, loaded):
+    """DCP saved on one layout (dp_shard x cp, or a 1-D mesh of 4 data-parallel ranks) loads on
+    the other: every param and every owner's momentum equals what was saved, bit for bit (the
+    owners differ: momentum moves to the new ones), and the next step lands on the oracle's
+    third step (the bound above)."""
+    path = str(tmp_path / "ckpt")
+    before = pool4.run_with_timeout(TIMEOUT_S, T.checkpoint_run, saved, path, range(2), False)
+    after = pool4.run_with_timeout(TIMEOUT_S, T.checkpoint_run, loaded, path, range(2, 3), True)
+    for r in after:
+        for n, t in before[0]["saved"]["params"].items():
+            assert r["loaded"]["params"][n].equal(t), n
+    saved_m, loaded_m = _union(before, "saved"), _union(after, "loaded")
+    assert saved_m.keys() == loaded_m.keys() and len(saved_m) == 8
+    assert all(loaded_m[n].equal(t) for n, t in saved_m.items())
+    init, ref = T.make_model().state_dict(), T.oracle(3)
+    assert _rel_err(after[0]["final"], init, ref) <= REL_TOL
