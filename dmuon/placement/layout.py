@@ -3,7 +3,7 @@
 
 Each dedicated param's kind comes from the mesh dims its placements name:
 
-- a plain tensor (or one only ``Replicate`` nowhere: DMuon refuses those) is
+- a plain tensor is
   :class:`~dmuon.placement.dense.Dense`: data parallel over every data-parallel dim, stepped by
   its owner in every model-parallel column (counted in the norm in the first one only);
 - ``Shard(d)`` of a matrix dim (one of the last two) on a model-parallel dim is

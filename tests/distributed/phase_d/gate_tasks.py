@@ -70,7 +70,6 @@ def _replanned(plan_fn, owner_of):
 @contextlib.contextmanager
 def mutation(name: str):
     """Plant regression ``name`` (one of the names below) in this process for the duration."""
-    import dmuon.api as api
     import dmuon.placement.layout as dense  # the runtime's planner call (MeshLayout.build)
     import dmuon.runtime.collectives as coll
     import verify.run.modes as modes
@@ -93,13 +92,15 @@ def mutation(name: str):
             patch(dense, "plan_ownership", zero)
             patch(predict, "plan_ownership", zero)
         elif name == "coalesce_target":  # auto's target changed in the runtime, mirrored in the predictor
-            original = api.resolve_coalesce
+            import dmuon.options as options_mod  # where dedicate_params resolves coalesce
+
+            original = options_mod.resolve_coalesce
 
             def resolve(coalesce, backend):
                 c = original(coalesce, backend)
                 return Coalescing(CHANGED_AUTO_TARGET_BYTES, c.reduce_by_gather, c.flat_hsdp) \
                     if coalesce == "auto" else c
-            patch(api, "resolve_coalesce", resolve)
+            patch(options_mod, "resolve_coalesce", resolve)
             patch(predict, "DMUON_AUTO_COALESCE_BYTES",
                   {**predict.DMUON_AUTO_COALESCE_BYTES, "gloo": CHANGED_AUTO_TARGET_BYTES})
         # the aligned all_gather / reduce_scatter form (dmuon-z2[nccl+largest]):
