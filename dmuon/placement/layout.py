@@ -212,6 +212,18 @@ class MeshLayout:
         return not self.data_sharded
 
     @property
+    def size(self) -> int:
+        """How many ranks the dedicated params differ across by design: the product of the
+        model-parallel dims and of the data-parallel dims some param is sharded on (a mesh
+        ``("shard", "tp")``: T; ``("shard", "ep")`` with expert stacks: E); 1 for a
+        data-parallel job. ``runtime/start.py`` makes every rank start from the first rank's
+        values only where it is 1."""
+        if self.dims is None:
+            return 1
+        sharded = {d for lay in self.layouts.values() for d in lay.data}
+        return self.dims.size(self.dims.model) * self.dims.size(tuple(sorted(sharded)))
+
+    @property
     def divisor(self) -> int:
         return self.dims.replicate_size * self.dims.size(self.dims.shard)
 
