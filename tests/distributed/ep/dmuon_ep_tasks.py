@@ -75,7 +75,13 @@ def oracle(world: int, steps: int = STEPS, nudge: str | None = None,
         model = nudge_init_(tiny_qwen3_moe_ep(None), nudge)
         if frozen_qk_norms:
             freeze_qk_norms(model)
-        return run_oracle(model, world, steps)
+        run = run_oracle(model, world, steps)
+    frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
+    if frozen:  # nothing to compare (no displacement), as train() reports them
+        for key in ("init", "final"):
+            run[key] = {n: t for n, t in run[key].items() if n not in frozen}
+        run["steps"] = [{n: t for n, t in after.items() if n not in frozen} for after in run["steps"]]
+    return run
 
 
 def freeze_qk_norms(model) -> None:
@@ -141,7 +147,8 @@ def train(mesh_name: str, z3: bool, steps: int = STEPS, plant: str | None = None
         opt.step()
         opt.zero_grad()
         dm.sync_params()
-        after.append({n: _held(p, dm) for n, p in model.named_parameters()})
+        after.append({n: _held(p, dm) for n, p in model.named_parameters()
+                      if p.requires_grad})  # frozen ones do not move (freeze_qk_norms)
     out = {"held": after[-1], "steps": after, "ep_rank": mesh.get_local_rank("ep"), "ep": mesh["ep"].size(),
            "ns_calls": opt.ns_calls, "dedicated": sorted(dm.names), "grad_norms": norms}
     dm.close()
