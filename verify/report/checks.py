@@ -57,6 +57,12 @@ _LABELS: dict[str, tuple[str, str]] = {
        for s in SOURCES if s != "interposer"},
     "memory": ("DMuon's peak bytes per rank within the plan's bound",
                "DMuon's memory above the plan's bound"),
+    "numerics": ("losses and one step's updates equal the reference's within the noise floor",
+                 "numerics differ from the reference"),
+    "owner_grads": ("owners' grads and the clip norm equal the global mean's",
+                    "owner's grad differs from the global mean"),
+    "checkpoint": ("the step after a DCP save and load is bit-identical",
+                   "the step after a checkpoint load differs"),
     "baseline": ("figures equal the baseline", "figures differ from the baseline"),
     "error": ("no mode raised", "mode raised an error"),
 }
@@ -191,6 +197,106 @@ def _memory(run: Mapping) -> dict:
                                   f"prefetch_depth {mem['prefetch_depth']})")
 
 
+def _g(x: float | None) -> str:
+    return "non-finite" if x is None or not math.isfinite(x) else f"{x:.2e}"
+
+
+def _loss_text(x: float | None) -> str:
+    return "non-finite" if x is None else f"{x:.6f}"
+
+
+def _numerics(run: Mapping) -> dict:
+    num = run["numerics"]
+    safety = num["safety"]
+    bad, good = [], []
+    losses = num.get("losses") or {}
+    if losses.get("off"):
+        ref = losses["reference"]
+        bad += [f"loss at step {o['step']}: {_loss_text(o['loss'])} vs "
+                f"{ref} {o['reference']:.6f} (|Δ| {_g(o['diff'])} > {_g(o['tol'])} = {losses['safety']:g} × "
+                "the floor)" for o in losses["off"][:2]]
+    elif "off" in losses:
+        good.append(f"losses of {len(losses['floor'])} steps within {losses['safety']:g}× the floor of "
+                    f"{losses['reference']}'s (max |Δ| {_g(losses['max_diff'])}, floor at the last step "
+                    f"{_g(losses['floor'][-1])})")
+    elif "skipped" in losses:
+        good.append(f"losses not compared: {losses['skipped']}")
+    worst = 0.0
+    for u in num["updates"]:
+        tol = u["floor"] * safety
+        worst = max(worst, u["rel"] / tol if tol else math.inf)
+        if not u["pass"]:
+            if u["rel"] > tol:
+                bad.append(f"step {num['step']} update of {u['param']} ({u['kind']}) off the oracle's by "
+                           f"{u['rel']:.2%} of its norm (max |Δ| {_g(u['max_abs'])}; tol {tol:.2%} = "
+                           f"{safety:g} × the floor)")
+            if u["kind"] == "muon" and u["momentum_rel"] > u["momentum_floor"] * safety:
+                bad.append(f"step {num['step']} momentum of {u['param']} off the oracle's by "
+                           f"{u['momentum_rel']:.2%} of its norm (tol {u['momentum_floor'] * safety:.2e})")
+    if bad:
+        shown = "; ".join(bad[:MAX_OWNERS_SHOWN])
+        more = len(bad) - MAX_OWNERS_SHOWN
+        return _check("numerics", False, shown + (f"; and {more} more" if more > 0 else "")
+                      + " (docs/verify.md, 'Numerics')")
+    good.append(f"step {num['step']} updates of {len(num['updates'])} params on the oracle's "
+                f"(worst {worst:.2f}× the tolerance)")
+    return _check("numerics", True, "; ".join(good))
+
+
+def _owner_grads(run: Mapping) -> dict:
+    num = run["numerics"]
+    safety = num["safety"]
+    bad = []
+    for g in num["grads"]:
+        if not g["pass"]:
+            bad.append(f"grad of {g['param']} at its owner: {factor_text(g['ratio'], num['world'], num['mesh'])} (|Δ|/|mean| "
+                       f"{_g(g['rel'])} > {safety:g} × floor {_g(g['floor'])})")
+    clip = num["clip_norm"]
+    if not clip["pass"]:
+        ratio = clip["measured"] / clip["oracle"] if clip["oracle"] else math.inf
+        bad.append(f"clip_grad_norm_ {clip['measured']:.6g} vs the oracle's {clip['oracle']:.6g} "
+                   f"({ratio:.3f}×)")
+    if bad:
+        shown = "; ".join(bad[:MAX_OWNERS_SHOWN])
+        more = len(bad) - MAX_OWNERS_SHOWN
+        return _check("owner_grads", False, shown + (f"; and {more} more" if more > 0 else ""))
+    worst = max((g["rel"] / (safety * g["floor"]) for g in num["grads"]), default=0.0)
+    return _check("owner_grads", True, f"{len(num['grads'])} owners' grads at step {num['step']} on the "
+                                       f"global mean (worst {worst:.2f}× the tolerance); clip norm "
+                                       f"{clip['measured']:.6g} vs {clip['oracle']:.6g}")
+
+
+def factor_text(ratio: float, world: int, mesh: Sequence[int]) -> str:
+    """How an owner's grad compares with the global mean, by the factor ``ratio`` (its
+    projection on the mean over the mean's squared norm): ``2.000× the mean: divided by N=2,
+    not W=4`` where ``W / ratio`` is an integer other than W (named after a mesh axis ``(R,
+    N)`` of that size), else ``0.998× the mean``."""
+    text = f"{ratio:.3f}× the mean"
+    if ratio <= 0 or not math.isfinite(ratio):
+        return text
+    divisor = world / ratio
+    if abs(divisor - round(divisor)) < 1e-3 * max(1.0, divisor) and round(divisor) != world:
+        d = round(divisor)
+        names = [f"{axis}={size}" for axis, size in zip(("R", "N"), mesh) if size == d] or [str(d)]
+        text += f": divided by {names[-1]}, not W={world}"
+    return text
+
+
+def _checkpoint(run: Mapping) -> dict:
+    ck = run["checkpoint"]
+    if not ck["differ"]:
+        return _check("checkpoint", True, f"step {ck['step']} after DCP save and load into a fresh model "
+                                          f"and optimizer: {ck['compared']} tensors bit-identical "
+                                          "(owners' momentum included)")
+    parts = []
+    for d in ck["differ"][:2]:
+        names = d["names"]
+        parts.append(f"rank {d['rank']}: {', '.join(names[:3])}" + (f" and {len(names) - 3} more" if len(names) > 3 else ""))
+    return _check("checkpoint", False, f"step {ck['step']} after DCP save and load into a fresh model and "
+                                       f"optimizer is not bit-identical to the uninterrupted run's: "
+                                       + "; ".join(parts))
+
+
 def _closed_form(run: Mapping) -> dict:
     off = []
     for name, ph in run["phases"].items():
@@ -241,6 +347,10 @@ def run_checks(run: Mapping) -> list[dict]:
         out.append(_ns_balance(run))
     if run.get("memory") is not None:
         out.append(_memory(run))
+    if run.get("numerics") is not None:
+        out += [_numerics(run), _owner_grads(run)]
+    if run.get("checkpoint") is not None:
+        out.append(_checkpoint(run))
     if "loss_falls" in run:
         out.append(_loss(run))
     out += [_source(s, run["sources"][s]) for s in SOURCES
