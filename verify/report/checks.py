@@ -188,13 +188,44 @@ def _memory(run: Mapping) -> dict:
             if got > bound:
                 what = "grad buffers" if phase == "grads" else f"peak {phase}"
                 over.append(f"rank {r['rank']} {what} {_mb(got)} > bound {_mb(bound)} ({cause})")
+        over += _memory_below(r, mem["z3"])
     if over:
         shown = "; ".join(over[:MAX_OWNERS_SHOWN])
         more = len(over) - MAX_OWNERS_SHOWN
         return _check("memory", False, shown + (f"; and {more} more" if more > 0 else "")
                       + " (docs/verify.md, 'Memory')")
-    return _check("memory", True, f"every rank within the bound (at most {worst:.2f}× it; "
+    return _check("memory", True, f"every rank within the bound (at most {worst:.2f}× it) and at "
+                                  f"least what the plan holds (exact where it says so; "
                                   f"prefetch_depth {mem['prefetch_depth']})")
+
+
+def _memory_below(r: Mapping, z3: bool) -> list[str]:
+    """One rank's findings below the plan: a meter that reads 0 where the plan holds bytes, a
+    figure below the exact one or below the least the protocol needs (``MemoryBound``'s
+    ``floor_*`` and ``between_exact``; bounds of older reports have none: no finding)."""
+    b, m = r["bound"], r["measured"]
+    if "floor_peak_bytes" not in b:
+        return []
+    out = []
+    exact_between = b["between_exact"]
+    rows = [("forward", b["floor_peak_bytes"], not z3 and exact_between),
+            ("backward", b["floor_peak_bytes"], not z3 and exact_between),
+            ("between", b["between_bytes"] if exact_between else 0, exact_between),
+            ("grads", b["floor_grads_bytes"], False)]
+    for phase, want, exact in rows:
+        got = m[phase]
+        what = "grad buffers" if phase == "grads" else ("between steps" if phase == "between" else phase)
+        if want and got == 0:
+            out.append(f"rank {r['rank']} meter reads 0 B {what} where the plan holds {_mb(want)}")
+        elif exact and got < want:
+            why = "Z3: its held buckets" if z3 else "Z2: every copy resident"
+            out.append(f"rank {r['rank']} {what} {_mb(got)} < the plan's exact {_mb(want)} ({why}): "
+                       "freed what it should keep")
+        elif got < want:
+            why = ("held buffers, or the largest unit's" if phase == "grads"
+                   else "held buckets + the largest unit, whole while it runs")
+            out.append(f"rank {r['rank']} {what} {_mb(got)} < the least the plan needs {_mb(want)} ({why})")
+    return out
 
 
 def _g(x: float | None) -> str:
@@ -247,15 +278,16 @@ def _owner_grads(run: Mapping) -> dict:
     num = run["numerics"]
     safety = num["safety"]
     bad = []
-    for g in num["grads"]:
-        if not g["pass"]:
-            bad.append(f"grad of {g['param']} at its owner: {factor_text(g['ratio'], num['world'], num['mesh'])} (|Δ|/|mean| "
-                       f"{_g(g['rel'])} > {safety:g} × floor {_g(g['floor'])})")
     clip = num["clip_norm"]
     if not clip["pass"]:
         ratio = clip["measured"] / clip["oracle"] if clip["oracle"] else math.inf
         bad.append(f"clip_grad_norm_ {clip['measured']:.6g} vs the oracle's {clip['oracle']:.6g} "
                    f"({ratio:.3f}×)")
+    for g in num["grads"]:
+        if not g["pass"]:
+            bad.append(f"grad of {g['param']} at its owner: "
+                       f"{factor_text(g['ratio'], num['world'], num['mesh'])} (|Δ|/|mean| "
+                       f"{_g(g['rel'])} > {safety:g} × floor {_g(g['floor'])})")
     if bad:
         shown = "; ".join(bad[:MAX_OWNERS_SHOWN])
         more = len(bad) - MAX_OWNERS_SHOWN
@@ -331,6 +363,11 @@ def _loss(run: Mapping) -> dict:
 
 def _source(name: str, src: Mapping) -> dict:
     detail = f"matched {src['matched']}/{src['events']} events, {src['unmatched']} unmatched"
+    if src.get("ops_missing"):
+        detail += (f"; recorded no {', no '.join(src['ops_missing'])} where the prediction has "
+                   "them (every op kind must appear in every source)")
+    elif "op_counts" in src and src["pass"]:
+        detail += f"; every predicted op kind recorded ({', '.join(sorted(src['op_counts']))})"
     if not src["pass"] and src["mismatches"]:
         detail += f"; first: {src['mismatches'][0]}"
     return _check(f"source:{name}", src["pass"], detail)

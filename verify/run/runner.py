@@ -30,6 +30,7 @@ import os
 import shutil
 import sys
 import traceback
+from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -40,7 +41,7 @@ import torch.nn.functional as F
 import dmuon
 from dmuon.ownership.select import assign_params
 from tracer.backends import report_backend
-from tracer.crosscheck import crosscheck
+from tracer.crosscheck import crosscheck, profile_for
 from tracer.events import write_parquet
 from tracer.fr.parse import (
     dump_flight_recorder,
@@ -739,7 +740,32 @@ def _sources(run: dict, events: list, gathered: list[dict], steps: int) -> dict:
     if any(r["nccl"] is not None for r in gathered):
         sources["nccl_log"] = nccl_source_report(
             [r["nccl"] for r in gathered if r["nccl"] is not None], events, gathered[0]["layout"], steps)
+    recorded = {"flight_recorder": [ev for r in gathered for ev in (r["fr_events"] or ())],
+                "profiler": [ev for r in gathered for ev in (r.get("profiler_events") or ())]}
+    for name, src in sources.items():
+        if name in recorded:
+            _op_kinds(src, recorded[name], run.get("predicted_ops") or {},
+                      profile_for(name, report_backend(dist.get_backend())))
     return sources
+
+
+def _op_kinds(src: dict, source_events: list, predicted_ops: dict, profile) -> None:
+    """A source's ``op_counts`` (its own events per op over the window) and ``ops_missing``:
+    the op kinds the prediction has that it recorded none of, each as the source records it
+    (``profile``: ``tracer.crosscheck.SourceProfile``, e.g. gloo's Flight Recorder writes a
+    reduce_scatter as an all_reduce; an op it never records is not asked for); any fails the
+    source's check (a source that lost every event of a kind cannot pass)."""
+    counts = Counter(ev.op for ev in source_events)
+    src["op_counts"] = dict(sorted(counts.items()))
+    missing = []
+    for op in predicted_ops:
+        eq = profile.equivalence_for(op)
+        recorded_as = eq.other_op if eq is not None else op
+        if op not in profile.unobserved_ops and not counts.get(recorded_as):
+            missing.append(op if recorded_as == op else f"{op} (recorded as {recorded_as})")
+    src["ops_missing"] = missing
+    if missing:
+        src["pass"] = False
 
 
 def _replicate_overlap(gathered: list[dict]) -> list[dict]:
