@@ -120,6 +120,9 @@ class RunConfig:
         qk_clip_tau: ``--qk-clip``'s τ, or ``None``: the DMuon modes run MuonClip's QK-clip
             and their prediction has its ``qk_clip`` all_reduce (``verify.run.qk_clip``;
             built-in model, not with ``tp`` > 1).
+        numerics: after each mode's window, step P against the single-process oracle and a
+            DCP round trip (``verify.run.numerics``, ``verify.run.resume``; checks
+            ``numerics``, ``owner_grads``, ``checkpoint``); ``--no-numerics`` turns it off.
     """
 
     modes: tuple[str, ...] = MODES
@@ -143,6 +146,7 @@ class RunConfig:
     tp: int = 1
     qk_clip_tau: float | None = None
     ep: int = 1
+    numerics: bool = True
 
 
 def runnable_modes(config: RunConfig, world_size: int) -> list[str]:
@@ -431,6 +435,8 @@ def _after_window(mode: str, config: RunConfig, built, loss_fn, make_model, fres
     (``{"numerics", "checkpoint": {"step", "differ", "compared"}}``; ``verify.run.resume``).
     Other modes: ``{}``."""
     step = config.steps_warmup + config.steps_measured
+    if not config.numerics:
+        return {}
     if mode == numerics.REFERENCE_MODE and config.tp == 1 and config.ep == 1:
         return {"probe_loss": loss_step(built.model, built.optimizer, loss_fn, dist.get_rank(), step)}
     if numerics.applies(config, mode) is not None:

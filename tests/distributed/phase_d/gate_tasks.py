@@ -190,10 +190,11 @@ def mutation(name: str):
 
 
 def gate(out_dir: str, modes: tuple[str, ...], mutated: str = "none", warmup: int = 2,
-         measured: int = 2, coalesce: str = "auto") -> dict | None:
+         measured: int = 2, coalesce: str = "auto", numerics: bool = True) -> dict | None:
     """``run_all`` on ``modes`` (``warmup`` warm-up and ``measured`` measured steps, no
-    profiler: the gates under test read the interposer's events; DMuon's ``coalesce``) with
-    ``mutated`` planted: the report on rank 0."""
+    profiler: the gates under test read the interposer's events; DMuon's ``coalesce``; the
+    checks after the window where ``numerics``) with ``mutated`` planted: the report on rank 0."""
     with mutation(mutated):
         return run_all(RunConfig(modes=modes, steps_warmup=warmup, steps_measured=measured,
-                                 out_dir=out_dir, profiler=False, coalesce=coalesce))
+                                 out_dir=out_dir, profiler=False, coalesce=coalesce,
+                                 numerics=numerics))
