@@ -232,6 +232,11 @@ def _g(x: float | None) -> str:
     return "non-finite" if x is None or not math.isfinite(x) else f"{x:.2e}"
 
 
+def _share(x: float) -> str:
+    """A relative distance: ``40.00%``, or ``7.6e-06`` below 0.1%."""
+    return f"{x:.2%}" if x >= 1e-3 or not math.isfinite(x) else f"{x:.1e}"
+
+
 def _loss_text(x: float | None) -> str:
     return "non-finite" if x is None else f"{x:.6f}"
 
@@ -259,11 +264,11 @@ def _numerics(run: Mapping) -> dict:
         if not u["pass"]:
             if u["rel"] > tol:
                 bad.append(f"step {num['step']} update of {u['param']} ({u['kind']}) off the oracle's by "
-                           f"{u['rel']:.2%} of its norm (max |Δ| {_g(u['max_abs'])}; tol {tol:.2%} = "
+                           f"{_share(u['rel'])} of its norm (max |Δ| {_g(u['max_abs'])}; tol {_share(tol)} = "
                            f"{safety:g} × the floor)")
             if u["kind"] == "muon" and u["momentum_rel"] > u["momentum_floor"] * safety:
                 bad.append(f"step {num['step']} momentum of {u['param']} off the oracle's by "
-                           f"{u['momentum_rel']:.2%} of its norm (tol {u['momentum_floor'] * safety:.2e})")
+                           f"{_share(u['momentum_rel'])} of its norm (tol {_share(u['momentum_floor'] * safety)})")
     if bad:
         shown = "; ".join(bad[:MAX_OWNERS_SHOWN])
         more = len(bad) - MAX_OWNERS_SHOWN
