@@ -55,8 +55,8 @@ _LABELS: dict[str, tuple[str, str]] = {
     "loss": ("loss falls", "loss did not fall"),
     **{f"source:{s}": (f"{s} matches one to one", f"{s} trace does not match")
        for s in SOURCES if s != "interposer"},
-    "memory": ("DMuon's peak bytes per rank within the plan's bound",
-               "DMuon's memory above the plan's bound"),
+    "memory": ("DMuon's bytes per rank within the plan's bounds",
+               "DMuon's memory outside the plan's bounds"),
     "numerics": ("losses and one step's updates equal the reference's within the noise floor",
                  "numerics differ from the reference"),
     "owner_grads": ("owners' grads and the clip norm equal the global mean's",
@@ -222,7 +222,7 @@ def _memory_below(r: Mapping, z3: bool) -> list[str]:
             out.append(f"rank {r['rank']} {what} {_mb(got)} < the plan's exact {_mb(want)} ({why}): "
                        "freed what it should keep")
         elif got < want:
-            why = ("held buffers, or the largest unit's" if phase == "grads"
+            why = ("held buffers, or the largest bucket's" if phase == "grads"
                    else "held buckets + the largest unit, whole while it runs")
             out.append(f"rank {r['rank']} {what} {_mb(got)} < the least the plan needs {_mb(want)} ({why})")
     return out

@@ -31,7 +31,7 @@ with ``held grads + two units``, and from below: where the plan makes a figure e
 every copy resident in forward, backward and between steps; Z3 between steps: the held
 buckets) the measured one must equal it, and elsewhere reach the least the protocol needs
 (Z3: the held buckets plus the largest unit, whole while it runs; grads: the held buffers or
-the largest unit's). So a rank that frees what it should keep fails, and so does a meter
+the largest bucket's). So a rank that frees what it should keep fails, and so does a meter
 that reads 0 where bytes are held.
 """
 
@@ -68,7 +68,8 @@ class MemoryBound:
             (every copy resident: exact), under Z3 ``held_bytes`` plus the unit with the most
             non-held bytes (a unit is whole while it runs).
         floor_grads_bytes: what the grad buffers hold at least: ``grads_held_bytes``, or the
-            largest unit's buffer (every rank accumulates it) where that is more.
+            largest bucket's buffer (every rank accumulates it, one allocation) where that is
+            more.
         between_exact: ``between_bytes`` is exact (what a rank holds after a step: Z2 every
             copy, Z3 its held buckets), not a bound; ``False`` under mixed precision (the
             compute copies' lifetime is the wrapper's).
@@ -264,13 +265,13 @@ class _Buckets:
         mine = set(held)
         unit_copy = max((sum(self.copy[i] for i in range(lo, hi + 1) if i not in mine)
                          for lo, hi in self.units), default=0)
-        unit_grad = max((sum(self.grad[i] for i in range(lo, hi + 1)) for lo, hi in self.units), default=0)
+        one_buffer = max(self.grad, default=0)  # a bucket's flat buffer is one allocation
         return MemoryBound(rank=rank, held_bytes=held_bytes, non_held_bytes=non_held,
                            window_bytes=window, window_units=units, peak_bytes=held_bytes + window,
                            between_bytes=held_bytes if self.z3 else held_bytes + non_held,
                            grads_held_bytes=grads_held, grads_bytes=grads_held + two,
                            floor_peak_bytes=held_bytes + (unit_copy if self.z3 else non_held),
-                           floor_grads_bytes=max(grads_held, unit_grad), between_exact=self.exact)
+                           floor_grads_bytes=max(grads_held, one_buffer), between_exact=self.exact)
 
 
 def memory_report(layout: RunLayout, measured: Sequence[dict]) -> dict:
