@@ -80,12 +80,10 @@ def _replanned(plan_fn, owner_of):
 @contextlib.contextmanager
 def mutation(name: str):
     """Plant regression ``name`` (one of the names below) in this process for the duration."""
-    import dmuon.api as api
     import dmuon.placement.dense as dense  # the runtime's planner call (DataParallelMesh.build)
     import dmuon.runtime.collectives as coll
     import verify.run.modes as modes
     import verify.traffic.predict as predict
-    from dmuon.ownership.buckets import Coalescing
 
     with contextlib.ExitStack() as stack:
         patch = lambda *a, **k: stack.enter_context(mock.patch.object(*a, **k))  # noqa: E731
@@ -103,13 +101,17 @@ def mutation(name: str):
             patch(dense, "plan_ownership", zero)
             patch(predict, "plan_ownership", zero)
         elif name == "coalesce_target":  # auto's target changed in the runtime, mirrored in the predictor
-            original = api.resolve_coalesce
+            import dataclasses
+
+            import dmuon.options as options  # where dedicate_params' options resolve coalesce
+
+            original = options.resolve_coalesce
 
             def resolve(coalesce, backend):
                 c = original(coalesce, backend)
-                return Coalescing(CHANGED_AUTO_TARGET_BYTES, c.reduce_by_gather, c.flat_hsdp) \
+                return dataclasses.replace(c, target_bytes=CHANGED_AUTO_TARGET_BYTES) \
                     if coalesce == "auto" else c
-            patch(api, "resolve_coalesce", resolve)
+            patch(options, "resolve_coalesce", resolve)
             patch(predict, "DMUON_AUTO_COALESCE_BYTES",
                   {**predict.DMUON_AUTO_COALESCE_BYTES, "gloo": CHANGED_AUTO_TARGET_BYTES})
         # the aligned all_gather / reduce_scatter form (dmuon-z2[nccl+largest]):
@@ -165,7 +167,7 @@ def mutation(name: str):
             original = copies.Bucket.stepped
 
             def stepped(self):
-                if not self.is_holder and not self._frees:
+                if not self.is_holder and not self.options.reshard_after_forward:
                     self.free()  # VALID -> FREED; the next forward allocates and broadcasts
                 original(self)
             patch(copies.Bucket, "stepped", stepped)
