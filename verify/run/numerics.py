@@ -46,8 +46,9 @@ up to s (at least 2 fp32 epsilons of the loss).
 
 Where this does not run: TP and EP modes (their matrices are sharded; the probe is not
 written for them), mixed precision (the grads are reduced in the low dtype: another floor),
-``--model`` factories whose ``loss_fn`` does not take a bare model. Those runs carry no
-``numerics`` entry.
+QK-clip (it edits the params after the step), ``--model pkg.module:factory`` (its ``loss_fn``
+is written for the wrapped model; the built-in model and the presets run). Those runs carry no
+``numerics`` or ``checkpoint`` entry (:func:`applies`).
 """
 
 from __future__ import annotations
@@ -108,6 +109,8 @@ def applies(config, mode: str) -> str | None:
         return "mixed precision: grads are reduced in the low dtype (another noise floor)"
     if config.qk_clip_tau is not None:
         return "QK-clip edits the params after the step (the oracle runs Muon alone)"
+    if ":" in config.model:
+        return "a --model factory: the oracle would run its loss_fn on a bare model in one process"
     return None
 
 

@@ -461,6 +461,8 @@ def _after_window(mode: str, config: RunConfig, built, loss_fn, make_model, fres
                                 capture=False)
     fresh.dedicated.wait_pending()
     differ = resume.differing(resume.snapshot(fresh.model, fresh.optimizer, fresh.dedicated), expected)
+    if scope is None:  # nobody else releases the fresh mode's groups
+        fresh.dedicated.close()
     if again["loss"] != probe["loss"]:
         differ.insert(0, f"loss of step {step}")
     return {"numerics": probe, "checkpoint": {"step": step, "differ": differ, "compared": len(expected)}}
