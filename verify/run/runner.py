@@ -532,6 +532,9 @@ def run_all(config: RunConfig, progress=None, board: Board | None = None,
     validate_source(source, config.seed)  # on every rank, before any training collective
     tick = progress if (progress is not None and rank == 0) else (lambda n: None)
     board = board if board is not None else Board()
+    if nodes is not None and nodes["count"] > 1 and config.numerics:
+        # the DCP round trip reads one checkpoint folder on every rank: nodes may share none
+        config = dataclasses.replace(config, numerics=False)
     runs: list[dict] = []
     layouts: dict = {}  # rank 0: mode -> its RunLayout (the loss checks' Muon targets)
     errors: list[dict] = []
