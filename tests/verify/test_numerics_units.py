@@ -134,3 +134,24 @@ def test_a_source_without_an_op_kind_fails_naming_it():
     run = _run()
     run["sources"] = {"profiler": src}
     assert "recorded no broadcast where the prediction has them" in _check(run, "source:profiler")["detail"]
+
+
+def test_no_numerics_flag_and_the_baseline_ignores_it():
+    from verify.report.baseline import baseline_key
+    from verify.run.main import parse_args
+
+    assert parse_args(["--out-dir", "x", "--no-numerics"]).no_numerics
+    assert not parse_args(["--out-dir", "x"]).no_numerics
+    report = {"world_size": 4, "backend": "gloo", "model": "tinygpt", "torch_version": "2.13.0",
+              "config": {"modes": ["dmuon-z2"], "numerics": True}}
+    assert baseline_key(report) == baseline_key({**report, "config": {"modes": ["dmuon-z2"], "numerics": False}})
+
+
+def test_numerics_applies_to_whole_matrices_in_fp32_only():
+    from verify.run.runner import RunConfig
+
+    assert numerics.applies(RunConfig(), "dmuon-z2") is None
+    assert numerics.applies(RunConfig(), "ddp-muon") == "not a DMuon mode"
+    for config in (RunConfig(tp=2), RunConfig(ep=2), RunConfig(mixed_precision="bf16"),
+                   RunConfig(qk_clip_tau=0.05), RunConfig(model="pkg.mod:factory")):
+        assert numerics.applies(config, "dmuon-z2"), config
