@@ -282,6 +282,9 @@ def compare_run(
         missing=[_call_dict(k, n, module_of.get(k)) for k, n in sorted(missing.items(), key=str)],
         unexpected=[_call_dict(k, n, None) for k, n in sorted(unexpected.items(), key=str)],
         closed_form_matches=closed_ok,
+        # every op kind the prediction has, with its calls per step (all ranks): each trace
+        # source must record every one (verify.run.runner._sources)
+        predicted_ops=dict(sorted(Counter(e.op for e in predicted).items())),
     )
     hierarchy = dmuon_hierarchy(layout)
     if hierarchy is not None:  # DMuon on a 2-D mesh: flat or hierarchical

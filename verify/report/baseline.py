@@ -36,7 +36,7 @@ BASELINE_VERSION = 1
 #: The committed baseline of the default run.
 DEFAULT_BASELINE = Path(__file__).resolve().parents[1] / "baselines" / "default-w4-gloo.json"
 #: Report ``config`` entries that do not change a step's figures.
-_NOT_KEYED = ("out_dir", "profiler", "steps_warmup", "steps_measured", "device")
+_NOT_KEYED = ("out_dir", "profiler", "steps_warmup", "steps_measured", "device", "numerics")
 #: Step time: a ratio to the baseline outside [1/NOISE, NOISE] is reported as outside the band.
 STEP_TIME_NOISE = 3.0
 

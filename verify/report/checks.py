@@ -55,8 +55,14 @@ _LABELS: dict[str, tuple[str, str]] = {
     "loss": ("loss falls", "loss did not fall"),
     **{f"source:{s}": (f"{s} matches one to one", f"{s} trace does not match")
        for s in SOURCES if s != "interposer"},
-    "memory": ("DMuon's peak bytes per rank within the plan's bound",
-               "DMuon's memory above the plan's bound"),
+    "memory": ("DMuon's bytes per rank within the plan's bounds",
+               "DMuon's memory outside the plan's bounds"),
+    "numerics": ("losses and one step's updates equal the reference's within the noise floor",
+                 "numerics differ from the reference"),
+    "owner_grads": ("owners' grads and the clip norm equal the global mean's",
+                    "owner's grad differs from the global mean"),
+    "checkpoint": ("the step after a DCP save and load is bit-identical",
+                   "the step after a checkpoint load differs"),
     "baseline": ("figures equal the baseline", "figures differ from the baseline"),
     "error": ("no mode raised", "mode raised an error"),
 }
@@ -182,13 +188,150 @@ def _memory(run: Mapping) -> dict:
             if got > bound:
                 what = "grad buffers" if phase == "grads" else f"peak {phase}"
                 over.append(f"rank {r['rank']} {what} {_mb(got)} > bound {_mb(bound)} ({cause})")
+        over += _memory_below(r, mem["z3"])
     if over:
         shown = "; ".join(over[:MAX_OWNERS_SHOWN])
         more = len(over) - MAX_OWNERS_SHOWN
         return _check("memory", False, shown + (f"; and {more} more" if more > 0 else "")
                       + " (docs/verify.md, 'Memory')")
-    return _check("memory", True, f"every rank within the bound (at most {worst:.2f}× it; "
+    return _check("memory", True, f"every rank within the bound (at most {worst:.2f}× it) and at "
+                                  f"least what the plan holds (exact where it says so; "
                                   f"prefetch_depth {mem['prefetch_depth']})")
+
+
+def _memory_below(r: Mapping, z3: bool) -> list[str]:
+    """One rank's findings below the plan: a meter that reads 0 where the plan holds bytes, a
+    figure below the exact one or below the least the protocol needs (``MemoryBound``'s
+    ``floor_*`` and ``between_exact``; bounds of older reports have none: no finding)."""
+    b, m = r["bound"], r["measured"]
+    if "floor_peak_bytes" not in b:
+        return []
+    out = []
+    exact_between = b["between_exact"]
+    rows = [("forward", b["floor_peak_bytes"], not z3 and exact_between),
+            ("backward", b["floor_peak_bytes"], not z3 and exact_between),
+            ("between", b["between_bytes"] if exact_between else 0, exact_between),
+            ("grads", b["floor_grads_bytes"], False)]
+    for phase, want, exact in rows:
+        got = m[phase]
+        what = "grad buffers" if phase == "grads" else ("between steps" if phase == "between" else phase)
+        if want and got == 0:
+            out.append(f"rank {r['rank']} meter reads 0 B {what} where the plan holds {_mb(want)}")
+        elif exact and got < want:
+            why = "Z3: its held buckets" if z3 else "Z2: every copy resident"
+            out.append(f"rank {r['rank']} {what} {_mb(got)} < the plan's exact {_mb(want)} ({why}): "
+                       "freed what it should keep")
+        elif got < want:
+            why = ("held buffers, or the largest bucket's" if phase == "grads"
+                   else "held buckets + the largest unit, whole while it runs")
+            out.append(f"rank {r['rank']} {what} {_mb(got)} < the least the plan needs {_mb(want)} ({why})")
+    return out
+
+
+def _g(x: float | None) -> str:
+    return "non-finite" if x is None or not math.isfinite(x) else f"{x:.2e}"
+
+
+def _share(x: float) -> str:
+    """A relative distance: ``40.00%``, or ``7.6e-06`` below 0.1%."""
+    return f"{x:.2%}" if x >= 1e-3 or not math.isfinite(x) else f"{x:.1e}"
+
+
+def _loss_text(x: float | None) -> str:
+    return "non-finite" if x is None else f"{x:.6f}"
+
+
+def _numerics(run: Mapping) -> dict:
+    num = run["numerics"]
+    safety = num["safety"]
+    bad, good = [], []
+    losses = num.get("losses") or {}
+    if losses.get("off"):
+        ref = losses["reference"]
+        bad += [f"loss at step {o['step']}: {_loss_text(o['loss'])} vs "
+                f"{ref} {o['reference']:.6f} (|Δ| {_g(o['diff'])} > {_g(o['tol'])} = {losses['safety']:g} × "
+                "the floor)" for o in losses["off"][:2]]
+    elif "off" in losses:
+        good.append(f"losses of {len(losses['floor'])} steps within {losses['safety']:g}× the floor of "
+                    f"{losses['reference']}'s (max |Δ| {_g(losses['max_diff'])}, floor at the last step "
+                    f"{_g(losses['floor'][-1])})")
+    elif "skipped" in losses:
+        good.append(f"losses not compared: {losses['skipped']}")
+    worst = 0.0
+    for u in num["updates"]:
+        tol = u["floor"] * safety
+        worst = max(worst, u["rel"] / tol if tol else math.inf)
+        if not u["pass"]:
+            if u["rel"] > tol:
+                bad.append(f"step {num['step']} update of {u['param']} ({u['kind']}) off the oracle's by "
+                           f"{_share(u['rel'])} of its norm (max |Δ| {_g(u['max_abs'])}; tol {_share(tol)} = "
+                           f"{safety:g} × the floor)")
+            if u["kind"] == "muon" and u["momentum_rel"] > u["momentum_floor"] * safety:
+                bad.append(f"step {num['step']} momentum of {u['param']} off the oracle's by "
+                           f"{_share(u['momentum_rel'])} of its norm (tol {_share(u['momentum_floor'] * safety)})")
+    if bad:
+        shown = "; ".join(bad[:MAX_OWNERS_SHOWN])
+        more = len(bad) - MAX_OWNERS_SHOWN
+        return _check("numerics", False, shown + (f"; and {more} more" if more > 0 else "")
+                      + " (docs/verify.md, 'Numerics')")
+    good.append(f"step {num['step']} updates of {len(num['updates'])} params on the oracle's "
+                f"(worst {worst:.2f}× the tolerance)")
+    return _check("numerics", True, "; ".join(good))
+
+
+def _owner_grads(run: Mapping) -> dict:
+    num = run["numerics"]
+    safety = num["safety"]
+    bad = []
+    clip = num["clip_norm"]
+    if not clip["pass"]:
+        ratio = clip["measured"] / clip["oracle"] if clip["oracle"] else math.inf
+        bad.append(f"clip_grad_norm_ {clip['measured']:.6g} vs the oracle's {clip['oracle']:.6g} "
+                   f"({ratio:.3f}×)")
+    for g in num["grads"]:
+        if not g["pass"]:
+            bad.append(f"grad of {g['param']} at its owner: "
+                       f"{factor_text(g['ratio'], num['world'], num['mesh'])} (|Δ|/|mean| "
+                       f"{_g(g['rel'])} > {safety:g} × floor {_g(g['floor'])})")
+    if bad:
+        shown = "; ".join(bad[:MAX_OWNERS_SHOWN])
+        more = len(bad) - MAX_OWNERS_SHOWN
+        return _check("owner_grads", False, shown + (f"; and {more} more" if more > 0 else ""))
+    worst = max((g["rel"] / (safety * g["floor"]) for g in num["grads"]), default=0.0)
+    return _check("owner_grads", True, f"{len(num['grads'])} owners' grads at step {num['step']} on the "
+                                       f"global mean (worst {worst:.2f}× the tolerance); clip norm "
+                                       f"{clip['measured']:.6g} vs {clip['oracle']:.6g}")
+
+
+def factor_text(ratio: float, world: int, mesh: Sequence[int]) -> str:
+    """How an owner's grad compares with the global mean, by the factor ``ratio`` (its
+    projection on the mean over the mean's squared norm): ``2.000× the mean: divided by N=2,
+    not W=4`` where ``W / ratio`` is an integer other than W (named after a mesh axis ``(R,
+    N)`` of that size), else ``0.998× the mean``."""
+    text = f"{ratio:.3f}× the mean"
+    if ratio <= 0 or not math.isfinite(ratio):
+        return text
+    divisor = world / ratio
+    if abs(divisor - round(divisor)) < 1e-3 * max(1.0, divisor) and round(divisor) != world:
+        d = round(divisor)
+        names = [f"{axis}={size}" for axis, size in zip(("R", "N"), mesh) if size == d] or [str(d)]
+        text += f": divided by {names[-1]}, not W={world}"
+    return text
+
+
+def _checkpoint(run: Mapping) -> dict:
+    ck = run["checkpoint"]
+    if not ck["differ"]:
+        return _check("checkpoint", True, f"step {ck['step']} after DCP save and load into a fresh model "
+                                          f"and optimizer: {ck['compared']} tensors bit-identical "
+                                          "(owners' momentum included)")
+    parts = []
+    for d in ck["differ"][:2]:
+        names = d["names"]
+        parts.append(f"rank {d['rank']}: {', '.join(names[:3])}" + (f" and {len(names) - 3} more" if len(names) > 3 else ""))
+    return _check("checkpoint", False, f"step {ck['step']} after DCP save and load into a fresh model and "
+                                       f"optimizer is not bit-identical to the uninterrupted run's: "
+                                       + "; ".join(parts))
 
 
 def _closed_form(run: Mapping) -> dict:
@@ -225,6 +368,11 @@ def _loss(run: Mapping) -> dict:
 
 def _source(name: str, src: Mapping) -> dict:
     detail = f"matched {src['matched']}/{src['events']} events, {src['unmatched']} unmatched"
+    if src.get("ops_missing"):
+        detail += (f"; recorded no {', no '.join(src['ops_missing'])} where the prediction has "
+                   "them (every op kind must appear in every source)")
+    elif "op_counts" in src and src["pass"]:
+        detail += f"; every predicted op kind recorded ({', '.join(sorted(src['op_counts']))})"
     if not src["pass"] and src["mismatches"]:
         detail += f"; first: {src['mismatches'][0]}"
     return _check(f"source:{name}", src["pass"], detail)
@@ -241,6 +389,10 @@ def run_checks(run: Mapping) -> list[dict]:
         out.append(_ns_balance(run))
     if run.get("memory") is not None:
         out.append(_memory(run))
+    if run.get("numerics") is not None:
+        out += [_numerics(run), _owner_grads(run)]
+    if run.get("checkpoint") is not None:
+        out.append(_checkpoint(run))
     if "loss_falls" in run:
         out.append(_loss(run))
     out += [_source(s, run["sources"][s]) for s in SOURCES

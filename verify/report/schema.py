@@ -138,11 +138,15 @@ PARAM_KEYS: dict[str, tuple] = {
 #: verify.report.checks; derived from the figures where absent) and ``loss_falls`` (the run is
 #: gated on its loss); ``memory`` (DMuon modes: measured peak bytes per rank against the
 #: predicted bound, verify.traffic.memory.memory_report); ``qk_clip`` (``--qk-clip``: the phase's bytes in a DMuon run, or
-#: ``{"applies": false, "reason"}`` in a baseline; verify.run.qk_clip).
+#: ``{"applies": false, "reason"}`` in a baseline; verify.run.qk_clip); ``losses`` (every
+#: step's loss, mean over ranks, step P's included where it ran), ``numerics`` and
+#: ``checkpoint`` (probed DMuon modes: the oracle's step P and the DCP round trip,
+#: verify.run.numerics, verify.run.resume).
 OPTIONAL_RUN_KEYS: dict[str, tuple] = {"tp_size": (int,), "ep_size": (int,), "wire": (dict,), "bytes": (dict,),
                                        "timing": (dict,), "checks": (list,), "loss_falls": (bool,),
                                        "hierarchy": (str,), "qk_clip": (dict,),
-                                       "memory": (dict,)}
+                                       "memory": (dict,), "losses": (list,), "numerics": (dict,),
+                                       "checkpoint": (dict,)}
 #: ``run["hierarchy"]``: how a DMuon run on a 2-D mesh moved its dedicated params
 #: (``verify.traffic.predict.dmuon_hierarchy``; absent on 1-D meshes, other modes and older
 #: reports, which all ran hierarchical; docs/traffic-model.md, "HSDP: flat or hierarchical").

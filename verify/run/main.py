@@ -106,6 +106,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="write this run's gated figures to FILE when it passes")
     parser.add_argument("--no-baseline", action="store_true",
                         help="do not compare with the committed default baseline")
+    parser.add_argument("--no-numerics", action="store_true",
+                        help="skip the checks after each DMuon mode's window: one step against a "
+                             "single-process torch oracle, owners' grads, losses against the "
+                             "reference, a DCP checkpoint round trip (docs/verify.md, 'Numerics')")
     args = parser.parse_args(argv)
     if args.baseline is not None and not Path(args.baseline).is_file():
         parser.error(f"Invalid --baseline {args.baseline}: no such file. Must be a file written "
@@ -214,6 +218,7 @@ def main(argv: list[str] | None = None) -> int:
         tp=args.tp,
         qk_clip_tau=args.qk_clip,
         ep=args.ep,
+        numerics=not args.no_numerics,
     )
     rank = dist.get_rank()
     modes = runnable_modes(config, dist.get_world_size())

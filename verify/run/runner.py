@@ -27,8 +27,10 @@ import dataclasses
 import json
 import math
 import os
+import shutil
 import sys
 import traceback
+from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -39,7 +41,7 @@ import torch.nn.functional as F
 import dmuon
 from dmuon.ownership.select import assign_params
 from tracer.backends import report_backend
-from tracer.crosscheck import crosscheck
+from tracer.crosscheck import crosscheck, profile_for
 from tracer.events import write_parquet
 from tracer.fr.parse import (
     dump_flight_recorder,
@@ -67,6 +69,7 @@ from verify.report.checks import failures_of_runs, run_checks
 from verify.report.render import load_plots
 from verify.run.figures import add_figures, interposer_source, params_report
 from verify.run.memory_meter import MemoryMeter
+from verify.run import numerics, resume
 from verify.run.steptime import StepTime, sample
 from verify.run.qk_clip import clipped_heads, not_run_entry as qk_clip_not_run, run_entry as qk_clip_run_entry
 from verify.traffic.formulas import MODES
@@ -117,6 +120,9 @@ class RunConfig:
         qk_clip_tau: ``--qk-clip``'s τ, or ``None``: the DMuon modes run MuonClip's QK-clip
             and their prediction has its ``qk_clip`` all_reduce (``verify.run.qk_clip``;
             built-in model, not with ``tp`` > 1).
+        numerics: after each mode's window, step P against the single-process oracle and a
+            DCP round trip (``verify.run.numerics``, ``verify.run.resume``; checks
+            ``numerics``, ``owner_grads``, ``checkpoint``); ``--no-numerics`` turns it off.
     """
 
     modes: tuple[str, ...] = MODES
@@ -140,6 +146,7 @@ class RunConfig:
     tp: int = 1
     qk_clip_tau: float | None = None
     ep: int = 1
+    numerics: bool = True
 
 
 def runnable_modes(config: RunConfig, world_size: int) -> list[str]:
@@ -388,6 +395,7 @@ def _train_mode(mode: str, config: RunConfig, corpus: ByteCorpus, progress,
         if meter is not None:
             meter.close()
     recorded = window.close()
+    ns_window = opt.ns_calls - ns_before
     layout = dataclasses.replace(built.layout, module_calls=recorder.call_counts())
     if routing is not None:  # every rank's routing of the window (a collective, after it)
         routing.close()
@@ -395,6 +403,7 @@ def _train_mode(mode: str, config: RunConfig, corpus: ByteCorpus, progress,
     if built.dedicated is not None:
         built.dedicated.wait_pending()
         layout = dataclasses.replace(layout, dmuon_block_order=recorder.agreed())
+    after = _after_window(mode, config, built, loss_fn, make_model, lambda: made[-1][1], scope, out)
     events = window.interposer.events
     write_parquet(events, out / f"events_rank{rank}.parquet")
     if rank == 0:
@@ -406,13 +415,57 @@ def _train_mode(mode: str, config: RunConfig, corpus: ByteCorpus, progress,
         "step_bounds_ns": step_bounds,
         "step_times": step_times,
         **recorded,
-        "ns_calls": opt.ns_calls - ns_before,
+        "ns_calls": ns_window,
         "layout": layout,
         "plan_digest": built.dedicated.plan.digest() if built.dedicated else None,
         "memory": None if meter is None else {**meter.result(),
                                               "prefetch_depth": built.dedicated.prefetch_depth},
         "qk_clip_clipped": clipped,
+        **after,
     }
+
+
+def _after_window(mode: str, config: RunConfig, built, loss_fn, make_model, fresh_loss_fn,
+                  scope: ModeScope | None, out: Path) -> dict:
+    """Outside the measured window, one more step ``P`` (= warm-up + measured steps), on every
+    rank. The reference mode: its loss (``{"probe_loss"}``). A DMuon mode the numerics probe
+    applies to (``verify.run.numerics.applies``): save a DCP checkpoint, run step P recording
+    what the oracle needs (``verify.run.numerics.probe_step``), then build the mode afresh, load
+    the checkpoint, run step P again and list what is not bit-identical
+    (``{"numerics", "checkpoint": {"step", "differ", "compared"}}``; ``verify.run.resume``).
+    Other modes: ``{}``."""
+    step = config.steps_warmup + config.steps_measured
+    if not config.numerics:
+        return {}
+    if mode == numerics.REFERENCE_MODE and config.tp == 1 and config.ep == 1:
+        return {"probe_loss": loss_step(built.model, built.optimizer, loss_fn, dist.get_rank(), step)}
+    if numerics.applies(config, mode) is not None:
+        return {}
+    path = out / "checkpoint"
+    resume.save(built.model, built.optimizer, path)
+    probe = numerics.probe_step(built.model, built.optimizer, built.dedicated, loss_fn, step)
+    expected = resume.snapshot(built.model, built.optimizer, built.dedicated)
+    built.dedicated.wait_pending()
+    fresh = build(mode, make_model, config.device, config.mixed_precision, config.coalesce,
+                  config.rest, config.hierarchy, qk_clip_tau=config.qk_clip_tau)
+    if scope is not None:
+        scope.adopt(fresh.dedicated)
+    if isinstance(fresh.model, torch.nn.parallel.DistributedDataParallel):
+        # DDP reduces its first backward in the params' order and later ones in the order
+        # recorded then (its bucket rebuild): over gloo's ring at W > 2 that rounds the rest's
+        # grads differently. One backward without a step (the load overwrites what it leaves)
+        # puts the fresh DDP where the uninterrupted one is.
+        resume.warm_up(fresh.model, fresh.optimizer, fresh_loss_fn(), step)
+    resume.load(fresh.model, fresh.optimizer, path)
+    again = numerics.probe_step(fresh.model, fresh.optimizer, fresh.dedicated, fresh_loss_fn(), step,
+                                capture=False)
+    fresh.dedicated.wait_pending()
+    differ = resume.differing(resume.snapshot(fresh.model, fresh.optimizer, fresh.dedicated), expected)
+    if scope is None:  # nobody else releases the fresh mode's groups
+        fresh.dedicated.close()
+    if again["loss"] != probe["loss"]:
+        differ.insert(0, f"loss of step {step}")
+    return {"numerics": probe, "checkpoint": {"step": step, "differ": differ, "compared": len(expected)}}
 
 
 def _sync(device: str) -> None:
@@ -479,7 +532,11 @@ def run_all(config: RunConfig, progress=None, board: Board | None = None,
     validate_source(source, config.seed)  # on every rank, before any training collective
     tick = progress if (progress is not None and rank == 0) else (lambda n: None)
     board = board if board is not None else Board()
+    if nodes is not None and nodes["count"] > 1 and config.numerics:
+        # the DCP round trip reads one checkpoint folder on every rank: nodes may share none
+        config = dataclasses.replace(config, numerics=False)
     runs: list[dict] = []
+    layouts: dict = {}  # rank 0: mode -> its RunLayout (the loss checks' Muon targets)
     errors: list[dict] = []
     reporter = rank == 0  # where the run stops: the rank that claimed the report
     for i, mode in enumerate(modes):
@@ -527,6 +584,7 @@ def run_all(config: RunConfig, progress=None, board: Board | None = None,
             continue
         try:
             runs.append(_assemble_run(mode, config, source, gathered))
+            layouts[mode] = gathered[0]["layout"]
             if nodes is not None and nodes["count"] > 1:
                 runs[-1]["nodes"] = node_traffic(
                     [ev for r in gathered for ev in r["events"]], nodes["of_rank"],
@@ -536,6 +594,11 @@ def run_all(config: RunConfig, progress=None, board: Board | None = None,
                                          "comparing (rank 0)"))
     if rank != 0 and not reporter:
         return None
+    try:  # every probed mode's losses against the reference's (verify.run.numerics)
+        _loss_checks(runs, config, source, world, layouts)
+    except Exception as exc:
+        errors.append(_error_failure("numerics", {0: _record_error(config, "numerics", exc)},
+                                     "comparing the losses (rank 0)"))
     failures = failures_of_runs(runs) + errors
     report = {
         "pass": not failures,
@@ -554,6 +617,22 @@ def run_all(config: RunConfig, progress=None, board: Board | None = None,
     if board.stopped is not None:
         report["stopped"] = stopped_report(board.stopped, modes[modes.index(board.stopped.mode) + 1:])
     return report
+
+
+def _loss_checks(runs: list[dict], config: RunConfig, source: ModelSource, world: int,
+                 layouts: dict) -> None:
+    """Rank 0: ``numerics["losses"]`` of every probed run (``verify.run.numerics.add_loss_checks``,
+    on the Muon targets of the default selection), then its checks and ``pass`` again."""
+    from verify.run.modes import ADAMW_LR, MUON_LR, muon_names
+
+    torch.manual_seed(config.seed)
+    targets = muon_names(source.factory()[0])
+    numerics.add_loss_checks(runs, source, config, world, layouts, targets=targets,
+                             muon_lr=MUON_LR, adamw_lr=ADAMW_LR)
+    for run in runs:
+        if run.get("numerics") is not None:
+            run["checks"] = run_checks(run)
+            run["pass"] = all(c["pass"] for c in run["checks"])
 
 
 def _skipped(config: RunConfig, world: int) -> dict[str, str]:
@@ -589,6 +668,19 @@ def _assemble_run(mode: str, config: RunConfig, source: ModelSource, gathered: l
     )
     losses = [sum(r["losses"][i] for r in gathered) / world for i in range(len(gathered[0]["losses"]))]
     run["loss_first"], run["loss_last"] = _finite(losses[0]), _finite(losses[-1])
+    probe_losses = [r["probe_loss"] for r in gathered if "probe_loss" in r]
+    if gathered[0].get("numerics") is not None:
+        probe_losses = [r["numerics"]["loss"] for r in gathered]
+    # every step's loss, mean over ranks (and step P's where it ran: verify.run.numerics)
+    run["losses"] = [x if math.isfinite(x) else None
+                     for x in losses + ([sum(probe_losses) / world] if probe_losses else [])]
+    if gathered[0].get("numerics") is not None:  # the oracle's step P (verify.run.numerics)
+        from verify.run.modes import ADAMW_LR, MUON_LR
+
+        run["numerics"] = numerics.run_entry(gathered, source, config, gathered[0]["layout"],
+                                             muon_lr=MUON_LR, adamw_lr=ADAMW_LR)
+        run["checkpoint"] = numerics.checkpoint_entry(gathered)
+        shutil.rmtree(Path(config.out_dir) / mode / "checkpoint", ignore_errors=True)
     run["loss_falls"] = math.isfinite(losses[0]) and math.isfinite(losses[-1]) and losses[-1] < losses[0]
     digests = {r["plan_digest"] for r in gathered}
     run["plan_digest"] = digests.pop() if len(digests) == 1 else sorted(map(str, digests))
@@ -659,7 +751,32 @@ def _sources(run: dict, events: list, gathered: list[dict], steps: int) -> dict:
     if any(r["nccl"] is not None for r in gathered):
         sources["nccl_log"] = nccl_source_report(
             [r["nccl"] for r in gathered if r["nccl"] is not None], events, gathered[0]["layout"], steps)
+    recorded = {"flight_recorder": [ev for r in gathered for ev in (r["fr_events"] or ())],
+                "profiler": [ev for r in gathered for ev in (r.get("profiler_events") or ())]}
+    for name, src in sources.items():
+        if name in recorded:
+            _op_kinds(src, recorded[name], run.get("predicted_ops") or {},
+                      profile_for(name, report_backend(dist.get_backend())))
     return sources
+
+
+def _op_kinds(src: dict, source_events: list, predicted_ops: dict, profile) -> None:
+    """A source's ``op_counts`` (its own events per op over the window) and ``ops_missing``:
+    the op kinds the prediction has that it recorded none of, each as the source records it
+    (``profile``: ``tracer.crosscheck.SourceProfile``, e.g. gloo's Flight Recorder writes a
+    reduce_scatter as an all_reduce; an op it never records is not asked for); any fails the
+    source's check (a source that lost every event of a kind cannot pass)."""
+    counts = Counter(ev.op for ev in source_events)
+    src["op_counts"] = dict(sorted(counts.items()))
+    missing = []
+    for op in predicted_ops:
+        eq = profile.equivalence_for(op)
+        recorded_as = eq.other_op if eq is not None else op
+        if op not in profile.unobserved_ops and not counts.get(recorded_as):
+            missing.append(op if recorded_as == op else f"{op} (recorded as {recorded_as})")
+    src["ops_missing"] = missing
+    if missing:
+        src["pass"] = False
 
 
 def _replicate_overlap(gathered: list[dict]) -> list[dict]:

@@ -27,7 +27,12 @@ byte below is a sum over them. Per rank, in bytes:
 
 The gate (``verify.report.checks``, check ``memory``) compares each rank's measured peak
 dedicated bytes in forward and in backward with ``held + window`` and its peak grad bytes
-with ``held grads + two units``.
+with ``held grads + two units``, and from below: where the plan makes a figure exact (Z2:
+every copy resident in forward, backward and between steps; Z3 between steps: the held
+buckets) the measured one must equal it, and elsewhere reach the least the protocol needs
+(Z3: the held buckets plus the largest unit, whole while it runs; grads: the held buffers or
+the largest bucket's). So a rank that frees what it should keep fails, and so does a meter
+that reads 0 where bytes are held.
 """
 
 from __future__ import annotations
@@ -59,6 +64,15 @@ class MemoryBound:
         grads_held_bytes: grad buffers of held buckets.
         grads_bytes: bound on the grad buffers: ``grads_held_bytes`` plus the two adjacent
             units with the most non-held grad-buffer bytes.
+        floor_peak_bytes: what forward and backward hold at least: ``peak_bytes`` under Z2
+            (every copy resident: exact), under Z3 ``held_bytes`` plus the unit with the most
+            non-held bytes (a unit is whole while it runs).
+        floor_grads_bytes: what the grad buffers hold at least: ``grads_held_bytes``, or the
+            largest bucket's buffer (every rank accumulates it, one allocation) where that is
+            more.
+        between_exact: ``between_bytes`` is exact (what a rank holds after a step: Z2 every
+            copy, Z3 its held buckets), not a bound; ``False`` under mixed precision (the
+            compute copies' lifetime is the wrapper's).
     """
 
     rank: int
@@ -70,6 +84,9 @@ class MemoryBound:
     between_bytes: int
     grads_held_bytes: int
     grads_bytes: int
+    floor_peak_bytes: int = 0
+    floor_grads_bytes: int = 0
+    between_exact: bool = False
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -225,6 +242,8 @@ class _Buckets:
                        for b, c in zip(buckets, self.copy)]
         units = _units(buckets)
         self.n_units, self.copy_total = len(units), sum(self.copy)
+        self.units = units
+        self.exact = mp is None
         unit_of = [k for k, (lo, hi) in enumerate(units) for _ in range(lo, hi + 1)]
         self.windows = _windows(buckets, depth) if self.z3 else []
         self.spans = [unit_of[b] - unit_of[a] + 1 for a, b in self.windows]
@@ -243,10 +262,16 @@ class _Buckets:
             window, units = non_held, self.n_units
         grads_held = sum(self.grad[i] for i in held)
         two = self.grads_max.best(held)[0]
+        mine = set(held)
+        unit_copy = max((sum(self.copy[i] for i in range(lo, hi + 1) if i not in mine)
+                         for lo, hi in self.units), default=0)
+        one_buffer = max(self.grad, default=0)  # a bucket's flat buffer is one allocation
         return MemoryBound(rank=rank, held_bytes=held_bytes, non_held_bytes=non_held,
                            window_bytes=window, window_units=units, peak_bytes=held_bytes + window,
                            between_bytes=held_bytes if self.z3 else held_bytes + non_held,
-                           grads_held_bytes=grads_held, grads_bytes=grads_held + two)
+                           grads_held_bytes=grads_held, grads_bytes=grads_held + two,
+                           floor_peak_bytes=held_bytes + (unit_copy if self.z3 else non_held),
+                           floor_grads_bytes=max(grads_held, one_buffer), between_exact=self.exact)
 
 
 def memory_report(layout: RunLayout, measured: Sequence[dict]) -> dict:

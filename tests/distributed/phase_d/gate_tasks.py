@@ -12,7 +12,11 @@ reduce_scatter form, the per-owner replicate axis).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from unittest import mock
+
+import torch
+import torch.distributed as dist
 
 from verify.run.runner import RunConfig, run_all
 
@@ -26,6 +30,13 @@ CHANGED_AUTO_TARGET_BYTES = 200_000
 def _rewrapped(fn, **forced):
     def call(*args, **kwargs):
         return fn(*args, **{**kwargs, **forced})
+    return call
+
+
+def _rewrapped_by(fn, key: str, delta: int):
+    """``fn`` called with keyword ``key`` shifted by ``delta``."""
+    def call(*args, **kwargs):
+        return fn(*args, **{**kwargs, key: kwargs[key] + delta})
     return call
 
 
@@ -74,7 +85,6 @@ def mutation(name: str):
     import dmuon.runtime.collectives as coll
     import verify.run.modes as modes
     import verify.traffic.predict as predict
-    from dmuon.ownership.buckets import Coalescing
 
     with contextlib.ExitStack() as stack:
         patch = lambda *a, **k: stack.enter_context(mock.patch.object(*a, **k))  # noqa: E731
@@ -98,7 +108,7 @@ def mutation(name: str):
 
             def resolve(coalesce, backend):
                 c = original(coalesce, backend)
-                return Coalescing(CHANGED_AUTO_TARGET_BYTES, c.reduce_by_gather, c.flat_hsdp) \
+                return dataclasses.replace(c, target_bytes=CHANGED_AUTO_TARGET_BYTES) \
                     if coalesce == "auto" else c
             patch(options_mod, "resolve_coalesce", resolve)
             patch(predict, "DMUON_AUTO_COALESCE_BYTES",
@@ -117,14 +127,75 @@ def mutation(name: str):
             def reduce(self, buf, dst, group, channel="reduce"):
                 return original(self, buf, 0 if channel == "replicate" else dst, group, channel=channel)
             patch(coll.Launcher, "reduce", reduce)
+        # what the optimizer computes, with unchanged traffic (the numerics and owner_grads checks):
+        elif name == "ns_one_fewer":  # Newton-Schulz with one iteration fewer
+            patch(dense, "muon_update_matrices_", _rewrapped_by(dense.muon_update_matrices_, "ns_steps", -1))
+        elif name == "momentum_restart":  # the momentum buffer restarts from 0 at every step
+            import dmuon.optim.muon_math as muon_math
+
+            original = muon_math._momentum_update
+
+            def restarted(grad, momentum_buffer, momentum, nesterov):
+                momentum_buffer.zero_()
+                return original(grad, momentum_buffer, momentum, nesterov)
+            patch(muon_math, "_momentum_update", restarted)
+        elif name == "adamw_decay_twice":  # AdamW's decoupled weight decay applied twice
+            import dmuon.optim.optimizer as optimizer
+
+            original = optimizer._adam_functional
+
+            def adam(params, *args, lr, weight_decay, **kwargs):
+                with torch.no_grad():
+                    for p in params:
+                        p.mul_(1 - lr * weight_decay)
+                return original(params, *args, lr=lr, weight_decay=weight_decay, **kwargs)
+            patch(optimizer, "_adam_functional", adam)
+        elif name == "hierarchical_grad_r":  # hierarchical HSDP owners divide by N, not W: R x the mean
+            import dmuon.runtime.copies as copies
+
+            original = copies.Bucket.reduced
+
+            def reduced(self, used, world_size):
+                r = dist.get_world_size(self.groups.replicate) if self.groups.replicate is not None else 1
+                return original(self, used, world_size // r)
+            patch(copies.Bucket, "reduced", reduced)
+        # memory and checkpoints (the memory and checkpoint checks):
+        elif name == "z2_frees":  # Z2 non-holders free their copies at the step (the next
+            import dmuon.runtime.copies as copies  # forward's broadcast refills them; per-owner buckets)
+
+            original = copies.Bucket.stepped
+
+            def stepped(self):
+                if not self.is_holder and not self.options.reshard_after_forward:
+                    self.free()  # VALID -> FREED; the next forward allocates and broadcasts
+                original(self)
+            patch(copies.Bucket, "stepped", stepped)
+        elif name == "meter_zero":  # the harness's memory meter reads 0 bytes everywhere
+            import verify.run.memory_meter as meter
+
+            patch(meter, "_bytes", lambda seen: 0)
+        elif name == "momentum_zeroed_in_state_dict":  # state_dict() re-creates owners' momentum as zeros
+            import dmuon.optim.optimizer as optimizer
+
+            original = optimizer.DMuon.state_dict
+
+            def state_dict(self):  # the returned entries only: the live state is untouched
+                sd = original(self)
+                sd["state"] = {k: {**e, "momentum_buffer": torch.zeros_like(e["momentum_buffer"])}
+                               if "momentum_buffer" in e else e for k, e in sd["state"].items()}
+                return sd
+            patch(optimizer.DMuon, "state_dict", state_dict)
         elif name != "none":
             raise ValueError(f"Invalid mutation={name!r}.")
         yield
 
 
-def gate(out_dir: str, modes: tuple[str, ...], mutated: str = "none") -> dict | None:
-    """``run_all`` on ``modes`` (2 warm-up and 2 measured steps, no profiler: the gates under
-    test read the interposer's events) with ``mutated`` planted: the report on rank 0."""
+def gate(out_dir: str, modes: tuple[str, ...], mutated: str = "none", warmup: int = 2,
+         measured: int = 2, coalesce: str = "auto", numerics: bool = True) -> dict | None:
+    """``run_all`` on ``modes`` (``warmup`` warm-up and ``measured`` measured steps, no
+    profiler: the gates under test read the interposer's events; DMuon's ``coalesce``; the
+    checks after the window where ``numerics``) with ``mutated`` planted: the report on rank 0."""
     with mutation(mutated):
-        return run_all(RunConfig(modes=modes, steps_warmup=2, steps_measured=2, out_dir=out_dir,
-                                 profiler=False))
+        return run_all(RunConfig(modes=modes, steps_warmup=warmup, steps_measured=measured,
+                                 out_dir=out_dir, profiler=False, coalesce=coalesce,
+                                 numerics=numerics))

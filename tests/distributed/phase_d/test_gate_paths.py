@@ -33,7 +33,8 @@ REPLICATE = "dmuon-hsdp-z3[block+hierarchical]"
 
 def _report(pool, mutated: str, modes: tuple[str, ...], out_dir: str | None = None) -> dict:
     out_dir = out_dir or tempfile.mkdtemp(prefix="dmuon-gate-")
-    return pool.run_with_timeout(240, gate_tasks.gate, out_dir, modes, mutated)[0]
+    return pool.run_with_timeout(240, gate_tasks.gate, out_dir, modes, mutated,
+                                 numerics=mutated == "none")[0]
 
 
 def _failed(report: dict) -> dict[tuple[str, str], str]:
