@@ -127,7 +127,7 @@ def _direct_bounds(layout, depth: int) -> list[tuple]:
     mp = layout.mp_param_dtype
     out = []
     for rank in range(layout.world_size):
-        held = grads_held = 0
+        held = grads_held = cast = 0
         sizes, grads = [], []
         for b in buckets:
             lp = DTYPE_BYTES[mp or b.dtype]
@@ -135,6 +135,7 @@ def _direct_bounds(layout, depth: int) -> list[tuple]:
             if is_holder(b, rank, moved.shard_size):
                 held += b.numel * DTYPE_BYTES[b.dtype] + (b.numel * lp if mp not in (None, b.dtype) else 0)
                 grads_held += grad
+                cast += b.numel * DTYPE_BYTES[b.dtype] if mp not in (None, b.dtype) else 0
                 sizes.append(0)
                 grads.append(0)
             else:
@@ -143,7 +144,7 @@ def _direct_bounds(layout, depth: int) -> list[tuple]:
         window = z3_window(sizes, buckets, depth) if layout.reshard_after_forward else (sum(sizes), len(_units(buckets)))
         per_unit = [sum(grads[lo : hi + 1]) for lo, hi in _units(buckets)]
         two = max((a + c for a, c in zip(per_unit, per_unit[1:])), default=sum(per_unit))
-        out.append((rank, held, sum(sizes), *window, grads_held, grads_held + two))
+        out.append((rank, held, sum(sizes), *window, grads_held, grads_held + two + cast))
     return out
 
 

@@ -15,7 +15,9 @@ storage counted once):
   is a view, its ``_base`` the buffer), each remembered by a weak reference from the first
   hook that saw it, so a buffer no longer reachable through a ``.grad`` (a non-owner's,
   dropped when its reduce was issued) still counts until it is freed or dropped, and the
-  meter keeps nothing alive.
+  meter keeps nothing alive. Given the optimizer, the meter also reads the grads in its
+  step pre-hook: under mixed precision an owner's averaged grad (the master dtype) is set
+  at the end of backward, after every module hook, and lives until the step.
 
 On CUDA it also reads ``torch.cuda.memory_allocated()`` minus its value at the step's start
 and ``max_memory_allocated()`` over the window (``None`` on other devices): every tensor, not
@@ -107,8 +109,24 @@ class MemoryMeter:
         self.peak_grads = max(self.peak_grads, grads)
         self.trace.append((phase, copies, grads, cuda))
 
-    def attach(self) -> MemoryMeter:
-        """Register the hooks (after DMuon's: call after ``dedicate_params``)."""
+    def sample_grads(self) -> None:
+        """Read the grads only (the optimizer's step pre-hook: backward has ended, the
+        copies' peaks are not this moment's to set); a ``"backward"`` row in the trace."""
+        if not self.on:
+            return
+        for t in self._tensors():
+            if t.grad is not None:
+                _remember(self._grads, t.grad)
+        copies, grads = _bytes(self._copies), _bytes(self._grads)
+        cuda = torch.cuda.memory_allocated() - self._cuda_base if self._cuda else None
+        self.peak_grads = max(self.peak_grads, grads)
+        self.trace.append(("backward", copies, grads, cuda))
+
+    def attach(self, optimizer: torch.optim.Optimizer | None = None) -> MemoryMeter:
+        """Register the hooks (after DMuon's: call after ``dedicate_params``); with
+        ``optimizer``, a step pre-hook that reads the grads (:meth:`sample_grads`)."""
+        if optimizer is not None:
+            self._handles.append(optimizer.register_step_pre_hook(lambda *a: self.sample_grads()))
         def on_output(module, args, output):
             self.sample()
             if self.on and torch.is_grad_enabled():

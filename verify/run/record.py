@@ -317,7 +317,7 @@ class TrafficWindow:
         self._forwards = 0
         self._forward_hook = bare_model(self.model).register_forward_pre_hook(self._count_forward)
         device = "cuda" if _backend(self.dedicated) == "nccl" else "cpu"
-        self._meter = MemoryMeter(bare_model(self.model), self.dedicated, device).attach()
+        self._meter = MemoryMeter(bare_model(self.model), self.dedicated, device).attach(self.optimizer)
         self._meter.start()
         self._meter.step()
         self._interposer = Interposer().__enter__()

@@ -363,7 +363,7 @@ def _train_mode(mode: str, config: RunConfig, corpus: ByteCorpus, progress,
     recorder = BlockOrderRecorder(bare_model(model), blocks, built.layout.fsdp_modules)
     meter = None  # DMuon's bytes at every hook (verify.run.memory_meter), 1-D / HSDP only
     if built.dedicated is not None and config.tp == 1 and config.ep == 1:
-        meter = MemoryMeter(bare_model(model), built.dedicated, config.device).attach()
+        meter = MemoryMeter(bare_model(model), built.dedicated, config.device).attach(opt)
     ns_before = 0
     try:
         with tagging:

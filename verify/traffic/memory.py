@@ -23,7 +23,10 @@ byte below is a sum over them. Per rank, in bytes:
   ``numel + len(params)`` elements (the grads, then one usage element per param) in the
   compute dtype; a holder keeps its buckets'; a non-holder frees a unit's once its reduce is
   waited, which happens when the next unit's reduces are issued, so it holds at most two
-  adjacent units' buffers (the one accumulating and the one whose reduce flies).
+  adjacent units' buffers (the one accumulating and the one whose reduce flies). Under mixed
+  precision an owner also holds its params' averaged grads in their own dtype from the end of
+  backward to the step (cast out of the buffer): counted for every held bucket, an upper
+  bound where a holder is not the owner (hierarchical HSDP).
 
 The gate (``verify.report.checks``, check ``memory``) compares each rank's measured peak
 dedicated bytes in forward and in backward with ``held + window`` and its peak grad bytes
@@ -63,7 +66,8 @@ class MemoryBound:
             under Z2.
         grads_held_bytes: grad buffers of held buckets.
         grads_bytes: bound on the grad buffers: ``grads_held_bytes`` plus the two adjacent
-            units with the most non-held grad-buffer bytes.
+            units with the most non-held grad-buffer bytes (plus, under mixed precision, the
+            held buckets' grads in the params' dtype).
         floor_peak_bytes: what forward and backward hold at least: ``peak_bytes`` under Z2
             (every copy resident: exact), under Z3 ``held_bytes`` plus the unit with the most
             non-held bytes (a unit is whole while it runs).
@@ -237,6 +241,9 @@ class _Buckets:
         lp = [DTYPE_BYTES[mp or b.dtype] for b in buckets]
         self.copy = [b.numel * e for b, e in zip(buckets, lp)]  # a non-holder's compute copy
         self.grad = [(b.numel + len(b.names)) * e for b, e in zip(buckets, lp)]  # flat buffer
+        # mixed precision: the owner's averaged grads, cast to the params' dtype, until the step
+        self.master_grad = [b.numel * DTYPE_BYTES[b.dtype] if mp not in (None, b.dtype) else 0
+                            for b in buckets]
         # a holder's: its master copy, plus the compute copy where mixed precision casts
         self.master = [b.numel * DTYPE_BYTES[b.dtype] + (c if mp not in (None, b.dtype) else 0)
                        for b, c in zip(buckets, self.copy)]
@@ -262,6 +269,7 @@ class _Buckets:
             window, units = non_held, self.n_units
         grads_held = sum(self.grad[i] for i in held)
         two = self.grads_max.best(held)[0]
+        cast = sum(self.master_grad[i] for i in held)
         mine = set(held)
         unit_copy = max((sum(self.copy[i] for i in range(lo, hi + 1) if i not in mine)
                          for lo, hi in self.units), default=0)
@@ -269,7 +277,7 @@ class _Buckets:
         return MemoryBound(rank=rank, held_bytes=held_bytes, non_held_bytes=non_held,
                            window_bytes=window, window_units=units, peak_bytes=held_bytes + window,
                            between_bytes=held_bytes if self.z3 else held_bytes + non_held,
-                           grads_held_bytes=grads_held, grads_bytes=grads_held + two,
+                           grads_held_bytes=grads_held, grads_bytes=grads_held + two + cast,
                            floor_peak_bytes=held_bytes + (unit_copy if self.z3 else non_held),
                            floor_grads_bytes=max(grads_held, one_buffer), between_exact=self.exact)
 
