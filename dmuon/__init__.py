@@ -16,7 +16,7 @@ See docs/user-guide.md for DDP and HSDP, docs/architecture.md for the runtime's 
 
 from dmuon.annotate import phase, span
 from dmuon.api import dedicate_params
-from dmuon.runtime.dedicate import DedicatedParams
+from dmuon.runtime.dedicated_params import DedicatedParams
 from dmuon.ownership.select import default_predicate
 from dmuon.optim.optimizer import DMuon
 

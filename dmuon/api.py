@@ -14,7 +14,7 @@ from dmuon.placement import already_wrapped, layout_for
 from dmuon.runtime import attach, collectives, start
 from dmuon.options import DedicateOptions
 from dmuon.ownership.buckets import DEFAULT_BUCKET_CAP_MB, Coalescing
-from dmuon.runtime.dedicate import DedicatedParams
+from dmuon.runtime.dedicated_params import DedicatedParams
 from dmuon.runtime import rest as replicated_rest
 from dmuon.ownership.plan import OwnershipPlan, specs_from_named_parameters
 from dmuon.ownership.select import Predicate, adamw_matrices, assign_params, select_params

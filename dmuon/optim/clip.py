@@ -27,7 +27,7 @@ from torch.distributed.tensor import DTensor
 from dmuon import annotate
 
 from dmuon.runtime import collectives
-from dmuon.runtime.dedicate import DedicatedParams
+from dmuon.runtime.dedicated_params import DedicatedParams
 from dmuon.runtime.state import TrainingState
 
 

@@ -30,7 +30,7 @@ from torch.optim.adam import adam as _adam_functional
 from dmuon import annotate
 from dmuon.runtime import checkpoint, collectives
 from dmuon.runtime.grad_view import fsdp2_mesh
-from dmuon.runtime.dedicate import DedicatedParams
+from dmuon.runtime.dedicated_params import DedicatedParams
 from dmuon.optim import agreement, amp
 from dmuon.optim import groups as groups_mod
 from dmuon.optim.grad_guard import GradGuard

@@ -3,7 +3,7 @@
 Everything here is undone by :func:`detach_all` / :meth:`HookSet.remove_all`:
 
 - **hooks** (:class:`HookSet`): every module hook and ``state_dict`` / ``load_state_dict``
-  hook DMuon registers (grad hooks on the params belong to their bucket, ``copies.py``);
+  hook DMuon registers (grad hooks on the params belong to their bucket, ``bucket.py``);
 - **moves** (:func:`follow_moves`): the modules that hold dedicated params, and each
   bucket's block, get a subclass of their own class whose ``_apply`` (what ``.to()``,
   ``.cuda()``, ``.double()``, ``to_empty()`` ... call, recursively, on every submodule)

@@ -74,7 +74,7 @@ from dmuon.runtime.state import Copy
 
 if TYPE_CHECKING:
     from dmuon.runtime.attach import HookSet
-    from dmuon.runtime.dedicate import DedicatedParams
+    from dmuon.runtime.dedicated_params import DedicatedParams
 
 #: Optimizer state key of a dedicated param's momentum (``torch.optim.Muon``'s name).
 MOMENTUM_KEY = "momentum_buffer"

@@ -651,10 +651,10 @@ def check_plan_agreement(digest: str | None, what: str) -> None:
 
 
 def all_gather_order_digests(digest: str, world: dist.ProcessGroup) -> list[str]:
-    """The block-order agreement (``dedicate.py``, "Per step", step 6 of the first step):
+    """The block-order agreement (``dedicated_params.py``, "Per step", step 6 of the first step):
     every rank's digest of its proposed bucket order, one all_gather of 32 bytes per rank on
     DMuon's ``world`` channel (phase ``"setup"``, span ``dmuon.order_agreement``), once per
-    :class:`~dmuon.runtime.dedicate.DedicatedParams`.
+    :class:`~dmuon.runtime.dedicated_params.DedicatedParams`.
 
     Raises:
         ValueError: ``digest`` is not 64 hex characters.

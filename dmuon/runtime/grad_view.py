@@ -14,7 +14,7 @@ DTensor's even split, so only local ops are right on them (norms, scaling, clamp
 edits, ``clip_grad_value_``: they act on the owner's grad); ``full_tensor()`` raises (on every
 rank: checked on gloo, a 6×2 grad). ``step()``, ``zero_grad()`` and DMuon's own clipping take
 the plain grads back (owners: the local tensor; others: ``None``). The optimizer decides when
-(``dmuon/optim/optimizer.py``); ``copies.Bucket`` assigns the ``.grad`` (the layering rule: one
+(``dmuon/optim/optimizer.py``); ``bucket.Bucket`` assigns the ``.grad`` (the layering rule: one
 module changes dedicated params); this module builds and reads the DTensors.
 
 An owner whose param had a grad on no rank (``.grad`` ``None``) shows a zero row too, so

@@ -59,7 +59,7 @@ class ModuleSwaps:
     - A module run outside its block's forward (its compute params not registered) swaps them
       in for its own forward (a compiled region breaks there; eager code is unaffected).
 
-    ``buckets``: the runtime's (``copies.Bucket``: ``names``, ``param_modules``, ``compute``,
+    ``buckets``: the runtime's (``bucket.Bucket``: ``names``, ``param_modules``, ``compute``,
     ``swap``); ``modules``: dotted name -> module; params of ``root`` are never swapped.
     """
 

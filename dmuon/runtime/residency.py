@@ -14,7 +14,7 @@ refilled without breaking autograd, and a guard that turns a read of a freed cop
   disconnect it from the flat buffer. :func:`is_bound` detects that; the bucket then rebuilds
   the flat buffer from the params' new data (:func:`flatten_into_views`).
 
-Primitives only: ``copies.py`` is their one caller (it decides when, and keeps the states).
+Primitives only: ``bucket.py`` is their one caller (it decides when, and keeps the states).
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
 """The per-step schedule: when each bucket's broadcast and reduce is issued and waited, and
-the calls themselves (protocol steps 1-6 in ``dedicate.py``'s docstring, which stays the one
+the calls themselves (protocol steps 1-6 in ``dedicated_params.py``'s docstring, which stays the one
 description of the protocol).
 
 :class:`Schedule` owns the bucket order (``buckets``, renumbered by :meth:`Schedule.reorder`),
 the pass's :class:`Cursors` and one :class:`~dmuon.runtime.collectives.Launcher` per device; it
-changes buckets only through their methods (:mod:`dmuon.runtime.copies`) and issues every
+changes buckets only through their methods (:mod:`dmuon.runtime.bucket`) and issues every
 asynchronous call through the launcher, on DMuon's own groups.
 """
 
@@ -19,7 +19,7 @@ from dmuon import annotate
 from dmuon.errors import invariant
 
 from dmuon.runtime import collectives, usage
-from dmuon.runtime.copies import Bucket
+from dmuon.runtime.bucket import Bucket
 from dmuon.runtime.state import Copy, Replica
 
 if TYPE_CHECKING:

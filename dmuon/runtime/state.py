@@ -29,7 +29,7 @@ reaches its end, so the next root forward, ``zero_grad()``, ``step()``, ``sync_p
 ``close()`` finds ``FORWARD`` or ``BACKWARD`` outside autograd and recovers first. Entering
 ``FORWARD`` or ``BACKWARD`` resets the pass's cursors (``schedule.Cursors``), nowhere else.
 
-**Per bucket** (:class:`dmuon.runtime.copies.Bucket`):
+**Per bucket** (:class:`dmuon.runtime.bucket_module.Bucket`):
 
 - :class:`Copy` ``copy``: the compute copy on the bucket's *non-holders*. Every rank tracks
   the same value for every bucket, holders included, because it decides the collectives
@@ -67,7 +67,7 @@ reaches its end, so the next root forward, ``zero_grad()``, ``step()``, ``sync_p
   param used twice in one backward whose uses backpropagate separately: reentrant activation
   checkpointing) is the user's ``ValueError`` raised by the grad hook, before this table.
 
-**Per runtime** (:class:`dmuon.runtime.hooks.Runtime`), besides the pass state:
+**Per runtime** (:class:`dmuon.runtime.runtime.Runtime`), besides the pass state:
 
 - :class:`BlockOrder` ``order_state``: ``RECORDING`` (the first forward records the blocks'
   order) ``──first step()──▶ AGREED`` (renumbered, protocol step 7; terminal).

@@ -28,7 +28,7 @@ def test_import_dmuon_loads_no_presentation_or_dataframe_library():
     out = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True,
                          env=env, cwd=REPO_ROOT, timeout=120, check=True)
     got = json.loads(out.stdout.strip().splitlines()[-1])
-    assert "dmuon.ownership.plan" in got["modules"] and "dmuon.runtime.hooks" in got["modules"]
+    assert "dmuon.ownership.plan" in got["modules"] and "dmuon.runtime.runtime" in got["modules"]
     assert [m for m in HEAVY if m in got["loaded"]] == []
 
 

@@ -103,9 +103,9 @@ def test_runtime_classes_take_the_one_options_object():
     re-listed (the control: the old keyword would be a parameter)."""
     import inspect
 
-    from dmuon.runtime.copies import Bucket
-    from dmuon.runtime.dedicate import DedicatedParams
-    from dmuon.runtime.hooks import Runtime
+    from dmuon.runtime.bucket import Bucket
+    from dmuon.runtime.dedicated_params import DedicatedParams
+    from dmuon.runtime.runtime import Runtime
     from dmuon.runtime.schedule import Schedule
 
     knobs = {"reshard_after_forward", "mp_policy", "bucket_cap_bytes", "prefetch_depth", "coalescing",

@@ -1,8 +1,8 @@
 """The runtime's layering rules, read from the source:
 
-- one module changes dedicated params: only ``dmuon/runtime/copies.py`` assigns ``.grad``, ``.data``
+- one module changes dedicated params: only ``dmuon/runtime/bucket.py`` assigns ``.grad``, ``.data``
   or ``m._parameters[...]`` (with its storage primitives in ``residency.py``, which only
-  ``copies.py`` imports); class swaps happen in ``residency.py`` (a param's freed guard) and
+  ``bucket.py`` imports); class swaps happen in ``residency.py`` (a param's freed guard) and
   ``attach.py`` (a module's move-following subclass) only;
 - no module reads another object's private (underscore) attribute, except the listed torch
   and standard-library ones.
@@ -15,13 +15,13 @@ DMUON = Path(__file__).resolve().parents[2] / "dmuon"
 
 #: Private names of torch / the standard library DMuon uses, and where.
 FOREIGN_PRIVATE = {
-    "_C": {"residency.py", "hooks.py", "copies.py"},  # torch._C (graph task id, torch-function toggles)
-    "_current_graph_task_id": {"hooks.py", "copies.py"},
-    "_will_engine_execute_node": {"copies.py"},  # can a grad still arrive (Bucket.grads_pending)
-    "_execution_engine": {"hooks.py"},  # queue_callback: the end of backward
-    # nn.Module's registry: copies.py swaps it (as FSDP2 does); precision.py only reads which
+    "_C": {"residency.py", "runtime.py", "bucket.py"},  # torch._C (graph task id, torch-function toggles)
+    "_current_graph_task_id": {"runtime.py", "bucket.py"},
+    "_will_engine_execute_node": {"bucket.py"},  # can a grad still arrive (Bucket.grads_pending)
+    "_execution_engine": {"runtime.py"},  # queue_callback: the end of backward
+    # nn.Module's registry: bucket.py swaps it (as FSDP2 does); precision.py only reads which
     # copy is registered (a module run outside its block's hooks)
-    "_parameters": {"copies.py", "precision.py"},
+    "_parameters": {"bucket.py", "precision.py"},
     # transformers' config: the attention implementation in use (the adapter's only handle)
     "_attn_implementation": {"qk_clip_hf.py"},
     "_unsafe_preserve_version_counter": {"collectives.py"},  # aligned copy-out (as FSDP2 does)
@@ -59,7 +59,7 @@ def _target_kinds(node: ast.AST):
             yield "_parameters[]"
 
 
-def test_only_copies_changes_params_and_only_it_imports_residency():
+def test_only_bucket_changes_params_and_only_it_imports_residency():
     writers: dict[str, set[str]] = {}
     importers = set()
     for name, tree in _modules():
@@ -69,11 +69,11 @@ def test_only_copies_changes_params_and_only_it_imports_residency():
                     writers.setdefault(kind, set()).add(name)
             if isinstance(node, ast.ImportFrom) and any(a.name == "residency" for a in node.names):
                 importers.add(name)
-    assert writers["grad"] == {"copies.py", "rest.py"}  # rest.py: the replicated rest's grads only
-    assert writers["_parameters[]"] == {"copies.py"}
-    assert writers["data"] == {"residency.py"}  # flatten_into_views, called by copies.py only
+    assert writers["grad"] == {"bucket.py", "rest.py"}  # rest.py: the replicated rest's grads only
+    assert writers["_parameters[]"] == {"bucket.py"}
+    assert writers["data"] == {"residency.py"}  # flatten_into_views, called by bucket.py only
     assert writers["__class__"] == {"residency.py", "attach.py"}
-    assert importers == {"copies.py"}
+    assert importers == {"bucket.py"}
 
 
 def test_no_module_reads_another_objects_private_fields():

@@ -105,7 +105,7 @@ def test_planted_illegal_transition_on_a_real_bucket():
     its broadcast is in flight raises and leaves the state as it was."""
     from dmuon.options import DedicateOptions
     from dmuon.placement.dense import Dense
-    from dmuon.runtime.copies import Bucket
+    from dmuon.runtime.bucket import Bucket
 
     options = DedicateOptions(reshard_after_forward=False).resolve(
         backend="gloo", joins_blocks=True, hsdp=False, allows_flat=True, specs=[], plan=None)

@@ -151,25 +151,25 @@ def mutation(name: str):
                 return original(params, *args, lr=lr, weight_decay=weight_decay, **kwargs)
             patch(optimizer, "_adam_functional", adam)
         elif name == "hierarchical_grad_r":  # hierarchical HSDP owners divide by N, not W: R x the mean
-            import dmuon.runtime.copies as copies
+            import dmuon.runtime.bucket as bucket_module
 
-            original = copies.Bucket.reduced
+            original = bucket_module.Bucket.reduced
 
             def reduced(self, used, world_size):
                 r = dist.get_world_size(self.groups.replicate) if self.groups.replicate is not None else 1
                 return original(self, used, world_size // r)
-            patch(copies.Bucket, "reduced", reduced)
+            patch(bucket_module.Bucket, "reduced", reduced)
         # memory and checkpoints (the memory and checkpoint checks):
         elif name == "z2_frees":  # Z2 non-holders free their copies at the step (the next
-            import dmuon.runtime.copies as copies  # forward's broadcast refills them; per-owner buckets)
+            import dmuon.runtime.bucket as bucket_module  # forward's broadcast refills them; per-owner buckets)
 
-            original = copies.Bucket.stepped
+            original = bucket_module.Bucket.stepped
 
             def stepped(self):
                 if not self.is_holder and not self.options.reshard_after_forward:
                     self.free()  # VALID -> FREED; the next forward allocates and broadcasts
                 original(self)
-            patch(copies.Bucket, "stepped", stepped)
+            patch(bucket_module.Bucket, "stepped", stepped)
         elif name == "meter_zero":  # the harness's memory meter reads 0 bytes everywhere
             import verify.run.memory_meter as meter
 

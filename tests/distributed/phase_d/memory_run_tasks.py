@@ -55,7 +55,7 @@ def _old_pre_forward(original):
 def memory_run(out_dir: str, modes: tuple[str, ...], mutated: bool = False) -> dict | None:
     """``run_all`` of ``modes`` on :func:`nested_factory` (``coalesce="block"``,
     ``rest="replicate"``, 2 warm-up and 2 measured steps, no profiler); the report on rank 0."""
-    from dmuon.runtime.hooks import Runtime
+    from dmuon.runtime.runtime import Runtime
 
     with contextlib.ExitStack() as stack:
         if mutated:  # fails loudly (AttributeError) if the runtime renames it

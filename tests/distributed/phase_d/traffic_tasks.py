@@ -31,7 +31,7 @@ def measure_with_swapped_params(mode: str, **config) -> dict:
     import dataclasses
     from collections import Counter
 
-    import dmuon.runtime.hooks as runtime  # where Runtime builds the buckets
+    import dmuon.runtime.runtime as runtime  # where Runtime builds the buckets
 
     original = runtime.bucket_layout
 

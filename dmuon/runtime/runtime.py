@@ -1,8 +1,8 @@
 """The runtime of one :class:`~dmuon.DedicatedParams`: its pass state machine and what its hooks
-do (the role of FSDP2's ``FSDPParamGroup``). The protocol is ``dedicate.py``'s docstring; the
+do (the role of FSDP2's ``FSDPParamGroup``). The protocol is ``dedicated_params.py``'s docstring; the
 states and their transitions are ``state.py``'s.
 
-:class:`Runtime` builds the buckets (``copies.Bucket``) and the :class:`~dmuon.runtime.schedule.Schedule`
+:class:`Runtime` builds the buckets (``bucket_module.Bucket``) and the :class:`~dmuon.runtime.schedule.Schedule`
 that issues their calls, registers the hooks (``attach.HookSet``), and follows the model's
 moves: ``.to()`` / ``to_empty()`` reach :meth:`Runtime.before_apply` / :meth:`Runtime.after_apply`
 (``attach.follow_moves``); anything that changed a param without ``_apply`` (``p.data = x`` or
@@ -27,7 +27,7 @@ from torch.utils._pytree import tree_leaves
 from dmuon.errors import invariant
 from dmuon.runtime import attach, collectives, order, precision
 from dmuon.ownership.buckets import block_of, bucket_layout
-from dmuon.runtime.copies import Bucket
+from dmuon.runtime.bucket import Bucket
 from dmuon.runtime.rest import ReplicatedRest, ddp_group_size, warn_if_not_averaged, wrapper_defers_sync
 from dmuon.ownership.plan import OwnershipPlan, specs_from_named_parameters
 from dmuon.runtime.schedule import Schedule

@@ -2,8 +2,8 @@
 
 This docstring is the authoritative description of DMuon's protocol (the traffic predictor
 in ``verify/`` is derived from it independently). Who does what (``docs/architecture.md``):
-:class:`DedicatedParams` here is the handle and its lifecycle; ``hooks.py`` (``Runtime``) the
-pass state and the hooks' logic; ``schedule.py`` the cursors and every call; ``copies.py``
+:class:`DedicatedParams` here is the handle and its lifecycle; ``runtime.py`` (``Runtime``) the
+pass state and the hooks' logic; ``schedule.py`` the cursors and every call; ``bucket.py``
 each bucket's copies, grads and states (the only code that changes a dedicated param);
 ``attach.py`` what is attached to the model and undone by ``close()``; ``state.py`` every
 state and transition.
@@ -221,7 +221,7 @@ Outside the step:
   ``step()`` copies current values) and the registered params are put back; when the
   outermost such ``_apply`` returns, each touched bucket adopts params its modules now
   register (``to_empty`` from meta replaces them) and, if its params left their flat buffer
-  and agree on device and dtype, gets a new one (``copies.Bucket.rebind``): copies that had
+  and agree on device and dtype, gets a new one (``bucket_module.Bucket.rebind``): copies that had
   values, or come from meta (the user initialises them next), stay allocated, STALE until
   the next forward sends them; freed ones stay FREED; holders re-cast their mixed-precision
   compute copy at the next forward. Changes made without ``_apply`` (``p.data = x``,
@@ -342,7 +342,7 @@ from dmuon.options import ResolvedOptions
 from dmuon.runtime import attach, checkpoint, collectives
 from dmuon.ownership import buckets
 from dmuon.placement.layout import MeshLayout
-from dmuon.runtime.hooks import Runtime, in_backward
+from dmuon.runtime.runtime import Runtime, in_backward
 from dmuon.runtime.rest import ReplicatedRest, rest_of
 from dmuon.runtime.state import DdpCheck, Grads, TrainingState
 from dmuon.ownership.topology import Topology
@@ -567,7 +567,7 @@ class DedicatedParams:
 
     @property
     def buckets(self) -> list:
-        """The :class:`~dmuon.runtime.copies.Bucket` objects in index order (read-only use)."""
+        """The :class:`~dmuon.runtime.bucket_module.Bucket` objects in index order (read-only use)."""
         return self._live("buckets").buckets
 
     @property
