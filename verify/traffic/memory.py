@@ -34,7 +34,7 @@ with ``held grads + two units``, and from below: where the plan makes a figure e
 every copy resident in forward, backward and between steps; Z3 between steps: the held
 buckets) the measured one must equal it, and elsewhere reach the least the protocol needs
 (Z3: the held buckets plus the largest unit, whole while it runs; grads: the held buffers or
-the largest bucket's). So a rank that frees what it should keep fails, and so does a meter
+the largest bucket's; under mixed precision the owner's cast grads). So a rank that frees what it should keep fails, and so does a meter
 that reads 0 where bytes are held.
 """
 
@@ -73,7 +73,9 @@ class MemoryBound:
             non-held bytes (a unit is whole while it runs).
         floor_grads_bytes: what the grad buffers hold at least: ``grads_held_bytes``, or the
             largest bucket's buffer (every rank accumulates it, one allocation) where that is
-            more.
+            more; under mixed precision, where a buffer is reachable through no ``.grad``
+            once its reduce is issued, the owner's cast grads (0 on a holder that is not the
+            owner: hierarchical HSDP).
         between_exact: ``between_bytes`` is exact (what a rank holds after a step: Z2 every
             copy, Z3 its held buckets), not a bound; ``False`` under mixed precision (the
             compute copies' lifetime is the wrapper's).
@@ -188,7 +190,7 @@ def predict_memory(layout: RunLayout, prefetch_depth: int = 1) -> list[MemoryBou
         return None
     moved = dmuon_layout(layout)
     buckets = layout_buckets(moved)
-    sums = _Buckets(layout, buckets, prefetch_depth)
+    sums = _Buckets(layout, buckets, prefetch_depth, holders_own=moved.replicate_size == 1)
     held_by: dict[int, list[int]] = {}  # holder class (rank % shard_size) -> its bucket indices
     for i, b in enumerate(buckets):
         held_by.setdefault(b.owner % moved.shard_size, []).append(i)
@@ -235,9 +237,12 @@ class _Buckets:
     non-held less its held ones): the compute copies over each Z3 window, the grad buffers
     over each two adjacent units."""
 
-    def __init__(self, layout: RunLayout, buckets: Sequence[DMuonBucket], depth: int) -> None:
+    def __init__(self, layout: RunLayout, buckets: Sequence[DMuonBucket], depth: int,
+                 holders_own: bool = True) -> None:
         self.z3 = layout.reshard_after_forward
         mp = layout.mp_param_dtype
+        self.mixed = mp is not None and any(mp != b.dtype for b in buckets)
+        self.holders_own = holders_own  # every holder is its buckets' owner (R = 1 as moved)
         lp = [DTYPE_BYTES[mp or b.dtype] for b in buckets]
         self.copy = [b.numel * e for b, e in zip(buckets, lp)]  # a non-holder's compute copy
         self.grad = [(b.numel + len(b.names)) * e for b, e in zip(buckets, lp)]  # flat buffer
@@ -274,12 +279,16 @@ class _Buckets:
         unit_copy = max((sum(self.copy[i] for i in range(lo, hi + 1) if i not in mine)
                          for lo, hi in self.units), default=0)
         one_buffer = max(self.grad, default=0)  # a bucket's flat buffer is one allocation
+        # mixed precision: a buffer is reachable through no .grad once its reduce is issued,
+        # so the least the meter must see is an owner's cast grads (none for a holder that
+        # does not own: hierarchical HSDP)
+        floor_grads = (cast if self.holders_own else 0) if self.mixed else max(grads_held, one_buffer)
         return MemoryBound(rank=rank, held_bytes=held_bytes, non_held_bytes=non_held,
                            window_bytes=window, window_units=units, peak_bytes=held_bytes + window,
                            between_bytes=held_bytes if self.z3 else held_bytes + non_held,
                            grads_held_bytes=grads_held, grads_bytes=grads_held + two + cast,
                            floor_peak_bytes=held_bytes + (unit_copy if self.z3 else non_held),
-                           floor_grads_bytes=max(grads_held, one_buffer), between_exact=self.exact)
+                           floor_grads_bytes=floor_grads, between_exact=self.exact)
 
 
 def memory_report(layout: RunLayout, measured: Sequence[dict]) -> dict:
