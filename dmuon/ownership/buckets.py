@@ -29,9 +29,9 @@ per global owner ``g`` in ``[0, W)`` (none split by the cap), of any size, all w
 all_to_all, which takes any split). Its buckets are ordered by ``(s, r)`` (shard index,
 then replicate index, ``g = r * N + s``) and move in one call per channel instead of one
 ``broadcast`` / ``reduce`` each: ``all_gather`` / ``reduce_scatter``, or an ``all_to_all``
-where the members' parts differ (protocol in ``dmuon/runtime/dedicated_params.py``). :func:`bucket_layout` lists units in model
+where the members' parts differ (protocol in ``docs/protocol.md``). :func:`bucket_layout` lists units in model
 order, so the buckets of any module's subtree are a contiguous range; after the first step
-DMuon renumbers them unit by unit in the execution order (``order.py``, ``dedicated_params.py``
+DMuon renumbers them unit by unit in the execution order (``order.py``, ``docs/protocol.md``
 step 7). DMuon's runtime (``runtime.py``) uses :func:`bucket_layout`; the traffic predictor
 (``verify/traffic/predict.py``) implements the same documented rule on its own.
 """

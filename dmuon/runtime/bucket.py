@@ -10,8 +10,10 @@ buffer. With ``param_dtype`` set, ``lp`` is a ``param_dtype`` buffer whose views
 leaf params (``compute``) that :meth:`Bucket.swap` puts into the modules during their
 forward, like FSDP2's unsharded params; the registered params keep the master dtype.
 
-States (:mod:`dmuon.runtime.state`, diagrams there): ``copy`` and ``master`` (the non-holders'
-copies, the same value on every rank), ``replica`` (a holder's master under HSDP), ``grads``.
+States (:mod:`dmuon.runtime.state`; what they mean and their diagrams: ``docs/protocol.md``,
+"States"): ``copy`` and ``master`` (the non-holders' copies, the same value on every rank),
+``replica`` (a holder's master under HSDP), ``grads``. Which protocol step calls which method:
+``docs/architecture.md``, "One step, and who owns each arrow".
 Each in-flight call's handle belongs to the state that says it is in flight (``copy``
 ``IN_FLIGHT``, ``replica`` ``RECEIVING``, ``grads`` ``REDUCING``) and is dropped when it is
 waited; storage is never read back as state.

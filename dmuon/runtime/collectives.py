@@ -24,6 +24,8 @@ every rank, independent of the other channels:
   grads' all_reduce at the end of each backward (``rest.py``; on the ``reduce`` stream).
 
 Over the same ranks as the mesh's groups, so a trace names them the same way (sorted ranks).
+Which call travels on which channel, when, and under TP (the ``tp`` channel) and EP (each
+column's own groups): ``docs/protocol.md``, "Channels".
 
 Why not fewer. ``broadcast`` and ``reduce`` span the same ranks but cannot share a
 communicator: in backward, Z3's re-broadcasts are issued by pre-backward hooks and the
@@ -651,7 +653,7 @@ def check_plan_agreement(digest: str | None, what: str) -> None:
 
 
 def all_gather_order_digests(digest: str, world: dist.ProcessGroup) -> list[str]:
-    """The block-order agreement (``dedicated_params.py``, "Per step", step 6 of the first step):
+    """The block-order agreement (``docs/protocol.md``, step 7, in the first ``step()``):
     every rank's digest of its proposed bucket order, one all_gather of 32 bytes per rank on
     DMuon's ``world`` channel (phase ``"setup"``, span ``dmuon.order_agreement``), once per
     :class:`~dmuon.runtime.dedicated_params.DedicatedParams`.

@@ -1,6 +1,6 @@
 """Buckets in execution order: the rule that turns the blocks' recorded forward order into the
 bucket order every rank uses (:func:`execution_block_order`, pure), the recorder, and the one
-agreement call (:func:`agree`; protocol step 7 in ``dedicated_params.py``'s docstring).
+agreement call (:func:`agree`; step 7 of ``docs/protocol.md``).
 
 Inputs: ``model_blocks``, the blocks that hold buckets in model order (the order of their
 first bucket in ``buckets.bucket_layout``), and ``recorded``, the blocks in the order their

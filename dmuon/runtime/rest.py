@@ -17,7 +17,7 @@ heads: what AdamW steps). By default (``rest="wrapper"``) DDP or FSDP2 handles i
   (model order of first appearance) over all W ranks, issued after the step's last shard
   reduce and waited with the reduces; it carries ``sum(numel) + len(params)`` elements: the
   grads (zeros where this rank has none), then one usage element per param (1 where this
-  rank has a grad), as the dedicated reduces do (``dedicated_params.py`` step 4). Each param's grad
+  rank has a grad), as the dedicated reduces do (``docs/protocol.md`` step 4). Each param's grad
   becomes the sum / W, or stays ``None`` where no rank had one.
 
 Per step that is one call where FSDP2 would make two (an all_gather in forward and a

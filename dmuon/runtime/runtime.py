@@ -1,6 +1,7 @@
 """The runtime of one :class:`~dmuon.DedicatedParams`: its pass state machine and what its hooks
-do (the role of FSDP2's ``FSDPParamGroup``). The protocol is ``dedicated_params.py``'s docstring; the
-states and their transitions are ``state.py``'s.
+do (the role of FSDP2's ``FSDPParamGroup``). The protocol the hooks follow, and the states
+with their transitions, are described in ``docs/protocol.md``; the transition table is
+``state.py``'s.
 
 :class:`Runtime` builds the buckets (``bucket_module.Bucket``) and the :class:`~dmuon.runtime.schedule.Schedule`
 that issues their calls, registers the hooks (``attach.HookSet``), and follows the model's

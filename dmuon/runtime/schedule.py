@@ -1,6 +1,5 @@
 """The per-step schedule: when each bucket's broadcast and reduce is issued and waited, and
-the calls themselves (protocol steps 1-6 in ``dedicated_params.py``'s docstring, which stays the one
-description of the protocol).
+the calls themselves (steps 1-6 of ``docs/protocol.md``, the one description of the protocol).
 
 :class:`Schedule` owns the bucket order (``buckets``, renumbered by :meth:`Schedule.reorder`),
 the pass's :class:`Cursors` and one :class:`~dmuon.runtime.collectives.Launcher` per device; it

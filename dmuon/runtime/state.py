@@ -1,82 +1,17 @@
-"""DMuon's runtime states: one value per question, each with its allowed transitions written
-down (:data:`TRANSITIONS`) and checked on every change (the role of FSDP2's ``TrainingState``
-and ``ShardedState``). A change the tables do not allow is a bug in DMuon: :func:`check` raises
-:class:`~dmuon.errors.DMuonInternalError` naming the object and both states (an explicit
-raise, so the check holds under ``python -O``). Every write of a state goes through
-:func:`check`; a state's first value is set where its object is built.
+"""DMuon's runtime states: one enum per question (the pass state, each bucket's copies,
+replica and grads, the runtime's block-order, DDP and group checks), each with its allowed
+transitions written down (:data:`TRANSITIONS`, :data:`RECOVERIES`, :data:`CREATED`) and
+checked on every change (the role of FSDP2's ``TrainingState`` and ``ShardedState``).
 
-**Pass state** (:class:`TrainingState`, one per :class:`~dmuon.DedicatedParams`, ``dm.state``)::
-
-                          ┌───────────────── another forward ─────────────────┐
-                          ▼                                                   │
-    IDLE ───forward───▶ FORWARD ───root post-forward (or the first grad)───▶ FORWARD_DONE
-     ▲                    ▲                                                   │
-     │                    │ next forward                              first grad
-     │                    │                                                   ▼
-     │              BACKWARD_DONE ◀──────── end of backward ─────────────── BACKWARD
-     │                │    │         (queued callback)                        ▲
-     │                │    └────────── another backward (retained graph) ─────┘
-     │      step()    │
-     └────────────────┴──── FORWARD_DONE too (IDLE stays IDLE)
-
-    IDLE / FORWARD_DONE / BACKWARD_DONE ───close()───▶ CLOSED (terminal)
-
-"forward" is the root's pre-forward, or a driver's when the forward did not enter through
-the root. ``zero_grad()`` does not change the pass state (``loss = model(x);
-opt.zero_grad(); loss.backward()`` is a valid order). ``recover`` (any state -> IDLE) is the
-one exit from a state an exception left behind: a forward or backward that raised never
-reaches its end, so the next root forward, ``zero_grad()``, ``step()``, ``sync_params()`` or
-``close()`` finds ``FORWARD`` or ``BACKWARD`` outside autograd and recovers first. Entering
-``FORWARD`` or ``BACKWARD`` resets the pass's cursors (``schedule.Cursors``), nowhere else.
-
-**Per bucket** (:class:`dmuon.runtime.bucket_module.Bucket`):
-
-- :class:`Copy` ``copy``: the compute copy on the bucket's *non-holders*. Every rank tracks
-  the same value for every bucket, holders included, because it decides the collectives
-  (it changes only at points every rank passes). Non-holders' storage is allocated exactly
-  when it is not ``FREED``::
-
-                      issue (forward, Z3 backward)            wait
-        FREED, STALE ─────────────────────────────▶ IN_FLIGHT ─────▶ VALID
-        FREED, STALE ──── sync_params (synchronous) ───────────────▶ VALID
-               STALE ──── params_loaded ───────────────────────────▶ VALID
-        VALID, STALE ──── Z3 free (after a block's forward, the end ▶ FREED
-                          of forward / backward, step(), recovery)
-               VALID ──── step(), a move ──────────────────────────▶ STALE
-               FREED ──── a move that re-allocates (values, or meta) ▶ STALE
-
-  A free or a move waits an in-flight broadcast first (IN_FLIGHT -> VALID). Z2 never frees.
-- :class:`Copy` ``master`` (mixed precision only; ``None`` otherwise): the non-holders'
-  master copy (the registered, e.g. ``float32``, params). ``FREED`` from construction on;
-  ``VALID`` after ``sync_params`` (a synchronous broadcast: never ``IN_FLIGHT``) or
-  ``params_loaded``; ``STALE`` after ``step()``; ``FREED`` again at the next forward.
-- :class:`Replica` ``replica``: this rank's master copy as a holder under HSDP: ``RECEIVING``
-  from ``step()`` (the owner's asynchronous replicate broadcast) until it is waited (the
-  bucket's next forward issue, ``sync_params``, ``params_loaded``, ``step()``, a move,
-  ``close()``). Local: non-holders stay ``CURRENT``.
-- :class:`Grads` ``grads``: the bucket's gradient lifecycle (the same on every rank except
-  ``NONE`` / ``LOCAL``, which follow this rank's own grads)::
-
-        NONE ──grad hook──▶ LOCAL ──reduce issued──▶ REDUCING ──waited──▶ REDUCED ──step()──▶ STEPPED
-        NONE ──reduce issued (no local grad: zeros)──▶ REDUCING
-        any ──zero_grad() / recover from an aborted backward──▶ NONE
-
-  ``LOCAL`` persists across ``no_sync()`` backward passes (``step()`` in ``LOCAL`` raises).
-  A backward that starts in ``REDUCED`` (no step since) or ``STEPPED`` (no ``zero_grad()``
-  since) raises, naming the cause. A grad that arrives in ``REDUCING`` or ``REDUCED`` (a
-  param used twice in one backward whose uses backpropagate separately: reentrant activation
-  checkpointing) is the user's ``ValueError`` raised by the grad hook, before this table.
-
-**Per runtime** (:class:`dmuon.runtime.runtime.Runtime`), besides the pass state:
-
-- :class:`BlockOrder` ``order_state``: ``RECORDING`` (the first forward records the blocks'
-  order) ``──first step()──▶ AGREED`` (renumbered, protocol step 7; terminal).
-- :class:`DdpCheck` ``ddp_check`` (``rest="wrapper"``: whether something averages the rest's
-  grads, ``rest.warn_if_not_averaged``): ``OFF`` under ``rest="replicate"`` (terminal);
-  ``LOOKING ──a forward inside DDP──▶ SEEN``; ``LOOKING, SEEN ──a step() that could tell──▶
-  DONE`` (terminal).
-- :class:`GroupCheck` ``group_check``: ``CHECKED ──a bucket re-bound (a move)──▶ PENDING
-  ──Runtime.check_groups passed──▶ CHECKED``.
+What each state means, when it changes and the diagrams: ``docs/protocol.md``, "States" (the
+one description; the tables here are the code). Every write of a state goes through
+:func:`check`; a state's first value is set where its object is built. A change the tables do
+not allow is a bug in DMuon: :func:`check` raises :class:`~dmuon.errors.DMuonInternalError`
+naming the object and both states (an explicit raise, so the check holds under
+``python -O``). :class:`StateMachine` holds the pass state of one
+:class:`~dmuon.DedicatedParams`; the per-bucket states live in
+:class:`dmuon.runtime.bucket.Bucket`, the runtime's own in
+:class:`dmuon.runtime.runtime.Runtime`.
 """
 
 from __future__ import annotations
@@ -98,7 +33,7 @@ class TrainingState(enum.Enum):
 
 
 class Copy(enum.Enum):
-    """A bucket's copy on the ranks that do not hold it (module docstring)."""
+    """A bucket's copy on the ranks that do not hold it (``docs/protocol.md``, "States")."""
 
     FREED = "freed"  # no storage on non-holders; values stale
     STALE = "stale"  # allocated, older than the holder's values
@@ -107,14 +42,14 @@ class Copy(enum.Enum):
 
 
 class Replica(enum.Enum):
-    """A holder's master copy under HSDP (module docstring)."""
+    """A holder's master copy under HSDP (``docs/protocol.md``, "States")."""
 
     CURRENT = "current"
     RECEIVING = "receiving"  # the owner's replicate broadcast is writing it
 
 
 class Grads(enum.Enum):
-    """A bucket's gradients (module docstring)."""
+    """A bucket's gradients (``docs/protocol.md``, "States")."""
 
     NONE = "none"  # no grad since the last zero_grad() / step consumed them
     LOCAL = "local"  # this rank's grads accumulated, not reduced (no_sync, or before the issue)
@@ -186,7 +121,7 @@ TRANSITIONS: dict[type, dict[enum.Enum, frozenset]] = {
                  GroupCheck.PENDING: frozenset({GroupCheck.CHECKED})},
 }
 
-#: ``recover``'s transitions (protocol, "Outside the step"): the pass states an exception
+#: ``recover``'s transitions (``docs/protocol.md``, "Outside the step"): the pass states an exception
 #: leaves behind, back to IDLE. Only :meth:`StateMachine.recover` takes them.
 RECOVERIES: dict[enum.Enum, frozenset] = {S.FORWARD: frozenset({S.IDLE}),
                                            S.BACKWARD: frozenset({S.IDLE})}

@@ -1,6 +1,6 @@
 """The usage elements of a reduce, without a host–device sync in the common case.
 
-A reduce carries one usage element per param after the grads (``dedicated_params.py`` step 4;
+A reduce carries one usage element per param after the grads (``docs/protocol.md`` step 4;
 ``rest.py``): 1 where this rank produced a grad, else 0. After the sum, a param whose
 element is 0 had a grad on no rank, and keeps ``.grad = None``. Both directions used to
 synchronise the host with the device on CUDA, once per backward: the flags were written by a

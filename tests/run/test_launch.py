@@ -196,7 +196,7 @@ def test_verify_traffic_end_to_end_two_processes(tmp_path):
     report = json.loads((tmp_path / "runs/e2e/report.json").read_text())
     (run,) = report["runs"]
     # 3(N-1)/N - (N-1)/N·P_M^L at N=2, P_M^L = P_M: TinyGPT is one unit under gloo's 2 MB
-    # target, which Z3 keeps from forward into backward (dmuon/runtime/dedicated_params.py step 2)
+    # target, which Z3 keeps from forward into backward (docs/protocol.md step 2)
     assert report["pass"] and run["mode"] == "dmuon-z3" and run["ratio_to_p_m"] == 1.0
     assert run["sources"]["flight_recorder"]["pass"]
     assert run["sources"]["profiler"]["pass"]  # torch.profiler: the third source on CPU

@@ -1,4 +1,4 @@
-"""The block-order rule (buckets in execution order, ``dmuon/runtime/dedicated_params.py`` step 7) as a pure
+"""The block-order rule (buckets in execution order, ``docs/protocol.md`` step 7) as a pure
 function: the predictor's implementation (``verify/traffic/predict.py``) on hand-written cases, the
 runtime's (``dmuon/runtime/order.py``) agreeing with it, and the predicted bucket list and layout
 following it."""
@@ -73,7 +73,7 @@ def test_predicted_buckets_follow_the_order_which_picks_only_the_unit_z3_keeps(m
     if mode.endswith("z2"):  # no unit is kept: the calls of a step, a multiset, ignore the order
         assert Counter(predict_step(reordered)) == Counter(predict_step(layout))
         return
-    # Z3 keeps the unit of the last bucket index (dmuon/runtime/dedicated_params.py step 2): blocks.1 in
+    # Z3 keeps the unit of the last bucket index (docs/protocol.md step 2): blocks.1 in
     # model order, blocks.0 in the recorded order; the other block alone is re-broadcast in
     # backward, and nothing else depends on the order
     rest = [Counter(e for e in predict_step(x) if not _is_rebroadcast(e)) for x in (reordered, layout)]

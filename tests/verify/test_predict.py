@@ -117,7 +117,7 @@ def test_block_rule_and_cap():
 
 
 # --------------------------------------------------------------------------- closed forms
-#: Z3 keeps the last unit from its forward into the backward (dmuon/runtime/dedicated_params.py step 2):
+#: Z3 keeps the last unit from its forward into the backward (docs/protocol.md step 2):
 #: here blocks.1 (one unit per block without coalescing), half of TinyGPT's P_M since both
 #: blocks hold the same matrices, so the backward re-broadcast loses (N-1)/N · P_M/2.
 KEPT_SHARE = Fraction(1, 2)
@@ -228,7 +228,7 @@ def test_closed_form_table_is_the_spec_at_n3():
 @pytest.mark.parametrize("mode", ["dmuon-z3", "dmuon-hsdp-z3"])
 def test_z3_closed_forms_lose_the_kept_units_rebroadcast(mode):
     # the kept unit's P_M^L is not re-broadcast: -(N-1)/N·P_M^L in backward, nowhere else
-    # (dmuon/runtime/dedicated_params.py step 3); P_M = 12, P_M^L = 3 at N = 3, R = 2
+    # (docs/protocol.md step 3); P_M = 12, P_M^L = 3 at N = 3, R = 2
     form = closed_form(mode, 3, 2)
     a = 2 / 3
     for phase in ("forward", "backward", "replicate", "optimizer"):
@@ -320,7 +320,7 @@ def _rebroadcasts(layout: RunLayout) -> Counter:
 
 
 def test_z3_keeps_the_last_unit_and_rebroadcasts_every_other_once():
-    """dmuon/runtime/dedicated_params.py steps 2-3: the unit of the last bucket index (blocks.1 in
+    """docs/protocol.md steps 2-3: the unit of the last bucket index (blocks.1 in
     TinyGPT's model order) stays valid from its forward into the backward; every other
     bucket is re-broadcast exactly once, as it was broadcast once in forward."""
     from verify.traffic.predict import kept_elems
@@ -495,7 +495,7 @@ def test_verify_traffic_rest_flag():
 
 @pytest.mark.parametrize("mode,coalesce", [("dmuon-hsdp-z2", 0), ("dmuon-z3", 56_000)])
 def test_gloo_reduces_by_gather_with_the_counts_and_traffic_of_reduce(mode, coalesce):
-    """dmuon/runtime/dedicated_params.py step 4 on gloo: every reduce (shard and replicate axis) is a
+    """docs/protocol.md step 4 on gloo: every reduce (shard and replicate axis) is a
     gather to the same root and every aligned reduce_scatter an all_to_all, with the same
     counts; the W-average traffic, hence the closed form, is unchanged."""
     from examples.structures import EqualBlocks

@@ -105,7 +105,7 @@ def test_zero1_counts_and_memory():
 @pytest.mark.parametrize("mode, mesh", [("dmuon-z3", (1, 4)), ("dmuon-hsdp-z3", (2, 3))])
 def test_z3_call_count_drops_the_kept_units_rebroadcasts(mode, mesh):
     """Z3 re-broadcasts every bucket in backward but those of the kept unit (the last layer,
-    dmuon/runtime/dedicated_params.py step 2): Z3 issues Z2's calls plus one per other bucket."""
+    docs/protocol.md step 2): Z3 issues Z2's calls plus one per other bucket."""
     from verify.traffic.predict import kept_unit, layout_buckets
 
     # rest="replicate": the same rest all_reduce under Z2 and Z3 (FSDP2 would re-gather under Z3)

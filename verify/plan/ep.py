@@ -260,7 +260,7 @@ def ep_report(ml, mesh: tuple[int, int], e: int, *, coalesce_bytes: int, config=
         mesh: (R, N); the job's mesh is (R, N, E).
         e: E >= 1.
         coalesce_bytes: DMuon's unit target in bytes (the table's, ``coalesce="auto"``); on an
-            EP mesh DMuon joins no blocks (``dmuon/runtime/dedicated_params.py``, "Expert parallelism":
+            EP mesh DMuon joins no blocks (``docs/protocol.md``, "Expert parallelism":
             one unit per block, its dense and expert buckets side by side), so the EP section
             prices both parts at target 0 whatever is given.
         config: the model's ``config`` (``moe.top_k``, ``d_model``) for the activations row.

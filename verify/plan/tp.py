@@ -1,6 +1,6 @@
 """``dmuon-plan --tp T``: DMuon × tensor parallelism on an (R, N, T) mesh.
 
-Derived from the documented protocol (``dmuon/runtime/dedicated_params.py``, "Tensor parallelism";
+Derived from the documented protocol (``docs/protocol.md``, "Tensor parallelism";
 ``docs/traffic-model.md``, "Tensor parallelism"), not from the runtime. Which matrices are
 TP-sharded: every Muon matrix of a 2-D param one of whose dims T divides (torchtitan's plan
 shards every block Linear with ``ColwiseParallel`` / ``RowwiseParallel``; an output dim that

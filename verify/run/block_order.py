@@ -2,7 +2,7 @@
 and of the modules that run more than once per forward (``RunLayout.module_calls``).
 
 DMuon numbers its buckets by the order in which the blocks' forwards first ran in the first
-forward after ``dedicate_params`` (``dmuon/runtime/dedicated_params.py``, step 7). The predictor must not ask
+forward after ``dedicate_params`` (``docs/protocol.md``, step 7). The predictor must not ask
 the runtime for that order, so the harness watches the same forward with hooks of its own: a
 forward pre-hook on the model's root (the module given to ``dedicate_params``) starts the
 record, one on each block (:func:`verify.traffic.predict.dmuon_block` of a dedicated param's module)

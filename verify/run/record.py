@@ -37,7 +37,7 @@ check ``memory``, docs/verify.md "Memory"). Rank 0 writes ``report.json``, ``rep
 
 Create the window before the first training step: it records the order in which DMuon's
 blocks first run in the first forward it sees (``verify.run.block_order``; DMuon numbers its
-buckets by the first step's order, ``dmuon/runtime/dedicated_params.py`` step 7), which the layout reports as
+buckets by the first step's order, ``docs/protocol.md`` step 7), which the layout reports as
 ``dmuon_block_order``. Start it after at least one step: the first step has setup calls (DDP's
 bucket rebuild, DMuon's block-order agreement) that the prediction of a steady step omits.
 

@@ -2,7 +2,7 @@
 ``("replicate", "shard", "ep")`` = R × N × E, W = R·N·E, rank (r, s, e) = world rank
 ``(r·N + s)·E + e``.
 
-Derived from the documented protocol (``dmuon/runtime/dedicated_params.py``, "Expert parallelism";
+Derived from the documented protocol (``docs/protocol.md``, "Expert parallelism";
 ``docs/traffic-model.md``, "Expert parallelism") and the planner, never from the runtime (this
 module imports ``dmuon.ownership.plan`` and nothing else of ``dmuon``):
 

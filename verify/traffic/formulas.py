@@ -76,7 +76,7 @@ class ClosedForm:
     reused_elems``; 0 without reuse, so the forms above are unchanged), ``reuse_text`` is
     that term as printed. ``kept_phases`` maps phase -> factor of P_M^L, the elements of the
     unit DMuon's Z3 keeps allocated from its forward into the backward, which it does not
-    re-broadcast (``dmuon/runtime/dedicated_params.py`` steps 2-3; ``verify.traffic.predict.
+    re-broadcast (``docs/protocol.md`` steps 2-3; ``verify.traffic.predict.
     kept_elems``), ``kept_text`` is that term as printed.
     """
 
@@ -158,7 +158,7 @@ def closed_form(mode: str, shard_size: int, replicate_size: int = 1, *, flat: bo
     both_again = {"forward": a, "backward": a}
     once, twice = " + (N-1)/N·P_M^r", " + 2(N-1)/N·P_M^r"
     # DMuon's Z3 keeps the last unit (P_M^L) from its forward into the backward: no backward
-    # re-broadcast of it (dmuon/runtime/dedicated_params.py steps 2-3)
+    # re-broadcast of it (docs/protocol.md steps 2-3)
     kept = dict(kept_phases={"backward": -a}, kept_text=" − (N-1)/N·P_M^L")
     table: dict[str, ClosedForm] = {
         "ddp-muon": ClosedForm("2(N-1)/N", {"backward": 2 * a}),

@@ -7,10 +7,11 @@ to Muon-target params (``dedicated_count``, used to attribute fused buckets).
 
 What is modelled (torch 2.13, measured on gloo by the harness):
 
-- DMuon, derived here from the documented protocol (docs/spec.md §1 and the glossary of
-  ``dmuon/runtime/dedicated_params.py``) and the planner's output alone: a *bucket* is the dedicated params
-  of one block (a ``ModuleList`` element) with the same global owner and dtype, cut at
-  ``bucket_cap_mb`` and ordered block by block in the recorded execution order
+- DMuon, derived here from the documented protocol (``docs/protocol.md``: its terms and
+  steps 1-7; why: docs/spec.md §1) and the planner's output alone, never from the runtime's
+  code: a *bucket* is the dedicated params of one unit (a run of consecutive blocks, each a
+  ``ModuleList`` element) with the same global owner and dtype, cut at
+  ``bucket_cap_mb`` and ordered unit by unit in the recorded execution order
   (:func:`dmuon_buckets`, :func:`dmuon_block_sequence`); per bucket a
   forward broadcast over the shard axis from its holder; Z3 re-broadcast in backward, except
   for the last unit in that order, which Z3 keeps allocated from its forward into the backward
@@ -18,7 +19,7 @@ What is modelled (torch 2.13, measured on gloo by the harness):
   the replicate axis; (HSDP) the owner's replicate broadcast after the step; under Z3, a block
   whose forward runs more than once per forward (weight sharing, ``RunLayout.module_calls``)
   is broadcast again for every further run unless its unit is the kept one
-  (``dmuon/runtime/dedicated_params.py`` steps 2-3, :func:`dmuon_broadcasts`). Independence: this module imports
+  (``docs/protocol.md`` steps 2-3, :func:`dmuon_broadcasts`). Independence: this module imports
   ``dmuon.ownership.plan`` (ParamSpec, OwnershipPlan, plan_ownership) and nothing else of ``dmuon``, so a
   bucketing bug in the runtime is not reproduced here (``tests/verify/test_predict.py`` checks it).
 - FSDP2 and DDP: the rules in :mod:`verify.traffic.rules` (shared with the aggregate
@@ -469,7 +470,7 @@ def dmuon_uneven_aligned(backend: str) -> bool:
     return backend in DMUON_UNEVEN_ALIGNED
 
 
-#: Backends on which DMuon reduces by gather (``dmuon/runtime/dedicated_params.py`` step 4): each
+#: Backends on which DMuon reduces by gather (``docs/protocol.md`` step 4): each
 #: reduce is a gather to the same root, each aligned reduce_scatter an all_to_all, same counts.
 DMUON_REDUCE_BY_GATHER = frozenset({"gloo"})
 
@@ -530,7 +531,7 @@ class DMuonBucket:
         blocks: the unit's blocks.
         aligned: one bucket per owner in its unit and dtype (of equal numel and param count
             unless the layout aligns uneven groups), moved by one call per channel
-            (``dmuon/runtime/dedicated_params.py``).
+            (``docs/protocol.md``).
     """
 
     module: str
@@ -552,7 +553,7 @@ def dmuon_block(module: str) -> str:
 
 
 def dmuon_block_sequence(model_blocks: Sequence[str], recorded: Sequence[str]) -> tuple[str, ...]:
-    """The block order DMuon's buckets follow after the first step (``dmuon/runtime/dedicated_params.py``,
+    """The block order DMuon's buckets follow after the first step (``docs/protocol.md``,
     step 7; ``dmuon/runtime/order.py``'s rule, written here independently).
 
     ``model_blocks``: the blocks in model order; ``recorded``: blocks in the order their
@@ -727,7 +728,7 @@ def _dmuon_calls(layout: RunLayout, rank: int) -> list[Expected]:
         forward, backward = dmuon_broadcasts(layout, b, kept)
         add("forward", "broadcast", sid, n, b, cast, s_own, times=forward)
         add("backward", "broadcast", sid, n, b, cast, s_own, times=backward)
-        # a reduce carries the grads, then one usage element per param (dmuon/runtime/dedicated_params.py
+        # a reduce carries the grads, then one usage element per param (docs/protocol.md
         # step 4): count numel + params, dedicated payload numel
         usage = len(b.names)
         add("backward", reduce, sid, n, b, red, s_own, usage)
@@ -856,7 +857,7 @@ def run_closed_form(layout: RunLayout) -> ClosedForm:
 def kept_unit(layout: RunLayout, buckets: Sequence[DMuonBucket]) -> str | None:
     """The unit Z3 keeps allocated from its forward into the backward, given ``buckets`` in
     index order (:func:`layout_buckets`): the unit of the last bucket index
-    (``dmuon/runtime/dedicated_params.py`` step 2; a forward with grad enabled, as every forward the
+    (``docs/protocol.md`` step 2; a forward with grad enabled, as every forward the
     harness measures). ``None`` under Z2 (nothing is freed) or without buckets."""
     if not layout.reshard_after_forward or not buckets:
         return None
@@ -865,7 +866,7 @@ def kept_unit(layout: RunLayout, buckets: Sequence[DMuonBucket]) -> str | None:
 
 def dmuon_broadcasts(layout: RunLayout, bucket: DMuonBucket, kept: str | None) -> tuple[int, int]:
     """``(forward, backward)``: how many broadcasts (an aligned group: all_gathers) move
-    ``bucket`` per step, ``kept`` being :func:`kept_unit` (``dmuon/runtime/dedicated_params.py``
+    ``bucket`` per step, ``kept`` being :func:`kept_unit` (``docs/protocol.md``
     steps 1-3).
 
     Z2: (1, 0), the buckets stay valid. Z3: a unit is freed once all its blocks ran, so a
@@ -991,7 +992,7 @@ def reused_elems(layout: RunLayout) -> int:
     forward, ``sum((calls - 1) * elements)`` over the Muon params, where calls is how many
     times the unit that moves the param runs (:attr:`RunLayout.module_calls`): DMuon's unit
     in the DMuon modes (:func:`unit_runs`), except the unit Z3 keeps allocated
-    (:func:`kept_unit`: it stays valid between its runs, ``dmuon/runtime/dedicated_params.py`` step 2);
+    (:func:`kept_unit`: it stays valid between its runs, ``docs/protocol.md`` step 2);
     the ``fully_shard`` module holding the param in the FSDP2 baselines, whose elements count
     padded on dim 0 to a multiple of N as their closed form does
     (``verify.traffic.formulas.PADDED_MODES``). 0 in the DDP and ZeRO-1 modes, and when
@@ -1016,7 +1017,7 @@ def reused_elems(layout: RunLayout) -> int:
 
 def kept_elems(layout: RunLayout) -> int:
     """P_M^L: the Muon elements of the unit DMuon's Z3 keeps allocated from its forward into
-    the backward (:func:`kept_unit`, ``dmuon/runtime/dedicated_params.py`` step 2), which therefore
+    the backward (:func:`kept_unit`, ``docs/protocol.md`` step 2), which therefore
     gets no backward re-broadcast. 0 outside the DMuon modes and under Z2. The closed forms
     add a multiple of it (``verify.traffic.formulas.ClosedForm.kept_phases``)."""
     if not layout.is_dmuon:

@@ -1,7 +1,7 @@
 """The prediction of a tensor-parallel (TP) run: mesh ``("shard", "tp")`` = N × T or
 ``("replicate", "shard", "tp")`` = R × N × T, W = R·N·T, rank ``(r·N + s)·T + t``.
 
-Derived from the documented protocol (``dmuon/runtime/dedicated_params.py``, "Tensor parallelism";
+Derived from the documented protocol (``docs/protocol.md``, "Tensor parallelism";
 ``docs/traffic-model.md``, "Tensor parallelism") and the planner, never from the runtime
 (this module imports ``dmuon.ownership.plan`` and nothing else of ``dmuon``):
 

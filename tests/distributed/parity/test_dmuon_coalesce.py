@@ -12,7 +12,7 @@ pytestmark = pytest.mark.distributed
 
 
 # per step, aligned ("all"): one call per channel; "block": one per bucket (8 matrices). Z3
-# re-broadcasts every unit but the last (dmuon/runtime/dedicated_params.py step 2): none of the one
+# re-broadcasts every unit but the last (docs/protocol.md step 2): none of the one
 # "all" unit, 7 of the 8 blocks
 EXPECTED_ALL = {
     "ddp": {("all_gather", "forward"): 1, ("reduce_scatter", "backward"): 1},

@@ -174,7 +174,7 @@ def test_tp_clip_grad_norm_counts_every_element_once(pool4, mode):
 
 
 def test_tp_buckets_hold_local_shards_and_the_predictor_derives_them(pool4):
-    """The bucket cap counts local shard bytes (dedicated_params.py, "Tensor parallelism"): at a cap of
+    """The bucket cap counts local shard bytes (docs/protocol.md, "Tensor parallelism"): at a cap of
     2,100 bytes two 1 KiB local shards of one owner share a bucket, which their 2 KiB full
     matrices could not. Phase D's predictor (verify/traffic/tp.py) derives the same buckets
     from the documented rule and the planner alone."""

@@ -27,7 +27,7 @@ def test_swapped_bucket_members_fail_naming_the_collectives(pool2):
     b = next(x for x in buckets if x.module == mod_b and x.owner != a.owner)
     missing = {(m["op"], m["count"], m["root"]) for m in run["missing"]}
     unexpected = {(u["op"], u["count"], u["root"]) for u in run["unexpected"]}
-    reduce = "gather" if layout.dmuon_reduce_by_gather else "reduce"  # gloo: dedicated_params.py step 4
+    reduce = "gather" if layout.dmuon_reduce_by_gather else "reduce"  # gloo: docs/protocol.md step 4
     for op in ("broadcast", reduce):
         # predicted: each bucket whole from its owner; issued: the other one's size (a reduce
         # also carries one usage element per param)

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.distributed
 
 #: docs/spec.md §2 at N=4 (1-D) and N=2, R=2 (HSDP 2x2), as multiples of P_M. DMuon's Z3 forms
 #: lose (N-1)/N·P_M^L in backward, the unit kept from forward into backward (the last one,
-#: dmuon/runtime/dedicated_params.py step 2); coalesce="auto" on gloo makes TinyGPT's 8 fp32 matrices
+#: docs/protocol.md step 2); coalesce="auto" on gloo makes TinyGPT's 8 fp32 matrices
 #: (393,216 bytes, under the 2 MB target) one unit, so P_M^L = P_M: dmuon-z3 3(N-1)/N - (N-1)/N
 #: = 2(N-1)/N = 1.5 and dmuon-hsdp-z3 2(W-1)/W + (N-1)/N - (N-1)/N = 1.5, Z2's traffic.
 Z3_KEPT_SHARE = 1.0

@@ -36,7 +36,7 @@ def test_expert_stacks_are_inside_p_m_with_the_closed_forms_unchanged(pool2, tmp
     assert [e["name"] for e in report["params"]["adamw"]] == ["norm.weight", "norm.bias",
                                                               "head.weight", "head.bias"]
     # coalesce="auto": P_M's 79,680 fp32 bytes are one unit under gloo's 2 MB target, which Z3
-    # keeps from forward into backward (dmuon/runtime/dedicated_params.py step 2): P_M^L = P_M, so
+    # keeps from forward into backward (docs/protocol.md step 2): P_M^L = P_M, so
     # 3(N-1)/N - (N-1)/N = 2(N-1)/N = 1.0 at N=2
     assert runs["dmuon-z3"]["p_m_kept"] == runs["dmuon-z3"]["p_m"]
     assert runs["dmuon-z3"]["ratio_to_p_m"] == pytest.approx(1.0)
@@ -59,7 +59,7 @@ def test_a_block_run_twice_per_forward_is_sent_again_as_predicted(pool2, tmp_pat
         assert runs[mode]["p_m_reused"] == block0, mode
     # DMuon's coalesce="auto" makes inp, blocks.0 and blocks.1 one unit (15,000 fp32 elements,
     # under gloo's 2 MB), the last one, which Z3 keeps from its forward into the backward
-    # (dmuon/runtime/dedicated_params.py step 2): block 0's second run finds it valid and sends nothing,
+    # (docs/protocol.md step 2): block 0's second run finds it valid and sends nothing,
     # and backward re-broadcasts nothing; forward and backward move P_M once each (Z2's 1.0)
     unit = 20 * 50 + 2 * block0
     assert runs["dmuon-z3"]["p_m_reused"] == 0 and runs["dmuon-z3"]["p_m_kept"] == unit == runs["dmuon-z3"]["p_m"]
@@ -73,7 +73,7 @@ def test_a_reused_block_is_sent_again_unless_its_unit_is_kept(pool2, tmp_path):
     """shared_block with one unit per block (coalesce="block"): blocks.0 runs twice and is freed
     after its first run, so Z3 broadcasts it again (P_M^r); blocks.1, the last unit, is kept
     from its forward into the backward and not re-broadcast (P_M^L;
-    dmuon/runtime/dedicated_params.py steps 2-3)."""
+    docs/protocol.md steps 2-3)."""
     _, runs = _run(pool2, tmp_path, ("dmuon-z3",), "examples.structures:shared_block", coalesce="block")
     run, block = runs["dmuon-z3"], 2 * 50 * 70  # blocks.0 and blocks.1 alike
     assert run["p_m"] == 20 * 50 + 2 * block and run["p_m_reused"] == run["p_m_kept"] == block
@@ -118,7 +118,7 @@ def test_equal_blocks_move_as_one_aligned_unit(pool2, tmp_path):
     assert runs["dmuon-z3"]["p_m"] == 4 * 2 * 50 * 70
     for mode in ("dmuon-ddp", "dmuon-z3"):  # 2 measured steps x 2 ranks x one all_gather
         assert runs[mode]["phases"]["forward"]["collectives_measured"] == 4
-    # Z3 keeps the one unit from forward into backward (dmuon/runtime/dedicated_params.py step 2): no
+    # Z3 keeps the one unit from forward into backward (docs/protocol.md step 2): no
     # backward all_gather, only the reduce_scatter (2 steps x 2 ranks)
     assert runs["dmuon-z3"]["phases"]["backward"]["collectives_measured"] == 4
     assert runs["dmuon-z3"]["closed_form"] == "3(N-1)/N − (N-1)/N·P_M^L"

@@ -18,7 +18,7 @@ TIMEOUT_S = 180
 #: TinyGPT (d=64, 2 layers) at N = T = 2, W = 4: P_M = 98,304, P_TP = 65,536 (fc1, fc2),
 #: P_rep = 32,768 (qkv, proj), P_loc = P_TP/2 + P_rep = 65,536. Z2: (N-1)/N·P_loc twice +
 #: 2(T-1)/(T·W)·P_TP = 81,920 = 5/6·P_M; Z3 + (N-1)/N·P_loc - (N-1)/N·P_loc^L, P_loc^L the local
-#: elements of the unit Z3 keeps from forward into backward (dmuon/runtime/dedicated_params.py step 2):
+#: elements of the unit Z3 keeps from forward into backward (docs/protocol.md step 2):
 #: the local shards (262,144 fp32 bytes) are one unit under gloo's 2 MB target, so P_loc^L = P_loc
 #: and Z3 = Z2 = 5/6; naive Z3: 4(N-1)/N·P_loc + (T-1)/T·P_TP = 5/3; naive Z2 4/3.
 EXPECTED_RATIO = {"dmuon-z2": 5 / 6, "dmuon-z3": 5 / 6, "naive-fsdp2-z3": 5 / 3, "naive-fsdp2-z2": 4 / 3}

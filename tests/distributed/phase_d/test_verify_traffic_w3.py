@@ -34,7 +34,7 @@ def test_w3_ratios_and_three_sources(w3_run):
     assert report["config"]["global_batch"] is None and report["config"]["batch_per_rank"] == 2
     runs = {r["mode"]: r for r in report["runs"]}
     # Z3: 3(N-1)/N - (N-1)/N·P_M^L; TinyGPT is one unit under gloo's 2 MB coalesce target,
-    # which Z3 keeps from forward into backward (dmuon/runtime/dedicated_params.py step 2): P_M^L = P_M
+    # which Z3 keeps from forward into backward (docs/protocol.md step 2): P_M^L = P_M
     assert runs["dmuon-z3"]["p_m_kept"] == runs["dmuon-z3"]["p_m"]
     for mode, ratio in (("dmuon-z2", 4 / 3), ("dmuon-z3", 2.0 - 2 / 3)):
         run = runs[mode]

@@ -72,7 +72,7 @@ def reduce_issue_and_wait_order(mode: str) -> list[tuple[str, int]]:
 
     wrapped, model, dm, opt = build(mode, config=THREE_BLOCKS, coalesce="block")
     log: list[tuple[str, int]] = []
-    # the shard reduce's seam: a gather to the holder on gloo (dedicated_params.py step 4)
+    # the shard reduce's seam: a gather to the holder on gloo (docs/protocol.md step 4)
     name, group_at = ("gather_", 3) if dm.reduce_by_gather else ("reduce_sum_", 2)
     original = getattr(seam, name)
 

@@ -1,5 +1,5 @@
 """gloo's reductions as gathers (``collectives.Launcher(reduce_by_gather=True)``,
-``dmuon/runtime/dedicated_params.py`` step 4): a reduce is a gather to the root plus a local sum, a
+``docs/protocol.md`` step 4): a reduce is a gather to the root plus a local sum, a
 reduce_scatter an all_to_all plus a local sum, with the results of the backend's own calls
 (exactly, for values whose sums are exact in any order) and the counts of the calls they
 replace."""
