@@ -11,6 +11,8 @@
   verify/, tracer/) cites an issue by its number ("issue 31", "(issue 34, item 2)"): a user
   cannot look those up; say what the text means today. Upstream reports are cited as
   ``owner/repo#N``.
+- docs/protocol.md is the protocol's one text: every citation of it by step ("step 4") or by
+  section ("States") in a tracked .py or .md file names a step 1-7 or a heading it has.
 """
 
 from __future__ import annotations
@@ -224,3 +226,55 @@ def test_every_test_the_porting_guide_names_exists():
                for m in re.findall(r"^def (test_\w+)", path.read_text(), re.M)}
     assert len(named) >= 20, sorted(named)
     assert sorted(named - defined) == []
+
+
+#: A citation of docs/protocol.md by step ("docs/protocol.md step 4", "``docs/protocol.md``, steps
+#: 2-3", "[protocol.md](protocol.md) step 2") or by section (``protocol.md``, "States").
+_PROTOCOL_CITE = re.compile(
+    r'protocol\.md(?:`{1,2}|\))?,?\s+(?:"([^"]+)"|steps?\s+(\d+)(?:\s*[-–]\s*(\d+))?)')
+
+
+def _bad_protocol_citations(text: str, headings: set[str]) -> list[str]:
+    """The citations in ``text`` of a step or section that docs/protocol.md does not have
+    (``headings``: its heading texts)."""
+    bad = []
+    for m in _PROTOCOL_CITE.finditer(text):
+        section, first, last = m.groups()
+        if section is not None:
+            ok = section in headings
+        else:
+            steps = range(int(first), int(last or first) + 1)
+            ok = all(any(h.startswith(f"Step {n}:") for h in headings) for n in steps)
+        if not ok:
+            bad.append(m.group(0))
+    return bad
+
+
+def _protocol_headings() -> set[str]:
+    text = _FENCE.sub("", (ROOT / "docs" / "protocol.md").read_text())
+    return {h.strip() for h in re.findall(r"^#{1,6}\s+(.*?)\s*#*\s*$", text, re.M)}
+
+
+def test_protocol_citations_name_its_steps_and_sections():
+    """docs/protocol.md is the protocol's one text, cited by step number ("step 4") and section
+    from code, tests and pages: every such citation names a step 1-7 or a heading it has, so a
+    renumbered step or a renamed section cannot leave stale pointers behind."""
+    headings = _protocol_headings()
+    assert {f"Step {n}" for n in range(1, 8)} <= {h.split(":")[0] for h in headings}
+    hits = [f"{path.relative_to(ROOT)}: {c}" for path in _tracked("*.py", "*.md")
+            if path != Path(__file__).resolve()  # its planted controls below
+            for c in _bad_protocol_citations(path.read_text(errors="replace"), headings)]
+    assert not hits, "citations of docs/protocol.md it cannot answer:\n" + "\n".join(hits)
+
+
+@pytest.mark.parametrize("text,bad", [
+    ("(docs/protocol.md step 4)", []),
+    ("``docs/protocol.md``, steps 2-3", []),
+    ('[protocol.md](protocol.md), "Tensor parallelism"', []),
+    ("(docs/protocol.md step 9)", ["protocol.md step 9"]),
+    ("``docs/protocol.md`` steps 6-8", ["protocol.md`` steps 6-8"]),
+    ('``docs/protocol.md``, "Per step"', ['protocol.md``, "Per step"']),
+])
+def test_protocol_citation_check_catches_planted_ones(text, bad):
+    """The control of the check above: planted citations of a missing step or section fail."""
+    assert _bad_protocol_citations(text, _protocol_headings()) == bad
