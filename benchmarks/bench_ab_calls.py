@@ -24,6 +24,7 @@ repository); run it once per tree and compare the two JSON files::
     python benchmarks/bench_ab_calls.py --tree /work/ab-before --json before.json
     python benchmarks/bench_ab_calls.py --tree /work/ab-now --json now.json
     python benchmarks/bench_ab_calls.py --compare before.json now.json [--top 15]
+    python benchmarks/bench_ab_calls.py --split now.json   # per package: dmuon, FSDP2, DDP, ...
 
 Files are keyed by their path inside the tree (or inside ``torch/``), names without line
 numbers, so a function that moved within its file still matches.
@@ -175,6 +176,42 @@ def summarise(per_rank: list[dict]) -> dict:
     return out
 
 
+#: Where a profiled function lives, first match wins (keys of ``funcs``: ``_func_key``).
+PACKAGES = (("dmuon", ("dmuon/",)),
+            ("torch FSDP2", ("torch/distributed/fsdp/",)),
+            ("torch DDP", ("torch/nn/parallel/",)),
+            ("torch distributed (other)", ("torch/distributed/",)),
+            ("torch (other)", ("torch/",)),
+            ("harness", ("verify/", "tracer/", "benchmarks/", "tests/")))
+
+
+def package_of(key: str) -> str:
+    """The :data:`PACKAGES` name of a ``"<file>:<name>"`` key; ``"builtins, stdlib, other"``
+    when none matches (C builtins show as ``~`` files). A venv inside the tree keeps its
+    ``site-packages`` prefix in the key: cut here."""
+    key = key.split("site-packages/", 1)[-1]
+    for name, prefixes in PACKAGES:
+        if key.startswith(prefixes):
+            return name
+    return "builtins, stdlib, other"
+
+
+def split(summary: dict) -> str:
+    """Per mode, Python calls and profiled own time (thread CPU us) per rank-step grouped by
+    package (:func:`package_of`): where a mode's extra Python goes, FSDP2's own or DMuon's.
+    Calls are load-independent; own times compare only within one invocation."""
+    lines = []
+    names = [n for n, _ in PACKAGES] + ["builtins, stdlib, other"]
+    lines.append("mode | " + " | ".join(f"{n}: calls (own us)" for n in names))
+    for mode, row in summary.items():
+        acc = {n: [0.0, 0.0] for n in names}
+        for key, (calls, own_us) in row["funcs"].items():
+            acc[package_of(key)][0] += calls
+            acc[package_of(key)][1] += own_us
+        lines.append(f"{mode} | " + " | ".join(f"{acc[n][0]:.0f} ({acc[n][1]:.0f})" for n in names))
+    return "\n".join(lines)
+
+
 def compare(a: dict, b: dict, top: int) -> str:
     """Text report of B against A: totals per mode, then per mode the functions whose calls and
     own time per rank-step grew most, and the aten ops and collectives whose counts changed."""
@@ -222,6 +259,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compare", nargs=2, type=Path, metavar=("A_JSON", "B_JSON"),
                         help="print B against A from two earlier --json files and exit")
     parser.add_argument("--top", type=int, default=15, help="functions listed per mode with --compare")
+    parser.add_argument("--split", type=Path, metavar="JSON",
+                        help="print an earlier --json file's Python calls and own time per package and exit")
     parser.add_argument("--world-size", type=int, default=4)
     parser.add_argument("--model", default="latency", choices=("latency", "mlp", "tinygpt"))
     parser.add_argument("--modes", default=",".join(DEFAULT_MODES))
@@ -233,6 +272,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.add_argument(f"--{name}", type=int, default=default)
     parser.add_argument("--json", type=Path, help="write the per-mode summary here")
     args = parser.parse_args(argv)
+    if args.split:
+        print(split(json.loads(args.split.read_text())))
+        return 0
     if args.compare:
         a, b = (json.loads(p.read_text()) for p in args.compare)
         print(compare(a, b, args.top))
@@ -255,6 +297,7 @@ def main(argv: list[str] | None = None) -> int:
     for mode, row in out.items():
         print(f"{mode}: py_calls {row['py_calls']:.0f}, ops {row['ops']:.0f}, collectives "
               f"{row['collectives']:.2f}, waits {row['waits']:.2f}, cpu_ms {row['cpu_ms']:.1f} per rank-step")
+    print(split(out))
     if args.json:
         args.json.write_text(json.dumps(out))
     return 0
