@@ -14,9 +14,10 @@ from pathlib import Path
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
+from tests.fuzzing import fast, slow
 from tests.tools import nccl_render as R
 from tests.tools.nccl_reference import assert_same, jobs, text_lines
 from tracer.nccl import columns as nccl_columns
@@ -41,9 +42,20 @@ def test_every_real_fixture_equals_the_reference(shared_fixtures, tmp_path, monk
 
 # ------------------------------------------------------------------ generated jobs
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@fast(20)
 @given(jobs(), st.sampled_from([64, 300, 4096]), st.booleans())
 def test_generated_jobs_equal_the_reference(job, chunk_bytes, last_newline):
+    _generated_job_case(job, chunk_bytes, last_newline)
+
+
+@pytest.mark.slow
+@slow(300)
+@given(jobs(), st.sampled_from([64, 300, 4096]), st.booleans())
+def test_generated_jobs_equal_the_reference_long(job, chunk_bytes, last_newline):
+    _generated_job_case(job, chunk_bytes, last_newline)
+
+
+def _generated_job_case(job, chunk_bytes, last_newline):
     sources, ends = job
     # in memory: each element one physical line
     mem = [(name, [ln + ends[i % len(ends)] for i, ln in enumerate(lines)])
@@ -209,7 +221,7 @@ def test_a_line_longer_than_a_chunk_and_lone_surrogates(tmp_path, monkeypatch):
     assert_same([("m", lines)], [("m", lines)])
 
 
-@settings(max_examples=60, deadline=None)
+@fast(60)
 @given(st.lists(st.tuples(st.text("0123456789", min_size=1, max_size=16),
                           st.text("x :[]=-", max_size=3)), min_size=1, max_size=30))
 def test_bulk_digits_equal_int(tokens):

@@ -52,10 +52,16 @@ def _assert_profiler_matches(results):
     assert all(e.dtype is not None for e in prof if e.op != "barrier")
 
 
-# naive-fsdp2-z2 in the slow set: naive-fsdp2-z3 runs the same FSDP2 path plus the reshard
-# HSDP modes run twice: "auto" (flat on gloo: TinyGPT is one unit) and the hierarchical
-# protocol NCCL jobs use (docs/traffic-model.md, "HSDP: flat or hierarchical")
-W4_CASES = [pytest.param(m, "auto", marks=pytest.mark.slow) if m == "naive-fsdp2-z2" else (m, "auto")
+# In the slow set, each a variant whose path a default case covers: naive-fsdp2-z2 and -z3
+# (FSDP2's own traffic: naive-hsdp runs FSDP2 with the reshard, and the uneven-shape case
+# below runs dmuon-z3 and dmuon-hsdp-z3 beside it), ddp-muon (DDP's all_reduce of every
+# param: dmuon-ddp's rest), dmuon-z2 (Z3 runs its forward broadcasts and reduces;
+# test_w2_exact and the gate tests run Z2 whole), and flat dmuon-hsdp-z3 (flat HSDP is the 1-D protocol over W
+# ranks: dmuon-z3 and flat dmuon-hsdp-z2). HSDP runs "auto" (flat on gloo: TinyGPT is one
+# unit) and the hierarchical protocol NCCL jobs use (docs/traffic-model.md, "HSDP: flat or
+# hierarchical").
+SLOW_W4 = {"naive-fsdp2-z2", "naive-fsdp2-z3", "ddp-muon", "dmuon-z2", "dmuon-hsdp-z3"}
+W4_CASES = [pytest.param(m, "auto", marks=pytest.mark.slow) if m in SLOW_W4 else (m, "auto")
             for m in MODES] + [("dmuon-hsdp-z2", "hierarchical"), ("dmuon-hsdp-z3", "hierarchical")]
 
 
