@@ -23,7 +23,7 @@ endif
 # `make test-torch TORCH_PY=/path/to/python`: the suite against the torch that Python has.
 TORCH_VENV ?= .venv-torch
 
-.PHONY: install gpu-node test-torch test test-all verify-traffic nsys-verify gpu-check bench timeline-png clean
+.PHONY: install gpu-node test-torch test test-all verify-traffic verify-traffic-full nsys-verify gpu-check bench timeline-png clean
 
 $(VENV)/.installed-$(TORCH_VERSION): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -57,6 +57,19 @@ test-all: $(STAMP)
 # code (0 pass, 1 a check failed, 2 bad input, 3 missing hardware; docs/verify.md).
 verify-traffic: $(STAMP)
 	$(PY) -m verify.run.launch $(ARGS)
+
+# The default run, then one run per path it leaves out (TP, EP, bf16, the replicated rest, one
+# unit per block), each compared with its committed baseline (verify/baselines/); exits with
+# the worst run's code (docs/verify.md, "The full profile").
+FULL_RUNS := default|--nproc 4 --tp 2|--nproc 4 --ep 2|--mixed-precision bf16|--rest replicate|--coalesce block
+FULL_OUT ?= traces/full-$(shell date -u +%Y%m%dT%H%M%S)
+verify-traffic-full: $(STAMP)
+	@worst=0; runs='$(FULL_RUNS)'; IFS='|'; for run in $$runs; do \
+	  name=$$(echo "$$run" | tr -d ' -'); args=$$([ "$$run" = default ] || echo "$$run"); \
+	  echo "== verify-traffic $$args -> $(FULL_OUT)/$$name"; \
+	  IFS=' '; $(PY) -m verify.run.launch --out-dir $(FULL_OUT)/$$name $$args $(ARGS); code=$$?; IFS='|'; \
+	  [ $$code -gt $$worst ] && worst=$$code; \
+	done; echo "verify-traffic-full: worst exit code $$worst, in $(FULL_OUT)/"; exit $$worst
 
 nsys-verify: $(STAMP)
 	$(PY) -m verify.sources.nsys_verify $(ARGS)

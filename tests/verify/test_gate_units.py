@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from verify.report.baseline import apply_baseline, make_baseline, read_baseline, write_baseline
+from verify.report.baseline import apply_baseline, causes, figures, make_baseline, read_baseline, write_baseline
 from verify.traffic.ns_bound import ns_bound, ns_cost
 
 
@@ -53,6 +53,58 @@ def test_baseline_difference_fails_naming_the_figure():
     apply_baseline(run, base, "b.json", explicit=False)
     assert not run["pass"]
     assert "calls_per_step: 12 vs baseline 8" in run["failures"][0]["detail"]
+
+
+def _figures(mode_calls: dict, units=1, dtype="float32", elems=10.0, ns=(4.0, 4.0)) -> dict:
+    run = {"calls_measured_per_step": sum(mode_calls.values()),
+           "phases": {ph: {"collectives_measured": c, "measured_avg_elems": elems}
+                      for ph, c in mode_calls.items()},
+           "bytes": {"measured_avg_bytes": {ph: {dtype: 4 * elems} for ph in mode_calls}},
+           "ns_balance": {"calls_per_rank": list(ns)}, "units": units}
+    return figures(run)
+
+
+def test_baseline_names_the_cause_in_the_protocols_words():
+    base = _figures({"forward": 4.0, "backward": 4.0})
+    # Z3 broadcasting its kept unit again in backward; Z2 freeing its copies between steps
+    assert "a unit is broadcast again in backward" in causes(
+        "dmuon-z3", _figures({"forward": 4.0, "backward": 5.0}), base)[0]
+    assert "copies freed between steps" in causes(
+        "dmuon-z2", _figures({"forward": 6.0, "backward": 4.0}), base)[0]
+    assert "added to or removed from step()" in causes(
+        "dmuon-z2", _figures({"forward": 4.0, "backward": 4.0, "optimizer": 1.0}), base)[0]
+    assert "coalescing target" in " ".join(causes("dmuon-z2", _figures({"forward": 4.0, "backward": 4.0}, units=2), base))
+    assert "another dtype on the wire" in " ".join(
+        causes("dmuon-z2", _figures({"forward": 4.0, "backward": 4.0}, dtype="bfloat16"), base))
+    assert "other sizes" in " ".join(causes("dmuon-z2", _figures({"forward": 4.0, "backward": 4.0}, elems=12.0), base))
+    assert "ownership plan" in " ".join(causes("dmuon-z2", _figures({"forward": 4.0, "backward": 4.0}, ns=(8.0, 0.0)), base))
+    assert causes("dmuon-z2", base, base) == []
+    # the words reach the baseline check's detail, after the figures
+    report = _report(calls=12.0)
+    apply_baseline(report, make_baseline(_report()), "b.json", explicit=False)
+    assert "copies freed between steps" in report["failures"][0]["detail"]
+
+
+def test_committed_baseline_is_the_file_written_from_the_same_run(tmp_path, monkeypatch):
+    from verify.report import baseline as bl
+
+    monkeypatch.setattr(bl, "BASELINES_DIR", tmp_path)
+    monkeypatch.setattr(bl, "DEFAULT_BASELINE", tmp_path / "default.json")
+    write_baseline(_report(), tmp_path / "default.json")
+    block = _report()
+    block["config"]["coalesce"] = "block"
+    assert bl.committed_baseline(block) == tmp_path / "default.json"  # none written: skipped there
+    write_baseline(block, tmp_path / "block.json")
+    assert bl.committed_baseline(block) == tmp_path / "block.json"
+    assert bl.committed_baseline(_report()) == tmp_path / "default.json"
+
+
+def test_every_committed_baseline_is_of_another_run():
+    """Two committed files with one key: the first would shadow the other."""
+    from verify.report import baseline as bl
+
+    keys = [json.dumps(read_baseline(p)["key"], sort_keys=True) for p in sorted(bl.BASELINES_DIR.glob("*.json"))]
+    assert keys and len(set(keys)) == len(keys)
 
 
 def test_baseline_of_another_run_skips_by_default_fails_when_explicit():

@@ -1,7 +1,9 @@
 """A verify-traffic baseline: the gated figures of a known-good run, compared on every run.
 
 ``make verify-traffic`` compares its default run (W = 4, gloo, the built-in model, every mode
-and variant, default knobs) with the committed ``verify/baselines/default-w4-gloo.json``;
+and variant, default knobs) with the committed ``verify/baselines/default-w4-gloo.json``, and
+each run of ``make verify-traffic-full`` with the committed file written from that run
+(:func:`committed_baseline`);
 ``--baseline FILE`` compares any run with ``FILE`` and ``--write-baseline FILE`` writes one
 (docs/verify.md, "Baseline"). Per mode it records (all per measured step, W-averages where
 a phase's figure is one):
@@ -15,7 +17,8 @@ a phase's figure is one):
 - ``hierarchy`` (DMuon HSDP: flat / hierarchical) and ``units`` (DMuon's units).
 
 Any difference fails the run's ``baseline`` check, naming the figure, e.g. ``calls_per_step:
-56 vs baseline 16``. Step time (median ms of the slowest rank) is compared with a noise band
+56 vs baseline 16``, and what it means in the protocol's words where a rule applies
+(:func:`causes`: "a unit is broadcast again in backward", "copies freed between steps"). Step time (median ms of the slowest rank) is compared with a noise band
 and reported only: timings on shared CPUs vary by several times.
 
 A baseline applies to the run it was written from: same W, backend, model, torch minor
@@ -33,8 +36,10 @@ from verify.report.checks import failures_of_runs, readings_equal
 
 #: Bumped when the file's layout changes.
 BASELINE_VERSION = 1
+#: The committed baselines: the default run's, and one per run of ``make verify-traffic-full``.
+BASELINES_DIR = Path(__file__).resolve().parents[1] / "baselines"
 #: The committed baseline of the default run.
-DEFAULT_BASELINE = Path(__file__).resolve().parents[1] / "baselines" / "default-w4-gloo.json"
+DEFAULT_BASELINE = BASELINES_DIR / "default-w4-gloo.json"
 #: Report ``config`` entries that do not change a step's figures.
 _NOT_KEYED = ("out_dir", "profiler", "steps_warmup", "steps_measured", "device", "numerics")
 #: Step time: a ratio to the baseline outside [1/NOISE, NOISE] is reported as outside the band.
@@ -75,6 +80,20 @@ def figures(run: Mapping) -> dict:
         "hierarchy": run.get("hierarchy"),
         "units": run.get("units"),
     }
+
+
+def committed_baseline(report: Mapping) -> Path:
+    """The committed baseline written from the same run as ``report`` (its key equal to
+    :func:`baseline_key`), else :data:`DEFAULT_BASELINE` (which then says why it is skipped).
+
+    Raises:
+        ValueError: a committed file is not a baseline (:func:`read_baseline`).
+    """
+    key = baseline_key(report)
+    for path in sorted(BASELINES_DIR.glob("*.json")):
+        if read_baseline(path)["key"] == key:
+            return path
+    return DEFAULT_BASELINE
 
 
 def make_baseline(report: Mapping) -> dict:
@@ -145,6 +164,60 @@ def differences(run_figures: Mapping, base_figures: Mapping) -> list[str]:
             if not _same(run_figures.get(name), base_figures.get(name))]
 
 
+def _calls(fig: Mapping, phase: str) -> float:
+    return float((fig.get("calls_per_phase") or {}).get(phase) or 0)
+
+
+def causes(mode: str, run_figures: Mapping, base_figures: Mapping) -> list[str]:
+    """What the figures that differ mean in the protocol's words (docs/protocol.md), one
+    sentence each, for the failure's text beside the figures; empty where no rule applies.
+
+    Read from the mode's name (``z2``/``z3``, ``hsdp``, DMuon or a baseline) and the figures
+    only: more backward calls under Z3 (a unit broadcast again in backward: the kept last unit,
+    step 2, or a re-sent unit), more forward calls under Z2 (copies freed between steps and
+    broadcast again: Z2 keeps them resident), calls in the ``optimizer`` phase, another unit
+    count (the coalescing target), another HSDP protocol, Newton–Schulz on other ranks (the
+    ownership plan), another dtype on the wire, and equal calls of other sizes."""
+    out = []
+    dmuon = mode.startswith("dmuon")
+    z3 = "z3" in mode.split("[")[0]
+    for phase in sorted(set(run_figures.get("calls_per_phase") or {}) | set(base_figures.get("calls_per_phase") or {})):
+        now, then = _calls(run_figures, phase), _calls(base_figures, phase)
+        if now == then:
+            continue
+        more = "more" if now > then else "fewer"
+        if dmuon and phase == "backward" and z3 and now > then:
+            out.append(f"{now - then:g} more backward calls per step under Z3: a unit is broadcast "
+                       "again in backward (the kept last unit re-broadcast, docs/protocol.md step 2, or a "
+                       "unit re-sent for a block that runs again)")
+        elif dmuon and phase == "forward" and not z3 and "ddp" not in mode and now > then:
+            out.append(f"{now - then:g} more forward calls per step under Z2: copies freed between "
+                       "steps are broadcast again in forward (Z2 keeps every copy resident, "
+                       "docs/protocol.md 'Residency')")
+        elif phase == "optimizer":
+            out.append(f"{more} calls in the optimizer phase ({then:g} -> {now:g}): a collective "
+                       "added to or removed from step()")
+        else:
+            out.append(f"{more} {phase} calls per step ({then:g} -> {now:g})")
+    if run_figures.get("units") != base_figures.get("units"):
+        out.append(f"DMuon's units changed ({base_figures.get('units')} -> {run_figures.get('units')}): "
+                   "the coalescing target or the blocks' sizes differ (docs/traffic-model.md, 'Coalescing')")
+    if run_figures.get("hierarchy") != base_figures.get("hierarchy"):
+        out.append(f"the HSDP protocol changed ({base_figures.get('hierarchy')} -> "
+                   f"{run_figures.get('hierarchy')}; docs/traffic-model.md, 'HSDP: flat or hierarchical')")
+    if run_figures.get("ns_calls_per_rank") != base_figures.get("ns_calls_per_rank"):
+        out.append("Newton–Schulz runs on other ranks or more often: the ownership plan or the "
+                   "owner's step changed (docs/protocol.md step 6)")
+    dtypes = lambda f: {d for v in (f.get("bytes_per_phase") or {}).values() for d in v}
+    if dtypes(run_figures) != dtypes(base_figures):
+        out.append(f"another dtype on the wire ({sorted(dtypes(base_figures))} -> {sorted(dtypes(run_figures))}): "
+                   "mixed precision or a reduce dtype changed")
+    elif (run_figures.get("calls_per_phase") == base_figures.get("calls_per_phase")
+          and not _same(run_figures.get("elems_per_phase"), base_figures.get("elems_per_phase"))):
+        out.append("the same calls move other sizes: a bucket's params or padding changed")
+    return out
+
+
 def _step_time(run: Mapping, base: Mapping | None) -> dict | None:
     now, then = (run.get("timing") or {}).get("step_ms"), (base or {}).get("step_ms")
     if not now or not then:
@@ -177,8 +250,12 @@ def apply_baseline(report: dict, baseline: Mapping, source: str, explicit: bool)
         elif run["mode"] not in modes:
             ok, detail = False, f"mode {run['mode']} is not in the baseline {source}"
         else:
-            diff = differences(figures(run), modes[run["mode"]]["figures"])
-            ok, detail = not diff, "; ".join(diff) or f"every gated figure equals {source}"
+            now, then = figures(run), modes[run["mode"]]["figures"]
+            diff = differences(now, then)
+            why = causes(run["mode"], now, then) if diff else []
+            ok = not diff
+            detail = ("; ".join(diff) + (" — " + "; ".join(why) if why else "")) if diff \
+                else f"every gated figure equals {source}"
             st = _step_time(run, modes[run["mode"]])
             if st is not None:
                 summary["step_time"].append(st)

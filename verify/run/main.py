@@ -309,8 +309,9 @@ def _finish(report: dict, out_dir: Path, wide: bool = False, baseline: str | Non
     if baseline is not None:  # --baseline FILE (checked to exist before torchrun)
         bl.apply_baseline(report, bl.read_baseline(baseline), baseline, explicit=True)
     elif use_default and bl.DEFAULT_BASELINE.is_file():
-        bl.apply_baseline(report, bl.read_baseline(bl.DEFAULT_BASELINE),
-                          str(bl.DEFAULT_BASELINE.relative_to(Path(bl.__file__).parents[2])), explicit=False)
+        committed = bl.committed_baseline(report)
+        bl.apply_baseline(report, bl.read_baseline(committed),
+                          str(committed.relative_to(Path(bl.__file__).parents[2])), explicit=False)
     paths = write_report(report, out_dir)
     print(format_table(report, wide=wide), flush=True)
     print("wrote " + ", ".join(str(p) for p in paths.values()), flush=True)

@@ -105,4 +105,5 @@ def test_coalescing_target_mirrored_fails_the_baseline(pool2):
     apply_baseline(changed, make_baseline(clean), "clean.json", explicit=True)
     detail = _failed(changed)[("dmuon-z2", "baseline")]
     assert "units: 2 vs baseline 1" in detail and "calls_per_step: 12 vs baseline 8" in detail
+    assert "DMuon's units changed (1 -> 2): the coalescing target" in detail
     assert final_line(changed) == "FAIL: figures differ from the baseline (dmuon-z2)"
