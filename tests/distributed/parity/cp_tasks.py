@@ -12,6 +12,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import dmuon
 from examples.cp_attention import CPDecoder
+from tests.distributed.noise_floor import nudge_init_, oracle_threads
 from tests.distributed.parity.dmuon_tasks import ADAMW_LR, MUON_LR
 
 VOCAB, SEQ, ROWS = 64, 16, 4  # the global batch: ROWS sequences of SEQ tokens (+1 for targets)
@@ -35,20 +36,26 @@ def targets(model) -> list[str]:
             if dmuon.default_predicate(n, p, modules[n.rpartition(".")[0]])]
 
 
-def oracle(steps: int) -> dict[str, torch.Tensor]:
+def oracle(steps: int, nudge: str | None = None, momentum: float = 0.95) -> dict:
     """One process, whole sequences: torch.optim.Muon on DMuon's default targets, AdamW on the
-    rest, the mean loss over every token of the global batch."""
-    model = make_model()
-    named = dict(model.named_parameters())
-    muon_names = targets(model)
-    muon = torch.optim.Muon([named[n] for n in muon_names], lr=MUON_LR)
-    adamw = torch.optim.AdamW([p for n, p in named.items() if n not in muon_names], lr=ADAMW_LR)
-    for step in range(steps):
-        model.loss(*batch(step)).backward()
-        for opt in (muon, adamw):
-            opt.step()
-            opt.zero_grad()
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
+    rest, the mean loss over every token of the global batch. ``nudge``: one of
+    ``noise_floor.NUDGES``; ``momentum``: Muon's. Returns ``init`` and the params after each
+    step (``steps``, one name -> tensor dict per step), as ``noise_floor.floors`` reads a run."""
+    with oracle_threads(nudge):
+        model = nudge_init_(make_model(), nudge)
+        init = {n: p.detach().clone() for n, p in model.named_parameters()}
+        named = dict(model.named_parameters())
+        muon_names = targets(model)
+        muon = torch.optim.Muon([named[n] for n in muon_names], lr=MUON_LR, momentum=momentum)
+        adamw = torch.optim.AdamW([p for n, p in named.items() if n not in muon_names], lr=ADAMW_LR)
+        after = []
+        for step in range(steps):
+            model.loss(*batch(step)).backward()
+            for opt in (muon, adamw):
+                opt.step()
+                opt.zero_grad()
+            after.append({n: p.detach().clone() for n, p in model.named_parameters()})
+    return {"init": init, "steps": after}
 
 
 def train(steps: int, z3: bool = True, declared: tuple[str, ...] = ("dp_shard", "cp")) -> dict:
@@ -57,7 +64,8 @@ def train(steps: int, z3: bool = True, declared: tuple[str, ...] = ("dp_shard", 
     averaged over all W ranks by hand (one all_reduce: nothing else handles them here).
     ``declared``: the shard dims declared; ``("dp_shard",)`` is the control (cp left model
     parallel: the dedicated grads are averaged over dp_shard only). Returns every param after
-    ``steps`` steps (``sync_params``: every rank the owners' values) and the NS count."""
+    ``steps`` steps (``sync_params``: every rank the owners' values; ``steps``: after each
+    step) and the NS count."""
     mesh = init_device_mesh("cpu", (DP, CP), mesh_dim_names=("dp_shard", "cp"))
     d, c = mesh.get_local_rank("dp_shard"), mesh.get_local_rank("cp")
     group = mesh["cp"].get_group()
@@ -68,6 +76,7 @@ def train(steps: int, z3: bool = True, declared: tuple[str, ...] = ("dp_shard", 
         dm = dmuon.dedicate_params(model, mesh, reshard_after_forward=z3, shard_dims=declared)
     opt = dmuon.DMuon(model.parameters(), dedicated=dm, lr=MUON_LR, adamw_lr=ADAMW_LR)
     rest = [p for p in model.parameters() if p not in dm]
+    after = []
     for step in range(steps):
         ids, tgt = batch(step)
         model.loss(ids[rows, part], tgt[rows, part], offset=part.start, cp_group=group).backward()
@@ -78,9 +87,9 @@ def train(steps: int, z3: bool = True, declared: tuple[str, ...] = ("dp_shard", 
             warnings.simplefilter("ignore")  # "nothing averages the grads of the rest"
             opt.step()
         opt.zero_grad()
-    dm.sync_params()
-    out = {"params": {n: p.detach().clone() for n, p in model.named_parameters()},
-           "ns_calls": opt.ns_calls, "dedicated": sorted(dm.names)}
+        dm.sync_params()
+        after.append({n: p.detach().clone() for n, p in model.named_parameters()})
+    out = {"params": after[-1], "steps": after, "ns_calls": opt.ns_calls, "dedicated": sorted(dm.names)}
     dm.close()
     return out
 
