@@ -16,6 +16,7 @@ from torch.utils.checkpoint import checkpoint
 
 import dmuon
 from dmuon.runtime.rest import warn_if_not_averaged
+from tests.distributed.noise_floor import nudge_init_, oracle_threads
 from tests.distributed.parity import dmuon_tasks as T
 from verify.workload.data import local_slice
 from verify.workload.model import TinyGPT
@@ -392,17 +393,25 @@ def _lr_factor(it: int) -> float:
     return (0.5, 1.0, 0.8)[it]
 
 
-def nanogpt_oracle(world: int) -> dict[str, torch.Tensor]:
+def nanogpt_oracle(world: int, nudge: str | None = None) -> dict:
     """One process, the global batch as ``world * NANO_MICRO`` micro-batches: torch's Muon on the
     default targets + AdamW, each group's lr scaled by the schedule, torch's
-    ``clip_grad_norm_`` over every param."""
-    model = T.make_model()
+    ``clip_grad_norm_`` over every param. ``nudge``: one of ``noise_floor.NUDGES``. Returns
+    ``init`` and the params after each step (``steps``), as ``noise_floor.floors`` reads a run."""
+    with oracle_threads(nudge):
+        return _nanogpt_oracle(world, nudge)
+
+
+def _nanogpt_oracle(world: int, nudge: str | None) -> dict:
+    model = nudge_init_(T.make_model(), nudge)
+    init = {n: p.detach().clone() for n, p in model.named_parameters()}
     modules = dict(model.named_modules())
     named = dict(model.named_parameters())
     targets = [n for n, p in named.items() if dmuon.default_predicate(n, p, modules[n.rpartition(".")[0]])]
     muon = torch.optim.Muon([named[n] for n in targets], lr=T.MUON_LR)
     adamw = torch.optim.AdamW([p for n, p in named.items() if n not in targets], lr=T.ADAMW_LR)
     micro = world * NANO_MICRO
+    after = []
     for it in range(NANO_STEPS):
         for opt, base in ((muon, T.MUON_LR), (adamw, T.ADAMW_LR)):
             opt.param_groups[0]["lr"] = base * _lr_factor(it)
@@ -414,18 +423,23 @@ def nanogpt_oracle(world: int) -> dict[str, torch.Tensor]:
         adamw.step()
         muon.zero_grad()
         adamw.zero_grad()
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
+        after.append({n: p.detach().clone() for n, p in model.named_parameters()})
+    return {"init": init, "steps": after, "muon": targets}
 
 
-def nanogpt_port(mode: str, out_dir: str, checkpoint: bool = True) -> dict:
+def nanogpt_port(mode: str, out_dir: str, checkpoint: bool = True, plant: str | None = None) -> dict:
     """nanoGPT's ``train.py`` habits with only the lines docs/porting.md lists changed
     (``# PORT``): per-rank seeds, accumulation through the wrapper's own flag, an lr schedule
     written into ``param_group['lr']``, a clip between backward and step, an eval forward under
     ``no_grad`` then a checkpoint. ``mode``: ``"ddp"`` (DDP, rank-0-only save as nanoGPT does it)
     or ``"z3"`` (FSDP2, torchtitan's ``set_requires_gradient_sync``; every rank calls
     ``state_dict``). Returns this rank's authoritative params, the clip's norms and whether the
-    checkpoint round-trips."""
+    checkpoint round-trips. ``plant="one-lr"``: a control, nanoGPT's own schedule line left
+    unported (every group gets the one lr, AdamW's: the Muon matrices step a fraction as far)."""
     import os
+
+    if plant not in (None, "one-lr"):
+        raise ValueError(f"Invalid plant={plant!r}. Must be None or 'one-lr'.")
 
     rank, world = dist.get_rank(), dist.get_world_size()
     # nanoGPT seeds per rank (1337 + seed_offset; here rank 0's init is the oracle's); FSDP2
@@ -445,7 +459,8 @@ def nanogpt_port(mode: str, out_dir: str, checkpoint: bool = True) -> dict:
     norms, saved = [], None
     for it in range(NANO_STEPS):
         for group in opt.param_groups:
-            group["lr"] = base[group["algorithm"]] * _lr_factor(it)  # PORT: per part
+            part = "adamw" if plant == "one-lr" else group["algorithm"]
+            group["lr"] = base[part] * _lr_factor(it)  # PORT: per part
         if it == 1 and checkpoint:  # estimate_loss, then the checkpoint
             wrapped.eval()
             with torch.no_grad():

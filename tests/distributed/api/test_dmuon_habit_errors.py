@@ -19,6 +19,7 @@ import re
 import pytest
 import torch
 
+from tests.distributed import noise_floor as NF
 from tests.distributed.api import habit_tasks as H
 
 pytestmark = pytest.mark.distributed
@@ -232,23 +233,39 @@ def test_param_replaced_between_dedicate_and_wrap_is_adopted(pool2, mode):
         assert r["error"] == "no error" and r["adopted"], (rank, r)
 
 
-@pytest.mark.parametrize("mode", ["ddp", "z3"])
-def test_nanogpt_style_port_lands_on_the_oracle(pool2, tmp_path, mode):
-    """The port docs/porting.md describes (its ``# PORT`` lines only) against one process on the
-    same global batch (4 micro-batches): every param within 2x the oracle's own reordering noise
-    relative to its 3-step displacement, the noise being the larger deviation of the same oracle
-    fed the batch as 2 or as 8 micro-batches (measured: 6.0% and 0.45%; Newton-Schulz in bf16
-    turns a reordered fp32 sum into a flipped rounding; measured port: DDP 5e-7, Z3 4.3%); the
-    clip's norm the same on both ranks; the checkpoint holds every param."""
-    init = H.seeded_model(0)
-    ref = H.nanogpt_oracle(2)
+@pytest.fixture(scope="module")
+def nanogpt_oracle():
+    """The nanoGPT-style port's oracle (one process, the global batch as 4 micro-batches) with
+    its noise floor after each step: the oracle against its nudged runs
+    (``noise_floor.NUDGES``) and against itself fed the batch as 2 micro-batches (the max norm).
+    Measured on a 2-core AMD EPYC after the 3 steps: floor 9.8 % of the displacement (an ulp-
+    nudge; the clip and Newton–Schulz in bf16 turn a reordered fp32 sum into flipped roundings),
+    the port DDP 9e-6, Z3 4.3 %, the unported-lr control 84-87 %."""
+    return NF.floored(lambda nudge: H.nanogpt_oracle(2, nudge),
+                      {"2 micro-batches": lambda: H.nanogpt_oracle(1)})
 
-    def rel(got):
-        return max((got[n] - r).abs().max().item() / (r - init[n]).abs().max().item() for n, r in ref.items())
-    floor = max(rel(H.nanogpt_oracle(1)), rel(H.nanogpt_oracle(4)))
+
+@pytest.mark.parametrize("mode", ["ddp", "z3"])
+def test_nanogpt_style_port_lands_on_the_oracle(pool2, tmp_path, nanogpt_oracle, mode):
+    """The port docs/porting.md describes (its ``# PORT`` lines only) against one process on the
+    same global batch: after its 3 steps every param within the bound of the oracle's noise
+    floor; the clip's norm the same on both ranks; the checkpoint holds every param."""
+    ref = nanogpt_oracle
     results = pool2.run_with_timeout(120, H.nanogpt_port, mode, str(tmp_path))
     merged = {n: t for r in results for n, t in r["params"].items()}
-    assert merged.keys() == ref.keys()
-    assert 0 < floor and rel(merged) <= 2.0 * floor, (rel(merged), floor)
+    assert merged.keys() == ref["init"].keys()
+    NF.assert_within(NF.distances(merged, ref["steps"][-1], ref["init"]), ref["floors"][-1],
+                     f"nanoGPT port, {mode}")
     assert results[0]["norms"] == results[1]["norms"]
-    assert results[0]["saved"] is not None and results[0]["saved"].keys() >= set(ref)
+    assert results[0]["saved"] is not None and results[0]["saved"].keys() >= set(ref["init"])
+
+
+def test_control_nanogpt_port_with_its_lr_line_unported_misses_the_oracle(pool2, tmp_path,
+                                                                         nanogpt_oracle):
+    """The control: the port with nanoGPT's schedule line left as it was (one lr, AdamW's,
+    written into every group) lands beyond the bound on every Muon matrix."""
+    ref = nanogpt_oracle
+    results = pool2.run_with_timeout(120, H.nanogpt_port, "ddp", str(tmp_path), True, "one-lr")
+    merged = {n: t for r in results for n, t in r["params"].items()}
+    NF.assert_beyond(NF.distances(merged, ref["steps"][-1], ref["init"], ref["muon"]),
+                     ref["floors"][-1], "nanoGPT port, lr line unported")
