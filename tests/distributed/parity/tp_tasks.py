@@ -250,9 +250,15 @@ def dcp_load(mode: str, root: str, before: int, after: int) -> dict:
 
 
 def train(mode: str, steps: int, *, mp: bool = False, checkpoint_blocks: bool = False,
-          meta: bool = False) -> dict:
-    """Train ``steps`` steps under DMuon × TP; the full params, and where NS and momentum ran."""
-    model, dm, opt, mesh = build(mode, mp=mp, meta=meta)
+          meta: bool = False, **dm_kw) -> dict:
+    """Train ``steps`` steps under DMuon × TP; the full params, and where NS and momentum ran.
+    ``dm_kw``: ``dedicate_params``' keywords over :func:`build`'s (a control's declaration)."""
+    import warnings
+
+    with warnings.catch_warnings():
+        if dm_kw:
+            warnings.simplefilter("ignore")  # a control's undeclared dim warns
+        model, dm, opt, mesh = build(mode, mp=mp, meta=meta, **dm_kw)
     if checkpoint_blocks:
         from torch.utils.checkpoint import checkpoint
 
