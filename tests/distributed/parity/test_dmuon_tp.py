@@ -131,16 +131,17 @@ def _momenta(results, key):
     return out
 
 
-def test_tp_dcp_resume_same_size_bit_identical_and_at_another_data_parallel_size(pool4, pool2, tmp_path):
-    """Saved by Z3 × TP at W = 4 (N = 2, T = 2) after 2 steps; loaded by a fresh run at W = 4
+def test_tp_dcp_resume_same_size_bit_identical_and_at_another_data_parallel_size(pool4, pool2, oracle,
+                                                                                 tmp_path):
+    """Saved by Z3 × TP at W = 4 (N = 2, T = 2) after 1 step; loaded by a fresh run at W = 4
     and at W = 2 (N = 1, T = 2): every param and every momentum (full shape, on its new
-    Newton–Schulz rank) loads exactly; 2 more steps then equal the uninterrupted run bitwise at
-    the same size, and within fp32 ulps at the other size (its data-parallel mean sums 1
-    slice instead of 2)."""
+    Newton–Schulz rank) loads exactly; the next step then equals the uninterrupted run bitwise
+    at the same size, and lands within the oracle's bound at the other size (its data-parallel
+    mean sums 1 slice instead of 2: another rounding)."""
     root = str(tmp_path / "ckpt")
-    saved = pool4.run_with_timeout(TIMEOUT_S, T.dcp_save, "z3", root, 2, 2)
-    resumed = {4: pool4.run_with_timeout(TIMEOUT_S, T.dcp_load, "z3", root, 2, 2),
-               2: pool2.run_with_timeout(TIMEOUT_S, T.dcp_load, "z3", root, 2, 2)}
+    saved = pool4.run_with_timeout(TIMEOUT_S, T.dcp_save, "z3", root, 1, 1)
+    resumed = {4: pool4.run_with_timeout(TIMEOUT_S, T.dcp_load, "z3", root, 1, 1),
+               2: pool2.run_with_timeout(TIMEOUT_S, T.dcp_load, "z3", root, 1, 1)}
     ref, ref_momenta = saved[0]["saved"]["params"], _momenta(saved, "saved")
     for world, results in resumed.items():
         for r in results:
@@ -155,8 +156,7 @@ def test_tp_dcp_resume_same_size_bit_identical_and_at_another_data_parallel_size
         if world == 4:
             assert all(torch.equal(final[n], want[n]) for n in want)
         else:
-            for n in want:
-                torch.testing.assert_close(final[n], want[n], rtol=0, atol=1e-6)
+            NF.assert_within(_rel_err(final, *oracle[:2]), oracle[2], "resumed at W = 2")
 
 
 @pytest.mark.parametrize("mode", ["z3", "hsdp-z2"])
