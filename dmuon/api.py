@@ -54,7 +54,13 @@ def dedicate_params(
             placements on dims of this mesh (docs/user-guide.md, "Meshes"): a plain tensor
             (dense), ``Shard(0)`` / ``Shard(1)`` of a matrix on a model-parallel dim (tensor
             parallel, ``parallelize_module``), ``Shard(0)`` of a 3-D stack (experts on an
-            expert-parallel dim, ``examples/ep_moe.py``).
+            expert-parallel dim, ``examples/ep_moe.py``). Under pipeline parallelism: the
+            stage's slice of a mesh over every rank (``mesh["dp_shard"]`` of
+            ``init_device_mesh(device, (P, N), mesh_dim_names=("pp", "dp_shard"))``, or
+            ``mesh["dp_replicate", "dp_shard"]`` with ``replicate_dim=``): every setup check,
+            agreement, start broadcast and group of DMuon then stays inside the stage's ranks,
+            and the other stages are never waited for (docs/user-guide.md, "Pipeline
+            parallelism").
         params: optional explicit dedicated params (Parameters or names) of at least 2 dims;
             default: ``predicate``.
         predicate: ``f(name, param, module) -> bool``; default :func:`default_predicate`
@@ -223,9 +229,9 @@ def dedicate_params(
                               rest_params, resolved.flat, rest_mode=options.rest)
     except Exception:  # a bad argument, or a user predicate that raised
         if dist.is_initialized():  # every rank still takes part in the agreement, then raises
-            collectives.check_plan_agreement(None, SETUP_WHAT)
+            collectives.check_plan_agreement(None, SETUP_WHAT, mesh)
         raise
-    collectives.check_plan_agreement(digest, SETUP_WHAT)
+    collectives.check_plan_agreement(digest, SETUP_WHAT, mesh)
     start.from_first_rank([p for _, p, _ in named], mesh, layout.size)  # DDP's start (start.py)
     return DedicatedParams(model, named, topology, layout, resolved, mesh=mesh,
                            assignments=assignments)

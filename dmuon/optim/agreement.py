@@ -67,14 +67,17 @@ def first_difference(mine: list[dict], theirs: list[dict]) -> str:
     return "none found"
 
 
-def agree(described: list[dict] | None) -> None:
+def agree(described: list[dict] | None, mesh=None) -> None:
     """Raise on every rank unless every rank built the same optimizer.
 
     One all_gather of 32 bytes per rank on the default group (phase ``"setup"``, span
     ``dmuon.optimizer_agreement``); where the digests differ, one more ``all_gather_object``
     of the descriptions names the first difference. A rank whose own checks raised passes
     ``None`` (it takes part, then re-raises its own error). Nothing without
-    ``torch.distributed``.
+    ``torch.distributed``. With a pipeline stage's ``mesh`` (the handles' mesh,
+    ``DedicatedParams.stage_mesh``) the agreement stays inside the stage
+    (``collectives.gather_stage_digests``; a difference is then named by the ranks holding
+    each digest).
 
     Raises:
         RuntimeError: another rank raised while building its DMuon (names those ranks), or
@@ -84,10 +87,10 @@ def agree(described: list[dict] | None) -> None:
     if not dist.is_initialized():
         return
     mine = collectives.INVALID_SETUP if described is None else digest_of(described)
-    digests = collectives.all_gather_digests(mine, None, "dmuon.optimizer_agreement")
+    ranks, digests = collectives.agree_digests(mine, mesh, "dmuon.optimizer_agreement")
     if described is None:
         return
-    invalid = [r for r, d in enumerate(digests) if d == collectives.INVALID_SETUP]
+    invalid = [r for r, d in zip(ranks, digests) if d == collectives.INVALID_SETUP]
     if invalid:
         raise RuntimeError(
             f"DMuon optimizer setup failed on ranks {invalid}: dmuon.DMuon(...) raised an error "
@@ -95,6 +98,12 @@ def agree(described: list[dict] | None) -> None:
             "the same arguments.")
     if len(set(digests)) == 1:
         return
+    if mesh is not None and ranks != list(range(dist.get_world_size())):
+        raise RuntimeError(
+            f"DMuon {OPTIMIZER_WHAT} differs across the ranks of this pipeline stage "
+            f"({collectives.ranks_by_digest(digests, ranks)}). Every rank of a stage must build "
+            "DMuon with the same hyper-parameters and param groups, and freeze the same params "
+            "before building it.")
     everyone: list = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, described)
     other = next(r for r, d in enumerate(digests) if d != digests[0])

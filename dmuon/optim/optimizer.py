@@ -104,10 +104,10 @@ class DMuon(Optimizer):
                 adjust_lr_fn=adjust_lr_fn), dict(lr=adamw_lr, betas=adamw_betas, eps=adamw_eps,
                                                  weight_decay=adamw_weight_decay))
         except Exception:
-            agreement.agree(None)
+            agreement.agree(None, getattr(dedicated, "stage_mesh", None))
             raise
         self._names = dict(zip(map(id, dedicated.params), dedicated.names))
-        agreement.agree(agreement.describe(self.param_groups, self._names))
+        agreement.agree(agreement.describe(self.param_groups, self._names), dedicated.stage_mesh)
         self._agreed_requires_grad = agreement.requires_grad_of(self.param_groups)
 
     def _build(self, params, dedicated, muon_defaults: dict, adamw_defaults: dict) -> None:

@@ -45,6 +45,9 @@ class Topology:
     replicate_group: dist.ProcessGroup | None
     shard_group_ranks: tuple[int, ...]
     replicate_group_ranks: tuple[int, ...]
+    #: world ranks of a pipeline stage's mesh (:func:`stage_ranks`), sorted; ``()`` for a mesh
+    #: that spans the world
+    mesh_ranks: tuple[int, ...] = ()
 
     @property
     def world_size(self) -> int:
@@ -69,8 +72,15 @@ class Topology:
         """This rank's place when DMuon moves the dedicated params flat on an HSDP mesh
         (``dedicate_params(hierarchy=...)``): a 1-D layout of all W ranks, shard index = world
         rank (DMuon's groups list ranks sorted, as ``dist.new_group`` numbers them), so owner
-        index g is world rank g."""
+        index g is world rank g. On a pipeline stage's mesh (:attr:`mesh_ranks`): the stage's W
+        ranks sorted, owner index g the g-th of them."""
         world = self.world_size
+        if self.mesh_ranks:
+            return Topology(replicate_size=1, shard_size=world, replicate_index=0,
+                            shard_index=self.mesh_ranks.index(dist.get_rank()),
+                            shard_group=self.shard_group, replicate_group=None,
+                            shard_group_ranks=self.mesh_ranks, replicate_group_ranks=(),
+                            mesh_ranks=self.mesh_ranks)
         return Topology(replicate_size=1, shard_size=world, replicate_index=0,
                         shard_index=dist.get_rank(), shard_group=dist.group.WORLD,
                         replicate_group=None, shard_group_ranks=tuple(range(world)),
@@ -86,8 +96,35 @@ def check_initialized() -> None:
         )
 
 
+def root_of(mesh: DeviceMesh) -> DeviceMesh:
+    """The mesh ``mesh`` was sliced from (``root[dims]``), or ``mesh`` itself."""
+    get_root = getattr(mesh, "_get_root_mesh", None)
+    root = get_root() if callable(get_root) else None
+    return root if isinstance(root, DeviceMesh) else mesh
+
+
+def stage_ranks(mesh) -> tuple[int, ...] | None:
+    """The sorted world ranks of a pipeline stage's data-parallel mesh, or ``None``.
+
+    A stage's mesh is a slice ``root[dims]`` of a ``DeviceMesh`` ``root`` that spans the world
+    (``init_device_mesh(device, (P, N), mesh_dim_names=("pp", "dp_shard"))["dp_shard"]``),
+    smaller than the world and holding this rank: DMuon then keeps every setup check, agreement
+    and group inside its ranks (docs/user-guide.md, "Pipeline parallelism"). ``None`` for a mesh
+    that spans the world, for a mesh built over some ranks only without a root over all of
+    them (refused by :func:`check_spans_world`), without ``torch.distributed``, and for
+    anything that is not a ``DeviceMesh``. Local, no collective."""
+    if not isinstance(mesh, DeviceMesh) or not dist.is_initialized():
+        return None
+    world = dist.get_world_size()
+    root = root_of(mesh)
+    if mesh.size() == world or root is mesh or root.size() != world or mesh.get_coordinate() is None:
+        return None
+    return tuple(sorted(int(r) for r in mesh.mesh.reshape(-1).tolist()))
+
+
 def check_spans_world(mesh: DeviceMesh, size_name: str, example: str) -> None:
-    """Raise ``ValueError`` unless ``mesh`` covers the whole world and holds this rank.
+    """Raise ``ValueError`` unless ``mesh`` covers the whole world and holds this rank, or is
+    a pipeline stage's slice of a mesh that does (:func:`stage_ranks`).
 
     Checked before any ``get_group()``: a rank outside the mesh gets an IndexError from
     ``DeviceMesh.get_group``, while the ranks inside would go on to the plan agreement.
@@ -95,13 +132,17 @@ def check_spans_world(mesh: DeviceMesh, size_name: str, example: str) -> None:
     that would do.
     """
     world = dist.get_world_size()
+    if stage_ranks(mesh) is not None:
+        return
     if mesh.size() != world or mesh.get_coordinate() is None:
         raise ValueError(
             f"Invalid mesh of shape {tuple(mesh.shape)}: {size_name} = {mesh.size()} "
             f"must equal the world size {world} (mesh ranks {mesh.mesh.flatten().tolist()[:8]}"
             f"{'...' if mesh.size() > 8 else ''}; this rank {dist.get_rank()} is "
             f"{'in' if mesh.get_coordinate() is not None else 'not in'} it). DMuon's owners "
-            f"span the whole job; build the mesh over every rank, e.g. {example}."
+            f"span the whole job, or a pipeline stage: build the mesh over every rank, e.g. "
+            f"{example}, or pass the stage's slice of such a mesh (mesh['dp_shard'] of "
+            "init_device_mesh(device, (P, N), mesh_dim_names=('pp', 'dp_shard')))."
         )
 
 
@@ -110,7 +151,8 @@ def topology_from_mesh(mesh: DeviceMesh) -> Topology:
 
     Args:
         mesh: a 1-D ``DeviceMesh`` (DDP, FSDP2) or a 2-D one with
-            ``mesh_dim_names == ("replicate", "shard")`` (HSDP), spanning the whole world.
+            ``mesh_dim_names == ("replicate", "shard")`` (HSDP), spanning the whole world or a
+            pipeline stage's slice of a mesh that does (:func:`stage_ranks`).
 
     Raises:
         ValueError: not a DeviceMesh, a mesh of 3 or more dimensions, a 2-D mesh whose axes
@@ -164,4 +206,5 @@ def topology_from_mesh(mesh: DeviceMesh) -> Topology:
         replicate_group=rep_group,
         shard_group_ranks=ranks,
         replicate_group_ranks=rep_ranks,
+        mesh_ranks=stage_ranks(mesh) or (),
     )

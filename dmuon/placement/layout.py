@@ -38,7 +38,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from dmuon.ownership.plan import OwnershipPlan, ParamSpec, plan_ownership
-from dmuon.ownership.topology import Topology, check_initialized, check_spans_world, topology_from_mesh
+from dmuon.ownership.topology import (Topology, check_initialized, check_spans_world, stage_ranks,
+                                      topology_from_mesh)
 from dmuon.placement import dims as dims_mod
 from dmuon.placement.base import Placement
 from dmuon.placement.dense import Dense
@@ -180,6 +181,9 @@ class MeshLayout:
         self.ns_index: dict[str, int] = {}
         self._columns: dict[str, tuple[Topology, OwnershipPlan]] = {}
         self._hierarchy = "auto"
+        #: a pipeline stage's mesh: its sorted world ranks (``topology.stage_ranks``; DMuon's
+        #: groups are then made by the stage's ranks only), else ``None``
+        self.stage = stage_ranks(mesh)
 
     # ------------------------------------------------------------------ what kind of job
     @property
@@ -385,6 +389,14 @@ class MeshLayout:
         if len(column) == 1:
             group = mesh.get_group(column[0])
             s = mesh.get_local_rank(column[0])
+        elif self.stage is not None:
+            raise ValueError(
+                f"Invalid pipeline stage mesh {dims.names!r} (ranks {list(self.stage)}): params "
+                f"sharded on the data-parallel dims {key!r} leave a column over several shard dims "
+                f"{column!r}, whose group DMuon can only build over every rank of the job. On a "
+                "stage's mesh declare one shard dim besides the expert dim (flatten the others: "
+                "mesh['dp_shard', 'cp']._flatten('dp_shard_cp') on every rank before slicing), or "
+                "keep the expert stacks out of DMuon (params= / predicate=).")
         else:
             rest = tuple(d for d in dims.names if d not in column and d != dims.replicate)
             lead = (dims.replicate,) if dims.replicate else ()
@@ -403,7 +415,7 @@ class MeshLayout:
         return Topology(replicate_size=R, shard_size=dims.size(column), replicate_index=r,
                         shard_index=s, shard_group=group, replicate_group=rep_group,
                         shard_group_ranks=tuple(dist.get_process_group_ranks(group)),
-                        replicate_group_ranks=rep_ranks)
+                        replicate_group_ranks=rep_ranks, mesh_ranks=self.stage or ())
 
     def build(self, mesh, named: list[tuple[str, nn.Parameter, str]], specs: list[ParamSpec],
               topology: Topology) -> MeshLayout:
@@ -466,14 +478,16 @@ class MeshLayout:
             else:
                 rows = [dims_mod.ranks_along(mesh, dims, dims.shard, {dims.replicate: r})
                         for r in range(dims.replicate_size)]
-            return collectives.make_groups(rows)
+            return collectives.make_groups(rows, local=self.stage is not None)
         dp = self._column_groups(mesh, (), None)
         model_parallel = {}
         for dim in sorted({lay.matrix for lay in self.layouts.values() if lay.matrix}):
             others = tuple(d for d in dims.names if d != dim)
             for point in dims_mod.points(dims, others):
                 ranks = dims_mod.ranks_along(mesh, dims, (dim,), point)
-                g = collectives.new_group(ranks)
+                if self.stage is not None and dist.get_rank() not in ranks:
+                    continue  # a stage's groups: made by their members only
+                g = collectives.new_group(ranks, self.stage is not None)
                 if dist.get_rank() in ranks:
                     model_parallel[dim] = g
         columns = {}
@@ -491,11 +505,13 @@ class MeshLayout:
         if not outer:
             rows = [dims_mod.ranks_along(mesh, dims, column, {rep: r} if rep else {})
                     for r in range(R)]
-            return collectives.make_groups(rows)
+            return collectives.make_groups(rows, local=self.stage is not None)
         mine: dict[str, dist.ProcessGroup] = {}
 
         def create(kind: str, ranks: list[int]) -> None:
-            g = collectives.new_group(ranks)
+            if self.stage is not None and me not in ranks:
+                return  # a stage's groups: made by their members only
+            g = collectives.new_group(ranks, self.stage is not None)
             if me in ranks:
                 mine[kind] = g
 

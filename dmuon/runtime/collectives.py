@@ -231,42 +231,56 @@ class DMuonGroups:
     columns: Mapping[str, DMuonGroups] = field(default_factory=dict)
 
 
-def new_group(ranks: list[int]) -> dist.ProcessGroup:
+def new_group(ranks: list[int], local: bool = False) -> dist.ProcessGroup:
     """``dist.new_group(ranks)`` with the default group's timeout: without one, torch gives a
     new gloo group 30 minutes whatever ``init_process_group(timeout=...)`` said (measured on
     torch 2.13), so a collective DMuon's groups never complete (a rank that dropped a
     backward) would outwait the user's limit. Read from the default group's backend options
-    (``options._timeout``; torch's own default where a backend has none)."""
+    (``options._timeout``; torch's own default where a backend has none).
+
+    ``local``: a pipeline stage's group (``topology.stage_ranks``): only the members call it
+    (``use_local_synchronization=True``: torch names the group from its ranks and the number
+    of groups each member holds, so the stage's ranks must have created the same groups
+    before, as ``init_device_mesh`` and DMuon do); non-members get ``None``. Otherwise every
+    rank of the world calls it (torch's default)."""
     default, timeout = dist.group.WORLD, None
     for device in default._device_types:
         try:
             timeout = default._get_backend(device).options._timeout
         except (RuntimeError, AttributeError):  # no backend for this device type, or no options
             continue
+    if local:
+        return dist.new_group(ranks, timeout=timeout, use_local_synchronization=True)
     return dist.new_group(ranks, timeout=timeout)
 
 
-def make_groups(rows: list[list[int]]) -> DMuonGroups:
-    """Create DMuon's groups from the mesh layout (a collective: every rank, same order).
+def make_groups(rows: list[list[int]], local: bool = False) -> DMuonGroups:
+    """Create DMuon's groups from the mesh layout (a collective: every rank, same order; with
+    ``local``, every rank of the stage: :func:`new_group`).
 
     Args:
         rows: world ranks of every shard group, row ``r`` = replicate index ``r``
             (``mesh.mesh.tolist()`` of a 2-D mesh, ``[mesh.mesh.tolist()]`` of a 1-D one).
+        local: the rows are a pipeline stage's mesh (:func:`new_group`).
     """
     me = dist.get_rank()
     mine: dict[str, dist.ProcessGroup] = {}
     for kind in ("broadcast", "reduce"):
         for row in rows:
-            g = new_group(row)
+            if local and me not in row:
+                continue
+            g = new_group(row, local)
             if me in row:
                 mine[kind] = g
     replicate = world = None
     if len(rows) > 1:
         for col in zip(*rows):
-            g = new_group(list(col))
+            if local and me not in col:
+                continue
+            g = new_group(list(col), local)
             if me in col:
                 replicate = g
-        world = new_group(sorted(r for row in rows for r in row))
+        world = new_group(sorted(r for row in rows for r in row), local)
     return DMuonGroups(mine["broadcast"], mine["reduce"], replicate, world or mine["reduce"])
 
 
@@ -612,7 +626,43 @@ def ranks_by_digest(digests: list[str], ranks: list[int] | None = None) -> str:
 INVALID_SETUP = "0bad" * 16
 
 
-def check_plan_agreement(digest: str | None, what: str) -> None:
+#: What a rank contributes to a round of :func:`gather_stage_digests` when the ranks it has
+#: heard from so far do not all hold one digest (a fixed marker, not a sha256 of any setup).
+MIXED_SETUP = "0ddd" * 16
+
+
+def gather_stage_digests(digest: str, mesh, span: str) -> tuple[list[int], list[str]]:
+    """Every rank's digest on a pipeline stage's mesh (``topology.stage_ranks``), inside it
+    only: one round per mesh dim on that dim's group of the mesh (the groups
+    ``init_device_mesh`` made on every rank: none is created here, a setup call before any
+    other DMuon call on them), each one all_gather of 32 bytes per rank
+    (:func:`all_gather_digests`, span ``span``). Where a round's members do not all hold one
+    digest, its members also all_gather what they know (``all_gather_object``), so every rank
+    of the stage ends with every rank's digest. Returns ``(world ranks, digests)``."""
+    import torch.distributed as _dist
+
+    me = dist.get_rank()
+    known = {me: digest}
+    mixed = False
+    coord = mesh.get_coordinate()
+    for d in range(mesh.ndim):
+        group = mesh.get_group(d)
+        values = set(known.values())
+        uniform = not mixed and len(values) == 1 and INVALID_SETUP not in values
+        gathered = all_gather_digests(next(iter(values)) if uniform else MIXED_SETUP, group, span)
+        if len(set(gathered)) == 1 and gathered[0] != MIXED_SETUP:
+            index = (slice(None),) * (d + 1) + tuple(coord[d + 1:])
+            known = {int(r): gathered[0] for r in mesh.mesh[index].reshape(-1).tolist()}
+            continue
+        mixed = True
+        everyone: list = [None] * dist.get_world_size(group)
+        _dist.all_gather_object(everyone, known, group=group)
+        known = {int(r): v for part in everyone for r, v in part.items()}
+    ranks = sorted(known)
+    return ranks, [known[r] for r in ranks]
+
+
+def check_plan_agreement(digest: str | None, what: str, mesh=None) -> None:
     """Raise on every rank if the ranks' plan digests differ (before any DMuon collective).
 
     One all_gather of 32 bytes per rank on the default group (phase ``"setup"``, span
@@ -621,21 +671,24 @@ def check_plan_agreement(digest: str | None, what: str) -> None:
     of hanging later in mismatched collectives. A rank whose own checks raised passes
     ``digest=None`` (it takes part, contributing :data:`INVALID_SETUP`, then re-raises its
     error; this returns): the others raise instead of waiting for it in their first collective.
+    On a pipeline stage's ``mesh`` (``topology.stage_ranks``) the agreement stays inside the
+    stage (:func:`gather_stage_digests`): the other stages are not waited for.
 
     Args:
         digest: 64 hex characters (sha256) of this rank's plan, or ``None`` (this rank raised).
         what: what the digest describes, for the error message.
+        mesh: the mesh given to ``dedicate_params`` (only a stage's mesh changes the scope).
 
     Raises:
         ValueError: ``digest`` is not 64 hex characters.
         RuntimeError: another rank raised in its own checks (names those ranks), or the digests
             differ (lists which ranks hold which digest).
     """
-    digests = all_gather_digests(INVALID_SETUP if digest is None else digest, None,
-                                 "dmuon.plan_agreement")
+    ranks, digests = agree_digests(INVALID_SETUP if digest is None else digest, mesh,
+                                   "dmuon.plan_agreement")
     if digest is None:
         return
-    invalid = [rank for rank, d in enumerate(digests) if d == INVALID_SETUP]
+    invalid = [rank for rank, d in zip(ranks, digests) if d == INVALID_SETUP]
     if invalid:
         raise RuntimeError(
             f"DMuon setup failed on ranks {invalid}: dmuon.dedicate_params raised an error there "
@@ -644,12 +697,23 @@ def check_plan_agreement(digest: str | None, what: str) -> None:
         )
     if len(set(digests)) != 1:
         raise RuntimeError(
-            f"DMuon {what} differs across ranks ({ranks_by_digest(digests)}). Every rank must "
+            f"DMuon {what} differs across ranks ({ranks_by_digest(digests, ranks)}). Every rank must "
             "build the same model (same parameter names, shapes and dtypes), use the same "
             "predicate and the same mesh before dmuon.dedicate_params, and pass it the same "
             "keyword arguments (reshard_after_forward, mp_policy, bucket_cap_mb, coalesce, rest, "
             "hierarchy)."
         )
+
+
+def agree_digests(digest: str, mesh, span: str) -> tuple[list[int], list[str]]:
+    """``(world ranks, digests)`` of the setup scope: a pipeline stage's mesh
+    (:func:`gather_stage_digests`), else every rank on the default group."""
+    from dmuon.ownership.topology import stage_ranks
+
+    if stage_ranks(mesh) is not None:
+        return gather_stage_digests(digest, mesh, span)
+    digests = all_gather_digests(digest, None, span)
+    return list(range(len(digests))), digests
 
 
 def all_gather_order_digests(digest: str, world: dist.ProcessGroup) -> list[str]:

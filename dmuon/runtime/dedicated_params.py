@@ -81,6 +81,9 @@ class DedicatedParams:
         self._assignments = list(assignments or ())
         self.options = options
         self.mesh_ranks = None if mesh is None else mesh.mesh.tolist()
+        #: the mesh given to dedicate_params when it is a pipeline stage's slice
+        #: (``topology.stage_ranks``), else ``None``: the optimizer's agreement stays inside it
+        self.stage_mesh = mesh if getattr(layout, "stage", None) is not None else None
         # what the runtime moves by: an HSDP mesh moved flat is a 1-D layout of all W ranks
         plan = layout.plan
         moved, moved_plan = topology, plan

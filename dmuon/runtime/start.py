@@ -23,7 +23,8 @@ def start_groups(mesh) -> list[dist.ProcessGroup]:
     """The groups whose first member's values every member takes, in order: each dim of a
     ``DeviceMesh`` (an HSDP mesh: replicate axis, then shard axis, so every rank ends with
     mesh rank (0, 0)'s values), the group itself for a process group, the default group for
-    ``None``."""
+    ``None``. A pipeline stage's slice of a larger mesh (``mesh["dp_shard"]``) gives its own
+    dims' groups: the broadcast stays inside the stage."""
     if mesh is None:
         return [dist.group.WORLD]
     if isinstance(mesh, dist.ProcessGroup):
