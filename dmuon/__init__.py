@@ -19,5 +19,7 @@ from dmuon.api import dedicate_params
 from dmuon.runtime.dedicated_params import DedicatedParams
 from dmuon.ownership.select import default_predicate
 from dmuon.optim.optimizer import DMuon
+from dmuon.pipeline import pipeline_step
 
-__all__ = ["DMuon", "DedicatedParams", "dedicate_params", "default_predicate", "phase", "span"]
+__all__ = ["DMuon", "DedicatedParams", "dedicate_params", "default_predicate", "phase",
+           "pipeline_step", "span"]

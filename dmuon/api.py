@@ -199,6 +199,13 @@ def dedicate_params(
         topology = kind.topology(mesh)
         assignments = assign_params(model, params, predicate)
         named = select_params(model, params, predicate, assignments)
+        if not named and kind.stage is not None:
+            raise ValueError(
+                f"Invalid stage module {type(model).__name__}: no dedicated matrix (params= / "
+                f"predicate= selected none of its {len(list(model.parameters()))} params) on the "
+                f"pipeline stage's mesh of ranks {list(kind.stage)}. Every pipeline stage must "
+                "dedicate at least one matrix (give each stage at least one block, as torchtitan "
+                "does); or leave this stage's module out of DMuon (a plain torch optimizer on it).")
         if not named:
             warnings.warn(
                 f"dmuon.dedicate_params found no Muon target in {type(model).__name__}: nothing is "

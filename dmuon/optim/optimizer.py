@@ -32,6 +32,7 @@ from dmuon.runtime import checkpoint, collectives
 from dmuon.runtime.grad_view import fsdp2_mesh
 from dmuon.runtime.dedicated_params import DedicatedParams
 from dmuon.optim import agreement, amp
+from dmuon.optim import parts as parts_mod
 from dmuon.optim import groups as groups_mod
 from dmuon.optim.grad_guard import GradGuard
 from dmuon.optim.hparams import validate_adamw, validate_muon
@@ -56,7 +57,10 @@ class DMuon(Optimizer):
             ``{"params": [...], "lr": ..., "weight_decay": ..., ...}``; which key reaches which
             optimizer: ``dmuon/optim/groups.py``). Params in ``dedicated`` go to Muon, the
             rest to AdamW.
-        dedicated: the handle from :func:`dmuon.dedicate_params`.
+        dedicated: the handle from :func:`dmuon.dedicate_params`, or a list of them, one per
+            model part this rank holds (an interleaved pipeline schedule's stage modules, all
+            dedicated on the same mesh): one optimizer steps them all
+            (``dmuon/optim/parts.py``).
         lr, weight_decay, momentum, nesterov, ns_coefficients, eps, ns_steps, adjust_lr_fn:
             as ``torch.optim.Muon`` (defaults equal). ``ns_coefficients`` may also be a
             sequence of per-step ``(a, b, c)`` (e.g. ``muon_math.polar_express_coefficients(ns_steps)``).
@@ -68,7 +72,8 @@ class DMuon(Optimizer):
             (an expert stack of E slices counts E, as ``torch.optim.Muon`` over the slices).
 
     Raises:
-        ValueError: ``dedicated`` is not a :class:`DedicatedParams`, a param group is
+        ValueError: ``dedicated`` is not a :class:`DedicatedParams` (or a list of them on one
+            mesh: ``parts.check_parts``), a param group is
             malformed (``groups.user_groups`` / ``groups.split``), a dedicated param is missing
             from ``params``, or a hyper-parameter is invalid (rules in
             ``dmuon/optim/hparams.py``: ``torch.optim.Muon``'s and ``AdamW``'s, checked on every
@@ -83,7 +88,7 @@ class DMuon(Optimizer):
         self,
         params: Iterable[torch.Tensor] | Iterable[dict],
         *,
-        dedicated: DedicatedParams,
+        dedicated: DedicatedParams | list[DedicatedParams],
         lr: float = MUON_DEFAULTS["lr"],
         weight_decay: float = MUON_DEFAULTS["weight_decay"],
         momentum: float = MUON_DEFAULTS["momentum"],
@@ -104,15 +109,19 @@ class DMuon(Optimizer):
                 adjust_lr_fn=adjust_lr_fn), dict(lr=adamw_lr, betas=adamw_betas, eps=adamw_eps,
                                                  weight_decay=adamw_weight_decay))
         except Exception:
-            agreement.agree(None, getattr(dedicated, "stage_mesh", None))
+            agreement.agree(None, parts_mod.stage_mesh_of(dedicated))
             raise
+        dedicated = self.dedicated
         self._names = dict(zip(map(id, dedicated.params), dedicated.names))
         agreement.agree(agreement.describe(self.param_groups, self._names), dedicated.stage_mesh)
         self._agreed_requires_grad = agreement.requires_grad_of(self.param_groups)
 
     def _build(self, params, dedicated, muon_defaults: dict, adamw_defaults: dict) -> None:
         """The constructor's local part: checks, the groups, the state (no collective)."""
-        if not isinstance(dedicated, DedicatedParams):
+        if isinstance(dedicated, list | tuple):
+            handles = parts_mod.check_parts(dedicated)
+            dedicated = handles[0] if len(handles) == 1 else parts_mod.DedicatedParts(handles)
+        if not isinstance(dedicated, DedicatedParams | parts_mod.DedicatedParts):
             raise ValueError(
                 f"Invalid dedicated={dedicated!r} (type {type(dedicated).__name__}). Must be the "
                 "DedicatedParams handle returned by dmuon.dedicate_params(model, mesh), called on "
@@ -120,8 +129,11 @@ class DMuon(Optimizer):
             )
         given, as_dicts = groups_mod.user_groups(params)
         ids = {id(p) for g in given for p in g["params"]}
-        missing = [n for n, p in zip(dedicated.names, dedicated.params) if id(p) not in ids]
-        taken = groups_mod.taken_by_fsdp(dedicated, missing)
+        missing, taken = [], []
+        for part in parts_mod.parts_of(dedicated):
+            lost = [n for n, p in zip(part.names, part.params) if id(p) not in ids]
+            missing += lost
+            taken += groups_mod.taken_by_fsdp(part, lost)
         if taken:
             raise ValueError(
                 f"Invalid params: dedicated params {taken[:3]} are not among them: their modules "
@@ -153,15 +165,15 @@ class DMuon(Optimizer):
         self._kinds = sorted({type(pl) for pl in dedicated.placements.values()},
                              key=lambda k: k.step_order)
         # Muon's view of each dedicated param: (rows, cols) of one matrix (stack or conv layout)
-        spec_of = {sp.name: sp for sp in dedicated.layout.agreed_plan.specs}
-        self._matrix_of = {id(p): spec_of[n].matrix_shape
-                           for n, p in zip(dedicated.names, dedicated.params)}
+        self._matrix_of = {k: v for part in parts_mod.parts_of(dedicated)
+                           for k, v in parts_mod.matrix_shapes(part).items()}
         checkpoint.complete_state(self)  # the state DCP's templates need, before the first step
         # torch's clip_grad_norm_: the global norm where FSDP2 handles the rest (dedicated grads
         # shown as DTensors on its mesh: runtime/grad_view.py), else the step refuses after it
         # (grad_guard.py). TP-sharded grads are DTensors on the TP mesh: not shown.
         adamw = [p for g in self.param_groups if g["algorithm"] == "adamw" for p in g["params"]]
-        self._grad_mesh = fsdp2_mesh(adamw) if dedicated.layout.shows_grad_view else None
+        shows = all(part.layout.shows_grad_view for part in parts_mod.parts_of(dedicated))
+        self._grad_mesh = fsdp2_mesh(adamw) if shows else None
         self._guard = GradGuard()
         # The refresh (copies STALE, HSDP replicate broadcast) runs as the last step post-hook,
         # so the user's post-hooks edit the masters before any copy or broadcast reads them.
@@ -387,20 +399,23 @@ class DMuon(Optimizer):
         """The owned params with a grad, stepped by their placements' kinds
         (``Placement.step``, kinds in ``step_order``, every kind on every rank: a kind whose
         step has collectives meets its peers even with nothing to step here)."""
-        kinds: dict[type, list[torch.Tensor]] = {kind: [] for kind in self._kinds}
-        for p in group["params"]:
-            if id(p) in self._owned and p.grad is not None:
-                kinds[type(self.dedicated.placement_of(p))].append(p)
-        dm = self.dedicated
-        ctx = StepContext(
-            hparams={k: group[k] for k in ("lr", "weight_decay", "momentum", "nesterov",
-                                           "ns_coefficients", "ns_steps", "eps", "adjust_lr_fn")},
-            momentum_of=self.momentum_of, matrix_shape=self.matrix_shape,
-            placement_of=dm.placement_of, launcher=self.launcher,
-            groups=dm.groups.model_parallel,
-            label=lambda p: (dm.unit_of(p), dm.block_of(p), dm.owner_of(p)))
-        for kind, params in kinds.items():
-            self.ns_calls += kind.step(ctx, params)
+        hparams = {k: group[k] for k in ("lr", "weight_decay", "momentum", "nesterov",
+                                          "ns_coefficients", "ns_steps", "eps", "adjust_lr_fn")}
+        # part by part (one handle: one part), each with its own groups; every kind of every
+        # part on every rank (the parts are the same on every rank of the mesh)
+        for dm in parts_mod.parts_of(self.dedicated):
+            mine = set(map(id, dm.params))
+            kinds: dict[type, list[torch.Tensor]] = {kind: [] for kind in self._kinds}
+            for p in group["params"]:
+                if id(p) in mine and id(p) in self._owned and p.grad is not None:
+                    kinds[type(dm.placement_of(p))].append(p)
+            ctx = StepContext(
+                hparams=hparams, momentum_of=self.momentum_of, matrix_shape=self.matrix_shape,
+                placement_of=dm.placement_of, launcher=self.launcher,
+                groups=dm.groups.model_parallel,
+                label=lambda p, dm=dm: (dm.unit_of(p), dm.block_of(p), dm.owner_of(p)))
+            for kind, params in kinds.items():
+                self.ns_calls += kind.step(ctx, params)
 
     def _adamw_group(self, group: dict) -> None:
         params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []

@@ -250,8 +250,38 @@ def new_group(ranks: list[int], local: bool = False) -> dist.ProcessGroup:
         except (RuntimeError, AttributeError):  # no backend for this device type, or no options
             continue
     if local:
-        return dist.new_group(ranks, timeout=timeout, use_local_synchronization=True)
+        return _stage_group(sorted(ranks), timeout)
     return dist.new_group(ranks, timeout=timeout)
+
+
+#: Names of the locally synchronized groups this process created (:func:`_stage_group`).
+_USED_STAGE_NAMES: set[str] = set()
+
+
+def _stage_group(ranks: list[int], timeout) -> dist.ProcessGroup:
+    """A pipeline stage's group over ``ranks`` (sorted), made by its members only.
+
+    torch names a locally synchronized group from its ranks and the number of groups the
+    process holds (``_hash_ranks_to_str``), so after groups were destroyed a new group over the
+    same ranks can get the name of an old one, whose rendezvous keys are still in the store: a
+    member may then read its peer's old address (gloo: "connectFullMesh failed ... Connection
+    refused", seen in the tests). Where the name would be one this process used, one-rank
+    placeholder groups are made first (each moves the count by one; no peer, no rendezvous)
+    until it is new, and destroyed after. Every member has made the same DMuon calls over these
+    ranks, so they skip the same names and meet on one."""
+    c10d = dist.distributed_c10d
+    name_of = getattr(c10d, "_hash_ranks_to_str", None)
+    placeholders = []
+    while name_of is not None and name_of(ranks) in _USED_STAGE_NAMES:
+        placeholders.append(dist.new_group([dist.get_rank()], timeout=timeout,
+                                           use_local_synchronization=True))
+    name = name_of(ranks) if name_of is not None else None
+    g = dist.new_group(ranks, timeout=timeout, use_local_synchronization=True)
+    if name is not None:
+        _USED_STAGE_NAMES.add(name)
+    for p in placeholders:
+        dist.destroy_process_group(p)
+    return g
 
 
 def make_groups(rows: list[list[int]], local: bool = False) -> DMuonGroups:
@@ -701,7 +731,10 @@ def check_plan_agreement(digest: str | None, what: str, mesh=None) -> None:
             "build the same model (same parameter names, shapes and dtypes), use the same "
             "predicate and the same mesh before dmuon.dedicate_params, and pass it the same "
             "keyword arguments (reshard_after_forward, mp_policy, bucket_cap_mb, coalesce, rest, "
-            "hierarchy)."
+            "hierarchy)." + ("" if ranks == list(range(dist.get_world_size())) else
+                            " This is a pipeline stage's mesh: every rank of it must hold the same "
+                            "stage module (a mesh across stages mixes them: pass the stage's "
+                            "data-parallel slice, mesh['dp_shard']).")
         )
 
 

@@ -405,6 +405,54 @@ class DedicatedParams:
         finally:
             rt.no_sync = False
 
+    @contextmanager
+    def pipeline_step(self, microbatches: int) -> Iterator[None]:
+        """One step of a pipeline schedule over this handle's model (a stage module) with
+        ``microbatches`` micro-batches: every backward inside but the ``microbatches``-th
+        accumulates locally (as under :meth:`no_sync`), the last one reduces each dedicated
+        grad to its owner once, whatever order the schedule ran them in; under Z3 the
+        non-holders keep their copies from the step's first forward to that last backward
+        (no re-broadcast per micro-batch: docs/traffic-model.md, "Pipeline parallelism").
+        On a clean exit the optimizer's grad notes are taken again (torch's schedules divide
+        every grad by ``microbatches`` after the last backward: ``scale_grads``). Use it
+        through :func:`dmuon.pipeline_step`, which reads the count and checks the schedule.
+        Local, no collective.
+
+        Raises:
+            ValueError: ``microbatches`` is not an int >= 1, or a pipeline step is already
+                open on this handle.
+            RuntimeError: at exit, some but not ``microbatches`` backward passes ran (the
+                schedule ran another count than it declared: its last backward never reduced).
+        """
+        if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
+            raise ValueError(f"Invalid microbatches={microbatches!r}. Must be an int >= 1 (the "
+                             "schedule's n_microbatches).")
+        rt = self._live("pipeline_step()")
+        if rt.pipeline is not None:
+            raise ValueError("Invalid pipeline_step(): one is already open on this handle. Open "
+                             "one per schedule.step(...) call.")
+        from dmuon.runtime.runtime import PipelineStep
+
+        rt.pipeline = step = PipelineStep(microbatches)
+        try:
+            yield
+        finally:
+            rt.pipeline = None
+            rt.schedule.hold = False
+        if step.backwards == 0:  # forward only (evaluation): Z3 frees what it held
+            for b in rt.buckets:
+                rt.schedule.free(b)
+            return
+        if step.backwards != microbatches:
+            raise RuntimeError(
+                f"DMuon: a pipeline step of {microbatches} micro-batches ran {step.backwards} "
+                f"backward passes through {type(self._model).__name__} on rank {dist.get_rank()}: "
+                "the grads of the dedicated params were reduced only if the last of "
+                f"{microbatches} ran. Pass dmuon.pipeline_step the schedule that runs the step, "
+                "with the n_microbatches it was built with, and run one schedule.step(...) inside.")
+        for fn in list(rt.grads_final):
+            fn()
+
     def wait_pending(self) -> None:
         """Wait for every in-flight replicate broadcast (HSDP); a no-op elsewhere."""
         self._live("wait_pending()").wait_pending()

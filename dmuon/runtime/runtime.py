@@ -13,6 +13,8 @@ moves: ``.to()`` / ``to_empty()`` reach :meth:`Runtime.before_apply` / :meth:`Ru
 
 from __future__ import annotations
 
+import dataclasses
+
 import inspect
 from itertools import groupby
 from typing import TYPE_CHECKING
@@ -40,6 +42,15 @@ if TYPE_CHECKING:
     from dmuon.options import ResolvedOptions
 
 S = TrainingState
+
+
+@dataclasses.dataclass
+class PipelineStep:
+    """One pipeline step of a handle (``DedicatedParams.pipeline_step``): ``microbatches``
+    backward passes are expected, ``backwards`` counts those begun."""
+
+    microbatches: int
+    backwards: int = 0
 
 
 def in_backward() -> bool:
@@ -89,6 +100,9 @@ class Runtime:
         self.pass_state = StateMachine()
         self.user_no_sync = False  # inside dm.no_sync()
         self.wrapper_no_sync = False  # this pass's wrapper skips its reduction (rest.wrapper_defers_sync)
+        # inside a pipeline step (DedicatedParams.pipeline_step): its micro-batch count and the
+        # backward passes seen; only the last backward reduces, Z3 holds copies until then
+        self.pipeline: PipelineStep | None = None
         self.grad_mesh, self.grad_specs = None, {}  # dedicated grads shown as DTensors (grad_view.py)
         self.replicated = replicated  # rest="replicate": the rest DMuon replicates (rest.py)
         # rest="wrapper": whether a forward ran inside DDP (of ddp_size ranks), until the first
@@ -127,7 +141,11 @@ class Runtime:
     @property
     def no_sync(self) -> bool:
         """Whether this pass accumulates dedicated grads locally: inside ``dm.no_sync()``, or
-        its wrapper (DDP, FSDP2) skips its own reduction (``rest.wrapper_defers_sync``)."""
+        its wrapper (DDP, FSDP2) skips its own reduction (``rest.wrapper_defers_sync``). Inside
+        a pipeline step the wrapper is not asked (torch's schedules tell it per backward, after
+        DMuon read it): every backward but the step's last accumulates."""
+        if self.pipeline is not None:
+            return self.user_no_sync or self.pipeline.backwards < self.pipeline.microbatches
         return self.user_no_sync or self.wrapper_no_sync
 
     @no_sync.setter
@@ -293,6 +311,7 @@ class Runtime:
 
     def recover(self) -> None:
         """Leave the state an exception left behind (protocol, 'Outside the step')."""
+        self.schedule.hold = False
         old = self.pass_state.recover()
         for b in self.buckets:
             b.abort(drop_grads=old == S.BACKWARD)
@@ -333,6 +352,7 @@ class Runtime:
                 self._set("ddp_check", DdpCheck.SEEN)
         self.wrapper_no_sync = self.replicated is None and wrapper_defers_sync(self.root)
         self._enter(S.FORWARD)
+        self.schedule.hold = self.pipeline is not None
         self._ran.clear()
         self._runs.clear()
         self._forward_grad = torch.is_grad_enabled()
@@ -382,9 +402,14 @@ class Runtime:
                 f"DMuon: a second backward started before optimizer.step() or zero_grad(); "
                 f"grads (e.g. of {done.names[0]}) were already reduced to their owners. For "
                 "gradient accumulation wrap all but the last micro-batch in "
-                "`with dm.no_sync():`."
+                "`with dm.no_sync():`; under a pipeline schedule run schedule.step(...) inside "
+                "`with dmuon.pipeline_step(schedule, dm):` (it reduces after the last "
+                "micro-batch's backward)."
             )
         self._enter(S.BACKWARD)
+        if self.pipeline is not None:
+            self.pipeline.backwards += 1
+            self.schedule.hold = self.no_sync  # the step's last backward frees (Z3)
         self.schedule.reduces = not self.no_sync
         torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
 

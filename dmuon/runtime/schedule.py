@@ -84,6 +84,9 @@ class Schedule:
         self.options = options
         self.cursors = Cursors(len(buckets))
         self.reduces = True  # this backward reduces (not under no_sync: the runtime sets it)
+        # Z3 under a pipeline step: non-holders keep their copies across the step's
+        # micro-batches until its last backward (the runtime sets it: Runtime.pipeline)
+        self.hold = False
         self._launchers: dict[torch.device, collectives.Launcher] = {}
         self._index_groups()
 
@@ -331,7 +334,7 @@ class Schedule:
     # ------------------------------------------------------------------ residency
     def free(self, b: Bucket) -> None:
         """Z3: ``b``'s non-holders free it (a no-op under Z2)."""
-        if self.options.reshard_after_forward:
+        if self.options.reshard_after_forward and not self.hold:
             b.free()
 
     def wait_replicate(self, b: Bucket) -> None:
