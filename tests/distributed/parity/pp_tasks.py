@@ -282,6 +282,15 @@ def error_case(case: str) -> str:
         return f"{type(exc).__name__}: {exc}"
 
 
+def _flat_options():
+    """Flattened optimizer state dicts (as torchtitan saves under PP): each stage's param
+    groups keyed by its own params; an unflattened ``param_groups`` list would be one DCP key
+    that every stage writes with its own params."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(flatten_optimizer_state_dict=True)
+
+
 def dcp_save(root: str, steps: int) -> dict:
     """Train ``steps`` steps of GPipe at this world size, save model and optimizer with DCP
     (get_state_dict of this rank's stage module), return the params."""
@@ -291,7 +300,7 @@ def dcp_save(root: str, steps: int) -> dict:
     run = PPRun("gpipe")
     for step in range(steps):
         run.train_step(step)
-    model_sd, optim_sd = get_state_dict(run.parts[0], run.opt)
+    model_sd, optim_sd = get_state_dict(run.parts[0], run.opt, options=_flat_options())
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=root)
     out = {"params": run.params()}
     run.close()
@@ -305,12 +314,77 @@ def dcp_resume(root: str, start: int, steps: int) -> dict:
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     run = PPRun("gpipe")
-    model_sd, optim_sd = get_state_dict(run.parts[0], run.opt)
+    model_sd, optim_sd = get_state_dict(run.parts[0], run.opt, options=_flat_options())
     dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=root)
-    set_state_dict(run.parts[0], run.opt, model_state_dict=model_sd, optim_state_dict=optim_sd)
+    set_state_dict(run.parts[0], run.opt, model_state_dict=model_sd, optim_state_dict=optim_sd,
+                   options=_flat_options())
     loaded = run.params()
     for step in range(start, steps):
         run.train_step(step)
     out = {"loaded": loaded, "params": run.params()}
     run.close()
     return out
+
+
+#: Ops of DMuon's dedicated traffic (the pipeline's activations move by send / recv).
+BROADCASTS = ("broadcast", "all_gather")
+REDUCES = ("reduce", "gather", "reduce_scatter", "all_to_all")
+
+
+def step_traffic(schedule: str, z3: bool, hold: bool = True) -> dict:
+    """The DMuon collectives of this rank in the second step (the first agrees on the block
+    order), as ``(op, phase, count)`` lists; ``hold=False`` plants Z3's per-micro-batch
+    re-broadcast (non-holders free after every forward, as outside a pipeline step). Also
+    the reduces of one plain step of the same stage module on one micro-batch (no pipeline),
+    the once-per-step reference."""
+    from dmuon.runtime import schedule as schedule_mod
+    from tracer.interposer import Interposer
+
+    run = PPRun(schedule, z3=z3)
+    run.train_step(0)
+    original = schedule_mod.Schedule.free
+    if not hold:  # planted: frees while the pipeline step holds
+        def free(self, b):
+            if self.options.reshard_after_forward:
+                b.free()
+        schedule_mod.Schedule.free = free
+    try:
+        with Interposer() as ip:
+            run.train_step(1)
+    finally:
+        schedule_mod.Schedule.free = original
+    events = [(e.op, e.phase, e.count) for e in ip.events if e.op in BROADCASTS + REDUCES]
+    run.close()
+    # the reference: one forward and backward of the first stage module on one micro-batch
+    mesh = pp_mesh()
+    pp = mesh.get_local_rank("pp")
+    part = Stage(make_model(), stage_indices(pp, 2), pp == 0, pp == 1)
+    dm = dmuon.dedicate_params(part, mesh["dp_shard"], predicate=is_target, reshard_after_forward=z3,
+                               rest="replicate")
+    x = torch.randn(GLOBAL_BATCH // 4, D_IN if pp == 0 else D)
+    with Interposer() as ref:
+        part(x).sum().backward()
+    reference = [(e.op, e.phase, e.count) for e in ref.events if e.op in REDUCES and e.phase == "backward"]
+    elements = sum(p.numel() for p in dm.params)
+    dm.close()
+    return {"events": events, "reference_reduces": reference, "dedicated_elements": elements}
+
+
+def plain_sub_mesh_error() -> str:
+    """The control of :func:`stages_never_wait`: with stage slices not recognised
+    (``topology.stage_ranks`` planted to say none is one), a stage's ``mesh["dp_shard"]`` is
+    refused by the whole-world rule on every rank. Returns the error text."""
+    from dmuon.ownership import topology
+
+    mesh = pp_mesh()
+    pp = mesh.get_local_rank("pp")
+    part = Stage(make_model(), stage_indices(pp, 2), pp == 0, pp == 1)
+    original = topology.stage_ranks
+    topology.stage_ranks = lambda m: None
+    try:
+        dmuon.dedicate_params(part, mesh["dp_shard"], predicate=is_target, rest="replicate")
+        return ""
+    except Exception as exc:  # noqa: BLE001 - the text is the result
+        return f"{type(exc).__name__}: {exc}"
+    finally:
+        topology.stage_ranks = original
