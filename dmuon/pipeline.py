@@ -25,6 +25,7 @@ from collections.abc import Iterator
 
 import torch.distributed as dist
 
+from dmuon.placement.dims import STAGE_MESH, STAGE_SLICE
 from dmuon.runtime.dedicated_params import DedicatedParams
 
 #: Schedules that split a backward into an input pass and a weight pass (zero bubble): the
@@ -63,7 +64,7 @@ def check_schedule(schedule, dedicated) -> tuple[list[DedicatedParams], int]:
             raise ValueError(
                 f"Invalid dedicated[{i}]={dm!r} (type {type(dm).__name__}). Must be the "
                 "DedicatedParams of a stage module (dmuon.dedicate_params(stage_module, "
-                "mesh['dp_shard'])), or a list of them.")
+                f"{STAGE_SLICE})), or a list of them.")
     if not isinstance(schedule, _PipelineSchedule) or not _stages(schedule):
         raise ValueError(
             f"Invalid schedule={schedule!r} (type {type(schedule).__name__}): DMuon cannot see "
@@ -77,7 +78,7 @@ def check_schedule(schedule, dedicated) -> tuple[list[DedicatedParams], int]:
             "weight pass, and DMuon cannot see which weight pass is a stage's last. Use "
             "ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B or ScheduleLoopedBFS.")
     stages = _stages(schedule)
-    models = {id(dm._model): dm for dm in handles}
+    models = {id(dm.model): dm for dm in handles}
     for stage in stages:
         meta = getattr(stage, "_user_meta", None)
         initialized = getattr(schedule, "_stage_forward_initialized",
@@ -98,23 +99,22 @@ def check_schedule(schedule, dedicated) -> tuple[list[DedicatedParams], int]:
                 "dmuon.pipeline_step(schedule, [dm_a, dm_b]).")
         group = getattr(stage, "group", None)
         if group is not None and dist.is_initialized():
-            pp = set(dist.get_process_group_ranks(group))
+            pipe_ranks = set(dist.get_process_group_ranks(group))
             dm = models[id(stage.submod)]
             mesh = {int(r) for r in _flat(dm.mesh_ranks)}
-            shared = sorted(pp & mesh)
+            shared = sorted(pipe_ranks & mesh)
             if mesh and shared != [dist.get_rank()]:
                 raise ValueError(
                     f"Invalid mesh of the handle of stage {stage.stage_index}: mismatched stage "
                     f"meshes. Its ranks {sorted(mesh)} hold the ranks {shared} of the pipeline "
-                    f"group {sorted(pp)}, so DMuon would average grads across stages. Dedicate "
-                    "each stage module on its stage's data-parallel slice, the pp dim left out: "
-                    "mesh['dp_shard'] of init_device_mesh(device, (P, N), "
-                    "mesh_dim_names=('pp', 'dp_shard')).")
+                    f"group {sorted(pipe_ranks)}, so DMuon would average grads across stages. "
+                    "Dedicate each stage module on its stage's data-parallel slice, the pipeline "
+                    f"dim left out: {STAGE_SLICE} of {STAGE_MESH}.")
     submods = {id(s.submod) for s in stages}
     for i, dm in enumerate(handles):
-        if id(dm._model) not in submods:
+        if id(dm.model) not in submods:
             raise ValueError(
-                f"Invalid dedicated[{i}]: its model ({type(dm._model).__name__}) is no stage "
+                f"Invalid dedicated[{i}]: its model ({type(dm.model).__name__}) is no stage "
                 f"module of this rank's {name} (stages {[s.stage_index for s in stages]}). "
                 "Pass the handles of this rank's stage modules only.")
     return handles, int(schedule._n_microbatches)

@@ -17,6 +17,7 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
+from dmuon.placement.dims import STAGE_SLICE
 from dmuon.runtime.dedicated_params import DedicatedParams
 from dmuon.runtime.state import TrainingState
 
@@ -57,7 +58,7 @@ def check_parts(dedicated: Sequence) -> list[DedicatedParams]:
                 f"Invalid dedicated: mismatched stage meshes. dedicated[0] was dedicated on the "
                 f"mesh of ranks {parts[0].mesh_ranks}, dedicated[{i}] on ranks {dm.mesh_ranks}. "
                 "One optimizer steps the parts of one rank over one data-parallel mesh: call "
-                "dedicate_params on every part with the same mesh (mesh['dp_shard'] of this "
+                f"dedicate_params on every part with the same mesh ({STAGE_SLICE} of this "
                 "rank's stage), or build one DMuon per mesh.")
     return parts
 

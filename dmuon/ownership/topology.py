@@ -122,26 +122,6 @@ def stage_ranks(mesh) -> tuple[int, ...] | None:
     return tuple(sorted(int(r) for r in mesh.mesh.reshape(-1).tolist()))
 
 
-#: Names of a pipeline-parallel mesh dim (torchtitan's): a data-parallel mesh must not hold it.
-PIPELINE_DIMS = ("pp",)
-
-
-def check_stage_mesh(mesh) -> None:
-    """Raise ``ValueError`` where a pipeline stage's mesh (:func:`stage_ranks`) holds a
-    pipeline dim (:data:`PIPELINE_DIMS`): its ranks run different stages, so a mesh across
-    them would average grads of different modules ("mismatched stage meshes"). Local."""
-    if stage_ranks(mesh) is None:
-        return
-    names = tuple(mesh.mesh_dim_names or ())
-    bad = [d for d in names if d in PIPELINE_DIMS]
-    if bad:
-        raise ValueError(
-            f"Invalid mesh with mesh_dim_names={names!r} (ranks {mesh.mesh.tolist()}): the dim "
-            f"{bad[0]!r} is pipeline parallel, its ranks hold different stages. Pass the stage's "
-            f"data-parallel slice, the pipeline dim left out: mesh['dp_shard'] (or "
-            "mesh['dp_replicate', 'dp_shard'] with replicate_dim=) of the whole mesh.")
-
-
 def check_spans_world(mesh: DeviceMesh, size_name: str, example: str) -> None:
     """Raise ``ValueError`` unless ``mesh`` covers the whole world and holds this rank, or is
     a pipeline stage's slice of a mesh that does (:func:`stage_ranks`).
@@ -151,9 +131,10 @@ def check_spans_world(mesh: DeviceMesh, size_name: str, example: str) -> None:
     ``size_name`` names the mesh size in the message (``"W = R * N"``), ``example`` a mesh
     that would do.
     """
+    from dmuon.placement.dims import STAGE_MESH, STAGE_SLICE
+
     world = dist.get_world_size()
     if stage_ranks(mesh) is not None:
-        check_stage_mesh(mesh)
         return
     if mesh.size() != world or mesh.get_coordinate() is None:
         raise ValueError(
@@ -162,8 +143,8 @@ def check_spans_world(mesh: DeviceMesh, size_name: str, example: str) -> None:
             f"{'...' if mesh.size() > 8 else ''}; this rank {dist.get_rank()} is "
             f"{'in' if mesh.get_coordinate() is not None else 'not in'} it). DMuon's owners "
             f"span the whole job, or a pipeline stage: build the mesh over every rank, e.g. "
-            f"{example}, or pass the stage's slice of such a mesh (mesh['dp_shard'] of "
-            "init_device_mesh(device, (P, N), mesh_dim_names=('pp', 'dp_shard')))."
+            f"{example}, or pass the stage's slice of such a mesh ({STAGE_SLICE} of "
+            f"{STAGE_MESH})."
         )
 
 

@@ -166,3 +166,25 @@ def flat_index(dims: MeshDims, over: tuple[str, ...], coord: dict[str, int]) -> 
     for d in over:
         i = i * dims.size((d,)) + coord[d]
     return i
+
+
+#: Names of a pipeline-parallel mesh dim (torchtitan's): a stage's data-parallel mesh must not
+#: hold it (its ranks run different stages).
+PIPELINE_DIMS = ("pp",)
+#: A pipeline stage's data-parallel slice and the mesh it is sliced from, for messages.
+STAGE_SLICE = "mesh['dp_shard']"
+STAGE_MESH = "init_device_mesh(device, (P, N), mesh_dim_names=('pp', 'dp_shard'))"
+
+
+def check_stage_mesh(mesh) -> None:
+    """Raise ``ValueError`` where a pipeline stage's mesh holds a pipeline dim
+    (:data:`PIPELINE_DIMS`): a mesh across stages would average grads of different modules
+    ("mismatched stage meshes"). Local, every rank, before any collective."""
+    names = tuple(mesh.mesh_dim_names or ())
+    bad = [d for d in names if d in PIPELINE_DIMS]
+    if bad:
+        raise ValueError(
+            f"Invalid mesh with mesh_dim_names={names!r} (ranks {mesh.mesh.tolist()}): the dim "
+            f"{bad[0]!r} is pipeline parallel, its ranks hold different stages. Pass the stage's "
+            f"data-parallel slice, the pipeline dim left out: {STAGE_SLICE} (or "
+            "mesh['dp_replicate', 'dp_shard'] with replicate_dim=) of the whole mesh.")

@@ -367,6 +367,8 @@ class MeshLayout:
                 for a 1-D or HSDP mesh; the mesh does not span the world.
         """
         dims = self.dims
+        if self.stage is not None:
+            dims_mod.check_stage_mesh(mesh)
         if dims is None or (dims.is_plain() and dims.names in (dims.shard, ("replicate", "shard"))):
             return topology_from_mesh(mesh)
         check_initialized()

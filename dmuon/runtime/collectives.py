@@ -726,6 +726,8 @@ def check_plan_agreement(digest: str | None, what: str, mesh=None) -> None:
             "Pass every rank the same valid arguments."
         )
     if len(set(digests)) != 1:
+        from dmuon.placement.dims import STAGE_SLICE
+
         raise RuntimeError(
             f"DMuon {what} differs across ranks ({ranks_by_digest(digests, ranks)}). Every rank must "
             "build the same model (same parameter names, shapes and dtypes), use the same "
@@ -734,7 +736,7 @@ def check_plan_agreement(digest: str | None, what: str, mesh=None) -> None:
             "hierarchy)." + ("" if ranks == list(range(dist.get_world_size())) else
                             " This is a pipeline stage's mesh: every rank of it must hold the same "
                             "stage module (a mesh across stages mixes them: pass the stage's "
-                            "data-parallel slice, mesh['dp_shard']).")
+                            f"data-parallel slice, {STAGE_SLICE}).")
         )
 
 

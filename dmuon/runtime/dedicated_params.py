@@ -210,6 +210,11 @@ class DedicatedParams:
         collectives.destroy_groups(groups)  # their threads and sockets go with the last reference
 
     @property
+    def model(self) -> nn.Module:
+        """The module given to ``dedicate_params`` (a pipeline stage's module under PP)."""
+        return self._model
+
+    @property
     def closed(self) -> bool:
         """Whether :meth:`close` ran."""
         return self._runtime is None

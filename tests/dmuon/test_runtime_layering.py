@@ -42,6 +42,10 @@ FOREIGN_PRIVATE = {
     "_get_fsdp_state": {"rest.py"},  # FSDP2's set_requires_gradient_sync flag (reduce_grads)
     "_get_default_store": {"checkpoint.py"},  # the rendezvous store: did every rank call state_dict?
     "_getframe": {"checkpoint.py"},  # is DCP the caller of opt.state_dict()?
+    # a torch pipelining schedule's stages and micro-batch count (no public getters)
+    "_stages": {"pipeline.py"},
+    "_stage": {"pipeline.py"},
+    "_n_microbatches": {"pipeline.py"},
 }
 
 
