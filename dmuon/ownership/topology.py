@@ -107,18 +107,23 @@ def stage_ranks(mesh) -> tuple[int, ...] | None:
     """The sorted world ranks of a pipeline stage's data-parallel mesh, or ``None``.
 
     A stage's mesh is a slice ``root[dims]`` of a ``DeviceMesh`` ``root`` that spans the world
-    (``init_device_mesh(device, (P, N), mesh_dim_names=("pp", "dp_shard"))["dp_shard"]``),
+    and has a pipeline dim (``dmuon.placement.dims.PIPELINE_DIMS``, torchtitan's name:
+    ``init_device_mesh(device, (P, N), mesh_dim_names=(<pipeline dim>, "dp_shard"))["dp_shard"]``),
     smaller than the world and holding this rank: DMuon then keeps every setup check, agreement
     and group inside its ranks (docs/user-guide.md, "Pipeline parallelism"). ``None`` for a mesh
     that spans the world, for a mesh built over some ranks only without a root over all of
     them (refused by :func:`check_spans_world`), without ``torch.distributed``, and for
     anything that is not a ``DeviceMesh``. Local, no collective."""
+    from dmuon.placement.dims import PIPELINE_DIMS
+
     if not isinstance(mesh, DeviceMesh) or not dist.is_initialized():
         return None
     world = dist.get_world_size()
     root = root_of(mesh)
     if mesh.size() == world or root is mesh or root.size() != world or mesh.get_coordinate() is None:
         return None
+    if not set(root.mesh_dim_names or ()) & set(PIPELINE_DIMS):
+        return None  # a slice of a mesh without a pipeline dim: the whole-world rule holds
     return tuple(sorted(int(r) for r in mesh.mesh.reshape(-1).tolist()))
 
 
@@ -131,7 +136,7 @@ def check_spans_world(mesh: DeviceMesh, size_name: str, example: str) -> None:
     ``size_name`` names the mesh size in the message (``"W = R * N"``), ``example`` a mesh
     that would do.
     """
-    from dmuon.placement.dims import STAGE_MESH, STAGE_SLICE
+    from dmuon.placement.dims import PIPELINE_DIMS, STAGE_MESH, STAGE_SLICE
 
     world = dist.get_world_size()
     if stage_ranks(mesh) is not None:
@@ -143,8 +148,8 @@ def check_spans_world(mesh: DeviceMesh, size_name: str, example: str) -> None:
             f"{'...' if mesh.size() > 8 else ''}; this rank {dist.get_rank()} is "
             f"{'in' if mesh.get_coordinate() is not None else 'not in'} it). DMuon's owners "
             f"span the whole job, or a pipeline stage: build the mesh over every rank, e.g. "
-            f"{example}, or pass the stage's slice of such a mesh ({STAGE_SLICE} of "
-            f"{STAGE_MESH})."
+            f"{example}, or, under pipeline parallelism, the stage's slice of a mesh over every "
+            f"rank with a pipeline dim named {PIPELINE_DIMS[0]!r} ({STAGE_SLICE} of {STAGE_MESH})."
         )
 
 
