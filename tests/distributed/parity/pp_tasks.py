@@ -388,3 +388,29 @@ def plain_sub_mesh_error() -> str:
         return f"{type(exc).__name__}: {exc}"
     finally:
         topology.stage_ranks = original
+
+
+def clip_total(schedule: str, across_stages: bool = True) -> float:
+    """The total grad norm ``opt.clip_grad_norm_`` returns after the first pipeline step
+    (``pp_group``: this rank's pipeline group; ``across_stages=False``: none, the stage's own
+    norm, the control)."""
+    run = PPRun(schedule)
+    x, y = batch(0)
+    rows = slice(run.dp_index * (GLOBAL_BATCH // run.dp_size), (run.dp_index + 1) * (GLOBAL_BATCH // run.dp_size))
+    with dmuon.pipeline_step(run.schedule, run.handles()):
+        run.schedule.step(*((x[rows],) if run.first else ()),
+                          **({"target": y[rows], "losses": []} if run.last else {}))
+    group = run.mesh.get_group("pp") if across_stages else None
+    total = run.opt.clip_grad_norm_(1e-3, pp_group=group).item()
+    run.opt.step()
+    run.close()
+    return total
+
+
+def oracle_total(nudge: str | None = None) -> float:
+    """The single-process oracle's total grad norm of the whole model on the first batch."""
+    with oracle_threads(nudge):
+        model = nudge_init_(make_model(), nudge)
+        x, y = batch(0)
+        F.mse_loss(model(x), y).backward()
+        return torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]).item()

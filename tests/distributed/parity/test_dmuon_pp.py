@@ -127,3 +127,17 @@ def test_dcp_checkpoint_resumes_at_another_data_parallel_size(pool4, pool2, orac
         for n, t in r["loaded"].items():
             assert torch.equal(t, by_stage[stage][n]), n
         NF.assert_within(_dist(r["params"], init, ref), floor, f"resumed stage {stage}")
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", pytest.param("interleaved", marks=pytest.mark.slow)])
+def test_clip_grad_norm_with_pp_group_is_the_whole_models_norm(pool4, schedule):
+    """``opt.clip_grad_norm_(..., pp_group=...)`` returns the oracle's norm of every grad of
+    the model, on every rank (bound: the oracle's nudged norms, ``noise_floor.scalar_floors``);
+    the control (no ``pp_group``: each stage's own norm) lands beyond it."""
+    want = P.oracle_total()
+    floor = NF.scalar_floors([want], {n: [P.oracle_total(n)] for n in NF.NUDGES})[0]
+    got = pool4.run_with_timeout(TIMEOUT_S, P.clip_total, schedule)
+    for total in got:
+        assert abs(total - want) / want <= floor.bound, (got, want, str(floor))
+    planted = pool4.run_with_timeout(TIMEOUT_S, P.clip_total, schedule, False)
+    assert all(abs(t - want) / want > floor.bound for t in planted), (planted, want)
