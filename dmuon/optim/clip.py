@@ -50,7 +50,7 @@ def clip_grad_norm_(
     max_norm: float,
     norm_type: float = 2.0,
     error_if_nonfinite: bool = False,
-    pp_group=None,
+    pipeline_group=None,
 ) -> torch.Tensor:
     """Scale every grad so that the global ``norm_type``-norm is at most ``max_norm``.
 
@@ -67,7 +67,7 @@ def clip_grad_norm_(
         norm_type: p of the p-norm (> 0, or ``math.inf``).
         error_if_nonfinite: raise if the total norm is nan or inf (after the collective, so
             every rank raises).
-        pp_group: under pipeline parallelism, the pipeline group of this rank (``mesh.get_group
+        pipeline_group: under pipeline parallelism, the pipeline group of this rank (``mesh.get_group
             ("pp")``: one rank of each stage, the same data-parallel index): the stages' totals
             are then combined by one more all_reduce of one fp32 element over it (phase
             ``optimizer``), so every stage clips by the norm of the whole model, as torchtitan
@@ -119,13 +119,13 @@ def clip_grad_norm_(
                 n = (n.full_tensor() if isinstance(n, DTensor) else n).float().cpu()
                 rest = torch.maximum(rest, n) if inf else rest + n.pow(p)
     combined = torch.maximum(ded, rest) if inf else ded + rest
-    if pp_group is not None:  # every stage's total, once per stage (its data-parallel twin)
-        across = combined.to(device=collectives.collective_device(pp_group))
+    if pipeline_group is not None:  # every stage's total, once per stage (its data-parallel twin)
+        across = combined.to(device=collectives.collective_device(pipeline_group))
         with annotate.phase("optimizer"), annotate.span("dmuon.clip_grad_norm"):
             if inf:
-                collectives.all_reduce_max_(across, pp_group)
+                collectives.all_reduce_max_(across, pipeline_group)
             else:
-                collectives.all_reduce_sum_(across, pp_group)
+                collectives.all_reduce_sum_(across, pipeline_group)
         combined = across.cpu()
     total = combined if inf else combined.pow(1.0 / p)
     if error_if_nonfinite and not torch.isfinite(total):

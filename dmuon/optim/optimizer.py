@@ -257,12 +257,12 @@ class DMuon(Optimizer):
         checkpoint.complete_state(self)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
-                        error_if_nonfinite: bool = False, pp_group=None) -> torch.Tensor:
+                        error_if_nonfinite: bool = False, pipeline_group=None) -> torch.Tensor:
         """Clip every param's grad by the global norm over all ranks (a collective: call it
         on every rank between ``backward()`` and ``step()``). Works in every mode; under DDP
         and ``rest="replicate"`` use it instead of ``torch.nn.utils.clip_grad_norm_``, which
         would see each dedicated grad on its owner only (under FSDP2 torch's is global too:
-        ``dmuon/runtime/grad_view.py``). Under pipeline parallelism pass ``pp_group`` (this
+        ``dmuon/runtime/grad_view.py``). Under pipeline parallelism pass ``pipeline_group`` (this
         rank's pipeline group) for the norm of the whole model. Arguments, return value and
         errors: :func:`dmuon.optim.clip.clip_grad_norm_`."""
         from dmuon.optim.clip import clip_grad_norm_
@@ -271,7 +271,7 @@ class DMuon(Optimizer):
         adamw = [p for g in self.param_groups if g["algorithm"] == "adamw" for p in g["params"]]
         self.dedicated.take_back_grads()
         total = clip_grad_norm_(self.dedicated, muon, adamw, max_norm, norm_type, error_if_nonfinite,
-                                pp_group=pp_group)
+                                pipeline_group=pipeline_group)
         self._grads_final()  # scaled here, by the global norm: what step() compares against
         return total
 

@@ -256,6 +256,9 @@ def new_group(ranks: list[int], local: bool = False) -> dist.ProcessGroup:
 
 #: Names of the locally synchronized groups this process created (:func:`_stage_group`).
 _USED_STAGE_NAMES: set[str] = set()
+#: id(a stage group) -> the one-rank placeholder groups made before it (:func:`_stage_group`),
+#: destroyed with it (:func:`destroy_groups`).
+_PLACEHOLDERS: dict[int, list[dist.ProcessGroup]] = {}
 
 
 def _stage_group(ranks: list[int], timeout) -> dist.ProcessGroup:
@@ -265,22 +268,28 @@ def _stage_group(ranks: list[int], timeout) -> dist.ProcessGroup:
     process holds (``_hash_ranks_to_str``), so after groups were destroyed a new group over the
     same ranks can get the name of an old one, whose rendezvous keys are still in the store: a
     member may then read its peer's old address (gloo: "connectFullMesh failed ... Connection
-    refused", seen in the tests). Where the name would be one this process used, one-rank
-    placeholder groups are made first (each moves the count by one; no peer, no rendezvous)
-    until it is new, and destroyed after. Every member has made the same DMuon calls over these
-    ranks, so they skip the same names and meet on one."""
+    refused", seen in the tests), or the name of a live group (torch refuses it). Where the
+    name would be one this process used or holds, one-rank placeholder groups are made first
+    (each moves the count by one; no peer, no rendezvous) until it is new; they live as long as
+    the group (destroyed with it), so the count only grows while DMuon's groups are made. Every
+    member has made the same DMuon calls over these ranks, so they skip the same names and meet
+    on one."""
     c10d = dist.distributed_c10d
     name_of = getattr(c10d, "_hash_ranks_to_str", None)
     placeholders = []
-    while name_of is not None and name_of(ranks) in _USED_STAGE_NAMES:
+
+    def taken(name: str) -> bool:
+        return name in _USED_STAGE_NAMES or name in c10d._world.pg_names.values()
+
+    while name_of is not None and taken(name_of(ranks)):
         placeholders.append(dist.new_group([dist.get_rank()], timeout=timeout,
                                            use_local_synchronization=True))
     name = name_of(ranks) if name_of is not None else None
     g = dist.new_group(ranks, timeout=timeout, use_local_synchronization=True)
     if name is not None:
         _USED_STAGE_NAMES.add(name)
-    for p in placeholders:
-        dist.destroy_process_group(p)
+    if placeholders:
+        _PLACEHOLDERS[id(g)] = placeholders
     return g
 
 
@@ -336,6 +345,8 @@ def destroy_groups(groups: DMuonGroups) -> None:
         if g is not None and all(g is not s for s in seen):
             seen.append(g)
             dist.destroy_process_group(g)
+            for p in _PLACEHOLDERS.pop(id(g), ()):  # a stage group's placeholders go with it
+                dist.destroy_process_group(p)
 
 
 def broadcast_(buf: torch.Tensor, src: int, group: dist.ProcessGroup, *, async_op: bool = False):

@@ -46,6 +46,8 @@ FOREIGN_PRIVATE = {
     "_stages": {"pipeline.py"},
     "_stage": {"pipeline.py"},
     "_n_microbatches": {"pipeline.py"},
+    # the live groups' names: a pipeline stage's group must get a new one (collectives._stage_group)
+    "_world": {"collectives.py"},
 }
 
 

@@ -262,6 +262,13 @@ def error_case(case: str) -> str:
                 dm_a.close()
                 dm_b.close()
             return ""
+        if case in ("empty_parts", "repeated_part"):
+            dm = dmuon.dedicate_params(part, mesh["dp_shard"], predicate=is_target, rest="replicate")
+            try:
+                dmuon.DMuon(part.parameters(), dedicated=[] if case == "empty_parts" else [dm, dm])
+            finally:
+                dm.close()
+            return ""
         mb = GLOBAL_BATCH // 2 // MICRO_BATCHES
         dp_mesh = mesh["pp"] if case == "mesh_across_stages" else mesh["dp_shard"]
         dm = dmuon.dedicate_params(part, dp_mesh, predicate=is_target, rest="replicate")
@@ -291,32 +298,38 @@ def _flat_options():
     return StateDictOptions(flatten_optimizer_state_dict=True)
 
 
-def dcp_save(root: str, steps: int) -> dict:
-    """Train ``steps`` steps of GPipe at this world size, save model and optimizer with DCP
-    (get_state_dict of this rank's stage module), return the params."""
+def _holder(run: PPRun) -> nn.Module:
+    """What DCP's get_state_dict sees: the stage module, or a ModuleList of this rank's parts
+    (every param of the one optimizer)."""
+    return run.parts[0] if len(run.parts) == 1 else nn.ModuleList(run.parts)
+
+
+def dcp_save(root: str, steps: int, schedule: str = "gpipe") -> dict:
+    """Train ``steps`` steps of ``schedule`` at this world size, save model and optimizer with
+    DCP (get_state_dict of this rank's stage module, or of its parts), return the params."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    run = PPRun("gpipe")
+    run = PPRun(schedule)
     for step in range(steps):
         run.train_step(step)
-    model_sd, optim_sd = get_state_dict(run.parts[0], run.opt, options=_flat_options())
+    model_sd, optim_sd = get_state_dict(_holder(run), run.opt, options=_flat_options())
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=root)
     out = {"params": run.params()}
     run.close()
     return out
 
 
-def dcp_resume(root: str, start: int, steps: int) -> dict:
-    """A fresh GPipe run at this world size loads the DCP checkpoint and trains steps
+def dcp_resume(root: str, start: int, steps: int, schedule: str = "gpipe") -> dict:
+    """A fresh ``schedule`` run at this world size loads the DCP checkpoint and trains steps
     ``start`` .. ``steps - 1``; returns the loaded params and the final ones."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    run = PPRun("gpipe")
-    model_sd, optim_sd = get_state_dict(run.parts[0], run.opt, options=_flat_options())
+    run = PPRun(schedule)
+    model_sd, optim_sd = get_state_dict(_holder(run), run.opt, options=_flat_options())
     dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=root)
-    set_state_dict(run.parts[0], run.opt, model_state_dict=model_sd, optim_state_dict=optim_sd,
+    set_state_dict(_holder(run), run.opt, model_state_dict=model_sd, optim_state_dict=optim_sd,
                    options=_flat_options())
     loaded = run.params()
     for step in range(start, steps):
@@ -392,7 +405,7 @@ def plain_sub_mesh_error() -> str:
 
 def clip_total(schedule: str, across_stages: bool = True) -> float:
     """The total grad norm ``opt.clip_grad_norm_`` returns after the first pipeline step
-    (``pp_group``: this rank's pipeline group; ``across_stages=False``: none, the stage's own
+    (``pipeline_group``: this rank's pipeline group; ``across_stages=False``: none, the stage's own
     norm, the control)."""
     run = PPRun(schedule)
     x, y = batch(0)
@@ -401,7 +414,7 @@ def clip_total(schedule: str, across_stages: bool = True) -> float:
         run.schedule.step(*((x[rows],) if run.first else ()),
                           **({"target": y[rows], "losses": []} if run.last else {}))
     group = run.mesh.get_group("pp") if across_stages else None
-    total = run.opt.clip_grad_norm_(1e-3, pp_group=group).item()
+    total = run.opt.clip_grad_norm_(1e-3, pipeline_group=group).item()
     run.opt.step()
     run.close()
     return total

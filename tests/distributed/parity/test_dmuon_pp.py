@@ -100,6 +100,8 @@ ERRORS = {
     "dynamic_stage": (("ValueError",) * 4, "built without input_args and output_args"),
     "foreign_stage": (("ValueError",) * 4, "has no DedicatedParams among the 1 given"),
     "not_a_schedule": (("ValueError",) * 4, "DMuon cannot see its micro-batches"),
+    "empty_parts": (("ValueError",) * 4, "Invalid dedicated=[] (no handle)"),
+    "repeated_part": (("ValueError",) * 4, "the handle at index 1 is also at index 0"),
 }
 
 
@@ -114,13 +116,15 @@ def test_bad_pipeline_setup_raises_on_every_rank_of_the_stage(pool4, case):
 
 
 @pytest.mark.slow
-def test_dcp_checkpoint_resumes_at_another_data_parallel_size(pool4, pool2, oracle, tmp_path):
+@pytest.mark.parametrize("schedule", ["gpipe", "interleaved"])
+def test_dcp_checkpoint_resumes_at_another_data_parallel_size(pool4, pool2, oracle, tmp_path, schedule):
     """Save after step 1 at 2 stages x 2 data-parallel ranks, resume at 2 stages x 1: the
-    loaded params are the saved ones, and the resumed run lands on the oracle after step 2."""
+    loaded params are the saved ones, and the resumed run lands on the oracle after step 2
+    (interleaved: one optimizer over each rank's two parts)."""
     init, ref, floor = oracle
     root = str(tmp_path / "ckpt")
-    saved = pool4.run_with_timeout(TIMEOUT_S, P.dcp_save, root, 1)
-    resumed = pool2.run_with_timeout(TIMEOUT_S, P.dcp_resume, root, 1, STEPS)
+    saved = pool4.run_with_timeout(TIMEOUT_S, P.dcp_save, root, 1, schedule)
+    resumed = pool2.run_with_timeout(TIMEOUT_S, P.dcp_resume, root, 1, STEPS, schedule)
     by_stage = {0: saved[0]["params"], 1: saved[2]["params"]}
     for stage, r in enumerate(resumed):
         assert set(r["loaded"]) == set(by_stage[stage])
@@ -130,10 +134,10 @@ def test_dcp_checkpoint_resumes_at_another_data_parallel_size(pool4, pool2, orac
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", pytest.param("interleaved", marks=pytest.mark.slow)])
-def test_clip_grad_norm_with_pp_group_is_the_whole_models_norm(pool4, schedule):
-    """``opt.clip_grad_norm_(..., pp_group=...)`` returns the oracle's norm of every grad of
+def test_clip_grad_norm_with_pipeline_group_is_the_whole_models_norm(pool4, schedule):
+    """``opt.clip_grad_norm_(..., pipeline_group=...)`` returns the oracle's norm of every grad of
     the model, on every rank (bound: the oracle's nudged norms, ``noise_floor.scalar_floors``);
-    the control (no ``pp_group``: each stage's own norm) lands beyond it."""
+    the control (no ``pipeline_group``: each stage's own norm) lands beyond it."""
     want = P.oracle_total()
     floor = NF.scalar_floors([want], {n: [P.oracle_total(n)] for n in NF.NUDGES})[0]
     got = pool4.run_with_timeout(TIMEOUT_S, P.clip_total, schedule)
