@@ -49,7 +49,8 @@ def _check(pool, oracle, schedule: str, z3: bool) -> None:
     NF.assert_beyond({"worst of the skipped stage": min(skipped.values())}, floor, "stage 1 skipped")
 
 
-@pytest.mark.parametrize("schedule,z3", [("gpipe", True), ("1f1b", False), ("interleaved", False)])
+@pytest.mark.parametrize("schedule,z3", [("gpipe", True), pytest.param("1f1b", False, marks=pytest.mark.slow),
+                                         ("interleaved", False)])
 def test_schedules_land_on_the_whole_batch_oracle(pool4, oracle, schedule, z3):
     _check(pool4, oracle, schedule, z3)
 
@@ -93,6 +94,9 @@ def test_without_stage_slices_the_sub_mesh_is_refused(pool4):
     assert all("must equal the world size 4" in t for t in texts), texts
 
 
+#: The cases the default suite runs (the others: ``-m slow``).
+DEFAULT_ERRORS = ("stage_without_matrix", "mismatched_parts", "mesh_across_stages", "not_a_schedule")
+
 ERRORS = {
     "stage_without_matrix": (("", "", "ValueError", "ValueError"), "no dedicated matrix"),
     "mismatched_parts": (("ValueError",) * 4, "mismatched stage meshes"),
@@ -105,7 +109,8 @@ ERRORS = {
 }
 
 
-@pytest.mark.parametrize("case", sorted(ERRORS))
+@pytest.mark.parametrize("case", [c if c in DEFAULT_ERRORS else pytest.param(c, marks=pytest.mark.slow)
+                                  for c in sorted(ERRORS)])
 def test_bad_pipeline_setup_raises_on_every_rank_of_the_stage(pool4, case):
     kinds, text = ERRORS[case]
     for rank, (kind, message) in enumerate(zip(kinds, pool4.run_with_timeout(60, P.error_case, case))):
@@ -133,7 +138,8 @@ def test_dcp_checkpoint_resumes_at_another_data_parallel_size(pool4, pool2, orac
         NF.assert_within(_dist(r["params"], init, ref), floor, f"resumed stage {stage}")
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", pytest.param("interleaved", marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", ["gpipe", "interleaved"])
 def test_clip_grad_norm_with_pipeline_group_is_the_whole_models_norm(pool4, schedule):
     """``opt.clip_grad_norm_(..., pipeline_group=...)`` returns the oracle's norm of every grad of
     the model, on every rank (bound: the oracle's nudged norms, ``noise_floor.scalar_floors``);
