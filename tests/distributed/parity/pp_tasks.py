@@ -121,16 +121,28 @@ class PPRun:
     """This rank's stage modules, handles, schedule and optimizer.
 
     ``schedule``: "gpipe", "1f1b" or "interleaved" (4 virtual stages on the 2 pipeline ranks:
-    rank p holds stages p and p + 2); ``z3``: ``reshard_after_forward``."""
+    rank p holds stages p and p + 2); ``z3``: ``reshard_after_forward``; ``layout``: "dp" (a
+    ``("pp", "dp_shard")`` mesh) or "hsdp/<hierarchy>" (``("pp", "dp_replicate", "dp_shard")``
+    of shape (2, 2, 1), each stage an HSDP slice of R = 2 replicas, moved by ``hierarchy``)."""
 
-    def __init__(self, schedule: str, z3: bool = False, pp: int = 2) -> None:
+    def __init__(self, schedule: str, z3: bool = False, pp: int = 2, layout: str = "dp") -> None:
         from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
                                                   ScheduleInterleaved1F1B)
 
-        self.mesh = pp_mesh(pp)
+        extra = {}
+        if layout == "dp":
+            self.mesh = pp_mesh(pp)
+            dp_mesh = self.mesh["dp_shard"]
+            self.dp_index = self.mesh.get_local_rank("dp_shard")
+        else:
+            self.mesh = init_device_mesh("cpu", (pp, dist.get_world_size() // pp, 1),
+                                         mesh_dim_names=("pp", "dp_replicate", "dp_shard"))
+            dp_mesh = self.mesh["dp_replicate", "dp_shard"]
+            self.dp_index = self.mesh.get_local_rank("dp_replicate")
+            extra = dict(replicate_dim="dp_replicate", shard_dims="dp_shard",
+                         hierarchy=layout.partition("/")[2])
         self.pp_index = self.mesh.get_local_rank("pp")
-        self.dp_index = self.mesh.get_local_rank("dp_shard")
-        self.dp_size = self.mesh["dp_shard"].size()
+        self.dp_size = dp_mesh.size()
         pp_group = self.mesh.get_group("pp")
         virtual = 2 if schedule == "interleaved" else 1
         num_stages = pp * virtual
@@ -138,8 +150,8 @@ class PPRun:
         net = make_model()
         self.parts = [Stage(net, stage_indices(s, num_stages), s == 0, s == num_stages - 1)
                       for s in self.stage_ids]
-        self.dms = [dmuon.dedicate_params(part, self.mesh["dp_shard"], predicate=is_target,
-                                          reshard_after_forward=z3, rest="replicate")
+        self.dms = [dmuon.dedicate_params(part, dp_mesh, predicate=is_target,
+                                          reshard_after_forward=z3, rest="replicate", **extra)
                     for part in self.parts]
         mb = GLOBAL_BATCH // self.dp_size // MICRO_BATCHES
         stages = []
@@ -190,14 +202,16 @@ class PPRun:
             dm.close()
 
 
-def train(schedule: str, steps: int, z3: bool = False, skip_stage: int | None = None) -> dict:
+def train(schedule: str, steps: int, z3: bool = False, skip_stage: int | None = None,
+          layout: str = "dp") -> dict:
     """``steps`` steps; ``skip_stage``: that pipeline rank never calls ``opt.step()`` (a
     planted error). Returns this rank's params (the whole model's names), the number of
     collectives per group size DMuon issued during setup, and the handles' ownership."""
-    run = PPRun(schedule, z3=z3)
+    run = PPRun(schedule, z3=z3, layout=layout)
     for step in range(steps):
         run.train_step(step, skip_step=run.pp_index == skip_stage)
-    out = {"params": run.params(), "stages": run.stage_ids, "dp": run.dp_index}
+    out = {"params": run.params(), "stages": run.stage_ids, "dp": run.dp_index,
+           "flat": run.dms[0].flat}
     run.close()
     return out
 
@@ -261,6 +275,13 @@ def error_case(case: str) -> str:
             finally:
                 dm_a.close()
                 dm_b.close()
+            return ""
+        if case == "lr_mismatch":  # rank 1 (stage 0) builds its optimizer with another lr
+            dm = dmuon.dedicate_params(part, mesh["dp_shard"], predicate=is_target, rest="replicate")
+            try:
+                dmuon.DMuon(part.parameters(), dedicated=dm, lr=0.03 if dist.get_rank() == 1 else 0.02)
+            finally:
+                dm.close()
             return ""
         if case in ("empty_parts", "repeated_part"):
             dm = dmuon.dedicate_params(part, mesh["dp_shard"], predicate=is_target, rest="replicate")

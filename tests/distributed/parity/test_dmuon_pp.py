@@ -35,16 +35,18 @@ def _dist(params: dict, init: dict, ref: dict) -> dict[str, float]:
     return NF.distances(params, ref, init, names=list(params), norm="fro")
 
 
-def _check(pool, oracle, schedule: str, z3: bool) -> None:
+def _check(pool, oracle, schedule: str, z3: bool, layout: str = "dp") -> None:
     init, ref, floor = oracle
-    results = pool.run_with_timeout(TIMEOUT_S, P.train, schedule, STEPS, z3)
+    results = pool.run_with_timeout(TIMEOUT_S, P.train, schedule, STEPS, z3, None, layout)
+    if layout.startswith("hsdp/"):
+        assert all(r["flat"] == (layout == "hsdp/flat") for r in results)
     seen = set()
     for r in results:
         NF.assert_within(_dist(r["params"], init, ref), floor, f"{schedule} z3={z3} stages {r['stages']}")
         seen |= set(r["params"])
     assert seen == set(ref), "every param of the model is in some stage"
     # the control: pipeline rank 1 (stages 1, and 3 when interleaved) never steps
-    planted = pool.run_with_timeout(TIMEOUT_S, P.train, schedule, STEPS, z3, 1)
+    planted = pool.run_with_timeout(TIMEOUT_S, P.train, schedule, STEPS, z3, 1, layout)
     skipped = {n: d for r in planted if 1 in r["stages"] for n, d in _dist(r["params"], init, ref).items()}
     NF.assert_beyond({"worst of the skipped stage": min(skipped.values())}, floor, "stage 1 skipped")
 
@@ -59,6 +61,14 @@ def test_schedules_land_on_the_whole_batch_oracle(pool4, oracle, schedule, z3):
 @pytest.mark.parametrize("schedule,z3", [("gpipe", False), ("1f1b", True), ("interleaved", True)])
 def test_schedules_land_on_the_oracle_in_the_other_mode(pool4, oracle, schedule, z3):
     _check(pool4, oracle, schedule, z3)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("hierarchy", ["flat", "hierarchical"])
+def test_hsdp_stages_land_on_the_oracle(pool4, oracle, hierarchy):
+    """Each stage an HSDP slice mesh["dp_replicate", "dp_shard"] of a (2, 2, 1) mesh (R = 2,
+    N = 1), moved flat (the stage's 2 ranks as one shard axis) or hierarchically."""
+    _check(pool4, oracle, "gpipe", True, f"hsdp/{hierarchy}")
 
 
 def test_z3_keeps_copies_for_the_step_and_reduces_once(pool4):
@@ -105,6 +115,7 @@ ERRORS = {
     "foreign_stage": (("ValueError",) * 4, "has no DedicatedParams among the 1 given"),
     "not_a_schedule": (("ValueError",) * 4, "DMuon cannot see its micro-batches"),
     "empty_parts": (("ValueError",) * 4, "Invalid dedicated=[] (no handle)"),
+    "lr_mismatch": (("RuntimeError", "RuntimeError", "", ""), "differs across the ranks of this pipeline stage"),
     "repeated_part": (("ValueError",) * 4, "the handle at index 1 is also at index 0"),
 }
 
