@@ -157,7 +157,8 @@ def dedicate_params(
             module holding a dedicated param: a Linear's bias), ``hierarchy`` is not one of
             ``"auto"``, ``"hierarchical"``, ``"flat"`` (or ``"flat"`` on a TP mesh), ``link``
             is not one of ``"auto"``, ``"nccl"``, ``"gloo"``, or the mesh is invalid (see
-            ``topology_from_mesh``). The knobs are checked first, once, into one
+            ``topology_from_mesh``; a pipeline stage's slice holding the pipeline dim), or, on a
+            pipeline stage's slice, nothing of the stage module is dedicated. The knobs are checked first, once, into one
             :class:`~dmuon.options.DedicateOptions` (``dm.options.given``). All checked
             locally, before any DMuon group exists; with ``torch.distributed`` initialised
             the raising rank still takes part in the setup agreement's one all_gather, so the

@@ -680,8 +680,6 @@ def gather_stage_digests(digest: str, mesh, span: str) -> tuple[list[int], list[
     (:func:`all_gather_digests`, span ``span``). Where a round's members do not all hold one
     digest, its members also all_gather what they know (``all_gather_object``), so every rank
     of the stage ends with every rank's digest. Returns ``(world ranks, digests)``."""
-    import torch.distributed as _dist
-
     me = dist.get_rank()
     known = {me: digest}
     mixed = False
@@ -697,7 +695,7 @@ def gather_stage_digests(digest: str, mesh, span: str) -> tuple[list[int], list[
             continue
         mixed = True
         everyone: list = [None] * dist.get_world_size(group)
-        _dist.all_gather_object(everyone, known, group=group)
+        dist.all_gather_object(everyone, known, group=group)
         known = {int(r): v for part in everyone for r, v in part.items()}
     ranks = sorted(known)
     return ranks, [known[r] for r in ranks]
