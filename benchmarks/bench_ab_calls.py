@@ -1,7 +1,7 @@
 """Load-independent A/B of two source trees: what one training step *does*, counted per rank.
 
 Wall-clock ratios on a shared 2-core machine move by 30-60 % between invocations; counts do
-not. For each mode of ``bench_step.py`` (``verify/run/modes.py``) on one of its models (default
+not. For each mode of ``bench_step.py`` (``verify/modes/build.py``) on one of its models (default
 ``latency``: 12 x 64², 8 rows per rank), after ``--warmup`` steps this runs ``--steps`` steps
 three times, each under one recorder, and reports per rank-step (mean over ranks):
 

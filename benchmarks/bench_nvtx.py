@@ -9,7 +9,7 @@ same session, blocks alternating, ``--repeats`` blocks per variant after a warm-
   of one range. "No profiler attached" means ``nvtx.get_domain`` returned its no-op domain
   (printed): that is what every run outside Nsight Systems gets.
 - **per step** (``--world-size`` forked gloo ranks, ``tests/distributed/harness.py``): mode
-  ``--mode`` of the harness (``verify/run/modes.py``) on the default TinyGPT (``verify/workload/model.py``).
+  ``--mode`` of the harness (``verify/modes/build.py``) on the default TinyGPT (``verify/workload/model.py``).
   After ``--warmup`` steps one step is counted: DMuon spans by name through a span listener,
   and every NVTX push / pop through a counting stand-in for the NVTX domain (spans + phase
   ranges). Then blocks of ``--steps`` steps, NVTX on / off alternately (on-off, off-on, ...);
@@ -42,7 +42,7 @@ from dmuon import annotate  # noqa: E402
 from tests.distributed.harness import DistributedPool  # noqa: E402
 from verify.workload.data import ByteCorpus, local_slice  # noqa: E402
 from verify.workload.model import GPTConfig, TinyGPT  # noqa: E402
-from verify.run.modes import build  # noqa: E402
+from verify.modes.build import build  # noqa: E402
 from verify.run.runner import train_step  # noqa: E402
 
 GLOBAL_BATCH = 8  # sequences per step over all ranks (verify.run.runner.RunConfig's default)
@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--iters", type=int, default=20000, help="calls per timed block")
     parser.add_argument("--repeats", type=int, default=7, help="timed blocks per variant")
     parser.add_argument("--world-size", type=int, default=4)
-    parser.add_argument("--mode", default="dmuon-hsdp-z3", help="a DMuon mode of verify/run/modes.py")
+    parser.add_argument("--mode", default="dmuon-hsdp-z3", help="a DMuon mode of verify/modes/build.py")
     parser.add_argument("--warmup", type=int, default=3, help="steps before counting")
     parser.add_argument("--steps", type=int, default=2, help="steps per timed block")
     parser.add_argument("--step-repeats", type=int, default=10, help="step blocks per variant")

@@ -11,7 +11,7 @@ models:
 - ``tinygpt``: the ``make verify-traffic`` model (``verify/workload/model.py`` defaults, byte tokens of
   the standard library, 2 sequences per rank).
 
-Every implementation is a mode of ``verify/run/modes.py`` (its own meshes and process groups),
+Every implementation is a mode of ``verify/modes/build.py`` (its own meshes and process groups),
 built once per model; after ``--warmup`` steps each, ``--rounds`` rounds time ``--steps``
 steps of every implementation, in order on even rounds and reversed on odd ones (the machine
 is shared and noisy: a drift hits every implementation alike). Step time is rank 0's wall
@@ -73,7 +73,7 @@ from tests.distributed.harness import DistributedPool  # noqa: E402
 from tracer.interposer import Interposer  # noqa: E402
 from verify.workload.data import ByteCorpus, local_slice  # noqa: E402
 from verify.workload.model import GPTConfig, TinyGPT  # noqa: E402
-from verify.run.modes import build  # noqa: E402
+from verify.modes.build import build  # noqa: E402
 from verify.run.runner import train_step  # noqa: E402
 
 BASELINES = ("ddp-muon", "zero1-muon", "naive-fsdp2-z2", "naive-fsdp2-z3", "naive-hsdp")
@@ -129,7 +129,7 @@ def _implementations(world: int, per_block: bool, rest: bool = True, hier: bool 
 
 
 def _build(mode: str, make_model):
-    """``mode`` of :func:`_implementations` built by ``verify.run.modes.build``: its suffixes
+    """``mode`` of :func:`_implementations` built by ``verify.modes.build.build``: its suffixes
     pick DMuon's ``coalesce`` (``/block``), ``rest`` (``/rest``) and ``hierarchy`` (``/hier``)."""
     base, *suffixes = mode.split("/")
     return build(base, make_model, coalesce="block" if "block" in suffixes else "auto",

@@ -7,14 +7,14 @@ from fractions import Fraction
 
 from dmuon.ownership.plan import ParamSpec, specs_from_named_parameters
 from tracer.events import CollectiveEvent
-from verify.run.modes import muon_names
+from verify.modes.build import muon_names
 from verify.traffic.predict import RunLayout, predict_step
 from verify.workload.model import GPTConfig, TinyGPT
 
 
 def tinygpt_layout(mode: str, world: int, *, d_model: int = 64, n_heads: int = 4,
                    **extra) -> RunLayout:
-    """The layout ``verify.run.modes.build`` records for TinyGPT (same wrapping, no processes)."""
+    """The layout ``verify.modes.build.build`` records for TinyGPT (same wrapping, no processes)."""
     model = TinyGPT(GPTConfig(d_model=d_model, n_heads=n_heads, n_layers=2))
     specs = tuple(specs_from_named_parameters(model.named_parameters()))
     targets = muon_names(model)

@@ -4,7 +4,7 @@ Subcommands (each module registers its own parser, see ``register_cli`` in it):
 
 - ``nccl PATH... --out events.parquet``: NCCL_DEBUG=INFO logs (``tracer.nccl.log``)
 - ``fr PATH... --out events.parquet``: PyTorch Flight Recorder dumps (``tracer.fr.parse``)
-- ``nsys REPORT.sqlite --out events.parquet``: Nsight Systems SQLite exports (``tracer.nsys``)
+- ``nsys REPORT.sqlite --out events.parquet``: Nsight Systems SQLite exports (``tracer.nsys.parse``)
 - ``profiler TRACE... --out events.parquet``: torch.profiler Chrome traces (``tracer.profiler``)
 
 Comparing events with a prediction is ``dmuon-verify check`` (``verify/cli.py``): the tracer
@@ -41,7 +41,7 @@ EXIT_OK, EXIT_DROPPED, EXIT_BAD_INPUT, EXIT_NOTHING_FOUND = 0, 1, 2, 3
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "nccl": ("tracer.nccl.log", "NCCL_DEBUG=INFO logs -> events.parquet"),
     "fr": ("tracer.fr.parse", "PyTorch Flight Recorder dumps -> events.parquet"),
-    "nsys": ("tracer.nsys", "Nsight Systems SQLite export -> events.parquet"),
+    "nsys": ("tracer.nsys.parse", "Nsight Systems SQLite export -> events.parquet"),
     "profiler": ("tracer.profiler", "torch.profiler (Kineto) Chrome traces -> events.parquet"),
 }
 

@@ -14,7 +14,7 @@ all_to_all has no count (:func:`tracer.events.all_to_all_count`), so its totals 
 
 Sources without sizes. Where the *other* source has no size for a call (``count`` and
 ``msg_bytes`` both ``None``: an nsys report whose payload blobs are not decoded, see
-:mod:`tracer.nsys_payload`), the pair is compared by op only, plus dtype and root where both
+:mod:`tracer.nsys.payload`), the pair is compared by op only, plus dtype and root where both
 sides know them. Such pairs are counted in :attr:`SourceCheck.size_unknown` (matched or not)
 and named in a note; they do not fail the check by themselves, so the call *sequence* is still
 verified: a reference call missing in the other source, an extra call and an op that differs

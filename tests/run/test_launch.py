@@ -254,7 +254,7 @@ def test_rising_loss_and_a_raising_mode_are_named_in_the_last_line(tmp_path):
                                         (["--hierarchy", "hierarchical"], "hierarchical")])
 def test_hierarchy_option_parses(argv, want):
     """``make verify-traffic ARGS="--hierarchy ..."``: launch passes unknown args through to
-    the workers' parser (main() puts it in RunConfig.hierarchy, for verify.run.modes.build)."""
+    the workers' parser (main() puts it in RunConfig.hierarchy, for verify.modes.build.build)."""
     from verify.run.main import parse_args
 
     assert parse_args(["--out-dir", "x", *argv]).hierarchy == want

@@ -18,7 +18,7 @@ import pytest
 
 from verify.report import baseline as bl
 from verify.run.main import parse_args
-from verify.run.qk_clip import DEFAULT_TAU
+from verify.measure.qk_clip import DEFAULT_TAU
 from verify.run.runner import RunConfig, report_config
 from verify.traffic.variants import RUN_MODES
 

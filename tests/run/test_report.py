@@ -19,7 +19,7 @@ import pytest
 from dmuon.annotate import Span
 from tests.report_builders import FR_MISMATCHES, P_M, example_report
 from tracer.events import CollectiveEvent
-from verify.run.compute_spans import BACKWARD, FORWARD
+from verify.measure.compute_spans import BACKWARD, FORWARD
 from verify.report.plots import _pieces, plot_timeline, plot_traffic, timeline_bars, traffic_series
 from verify.report.render import (
     MODES,

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from tests.fuzzing import apply, fast, mutations, slow, time_limit
 from tests.nsys_builders import REAL, global_tid, nsys_ddl
 from tracer.events import write_parquet
-from tracer.nsys import NCCL_API_TO_OP, parse_nsys
+from tracer.nsys.parse import NCCL_API_TO_OP, parse_nsys
 
 LIMIT_S = 20.0
 

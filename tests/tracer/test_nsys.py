@@ -1,4 +1,4 @@
-"""tracer.nsys / tracer.nsys_payload against a real Nsight Systems export and small exports
+"""tracer.nsys.parse / tracer.nsys.payload against a real Nsight Systems export and small exports
 built here with the same DDL.
 
 Real fixture: ``nsys/nsys2026.2_h100_2gpu_nccl_sendrecv__nsys-ai_mfu_2gpu_after.sqlite`` from
@@ -19,8 +19,8 @@ import pytest
 
 from tests.nsys_builders import MAIN, REAL, build_export, global_tid, nsys_ddl
 from tracer.events import OPS, read_parquet
-from tracer.nsys import NCCL_API_TO_OP, parse_nsys, probe_export, register_cli, split_global_tid
-from tracer.nsys_payload import locate_payload_fields
+from tracer.nsys.parse import NCCL_API_TO_OP, parse_nsys, probe_export, register_cli, split_global_tid
+from tracer.nsys.payload import locate_payload_fields
 
 
 

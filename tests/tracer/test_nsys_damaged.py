@@ -12,7 +12,7 @@ import pytest
 from tests.nsys_builders import MAIN, REAL, build_export, global_tid, nsys_ddl
 from tracer.cli import main as dmuon_trace
 from tracer.events import write_parquet
-from tracer.nsys import parse_nsys
+from tracer.nsys.parse import parse_nsys
 
 NCCL_DOM = 3
 

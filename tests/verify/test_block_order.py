@@ -92,7 +92,7 @@ def test_recorder_counts_the_runs_of_blocks_and_watched_modules():
     import torch
 
     from examples.structures import SharedBlockMLP
-    from verify.run.block_order import BlockOrderRecorder
+    from verify.measure.block_order import BlockOrderRecorder
 
     model = SharedBlockMLP()
     rec = BlockOrderRecorder(model, ("inp", "blocks.0", "blocks.1"), watch=("blocks.0.up", "blocks.1", ""))

@@ -16,7 +16,7 @@ NEWER_ONLY = ("all_gather_single", "reduce_scatter_single")
 
 
 def test_no_module_calls_a_torch_name_2_11_lacks_directly():
-    """Fails before ``verify._compat``: verify/run/baselines.py and tp_modes.py called
+    """Fails before ``verify._compat``: verify/modes/baselines.py and verify/modes/tp.py called
     ``dist.all_gather_single`` / ``dist.reduce_scatter_single``."""
     direct = []
     for path in sorted(p for pkg in ("dmuon", "tracer", "verify")

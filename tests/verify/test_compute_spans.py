@@ -1,11 +1,11 @@
-"""verify.run.compute_spans: the harness's block forward / backward spans on the interposer clock."""
+"""verify.measure.compute_spans: the harness's block forward / backward spans on the interposer clock."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from verify.run.compute_spans import BACKWARD, FORWARD, BlockCompute, compute_blocks
+from verify.measure.compute_spans import BACKWARD, FORWARD, BlockCompute, compute_blocks
 from verify.workload.model import GPTConfig, TinyGPT
 
 

@@ -11,7 +11,7 @@ import torch
 from tracer.crosscheck import FLIGHT_RECORDER_GLOO, profile_for
 from tracer.events import CollectiveEvent
 from verify.report.checks import factor_text, run_checks
-from verify.run import numerics
+from verify.measure import numerics
 from verify.run.runner import _op_kinds
 
 

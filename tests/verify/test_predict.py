@@ -15,7 +15,7 @@ import pytest
 
 from tests.builders import dedicated_w_average, predicted_events, tinygpt_layout
 from verify.compare import compare_run
-from verify.run.modes import muon_names
+from verify.modes.build import muon_names
 from verify.traffic.predict import RunLayout, dmuon_block, dmuon_buckets, ns_calls_per_step, predict_step
 from verify.traffic.formulas import avg_elems, closed_form, padded_numel
 
@@ -416,7 +416,7 @@ def test_frozen_params_leave_ddp_buckets_and_fsdp_reductions():
 
 # --------------------------------------------------------------------------- rest="replicate"
 def _replicated(layout: RunLayout, **extra) -> RunLayout:
-    """``layout`` as ``verify.run.modes.build`` records it under ``rest="replicate"``."""
+    """``layout`` as ``verify.modes.build.build`` records it under ``rest="replicate"``."""
     return dataclasses.replace(layout, fsdp_modules=(), ddp_buffers=(), dmuon_rest="replicate", **extra)
 
 

@@ -15,7 +15,7 @@ import pytest
 from dmuon.ownership.plan import ParamSpec, plan_ownership, specs_from_named_parameters
 from tests.builders import dedicated_w_average, llama_specs, predicted_events, tinygpt_layout
 from verify.compare import compare_run
-from verify.run.modes import muon_names
+from verify.modes.build import muon_names
 from verify.traffic.formulas import closed_form
 from verify.traffic.predict import (
     RunLayout,
@@ -36,7 +36,7 @@ D2 = 64 * 64
 
 
 def _backend(backend: str, coalesce: str = "auto") -> dict:
-    """The RunLayout fields ``verify.run.modes.build`` derives from the backend."""
+    """The RunLayout fields ``verify.modes.build.build`` derives from the backend."""
     return dict(dmuon_coalesce_bytes=dmuon_coalesce_bytes(coalesce, backend),
                 dmuon_reduce_by_gather=dmuon_reduce_by_gather(backend),
                 dmuon_uneven_aligned=dmuon_uneven_aligned(backend),

@@ -11,14 +11,14 @@ from fractions import Fraction
 import pytest
 
 from dmuon.ownership.plan import specs_from_named_parameters
-from verify.run.modes import muon_names
+from verify.modes.build import muon_names
 from verify.traffic.formulas import avg_elems
 from verify.traffic.tp import TP_MODES, TPRunLayout, predict_tp_step, tp_closed_form, tp_ns_calls_per_step
 from verify.workload.model import GPTConfig, TinyGPT
 
 
 def tp_layout(mode: str, n: int, t: int) -> TPRunLayout:
-    """TinyGPT (d=64, 2 layers) as ``verify.run.tp_modes`` lays it out: MLPs tensor parallel."""
+    """TinyGPT (d=64, 2 layers) as ``verify.modes.tp`` lays it out: MLPs tensor parallel."""
     model = TinyGPT(GPTConfig(d_model=64, n_heads=4, n_layers=2))
     specs = tuple(specs_from_named_parameters(model.named_parameters()))
     targets = muon_names(model)

@@ -15,7 +15,7 @@ import pytest
 from dmuon.ownership.plan import specs_from_named_parameters
 from tests.builders import dedicated_w_average, predicted_events, tinygpt_layout
 from verify.compare import compare_run
-from verify.run.modes import muon_names
+from verify.modes.build import muon_names
 from verify.traffic.formulas import closed_form
 from verify.traffic.predict import (
     NO_LIMIT,

@@ -1,4 +1,4 @@
-"""The busiest-rank wire model (verify/traffic/wire.py) and step timing (verify/run/steptime.py)."""
+"""The busiest-rank wire model (verify/traffic/wire.py) and step timing (verify/measure/steptime.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import random
 import pytest
 
 from tracer.events import CollectiveEvent, all_to_all_count
-from verify.run.steptime import StepTime, ThreadSample, sample, timing_report
+from verify.measure.steptime import StepTime, ThreadSample, sample, timing_report
 from verify.traffic.formulas import avg_elems
 from verify.traffic.wire import ALGORITHMS, avg_bytes_by_phase, member_wire_elems, wire_report
 

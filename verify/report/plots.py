@@ -14,7 +14,7 @@ from pathlib import Path
 from tracer._compat import require
 from tracer.context import Span
 from tracer.events import OPS, CollectiveEvent
-from verify.run.compute_spans import BACKWARD, FORWARD
+from verify.measure.compute_spans import BACKWARD, FORWARD
 from verify.report.checks import checks_of
 from verify.report.schema import mode_label, validate_report
 
@@ -128,7 +128,7 @@ def plot_traffic(report: Mapping, path: str | Path) -> Path:
     return path
 
 
-#: Colours of the harness's compute spans (``verify.run.compute_spans``): forward, backward.
+#: Colours of the harness's compute spans (``verify.measure.compute_spans``): forward, backward.
 _COMPUTE_COLORS = {FORWARD: "#4d4d4d", BACKWARD: "#9e9e9e"}
 #: Opacity of a collective's in-flight part (issue return to wait call); its issue call and
 #: its blocked wait are drawn opaque.
@@ -259,7 +259,7 @@ def timeline_bars(
 ) -> tuple[list[TimelineBar], int, int, int]:
     """Lay out the timeline of :func:`plot_timeline` without drawing it.
 
-    Spans named ``compute.forward`` / ``compute.backward`` (``verify.run.compute_spans``) go to the
+    Spans named ``compute.forward`` / ``compute.backward`` (``verify.measure.compute_spans``) go to the
     row ``compute``; other spans to ``DMuon spans``, except those inside which a collective of
     the rank was issued (``dmuon.broadcast``, ``dmuon.reduce``: the issue call is drawn on the
     collective's row); collectives to one row per channel (op,
@@ -325,7 +325,7 @@ def plot_timeline(
     t1_ns: int | None = None,
 ) -> Path:
     """PNG timeline of one step: per rank, a ``compute`` row (the blocks' forward and
-    backward, ``verify.run.compute_spans``), a row of DMuon spans that issue no collective
+    backward, ``verify.measure.compute_spans``), a row of DMuon spans that issue no collective
     (``dmuon.annotate.Span``: Newton–Schulz, replicate waits; pastel, labelled by module) and one row per collective channel (op; op and group where an op uses
     several groups), coloured by op. A waited asynchronous collective is drawn from its issue
     to the return of its wait: the issue call and the blocked wait opaque, the time in flight

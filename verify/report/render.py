@@ -401,7 +401,7 @@ def hsdp_reading_rows(report: Mapping) -> tuple[list[str], list[list[str]]]:
 
 
 def qk_clip_rows(report: Mapping) -> tuple[list[str], list[list[str]]]:
-    """``--qk-clip``: per run its ``qk_clip`` phase (``verify.run.qk_clip.run_entry``): τ, the
+    """``--qk-clip``: per run its ``qk_clip`` phase (``verify.measure.qk_clip.run_entry``): τ, the
     heads, the message of one all_reduce (MAX, fp32), calls per step measured / predicted, the
     W-average bytes per rank per step measured / predicted (all of them: the maxima are not
     dedicated-param traffic, which the per-phase table counts), the heads the clip scaled per
@@ -658,7 +658,7 @@ def _busiest_and_time_md(report: Mapping) -> list[str]:
         md += ["", "## Time per step", "",
                "Median over the measured steps of the slowest rank's step; exposed communication "
                "is the share of the step the training thread is blocked (mean over ranks, max in "
-               "brackets; verify/run/steptime.py). Timings on a shared CPU machine are noisy.", "",
+               "brackets; verify/measure/steptime.py). Timings on a shared CPU machine are noisy.", "",
                tab((["mode", "step [ms]", "steps [ms]", "exposed comm [%]", "source"], rows),
                     "github")]
     return md

@@ -117,7 +117,7 @@ OPTIONAL_TOP_KEYS: dict[str, tuple] = {
     "params": (dict,),  # which params go to Muon / AdamW and why (PARAMS_KEYS)
 }
 #: ``report["params"]``: every param of the model, split by optimizer
-#: (``verify.run.figures.params_report``); each entry of the lists is PARAM_KEYS.
+#: (``verify.measure.figures.params_report``); each entry of the lists is PARAM_KEYS.
 PARAMS_KEYS: dict[str, tuple] = {
     "muon_elems": (int,),
     "adamw_elems": (int,),
@@ -134,14 +134,14 @@ PARAM_KEYS: dict[str, tuple] = {
 #: ``ep_size`` (E of an expert-parallel run, verify/traffic/ep.py),
 #: ``wire`` (verify.traffic.wire.wire_report), ``bytes``
 #: (``{"measured_avg_bytes"|"predicted_avg_bytes": {phase|"total": {dtype: bytes}}}``),
-#: ``timing`` (verify.run.steptime.timing_report), ``checks`` (``[{"check", "pass", "detail"}]``,
+#: ``timing`` (verify.measure.steptime.timing_report), ``checks`` (``[{"check", "pass", "detail"}]``,
 #: verify.report.checks; derived from the figures where absent) and ``loss_falls`` (the run is
 #: gated on its loss); ``memory`` (DMuon modes: measured peak bytes per rank against the
 #: predicted bound, verify.traffic.memory.memory_report); ``qk_clip`` (``--qk-clip``: the phase's bytes in a DMuon run, or
-#: ``{"applies": false, "reason"}`` in a baseline; verify.run.qk_clip); ``losses`` (every
+#: ``{"applies": false, "reason"}`` in a baseline; verify.measure.qk_clip); ``losses`` (every
 #: step's loss, mean over ranks, step P's included where it ran), ``numerics`` and
 #: ``checkpoint`` (probed DMuon modes: the oracle's step P and the DCP round trip,
-#: verify.run.numerics, verify.run.resume).
+#: verify.measure.numerics, verify.measure.resume).
 OPTIONAL_RUN_KEYS: dict[str, tuple] = {"tp_size": (int,), "ep_size": (int,), "wire": (dict,), "bytes": (dict,),
                                        "timing": (dict,), "checks": (list,), "loss_falls": (bool,),
                                        "hierarchy": (str,), "qk_clip": (dict,),

@@ -60,7 +60,7 @@ _COMPACT_LEGEND = (
     "the same in bytes (all dtypes); peak: the busiest rank's received elements under NCCL's ring / "
     "chain algorithms (verify/traffic/wire.py) / P_M; step: median over measured steps of the slowest "
     "rank; comm wait: exposed communication, the share of the step the training thread is "
-    "blocked (verify/run/steptime.py); "
+    "blocked (verify/measure/steptime.py); "
     "NS calls meas/exp; sources: matched sources / sources. --wide shows every column."
 )
 

@@ -3,7 +3,7 @@ CPU in the tests): DMuon in each mode against ``torch.optim.Muon`` + ``AdamW``, 
 device and against the CPU; no host-device synchronisation inside a steady-state step; the
 peak device memory per mode; the stream order of DMuon's side streams, with a negative control.
 
-Every mode is built by ``verify.run.modes.build`` and released by
+Every mode is built by ``verify.modes.build.build`` and released by
 :class:`verify.run.groups.ModeScope` (its ``DedicatedParams`` closed, its groups destroyed),
 also when a check raised inside it.
 
@@ -92,7 +92,7 @@ def workload(device: str, steps: int):
 def oracle(make_model, batches, device: str) -> dict[str, torch.Tensor]:
     """The params after ``batches`` under ``torch.optim.Muon`` (DMuon's targets) and
     single-tensor ``AdamW`` (the rest) in one plain process on ``device``."""
-    from verify.run.modes import ADAMW_LR, MUON_LR, muon_names
+    from verify.modes.build import ADAMW_LR, MUON_LR, muon_names
 
     model = make_model().to(device)
     targets = set(muon_names(model))
@@ -121,10 +121,10 @@ def rel_err(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor],
 
 @contextlib.contextmanager
 def released(mode: str, make_model, device: str, **build_kw) -> Iterator:
-    """``verify.run.modes.build(mode, ...)`` inside a :class:`verify.run.groups.ModeScope`,
+    """``verify.modes.build.build(mode, ...)`` inside a :class:`verify.run.groups.ModeScope`,
     released on exit (also after an exception)."""
     from verify.run.groups import ModeScope
-    from verify.run.modes import build
+    from verify.modes.build import build
 
     scope = ModeScope()
     try:
@@ -151,7 +151,7 @@ def parity_in_group(device: str, steps: int = PARITY_STEPS, modes: Sequence[str]
     Args:
         device: ``"cuda"`` (NCCL group) or ``"cpu"`` (gloo group, the CPU test).
         steps: training steps.
-        modes: DMuon modes of ``verify.run.modes``.
+        modes: DMuon modes of ``verify.modes.build``.
         memory: on CUDA :func:`cuda_memory` (a mode's figures, read after its steps and reset
             before); ``None`` records none.
 

@@ -283,13 +283,13 @@ def usage_problem(extra: list[str], out_dir: Path, nproc: int) -> str | None:
         return err.getvalue().strip().splitlines()[-1].partition("error: ")[2] or err.getvalue().strip()
     modes = args.modes.split(",")
     at = f"at W={nproc}"
-    if args.ep > 1:  # the workers' mesh is (W/E) x E (verify.run.ep_modes.ep_mesh)
+    if args.ep > 1:  # the workers' mesh is (W/E) x E (verify.modes.ep.ep_mesh)
         if nproc % args.ep:
             return (f"Invalid --ep {args.ep} at W={nproc} (--nproc). Must divide W, the mesh being "
                     f"(W/E) x E: give an --nproc that {args.ep} divides.")
         skipped = {m: why for m in modes if (why := ep_skip_reason(m, nproc, args.ep))}
         at = f"with --ep {args.ep} at W={nproc}"
-    elif args.tp > 1:  # the workers' mesh is (W/T) x T (verify.run.tp_modes.tp_mesh)
+    elif args.tp > 1:  # the workers' mesh is (W/T) x T (verify.modes.tp.tp_mesh)
         if nproc % args.tp:
             fits = [str(t) for t in range(2, nproc + 1) if nproc % t == 0]
             return (f"Invalid --tp {args.tp} at W={nproc} (--nproc). Must divide W, the mesh being "

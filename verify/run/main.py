@@ -29,7 +29,7 @@ from verify.run.collect import DEFAULT_MAX_MB, collect_to_rank0
 from verify.run.failstop import Board, exit_now, watch_sigterm
 from verify.run.nodes import node_map, this_node, write_node_file
 from verify.run.groups import init_kwargs
-from verify.run.qk_clip import DEFAULT_TAU as QK_CLIP_DEFAULT_TAU
+from verify.measure.qk_clip import DEFAULT_TAU as QK_CLIP_DEFAULT_TAU
 from verify.run.runner import RunConfig, run_all, runnable_modes
 from verify.traffic.variants import RUN_MODES as MODES  # modes and their variants
 from verify.traffic.variants import split_mode
@@ -86,12 +86,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="tensor-parallel degree T: the TP-capable modes (dmuon-z2, dmuon-z3, "
                              "naive-fsdp2-z2, naive-fsdp2-z3 on a (W/T) x T mesh ('shard', 'tp'); "
                              "dmuon-hsdp-z2/z3 on (2, W/(2T), T) where W/T is even and >= 4), the "
-                             "built-in model's MLPs tensor parallel (verify/run/tp_modes.py)")
+                             "built-in model's MLPs tensor parallel (verify/modes/tp.py)")
     parser.add_argument("--ep", type=int, default=1,
                         help="expert-parallel degree E: the DMuon modes (dmuon-z2, dmuon-z3 on a (W/E) x E "
                              "mesh ('shard', 'ep'); dmuon-hsdp-z2/z3 on (2, W/(2E), E) where 2E divides W) "
                              "with the reference EP layer's tiny Qwen3-MoE and rest='replicate'; the token "
-                             "all_to_all is checked as phase 'activations' (verify/run/ep_modes.py)")
+                             "all_to_all is checked as phase 'activations' (verify/modes/ep.py)")
     parser.add_argument("--qk-clip", type=float, nargs="?", const=QK_CLIP_DEFAULT_TAU, default=None,
                         metavar="TAU", dest="qk_clip",
                         help="run MuonClip's QK-clip (dmuon.optim.qk_clip.QKClip, alpha 0.5) in the "
@@ -120,7 +120,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"Invalid --tp {args.tp}. Must be >= 1 (1: no tensor parallelism).")
     if args.tp > 1 and args.model != BUILTIN:
         parser.error("--tp > 1 runs the built-in model only (its TP plan is fixed: "
-                     "verify/run/tp_modes.py).")
+                     "verify/modes/tp.py).")
     if args.tp > 1 and args.hierarchy == "flat":
         parser.error("--hierarchy flat runs without --tp (dedicate_params refuses 'flat' on a mesh "
                      "with a 'tp' axis; 'auto' is hierarchical there).")
@@ -140,7 +140,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def _check_ep(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """``--ep E`` (E > 1): the EP workload is fixed (verify/run/ep_modes.py), so no ``--model``,
+    """``--ep E`` (E > 1): the EP workload is fixed (verify/modes/ep.py), so no ``--model``,
     ``--tp``, ``--qk-clip``, ``--mixed-precision`` or ``--hierarchy flat``; else the parser's
     usage error."""
     fixed = [(args.model != BUILTIN, f"--model {args.model}", "the EP workload is the reference layer's tiny "
@@ -164,9 +164,9 @@ def _check_qk_clip(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
                      f"pre-softmax logit (e.g. {QK_CLIP_DEFAULT_TAU}, the default).")
     if args.model != BUILTIN:
         parser.error(f"--qk-clip runs the built-in model only (--model {BUILTIN}): the harness "
-                     "reads q and k from its attention (verify/run/qk_clip.py).")
+                     "reads q and k from its attention (verify/measure/qk_clip.py).")
     if args.tp > 1:
-        parser.error("--qk-clip runs without --tp (the TP modes' builder, verify/run/tp_modes.py, "
+        parser.error("--qk-clip runs without --tp (the TP modes' builder, verify/modes/tp.py, "
                      "attaches no QK-clip yet).")
     if not any(split_mode(m)[0].startswith("dmuon-") for m in args.modes.split(",")):
         parser.error(f"--qk-clip with --modes {args.modes}: no DMuon mode, so nothing would run "
@@ -213,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
         model=args.model,
         mixed_precision=args.mixed_precision,
         coalesce=args.coalesce,
-        rest="replicate" if args.ep > 1 else args.rest,  # EP: verify/run/ep_modes.py
+        rest="replicate" if args.ep > 1 else args.rest,  # EP: verify/modes/ep.py
         hierarchy=args.hierarchy,
         tp=args.tp,
         qk_clip_tau=args.qk_clip,

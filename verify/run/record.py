@@ -30,13 +30,13 @@ wrapping: ``DistributedDataParallel`` and its bucket cap, or the modules wrapped
 ``dedicate_params(rest="replicate")``), the W-average against the closed
 form, Newton–Schulz calls, and DMuon's memory: each rank's peak bytes of dedicated params and
 grad buffers in forward, backward and between steps, read by the harness's own hooks
-(``verify.run.memory_meter``, attached at :meth:`TrafficWindow.start`, removed at
+(``verify.measure.memory_meter``, attached at :meth:`TrafficWindow.start`, removed at
 :meth:`TrafficWindow.finish`) against the bound from the plan (``verify.traffic.memory``;
 check ``memory``, docs/verify.md "Memory"). Rank 0 writes ``report.json``, ``report.md`` and
 ``traffic.png`` to ``out_dir`` (``verify.report.render``), the same files as ``make verify-traffic``.
 
 Create the window before the first training step: it records the order in which DMuon's
-blocks first run in the first forward it sees (``verify.run.block_order``; DMuon numbers its
+blocks first run in the first forward it sees (``verify.measure.block_order``; DMuon numbers its
 buckets by the first step's order, ``docs/protocol.md`` step 7), which the layout reports as
 ``dmuon_block_order``. Start it after at least one step: the first step has setup calls (DDP's
 bucket rebuild, DMuon's block-order agreement) that the prediction of a steady step omits.
@@ -65,15 +65,15 @@ from dmuon.ownership.plan import specs_from_named_parameters
 from tracer.backends import device_type, report_backend
 from tracer.interposer import Interposer
 
-from verify.run.block_order import BlockOrderRecorder, bare_model, blocks_of
+from verify.measure.block_order import BlockOrderRecorder, bare_model, blocks_of
 from verify.compare import compare_run
 from verify.report.checks import failures_of_runs, final_line, run_checks
 from verify.traffic.predict import (DMUON_HIERARCHIES, RunLayout, dmuon_flattens, dmuon_policy_backend,
                                     dmuon_uneven_aligned)
-from verify.run.figures import add_figures, interposer_source, params_report
-from verify.run.memory_meter import MemoryMeter
+from verify.measure.figures import add_figures, interposer_source, params_report
+from verify.measure.memory_meter import MemoryMeter
 from verify.traffic.memory import memory_report
-from verify.run.steptime import StepTime, sample
+from verify.measure.steptime import StepTime, sample
 
 
 class TrafficMismatch(AssertionError):

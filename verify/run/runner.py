@@ -1,7 +1,7 @@
 """Run every mode on this rank, measure steady-state steps, and assemble the report on rank 0.
 
 Runs inside an initialised default process group (torchrun, or the test harness). For each
-mode: build it (``verify.run.modes``), train ``warmup + measured`` steps on the byte corpus, record
+mode: build it (``verify.modes.build``), train ``warmup + measured`` steps on the byte corpus, record
 the measured steps with the :class:`tracer.interposer.Interposer` and ``torch.profiler`` (and
 the Flight Recorder, the NCCL log and the NVLink counters where they exist: ``_MeasuredWindow``),
 write this rank's events to ``<out_dir>/<mode>/events_rank<r>.parquet``, and gather everything
@@ -55,11 +55,11 @@ from tracer.nvml import NvlinkSampler
 from tracer.profiler import profiler_source_events, read_profiler_trace
 from tracer.timeline import write_chrome_trace
 
-from verify.run.block_order import BlockOrderRecorder, bare_model, blocks_of
+from verify.measure.block_order import BlockOrderRecorder, bare_model, blocks_of
 from verify.compare import compare_run
-from verify.run.compute_spans import BlockCompute
+from verify.measure.compute_spans import BlockCompute
 from verify.workload.data import ByteCorpus, global_batch_size
-from verify.run.modes import build
+from verify.modes.build import build
 from verify.run.groups import ModeScope
 from verify.run.failstop import COLLECT_S, Board, stopped_failures, stopped_report
 from verify.run.nodes import node_traffic, own_chunks
@@ -67,11 +67,11 @@ from verify.sources.nccl_source import WindowMark, capture_active, nccl_source_r
 from verify.sources.nvlink import nvlink_report
 from verify.report.checks import failures_of_runs, run_checks
 from verify.report.render import load_plots
-from verify.run.figures import add_figures, interposer_source, params_report
-from verify.run.memory_meter import MemoryMeter
-from verify.run import numerics, resume
-from verify.run.steptime import StepTime, sample
-from verify.run.qk_clip import clipped_heads, not_run_entry as qk_clip_not_run, run_entry as qk_clip_run_entry
+from verify.measure.figures import add_figures, interposer_source, params_report
+from verify.measure.memory_meter import MemoryMeter
+from verify.measure import numerics, resume
+from verify.measure.steptime import StepTime, sample
+from verify.measure.qk_clip import clipped_heads, not_run_entry as qk_clip_not_run, run_entry as qk_clip_run_entry
 from verify.traffic.formulas import MODES
 from verify.traffic.memory import memory_report
 from verify.workload.usermodel import (
@@ -105,23 +105,23 @@ class RunConfig:
         device: "cpu" (gloo) or "cuda" (NCCL).
         profiler: record the measured steps with ``torch.profiler`` too (CPU activities,
             shapes), a third source matched one to one against the interposer.
-        mixed_precision: ``None`` or a key of ``verify.run.modes.MIXED_PRECISION`` (``"bf16"``).
+        mixed_precision: ``None`` or a key of ``verify.modes.build.MIXED_PRECISION`` (``"bf16"``).
         coalesce: DMuon's ``dedicate_params(coalesce=...)``: ``"auto"``, ``"block"`` or ``"all"``.
         rest: DMuon's ``dedicate_params(rest=...)``: ``"wrapper"`` (DDP / FSDP2 handle the
             non-dedicated params) or ``"replicate"`` (DMuon does; the DMuon modes wrap nothing;
-            ``verify.run.modes.build``). Not with ``tp`` > 1.
+            ``verify.modes.build.build``). Not with ``tp`` > 1.
         hierarchy: DMuon's ``dedicate_params(hierarchy=...)``: ``"auto"``, ``"hierarchical"`` or
             ``"flat"``; matters on the HSDP modes only (docs/traffic-model.md, "HSDP: flat or
             hierarchical"). Not ``"flat"`` with ``tp`` > 1.
         tp: tensor-parallel degree T; > 1 runs the TP-capable modes on a (W/T) × T mesh
-            (``verify.run.tp_modes``; built-in model only).
+            (``verify.modes.tp``; built-in model only).
         ep: expert-parallel degree E; > 1 runs the DMuon modes on an (W/E) × E mesh with the
-            reference EP layer's tiny Qwen3-MoE (``verify.run.ep_modes``; ``rest="replicate"``).
+            reference EP layer's tiny Qwen3-MoE (``verify.modes.ep``; ``rest="replicate"``).
         qk_clip_tau: ``--qk-clip``'s τ, or ``None``: the DMuon modes run MuonClip's QK-clip
-            and their prediction has its ``qk_clip`` all_reduce (``verify.run.qk_clip``;
+            and their prediction has its ``qk_clip`` all_reduce (``verify.measure.qk_clip``;
             built-in model, not with ``tp`` > 1).
         numerics: after each mode's window, step P against the single-process oracle and a
-            DCP round trip (``verify.run.numerics``, ``verify.run.resume``; checks
+            DCP round trip (``verify.measure.numerics``, ``verify.measure.resume``; checks
             ``numerics``, ``owner_grads``, ``checkpoint``); ``--no-numerics`` turns it off.
     """
 
@@ -152,11 +152,11 @@ class RunConfig:
 def runnable_modes(config: RunConfig, world_size: int) -> list[str]:
     """The modes of ``config`` this world size can run (``verify.workload.usermodel.skip_reasons``)."""
     skipped = skip_reasons(config.modes, world_size)
-    if config.ep > 1:  # EP (verify.run.ep_modes): only the EP-capable modes
+    if config.ep > 1:  # EP (verify.modes.ep): only the EP-capable modes
         from verify.traffic.ep import ep_skip_reason
 
         return [m for m in config.modes if ep_skip_reason(m, world_size, config.ep) is None]
-    if config.tp > 1:  # TP (verify.run.tp_modes): only the TP-capable modes
+    if config.tp > 1:  # TP (verify.modes.tp): only the TP-capable modes
         from verify.traffic.tp import tp_skip_reason
 
         return [m for m in config.modes if tp_skip_reason(m, world_size, config.tp) is None]
@@ -206,7 +206,7 @@ class _MeasuredWindow:
     step: the interposer, ``torch.profiler`` (CPU activities with shapes; its Chrome trace goes
     to ``<mode>/profiler_rank<r>.json``), the Flight Recorder dumps, this rank's NCCL log window,
     the NVLink counters (local rank 0 samples its node), the ``dmuon.window <mode>`` NVTX
-    range and the blocks' forward / backward spans (``verify.run.compute_spans``)."""
+    range and the blocks' forward / backward spans (``verify.measure.compute_spans``)."""
 
     def __init__(self, mode: str, out: Path, device: str, model: torch.nn.Module,
                  profiler: bool = True) -> None:
@@ -278,8 +278,8 @@ class _MeasuredWindow:
 def _source(config: RunConfig, corpus: ByteCorpus | None) -> ModelSource:
     batch = global_batch_size(dist.get_world_size(), per_rank=config.batch_per_rank,
                               global_batch=config.global_batch)
-    if config.ep > 1:  # the reference EP layer's model (verify.run.ep_modes)
-        from verify.run.ep_modes import ep_source
+    if config.ep > 1:  # the reference EP layer's model (verify.modes.ep)
+        from verify.modes.ep import ep_source
 
         return ep_source(global_batch=batch, seq_len=config.seq_len, seed=config.seed)
     return resolve(config.model, corpus=corpus, global_batch=batch,
@@ -302,16 +302,16 @@ def _train_mode(mode: str, config: RunConfig, corpus: ByteCorpus, progress,
         return made[-1][0]
 
     tagging = contextlib.nullcontext()
-    routing = None  # EP: the harness's routing recorder (verify.run.ep_modes)
+    routing = None  # EP: the harness's routing recorder (verify.modes.ep)
     if config.ep > 1:
         if (config.rest, config.tp, config.qk_clip_tau, config.mixed_precision) != ("replicate", 1, None, None) \
                 or config.hierarchy == "flat":
             raise ValueError(f"Invalid RunConfig with ep={config.ep}: rest={config.rest!r}, "
                              f"tp={config.tp}, qk_clip_tau={config.qk_clip_tau!r}, mixed_precision="
                              f"{config.mixed_precision!r}, hierarchy={config.hierarchy!r}. Must be "
-                             "rest='replicate', tp=1, no QK-clip, fp32, not flat (verify/run/ep_modes.py).")
-        from verify.run import ep_modes
-        from verify.run.modes import ADAMW_LR, MUON_LR, Built
+                             "rest='replicate', tp=1, no QK-clip, fp32, not flat (verify/modes/ep.py).")
+        from verify.modes import ep as ep_modes
+        from verify.modes.build import ADAMW_LR, MUON_LR, Built
 
         ep_model, ep_opt, ep_layout, ep_dm, routing = ep_modes.build_ep(
             mode, make_model, config.device, config.ep, muon_lr=MUON_LR, adamw_lr=ADAMW_LR,
@@ -320,7 +320,7 @@ def _train_mode(mode: str, config: RunConfig, corpus: ByteCorpus, progress,
         if scope is not None:
             scope.adopt(ep_dm)
         loss_fn = made[-1][1]
-    elif config.tp > 1:  # tensor parallel (verify.run.tp_modes)
+    elif config.tp > 1:  # tensor parallel (verify.modes.tp)
         if config.qk_clip_tau is not None:
             raise ValueError(f"Invalid qk_clip_tau={config.qk_clip_tau!r} with tp={config.tp}. "
                              "Must be None under TP: the TP builder runs no QK-clip yet.")
@@ -330,8 +330,8 @@ def _train_mode(mode: str, config: RunConfig, corpus: ByteCorpus, progress,
         if config.hierarchy == "flat":
             raise ValueError(f"Invalid hierarchy='flat' with tp={config.tp}. Must be 'auto' or "
                              "'hierarchical' under TP (dedicate_params refuses 'flat' on a 'tp' mesh).")
-        from verify.run import tp_modes
-        from verify.run.modes import ADAMW_LR, MUON_LR, Built
+        from verify.modes import tp as tp_modes
+        from verify.modes.build import ADAMW_LR, MUON_LR, Built
 
         batch = global_batch_size(dist.get_world_size(), per_rank=config.batch_per_rank,
                                   global_batch=config.global_batch)
@@ -358,10 +358,10 @@ def _train_mode(mode: str, config: RunConfig, corpus: ByteCorpus, progress,
     window = _MeasuredWindow(mode, out, config.device, model, config.profiler)
     # DMuon numbers its buckets by the first forward's block order, and Z3 / FSDP2 re-send a
     # module that runs twice: the harness records both with its own hooks
-    # (verify.run.block_order), agreed after the loop (outside the window)
+    # (verify.measure.block_order), agreed after the loop (outside the window)
     blocks = blocks_of(built.dedicated.names) if built.dedicated is not None else ()
     recorder = BlockOrderRecorder(bare_model(model), blocks, built.layout.fsdp_modules)
-    meter = None  # DMuon's bytes at every hook (verify.run.memory_meter), 1-D / HSDP only
+    meter = None  # DMuon's bytes at every hook (verify.measure.memory_meter), 1-D / HSDP only
     if built.dedicated is not None and config.tp == 1 and config.ep == 1:
         meter = MemoryMeter(bare_model(model), built.dedicated, config.device).attach(opt)
     ns_before = 0
@@ -381,7 +381,7 @@ def _train_mode(mode: str, config: RunConfig, corpus: ByteCorpus, progress,
                 losses.append(loss_step(model, opt, loss_fn, rank, step))
                 if routing is not None:
                     routing.check_closed()
-                if built.qk_clip is not None:  # heads the clip scaled (verify.run.qk_clip)
+                if built.qk_clip is not None:  # heads the clip scaled (verify.measure.qk_clip)
                     clipped.append(clipped_heads(built.qk_clip))
                 if step >= config.steps_warmup:
                     after = sample()
@@ -429,10 +429,10 @@ def _after_window(mode: str, config: RunConfig, built, loss_fn, make_model, fres
                   scope: ModeScope | None, out: Path) -> dict:
     """Outside the measured window, one more step ``P`` (= warm-up + measured steps), on every
     rank. The reference mode: its loss (``{"probe_loss"}``). A DMuon mode the numerics probe
-    applies to (``verify.run.numerics.applies``): save a DCP checkpoint, run step P recording
-    what the oracle needs (``verify.run.numerics.probe_step``), then build the mode afresh, load
+    applies to (``verify.measure.numerics.applies``): save a DCP checkpoint, run step P recording
+    what the oracle needs (``verify.measure.numerics.probe_step``), then build the mode afresh, load
     the checkpoint, run step P again and list what is not bit-identical
-    (``{"numerics", "checkpoint": {"step", "differ", "compared"}}``; ``verify.run.resume``).
+    (``{"numerics", "checkpoint": {"step", "differ", "compared"}}``; ``verify.measure.resume``).
     Other modes: ``{}``."""
     step = config.steps_warmup + config.steps_measured
     if not config.numerics:
@@ -594,7 +594,7 @@ def run_all(config: RunConfig, progress=None, board: Board | None = None,
                                          "comparing (rank 0)"))
     if rank != 0 and not reporter:
         return None
-    try:  # every probed mode's losses against the reference's (verify.run.numerics)
+    try:  # every probed mode's losses against the reference's (verify.measure.numerics)
         _loss_checks(runs, config, source, world, layouts)
     except Exception as exc:
         errors.append(_error_failure("numerics", {0: _record_error(config, "numerics", exc)},
@@ -621,9 +621,9 @@ def run_all(config: RunConfig, progress=None, board: Board | None = None,
 
 def _loss_checks(runs: list[dict], config: RunConfig, source: ModelSource, world: int,
                  layouts: dict) -> None:
-    """Rank 0: ``numerics["losses"]`` of every probed run (``verify.run.numerics.add_loss_checks``,
+    """Rank 0: ``numerics["losses"]`` of every probed run (``verify.measure.numerics.add_loss_checks``,
     on the Muon targets of the default selection), then its checks and ``pass`` again."""
-    from verify.run.modes import ADAMW_LR, MUON_LR, muon_names
+    from verify.modes.build import ADAMW_LR, MUON_LR, muon_names
 
     torch.manual_seed(config.seed)
     targets = muon_names(source.factory()[0])
@@ -671,11 +671,11 @@ def _assemble_run(mode: str, config: RunConfig, source: ModelSource, gathered: l
     probe_losses = [r["probe_loss"] for r in gathered if "probe_loss" in r]
     if gathered[0].get("numerics") is not None:
         probe_losses = [r["numerics"]["loss"] for r in gathered]
-    # every step's loss, mean over ranks (and step P's where it ran: verify.run.numerics)
+    # every step's loss, mean over ranks (and step P's where it ran: verify.measure.numerics)
     run["losses"] = [x if math.isfinite(x) else None
                      for x in losses + ([sum(probe_losses) / world] if probe_losses else [])]
-    if gathered[0].get("numerics") is not None:  # the oracle's step P (verify.run.numerics)
-        from verify.run.modes import ADAMW_LR, MUON_LR
+    if gathered[0].get("numerics") is not None:  # the oracle's step P (verify.measure.numerics)
+        from verify.modes.build import ADAMW_LR, MUON_LR
 
         run["numerics"] = numerics.run_entry(gathered, source, config, gathered[0]["layout"],
                                              muon_lr=MUON_LR, adamw_lr=ADAMW_LR)

@@ -8,7 +8,7 @@ Steps (where ``nsys`` is on PATH and ``torch.cuda.device_count() >= 2``):
    ``<dir>/<mode>/events_rank<r>.parquet``; nsys writes ``<dir>/report.nsys-rep``.
 2. ``nsys export --type sqlite --include-blobs=true --force-overwrite=true -o
    <dir>/report.sqlite <dir>/report.nsys-rep``.
-3. :func:`tracer.nsys.parse_nsys`; per mode, the NCCL ranges inside that mode's
+3. :func:`tracer.nsys.parse.parse_nsys`; per mode, the NCCL ranges inside that mode's
    ``dmuon.window <mode>`` NVTX ranges (:func:`window_events`: the runner opens and closes them
    where the interposer's window opens and closes, so set-up, warm-up and the gathers between
    modes are left out), ranks assigned by pid (:func:`assign_ranks`; the interposer records
@@ -16,7 +16,7 @@ Steps (where ``nsys`` is on PATH and ``torch.cuda.device_count() >= 2``):
    other=nsys, source="nsys")``.
 
 nsys events carry no communicator or size (the payload blob is not decoded, see
-``tracer/nsys_payload.py``), so both sides are compared per rank in time order, without group
+``tracer/nsys/payload.py``), so both sides are compared per rank in time order, without group
 ids or sequence numbers, and by op only: the cross-check's ``size_unknown`` counts those
 calls, and the printed verdict says that their sizes were not compared.
 
@@ -246,7 +246,7 @@ def _verify(nsys: str | None, out_dir: Path, extra: list[str]) -> int:
     if rc != 0:
         print(f"nsys-verify: nsys export failed with exit status {rc}", file=sys.stderr)
         return EXIT_STEP_FAILED
-    from tracer.nsys import parse_nsys
+    from tracer.nsys.parse import parse_nsys
 
     try:
         result = parse_nsys(sqlite_out)

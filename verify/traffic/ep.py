@@ -60,7 +60,7 @@ from verify.traffic.tp import _column_group
 
 #: Modes that run with EP (``--ep E``): DMuon Z2 / Z3, and HSDP on (2, W/(2E), E).
 EP_MODES = ("dmuon-z2", "dmuon-z3", "dmuon-hsdp-z2", "dmuon-hsdp-z3")
-#: The phase of the token all_to_all (the harness's tag, ``verify.run.ep_modes``).
+#: The phase of the token all_to_all (the harness's tag, ``verify.modes.ep``).
 ACTIVATIONS = "activations"
 
 
@@ -286,7 +286,7 @@ def predict_activations(layout: EPRunLayout, steps: int) -> list[Expected]:
     if len(routing) != steps * len(layers):
         raise ValueError(f"Invalid ep_routing of {len(routing)} layer forwards for {steps} steps of "
                          f"{len(layers)} MoE layers. Must hold one entry per layer per measured step "
-                         "(recorded by verify.run.ep_modes.RoutingRecorder).")
+                         "(recorded by verify.modes.ep.RoutingRecorder).")
     e_size, w = layout.ep_size, layout.world_size
     out: list[Expected] = []
     for module, counts in routing:

@@ -293,7 +293,7 @@ class _Buckets:
 
 def memory_report(layout: RunLayout, measured: Sequence[dict]) -> dict:
     """report.json ``runs[].memory`` of a DMuon run: per rank the measured peaks
-    (``verify.run.memory_meter.MemoryMeter.result``, one dict per rank) beside the predicted
+    (``verify.measure.memory_meter.MemoryMeter.result``, one dict per rank) beside the predicted
     bound (:func:`predict_memory` at the measured run's ``prefetch_depth``), and each rank's
     last-step trace (``[phase, dedicated_bytes, grads_bytes]`` per hook).
 

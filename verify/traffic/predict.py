@@ -131,13 +131,13 @@ class RunLayout:
         mp_reduce_dtype: the dtype of gradient reductions; ``None`` means ``mp_param_dtype``
             (FSDP2's default), or the params' own dtype when that is ``None`` too.
         dmuon_block_order: DMuon's blocks in the order their forward first ran in the first
-            step, as the harness recorded it with its own hooks (``verify.run.block_order``);
+            step, as the harness recorded it with its own hooks (``verify.measure.block_order``);
             ``()`` = model order (also when the ranks' orders disagree). DMuon numbers its
             buckets by it (:func:`dmuon_block_sequence`); the calls of a step, a multiset,
             depend on it only through the unit Z3 keeps, the last one (:func:`kept_unit`).
         module_calls: ``(module, calls)`` of the DMuon blocks and ``fully_shard`` modules
             whose forward ran more than once in one forward (weight sharing), as the
-            harness counted them with its own hooks (``verify.run.block_order``); every other
+            harness counted them with its own hooks (``verify.measure.block_order``); every other
             module ran once. Z3 broadcasts a reused block again per run; FSDP2 all_gathers a
             reused module again (:mod:`verify.traffic.rules`).
         ddp_buffers: ``(dtype, numel)`` of the buffers DDP broadcasts from rank 0 before

@@ -24,7 +24,7 @@ DMuon HSDP runs are modelled hierarchical only: :func:`step_traffic` refuses a l
 moves flat (``verify.traffic.predict.dmuon_flat``; ``dmuon-plan`` sizes NCCL jobs, where
 ``hierarchy="auto"`` is hierarchical).
 
-``zero1-muon`` is the harness's ZeRO-1-style baseline (``verify.run.baselines.ZeroOneMuon``): one
+``zero1-muon`` is the harness's ZeRO-1-style baseline (``verify.modes.baselines.ZeroOneMuon``): one
 reduce_scatter and one all_gather over the world of an owner-aligned flat buffer (whole
 matrices per owner, padded to the largest owner's total C), DDP for the other params. On an
 HSDP mesh it still runs over the whole world, with a (1, W) plan.
@@ -353,7 +353,7 @@ def _build_naive(layout: RunLayout, plan: OwnershipPlan) -> StepTraffic:
 
 
 def _build_zero1(layout: RunLayout, plan: OwnershipPlan) -> StepTraffic:
-    """The harness's ZeRO-1-style Muon (``verify.run.baselines.ZeroOneMuon``, docs/spec.md
+    """The harness's ZeRO-1-style Muon (``verify.modes.baselines.ZeroOneMuon``, docs/spec.md
     §7): DDP all-reduces the other params; the step runs one reduce_scatter and one
     all_gather over the world of the owner-aligned flat buffer, C = the largest owner's total
     on a (1, W) plan."""

@@ -72,7 +72,7 @@ def variant_targets(rule: str, names: Sequence[str], numels: Mapping[str, int]) 
         rule: ``"all"`` (every name) or ``"largest"`` (those of the largest element count:
             on TinyGPT the ``mlp.fc1`` / ``mlp.fc2`` weights, 4·D² each, whose greedy plan
             gives every owner an equal share when W divides their number).
-        names: the default Muon targets (``verify.run.modes.muon_names``).
+        names: the default Muon targets (``verify.modes.build.muon_names``).
         numels: element count of each name.
 
     Raises:

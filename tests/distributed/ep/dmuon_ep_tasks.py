@@ -260,7 +260,7 @@ def ddp_on_a_subgroup(ep_mesh: bool) -> str:
 def _crafted_oracle(world: int, steps: int, nudge: str | None) -> dict:
     from tests.distributed.ep.ep_tasks import crafted_layer, layer_loss
     from tests.distributed.parity.hf_tasks import muon_matrices
-    from verify.run.baselines import MatrixMuon
+    from verify.modes.baselines import MatrixMuon
 
     layer = nudge_init_(crafted_layer(2, True), nudge)
     init = {n: p.detach().clone() for n, p in layer.named_parameters()}

@@ -4,7 +4,7 @@ Qwen3-MoE as transformers 5 stores it: fused 3-D expert stacks
 (``mlp.experts.gate_up_proj (E, 2I, H)``, ``mlp.experts.down_proj (E, H, I)``) and a router
 ``mlp.gate.weight (E, H)`` that is not an ``nn.Linear``; Llama for the dense case. DMuon's
 default selection must dedicate every one of them; the oracle applies ``torch.optim.Muon`` to
-every matrix (each expert slice its own 2-D parameter: ``verify.run.baselines.MatrixMuon``)
+every matrix (each expert slice its own 2-D parameter: ``verify.modes.baselines.MatrixMuon``)
 and ``torch.optim.AdamW`` to the rest, on the same global batch.
 
 The oracle runs at the ranks' thread count (``noise_floor.RANK_THREADS``): a CPU GEMM's blocking, and
@@ -23,7 +23,7 @@ import dmuon
 from dmuon.ownership.select import assign_params
 from tests.distributed.noise_floor import nudge_init_, oracle_threads
 from tests.distributed.parity.dmuon_tasks import ADAMW_LR, MUON_LR, _mesh, root_unit
-from verify.run.baselines import MatrixMuon
+from verify.modes.baselines import MatrixMuon
 
 VOCAB, SEQ, ROWS_PER_RANK, STEPS = 64, 8, 2, 2
 

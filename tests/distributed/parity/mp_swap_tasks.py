@@ -20,7 +20,7 @@ def train_mp_ac(mode: str, variant: str | None, steps: int = 3) -> dict:
     checkpointed (``variant`` of runtime_tasks._apply_ac; None: no AC). Returns the owned
     params after ``steps``, the dtype of ``blocks.0.mlp.fc1.weight`` at each of its forwards
     (recomputes included), and whether every dedicated param is registered again after."""
-    from verify.run.modes import build as build_mode
+    from verify.modes.build import build as build_mode
     from verify.run.runner import train_step
 
     built = build_mode(mode, lambda: make_model(SMALL), mixed_precision="bf16")

@@ -24,7 +24,7 @@ from dmuon.optim.qk_clip_hf import attention_layers
 from tests.distributed.noise_floor import nudge_init_, oracle_threads
 from tests.distributed.parity import hf_tasks as H
 from tests.distributed.parity.dmuon_tasks import ADAMW_LR, MUON_LR, _mesh, root_unit
-from verify.run.baselines import MatrixMuon
+from verify.modes.baselines import MatrixMuon
 
 #: Below the init maxima of some heads (0.019 … 0.036 at step 0), above others: the clip bites
 #: on a mix of heads, and on a KV group with one clipped and one unclipped head.
@@ -137,7 +137,7 @@ def train(mode: str, steps: int, tau: float = TAU, alpha: float = ALPHA, enabled
             "qk_calls": [c for c in calls if c[0] == "qk_clip"]}
 
 
-from verify.run.qk_clip import tinygpt_layers  # noqa: E402 - TinyGPT's layers, moved to the harness
+from verify.measure.qk_clip import tinygpt_layers  # noqa: E402 - TinyGPT's layers, moved to the harness
 
 
 def tinygpt_qk_calls(mode: str, steps: int = 2) -> list:

@@ -26,7 +26,7 @@ from tests.distributed.noise_floor import nudge_init_, oracle_threads
 from tests.distributed.parity import hf_tasks as H
 from tests.distributed.parity import qk_clip_tasks as Q
 from tests.distributed.parity.dmuon_tasks import ADAMW_LR, MUON_LR, _mesh
-from verify.run.baselines import MatrixMuon
+from verify.modes.baselines import MatrixMuon
 
 MAX_NORM = 0.5  # below the grad norm at every step (checked by the test): the clip bites
 CLAMP = 0.05  # bites on part of the matrices' entries from step 1 on (checked by the test)

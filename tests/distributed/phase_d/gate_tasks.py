@@ -83,7 +83,7 @@ def mutation(name: str):
     """Plant regression ``name`` (one of the names below) in this process for the duration."""
     import dmuon.placement.layout as dense  # the runtime's planner call (MeshLayout.build)
     import dmuon.runtime.collectives as coll
-    import verify.run.modes as modes
+    import verify.modes.build as modes
     import verify.traffic.predict as predict
 
     with contextlib.ExitStack() as stack:
@@ -171,7 +171,7 @@ def mutation(name: str):
                 original(self)
             patch(bucket_module.Bucket, "stepped", stepped)
         elif name == "meter_zero":  # the harness's memory meter reads 0 bytes everywhere
-            import verify.run.memory_meter as meter
+            import verify.measure.memory_meter as meter
 
             patch(meter, "_bytes", lambda seen: 0)
         elif name == "momentum_zeroed_in_state_dict":  # state_dict() re-creates owners' momentum as zeros

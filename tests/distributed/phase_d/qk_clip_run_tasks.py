@@ -14,9 +14,9 @@ from verify.run.runner import RunConfig, _source, run_all
 
 
 def built_layout(mode: str, tau: float | None) -> dict:
-    """``verify.run.modes.build(mode, qk_clip_tau=tau)`` on TinyGPT: the layout's head count,
+    """``verify.modes.build.build(mode, qk_clip_tau=tau)`` on TinyGPT: the layout's head count,
     whether a QKClip is attached, and its layers' names (the DMuon state closed after)."""
-    from verify.run.modes import build
+    from verify.modes.build import build
 
     source = _source(RunConfig(), None)
     built = build(mode, lambda: source.factory()[0], qk_clip_tau=tau)

@@ -86,7 +86,7 @@ def blocked_in_collective(sleep_s: float) -> dict:
     """Rank 1 sleeps before an all_reduce; rank 0 waits for it inside the collective."""
     import time
 
-    from verify.run.steptime import StepTime, sample
+    from verify.measure.steptime import StepTime, sample
 
     dist.barrier()
     before = sample()
@@ -259,14 +259,14 @@ def clipped_window(out_dir: str, mode: str, accumulate_warmup: bool = False) -> 
 
 
 def qk_clip_window(out_dir: str, tell_heads: bool) -> dict:
-    """TinyGPT under DMuon + DDP with MuonClip's QK-clip (``verify.run.qk_clip.attach``, τ low
+    """TinyGPT under DMuon + DDP with MuonClip's QK-clip (``verify.measure.qk_clip.attach``, τ low
     enough to clip) and ``opt.clip_grad_norm_`` each step, recorded by a TrafficWindow told the
     heads (``tell_heads``) or not. Returns ``{"error", "report"}``."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.nn.parallel import DistributedDataParallel
 
     from tests.distributed.parity import dmuon_tasks as T
-    from verify.run import qk_clip
+    from verify.measure import qk_clip
     from verify.run.record import TrafficWindow
     from verify.workload.data import local_slice
 

@@ -4,7 +4,7 @@ QK-clip, their prediction has its all_reduce, the report shows the phase ``qk_cl
 measured = predicted bytes, a baseline mode says n/a, and one extra all_reduce planted in the
 clip's phase fails the run naming that phase.
 
-Fails without the feature: ``verify.run.modes.build`` had no ``qk_clip_tau`` and ``RunConfig``
+Fails without the feature: ``verify.modes.build.build`` had no ``qk_clip_tau`` and ``RunConfig``
 no ``qk_clip_tau`` (TypeError), nothing attached a QKClip, so no run had a ``qk_clip`` phase.
 """
 
@@ -18,7 +18,7 @@ from tests.distributed.phase_d import qk_clip_run_tasks as T
 from verify.report.checks import final_line
 from verify.report.render import format_markdown
 from verify.report.terminal import format_table
-from verify.run.qk_clip import DEFAULT_TAU, NOT_DMUON
+from verify.measure.qk_clip import DEFAULT_TAU, NOT_DMUON
 
 pytestmark = pytest.mark.distributed
 

@@ -1,4 +1,4 @@
-"""Phase D with expert parallelism (``--ep 2``, verify/run/ep_modes.py): DMuon on a (2 × 2)
+"""Phase D with expert parallelism (``--ep 2``, verify/modes/ep.py): DMuon on a (2 × 2)
 mesh ("shard", "ep") with the reference EP layer's tiny Qwen3-MoE (rest="replicate"). The
 measured collectives (interposer) equal the independent prediction of verify/traffic/ep.py
 exactly, the token all_to_all (counts, dispatch, combine; the two transposes in backward) in

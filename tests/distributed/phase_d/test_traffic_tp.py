@@ -1,4 +1,4 @@
-"""Phase D with tensor parallelism (``--tp 2``, verify/run/tp_modes.py): on a (2 × 2) mesh
+"""Phase D with tensor parallelism (``--tp 2``, verify/modes/tp.py): on a (2 × 2) mesh
 ("shard", "tp"), TinyGPT's MLPs tensor parallel, the measured collectives (interposer) equal
 the independent prediction of verify/traffic/tp.py exactly, DTensor's own all_reduces in their
 own phase ``tp``, the dedicated W-average equals the TP closed form of docs/traffic-model.md

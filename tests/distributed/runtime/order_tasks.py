@@ -82,7 +82,7 @@ def reordered_step(z3: bool, model_order: bool = False, hsdp: bool = False) -> d
     ``hsdp``: a (2, W/2) mesh."""
     from dmuon.runtime import order
     from dmuon.ownership.plan import specs_from_named_parameters
-    from verify.run.block_order import BlockOrderRecorder, blocks_of
+    from verify.measure.block_order import BlockOrderRecorder, blocks_of
     from verify.traffic.predict import RunLayout, dmuon_reduce_by_gather
 
     original = order.execution_block_order

@@ -178,7 +178,7 @@ def train_ac(mode: str, variant: str | None, steps: int = 3) -> dict:
     """verify-traffic's model and mode, every block checkpointed (``variant``, None = no AC);
     the interposer records steps 1.. ; returns events, layout and the owned params."""
     from tracer.interposer import Interposer
-    from verify.run.modes import build as build_mode
+    from verify.modes.build import build as build_mode
     from verify.run.runner import train_step
 
     built = build_mode(mode, lambda: make_model(SMALL))

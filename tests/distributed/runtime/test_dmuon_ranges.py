@@ -1,7 +1,7 @@
 """Every range the timeline issue lists is emitted by a real DMuon step, on 4 gloo ranks:
 broadcast, re-broadcast, reduce, replicate wait, Newton–Schulz per matrix and the HSDP
 replicate broadcast, each with module and owner, as span listeners see them and as NVTX
-messages that tracer.nsys parses back (recorded through a stand-in NVTX domain)."""
+messages that tracer.nsys.parse parses back (recorded through a stand-in NVTX domain)."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ import torch.distributed as dist
 from dmuon import annotate
 from tests.distributed.parity.dmuon_tasks import GLOBAL_BATCH, SMALL, corpus, make_model
 from tests.builders import RecordingDomain
-from tracer.nsys import _SPAN_RE
+from tracer.nsys.parse import _SPAN_RE
 from verify.workload.data import local_slice
-from verify.run.modes import build
+from verify.modes.build import build
 from verify.run.runner import train_step
 
 pytestmark = pytest.mark.distributed
@@ -68,7 +68,7 @@ def test_hsdp_z3_step_emits_every_issue_range_with_module_and_owner(pool4):
         assert out["pops"] == len(out["pushed"])
         spans_pushed = [m for m in out["pushed"] if not m.startswith("dmuon.phase ")]
         assert len(spans_pushed) == len(out["spans"])
-        for message in spans_pushed:  # what nsys will show, read back by tracer.nsys
+        for message in spans_pushed:  # what nsys will show, read back by tracer.nsys.parse
             match = _SPAN_RE.match(message)
             assert match and match["module"] in out["module_names"] and match["owner"], message
     # Newton–Schulz: one range per owner and matrix shape (same-shape matrices of one owner

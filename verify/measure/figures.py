@@ -1,7 +1,7 @@
 """What verify-traffic and ``verify.run.record`` add to a compared run (one place for both).
 
 - :func:`add_figures`: the busiest rank and bytes (``verify.traffic.wire``), step time and exposed
-  communication (``verify.run.steptime``), and ``max_rank_elems`` = the busiest rank's received
+  communication (``verify.measure.steptime``), and ``max_rank_elems`` = the busiest rank's received
   dedicated elements per step.
 - :func:`interposer_source`: report.json's ``sources["interposer"]`` entry from the
   comparison's missing / unexpected lists.
@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from tracer.events import CollectiveEvent
 
 from verify.traffic.predict import RunLayout
-from verify.run.steptime import StepTime, timing_report
+from verify.measure.steptime import StepTime, timing_report
 from verify.traffic.wire import dedicated_traffic
 
 #: How many missing / unexpected entries ``interposer_source`` lists of each kind.
@@ -30,7 +30,7 @@ def add_figures(run: dict, layout: RunLayout, events: Sequence[CollectiveEvent],
 
     Args:
         events: every rank's interposer events over ``steps`` measured steps.
-        step_times: per rank, its measured steps (``verify.run.steptime.StepTime``).
+        step_times: per rank, its measured steps (``verify.measure.steptime.StepTime``).
         device: ``"cpu"`` or ``"cuda"``.
     """
     run.update(dedicated_traffic(layout, list(events), steps))

@@ -13,7 +13,7 @@ runs one more step, the *probe step* ``P`` (= warm-up + measured steps), and rec
 
 Rank 0 then loads the state before the step into a fresh copy of the model in one process
 and computes what the step should have done with torch alone (``torch.optim.Muon`` over every
-matrix, ``verify.run.baselines.MatrixMuon``; ``torch.optim.AdamW``; no code of ``dmuon``'s
+matrix, ``verify.modes.baselines.MatrixMuon``; ``torch.optim.AdamW``; no code of ``dmuon``'s
 arithmetic): the global mean grad (the mean over the W ranks' losses of step P, each rank's
 rows as the mode sees them), its norm, the new momentum and the update of every param.
 
@@ -62,11 +62,11 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 import dmuon
-from verify.run.baselines import MatrixMuon
-from verify.run.block_order import bare_model
+from verify.measure.block_order import bare_model
+from verify.modes.baselines import MatrixMuon
 from verify.workload.usermodel import check_loss
 
-#: The reference mode: DDP + ``torch.optim.Muon`` (``verify.run.modes``).
+#: The reference mode: DDP + ``torch.optim.Muon`` (``verify.modes.build``).
 REFERENCE_MODE = "ddp-muon"
 #: A run passes a numeric check when its distance is at most SAFETY times the measured floor.
 SAFETY = 8.0
@@ -215,7 +215,7 @@ def muon_step(before: torch.Tensor, grad: torch.Tensor, momentum: torch.Tensor,
               matrix_shape: tuple[int, int] | None, lr: float) -> tuple[torch.Tensor, torch.Tensor]:
     """One ``torch.optim.Muon`` step (torch's defaults but ``lr``) of a param holding
     ``before`` with ``grad`` and the momentum ``momentum`` (each matrix as its own param,
-    :class:`~verify.run.baselines.MatrixMuon`): ``(update, momentum after)``, shapes of ``before``."""
+    :class:`~verify.modes.baselines.MatrixMuon`): ``(update, momentum after)``, shapes of ``before``."""
     p = nn.Parameter(before.clone())
     opt = MatrixMuon([p], [matrix_shape], lr=lr)
     _, (rows, cols), views = opt._views[0]

@@ -147,7 +147,7 @@ class RoutingRecorder:
             n = len(self._tag.open)
             while self._tag.open:
                 self._tag.exit()
-            raise RuntimeError(f"verify.run.ep_modes: {n} 'activations' phase tag(s) opened in a "
+            raise RuntimeError(f"verify.modes.ep: {n} 'activations' phase tag(s) opened in a "
                                "backward were not closed: the exchange's input got no gradient.")
 
     def layer_specs(self) -> tuple[tuple[str, int, int, str], ...]:
@@ -184,7 +184,7 @@ def build_ep(mode: str, make_model, device: str, ep: int, *, muon_lr: float, ada
     """
     from examples.ep_moe import EXPERT_STACKS, shard_experts
 
-    from verify.run.modes import muon_names
+    from verify.modes.build import muon_names
 
     if mode not in EP_MODES:
         raise ValueError(f"Invalid mode {mode!r} with --ep. Must be one of {EP_MODES}.")

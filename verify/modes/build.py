@@ -22,7 +22,7 @@ import dmuon
 from dmuon.ownership.select import matrix_shapes, select_params
 from dmuon.ownership.plan import specs_from_named_parameters
 
-from verify.run.baselines import MatrixMuon, NaiveShardedMuon, ZeroOneMuon
+from verify.modes.baselines import MatrixMuon, NaiveShardedMuon, ZeroOneMuon
 from verify.traffic.predict import (DMUON_HIERARCHIES, DMUON_REST_MODES, RunLayout, dmuon_coalesce_bytes,
                                     dmuon_flattens, dmuon_policy_backend, dmuon_reduce_by_gather,
                                     dmuon_uneven_aligned)
@@ -149,7 +149,7 @@ def build(mode: str, make_model: Callable[[], nn.Module], device: str = "cpu",
     (:func:`verify.traffic.predict.dmuon_hierarchy`; on a 1-D mesh it changes nothing).
 
     ``qk_clip_tau``: ``--qk-clip``'s τ: the DMuon modes get MuonClip's QK-clip on their
-    optimizer (:mod:`verify.run.qk_clip`, ``Built.qk_clip``) and the layout its head count
+    optimizer (:mod:`verify.measure.qk_clip`, ``Built.qk_clip``) and the layout its head count
     (``RunLayout.qk_clip_heads``, counted from the model); the other modes run without it.
 
     ``mode`` may be a variant (``"dmuon-z3[block]"``, :mod:`verify.traffic.variants`): its
@@ -190,7 +190,7 @@ def build(mode: str, make_model: Callable[[], nn.Module], device: str = "cpu",
 
     clip_heads = 0
     if qk_clip_tau is not None and mode.startswith("dmuon-"):
-        from verify.run.qk_clip import count_heads
+        from verify.measure.qk_clip import count_heads
 
         clip_heads = count_heads(model)  # the harness's own count, before any wrapping
 
@@ -238,7 +238,7 @@ def build(mode: str, make_model: Callable[[], nn.Module], device: str = "cpu",
         opt = dmuon.DMuon(model.parameters(), dedicated=dm, lr=MUON_LR, adamw_lr=ADAMW_LR)
         clip = None
         if qk_clip_tau is not None:
-            from verify.run.qk_clip import attach
+            from verify.measure.qk_clip import attach
 
             clip = attach(opt, bare, qk_clip_tau)
         return Built(model, opt, layout(fsdp_modules), dm, clip)

@@ -17,7 +17,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
 
-from verify.run.block_order import bare_model
+from verify.measure.block_order import bare_model
 
 
 def save(model: nn.Module, opt, path: Path) -> None:

@@ -25,7 +25,7 @@ Event fields: ``op`` from the range name, ``pid`` from ``globalTid``, ``t_start_
 index), ``phase`` / ``module`` from DMuon's NVTX ranges (below), ``source_ref``
 ``"<file name>#NVTX_EVENTS.<rowid>"``. ``rank``, ``group_*``, ``seq``, ``count`` and
 ``msg_bytes`` stay ``None``: sizes, communicator and rank are only in the payload blob, which
-is not decoded (see :mod:`tracer.nsys_payload` and ``NsysResult.sizes_unavailable_reason``).
+is not decoded (see :mod:`tracer.nsys.payload` and ``NsysResult.sizes_unavailable_reason``).
 The thread id, kernel names and GPU durations are in ``NsysResult.details`` (one row per event).
 
 Attribution: DMuon's spans (:func:`dmuon.annotate.span`) are push/pop ranges in NVTX domain
@@ -54,7 +54,7 @@ from tabulate import tabulate
 
 from tracer.events import CollectiveEvent, write_parquet
 from tracer.inputs import is_gzip
-from tracer.nsys_payload import COMM_ENTRY_NAME, locate_payload_fields, sizes_unavailable_reason
+from tracer.nsys.payload import COMM_ENTRY_NAME, locate_payload_fields, sizes_unavailable_reason
 
 #: NCCL API range name -> canonical op (NCCL ``src/collectives.cc`` / ``src/enqueue.cc``).
 NCCL_API_TO_OP: dict[str, str] = {
@@ -144,7 +144,7 @@ class NsysResult:
             where it could not be tied to a range.
         other_api_counts: NCCL-domain range names that are not collectives -> count.
         sizes_unavailable_reason: why ``msg_bytes`` is ``None`` (always set, see module doc).
-        payload_fields: :func:`tracer.nsys_payload.locate_payload_fields`.
+        payload_fields: :func:`tracer.nsys.payload.locate_payload_fields`.
         warnings: non-fatal findings (unvalidated schema version, inferred domains, ...).
         windows: DMuon's ``dmuon.window <name>`` ranges (measured windows), by start.
         issues: ``"<file>#<table>.<rowid>: column <c>=<value> is <type>; must be ..."`` for

@@ -204,7 +204,7 @@ def build_tp(mode: str, make_model: Callable[[], nn.Module], device: str, tp: in
             numel of a TP layer's activation is that times its features).
         mixed_precision: ``None`` or ``"bf16"`` / ``"fp16"``: the same
             ``MixedPrecisionPolicy`` for ``dedicate_params`` and every ``fully_shard``
-            (``verify.run.modes.mp_policy``); DTensor's activations then travel in it.
+            (``verify.modes.build.mp_policy``); DTensor's activations then travel in it.
         coalesce: DMuon's ``dedicate_params(coalesce=...)``; units form over the local
             shards' bytes (the layout gets the documented target,
             :func:`verify.traffic.predict.dmuon_coalesce_bytes`).
@@ -215,7 +215,7 @@ def build_tp(mode: str, make_model: Callable[[], nn.Module], device: str, tp: in
     Raises:
         ValueError: a mode without TP support, a bad ``tp``, or a dim that N or T does not divide.
     """
-    from verify.run.modes import _Pair, _fsdp_wrap, mp_policy, muon_names
+    from verify.modes.build import _Pair, _fsdp_wrap, mp_policy, muon_names
 
     if mode not in TP_MODES:
         raise ValueError(f"Invalid mode {mode!r} with --tp. Must be one of {TP_MODES}.")
