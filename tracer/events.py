@@ -39,13 +39,9 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from numbers import Integral
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import pyarrow as pa
 import pyarrow.parquet as pq
-
-if TYPE_CHECKING:  # pandas is imported by to_frame only: parsers start without it
-    import pandas as pd
 
 #: Canonical op names (snake case, torch.distributed's vocabulary).
 OPS: tuple[str, ...] = (
@@ -240,13 +236,6 @@ class CollectiveEvent:
             return None
         return self.t_waited_ns - self.t_start_ns
 
-    @property
-    def dur_ns(self) -> int | None:
-        """End minus start in ns, where both are known."""
-        if self.t_start_ns is None or self.t_end_ns is None:
-            return None
-        return self.t_end_ns - self.t_start_ns
-
     def replace(self, **changes) -> CollectiveEvent:
         """A copy with ``changes`` applied (validated again)."""
         return dataclasses.replace(self, **changes)
@@ -298,13 +287,6 @@ def to_table(events: Iterable[CollectiveEvent]) -> pa.Table:
         for name, values in columns.items():
             values.append(getattr(ev, name))
     return pa.Table.from_pydict(columns, schema=EVENT_SCHEMA)
-
-
-def to_frame(events: Iterable[CollectiveEvent]) -> pd.DataFrame:
-    """Events as a pandas DataFrame (nullable integer columns, one row per event)."""
-    import pandas as pd
-
-    return to_table(events).to_pandas(types_mapper=pd.ArrowDtype)
 
 
 def write_parquet(events: Iterable[CollectiveEvent], path: str | Path) -> Path:

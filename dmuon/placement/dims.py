@@ -61,11 +61,6 @@ class MeshDims:
         """A 1-D or HSDP mesh: one shard dim, perhaps a replicate dim, nothing else."""
         return not self.model and len(self.shard) == 1
 
-    def declaration(self) -> str:
-        """How to declare these dims to ``dedicate_params`` (for messages)."""
-        rep = f"replicate_dim={self.replicate!r}, " if self.replicate else ""
-        return f"{rep}shard_dims={self.shard!r}"
-
 
 def _names(mesh: DeviceMesh) -> tuple[str, ...]:
     return tuple(mesh.mesh_dim_names or (str(i) for i in range(mesh.ndim)))

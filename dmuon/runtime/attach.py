@@ -123,11 +123,6 @@ def unfollow_moves(module: nn.Module, listener: MoveListener) -> None:
         module.__class__ = original
 
 
-def follows_moves(module: nn.Module) -> bool:
-    """Whether some live DedicatedParams follows ``module``'s moves."""
-    return bool(_listeners(module))
-
-
 # ---------------------------------------------------------------------------- DDP ignore list
 def ignore_in_ddp(model: nn.Module, names: list[str]) -> list[str] | None:
     """Add ``names`` to the model's DDP ignore list; returns the previous list (for

@@ -106,11 +106,6 @@ class Bucket:
         """Whether the compute copy is a separate (``param_dtype``) buffer."""
         return self.lp is not self.flat
 
-    @property
-    def replicate_work(self) -> Pending | None:
-        """The in-flight replicate broadcast into ``flat`` (``replica`` RECEIVING), else None."""
-        return self._replicate
-
     def _to(self, field: str, new) -> None:
         setattr(self, field, check(f"bucket {self.index} ({self.module_name!r}) {field}",
                                    getattr(self, field), new))

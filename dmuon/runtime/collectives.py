@@ -541,11 +541,6 @@ class Launcher:
         self._accel = accel
         self._streams: dict[str, Any] = {}
 
-    @property
-    def uses_streams(self) -> bool:
-        """Whether calls run on side streams (CUDA) rather than async work handles."""
-        return self._accel is not None
-
     def stream(self, channel: str):
         """The side stream of ``channel`` (created on first use); CUDA only."""
         invariant(self._accel is not None, "Launcher: a stream asked of a launcher with work handles only")

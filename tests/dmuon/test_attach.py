@@ -38,7 +38,7 @@ def test_follow_moves_calls_around_apply_and_keeps_identity():
     buf.seek(0)
     assert type(torch.load(buf, weights_only=False)[0]) is nn.Linear
     attach.unfollow_moves(model[0], listener)
-    assert type(model[0]) is nn.Linear and not attach.follows_moves(model[0])
+    assert type(model[0]) is nn.Linear and not attach._listeners(model[0])
     model.float()
     assert len(listener.calls) == 2
 

@@ -108,7 +108,7 @@ def test_gloo_branch_uses_async_work_handles():
         return Work()
 
     launcher = Launcher(torch.device("cpu"))
-    assert not launcher.uses_streams
+    assert launcher._accel is None  # async work handles, no side streams
     pending = launcher.launch("reduce", call)
     assert calls == [("collective", True)]
     pending.wait()
@@ -117,7 +117,7 @@ def test_gloo_branch_uses_async_work_handles():
 
 
 def test_device_selects_the_branch():
-    assert Launcher(torch.device("cuda", 0)).uses_streams  # constructing touches no GPU
+    assert Launcher(torch.device("cuda", 0))._accel is not None  # side streams; constructing touches no GPU
     with pytest.raises(ValueError, match="Must be None for CPU tensors"):
         Launcher(torch.device("cpu"), accel=_Accel())
 

@@ -134,15 +134,20 @@ INIT_WORDS = ["comm 0x1 ", "rank 0 ", "nranks 2 ", "cudaDev 0", "cudaDev -1 ", "
 
 @settings(max_examples=300, deadline=None)
 @given(st.lists(st.sampled_from(PREFIX_WORDS), max_size=10).map("".join))
-def test_match_prefix_is_the_leftmost_prefix_re_match(text):
-    assert fmt.match_prefix(text) == fmt.PREFIX_RE.search(text).groups()
+def test_read_prefix_is_the_leftmost_prefix_re_match(text):
+    # the whole text: lo = 0, hi and the window its length; the match's start is dropped
+    assert fmt.read_prefix(text, 0, len(text), len(text))[:5] == fmt.PREFIX_RE.search(text).groups()
 
 
 @settings(max_examples=300, deadline=None)
 @given(st.lists(st.sampled_from(INIT_WORDS), max_size=14).map("".join))
-def test_match_init_is_the_leftmost_init_re_match(body):
+def test_match_init_span_is_the_leftmost_init_re_match(body):
     m = fmt.INIT_RE.search(body)
-    assert fmt.match_init(body) == (None if m is None else m.groups())
+    groups = fmt.match_init_span(body)
+    if groups is not None:  # the middle comes back as its bounds in ``body``
+        func, comm, rank, nranks, dev, a, b, what, state = groups
+        groups = (func, comm, rank, nranks, dev, body[a:b], what, state)
+    assert groups == (None if m is None else m.groups())
 
 
 def test_old_shapes_that_hung_are_fast_and_read_right():

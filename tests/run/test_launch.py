@@ -216,8 +216,9 @@ def test_verify_traffic_end_to_end_two_processes(tmp_path):
         assert "warn" not in stream.lower(), stream[-3000:]
     assert (tmp_path / "runs/e2e/junit.xml").is_file()
     import jsonschema  # the test extra (pyproject.toml)
-    from verify.report.schema_json import load_schema
-    jsonschema.validate(report, load_schema(), cls=jsonschema.Draft202012Validator)
+    from verify.report.schema_json import SCHEMA_PATH
+    schema = json.loads(SCHEMA_PATH.read_text(encoding="utf-8"))
+    jsonschema.validate(report, schema, cls=jsonschema.Draft202012Validator)
 
 
 @pytest.mark.distributed

@@ -1,5 +1,6 @@
 import pytest
 
+import pandas as pd
 import pyarrow.parquet as pq
 
 from tracer.events import (
@@ -7,7 +8,6 @@ from tracer.events import (
     all_to_all_count,
     all_to_all_elems,
     read_parquet,
-    to_frame,
     to_table,
     write_parquet,
 )
@@ -42,7 +42,7 @@ def test_parquet_round_trip(tmp_path):
               _ev(seq=3, op="all_to_all", group_size=4, count=6, in_elems=24, out_elems=24)]
     path = write_parquet(events, tmp_path / "e.parquet")
     assert read_parquet(path) == events
-    frame = to_frame(events)
+    frame = to_table(events).to_pandas(types_mapper=pd.ArrowDtype)  # nullable integer columns
     assert frame["msg_bytes"].tolist()[:2] == [40, 12] and frame["msg_bytes"].tolist()[3] == 24
     assert frame["msg_bytes"].isna().tolist() == [False, False, True, False]
     assert frame["in_elems"].isna().tolist() == [True, True, False, False]

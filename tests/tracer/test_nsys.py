@@ -19,7 +19,7 @@ import pytest
 
 from tests.nsys_builders import MAIN, REAL, build_export, global_tid, nsys_ddl
 from tracer.events import OPS, read_parquet
-from tracer.nsys.parse import NCCL_API_TO_OP, parse_nsys, probe_export, register_cli, split_global_tid
+from tracer.nsys.parse import NCCL_API_TO_OP, parse_nsys, probe_export, register_cli
 from tracer.nsys.payload import locate_payload_fields
 
 
@@ -63,7 +63,8 @@ def test_real_export_one_range_exactly(real, shared_fixtures):
     (ev,) = [e for e in real.events if e.source_ref == ref]
     assert (ev.op, ev.pid, ev.t_start_ns, ev.t_end_ns) == ("send", 149, 72905303822, 72905306942)
     assert ev.cuda_dev == 1  # its kernel ran on deviceId 1 (CUPTI_ACTIVITY_KIND_KERNEL)
-    assert split_global_tid(281477476515989) == (149, 149)
+    row = real.details[real.details["source_ref"] == ref]
+    assert (row["pid"].tolist(), row["tid"].tolist()) == ([149], [149])  # globalTid 281477476515989
 
 
 def test_real_export_kernels_linked_through_group_end(real):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from verify.modes.build import muon_names
 from verify.traffic.formulas import MODES
 from verify.traffic.predict import (dmuon_coalesce_bytes, dmuon_policy_backend, dmuon_reduce_by_gather,
                                     dmuon_uneven_aligned)
@@ -23,7 +24,7 @@ def test_every_variant_is_a_dmuon_mode_with_known_knobs_and_no_comma():
 
 def test_largest_targets_of_tinygpt_are_its_four_mlp_matrices():
     model = TinyGPT()
-    names = tuple(model.muon_param_names())
+    names = muon_names(model)
     numels = {n: p.numel() for n, p in model.named_parameters()}
     got = variant_targets("largest", names, numels)
     assert got == tuple(n for n in names if ".mlp." in n) and len(got) == 4

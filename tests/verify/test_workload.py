@@ -8,6 +8,7 @@ import sysconfig
 import pytest
 import torch
 
+from verify.modes.build import muon_names
 from verify.workload.data import ByteCorpus, local_slice, stdlib_source_files
 from verify.workload.model import GPTConfig, TinyGPT
 
@@ -42,7 +43,7 @@ def test_model_names_shapes_and_size():
     print(f"\nTinyGPT default: {n_params} params, {n_params * 4} bytes of float32")
     assert n_params == 135_808
     assert n_params * 4 < FIRST_BUCKET_BYTES
-    assert model.muon_param_names() == [
+    assert list(muon_names(model)) == [  # the harness's Muon targets: every block's hidden matrices
         f"blocks.{i}.{m}.weight" for i in range(2) for m in ("attn.qkv", "attn.proj", "mlp.fc1", "mlp.fc2")
     ]
 

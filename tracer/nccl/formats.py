@@ -19,15 +19,14 @@ prefix was lost is found by its ``<Op>: opCount`` (:func:`iter_coll_heads`).
 
 Every pattern here runs in linear time on any line: searches start at a literal or a
 bounded class, and the three whose plain ``search`` backtracks quadratically on long runs
-(the prefix, the INIT line, the PyTorch comm line) are read by :func:`match_prefix`,
-:func:`match_init` and a name class that stops at brackets. Fields are ASCII
+(the prefix, the INIT line, the PyTorch comm line) are read by :func:`read_prefix`,
+:func:`match_init_span` and a name class that stops at brackets. Fields are ASCII
 (``re.ASCII``): NCCL prints ASCII digits, and numbers too long for ``int`` read as
 :data:`OVERSIZED` (:func:`decimal`).
 """
 
 from __future__ import annotations
 
-import bisect
 import calendar
 import codecs
 import re
@@ -243,7 +242,7 @@ def _is_ascii_letter(ch: str) -> bool:
 #: parent, splitCount / childCount, color, key) is read by :data:`INIT_FIELD_RE`. This single
 #: regex is the *definition* (kept for reference and tests); a backtracking search with it is
 #: quadratic on a line repeating ``comm … cudaDev 0`` or ``nccl``, so lines are read by
-#: :func:`match_init`, which returns the same groups in linear time.
+#: :func:`match_init_span`, which returns the same groups in linear time.
 INIT_RE = re.compile(
     r"(?:(nccl\w+) )?comm ([^\s\x00]+) rank (-?\d+) nranks (\d+) cudaDev (-?\d+)(.*?) ?- "
     r"(Init|Destroy|Abort) (START|COMPLETE)", re.ASCII
@@ -254,20 +253,10 @@ _INIT_END_RE = re.compile(r"- (Init|Destroy|Abort) (START|COMPLETE)")
 _WORD_RUN_RE = re.compile(r"\w+", re.ASCII)
 
 
-def match_init(body: str) -> tuple | None:
-    """Groups of the leftmost :data:`INIT_RE` match in ``body`` (``None``: no match), in
-    linear time (:func:`match_init_span`)."""
-    groups = match_init_span(body)
-    if groups is None:
-        return None
-    func, comm, rank, nranks, dev, a, b, what, state = groups
-    return func, comm, rank, nranks, dev, body[a:b], what, state
-
-
 def match_init_span(text: str, pos: int = 0, endpos: int | None = None) -> tuple | None:
-    """:func:`match_init` of ``text[pos:endpos]`` without copying it: the groups, with the
-    middle (``rest``) as its bounds ``(start, end)`` in ``text`` (read its fields with
-    :func:`init_fields`). Heads (``comm … cudaDev N``) and end markers (``- Init COMPLETE``
+    """The groups of the leftmost :data:`INIT_RE` match in ``text[pos:endpos]`` (``None``: no
+    match), in linear time and without copying it, with the middle (``rest``) as its bounds
+    ``(start, end)`` in ``text`` (read its fields with :func:`init_fields`). Heads (``comm … cudaDev N``) and end markers (``- Init COMPLETE``
     …) are found separately: the first head wins when an end marker follows it (no later
     head can have one otherwise), the lazy middle ending at the first marker after it (a
     space before the marker is not part of it), and the init function read from the word
@@ -341,7 +330,7 @@ INIT_MARKERS = ("- Init START", "- Init COMPLETE", "Init START", "Init COMPLETE"
 #: optional ``[cudaDev] ``, anchored at the marker. Host is ``[^\s\[\]]`` characters; when
 #: another rank's line ends without a newline right before it (interleaved output), the host
 #: may carry that line's last characters (e.g. ``0x55f1ubuntu``): NCCL writes no separator.
-#: This regex is the *definition* (its leftmost ``search`` match); :func:`match_prefix` gives
+#: This regex is the *definition* (its leftmost ``search`` match); :func:`read_prefix` gives
 #: the same groups in linear time (a ``search`` visits every start of a long blob before the
 #: marker, and with a lazy host that is quadratic).
 PREFIX_RE = re.compile(
@@ -359,12 +348,6 @@ _PREFIX_REV_RE = re.compile(
 )
 
 
-def match_prefix(text: str) -> tuple:
-    """``(timestamp, host, pid, tid, cuda_dev)`` texts (or ``None``) of :data:`PREFIX_RE`'s
-    leftmost match in ``text``, in linear time: one anchored match of the reversed text."""
-    return read_prefix(text, 0, len(text), len(text))[:5]
-
-
 #: Characters before a marker that :func:`read_prefix` reads: a timestamp, host, pid, tid and
 #: device take far fewer; a longer glued host is cut here.
 PREFIX_WINDOW = 4096
@@ -372,8 +355,9 @@ PREFIX_WINDOW = 4096
 
 def read_prefix(text: str, lo: int = 0, hi: int | None = None,
                 window: int = PREFIX_WINDOW) -> tuple:
-    """:func:`match_prefix` of ``text[lo:hi]``, reading at most its last ``window``
-    characters; ``(timestamp, host, pid, tid, cuda_dev, start)``, ``start`` where the match
+    """The ``(timestamp, host, pid, tid, cuda_dev)`` texts (or ``None``) of :data:`PREFIX_RE`'s
+    leftmost match in ``text[lo:hi]``, in linear time (one anchored match of the reversed
+    text), reading at most its last ``window`` characters; then ``start``, where the match
     begins in ``text``."""
     hi = len(text) if hi is None else hi
     lo = max(lo, hi - window)

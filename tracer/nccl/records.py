@@ -148,7 +148,7 @@ def issue(file: str, line_no: int, reason: str, text: str, at: int | None = None
 
 def parse_prefix(text: str) -> tuple:
     """``(t_start_ns, host, pid, tid, cuda_dev)`` of the text before ``NCCL INFO`` (linear
-    time in ``len(text)``, see :func:`tracer.nccl.formats.match_prefix`); ``t_start_ns`` is
+    time in ``len(text)``, see :func:`tracer.nccl.formats.read_prefix`); ``t_start_ns`` is
     ``None`` when the timestamp cannot be read (:func:`read_prefix_text` says why)."""
     return read_prefix_text(text)[0]
 

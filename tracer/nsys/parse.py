@@ -111,11 +111,6 @@ KERNEL_COLUMNS = (
 )
 
 
-def split_global_tid(global_tid: int) -> tuple[int, int]:
-    """``(pid, tid)`` from nsys' serialized ``globalTid`` (TRACE_FORMATS.md, Nsight Systems)."""
-    return (global_tid >> 24) & 0xFFFFFF, global_tid & 0xFFFFFF
-
-
 @dataclass(frozen=True)
 class ExportInfo:
     """What :func:`probe_export` learnt before any query: tables, columns, versions, flags."""

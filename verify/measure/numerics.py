@@ -80,8 +80,6 @@ FP32_EPS = float(torch.finfo(torch.float32).eps)
 MIN_UPDATE_REL = 2.0 ** -12
 #: ``clip_grad_norm_``'s max norm in the probe: above any norm, so no grad is scaled.
 CLIP_UNREACHED = 1e30
-#: Findings named in a check's detail (the rest counted).
-MAX_SHOWN = 4
 
 
 def _plain(t: torch.Tensor) -> torch.Tensor:

@@ -41,7 +41,6 @@ from tracer._compat import require
 from tracer.events import DTYPE_BYTES
 
 from verify.plan.memory import format_memory, memory_summary
-from verify.plan.summary import format_plan_summary  # noqa: F401  (the CLI side owns the plan table)
 from verify.plan.args import (
     DTYPES,
     MAX_WORLD_SIZE,

@@ -114,15 +114,6 @@ def schema_text() -> str:
     return json.dumps(report_json_schema(), indent=2, ensure_ascii=False) + "\n"
 
 
-def load_schema() -> dict:
-    """The committed schema file (:data:`SCHEMA_PATH`).
-
-    Raises:
-        FileNotFoundError: the package was installed without its data file.
-    """
-    return json.loads(SCHEMA_PATH.read_text(encoding="utf-8"))
-
-
 def main(argv: list[str] | None = None) -> int:
     """``python -m verify.report.schema_json [--check]``: write :data:`SCHEMA_PATH`, or with
     ``--check`` exit 1 when the committed file differs from the generated schema."""

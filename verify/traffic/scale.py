@@ -166,22 +166,12 @@ class StepTraffic:
         return self._avg("ded_avg_elems")
 
     @property
-    def ded_max_elems(self) -> float:
-        """The busiest rank's dedicated elements per step."""
-        return self._max("ded_avg_elems")
-
-    @property
     def ded_avg_bytes(self) -> float:
         return self._avg("ded_avg_bytes")
 
     @property
     def ded_max_bytes(self) -> float:
         return self._max("ded_avg_bytes")
-
-    @property
-    def total_avg_elems(self) -> float:
-        """W-average elements per rank-step over all params."""
-        return self._avg("avg_elems")
 
     @property
     def total_avg_bytes(self) -> float:
@@ -194,13 +184,6 @@ class StepTraffic:
     @property
     def calls_max(self) -> int:
         return int(self._max("calls"))
-
-    def ded_avg_by_phase(self) -> dict[str, float]:
-        out = defaultdict(float, self.common.ded_by_phase)
-        for t in self.extra.values():
-            for ph, v in t.ded_by_phase.items():
-                out[ph] += v * self.replicate_size / self.world_size
-        return dict(out)
 
     def closed_form_elems(self) -> float:
         """docs/spec.md §2's closed form × P_M (``zero1-muon``: 2(W-1)/W at P_M^pad = W·C)."""
@@ -348,7 +331,6 @@ def _build_naive(layout: RunLayout, plan: OwnershipPlan) -> StepTraffic:
         common.add("optimizer", "all_gather", "shard", n, c, _nbytes(p), c)
         sharded += c * _nbytes(p)
     # FSDP2 shards the params (padded); the baseline keeps a full momentum on every rank.
-    w = layout.world_size
     return _result(layout, common, {}, sharded, _muon_bytes(layout))
 
 

@@ -137,12 +137,6 @@ class TinyGPT(nn.Module):
                 nn.init.ones_(module.weight)
                 nn.init.zeros_(module.bias)
 
-    def muon_param_names(self) -> list[str]:
-        """Names of the Muon targets: the hidden Linear weights of every block, in order."""
-        targets = ("attn.qkv.weight", "attn.proj.weight", "mlp.fc1.weight", "mlp.fc2.weight")
-        names = (n for n, _ in self.named_parameters())
-        return [n for n in names if n.startswith("blocks.") and n.endswith(targets)]
-
     def forward(self, idx: Tensor) -> Tensor:
         """Token ids ``idx`` (B, T) int64 in [0, V), T <= seq_len -> logits (B, T, V), float.
 

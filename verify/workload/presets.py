@@ -589,6 +589,3 @@ def resolve_model(spec: str) -> Callable[[], nn.Module]:
     return build
 
 
-def param_count(model: nn.Module) -> int:
-    """Parameters of ``model`` (tied weights counted once)."""
-    return sum(p.numel() for p in model.parameters())

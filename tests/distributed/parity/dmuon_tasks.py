@@ -368,9 +368,9 @@ def hsdp_replicate_waits() -> dict:
     _loss(model, local_slice(x, rank, world), local_slice(y, rank, world)).backward()
     opt.step()
     holders = [b for b in dm.buckets if b.is_holder]
-    issued = sum(b.replicate_work is not None for b in holders)
+    issued = sum(b._replicate is not None for b in holders)
     sd = model.state_dict()
-    after_state_dict = sum(b.replicate_work is not None for b in dm.buckets)
+    after_state_dict = sum(b._replicate is not None for b in dm.buckets)
     at_state_dict = {b.names[0]: torch.cat([sd[n].reshape(-1) for n in b.names]).clone() for b in holders}
     opt.step()  # same grads again, while this step's replicate broadcasts would be in flight
     dm.wait_pending()

@@ -413,7 +413,7 @@ def to_while_replicating(mode: str, move: bool, d: int = 512) -> dict:
     g = torch.Generator().manual_seed(dist.get_rank())
     model(torch.randn(8 // world, d, generator=g)).square().mean().backward()
     opt.step()
-    pending = sum(b.replicate_work is not None for b in dm.buckets)
+    pending = sum(b._replicate is not None for b in dm.buckets)
     if move:
         model.double()
     dm.sync_params()
