@@ -1,16 +1,8 @@
 """Render a verify-traffic report: report.json, report.md and traffic.png, and the tables and
 formatters the terminal report (``verify.report.terminal``) shares.
 
-The ``report`` dict (built by the verify-traffic runner) *is* the content of report.json; every
-function here is a pure function of it. Units: all ``*_elems`` figures count elements of the
-dedicated (Muon-target) parameters per rank per training step, as the **W-average** of
-``f(n)·S`` over the calls each rank takes part in (docs/spec.md §2; S is nccl-tests' "total array
-size", f = 2(n-1)/n for all_reduce and (n-1)/n otherwise, from nccl-tests
-``doc/PERFORMANCE.md``). ``max_rank_elems`` is the busiest rank's figure in the same unit; it is
-always shown in its own column, never mixed with the averages.
-
-Glossary: W = world size, N = shard-group size (``shard_size``), R = replicate-group size
-(``replicate_size``), T = tensor-parallel degree (``tp_size``, 1 without TP), P_M = elements of dedicated params (``p_m``), NS = Newton–Schulz.
+Every function here is a pure function of the ``report`` dict, the content of report.json;
+its keys, types, units and glossary are described once, in ``verify.report.schema``.
 """
 
 from __future__ import annotations

@@ -1,14 +1,27 @@
-"""The report.json data model: which keys a verify-traffic report holds, their types, and
-:func:`validate_report`.
+"""The report.json data model, the one description of a verify-traffic report: which keys it
+holds, their types and units (the tables below), and :func:`validate_report`.
 
-Shared by the renderers (``verify.report.render``: terminal table, Markdown, files) and the charts
-(``verify.report.plots``), so neither imports the other's module. Units and accounting: see
-``verify.report.render``'s module docstring. Keys marked optional below may be absent (reports of
-older versions); when present they are type-checked like the others.
+The other texts about the report point here: ``verify/report/report.schema.json`` is generated
+from these tables (``verify.report.schema_json``) for validators without Python; docs/verify.md
+("Reading the report") tells a user how to read the files. The ``report`` dict (built by the
+verify-traffic runner or ``TrafficWindow``) *is* the content of report.json: the renderers
+(``verify.report.render``, ``terminal``, ``junit``) and the charts (``verify.report.plots``) are
+pure functions of it. Keys marked optional below may be absent (reports of older versions);
+when present they are type-checked like the others.
 
-Verdicts (``verify.report.checks``): a run's ``pass`` is the conjunction of its ``checks``, and
-``failures`` lists every failed check of every run plus each mode that raised (``error``), so a
-failed run or report always names its cause.
+Units: all ``*_elems`` figures count elements of the dedicated (Muon-target) parameters per
+rank per training step, as the **W-average** of ``f(n)·S`` over the calls each rank takes part
+in (docs/spec.md §2; S is nccl-tests' "total array size", f = 2(n-1)/n for all_reduce and
+(n-1)/n otherwise, from nccl-tests ``doc/PERFORMANCE.md``). ``max_rank_elems`` is the busiest
+rank's figure in the same unit; it is always shown in its own column, never mixed with the
+averages. ``*_bytes`` are bytes, ``*_ns`` nanoseconds, ``*_ms`` milliseconds.
+
+Glossary: W = world size, N = shard-group size (``shard_size``), R = replicate-group size
+(``replicate_size``), T = tensor-parallel degree (``tp_size``, 1 without TP), P_M = elements
+of dedicated params (``p_m``), NS = Newton–Schulz.
+
+Verdicts: a run's ``pass`` is the conjunction of its ``checks`` and ``failures`` lists every
+failed check plus each mode that raised; which checks there are: ``verify.report.checks``.
 """
 
 from __future__ import annotations
@@ -193,7 +206,7 @@ def _check_keys(obj: object, spec: Mapping[str, tuple], where: str) -> None:
         if key not in obj:
             raise ValueError(
                 f"Invalid {where}: missing key {key!r}. Must have keys {list(spec)} "
-                "(report.json data model, verify/report/render.py)."
+                "(report.json data model, verify/report/schema.py)."
             )
         value = obj[key]
         # bool is an int subclass: only accept it where bool is the declared type.

@@ -2,7 +2,7 @@
 :data:`TERMINAL_COLUMNS` with grouped headers (``--wide``: every column of
 :func:`verify.report.render.table_rows`), the all-params table, skipped modes, and failure listings.
 
-Units and accounting: ``verify.report.render``'s module docstring. Built with tabulate; group labels
+Keys, units and glossary: ``verify.report.schema``. Built with tabulate; group labels
 are drawn over the columns' dash rule (:func:`grouped`).
 """
 
