@@ -256,11 +256,11 @@ _WORD_RUN_RE = re.compile(r"\w+", re.ASCII)
 def match_init_span(text: str, pos: int = 0, endpos: int | None = None) -> tuple | None:
     """The groups of the leftmost :data:`INIT_RE` match in ``text[pos:endpos]`` (``None``: no
     match), in linear time and without copying it, with the middle (``rest``) as its bounds
-    ``(start, end)`` in ``text`` (read its fields with :func:`init_fields`). Heads (``comm … cudaDev N``) and end markers (``- Init COMPLETE``
-    …) are found separately: the first head wins when an end marker follows it (no later
-    head can have one otherwise), the lazy middle ending at the first marker after it (a
-    space before the marker is not part of it), and the init function read from the word
-    before the head."""
+    ``(start, end)`` in ``text`` (read its fields with :func:`init_fields`). Heads (``comm …
+    cudaDev N``) and end markers (``- Init COMPLETE`` …) are found separately: the first head
+    wins when an end marker follows it (no later head can have one otherwise), the lazy middle
+    ending at the first marker after it (a space before the marker is not part of it), and the
+    init function read from the word before the head."""
     endpos = len(text) if endpos is None else endpos
     nl = text.find("\n", pos, endpos)
     if nl >= 0:  # "." does not cross a line end: each piece on its own

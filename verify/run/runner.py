@@ -71,7 +71,8 @@ from verify.measure.figures import add_figures, interposer_source, params_report
 from verify.measure.memory_meter import MemoryMeter
 from verify.measure import numerics, resume
 from verify.measure.steptime import StepTime, sample
-from verify.measure.qk_clip import clipped_heads, not_run_entry as qk_clip_not_run, run_entry as qk_clip_run_entry
+from verify.measure.qk_clip import (clipped_heads, not_run_entry as qk_clip_not_run,
+                                    run_entry as qk_clip_run_entry)
 from verify.traffic.formulas import MODES
 from verify.traffic.memory import memory_report
 from verify.workload.usermodel import (
