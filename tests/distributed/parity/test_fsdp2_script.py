@@ -79,6 +79,7 @@ def _assert_on_oracle(ref: dict, results: list[dict], what: str) -> None:
             assert abs(got - want) <= floor.bound * want, (got, want, str(floor))
 
 
+@pytest.mark.slow  # the oracle's own sensitivity; each habit's parity runs in make test
 def test_the_habits_bite_in_the_oracle(oracles):
     for ref in (oracles[(2, False)], oracles[(4, False)], oracles[(4, True)]):
         assert all(n > 2 * S.MAX_NORM for n in ref["norms"]), ref["norms"]  # the clip scales

@@ -67,6 +67,7 @@ def test_all_to_all_issued_twice(pool2):
     assert "unexpected" in failed[("dmuon-z2", "collectives")]
 
 
+@pytest.mark.slow  # one of six plants; make test runs three and the clean control
 def test_extra_broadcast_caught_by_block_variant(pool2):
     report = _report(pool2, "broadcast_twice")
     failed = _failed(report)
@@ -74,6 +75,7 @@ def test_extra_broadcast_caught_by_block_variant(pool2):
     assert "1.5× calls" in failed[("dmuon-z3[block]", "collectives")]
 
 
+@pytest.mark.slow  # one of six plants; make test runs three and the clean control
 def test_small_buckets_same_bytes_more_calls(pool2):
     report = _report(pool2, "small_buckets", ("dmuon-z2",))
     detail = _failed(report)[("dmuon-z2", "collectives")]
@@ -88,6 +90,7 @@ def test_owners_rotated_named(pool2):
     _no_measured_zero(report)
 
 
+@pytest.mark.slow  # one of six plants; make test runs three and the clean control
 def test_every_matrix_on_rank0_breaks_the_shape_bound(pool2):
     """The planner the predictor shares is mutated: collectives and closed form agree, the
     harness's own bound from the shapes does not."""

@@ -64,6 +64,7 @@ def test_aligned_reduce_scatter_twice_caught(pool2):
     assert detail.startswith("+24.1% bytes, 1.25× calls (10 vs 8 per step)"), detail
 
 
+@pytest.mark.slow  # the negative control of the plant beside it
 def test_aligned_reduce_scatter_twice_passes_the_old_default_modes(pool2):
     """Negative control: gloo's own modes never call a reduce_scatter of DMuon's."""
     report = _report(pool2, "reduce_scatter_twice", ("dmuon-z2", "dmuon-z3[block]"))
@@ -78,6 +79,7 @@ def test_link_policy_ignored_caught(pool2):
     assert detail.startswith("same bytes, 1× calls (8 vs 8 per step); 4 missing and 4 unexpected"), detail
 
 
+@pytest.mark.slow  # the replicate-axis plant in make test: the reduce sent to the wrong rank
 def test_replicate_broadcast_twice_caught(pool4):
     report = _report(pool4, "replicate_broadcast_twice", (REPLICATE,))
     detail = _failed(report)[(REPLICATE, "collectives")]

@@ -57,12 +57,14 @@ def _assert_profiler_matches(results):
 # below runs dmuon-z3 and dmuon-hsdp-z3 beside it), ddp-muon (DDP's all_reduce of every
 # param: dmuon-ddp's rest), dmuon-z2 (Z3 runs its forward broadcasts and reduces;
 # test_w2_exact and the gate tests run Z2 whole), and flat dmuon-hsdp-z3 (flat HSDP is the 1-D protocol over W
-# ranks: dmuon-z3 and flat dmuon-hsdp-z2). HSDP runs "auto" (flat on gloo: TinyGPT is one
-# unit) and the hierarchical protocol NCCL jobs use (docs/traffic-model.md, "HSDP: flat or
-# hierarchical").
-SLOW_W4 = {"naive-fsdp2-z2", "naive-fsdp2-z3", "ddp-muon", "dmuon-z2", "dmuon-hsdp-z3"}
+# ranks: dmuon-z3 and flat dmuon-hsdp-z2), naive-hsdp (FSDP2's HSDP: test_w2_exact runs FSDP2's
+# predictor), and hierarchical dmuon-hsdp-z2 (hierarchical Z3 runs its replicate channel and
+# more). HSDP runs "auto" (flat on gloo: TinyGPT is one unit) and the hierarchical protocol NCCL
+# jobs use (docs/traffic-model.md, "HSDP: flat or hierarchical").
+SLOW_W4 = {"naive-fsdp2-z2", "naive-fsdp2-z3", "naive-hsdp", "ddp-muon", "dmuon-z2", "dmuon-hsdp-z3"}
 W4_CASES = [pytest.param(m, "auto", marks=pytest.mark.slow) if m in SLOW_W4 else (m, "auto")
-            for m in MODES] + [("dmuon-hsdp-z2", "hierarchical"), ("dmuon-hsdp-z3", "hierarchical")]
+            for m in MODES] + [pytest.param("dmuon-hsdp-z2", "hierarchical", marks=pytest.mark.slow),
+                               ("dmuon-hsdp-z3", "hierarchical")]
 
 
 @pytest.mark.parametrize(("mode", "hierarchy"), W4_CASES)

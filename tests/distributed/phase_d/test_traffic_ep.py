@@ -64,6 +64,7 @@ def test_ep_exact_collectives_closed_form_and_sources(pool4, mode):
         assert check.passed and check.matched == len(events), check.lines()[:10]
 
 
+@pytest.mark.slow  # a planted change; the exact EP comparison beside it fails on any other call
 def test_ep_gate_fails_expert_buckets_on_the_dense_groups(pool4):
     """The planted bug keeps every byte count (same buckets, same elements) and moves the
     expert stacks' broadcasts and reduces to the dense groups: the gate names the calls missing

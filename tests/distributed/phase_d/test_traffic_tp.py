@@ -46,7 +46,8 @@ def _run(pool, task, mode):
     return run, results, events
 
 
-@pytest.mark.parametrize("mode", ["dmuon-z2", "dmuon-z3",  # the naive baselines: make test-all
+@pytest.mark.parametrize("mode", [pytest.param("dmuon-z2", marks=pytest.mark.slow),  # z3's calls and more
+                                  "dmuon-z3",  # the naive baselines: make test-all
                                   pytest.param("naive-fsdp2-z3", marks=pytest.mark.slow),
                                   pytest.param("naive-fsdp2-z2", marks=pytest.mark.slow)])
 def test_tp_exact_collectives_closed_form_and_sources(pool4, mode):

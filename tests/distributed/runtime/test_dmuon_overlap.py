@@ -51,7 +51,7 @@ def test_no_reduce_is_waited_on_before_the_next_one_is_issued(pool4, mode):
         assert log.index(("wait", issues[0])) < log.index(("issue", issues[-1])), log  # early
 
 
-@pytest.mark.parametrize("mode", ["z3", "hsdp-z3"])
+@pytest.mark.parametrize("mode", ["z3", pytest.param("hsdp-z3", marks=pytest.mark.slow)])
 def test_prefetch_depth_changes_no_bits(pool4, mode):
     ref = pool4.run_with_timeout(TIMEOUT_S, T.train_with_depth, mode, 0)
     for depth in (1, 3):

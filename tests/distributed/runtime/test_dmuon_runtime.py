@@ -84,7 +84,7 @@ def test_to_after_dedicate_rebinds_or_names_the_fix(pool2, mode):
         assert r["error"] is None  # Z3's freed copies convert to freed copies of the new dtype
 
 
-@pytest.mark.parametrize("mode", ["hsdp-z2", "hsdp-z3"])
+@pytest.mark.parametrize("mode", [pytest.param("hsdp-z2", marks=pytest.mark.slow), "hsdp-z3"])
 def test_to_while_replicate_broadcast_in_flight_keeps_the_owners_values(pool4, mode):
     # .to() copied the old flat buffer before the owner's replicate broadcast reached it: the
     # other replica kept the previous step's values (1.5e-3 off) and re-sent them as current
