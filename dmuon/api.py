@@ -11,7 +11,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from dmuon.placement import already_wrapped, layout_for
-from dmuon.runtime import attach, collectives, start
+from dmuon import start
+from dmuon.runtime import attach, collectives
 from dmuon.options import DedicateOptions
 from dmuon.ownership.buckets import DEFAULT_BUCKET_CAP_MB, Coalescing
 from dmuon.runtime.dedicated_params import DedicatedParams
@@ -44,7 +45,7 @@ def dedicate_params(
     params-to-ignore list here) and ``fully_shard(module, mesh=..., ignored_params=set(dm))``
     leaves them to DMuon. As DDP does for its params, every rank's dedicated params then take
     the mesh's first rank's values (one broadcast of them per mesh dim, after the setup
-    agreement: ``dmuon/runtime/start.py``; not for meta-device params or on TP / EP meshes).
+    agreement: ``dmuon/start.py``; not for meta-device params or on TP / EP meshes).
 
     Args:
         model: the bare ``nn.Module`` (not yet DDP / FSDP2 wrapped), identical on all ranks.

@@ -220,7 +220,7 @@ class MeshLayout:
         """How many ranks the dedicated params differ across by design: the product of the
         model-parallel dims and of the data-parallel dims some param is sharded on (a mesh
         ``("shard", "tp")``: T; ``("shard", "ep")`` with expert stacks: E); 1 for a
-        data-parallel job. ``runtime/start.py`` makes every rank start from the first rank's
+        data-parallel job. ``dmuon/start.py`` makes every rank start from the first rank's
         values only where it is 1."""
         if self.dims is None:
             return 1
