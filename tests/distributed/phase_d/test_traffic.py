@@ -69,12 +69,15 @@ W4_CASES = [pytest.param(m, "auto", marks=pytest.mark.slow) if m in SLOW_W4 else
 
 @pytest.mark.parametrize(("mode", "hierarchy"), W4_CASES)
 def test_w4_exact_collectives_and_closed_form(pool4, mode, hierarchy):
-    run, results = _compare(pool4, mode, hierarchy=hierarchy)
+    # torch.profiler's source checked on the two modes that run every DMuon phase
+    profiled = mode == "dmuon-z3" or (mode, hierarchy) == ("dmuon-hsdp-z3", "hierarchical")
+    run, results = _compare(pool4, mode, hierarchy=hierarchy, profiler=profiled)
     assert run["missing"] == [] and run["unexpected"] == [], (run["missing"][:5], run["unexpected"][:5])
     assert run["ratio_to_p_m"] == pytest.approx(EXPECTED_RATIO_W4[mode], rel=1e-12)
     assert run["ns_calls_per_step"] == run["ns_calls_expected"]
     assert run["closed_form_matches"] and run["pass"]
-    _assert_profiler_matches(results)
+    if profiled:
+        _assert_profiler_matches(results)
     flat = mode.startswith("dmuon-hsdp") and hierarchy == "auto"
     if mode.startswith("dmuon-hsdp"):
         assert run["hierarchy"] == ("flat" if flat else "hierarchical")

@@ -29,18 +29,21 @@ TIMEOUT_S = 240
 EXPECTED_ELEMS = {"dmuon-z2": 22_272, "dmuon-z3": 27_840, "dmuon-hsdp-z3": 23_936}
 
 
-def _run(pool, task, mode):
-    results = pool.run_with_timeout(TIMEOUT_S, task, mode, ep=2, rest="replicate")
+def _run(pool, task, mode, profiler=False):
+    results = pool.run_with_timeout(TIMEOUT_S, task, mode, ep=2, rest="replicate", profiler=profiler)
     events = [ev for r in results for ev in r["events"]]
     run = compare_run(results[0]["layout"], events, steps=2, ns_calls=sum(r["ns_calls"] for r in results))
     return run, results, events
 
 
-# Z3 (every Z2 call and the re-broadcasts) in make test; Z2 and HSDP-Z3 in make test-all
+# Z3 (every Z2 call and the re-broadcasts) in make test; Z2 and HSDP-Z3 in make test-all, with
+# torch.profiler's source (about 10 s of EP's many calls: the other modes' profiler source runs
+# in make test through test_traffic.py and test_traffic_tp.py)
 @pytest.mark.parametrize("mode", [pytest.param("dmuon-z2", marks=pytest.mark.slow), "dmuon-z3",
                                   pytest.param("dmuon-hsdp-z3", marks=pytest.mark.slow)])
 def test_ep_exact_collectives_closed_form_and_sources(pool4, mode):
-    run, results, events = _run(pool4, traffic_tasks.measure_mode, mode)
+    profiled = mode != "dmuon-z3"
+    run, results, events = _run(pool4, traffic_tasks.measure_mode, mode, profiler=profiled)
     assert run["missing"] == [] and run["unexpected"] == [], (run["missing"][:5], run["unexpected"][:5])
     assert (run["ep_size"], run["replicate_size"], run["shard_size"]) == ((2, 2, 1) if "hsdp" in mode else (2, 1, 2))
     assert run["measured_avg_elems"] == pytest.approx(EXPECTED_ELEMS[mode], rel=1e-12)
@@ -55,9 +58,10 @@ def test_ep_exact_collectives_closed_form_and_sources(pool4, mode):
     assert run["phases"]["activations"]["measured_avg_elems"] == 0
     assert run["phases"]["activations"]["collectives_measured"] == 40
     assert run["total_measured_avg_elems"] == pytest.approx(run["total_predicted_avg_elems"], rel=1e-12)
-    ref, prof, _ = profiler_source_events(events, [ev for r in results for ev in r["profiler_events"]])
-    check = crosscheck(ref, prof, source="profiler", backend="gloo")
-    assert check.passed and check.matched == len(events) > 0, check.lines()[:10]
+    if profiled:
+        ref, prof, _ = profiler_source_events(events, [ev for r in results for ev in r["profiler_events"]])
+        check = crosscheck(ref, prof, source="profiler", backend="gloo")
+        assert check.passed and check.matched == len(events) > 0, check.lines()[:10]
     if all(r["fr_events"] is not None for r in results):  # the Flight Recorder, where on
         fr = [ev for r in results for ev in r["fr_events"]]
         check = crosscheck(events, fr, source="flight_recorder", backend="gloo")

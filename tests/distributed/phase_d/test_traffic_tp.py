@@ -39,8 +39,8 @@ def _assert_profiler_matches(results):
     assert all(e.op == "scatter" for e in untyped), untyped[:3]
 
 
-def _run(pool, task, mode):
-    results = pool.run_with_timeout(TIMEOUT_S, task, mode, tp=2)
+def _run(pool, task, mode, profiler=False):
+    results = pool.run_with_timeout(TIMEOUT_S, task, mode, tp=2, profiler=profiler)
     events = [ev for r in results for ev in r["events"]]
     run = compare_run(results[0]["layout"], events, steps=2, ns_calls=sum(r["ns_calls"] for r in results))
     return run, results, events
@@ -51,7 +51,7 @@ def _run(pool, task, mode):
                                   pytest.param("naive-fsdp2-z3", marks=pytest.mark.slow),
                                   pytest.param("naive-fsdp2-z2", marks=pytest.mark.slow)])
 def test_tp_exact_collectives_closed_form_and_sources(pool4, mode):
-    run, results, events = _run(pool4, traffic_tasks.measure_mode, mode)
+    run, results, events = _run(pool4, traffic_tasks.measure_mode, mode, profiler=True)
     assert run["missing"] == [] and run["unexpected"] == [], (run["missing"][:5], run["unexpected"][:5])
     assert run["tp_size"] == 2
     assert run["ratio_to_p_m"] == pytest.approx(EXPECTED_RATIO[mode], rel=1e-12)
@@ -116,7 +116,7 @@ def test_hsdp_tp_2x2x2_exact(mode, ratio):
     from tests.distributed.harness import DistributedPool
 
     with DistributedPool(8, timeout_s=POOL_TIMEOUT_S) as pool8:
-        run, results, events = _run(pool8, traffic_tasks.measure_mode, mode)
+        run, results, events = _run(pool8, traffic_tasks.measure_mode, mode, profiler=True)
     assert run["missing"] == [] and run["unexpected"] == [], (run["missing"][:5], run["unexpected"][:5])
     assert (run["tp_size"], run["replicate_size"], run["shard_size"]) == (2, 2, 2)
     assert run["ratio_to_p_m"] == pytest.approx(ratio, rel=1e-12)

@@ -14,9 +14,10 @@ def measure_mode(mode: str, **config) -> dict:
     global _corpus
     if _corpus is None:
         _corpus = ByteCorpus.from_stdlib(200_000)
-    # the traffic alone: the checks after the window run in test_gate_numerics.py
+    # the traffic alone: the checks after the window run in test_gate_numerics.py; torch.profiler
+    # (about 2 s of each 3.5 s task) only where a test reads its source (``profiler=True``)
     cfg = RunConfig(out_dir=tempfile.mkdtemp(prefix="dmuon-traffic-"), steps_warmup=2, steps_measured=2,
-                    **{"numerics": False, **config})
+                    **{"numerics": False, "profiler": False, **config})
     result = _train_mode(mode, cfg, _corpus, lambda n: None)
     result.pop("spans")
     result["out_dir"] = cfg.out_dir
