@@ -60,7 +60,8 @@ def _peak(tmp_path, shape: str, size: int, fixed: int = FIXED) -> None:
 
 #: The shapes slowest under tracemalloc (5-7 s each on 2 cores) run in ``make test-all`` only;
 #: the 16 MB variant below covers every shape there.
-SLOW_SHAPES = {"op heads", "markers", "zero-width op names", "INIT lines", "records of distinct comms"}
+SLOW_SHAPES = {"op heads", "markers", "zero-width op names", "INIT lines", "records of distinct comms",
+               "records without prefix", "prefixed markers", "colours"}
 
 
 @pytest.mark.parametrize("shape", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_SHAPES else n

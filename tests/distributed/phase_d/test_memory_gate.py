@@ -35,6 +35,7 @@ def _memory_check(run) -> dict:
     return next(c for c in run["checks"] if c["check"] == "memory")
 
 
+@pytest.mark.slow  # two gate runs; the bound is the runtime's below and the check's logic unit-tested
 def test_memory_gate_passes_today_and_fails_the_old_nested_pre_forward(pool4):
     report = _run(pool4, ("dmuon-z3", "dmuon-z2"))
     assert report["pass"], final_line(report)
