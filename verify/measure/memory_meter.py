@@ -93,40 +93,32 @@ class MemoryMeter:
         live = [m._parameters.get(leaf) for m, leaf in self._slots]
         return [t for t in self.params + live if t is not None]
 
-    def sample(self, phase: str | None = None) -> None:
-        """Read the storages now (module docstring); ``phase`` defaults to the autograd state."""
+    def sample(self, phase: str | None = None, copies_peak: bool = True) -> None:
+        """Read the storages now (module docstring); ``phase`` defaults to the autograd state.
+        ``copies_peak=False`` (the optimizer's step pre-hook: backward has ended, the copies'
+        peaks are not this moment's to set) reads the grads' peak only."""
         if not self.on:
             return
         if phase is None:
             phase = "backward" if torch._C._current_graph_task_id() != -1 else "forward"
         for t in self._tensors():
-            _remember(self._copies, t)
+            if copies_peak:
+                _remember(self._copies, t)
             if t.grad is not None:
                 _remember(self._grads, t.grad)
         copies, grads = _bytes(self._copies), _bytes(self._grads)
         cuda = torch.cuda.memory_allocated() - self._cuda_base if self._cuda else None
-        self.peak[phase] = max(self.peak[phase], copies)
+        if copies_peak:
+            self.peak[phase] = max(self.peak[phase], copies)
         self.peak_grads = max(self.peak_grads, grads)
         self.trace.append((phase, copies, grads, cuda))
 
-    def sample_grads(self) -> None:
-        """Read the grads only (the optimizer's step pre-hook: backward has ended, the
-        copies' peaks are not this moment's to set); a ``"backward"`` row in the trace."""
-        if not self.on:
-            return
-        for t in self._tensors():
-            if t.grad is not None:
-                _remember(self._grads, t.grad)
-        copies, grads = _bytes(self._copies), _bytes(self._grads)
-        cuda = torch.cuda.memory_allocated() - self._cuda_base if self._cuda else None
-        self.peak_grads = max(self.peak_grads, grads)
-        self.trace.append(("backward", copies, grads, cuda))
-
     def attach(self, optimizer: torch.optim.Optimizer | None = None) -> MemoryMeter:
         """Register the hooks (after DMuon's: call after ``dedicate_params``); with
-        ``optimizer``, a step pre-hook that reads the grads (:meth:`sample_grads`)."""
+        ``optimizer``, a step pre-hook that reads the grads (:meth:`sample`, ``copies_peak=False``)."""
         if optimizer is not None:
-            self._handles.append(optimizer.register_step_pre_hook(lambda *a: self.sample_grads()))
+            self._handles.append(optimizer.register_step_pre_hook(
+                lambda *a: self.sample("backward", copies_peak=False)))
         def on_output(module, args, output):
             self.sample()
             if self.on and torch.is_grad_enabled():
