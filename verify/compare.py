@@ -194,6 +194,7 @@ def compare_run(
     p_m = layout.p_m()
     form, cf_p_m, p_m_r, p_m_k = layout.closed_form_check()  # flat DMuon HSDP: the 1-D form at N = W
     padded = layout.mode in PADDED_MODES and cf_p_m != p_m
+    all_forms = layout.all_closed_forms()
     per_rank = defaultdict(float)
     total_measured = 0.0
     meas_phase = defaultdict(float)
@@ -221,7 +222,7 @@ def compare_run(
         pred_phase[e.phase] += e.dedicated_avg_elems() * per_step
         pred_phase_n[e.phase] += per_step
     for ph in [p for p in PHASES if p in pred_phase or p in meas_phase] + sorted(
-        p for p in set(meas_phase) if p not in PHASES
+        p for p in set(meas_phase) | set(pred_phase) | set(all_forms) if p not in PHASES
     ):
         ph_missing = sum(n for k, n in missing.items() if k[1] == ph)
         ph_unexpected = sum(n for k, n in unexpected.items() if k[1] == ph)
@@ -229,6 +230,9 @@ def compare_run(
         seed = form.seed_phases.get(ph) if form.seed_phases else None
         measured_ph = meas_phase[ph] / (w * steps)
         cf_ok = _close(measured_ph, cf, cf_p_m)
+        all_cf = all_forms.get(ph)  # every element's closed form (PP's P2P), where priced
+        if all_cf is not None:
+            cf_ok = cf_ok and _close(meas_all[ph] / (w * steps), all_cf, max(round(all_cf), 1))
         phases[str(ph)] = {
             "measured_avg_elems": measured_ph,
             "predicted_avg_elems": pred_phase[ph] / w,
@@ -239,6 +243,7 @@ def compare_run(
             # all params' (and activations': EP's token all_to_all) elements, W-average
             "all_measured_avg_elems": meas_all[ph] / (w * steps),
             "all_predicted_avg_elems": pred_all[ph] / w,
+            "all_closed_form_avg_elems": all_cf,
             "closed_form_matches": cf_ok,
             "pass": ph_missing == 0 and ph_unexpected == 0 and cf_ok,
         }

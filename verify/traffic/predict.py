@@ -369,6 +369,12 @@ class RunLayout:
         p_m = closed_form_p_m(self.mode, [s.shape for s in specs], self.shard_size, numels)
         return ClosedFormCheck(run_closed_form(self), p_m, reused_elems(self), kept_elems(self))
 
+    def all_closed_forms(self) -> dict[str, float]:
+        """Phase -> closed form of every element moved in that phase (not only the dedicated
+        ones), W-average per step, for the phases this kind prices that way (gated with the
+        dedicated form): none for this kind (``verify.traffic.pp.PPRunLayout``: the P2P)."""
+        return {}
+
     def dmuon_view(self) -> RunLayout | None:
         """The one data-parallel layout DMuon's dedicated calls are predicted on, whose buckets
         (:func:`layout_buckets`) name its units and owners (:func:`dmuon_layout`: this layout,
