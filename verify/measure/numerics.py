@@ -103,6 +103,9 @@ def applies(config, mode: str) -> str | None:
         return "not a DMuon mode"
     if config.tp > 1 or config.ep > 1:
         return "tensor / expert parallel: the probe is written for whole matrices"
+    if getattr(config, "pp", 1) > 1:
+        return ("pipeline parallel: the probe runs one forward and backward of the whole model "
+                "on every rank, outside a schedule")
     if config.mixed_precision is not None:
         return "mixed precision: grads are reduced in the low dtype (another noise floor)"
     if config.qk_clip_tau is not None:

@@ -43,6 +43,7 @@ from verify.run.nodes import NODE_FILE, report_elsewhere
 from verify.run.main import EXIT_MISMATCH, EXIT_NO_HARDWARE, EXIT_USAGE, VERDICT_FILE, parse_args
 from verify.run.runner import RunConfig
 from verify.traffic.ep import ep_skip_reason
+from verify.traffic.pp import pp_skip_reason
 from verify.traffic.tp import tp_skip_reason
 from verify.workload.data import global_batch_size
 from verify.workload.usermodel import resolve, skip_reasons
@@ -283,7 +284,14 @@ def usage_problem(extra: list[str], out_dir: Path, nproc: int) -> str | None:
         return err.getvalue().strip().splitlines()[-1].partition("error: ")[2] or err.getvalue().strip()
     modes = args.modes.split(",")
     at = f"at W={nproc}"
-    if args.ep > 1:  # the workers' mesh is (W/E) x E (verify.modes.ep.ep_mesh)
+    if args.pp > 1:  # the workers' mesh is S x (W/S) (verify.modes.pp.pp_mesh)
+        if nproc % args.pp or nproc // args.pp < 2:
+            return (f"Invalid --pp {args.pp} at W={nproc} (--nproc). Must divide W and leave W/S >= 2 "
+                    f"data-parallel ranks per stage: give an --nproc of at least {2 * args.pp} that "
+                    f"{args.pp} divides.")
+        skipped = {m: why for m in modes if (why := pp_skip_reason(m, nproc, args.pp))}
+        at = f"with --pp {args.pp} at W={nproc}"
+    elif args.ep > 1:  # the workers' mesh is (W/E) x E (verify.modes.ep.ep_mesh)
         if nproc % args.ep:
             return (f"Invalid --ep {args.ep} at W={nproc} (--nproc). Must divide W, the mesh being "
                     f"(W/E) x E: give an --nproc that {args.ep} divides.")

@@ -92,6 +92,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "mesh ('shard', 'ep'); dmuon-hsdp-z2/z3 on (2, W/(2E), E) where 2E divides W) "
                              "with the reference EP layer's tiny Qwen3-MoE and rest='replicate'; the token "
                              "all_to_all is checked as phase 'activations' (verify/modes/ep.py)")
+    parser.add_argument("--pp", type=int, default=1,
+                        help="pipeline stages S: ddp-muon (the reference), dmuon-ddp, dmuon-z2, dmuon-z3 "
+                             "on an S x (W/S) mesh ('pp', 'dp_shard'), the built-in model cut into S "
+                             "stages run by Schedule1F1B, DMuon's rest replicated; the stage-to-stage "
+                             "send/recv is checked as phase 'pipeline' (verify/modes/pp.py)")
+    parser.add_argument("--microbatches", type=int, default=4,
+                        help="micro-batches per step with --pp (must divide the global batch / (W/S))")
     parser.add_argument("--qk-clip", type=float, nargs="?", const=QK_CLIP_DEFAULT_TAU, default=None,
                         metavar="TAU", dest="qk_clip",
                         help="run MuonClip's QK-clip (dmuon.optim.qk_clip.QKClip, alpha 0.5) in the "
@@ -129,6 +136,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                      "parallel model's rest; dedicate_params refuses it on a mesh with a 'tp' axis).")
     if args.ep > 1:
         _check_ep(parser, args)
+    if args.pp < 1 or args.microbatches < 1:
+        parser.error(f"Invalid --pp {args.pp} / --microbatches {args.microbatches}. Must be >= 1 "
+                     "(--pp 1: no pipeline parallelism).")
+    if args.pp > 1:
+        _check_pp(parser, args)
     unknown = [m for m in args.modes.split(",") if m not in MODES]
     if unknown:
         parser.error(f"Invalid --modes entries {unknown}. Must be among {list(MODES)}.")
@@ -154,6 +166,22 @@ def _check_ep(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None
     for bad, flag, why in fixed:
         if bad:
             parser.error(f"--ep {args.ep} runs without {flag}: {why}.")
+
+
+def _check_pp(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """``--pp S`` (S > 1): the PP workload is the built-in model cut into stages
+    (verify/modes/pp.py), so no ``--model``, ``--tp``, ``--ep``, ``--qk-clip``,
+    ``--mixed-precision``, ``--rest wrapper`` choice or ``--hierarchy flat``; else the parser's
+    usage error."""
+    fixed = [(args.model != BUILTIN, f"--model {args.model}", "the stages are cut from the built-in model"),
+             (args.tp > 1 or args.ep > 1, "--tp / --ep", "one parallel axis at a time"),
+             (args.qk_clip is not None, "--qk-clip", "the PP builder attaches no QK-clip"),
+             (args.mixed_precision is not None, f"--mixed-precision {args.mixed_precision}",
+              "the PP builder runs fp32"),
+             (args.hierarchy == "flat", "--hierarchy flat", "each stage is a 1-D data-parallel slice")]
+    for bad, flag, why in fixed:
+        if bad:
+            parser.error(f"--pp {args.pp} runs without {flag}: {why}.")
 
 
 def _check_qk_clip(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -189,6 +217,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"dmuon-verify-traffic: Invalid --ep {args.ep} at W={world}. Must divide the world "
               "size: the mesh is (W/E) x E.", file=sys.stderr)
         return EXIT_USAGE
+    if world % args.pp or (args.pp > 1 and world // args.pp < 2):  # the mesh is S x (W/S)
+        print(f"dmuon-verify-traffic: Invalid --pp {args.pp} at W={world}. Must divide the world "
+              "size and leave W/S >= 2: the mesh is S x (W/S).", file=sys.stderr)
+        return EXIT_USAGE
     if world % args.tp:  # the mesh is (W/T) x T (the launcher checks this before torchrun too)
         print(f"dmuon-verify-traffic: Invalid --tp {args.tp} at W={world}. Must divide the world "
               "size: the mesh is (W/T) x T.", file=sys.stderr)
@@ -213,18 +245,24 @@ def main(argv: list[str] | None = None) -> int:
         model=args.model,
         mixed_precision=args.mixed_precision,
         coalesce=args.coalesce,
-        rest="replicate" if args.ep > 1 else args.rest,  # EP: verify/modes/ep.py
+        rest="replicate" if args.ep > 1 or args.pp > 1 else args.rest,  # verify/modes/ep.py, pp.py
         hierarchy=args.hierarchy,
         tp=args.tp,
         qk_clip_tau=args.qk_clip,
         ep=args.ep,
+        pp=args.pp,
+        microbatches=args.microbatches,
         numerics=not args.no_numerics,
     )
     rank = dist.get_rank()
     modes = runnable_modes(config, dist.get_world_size())
     bar = None
     if rank == 0:
-        if config.ep > 1:  # expert parallel: verify.traffic.ep.ep_skip_reason
+        if config.pp > 1:  # pipeline parallel: verify.traffic.pp.pp_skip_reason
+            from verify.traffic.pp import pp_skip_reason
+
+            reasons = {m: pp_skip_reason(m, dist.get_world_size(), config.pp) for m in config.modes}
+        elif config.ep > 1:  # expert parallel: verify.traffic.ep.ep_skip_reason
             from verify.traffic.ep import ep_skip_reason
 
             reasons = {m: ep_skip_reason(m, dist.get_world_size(), config.ep) for m in config.modes}

@@ -121,6 +121,9 @@ class RunConfig:
         qk_clip_tau: ``--qk-clip``'s τ, or ``None``: the DMuon modes run MuonClip's QK-clip
             and their prediction has its ``qk_clip`` all_reduce (``verify.measure.qk_clip``;
             built-in model, not with ``tp`` > 1).
+        pp: pipeline stages S; > 1 runs the PP-capable modes on an S × (W/S) mesh, the built-in
+            model cut into S stage modules run by ``Schedule1F1B`` (``verify.modes.pp``).
+        microbatches: the schedule's micro-batches per step (with ``pp`` > 1).
         numerics: after each mode's window, step P against the single-process oracle and a
             DCP round trip (``verify.measure.numerics``, ``verify.measure.resume``; checks
             ``numerics``, ``owner_grads``, ``checkpoint``); ``--no-numerics`` turns it off.
@@ -147,12 +150,18 @@ class RunConfig:
     tp: int = 1
     qk_clip_tau: float | None = None
     ep: int = 1
+    pp: int = 1
+    microbatches: int = 4
     numerics: bool = True
 
 
 def runnable_modes(config: RunConfig, world_size: int) -> list[str]:
     """The modes of ``config`` this world size can run (``verify.workload.usermodel.skip_reasons``)."""
     skipped = skip_reasons(config.modes, world_size)
+    if config.pp > 1:  # PP (verify.modes.pp): only the PP-capable modes
+        from verify.traffic.pp import pp_skip_reason
+
+        return [m for m in config.modes if pp_skip_reason(m, world_size, config.pp) is None]
     if config.ep > 1:  # EP (verify.modes.ep): only the EP-capable modes
         from verify.traffic.ep import ep_skip_reason
 
@@ -304,7 +313,30 @@ def _train_mode(mode: str, config: RunConfig, corpus: ByteCorpus, progress,
 
     tagging = contextlib.nullcontext()
     routing = None  # EP: the harness's routing recorder (verify.modes.ep)
-    if config.ep > 1:
+    run_step = None  # PP: the schedule's step (verify.modes.pp)
+    if config.pp > 1:
+        if (config.tp, config.ep, config.qk_clip_tau, config.mixed_precision, config.model) != (
+                1, 1, None, None, BUILTIN):
+            raise ValueError(f"Invalid RunConfig with pp={config.pp}: tp={config.tp}, ep={config.ep}, "
+                             f"qk_clip_tau={config.qk_clip_tau!r}, mixed_precision={config.mixed_precision!r}, "
+                             f"model={config.model!r}. Must be tp=1, ep=1, no QK-clip, fp32, the "
+                             "built-in model (verify/modes/pp.py).")
+        from verify.modes import pp as pp_modes
+        from verify.modes.build import ADAMW_LR, MUON_LR, Built
+
+        pp_run = pp_modes.PPRun(
+            mode, make_model, config.device, config.pp, config.microbatches,
+            corpus=corpus or ByteCorpus.from_stdlib(),
+            global_batch=global_batch_size(dist.get_world_size(), per_rank=config.batch_per_rank,
+                                           global_batch=config.global_batch),
+            seq_len=config.seq_len, seed=config.seed, muon_lr=MUON_LR, adamw_lr=ADAMW_LR,
+            coalesce=config.coalesce)
+        built = Built(pp_run.model, pp_run.optimizer, pp_run.layout, pp_run.dm)
+        if scope is not None and pp_run.dm is not None:
+            scope.adopt(pp_run.dm)
+        loss_fn = None
+        run_step = pp_run.step
+    elif config.ep > 1:
         if (config.rest, config.tp, config.qk_clip_tau, config.mixed_precision) != ("replicate", 1, None, None) \
                 or config.hierarchy == "flat":
             raise ValueError(f"Invalid RunConfig with ep={config.ep}: rest={config.rest!r}, "
@@ -363,7 +395,7 @@ def _train_mode(mode: str, config: RunConfig, corpus: ByteCorpus, progress,
     blocks = blocks_of(built.dedicated.names) if built.dedicated is not None else ()
     recorder = BlockOrderRecorder(bare_model(model), blocks, built.layout.fsdp_modules)
     meter = None  # DMuon's bytes at every hook (verify.measure.memory_meter), 1-D / HSDP only
-    if built.dedicated is not None and config.tp == 1 and config.ep == 1:
+    if built.dedicated is not None and config.tp == 1 and config.ep == 1 and config.pp == 1:
         meter = MemoryMeter(bare_model(model), built.dedicated, config.device).attach(opt)
     ns_before = 0
     try:
@@ -379,7 +411,8 @@ def _train_mode(mode: str, config: RunConfig, corpus: ByteCorpus, progress,
                 if meter is not None and meter.on:
                     meter.step()
                 before = sample()
-                losses.append(loss_step(model, opt, loss_fn, rank, step))
+                losses.append(loss_step(model, opt, loss_fn, rank, step) if run_step is None
+                              else run_step(step))  # PP: the loss on the last stage, else None
                 if routing is not None:
                     routing.check_closed()
                 if built.qk_clip is not None:  # heads the clip scaled (verify.measure.qk_clip)
@@ -438,7 +471,7 @@ def _after_window(mode: str, config: RunConfig, built, loss_fn, make_model, fres
     step = config.steps_warmup + config.steps_measured
     if not config.numerics:
         return {}
-    if mode == numerics.REFERENCE_MODE and config.tp == 1 and config.ep == 1:
+    if mode == numerics.REFERENCE_MODE and config.tp == 1 and config.ep == 1 and config.pp == 1:
         return {"probe_loss": loss_step(built.model, built.optimizer, loss_fn, dist.get_rank(), step)}
     if numerics.applies(config, mode) is not None:
         return {}
@@ -638,6 +671,11 @@ def _loss_checks(runs: list[dict], config: RunConfig, source: ModelSource, world
 
 def _skipped(config: RunConfig, world: int) -> dict[str, str]:
     """``{mode: reason}`` of the modes of ``config`` that did not run at W = ``world``."""
+    if config.pp > 1:
+        from verify.traffic.pp import pp_skip_reason
+
+        reasons = {m: pp_skip_reason(m, world, config.pp) for m in config.modes}
+        return {m: why for m, why in reasons.items() if why}
     if config.ep > 1:
         from verify.traffic.ep import ep_skip_reason
 
@@ -667,7 +705,10 @@ def _assemble_run(mode: str, config: RunConfig, source: ModelSource, gathered: l
         ns_calls=sum(r["ns_calls"] for r in gathered),
         ns_calls_per_rank=[r["ns_calls"] for r in gathered],  # the ns_balance check
     )
-    losses = [sum(r["losses"][i] for r in gathered) / world for i in range(len(gathered[0]["losses"]))]
+    # every rank's loss of each step (PP: the last stage's ranks hold it, the others None)
+    held = [[r["losses"][i] for r in gathered if r["losses"][i] is not None]
+            for i in range(len(gathered[0]["losses"]))]
+    losses = [sum(v) / len(v) for v in held]
     run["loss_first"], run["loss_last"] = _finite(losses[0]), _finite(losses[-1])
     probe_losses = [r["probe_loss"] for r in gathered if "probe_loss" in r]
     if gathered[0].get("numerics") is not None:
