@@ -188,6 +188,15 @@ def build_parser(defaults, presets, sweep_worlds) -> argparse.ArgumentParser:
                    help="expert-parallel degree: the mesh is R x N x E (W = R·N·E), expert "
                         "stacks sharded over E, and the report adds the EP section; the table "
                         "above it is the same W without EP (verify/plan/ep.py)")
+    p.add_argument("--pp", type=_gpus, default=1, metavar="S",
+                   help="pipeline stages: the mesh is S x R x N (x T with --tp), the model's blocks "
+                        "cut into S contiguous stages, each planned on its own (R, N) slice; the "
+                        "report adds the PP section (verify/plan/pp.py)")
+    p.add_argument("--microbatches", type=_gpus, default=8, metavar="M",
+                   help="micro-batches per step with --pp (default %(default)s)")
+    p.add_argument("--microbatch-tokens", type=_gpus, default=4096, metavar="TOKENS",
+                   help="tokens of one micro-batch on one data-parallel rank, for the stage-to-stage "
+                        "send/recv with --pp (default %(default)s)")
     p.add_argument("--json", action="store_true",
                    help="print JSON (schema_version, dtype, element_bytes, units, warnings, "
                         "cost_model, reports) instead of the table")

@@ -36,6 +36,7 @@ from tabulate import tabulate
 from dmuon.ownership.plan import OwnershipPlan, plan_ownership, specs_from_named_parameters
 from verify.plan.tp import format_tp, tp_report
 from verify.plan.ep import ep_report, format_ep
+from verify.plan.pp import format_pp, pp_report
 from dmuon.ownership.select import matrix_shapes, select_params
 from tracer._compat import require
 from tracer.events import DTYPE_BYTES
@@ -432,6 +433,16 @@ UNITS: dict[str, str] = {
     "momentum_bytes": "bytes of Muon momentum of the matrices the rank owns",
     "adamw_rest_bytes": "bytes of AdamW's exp_avg + exp_avg_sq of the rank's part of the rest",
     "sum_bytes": "bytes of the figures above together",
+    "pp": "--pp: pipeline stages S (in mesh), or the PP section (verify/plan/pp.py)",
+    "tp": "tensor-parallel degree T",
+    "microbatches": "micro-batches per training step (M)",
+    "microbatch_tokens": "tokens of one micro-batch on one data-parallel rank",
+    "width": "the model's hidden width D (elements per token of an activation); null: not stated",
+    "stages": "one entry per pipeline stage, in order",
+    "stage": "the stage's index (0 = first)",
+    "blocks": "names of the stage's blocks (ModuleList elements)",
+    "p_s": "elements of the stage's Muon-target parameters (P_s)",
+    "p2p": "the stage-to-stage send/recv of activations and their grads (not DMuon's); null: not sized",
 }
 
 
@@ -463,6 +474,14 @@ def _plan(args) -> tuple[list[dict], list[dict] | None, CostModel, ModelLayout, 
         gpus_per_node=args.gpus_per_node, intra_gbps=args.intra_gbps, inter_gbps=args.inter_gbps,
         intra_alpha_us=args.intra_alpha_us, inter_alpha_us=args.inter_alpha_us, tflops=args.tflops,
     )
+    if args.pp > 1 and (args.sweep or args.ep > 1 or not args.mesh):
+        raise UsageError(f"Invalid --pp {args.pp} with {'--ep' if args.ep > 1 else '--sweep or no --mesh'}. "
+                         "Give --mesh N or RxN (each stage's data-parallel slice) with --pp S "
+                         "[--tp T]: the mesh is S x R x N x T.")
+    if args.pp > 1 and args.mesh and args.pp * args.mesh[0] * args.mesh[1] * args.tp > MAX_WORLD_SIZE:
+        raise UsageError(f"Invalid --pp {args.pp} on mesh {args.mesh[0]}x{args.mesh[1]} --tp {args.tp}: "
+                         f"W = S·R·N·T = {args.pp * args.mesh[0] * args.mesh[1] * args.tp:,} ranks. "
+                         f"Must be at most {MAX_WORLD_SIZE:,}.")
     if args.ep > 1 and (args.sweep or args.tp > 1):
         raise UsageError(f"Invalid --ep {args.ep} with {'--sweep' if args.sweep else '--tp'}. "
                          "Give --mesh N or RxN with --ep E alone (the mesh is R x N x E).")
@@ -494,6 +513,12 @@ def _plan(args) -> tuple[list[dict], list[dict] | None, CostModel, ModelLayout, 
         reports[0]["tp"] = tp_report(ml, args.mesh, args.tp, coalesce_bytes=coalesce_target(cm))
     if args.ep > 1:
         reports[0]["ep"] = ep
+    if args.pp > 1:  # pipeline stages (verify/plan/pp.py), each on its own (R, N) slice
+        reports[0]["pp"] = pp_report(
+            ml, args.mesh, args.pp, args.microbatches, report_fn=lambda sub, mesh: report(sub, mesh, cm),
+            tp=args.tp, tp_fn=lambda sub, mesh, t: tp_report(sub, mesh, t, coalesce_bytes=coalesce_target(cm)),
+            config=getattr(model, "config", None), microbatch_tokens=args.microbatch_tokens,
+            dtype_bytes=DTYPES.get(args.dtype))
     return reports, swept, cm, ml, warnings
 
 
@@ -526,6 +551,8 @@ def main(argv=None) -> int:
             print(format_tp(reports[0]["tp"]))
         if "ep" in reports[0]:
             print(format_ep(reports[0]["ep"]))
+        if "pp" in reports[0]:
+            print(format_pp(reports[0]["pp"]))
     if args.png and not args.json:
         print(f"wrote {args.png}")
     return 0

@@ -27,7 +27,7 @@ EXPECTED_ELEMS = 49_152
 ACTIVATION = 64 * 64
 
 
-@pytest.mark.slow  # about 30 s at W = 4 on gloo with the profiler
+@pytest.mark.slow  # about 20 s at W = 4 on gloo with the profiler
 def test_pp_exact_collectives_closed_form_and_sources(pool4):
     results = pool4.run_with_timeout(TIMEOUT_S, traffic_tasks.measure_mode, "dmuon-z3", pp=2,
                                      microbatches=4, profiler=True)
