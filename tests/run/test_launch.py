@@ -70,6 +70,22 @@ def test_usage_problem_checks_tp_before_torchrun(tmp_path, nproc, args, says):
     assert (problem is None) if says is None else (says in (problem or "")), problem
 
 
+@pytest.mark.parametrize("nproc, args, says", [
+    (4, ["--pp", "3"], "Invalid --pp 3 at W=4 (--nproc). Must divide W and leave W/S >= 2"),
+    (4, ["--pp", "4"], "Invalid --pp 4 at W=4 (--nproc)"),  # one rank per stage: no data parallel
+    (4, ["--modes", "naive-hsdp", "--pp", "2"], "no pipeline-parallel variant"),
+    (4, ["--pp", "2", "--tp", "2"], "--pp 2 runs without --tp / --ep"),
+    (4, ["--pp", "2", "--microbatches", "0"], "Invalid --pp 2 / --microbatches 0"),
+    (4, ["--pp", "2", "--microbatches", "3"], "Invalid --microbatches 3 with --pp 2 at W=4: the 8 sequences"),
+    (4, ["--pp", "2"], None),  # every mode: the PP-capable ones run
+])
+def test_usage_problem_checks_pp_before_torchrun(tmp_path, nproc, args, says):
+    from verify.run.launch import usage_problem
+
+    problem = usage_problem(args, tmp_path, nproc)
+    assert (problem is None) if says is None else (says in (problem or "")), problem
+
+
 def test_rank_errors_name_the_ranks_own_error_before_a_peers_broken_connection(tmp_path):
     from verify.run.launch import rank_errors
 

@@ -289,6 +289,14 @@ def usage_problem(extra: list[str], out_dir: Path, nproc: int) -> str | None:
             return (f"Invalid --pp {args.pp} at W={nproc} (--nproc). Must divide W and leave W/S >= 2 "
                     f"data-parallel ranks per stage: give an --nproc of at least {2 * args.pp} that "
                     f"{args.pp} divides.")
+        try:  # each data-parallel rank's rows split into M equal micro-batches
+            rows = global_batch_size(nproc, per_rank=RunConfig.batch_per_rank, global_batch=args.global_batch)
+        except ValueError as exc:
+            return str(exc)
+        if rows % (nproc // args.pp * args.microbatches):
+            return (f"Invalid --microbatches {args.microbatches} with --pp {args.pp} at W={nproc}: the "
+                    f"{rows} sequences of a step over {nproc // args.pp} data-parallel ranks do not split "
+                    "into equal micro-batches. Must divide B/N (give --global-batch or another M).")
         skipped = {m: why for m in modes if (why := pp_skip_reason(m, nproc, args.pp))}
         at = f"with --pp {args.pp} at W={nproc}"
     elif args.ep > 1:  # the workers' mesh is (W/E) x E (verify.modes.ep.ep_mesh)
