@@ -40,7 +40,8 @@ def _imports(path: Path) -> set[str]:
     return names
 
 
-@pytest.mark.parametrize("predictor", ["verify.traffic.predict", "verify.traffic.tp"])
+@pytest.mark.parametrize("predictor", ["verify.traffic.predict", "verify.traffic.tp", "verify.traffic.pp",
+                                       "verify.traffic.layouts"])
 def test_predictor_imports_only_the_planner_from_dmuon(predictor):
     # The predictor (and the TP one) and every harness module it reaches (transitively) may
     # take the planner's output from dmuon and nothing else: no bucketing, hooks or
