@@ -22,6 +22,11 @@ STAMP := $(VENV)/.installed-$(TORCH_VERSION)
 endif
 # `make test-torch TORCH_PY=/path/to/python`: the suite against the torch that Python has.
 TORCH_VENV ?= .venv-torch
+# pytest-xdist workers for the test targets, one test file per worker at a time (module
+# fixtures stay shared): the serial suite leaves about a third of a 2-core machine idle while
+# ranks wait on each other. TEST_WORKERS=0 runs it in one process.
+TEST_WORKERS ?= 2
+XDIST := -n $(TEST_WORKERS) --dist loadfile
 
 .PHONY: install gpu-node test-torch test test-all verify-traffic verify-traffic-full nsys-verify gpu-check bench timeline-png clean
 
@@ -42,15 +47,15 @@ gpu-node:
 test-torch:
 	@test -n "$(TORCH_PY)" || { echo "make test-torch: must name the Python, e.g. TORCH_PY=/path/to/venv/bin/python" >&2; exit 2; }
 	$(TORCH_PY) tools/node_env.py --venv $(TORCH_VENV) --extras '$(EXTRAS)'
-	$(TORCH_VENV)/bin/python -m pytest $(PYTEST_ARGS)
+	$(TORCH_VENV)/bin/python -m pytest $(XDIST) $(PYTEST_ARGS)
 
 install: $(STAMP)
 
 test: $(STAMP)
-	$(PY) -m pytest
+	$(PY) -m pytest $(XDIST)
 
 test-all: $(STAMP)
-	$(PY) -m pytest -m ''
+	$(PY) -m pytest $(XDIST) -m ''
 
 # verify-traffic, nsys-verify and gpu-check write their exit code to <out>/exit_code and print
 # it; make itself exits 0 or 2, so CI runs `bin/dmuon-ci <target> ARGS...`, which returns the

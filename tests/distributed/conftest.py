@@ -4,7 +4,8 @@
 package, not at the end of the session (the single-process tests that run after them need
 neither their CPU nor their memory); tests share them because starting ranks costs seconds. A
 task that fails or times out kills that pool's workers, and the pool starts fresh ones on the
-next task, so one failing test does not break the others.
+next task, so one failing test does not break the others. Under ``make test`` (pytest-xdist,
+two workers, one test file per worker at a time) each worker holds its own pools.
 """
 
 from __future__ import annotations

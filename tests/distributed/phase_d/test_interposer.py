@@ -520,5 +520,12 @@ def test_nccl_pools_spawn_so_a_parent_that_touched_cuda_does_not_poison_them(mon
     monkeypatch.setattr(f"{__name__}._PARENT_TOUCHED_CUDA", True)
     with DistributedPool(1, start_method="fork", timeout_s=60) as pool:
         assert pool.run(_sees_parent_cuda_state) == [True]
+
+
+@pytest.mark.slow  # a spawned rank imports torch afresh (~10 s); the start methods: test above
+def test_a_spawned_pool_rank_does_not_inherit_the_parents_state(monkeypatch):
+    """The other half of the test above: the pool really starts a spawned rank in a fresh
+    interpreter, so the parent's (stand-in) CUDA state does not reach it."""
+    monkeypatch.setattr(f"{__name__}._PARENT_TOUCHED_CUDA", True)
     with DistributedPool(1, start_method="spawn", timeout_s=60) as pool:
         assert pool.run(_sees_parent_cuda_state) == [False]  # a fresh interpreter
