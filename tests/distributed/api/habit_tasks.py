@@ -448,8 +448,9 @@ def _nano_build(mode: str, resume: dict | None = None):
     model = TinyGPT(T.SMALL)
     if resume is not None:
         model.load_state_dict(resume)
-    if hsdp:  # PORT: HSDP's 2-D mesh; gloo's "auto" would move these tiny units flat
+    if hsdp:  # PORT: HSDP's 2-D mesh
         mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+        # not a port line: the protocol NCCL's "auto" takes (gloo's would go flat on one unit)
         kw = {"hierarchy": "hierarchical"}
     else:
         mesh, kw = init_device_mesh("cpu", (world,)), {}

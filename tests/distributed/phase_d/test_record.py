@@ -191,7 +191,7 @@ _REFRESHED = "ValueError: Invalid start(): {} forwards of the model ({} without 
                  marks=pytest.mark.slow),
     pytest.param("ddp", 1, None, "ValueError: Invalid start(): DDP has not rebuilt its gradient buckets yet",
                  marks=pytest.mark.slow),
-])
+], ids=["eval", "state_dict", "sync_params", "ddp-before-rebuild"])
 def test_window_refuses_a_start_its_first_step_would_not_match(pool2, tmp_path, mode, start_at, before,
                                                                expect):
     """An evaluation forward, a checkpoint or ``dm.sync_params()`` right before ``start()``
