@@ -326,35 +326,24 @@ def test_nanogpt_style_port_lands_on_the_oracle(pool2, pool4, tmp_path, nanogpt_
     assert {n for r in results for n in r["start"]} == set(ref["init"])
 
 
-def test_control_nanogpt_port_with_its_lr_line_unported_misses_the_oracle(pool2, tmp_path,
-                                                                         nanogpt_oracles):
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
+def test_control_nanogpt_port_with_its_lr_line_unported_misses_the_oracle(pool2, pool4, tmp_path,
+                                                                         nanogpt_oracles, world):
     """The controls: the port with nanoGPT's schedule line left as it was (one lr, AdamW's,
     written into every group) lands beyond the bound on every Muon matrix; its resume without
-    the optimizer's state leaves the run it resumes; DDP's per-rank seeds do differ (the start
+    the optimizer's state leaves the run it resumes (at W = 4 under DDP: beyond the bound,
+    measured 123 % of the displacement against 39 %); DDP's per-rank seeds do differ (the start
     check above would see a rank's own init)."""
-    ref = nanogpt_oracles[2]
-    results = pool2.run_with_timeout(120, H.nanogpt_port, "ddp", str(tmp_path), True,
-                                     ("one-lr", "no-opt-state"))
+    ref = nanogpt_oracles[world]
+    results = _nano_run(pool2, pool4, world, "ddp", str(tmp_path), True, ("one-lr", "no-opt-state"))
     merged = {n: t for r in results for n, t in r["params"].items()}
     NF.assert_beyond(NF.distances(merged, ref["steps"][-1], ref["init"], ref["muon"]),
-                     ref["floors"][-1], "nanoGPT port, lr line unported")
+                     ref["floors"][-1], f"nanoGPT port, lr line unported, W={world}")
     for rank, r in enumerate(results):
-        with pytest.raises(AssertionError, match="the resume left the run"):
-            _assert_resume_ends_on_the_run(r, ref, rank, "ddp", 2)
+        with pytest.raises(AssertionError, match="the resume left the run|DMuon lands off the oracle"):
+            _assert_resume_ends_on_the_run(r, ref, rank, "ddp", world)
     rank1 = H.seeded_model(1)
     assert all(not torch.equal(rank1[n], ref["init"][n]) for n in ref["muon"])
-
-
-@pytest.mark.slow
-def test_control_resume_without_the_optimizer_state_misses_the_bound_at_w4(pool4, tmp_path,
-                                                                          nanogpt_oracles):
-    """The control of the resume's bound (DDP at W = 4): a resume without the optimizer's state
-    lands beyond it (measured: the worst param 123 % of its displacement off, the bound 39 %)."""
-    ref = nanogpt_oracles[4]
-    results = pool4.run_with_timeout(180, H.nanogpt_port, "ddp", str(tmp_path), True, ("no-opt-state",))
-    for rank, r in enumerate(results):
-        with pytest.raises(AssertionError, match="DMuon lands off the oracle"):
-            _assert_resume_ends_on_the_run(r, ref, rank, "ddp", 4)
 
 
 @pytest.mark.slow
