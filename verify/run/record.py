@@ -218,7 +218,11 @@ class TrafficWindow:
             that is not initialised, a DMuon mesh that does not span every rank (tensor
             parallelism: not modelled here, ``make verify-traffic ARGS="--tp T"`` is), or
             ``qk_clip_heads`` not an int >= 0; at :meth:`start`, warm-up steps of more than
-            one forward each (gradient accumulation: not modelled); at :meth:`finish` (on
+            one forward each (gradient accumulation: not modelled), a forward of the model,
+            a ``model.state_dict()`` or a ``dedicated.sync_params()`` since the last step (an
+            evaluation, a checkpoint, a sync: they refresh DMuon's copies, so the first
+            recorded forward would not), or a DDP model that has not rebuilt its buckets yet
+            (it does so once, in its second step's forward); at :meth:`finish` (on
             every rank), no step recorded, collectives without a phase tag, not one forward
             of the model per recorded step, or a different number of ``clip_grad_norm_``
             calls in different recorded steps.
@@ -273,18 +277,35 @@ class TrafficWindow:
         # grad-enabled forwards per optimizer step from construction on (accumulation at start())
         self._step_forwards: list[int] = []
         self._since_step = 0
+        self._no_grad_since_step = 0  # forwards without grad (evaluation) since the last step
+        self._state_dicts_since_step = 0  # model.state_dict() calls (a checkpoint) since then
+        self._state_dict_hook = bare_model(model).register_state_dict_pre_hook(self._count_state_dict)
+        self._syncs_since_step = 0  # dm.sync_params() calls since then (counted, then DMuon's)
+        dedicated.sync_params = self._count_sync
         self._grad_forward_hook = bare_model(model).register_forward_pre_hook(self._count_grad_forward)
         self._step_hook = optimizer.register_step_post_hook(self._count_step)
         self._clips = 0  # clip_grad_norm_ calls in the current recorded step
         self._clips_per_step: list[int] = []
 
     def _count_grad_forward(self, module, args) -> None:
-        if torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1:
+        if torch._C._current_graph_task_id() != -1:  # a recompute inside backward
+            return
+        if torch.is_grad_enabled():
             self._since_step += 1
+        else:
+            self._no_grad_since_step += 1
 
     def _count_step(self, optimizer, args, kwargs) -> None:
         self._step_forwards.append(self._since_step)
-        self._since_step = 0
+        self._since_step = self._no_grad_since_step = self._state_dicts_since_step = 0
+        self._syncs_since_step = 0
+
+    def _count_state_dict(self, module, prefix, keep_vars) -> None:
+        self._state_dicts_since_step += 1
+
+    def _count_sync(self, *args, **kwargs):
+        self._syncs_since_step += 1
+        return type(self.dedicated).sync_params(self.dedicated, *args, **kwargs)
 
     def _count_clip(self, *args, **kwargs):
         self._clips += 1
@@ -311,6 +332,24 @@ class TrafficWindow:
                 "FSDP2 gather again at every micro-batch, reduces run at the last) is not "
                 "modelled. Record a window of single-batch steps (M = 1, the same global "
                 "batch per step), or check the traffic with make verify-traffic.")
+        since = self._since_step + self._no_grad_since_step
+        if since or self._state_dicts_since_step or self._syncs_since_step:
+            raise ValueError(
+                f"Invalid start(): {since} forwards of the model ({self._no_grad_since_step} "
+                f"without grad: an evaluation), {self._state_dicts_since_step} "
+                f"model.state_dict() calls (a checkpoint) and {self._syncs_since_step} "
+                "dm.sync_params() calls ran since the last optimizer step. Each refreshes "
+                "DMuon's stale copies, so the first recorded step's forward would not and its "
+                "traffic would miss the prediction. Call start() right after a step, before "
+                "evaluating, checkpointing or syncing (or do them after finish()).")
+        from torch.nn.parallel import DistributedDataParallel
+
+        if isinstance(self.model, DistributedDataParallel) and _ddp_rebuild_ahead(self.model):
+            raise ValueError(
+                "Invalid start(): DDP has not rebuilt its gradient buckets yet. It does so once, "
+                "in the forward after its first synchronised backward (two broadcasts from rank "
+                "0), which the prediction does not model. Call start() after at least two "
+                "warm-up steps.")
         self._ns_before = self.optimizer.ns_calls
         self._clips, self._clips_per_step = 0, []
         self.optimizer.clip_grad_norm_ = self._count_clip  # counted, then DMuon's own
@@ -467,8 +506,18 @@ class TrafficWindow:
         self.finish()
 
     def _stop_counting(self) -> None:
-        """The optimizer's own ``clip_grad_norm_`` again (the window's counter goes)."""
+        """The optimizer's own ``clip_grad_norm_`` and DMuon's ``sync_params`` again (the
+        window's counters go)."""
         self.optimizer.__dict__.pop("clip_grad_norm_", None)
+        self.dedicated.__dict__.pop("sync_params", None)
+        self._state_dict_hook.remove()
+
+
+def _ddp_rebuild_ahead(model) -> bool:
+    """Whether the live DDP object will still rebuild its buckets (torch 2.13: once, unless
+    ``find_unused_parameters`` without a static graph; ``_has_rebuilt_buckets`` once done)."""
+    rebuilds = bool(getattr(model, "static_graph", False)) or not model.find_unused_parameters
+    return rebuilds and not getattr(model, "_has_rebuilt_buckets", True)
 
 
 def _ddp_first_bucket_cap(model) -> int | None:

@@ -427,40 +427,125 @@ def _nanogpt_oracle(world: int, nudge: str | None) -> dict:
     return {"init": init, "steps": after, "muon": targets}
 
 
-def nanogpt_port(mode: str, out_dir: str, checkpoint: bool = True, plant: str | None = None) -> dict:
-    """nanoGPT's ``train.py`` habits with only the lines docs/porting.md lists changed
-    (``# PORT``): per-rank seeds, accumulation through the wrapper's own flag, an lr schedule
-    written into ``param_group['lr']``, a clip between backward and step, an eval forward under
-    ``no_grad`` then a checkpoint. ``mode``: ``"ddp"`` (DDP, rank-0-only save as nanoGPT does it)
-    or ``"z3"`` (FSDP2, torchtitan's ``set_requires_gradient_sync``; every rank calls
-    ``state_dict``). Returns this rank's authoritative params, the clip's norms and whether the
-    checkpoint round-trips. ``plant="one-lr"``: a control, nanoGPT's own schedule line left
-    unported (every group gets the one lr, AdamW's: the Muon matrices step a fraction as far)."""
-    import os
+#: The modes the nanoGPT-style port runs in: DDP, FSDP2 Z2 / Z3 on a 1-D mesh, HSDP Z2 / Z3 on
+#: a 2 x (W/2) ("replicate", "shard") mesh.
+NANO_MODES = ("ddp", "z2", "z3", "hsdp-z2", "hsdp-z3")
+#: What ``nanogpt_port`` may plant (its docstring).
+NANO_PLANTS = ("one-lr", "no-opt-state", "extra-collective")
 
-    if plant not in (None, "one-lr"):
-        raise ValueError(f"Invalid plant={plant!r}. Must be None or 'one-lr'.")
 
+def _nano_build(mode: str, resume: dict | None = None):
+    """The script's model, mesh, wrapping and optimizer for ``mode`` (:data:`NANO_MODES`):
+    ``(wrapped, model, dm, opt)``. ``resume``: a saved model state dict, loaded into the bare
+    model before anything is dedicated or wrapped (nanoGPT's ``init_from == 'resume'``)."""
+    if mode not in NANO_MODES:
+        raise ValueError(f"Invalid mode={mode!r}. Must be one of {NANO_MODES}.")
     rank, world = dist.get_rank(), dist.get_world_size()
+    hsdp, z3 = mode.startswith("hsdp"), mode.endswith("z3")
     # nanoGPT seeds per rank (1337 + seed_offset; here rank 0's init is the oracle's); FSDP2
     # keeps each rank's own shard of the rest, so an FSDP2 script seeds alike (torchtitan does)
     torch.manual_seed(rank if mode == "ddp" else 0)
     model = TinyGPT(T.SMALL)
-    mesh = init_device_mesh("cpu", (world,))
-    dm = dmuon.dedicate_params(model, mesh, reshard_after_forward=mode == "z3")  # PORT
+    if resume is not None:
+        model.load_state_dict(resume)
+    if hsdp:  # PORT: HSDP's 2-D mesh
+        mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+        # not a port line: the protocol NCCL's "auto" takes (gloo's would go flat on one unit)
+        kw = {"hierarchy": "hierarchical"}
+    else:
+        mesh, kw = init_device_mesh("cpu", (world,)), {}
+    dm = dmuon.dedicate_params(model, mesh, reshard_after_forward=z3, **kw)  # PORT
     if mode == "ddp":
         wrapped = DistributedDataParallel(model)
     else:
-        for block in model.blocks:
-            fully_shard(block, mesh=mesh, ignored_params=set(dm))  # PORT: ignored_params
+        for block in model.blocks:  # PORT: ignored_params
+            fully_shard(block, mesh=mesh, reshard_after_forward=z3, ignored_params=set(dm))
         wrapped = fully_shard(model, mesh=mesh, ignored_params=set(dm))  # PORT: ignored_params
     opt = dmuon.DMuon(wrapped.parameters(), dedicated=dm, lr=T.MUON_LR, adamw_lr=T.ADAMW_LR)  # PORT
+    return wrapped, model, dm, opt
+
+
+def _nano_steps(mode: str, wrapped, opt, steps, micro: int, one_lr: bool = False, before=None,
+                window=None, extra: bool = False) -> list[float]:
+    """The script's iterations ``steps``, each of ``micro`` micro-batches (accumulation through
+    the wrapper's own flag), the lr schedule written into every group, DMuon's clip; the clip's
+    norms. ``before(it)`` runs at the top of each iteration (evaluation, checkpoint, the
+    window's start); with a recording ``window`` each step is tagged and marked done;
+    ``extra``: one unpredicted all_reduce in the first recorded forward."""
+    import contextlib
+
     base = {"muon": T.MUON_LR, "adamw": T.ADAMW_LR}  # PORT: one base lr per part
-    norms, saved = [], None
-    for it in range(NANO_STEPS):
+    norms = []
+    for it in steps:
         for group in opt.param_groups:
-            part = "adamw" if plant == "one-lr" else group["algorithm"]
+            part = "adamw" if one_lr else group["algorithm"]
             group["lr"] = base[part] * _lr_factor(it)  # PORT: per part
+        if before is not None:
+            before(it)
+        recording = window is not None and window.recording
+        tag = dmuon.phase if recording else (lambda name: contextlib.nullcontext())
+        for m, (xs, ys) in enumerate(_micro_batches(it, micro)):
+            last = m == micro - 1
+            if mode == "ddp":
+                wrapped.require_backward_grad_sync = last
+            else:
+                wrapped.set_requires_gradient_sync(last)
+            with tag("forward"):  # PHASE D: the window's tags
+                loss = T._loss(wrapped, xs, ys) / micro
+                if extra and recording:
+                    dist.all_reduce(torch.ones(3))
+                    extra = False
+            with tag("backward"):
+                loss.backward()
+        norms.append(float(opt.clip_grad_norm_(NANO_CLIP)))  # PORT (DDP): DMuon's clip
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if recording:
+            window.step_done(loss)
+    return norms
+
+
+def nanogpt_port(mode: str, out_dir: str, checkpoint: bool = True, plant: tuple[str, ...] = (),
+                 micro: int = NANO_MICRO) -> dict:
+    """nanoGPT's ``train.py`` habits with only the lines docs/porting.md lists changed
+    (``# PORT``): per-rank seeds, accumulation through the wrapper's own flag, an lr schedule
+    written into ``param_group['lr']``, a clip between backward and step, an eval forward under
+    ``no_grad`` then a checkpoint. ``mode``: one of :data:`NANO_MODES`: ``"ddp"`` (DDP,
+    rank-0-only save as nanoGPT does it) or FSDP2 / HSDP (torchtitan's
+    ``set_requires_gradient_sync``; every rank calls ``state_dict``, rank 0 saves).
+
+    Along the way: a ``TrafficWindow`` built after the optimizer, started at iteration 2, after
+    two warm-up steps and the checkpoint's iteration (with ``micro`` > 1 its ``start()``
+    refuses: gradient accumulation); with ``checkpoint``, a resume after the run: a fresh
+    model loads the saved model state dict (nanoGPT's resume, before wrapping) and each rank
+    its own ``opt{rank}.pt``, then runs iterations 1 and 2 again.
+
+    Returns this rank's authoritative params at the start (after ``DMuon`` is built: DDP's
+    and ``dedicate_params``' broadcasts done), at the end and at the end of the resumed run
+    (``start``, ``params``, ``resumed``), the clip's norms, the saved model state dict (rank
+    0), and the window's outcome (``window``: ``"pass"``, ``"fail"`` or the error text).
+
+    ``plant`` (controls), any of :data:`NANO_PLANTS`: ``"one-lr"``, nanoGPT's own schedule
+    line left unported (every group gets the one lr, AdamW's: the Muon matrices step a
+    fraction as far); ``"no-opt-state"``, the resume without the optimizer's state (a fresh
+    DMuon: the momentum and AdamW's moments lost); ``"extra-collective"``, one unpredicted
+    all_reduce inside the recorded window.
+    """
+    import os
+
+    from verify.run.record import TrafficWindow
+
+    bad = [p for p in plant if p not in NANO_PLANTS]
+    if bad:
+        raise ValueError(f"Invalid plant={bad!r}. Must be any of {NANO_PLANTS}.")
+    rank = dist.get_rank()
+    wrapped, model, dm, opt = _nano_build(mode)
+    start = T.authoritative_params(model, dm)
+    window = TrafficWindow(wrapped, dm, opt, out_dir=os.path.join(out_dir, "window"))  # PHASE D
+    ckpt = os.path.join(out_dir, "ckpt.pt")
+    out = {"start": start, "saved": None, "window": None}
+
+    def before(it: int) -> None:
         if it == 1 and checkpoint:  # estimate_loss, then the checkpoint
             wrapped.eval()
             with torch.no_grad():
@@ -469,26 +554,38 @@ def nanogpt_port(mode: str, out_dir: str, checkpoint: bool = True, plant: str | 
             wrapped.train()
             if mode == "ddp":  # nanoGPT: if master_process: torch.save(...)
                 if rank == 0:
-                    saved = {k: v.clone() for k, v in model.state_dict().items()}
+                    out["saved"] = {k: v.clone() for k, v in model.state_dict().items()}
             else:  # PORT: every rank calls state_dict under Z3, rank 0 saves
                 sd = model.state_dict()
-                saved = {k: v.full_tensor() if hasattr(v, "full_tensor") else v.clone() for k, v in sd.items()}
+                full = {k: v.full_tensor() if hasattr(v, "full_tensor") else v.clone() for k, v in sd.items()}
+                out["saved"] = full if rank == 0 else None
+            if rank == 0:
+                torch.save(out["saved"], ckpt)
             with warnings.catch_warnings():  # PORT: the optimizer's state per rank
                 warnings.simplefilter("ignore", dmuon.runtime.checkpoint.PartialStateWarning)
                 torch.save(opt.state_dict(), os.path.join(out_dir, f"opt{rank}.pt"))
-        for m, (xs, ys) in enumerate(_micro_batches(it, NANO_MICRO)):
-            last = m == NANO_MICRO - 1
-            if mode == "ddp":
-                wrapped.require_backward_grad_sync = last
-            else:
-                wrapped.set_requires_gradient_sync(last)
-            (T._loss(wrapped, xs, ys) / NANO_MICRO).backward()
-        norms.append(float(opt.clip_grad_norm_(NANO_CLIP)))  # PORT (DDP): DMuon's clip
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    if checkpoint:
-        opt2 = dmuon.DMuon(wrapped.parameters(), dedicated=dm, lr=T.MUON_LR, adamw_lr=T.ADAMW_LR)
-        opt2.load_state_dict(torch.load(os.path.join(out_dir, f"opt{rank}.pt"), weights_only=False))
-    out = {"params": T.authoritative_params(model, dm), "norms": norms, "saved": saved}
+        if it == 2:  # after the warm-up steps and the checkpoint's iteration
+            try:
+                window.start()
+            except ValueError as exc:
+                out["window"] = f"ValueError: {exc}"
+
+    one_lr = "one-lr" in plant
+    out["norms"] = _nano_steps(mode, wrapped, opt, range(NANO_STEPS), micro, one_lr, before, window,
+                               "extra-collective" in plant)
+    if window.recording:
+        try:
+            report = window.finish()
+            out["window"] = "pass" if report is None or report["pass"] else "fail"
+        except (ValueError, RuntimeError, AssertionError) as exc:
+            out["window"] = f"{type(exc).__name__}: {exc}"
+    out["params"] = T.authoritative_params(model, dm)
     dm.close()  # PORT
+    if checkpoint:  # resume: a fresh job's model, the checkpoint, iterations 1 and 2 again
+        wrapped, model, dm, opt = _nano_build(mode, torch.load(ckpt, weights_only=False))
+        if "no-opt-state" not in plant:
+            opt.load_state_dict(torch.load(os.path.join(out_dir, f"opt{rank}.pt"), weights_only=False))
+        _nano_steps(mode, wrapped, opt, range(1, NANO_STEPS), micro, one_lr)
+        out["resumed"] = T.authoritative_params(model, dm)
+        dm.close()  # PORT
     return out

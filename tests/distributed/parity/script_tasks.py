@@ -108,15 +108,13 @@ def _backward_bf16(model, compute, step: int, world: int, halves: bool) -> None:
         p.grad = g.div_(world)
 
 
-def train(mode: str, steps: int, bf16: bool = False, backend: str | None = None,
-          clip: bool = True) -> dict:
-    """The script on this rank, ``mode`` z2 / z3 / hsdp-z3; ``bf16``: FSDP2's and DMuon's
-    ``MixedPrecisionPolicy(bf16, reduce fp32)``; ``backend``: each decoder layer compiled
-    (``layer.compile(backend=...)``); ``clip=False``: the control without torch's clip. Returns, after each step's
-    ``dm.sync_params()``, the owned dedicated params (``owned_steps``) and every param in full
-    on this rank (``steps``, to compare ranks; ``full``: after the last), and the norms the
-    clip returned."""
-    rank = dist.get_rank()
+#: What ``train(..., out_dir=...)`` may plant (its docstring).
+PLANTS = ("no-opt-state",)
+
+
+def _build(mode: str, bf16: bool, backend: str | None):
+    """The script's setup on this rank: ``(model, dm, opt, heads)`` (``heads``: the query
+    heads QK-clip watches, for a ``TrafficWindow``)."""
     mesh = _mesh("hsdp" if mode.startswith("hsdp") else "flat")
     mp = BF16 if bf16 else MixedPrecisionPolicy()
     z3 = mode.endswith("z3")
@@ -134,24 +132,118 @@ def train(mode: str, steps: int, bf16: bool = False, backend: str | None = None,
         {"params": [p for n, p in named.items() if not _no_decay(n)]},
         {"params": [p for n, p in named.items() if _no_decay(n)], "weight_decay": 0.0},
     ], dedicated=dm, lr=MUON_LR, adamw_lr=ADAMW_LR)
-    QKClip(opt, attention_layers(model), tau=Q.TAU, alpha=Q.ALPHA)
+    layers = attention_layers(model)
+    QKClip(opt, layers, tau=Q.TAU, alpha=Q.ALPHA)
 
     def clamp(optimizer, args, kwargs):  # the owners' masters; DMuon refreshes every copy after
         with torch.no_grad():
             _clamp_(dm.owned())
 
     opt.register_step_post_hook(clamp)
-    norms, full, owned_steps = [], [], []
+    return model, dm, opt, model.config.num_attention_heads * len(layers)
+
+
+def _steps(model, dm, opt, steps, clip: bool, window=None, read: bool = True) -> dict:
+    """The script's steps ``steps`` on this rank (module docstring); with ``window`` (a
+    ``TrafficWindow``), started before the last step and finished right after it (before this
+    task reads the params and the norms: collectives of the test's own), that step tagged
+    (``window``: ``"pass"``, ``"fail"`` or the error text). ``read=False``: no
+    ``dm.sync_params()`` and no params read after each step (before a window: either refreshes
+    DMuon's copies, which a recorded step's forward must do itself)."""
+    import contextlib
+
+    rank = dist.get_rank()
+    named = dict(model.named_parameters())
+    totals, full, owned_steps, outcome = [], [], [], None
     owned = {id(p) for p in dm.owned()}
-    for step in range(steps):
-        H._loss(model, H.batch(step, rank)).backward()
+    for step in steps:
+        recording = window is not None and step == steps[-1]
+        if recording:
+            window.start()
+        tag = dmuon.phase if recording else (lambda name: contextlib.nullcontext())
+        with tag("forward"):  # PHASE D: the window's tags
+            loss = H._loss(model, H.batch(step, rank))
+        with tag("backward"):
+            loss.backward()
         if clip:
-            total = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
-            norms.append(float(total.full_tensor() if hasattr(total, "full_tensor") else total))
+            totals.append(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM))
         opt.step()
         opt.zero_grad()
+        if recording:
+            window.step_done(loss)
+            try:
+                report = window.finish()
+                outcome = "pass" if report is None or report["pass"] else "fail"
+            except (ValueError, RuntimeError, AssertionError) as exc:
+                outcome = f"{type(exc).__name__}: {exc}"
+        if not read:
+            continue
         dm.sync_params()
         full.append({n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
                      for n, p in model.named_parameters()})
         owned_steps.append({n: p.detach().clone() for n, p in named.items() if id(p) in owned})
-    return {"owned_steps": owned_steps, "steps": full, "full": full[-1], "norms": norms}
+    norms = [float(t.full_tensor() if hasattr(t, "full_tensor") else t) for t in totals]
+    return {"owned_steps": owned_steps, "steps": full, "norms": norms, "window": outcome}
+
+
+def train(mode: str, steps: int, bf16: bool = False, backend: str | None = None,
+          clip: bool = True, out_dir: str | None = None, plant: tuple[str, ...] = ()) -> dict:
+    """The script on this rank, ``mode`` z2 / z3 / hsdp-z2 / hsdp-z3; ``bf16``: FSDP2's and
+    DMuon's ``MixedPrecisionPolicy(bf16, reduce fp32)``; ``backend``: each decoder layer
+    compiled (``layer.compile(backend=...)``); ``clip=False``: the control without torch's
+    clip. Returns, after each step's ``dm.sync_params()``, the owned dedicated params
+    (``owned_steps``) and every param in full on this rank (``steps``, to compare ranks;
+    ``full``: after the last), the norms the clip returned, and the owned dedicated params
+    once ``DMuon`` is built (``start``).
+
+    With ``out_dir`` (``steps`` >= 4), what a real job adds: a ``TrafficWindow`` recording the
+    last step (``window``: ``"pass"``, ``"fail"`` or the error text), after a step whose params
+    are not read (``owned_steps`` and ``steps`` skip it; a read, like a checkpoint, refreshes
+    DMuon's copies); a DCP checkpoint after step 1 (``get_state_dict`` + ``dcp.save``, every
+    rank) and, after the run, a resume from it (a fresh setup, ``dcp.load`` +
+    ``set_state_dict``) that runs the steps after it again: every param in full after its last
+    (``resumed``). ``plant`` (controls): ``"no-opt-state"``,
+    the resume loads the model's state only."""
+    import os
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_model_state_dict, set_state_dict
+
+    from verify.run.record import TrafficWindow
+
+    bad = [p for p in plant if p not in PLANTS]
+    if bad or (out_dir is not None and steps < 4):
+        raise ValueError(f"Invalid plant={plant!r}, steps={steps} with out_dir={out_dir!r}. Must be "
+                         f"any of {PLANTS}; steps >= 4 with an out_dir.")
+    model, dm, opt, heads = _build(mode, bf16, backend)
+    start = {n: p.detach().clone() for n, p in model.named_parameters()
+             if id(p) in {id(q) for q in dm.owned()}}
+    if out_dir is None:
+        out = _steps(model, dm, opt, range(steps), clip)
+        del out["window"]
+        return {**out, "full": out["steps"][-1], "start": start}
+    ckpt = os.path.join(out_dir, "ckpt")
+    window = TrafficWindow(model, dm, opt, out_dir=os.path.join(out_dir, "window"),  # PHASE D
+                           qk_clip_heads=heads)
+    out = _steps(model, dm, opt, range(1), clip)
+    model_sd, optim_sd = get_state_dict(model, opt)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=ckpt)
+    parts = [_steps(model, dm, opt, range(1, steps - 2), clip),
+             _steps(model, dm, opt, range(steps - 2, steps - 1), clip, read=False),
+             _steps(model, dm, opt, range(steps - 1, steps), clip, window)]
+    dm.close()
+    outcome = parts[-1]["window"]
+    for part in parts:
+        out = {k: out[k] + part[k] for k in ("owned_steps", "steps", "norms")}
+    model, dm, opt, heads = _build(mode, bf16, backend)  # the resume: a fresh job's setup
+    model_sd, optim_sd = get_state_dict(model, opt)
+    if "no-opt-state" in plant:  # (dcp.load fills optim_sd's tensors, the optimizer's own, in place)
+        dcp.load({"model": model_sd}, checkpoint_id=ckpt)
+        set_model_state_dict(model, model_sd)
+    else:
+        dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=ckpt)
+        set_state_dict(model, opt, model_state_dict=model_sd, optim_state_dict=optim_sd)
+    resumed = _steps(model, dm, opt, range(1, steps), clip)
+    dm.close()
+    return {**out, "full": out["steps"][-1], "start": start, "window": outcome,
+            "resumed": resumed["steps"][-1]}

@@ -206,13 +206,16 @@ def window_case(out_dir: str, case: str) -> str:
         dm.close()
 
 
-def clipped_window(out_dir: str, mode: str, accumulate_warmup: bool = False) -> dict:
+def clipped_window(out_dir: str, mode: str, accumulate_warmup: bool = False,
+                   start_at: int = 2, before_start: str | None = None) -> dict:
     """The nanoGPT-style loop on examples.my_model under TrafficWindow: ``mode`` ``"ddp"``
     (DDP), ``"z3"`` (FSDP2 per block and root) or ``"hsdp-z3"``; ``opt.clip_grad_norm_(1.0)``
     between backward and step, as the guide prescribes, in every step. With
     ``accumulate_warmup``, the warm-up steps run two micro-batches each (DDP's
-    ``require_backward_grad_sync``), so ``start()`` must refuse. Returns ``{"error", "report"}``
-    (the report on rank 0)."""
+    ``require_backward_grad_sync``), so ``start()`` must refuse. ``start_at``: the step before
+    which the window starts; ``before_start``: ``"eval"`` (an evaluation forward under
+    ``no_grad``) or ``"state_dict"`` (every rank's ``model.state_dict()``, a checkpoint) or ``"sync_params"``
+    right before ``start()``. Returns ``{"error", "report"}`` (the report on rank 0)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.nn.parallel import DistributedDataParallel
@@ -237,7 +240,14 @@ def clipped_window(out_dir: str, mode: str, accumulate_warmup: bool = False) -> 
     out = {"error": None, "report": None}
     try:
         for step in range(4):
-            if step == 2:
+            if step == start_at:
+                if before_start == "eval":
+                    with torch.no_grad():
+                        loss_fn(model, rank, step)
+                elif before_start == "state_dict":
+                    model.state_dict()
+                elif before_start == "sync_params":
+                    dm.sync_params()
                 window.start()
             micro = 2 if accumulate_warmup and not window.recording else 1
             for m in range(micro):

@@ -178,6 +178,35 @@ def test_window_refuses_accumulation_at_start(pool2, tmp_path):
         assert "gradient accumulation" in r["error"]
 
 
+_REFRESHED = "ValueError: Invalid start(): {} forwards of the model ({} without grad: an evaluation), {}"
+
+
+@pytest.mark.parametrize("mode,start_at,before,expect", [
+    ("z3", 2, "eval", _REFRESHED.format(1, 1, "0 model.state_dict() calls (a checkpoint) and 0 dm.sync")),
+    # the others slow: the same counters (a state_dict syncs through dm.sync_params itself)
+    pytest.param("z2", 2, "state_dict", _REFRESHED.format(0, 0, "1 model.state_dict() calls"),
+                 marks=pytest.mark.slow),
+    pytest.param("z3", 2, "sync_params",
+                 _REFRESHED.format(0, 0, "0 model.state_dict() calls (a checkpoint) and 1 dm.sync"),
+                 marks=pytest.mark.slow),
+    pytest.param("ddp", 1, None, "ValueError: Invalid start(): DDP has not rebuilt its gradient buckets yet",
+                 marks=pytest.mark.slow),
+], ids=["eval", "state_dict", "sync_params", "ddp-before-rebuild"])
+def test_window_refuses_a_start_its_first_step_would_not_match(pool2, tmp_path, mode, start_at, before,
+                                                               expect):
+    """An evaluation forward, a checkpoint or ``dm.sync_params()`` right before ``start()``
+    refreshes DMuon's copies (the first recorded forward then skips its refresh), and DDP
+    rebuilds its buckets in its second step's forward: each used to end in a false FAIL at
+    ``finish()`` (a missing forward all_to_all or all_gather; two unexpected broadcasts).
+    ``start()`` now refuses on every rank, saying why; the control is :func:`test_window_predicts_dmuons_clip_all_reduce`, the same
+    loop started after two steps with nothing in between, which passes."""
+    results = pool2.run_with_timeout(200, record_tasks.clipped_window, str(tmp_path), mode, False,
+                                     start_at, before)
+    for r in results:
+        assert r["error"] is not None and r["error"].startswith(expect), r["error"]
+        assert "Call start()" in r["error"], r["error"]
+
+
 @pytest.mark.parametrize("tell_heads", [True, False])
 def test_window_predicts_qk_clips_max_when_told_the_heads(pool2, tmp_path, tell_heads):
     results = pool2.run_with_timeout(200, record_tasks.qk_clip_window, str(tmp_path), tell_heads)
