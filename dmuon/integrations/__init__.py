@@ -1,0 +1,2 @@
+"""Adapters to training frameworks; each imports its framework only when used
+(``dmuon.integrations.torchtitan``)."""

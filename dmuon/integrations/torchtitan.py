@@ -1,0 +1,276 @@
+"""DMuon as torchtitan's optimizer (torchtitan 0.3.0, its ``partial_dtensor`` SPMD backend).
+
+torchtitan builds a model on the meta device, runs the model's own parallelize function
+(tensor parallel, activation checkpointing, compile, then FSDP2 over every param), initialises
+the weights, and then builds the optimizer from ``model_parts`` (one part per pipeline stage
+module of this rank). DMuon must dedicate its matrices after tensor parallelism and before
+FSDP2 (``fully_shard(..., ignored_params=set(dm))``), so it comes in at two places:
+
+- :func:`parallelize_fn` wraps the model's parallelize function (llama3's
+  ``parallelize_llama``, or any that shards through ``torchtitan.distributed.fsdp``): the
+  function runs as it is; at its first ``fully_shard`` (TP is done by then) DMuon dedicates
+  the model on the data-parallel dims of torchtitan's ``ParallelDims`` meshes
+  (:func:`mesh_dims`), and every ``fully_shard`` of the call leaves the dedicated params to
+  DMuon. The handle is kept on the model (:func:`dedicated_of`).
+- :func:`build_optimizers` (and :func:`optimizer_config`, the config torchtitan's trainer
+  builds with ``model_parts=``) makes one :class:`~dmuon.DMuon` over every model part, with
+  each part's handle (several parts: ``dmuon/optim/parts.py``), inside a container that is a
+  torchtitan ``OptimizersContainer``: ``step``, ``zero_grad``, LR schedulers, hooks and its
+  flat DCP state dict work as with torchtitan's own optimizers.
+
+Gradients follow torchtitan's convention: its loss is each rank's token sum divided by the
+global token count and its FSDP2 units do not divide (``disable_fsdp_gradient_division``),
+so the grads are summed over the data-parallel ranks. DMuon's reduced grads are summed too
+(its average times the number of data-parallel ranks), so clipping sees the same norm.
+
+Nothing here imports torchtitan at ``import dmuon``; torchtitan is imported when a function
+below runs (the ``torchtitan`` extra: ``make torchtitan-deps``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.nn as nn
+
+from dmuon.api import dedicate_params
+from dmuon.optim.optimizer import DMuon
+from dmuon.runtime.dedicated_params import DedicatedParams
+
+#: The attribute of a model part that holds its :class:`DedicatedParams` handle.
+DEDICATED_ATTR = "_dmuon_dedicated"
+#: The only torchtitan SPMD backend whose params stay plain tensors (or DTensors on the
+#: model-parallel dims) until FSDP2 shards them: the others make every param a DTensor over
+#: the data-parallel dims too, which DMuon cannot dedicate.
+BACKEND = "partial_dtensor"
+
+
+def mesh_dims(parallel_dims) -> tuple[tuple[str, ...], str | None, tuple[str, ...]]:
+    """The ``ParallelDims`` mesh dims DMuon dedicates on: ``(names, replicate_dim,
+    shard_dims)``. Local, no collective.
+
+    Dense models: ``dp_replicate`` (when its degree is > 1) as the replicate dim, ``fsdp``
+    (torchtitan's dp_shard × cp, always present) as the shard dim, ``tp`` (when > 1) model
+    parallel. Expert parallel (``ep`` > 1): the sparse mesh, ``dp_replicate`` as the replicate
+    dim and ``efsdp`` and ``ep`` as shard dims (every dense matrix's owners span all of them;
+    each expert stack moves over ``efsdp``). ``pp`` is never among them: a rank's model parts
+    are dedicated on its own stage's slice (several model parts: :func:`build_optimizers`).
+
+    Raises:
+        ValueError: ``parallel_dims.spmd_backend`` is not ``"partial_dtensor"``, or ep > 1 with
+            tp > 1 (torchtitan's sparse mesh then lacks the ``tp`` dim of the dense matrices).
+    """
+    backend = getattr(parallel_dims, "spmd_backend", BACKEND)
+    if backend != BACKEND:
+        raise ValueError(
+            f"Invalid parallel_dims.spmd_backend={backend!r} for DMuon. Must be {BACKEND!r}: "
+            "under the other backends torchtitan makes every param a DTensor over the "
+            "data-parallel dims before FSDP2, which DMuon cannot dedicate. Set "
+            f"parallelism.spmd_backend={BACKEND!r}.")
+    rep = ("dp_replicate",) if parallel_dims.dp_replicate > 1 else ()
+    if parallel_dims.ep > 1:
+        if parallel_dims.tp > 1:
+            raise ValueError(
+                f"Invalid parallel dims ep={parallel_dims.ep}, tp={parallel_dims.tp} for DMuon. "
+                "torchtitan's expert mesh (dp_replicate, efsdp, ep) has no tp dim, so DMuon "
+                "cannot place the tensor-parallel matrices on it: use tp=1 with expert "
+                "parallelism.")
+        return rep + ("efsdp", "ep"), (rep[0] if rep else None), ("efsdp", "ep")
+    tp = ("tp",) if parallel_dims.tp > 1 else ()
+    return rep + ("fsdp",) + tp, (rep[0] if rep else None), ("fsdp",)
+
+
+def dedicate(model: nn.Module, parallel_dims, **kwargs) -> DedicatedParams:
+    """``dmuon.dedicate_params`` on the mesh of :func:`mesh_dims` (this rank's pipeline stage
+    slice), with torchtitan's summed grads (module docstring); ``kwargs`` go to
+    ``dedicate_params`` (``reshard_after_forward``, ``mp_policy``, ``predicate``, ...). The
+    handle is kept as ``model._dmuon_dedicated``. Collective over the mesh (the setup check).
+
+    Raises:
+        ValueError: as :func:`mesh_dims` and ``dedicate_params``.
+    """
+    names, replicate_dim, shard_dims = mesh_dims(parallel_dims)
+    mesh = parallel_dims.get_mesh(list(names) if len(names) > 1 else names[0])
+    dm = dedicate_params(model, mesh, replicate_dim=replicate_dim, shard_dims=shard_dims, **kwargs)
+    for bucket in dm.buckets:  # the owners' reduced grads: the sum, as torchtitan's FSDP2
+        bucket.divisor = 1
+    setattr(model, DEDICATED_ATTR, dm)
+    return dm
+
+
+def dedicated_of(model: nn.Module) -> DedicatedParams:
+    """The handle :func:`dedicate` (or :func:`parallelize_fn`) kept on ``model``.
+
+    Raises:
+        ValueError: ``model`` was not dedicated (names its type and the fix).
+    """
+    dm = getattr(model, DEDICATED_ATTR, None)
+    if not isinstance(dm, DedicatedParams):
+        raise ValueError(
+            f"Invalid model part {type(model).__name__}: DMuon dedicated none of its params. "
+            "Parallelize it with dmuon.integrations.torchtitan.parallelize_fn(<the model's "
+            "parallelize function>) (ModelSpec.parallelize_fn), or call "
+            "dmuon.integrations.torchtitan.dedicate(model, parallel_dims) before FSDP2.")
+    return dm
+
+
+def parallelize_fn(parallelize: Callable, **dedicate_kwargs) -> Callable:
+    """``parallelize`` (a torchtitan ``ModelSpec.parallelize_fn``, called as
+    ``parallelize(model, *, parallel_dims, parallelism, ...)``) with DMuon: at its first
+    ``fully_shard`` through ``torchtitan.distributed.fsdp`` (after tensor parallelism) the
+    model is dedicated (:func:`dedicate`, with that call's ``mp_policy`` and
+    ``reshard_after_forward`` unless ``dedicate_kwargs`` set them), and every ``fully_shard``
+    of the call gets ``ignored_params`` = the dedicated params. The same signature and return.
+
+    Raises:
+        ValueError: ``parallelism.spmd_backend`` is not ``"partial_dtensor"`` (before any
+            collective), or ``parallelize`` never called ``fully_shard`` (nothing dedicated).
+    """
+
+    @functools.wraps(parallelize)
+    def wrapped(model, *args, parallel_dims, parallelism=None, **kwargs):
+        backend = getattr(parallelism, "spmd_backend", BACKEND)
+        if backend != BACKEND:
+            raise ValueError(
+                f"Invalid parallelism.spmd_backend={backend!r} for DMuon. Must be {BACKEND!r} "
+                "(dmuon.integrations.torchtitan.mesh_dims says why).")
+        with _dedicating_fully_shard(model, parallel_dims, dedicate_kwargs) as seen:
+            out = parallelize(model, *args, parallel_dims=parallel_dims,
+                              **({} if parallelism is None else {"parallelism": parallelism}),
+                              **kwargs)
+        if not seen:
+            raise ValueError(
+                f"Invalid parallelize function {getattr(parallelize, '__name__', parallelize)!r} "
+                "for DMuon: it never called torchtitan.distributed.fsdp.fully_shard, so DMuon "
+                "dedicated nothing. Call dmuon.integrations.torchtitan.dedicate(model, "
+                "parallel_dims) yourself after tensor parallelism and pass "
+                "ignored_params=set(dm) to fully_shard.")
+        return out
+
+    return wrapped
+
+
+@contextlib.contextmanager
+def _dedicating_fully_shard(model: nn.Module, parallel_dims, dedicate_kwargs: dict):
+    """torchtitan's ``fully_shard`` (the name its FSDP helpers call) replaced for the block by
+    one that dedicates ``model`` first and passes ``ignored_params``; yields a list that is
+    non-empty once a call came."""
+    from torchtitan.distributed import fsdp as tt_fsdp
+
+    original, seen = tt_fsdp.fully_shard, []
+
+    def fully_shard(module, *args, **kwargs):
+        if not seen:
+            kw = dict(dedicate_kwargs)
+            if "mp_policy" in kwargs:
+                kw.setdefault("mp_policy", kwargs["mp_policy"])
+            kw.setdefault("reshard_after_forward", bool(kwargs.get("reshard_after_forward", True)))
+            seen.append(dedicate(model, parallel_dims, **kw))
+        ignored = set(kwargs.pop("ignored_params", None) or ()) | set(seen[0])
+        return original(module, *args, ignored_params=ignored, **kwargs)
+
+    tt_fsdp.fully_shard = fully_shard
+    try:
+        yield seen
+    finally:
+        tt_fsdp.fully_shard = original
+
+
+#: DMuon's hyperparameters a torchtitan config may set (``DMuon``'s keyword arguments).
+HPARAMS = ("lr", "weight_decay", "momentum", "nesterov", "ns_steps", "eps", "adjust_lr_fn",
+           "adamw_lr", "adamw_betas", "adamw_eps", "adamw_weight_decay")
+
+
+def build_optimizers(model_parts: Sequence[nn.Module], parallel_dims=None, **hparams):
+    """One :class:`~dmuon.DMuon` over every param of ``model_parts`` (this rank's model parts:
+    one, or one per pipeline stage module), each part's handle from :func:`dedicated_of`, in a
+    torchtitan ``OptimizersContainer`` (``optimizers == [the DMuon]``). ``hparams``: DMuon's
+    keyword arguments (:data:`HPARAMS`). ``parallel_dims``, when given, is checked against the
+    mesh the parts were dedicated on. Collective (DMuon's agreement, over the stage's ranks).
+
+    Raises:
+        ValueError: a part not dedicated, a part dedicated on another mesh than
+            ``parallel_dims`` maps to, an unknown hyperparameter; as ``DMuon``.
+    """
+    return _container_class()(_config(hparams), model_parts=list(model_parts),
+                              parallel_dims=parallel_dims)
+
+
+def optimizer_config(**hparams):
+    """The torchtitan optimizer config (``Trainer.Config.optimizer``) whose
+    ``build(model_parts=...)`` is :func:`build_optimizers`: ``optimizer_config(lr=0.02,
+    adamw_lr=3e-4)``."""
+    return _config(hparams)
+
+
+def _config(hparams: dict):
+    unknown = sorted(set(hparams) - set(HPARAMS))
+    if unknown:
+        raise ValueError(f"Invalid DMuon hyperparameters {unknown}. Must be among {list(HPARAMS)}.")
+    return _container_class().Config(dmuon_kwargs=dict(hparams))
+
+
+@functools.cache
+def _container_class():
+    """The ``OptimizersContainer`` subclass (made on first use: it imports torchtitan)."""
+    from dataclasses import dataclass, field
+    from typing import Any
+
+    import torch.distributed.checkpoint.state_dict as dcp_sd
+    from torch.optim import Optimizer
+    from torchtitan.components.optimizer import OptimizersContainer
+
+    flat = dcp_sd.StateDictOptions(flatten_optimizer_state_dict=True)
+
+    class DMuonOptimizers(OptimizersContainer):
+        """torchtitan's optimizer container holding one DMuon (module docstring)."""
+
+        @dataclass(kw_only=True, slots=True)
+        class Config(OptimizersContainer.Config):
+            dmuon_kwargs: dict[str, Any] = field(default_factory=dict)
+            """DMuon's keyword arguments (lr, adamw_lr, ...)."""
+
+        def __init__(self, config: Config, *, model_parts: list[nn.Module],
+                     parallel_dims=None) -> None:
+            if config.param_groups:
+                raise ValueError(
+                    f"Invalid param_groups={config.param_groups!r} for DMuon: DMuon picks its "
+                    "Muon matrices when dedicating and steps the rest with AdamW; set its "
+                    "hyperparameters with dmuon_kwargs.")
+            handles = [dedicated_of(part) for part in model_parts]
+            if parallel_dims is not None:
+                _check_meshes(handles, parallel_dims)
+            params = [p for part in model_parts for p in part.parameters()]
+            self.model_parts = list(model_parts)
+            self.optimizers = [DMuon(params, dedicated=handles if len(handles) > 1 else handles[0],
+                                     **config.dmuon_kwargs)]
+            Optimizer.__init__(self, params, {})
+
+        def state_dict(self) -> dict[str, Any]:
+            """Flat, FQN-keyed (torch DCP's ``get_optimizer_state_dict`` per model part)."""
+            out: dict[str, Any] = {}
+            for part in self.model_parts:
+                out.update(dcp_sd.get_optimizer_state_dict(part, self.optimizers[0], options=flat))
+            return out
+
+        def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+            for part in self.model_parts:
+                dcp_sd.set_optimizer_state_dict(part, self.optimizers[0], state_dict, options=flat)
+
+    return DMuonOptimizers
+
+
+def _check_meshes(handles: list[DedicatedParams], parallel_dims) -> None:
+    names, _, _ = mesh_dims(parallel_dims)
+    mesh = parallel_dims.get_mesh(list(names) if len(names) > 1 else names[0])
+    want = sorted(int(r) for r in mesh.mesh.reshape(-1).tolist())
+    for i, dm in enumerate(handles):
+        got = sorted(int(r) for r in torch.tensor(dm.mesh_ranks).reshape(-1).tolist())
+        if got != want:
+            raise ValueError(
+                f"Invalid model_parts[{i}]: dedicated on ranks {got}, but parallel_dims maps "
+                f"to the mesh {names} of ranks {want}. Dedicate every part with "
+                "dmuon.integrations.torchtitan.dedicate(part, parallel_dims).")

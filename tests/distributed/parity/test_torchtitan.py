@@ -1,0 +1,81 @@
+"""DMuon as torchtitan's optimizer, proven with torchtitan itself (the ``torchtitan`` extra:
+``make torchtitan-deps``; skipped without it): torchtitan 0.3.0's llama3 debug model on its own
+``ParallelDims`` meshes, parallelized by its own ``parallelize_llama`` through
+``dmuon.integrations.torchtitan.parallelize_fn``, DMuon from the integration's factory, trained
+at W = 4 on gloo with torchtitan's loss convention (``titan_tasks.py`` says what is steered for
+CPU). Against single-process Muon + AdamW on the whole batch: every param after each step
+within the bound of that step's noise floor (``noise_floor.py``), and the grad norm torchtitan's
+``clip_grad_norm_`` measures equal to the oracle's (DMuon sums its grads as torchtitan's FSDP2
+does). The control makes DMuon average instead: the norm misses the oracle's."""
+
+import importlib.util
+
+import pytest
+
+pytestmark = [pytest.mark.distributed,
+              pytest.mark.skipif(importlib.util.find_spec("torchtitan") is None,
+                                 reason="torchtitan not installed: make torchtitan-deps "
+                                        "(the pinned 'torchtitan' extra of pyproject.toml)")]
+
+TIMEOUT_S = 240
+STEPS = 2
+
+
+@pytest.fixture(scope="module")
+def T():
+    from tests.distributed.parity import titan_tasks
+    return titan_tasks
+
+
+def _oracle(T, init: dict) -> dict:
+    """The oracle from ``init`` with its noise floors: the params' (``floors``, max norm) and the
+    grad norm's (``norm_floors``), each from the oracle's nudged runs."""
+    from tests.distributed import noise_floor as NF
+    ref = NF.floored(lambda nudge: T.oracle(init, STEPS, nudge))
+    ref["norm_floors"] = NF.scalar_floors(ref["norms"], {k: r["norms"] for k, r in ref["nudged"].items()})
+    return ref
+
+
+@pytest.mark.parametrize("layout", ["dp_shard2_tp2", "dp_replicate2_dp_shard2"])
+def test_torchtitan_llama3_trains_like_single_process_muon(pool4, T, layout):
+    from tests.distributed import noise_floor as NF
+    results = pool4.run_with_timeout(TIMEOUT_S, T.train, STEPS, layout)
+    r0 = results[0]
+    for r in results[1:]:  # torchtitan's init, the same seed: one model on every rank
+        assert all(r["init"][n].equal(t) for n, t in r0["init"].items())
+    oracle = _oracle(T, r0["init"])
+    assert r0["kind"] == "OptimizersContainer"
+    assert sum(r["ns_calls"] for r in results) == STEPS * len(r0["dedicated"])  # once per matrix
+    assert r0["dedicated"] == sorted(oracle["muon"]) and len(r0["dedicated"]) == T.LAYERS * 5
+    for r in results[1:]:
+        assert all(r["steps"][-1][n].equal(t) for n, t in r0["steps"][-1].items())
+    for k, floor in enumerate(oracle["floors"]):
+        NF.assert_within(NF.distances(r0["steps"][k], oracle["steps"][k], oracle["init"]), floor,
+                         f"{layout}, step {k + 1}")
+        d = NF.distances(r0["steps"][k], oracle["steps"][k], oracle["init"])
+        print(layout, k, max(d.values()), floor, r0["norms"][k], oracle["norms"][k], oracle["norm_floors"][k])
+        nf = oracle["norm_floors"][k]
+        assert abs(r0["norms"][k] - oracle["norms"][k]) / oracle["norms"][k] <= nf.bound, (
+            r0["norms"][k], oracle["norms"][k], str(nf))
+
+
+def test_control_averaged_grads_miss_the_oracles_norm(pool4, T):
+    """The control: DMuon averages its grads (its default) while torchtitan's FSDP2 sums the
+    rest's: the clip norm torchtitan measures lands beyond the bound at every step."""
+    results = pool4.run_with_timeout(TIMEOUT_S, T.train, STEPS, "dp_shard2_tp2", False)
+    oracle = _oracle(T, results[0]["init"])
+    for k, nf in enumerate(oracle["norm_floors"]):
+        assert abs(results[0]["norms"][k] - oracle["norms"][k]) / oracle["norms"][k] > nf.bound
+
+
+def test_control_replicate_dim_undeclared_misses_the_oracle(pool4, T):
+    """The control of the mesh mapping: ``dp_replicate`` left undeclared (model parallel), each
+    replica steps its matrices on its half of the batch; every Muon matrix lands beyond the
+    bound at every step."""
+    from tests.distributed import noise_floor as NF
+    results = pool4.run_with_timeout(TIMEOUT_S, T.train, STEPS, "dp_replicate2_dp_shard2", True, False)
+    oracle = _oracle(T, results[0]["init"])
+    for k, floor in enumerate(oracle["floors"]):
+        d = NF.distances(results[0]["steps"][k], oracle["steps"][k], oracle["init"], oracle["muon"])
+        print("control", k, min(d.values()), floor)
+        NF.assert_beyond(d, floor, f"dp_replicate undeclared, step {k + 1}")
