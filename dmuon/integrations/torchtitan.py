@@ -24,7 +24,7 @@ so the grads are summed over the data-parallel ranks. DMuon's reduced grads are 
 (its average times the number of data-parallel ranks), so clipping sees the same norm.
 
 Nothing here imports torchtitan at ``import dmuon``; torchtitan is imported when a function
-below runs (the ``torchtitan`` extra: ``make torchtitan-deps``).
+below runs (pyproject's ``torchtitan`` extra: ``make test-torchtitan`` installs it).
 """
 
 from __future__ import annotations

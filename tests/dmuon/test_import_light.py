@@ -32,8 +32,9 @@ def test_import_dmuon_loads_no_presentation_or_dataframe_library():
     assert [m for m in HEAVY if m in got["loaded"]] == []
 
 
-#: The optional packages (pyproject's extras ``gpu``, ``plots``, ``test``) by import name.
-OPTIONAL = ("nvtx", "pynvml", "matplotlib", "transformers")
+#: The optional packages (pyproject's extras ``gpu``, ``plots``, ``test``, ``torchtitan``) by
+#: import name.
+OPTIONAL = ("nvtx", "pynvml", "matplotlib", "transformers", "torchtitan")
 
 BLOCKED_SCRIPT = """
 import importlib, importlib.abc, json, pkgutil, sys
@@ -71,7 +72,7 @@ print(json.dumps(out))
 
 
 def test_dmuon_and_tracer_import_without_the_optional_packages():
-    """With nvtx, pynvml, matplotlib and transformers unimportable (a meta-path finder raises
+    """With nvtx, pynvml, matplotlib, transformers and torchtitan unimportable (a meta-path finder raises
     for them), every ``dmuon.*`` and ``tracer.*`` module imports, and each feature that needs
     one says which package and the pip command. Fails if any module imports one at module
     level unguarded, or a message stops naming the package (the report's plots named neither
