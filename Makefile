@@ -59,7 +59,7 @@ test-all: $(STAMP)
 
 # DMuon as torchtitan's optimizer, on torchtitan itself: installs pyproject's pinned
 # `torchtitan` extra without torchtitan's own requirements (10 s here), then runs its test
-# (about a minute at W = 4 on gloo; skipped by `make test` where torchtitan is missing).
+# (30 s to a minute at W = 4 on gloo; skipped by `make test` where torchtitan is missing).
 test-torchtitan: $(STAMP)
 	$(PY) -m pip install --quiet --no-deps $$($(PY) -c "import tomllib; print(' '.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['torchtitan']))")
 	$(PY) -m pytest -m '' tests/distributed/parity/test_torchtitan.py tests/dmuon/test_torchtitan_dims.py

@@ -13,7 +13,7 @@ undeclared (every Muon matrix misses the oracle).
 Measured on a 2-core AMD EPYC: DMuon 1.8 % and 6.2 % of the displacement after steps 1 and 2
 on dp_shard 2 x tp 2 (bounds 14 % and 33 %), 3.3 % after step 2 on dp_replicate 2 x dp_shard 2
 (bound 18 %); the grad norm 1.6e-7 off the oracle's (bound 3.8e-6); the mapping's control 80 %
-and 83 % (bounds 10 % and 18 %). About a minute in all (importing torchtitan takes 10-20 s per
+and 83 % (bounds 10 % and 18 %). 30 s to a minute in all (importing torchtitan takes 10-20 s per
 process), so ``slow``."""
 
 import importlib.util
@@ -58,6 +58,13 @@ def test_torchtitan_llama3_trains_like_single_process_muon(pool4, T, layout):
     assert r0["dedicated"] == sorted(oracle["muon"]) and len(r0["dedicated"]) == T.LAYERS * 5
     for r in results[1:]:
         assert all(r["steps"][-1][n].equal(t) for n, t in r0["steps"][-1].items())
+    # the container's flat state dict: each matrix's momentum on its owner only, AdamW's state
+    # of the rest on every rank
+    owned = [k[len("state."):-len(".momentum_buffer")] for r in results for k in r["state_keys"]
+             if k.endswith(".momentum_buffer")]
+    assert sorted(owned) == r0["dedicated"]
+    rest = [n for n in r0["init"] if n not in r0["dedicated"]]
+    assert all(f"state.{n}.exp_avg" in r["state_keys"] for r in results for n in rest)
     for k, floor in enumerate(oracle["floors"]):
         NF.assert_within(NF.distances(r0["steps"][k], oracle["steps"][k], oracle["init"]), floor,
                          f"{layout}, step {k + 1}")

@@ -241,7 +241,10 @@ def train(steps: int, layout: str, sum_grads: bool = True, replicate_declared: b
     if not sum_grads:
         for b in dm.buckets:  # DMuon's own average over the data-parallel ranks
             b.divisor = dims.dp_replicate * dims.dp_shard * dims.cp
-    opts = dmt.build_optimizers([model], dims, lr=MUON_LR, adamw_lr=ADAMW_LR)
+    if dims.tp > 1:  # the factory, given parallel_dims (checked against the dedicated mesh)
+        opts = dmt.build_optimizers([model], dims, lr=MUON_LR, adamw_lr=ADAMW_LR)
+    else:  # the config, built as torchtitan's trainer builds its optimizer
+        opts = dmt.optimizer_config(lr=MUON_LR, adamw_lr=ADAMW_LR).build(model_parts=[model])
     batch_mesh = dims.get_optional_mesh("batch")
     b, nb = (batch_mesh.get_local_rank(), batch_mesh.size()) if batch_mesh is not None else (0, 1)
     rows = slice(b * ROWS // nb, (b + 1) * ROWS // nb)
@@ -262,7 +265,8 @@ def train(steps: int, layout: str, sum_grads: bool = True, replicate_declared: b
         opts.zero_grad()
         dm.sync_params()
         after.append(full_params(model))
-    out = {"init": init, "steps": after, "norms": norms, "dedicated": sorted(dm.names),
+    state = opts.state_dict()  # flat, FQN-keyed (torch DCP), as torchtitan's checkpointer saves
+    out = {"state_keys": sorted(state), "init": init, "steps": after, "norms": norms, "dedicated": sorted(dm.names),
            "ns_calls": opts.optimizers[0].ns_calls, "kind": type(opts).__mro__[1].__name__}
     dm.close()
     return out
