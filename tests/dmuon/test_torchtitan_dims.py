@@ -21,10 +21,12 @@ def dims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, ep=1, spmd_backend="parti
     (dims(dp_shard=2, cp=2), (("fsdp",), None, ("fsdp",))),  # fsdp = dp_shard x cp
     (dims(dp_shard=2, tp=2), (("fsdp", "tp"), None, ("fsdp",))),
     (dims(dp_replicate=2, dp_shard=2), (("dp_replicate", "fsdp"), "dp_replicate", ("fsdp",))),
-    (dims(dp_replicate=2, dp_shard=2, tp=2), (("dp_replicate", "fsdp", "tp"), "dp_replicate", ("fsdp",))),
+    (dims(dp_replicate=2, dp_shard=2, tp=2),
+     (("dp_replicate", "fsdp", "tp"), "dp_replicate", ("fsdp",))),
     (dims(dp_shard=2, pp=2), (("fsdp",), None, ("fsdp",))),  # the stage's slice: no "pp"
     (dims(dp_shard=4, ep=2), (("efsdp", "ep"), None, ("efsdp", "ep"))),
-    (dims(dp_replicate=2, dp_shard=2, ep=2), (("dp_replicate", "efsdp", "ep"), "dp_replicate", ("efsdp", "ep"))),
+    (dims(dp_replicate=2, dp_shard=2, ep=2),
+     (("dp_replicate", "efsdp", "ep"), "dp_replicate", ("efsdp", "ep"))),
 ], ids=["fsdp", "fsdp-cp", "fsdp-tp", "hsdp", "hsdp-tp", "pp", "ep", "hsdp-ep"])
 def test_mesh_dims_map_torchtitans_names(given, want):
     assert dmt.mesh_dims(given) == want

@@ -41,7 +41,8 @@ def _oracle(T, init: dict) -> dict:
     grad norm's (``norm_floors``), each from the oracle's nudged runs."""
     from tests.distributed import noise_floor as NF
     ref = NF.floored(lambda nudge: T.oracle(init, STEPS, nudge))
-    ref["norm_floors"] = NF.scalar_floors(ref["norms"], {k: r["norms"] for k, r in ref["nudged"].items()})
+    ref["norm_floors"] = NF.scalar_floors(ref["norms"],
+                                          {k: r["norms"] for k, r in ref["nudged"].items()})
     return ref
 
 
@@ -87,7 +88,8 @@ def test_control_replicate_dim_undeclared_misses_the_oracle(pool4, T):
     replica steps its matrices on its half of the batch; every Muon matrix lands beyond the
     bound at every step."""
     from tests.distributed import noise_floor as NF
-    results = pool4.run_with_timeout(TIMEOUT_S, T.train, STEPS, "dp_replicate2_dp_shard2", True, False)
+    results = pool4.run_with_timeout(TIMEOUT_S, T.train, STEPS, "dp_replicate2_dp_shard2",
+                                     True, False)
     oracle = _oracle(T, results[0]["init"])
     for k, floor in enumerate(oracle["floors"]):
         d = NF.distances(results[0]["steps"][k], oracle["steps"][k], oracle["init"], oracle["muon"])

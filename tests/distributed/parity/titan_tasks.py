@@ -41,7 +41,6 @@ from __future__ import annotations
 import importlib.util
 import sys
 import types
-import warnings
 
 import torch
 import torch._utils
@@ -170,8 +169,8 @@ def targets(model) -> list[str]:
 def oracle(init: dict[str, torch.Tensor], steps: int, nudge: str | None = None) -> dict:
     """One process, the whole batch, from ``init`` (the ranks' init, :func:`train`):
     torch.optim.Muon on DMuon's default targets, AdamW on the rest, the mean loss over every
-    token. Returns ``init``, the params after each step
-    (``steps``) and the grad norm before each step (``norms``)."""
+    token. Returns ``init``, the params after each step (``steps``), the grad norm before each
+    step (``norms``) and the Muon targets (``muon``)."""
     tt_dist.set_spmd_backend("partial_dtensor")
     with oracle_threads(nudge):
         par = ParallelismConfig(spmd_backend="partial_dtensor")
@@ -200,17 +199,19 @@ def oracle(init: dict[str, torch.Tensor], steps: int, nudge: str | None = None) 
     return {"init": init, "steps": after, "norms": norms, "muon": muon_names}
 
 
-def train(steps: int, layout: str, sum_grads: bool = True, replicate_declared: bool = True) -> dict:
-    """On 4 ranks: torchtitan's meshes for ``layout``, its llama3 debug model built on the meta
-    device and parallelized by ``parallelize_llama`` through DMuon's wrapper, materialised and
-    initialised by torchtitan (seed 0 on every rank); DMuon from the
-    integration's factory; ``steps`` steps on this rank's rows (its ``batch`` index) with
-    torchtitan's loss convention and its ``clip_grad_norm_``. ``sum_grads=False`` is the
-    control: DMuon averages its grads instead of summing them as torchtitan's FSDP2 does;
+def train(steps: int, layout: str, sum_grads: bool = True,
+          replicate_declared: bool = True) -> dict:
+    """On 4 ranks: torchtitan's meshes for ``layout``, the llama3 of :func:`model_config` built
+    on the meta device and parallelized by ``parallelize_llama`` through DMuon's wrapper,
+    materialised and initialised by torchtitan (seed 0 on every rank); DMuon from the
+    integration's factory or its config; ``steps`` steps on this rank's rows (its ``batch``
+    index) with torchtitan's loss convention, the grad norm measured by a clip.
+    ``sum_grads=False`` is the control: DMuon averages its grads instead of summing them as torchtitan's FSDP2 does;
     ``replicate_declared=False`` the other: the mesh mapping leaves ``dp_replicate`` undeclared
     (model parallel), so each replica steps its matrices on its own half of the batch.
-    Returns the full params at init (``init``) and after each step, the grad norm before each, the dedicated names,
-    the mesh DMuon used and the NS count."""
+    Returns the full params at init (``init``) and after each step (``steps``), the grad norm
+    before each, the dedicated names, the container's state-dict keys, its base class and the
+    NS count."""
     par = parallelism(layout)
     tt_dist.set_spmd_backend(par.spmd_backend)  # as torchtitan's trainer does
     dims = ParallelDims.from_config(par, torch.distributed.get_world_size())
@@ -222,7 +223,7 @@ def train(steps: int, layout: str, sum_grads: bool = True, replicate_declared: b
         mapped = dmt.mesh_dims
         dmt.mesh_dims = lambda d: (mapped(d)[0], None, mapped(d)[2])
     try:
-            model = parallelize(model, parallel_dims=dims,
+        model = parallelize(model, parallel_dims=dims,
                             training=TrainingConfig(mixed_precision_param="float32"),
                             parallelism=par, compile_config=CompileConfig(), ac_config=None,
                             dump_folder="/tmp")
@@ -233,7 +234,7 @@ def train(steps: int, layout: str, sum_grads: bool = True, replicate_declared: b
         if isinstance(m, FSDPModule):
             m.set_force_sum_reduction_for_comms(True)
     model.to_empty(device=device_type)
-    torch.manual_seed(0)  # every rank the same seed (torchtitan's set_determinism: the same but on "pp")
+    torch.manual_seed(0)  # one seed on every rank (torchtitan's set_determinism: distinct on "pp")
     with torch.no_grad():
         model.init_weights(buffer_device=None)
     init = full_params(model)
@@ -259,14 +260,13 @@ def train(steps: int, layout: str, sum_grads: bool = True, replicate_declared: b
             # control's mesh, with a model-parallel dim, DMuon shows no DTensor grads): DMuon's
             norm = opts.optimizers[0].clip_grad_norm_(MAX_NORM)
         norms.append(float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm))
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            opts.step()
+        opts.step()
         opts.zero_grad()
         dm.sync_params()
         after.append(full_params(model))
     state = opts.state_dict()  # flat, FQN-keyed (torch DCP), as torchtitan's checkpointer saves
-    out = {"state_keys": sorted(state), "init": init, "steps": after, "norms": norms, "dedicated": sorted(dm.names),
+    out = {"state_keys": sorted(state), "init": init, "steps": after, "norms": norms,
+           "dedicated": sorted(dm.names),
            "ns_calls": opts.optimizers[0].ns_calls, "kind": type(opts).__mro__[1].__name__}
     dm.close()
     return out
