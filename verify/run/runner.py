@@ -6,7 +6,8 @@ the measured steps with the :class:`tracer.interposer.Interposer` and ``torch.pr
 the Flight Recorder, the NCCL log and the NVLink counters where they exist: ``_MeasuredWindow``),
 write this rank's events to ``<out_dir>/<mode>/events_rank<r>.parquet``, and gather everything
 to rank 0, which compares with the prediction (``verify.compare``) and cross-checks the other
-sources. The global batch is ``batch_per_rank`` times W unless ``global_batch`` is given.
+sources over the window, and checks every step a source recorded before it (the Flight
+Recorder's warm-up steps, split by step marks on the system clock: ``verify.sources.steps``). The global batch is ``batch_per_rank`` times W unless ``global_batch`` is given.
 
 Every check a run is gated on is named in its ``checks`` and the report's ``failures``
 (``verify.report.checks``). A mode that raises (in training or in rank 0's comparison) is an

@@ -180,6 +180,8 @@ def step_completeness(
     not_recorded = dict(not_recorded or {})
     predicted = layout.predict_calls()
     want = Counter(k for k in (_as_recorded(e, profile) for e in predicted) if k is not None)
+    issued = {_as_recorded(e, profile): e for e in predicted
+              if profile.equivalence_for(e.op) is not None}  # recorded as another op
     buckets = Counter(k for e in predicted if ddp_bucket(layout, e)
                       for k in [_as_recorded(e, profile)] if k is not None)
     bucket_total = Counter()  # step 0: DDP's bucket elements per (rank, group, op, dtype)
@@ -216,8 +218,10 @@ def step_completeness(
                 lines.append(f"step {step} rank {rank}: {n - have} of {n} elements of DDP's "
                              f"bucket {op}s ({dtype}) group {group_id} missing in {source}")
             else:
+                e = issued.get(key)
                 lines.append(f"step {step} rank {rank}: {n - have} of {n} x {op}{_size_text(key)} "
-                             f"group {group_id} missing in {source}")
+                             f"group {group_id} missing in {source}"
+                             + (f" (a {e.op} count={e.count}, as {source} records it)" if e else ""))
     return {"steps_checked": checked,
             "steps_not_recorded": {str(s): why for s, why in sorted(not_recorded.items())},
             "incomplete": incomplete, "lines": lines, "pass": not incomplete}
