@@ -7,7 +7,8 @@ the Flight Recorder, the NCCL log and the NVLink counters where they exist: ``_M
 write this rank's events to ``<out_dir>/<mode>/events_rank<r>.parquet``, and gather everything
 to rank 0, which compares with the prediction (``verify.compare``) and cross-checks the other
 sources over the window, and checks every step a source recorded before it (the Flight
-Recorder's warm-up steps, split by step marks on the system clock: ``verify.sources.steps``). The global batch is ``batch_per_rank`` times W unless ``global_batch`` is given.
+Recorder's warm-up steps, split by step marks on the system clock: ``verify.sources.steps``).
+The global batch is ``batch_per_rank`` times W unless ``global_batch`` is given.
 
 Every check a run is gated on is named in its ``checks`` and the report's ``failures``
 (``verify.report.checks``). A mode that raises (in training or in rank 0's comparison) is an
@@ -837,8 +838,9 @@ def _fr_step_check(src: dict, gathered: list[dict], steps: int) -> None:
     """The Flight Recorder's steps before the window, each against one step's prediction
     (:func:`verify.sources.steps.step_completeness`): ``src["steps"]`` = ``{"checked",
     "not_recorded", "incomplete"}``; a step missing a predicted call, or an event the step marks
-    and FR's seq place on different sides of the window's start, fails the source, named
-    first in ``mismatches``."""
+    and FR's seq place on different sides of the window's start, fails the source, named in
+    ``mismatches`` after the window's own. A step the ring buffer overwrote on any rank is
+    listed in ``not_recorded`` and asked of no rank."""
     by_step: dict[int, list] = {}
     evicted, clock = set(), []
     for r in gathered:
