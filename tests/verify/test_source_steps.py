@@ -226,10 +226,7 @@ def _runner_fr(events, marks):
 
 def _fr_source(per_rank) -> dict:
     src = {"pass": True, "mismatches": []}
-    import torch.distributed as dist
-    from unittest import mock
-    with mock.patch.object(dist, "get_backend", lambda *a: "gloo"):
-        runner._fr_step_check(src, _gathered(per_rank), MEASURED)
+    runner._fr_step_check(src, _gathered(per_rank), MEASURED, "gloo")
     return src
 
 
@@ -272,3 +269,39 @@ def test_runner_reports_a_wrapped_ring_buffer():
     assert src["pass"], src["mismatches"]
     assert src["steps"]["checked"] == [1, 2, 3] and list(src["steps"]["not_recorded"]) == ["0"]
     assert "ring buffer" in src["steps"]["not_recorded"]["0"]
+
+
+class _WithWindowCalls:
+    """``LAYOUT`` plus per-window calls, as EP's token all_to_all (sizes from the window's
+    routing): two uneven all_to_alls per rank per step, sized differently each step."""
+
+    mode = LAYOUT.mode
+
+    def predict_calls(self):
+        return LAYOUT.predict_calls()
+
+    def window_calls(self, steps):
+        return [dataclasses.replace(e, phase="activations", module="moe", in_elems=100 + s,
+                                    out_elems=90 + s, count=None)
+                for s in range(2 * steps) for e in LAYOUT.predict_calls() if e.op == "all_to_all"
+                and e.phase == "forward"]
+
+
+def test_window_calls_asked_per_step_by_count():
+    """Calls a layout lists per window are asked for per step by (rank, group, op) count: a
+    step with one all_to_all fewer fails, whatever their sizes."""
+    layout = _WithWindowCalls()
+    steps, _ = split_steps(_fr_lifetime(LAYOUT), _marks())
+    first = {ev.rank: ev for ev in reversed(steps[1]) if ev.op == "all_to_all"}
+    tokens = [dataclasses.replace(ev, in_elems=7, out_elems=5, count=None)  # two per rank: any size
+              for _, ev in sorted(first.items()) for _ in range(2)]
+    assert sorted(ev.rank for ev in tokens) == sorted(2 * list(range(LAYOUT.world_size)))
+    check = lambda evs: step_completeness(layout, {1: evs}, source="flight_recorder",  # noqa: E731
+                                          profile=GLOO_FR, window_steps=MEASURED)
+    assert check(steps[1] + tokens)["pass"]
+    short = check(steps[1] + tokens[1:])
+    assert not short["pass"]
+    assert short["lines"] == ["step 1 rank 0: 1 of 4 x all_to_all (any size) group 0,1,2,3 "
+                              "missing in flight_recorder"]
+    dmuon_own = [ev for ev in steps[1] if not (ev.op == "all_to_all" and ev.rank == 0)]
+    assert not check(dmuon_own + tokens)["pass"]  # DMuon's own all_to_alls still by size

@@ -816,7 +816,8 @@ def _sources(run: dict, events: list, gathered: list[dict], steps: int) -> dict:
         check = crosscheck(events, fr, source="flight_recorder", backend=report_backend(dist.get_backend()))
         sources["flight_recorder"] = {**check.as_report(), "mismatches": [str(m) for m in check.mismatches[:20]]}
         if all(r.get("fr_steps") is not None for r in gathered):
-            _fr_step_check(sources["flight_recorder"], gathered, steps)
+            _fr_step_check(sources["flight_recorder"], gathered, steps,
+                           report_backend(dist.get_backend()))
     if all(r.get("profiler_events") is not None for r in gathered):
         ref, prof, note = profiler_source_events(events, [ev for r in gathered for ev in r["profiler_events"]])
         check = crosscheck(ref, prof, source="profiler", backend=report_backend(dist.get_backend()))
@@ -834,7 +835,7 @@ def _sources(run: dict, events: list, gathered: list[dict], steps: int) -> dict:
     return sources
 
 
-def _fr_step_check(src: dict, gathered: list[dict], steps: int) -> None:
+def _fr_step_check(src: dict, gathered: list[dict], steps: int, backend: str) -> None:
     """The Flight Recorder's steps before the window, each against one step's prediction
     (:func:`verify.sources.steps.step_completeness`): ``src["steps"]`` = ``{"checked",
     "not_recorded", "incomplete"}``; a step missing a predicted call, or an event the step marks
@@ -853,7 +854,7 @@ def _fr_step_check(src: dict, gathered: list[dict], steps: int) -> None:
                     for s in evicted}
     layout = gathered[0]["layout"]
     result = step_completeness(layout, by_step, source="flight_recorder", window_steps=steps,
-                               profile=profile_for("flight_recorder", report_backend(dist.get_backend())),
+                               profile=profile_for("flight_recorder", backend),
                                not_recorded=not_recorded)
     lines = result["lines"]
     if clock:

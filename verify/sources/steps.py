@@ -23,7 +23,8 @@ keyed by ``(rank, group_id, op, count, dtype, in_elems, out_elems)``, must all b
 Each predicted call the step lacks is named: source, step, rank, op, group, size, and how many
 of how many were recorded. Calls a layout lists per window (``window_calls``: EP's token
 all_to_all, whose sizes come from routing the harness records in the window only) are asked
-for per step by ``(rank, group_id, op)`` count. A step may hold *more* than the prediction
+for per step by ``(rank, group_id, op)`` count, of any size, together with the step's own
+calls of that op. A step may hold *more* than the prediction
 outside the window (one-time calls: DDP rebuilds its buckets after the first backward and
 broadcasts the new order in the next forward); extra calls in the window fail the window's
 one-to-one check.
@@ -168,8 +169,9 @@ def step_completeness(
         "incomplete": [{"step", "rank", "op", "group_id", "count", "dtype", "in_elems",
         "out_elems", "predicted", "recorded", "missing", "unit"}], "lines": [text, ...],
         "pass"}``: ``predicted`` / ``recorded`` / ``missing`` count calls of that key on that
-        rank in that step (``unit`` ``"calls"``; step 0's DDP buckets: ``"elements"``, their
-        total, ``count`` then the total); ``lines`` name each (``"step 2 rank 1: 1 of 4 x all_gather count=4096 float32
+        rank in that step (``unit`` ``"calls"``; per-window calls: ``"calls of any size"``, by
+        ``(rank, group, op)`` with the step's own calls of that op; step 0's DDP buckets:
+        ``"elements"``, their total, ``count`` then the total); ``lines`` name each (``"step 2 rank 1: 1 of 4 x all_gather count=4096 float32
         group 0,1,2,3 missing in flight_recorder"``).
 
     Raises:
@@ -189,14 +191,19 @@ def step_completeness(
         bucket_total[(*k[:3], k[4])] += n * k[3]
     per_window = Counter(k[:3] for k in (_as_recorded(e, profile) for e in layout.window_calls(window_steps))
                          if k is not None)
-    want_ops = {k: n // window_steps for k, n in per_window.items() if n >= window_steps}
+    want_ops = {}  # per step by (rank, group, op): the window's share plus the step's own of that op
+    for k, n in per_window.items():
+        if n >= window_steps:
+            want_ops[k] = n // window_steps + sum(m for w, m in want.items() if w[:3] == k)
     checked, incomplete, lines = [], [], []
     for step in sorted(steps):
         if step in not_recorded:
             continue
         checked.append(step)
         got = Counter(_event_key(ev) for ev in steps[step])
-        got_ops = Counter(k[:3] for k in got)
+        got_ops = Counter()
+        for k, n in got.items():
+            got_ops[k[:3]] += n
         exact = want - buckets if step == 0 else want
         gaps = [(k, n, got[k]) for k, n in exact.items() if got[k] < n]
         if step == 0 and bucket_total:  # DDP's first buckets: their total elements
@@ -206,15 +213,18 @@ def step_completeness(
                     got_total[(*k[:3], k[4])] += n * (k[3] or 0)
             gaps += [((*k[:3], t, k[3], None, None), t, got_total[k], "elements")
                      for k, t in bucket_total.items() if got_total[k] < t]
-        gaps += [((*k, None, None, None, None), n, got_ops[k]) for k, n in want_ops.items()
-                 if got_ops[k] < n]
+        gaps += [((*k, None, None, None, None), n, got_ops[k], "calls of any size")
+                 for k, n in want_ops.items() if got_ops[k] < n]
         for key, n, have, *unit in sorted(gaps, key=lambda g: (g[0][0], str(g[0]))):
             rank, group_id, op, count, dtype, in_elems, out_elems = key
             incomplete.append(dict(step=step, rank=rank, op=op, group_id=group_id, count=count,
                                    dtype=dtype, in_elems=in_elems, out_elems=out_elems,
                                    predicted=n, recorded=have, missing=n - have,
                                    unit=unit[0] if unit else "calls"))
-            if unit:  # step 0's DDP buckets, by their total elements
+            if unit == ["calls of any size"]:  # per-window calls (EP's tokens), by count
+                lines.append(f"step {step} rank {rank}: {n - have} of {n} x {op} (any size) "
+                             f"group {group_id} missing in {source}")
+            elif unit:  # step 0's DDP buckets, by their total elements
                 lines.append(f"step {step} rank {rank}: {n - have} of {n} elements of DDP's "
                              f"bucket {op}s ({dtype}) group {group_id} missing in {source}")
             else:
