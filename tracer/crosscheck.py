@@ -51,6 +51,11 @@ window, per ``(rank, group_id)``, after dropping the reference's unobservable op
   with ``seq >= first_seq`` (e.g. FR's seq recorded when the window opened) and spans
   ``len(reference)`` calls.
 
+Calls outside the window are counted in ``outside_window`` and named in a note, never compared:
+a call the other source lost there does not fail this check. ``make verify-traffic`` checks
+each step a source recorded outside the window against the prediction
+(``verify/sources/steps.py``); a caller of ``"tail"`` or a seq mapping has to do the same.
+
 Within a key, events are compared in the order given: every source emits its calls in issue
 order (one FR dump per rank, in ``record_id`` order). They are deliberately not re-sorted by
 ``seq``: two process groups over the same ranks share a ``group_id`` but FR numbers each on its
@@ -451,6 +456,10 @@ def crosscheck(
         result.outside_window += outside
         _compare_key(key, expected, window, result, source)
     compared = result.matched + result.unmatched
+    if result.outside_window:
+        result.notes.append(f"{result.outside_window} {source} event(s) outside the window not "
+                            "compared: a call lost there does not fail this check (check those "
+                            "steps' completeness separately)")
     if result.size_unknown:
         result.notes.append(f"{result.size_unknown} of {compared} pairs compared by op only "
                             f"(dtype / root where both know them): {source} has no size for "

@@ -24,7 +24,8 @@ Per run (report.json ``runs[].checks``, in this order; a run passes when all of 
   producer gates on it, i.e. the run carries ``loss_falls`` (verify-traffic does;
   ``verify.run.record.TrafficWindow`` does not);
 - ``source:<name>``: each other trace source (``flight_recorder``, ``profiler``, ``nccl_log``,
-  ``nsys``) matches the interposer one to one (the NCCL log: and the prediction).
+  ``nsys``) matches the interposer one to one (the NCCL log: and the prediction), and every step
+  it recorded before the window holds the whole prediction (``verify.sources.steps``).
 
 Per report (``failures``): every failed check as ``{"mode", "check", "detail"}``, plus
 ``error`` entries: a mode that raised; it has no figures, so no entry in ``runs``.
@@ -373,6 +374,11 @@ def _source(name: str, src: Mapping) -> dict:
                    "them (every op kind must appear in every source)")
     elif "op_counts" in src and src["pass"]:
         detail += f"; every predicted op kind recorded ({', '.join(sorted(src['op_counts']))})"
+    steps = src.get("steps")  # the steps it recorded before the window (verify.sources.steps)
+    if steps is not None:
+        detail += (f"; steps before the window {steps['checked']}: "
+                   + (f"{steps['incomplete']} gap(s)" if steps["incomplete"] else "complete")
+                   + (f", not recorded {sorted(steps['not_recorded'], key=int)}" if steps["not_recorded"] else ""))
     if not src["pass"] and src["mismatches"]:
         detail += f"; first: {src['mismatches'][0]}"
     return _check(f"source:{name}", src["pass"], detail)

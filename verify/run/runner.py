@@ -6,7 +6,9 @@ the measured steps with the :class:`tracer.interposer.Interposer` and ``torch.pr
 the Flight Recorder, the NCCL log and the NVLink counters where they exist: ``_MeasuredWindow``),
 write this rank's events to ``<out_dir>/<mode>/events_rank<r>.parquet``, and gather everything
 to rank 0, which compares with the prediction (``verify.compare``) and cross-checks the other
-sources. The global batch is ``batch_per_rank`` times W unless ``global_batch`` is given.
+sources over the window, and checks every step a source recorded before it (the Flight
+Recorder's warm-up steps, split by step marks on the system clock: ``verify.sources.steps``).
+The global batch is ``batch_per_rank`` times W unless ``global_batch`` is given.
 
 Every check a run is gated on is named in its ``checks`` and the report's ``failures``
 (``verify.report.checks``). A mode that raises (in training or in rank 0's comparison) is an
@@ -29,6 +31,7 @@ import math
 import os
 import shutil
 import sys
+import time
 import traceback
 from collections import Counter
 from dataclasses import asdict, dataclass
@@ -44,6 +47,8 @@ from tracer.backends import report_backend
 from tracer.crosscheck import crosscheck, profile_for
 from tracer.events import write_parquet
 from tracer.fr.parse import (
+    ENV_BUFFER_SIZE,
+    ENV_BUFFER_SIZE_LEGACY,
     dump_flight_recorder,
     flight_recorder_enabled,
     fr_window,
@@ -65,6 +70,7 @@ from verify.run.failstop import COLLECT_S, Board, stopped_failures, stopped_repo
 from verify.run.nodes import node_traffic, own_chunks
 from verify.sources.nccl_source import WindowMark, capture_active, nccl_source_report
 from verify.sources.nvlink import nvlink_report
+from verify.sources.steps import evicted_steps, split_steps, step_completeness
 from verify.report.checks import failures_of_runs, run_checks
 from verify.report.render import load_plots
 from verify.measure.figures import add_figures, interposer_source, params_report
@@ -261,9 +267,11 @@ class _MeasuredWindow:
         with contextlib.suppress(Exception):
             self._stack.close()
 
-    def close(self) -> dict:
-        """``{"fr_events", "profiler_events", "nccl", "nvlink"}``: what the other recorders saw
-        (``None`` where off)."""
+    def close(self, marks_ns: list[int] | None = None, steps_warmup: int = 0) -> dict:
+        """``{"fr_events", "fr_steps", "profiler_events", "nccl", "nvlink"}``: what the other
+        recorders saw (``None`` where off). ``marks_ns``: every step's start on the system clock
+        and the last step's end (``time.time_ns()``); with them ``fr_steps`` holds the Flight
+        Recorder's steps before the window (:func:`_fr_steps`)."""
         self._stack.close()
         profiler_events = None
         if self._profiler is not None:
@@ -276,13 +284,32 @@ class _MeasuredWindow:
         if self._nvlink is not None:
             _sync(self.device)
             nvlink = self._nvlink.stop()
-        fr_events = None
+        fr_events = fr_steps = None
         if self._fr_on:
-            after = dump_flight_recorder(self.out, self.rank)
-            fr_events = fr_window(read_flight_recorder(self._fr_before).events,
-                                  read_flight_recorder(after).events)
-        return {"fr_events": fr_events, "profiler_events": profiler_events, "nccl": nccl,
-                "nvlink": nvlink}
+            after = read_flight_recorder(dump_flight_recorder(self.out, self.rank))
+            fr_events = fr_window(read_flight_recorder(self._fr_before).events, after.events)
+            if marks_ns is not None:
+                fr_steps = _fr_steps(after, fr_events, marks_ns, steps_warmup)
+        return {"fr_events": fr_events, "fr_steps": fr_steps, "profiler_events": profiler_events,
+                "nccl": nccl, "nvlink": nvlink}
+
+
+def _fr_steps(read, window: list, marks_ns: list[int], steps_warmup: int) -> dict:
+    """This rank's Flight Recorder steps before the window, for the per-step completeness
+    check (``verify.sources.steps``): ``{"steps": {step: events}, "evicted": [step, ...],
+    "clock_disagrees": [source_ref, ...]}``. ``evicted``: steps the ring buffer may have
+    overwritten in part (its oldest kept entry is not FR's first, ``record_id`` 0).
+    ``clock_disagrees``: events the step marks (system clock) and FR's seq (``fr_window``) put on
+    different sides of the window's start; the check fails on any."""
+    steps, _ = split_steps(read.events, marks_ns)
+    refs = [ev.source_ref.rsplit("#", 1)[-1] for ev in read.events]
+    ids = [int(r.split(".")[0]) for r in refs if r.split(".")[0].isdigit()]
+    times = [ev.t_start_ns for ev in read.events if ev.t_start_ns is not None]
+    evicted = evicted_steps(marks_ns, min(times, default=None), wrapped=bool(ids) and min(ids) > 0)
+    in_window = {ev.source_ref for ev in window}
+    by_time = {ev.source_ref for s, evs in steps.items() if s >= steps_warmup for ev in evs}
+    return {"steps": {s: evs for s, evs in steps.items() if s < steps_warmup},
+            "evicted": evicted, "clock_disagrees": sorted(in_window ^ by_time)}
 
 
 def _source(config: RunConfig, corpus: ByteCorpus | None) -> ModelSource:
@@ -398,9 +425,11 @@ def _train_mode(mode: str, config: RunConfig, corpus: ByteCorpus, progress,
     if built.dedicated is not None and config.tp == 1 and config.ep == 1 and config.pp == 1:
         meter = MemoryMeter(bare_model(model), built.dedicated, config.device).attach(opt)
     ns_before = 0
+    marks_ns = []  # every step's start, then the last one's end: system clock, as FR's
     try:
         with tagging:
             for step in range(config.steps_warmup + config.steps_measured):
+                marks_ns.append(time.time_ns())
                 if step == config.steps_warmup:
                     ns_before = opt.ns_calls
                     window.open(drain=built.dedicated.wait_pending if built.dedicated is not None else None)
@@ -428,7 +457,8 @@ def _train_mode(mode: str, config: RunConfig, corpus: ByteCorpus, progress,
     finally:
         if meter is not None:
             meter.close()
-    recorded = window.close()
+    marks_ns.append(time.time_ns())
+    recorded = window.close(marks_ns, config.steps_warmup)
     ns_window = opt.ns_calls - ns_before
     layout = dataclasses.replace(built.layout, module_calls=recorder.call_counts())
     if routing is not None:  # every rank's routing of the window (a collective, after it)
@@ -785,6 +815,9 @@ def _sources(run: dict, events: list, gathered: list[dict], steps: int) -> dict:
         fr = [ev for r in gathered for ev in r["fr_events"]]
         check = crosscheck(events, fr, source="flight_recorder", backend=report_backend(dist.get_backend()))
         sources["flight_recorder"] = {**check.as_report(), "mismatches": [str(m) for m in check.mismatches[:20]]}
+        if all(r.get("fr_steps") is not None for r in gathered):
+            _fr_step_check(sources["flight_recorder"], gathered, steps,
+                           report_backend(dist.get_backend()))
     if all(r.get("profiler_events") is not None for r in gathered):
         ref, prof, note = profiler_source_events(events, [ev for r in gathered for ev in r["profiler_events"]])
         check = crosscheck(ref, prof, source="profiler", backend=report_backend(dist.get_backend()))
@@ -800,6 +833,39 @@ def _sources(run: dict, events: list, gathered: list[dict], steps: int) -> dict:
             _op_kinds(src, recorded[name], run.get("predicted_ops") or {},
                       profile_for(name, report_backend(dist.get_backend())))
     return sources
+
+
+def _fr_step_check(src: dict, gathered: list[dict], steps: int, backend: str) -> None:
+    """The Flight Recorder's steps before the window, each against one step's prediction
+    (:func:`verify.sources.steps.step_completeness`): ``src["steps"]`` = ``{"checked",
+    "not_recorded", "incomplete"}``; a step missing a predicted call, or an event the step marks
+    and FR's seq place on different sides of the window's start, fails the source, named in
+    ``mismatches`` after the window's own. A step the ring buffer overwrote on any rank is
+    listed in ``not_recorded`` and asked of no rank."""
+    by_step: dict[int, list] = {}
+    evicted, clock = set(), []
+    for r in gathered:
+        for s, evs in r["fr_steps"]["steps"].items():
+            by_step.setdefault(s, []).extend(evs)
+        evicted.update(r["fr_steps"]["evicted"])
+        clock += r["fr_steps"]["clock_disagrees"]
+    size = os.environ.get(ENV_BUFFER_SIZE, os.environ.get(ENV_BUFFER_SIZE_LEGACY, "torch's default"))
+    not_recorded = {s: f"partly overwritten in FR's ring buffer ({ENV_BUFFER_SIZE}={size} entries)"
+                    for s in evicted}
+    layout = gathered[0]["layout"]
+    result = step_completeness(layout, by_step, source="flight_recorder", window_steps=steps,
+                               profile=profile_for("flight_recorder", backend),
+                               not_recorded=not_recorded)
+    lines = result["lines"]
+    if clock:
+        lines.append(f"{len(clock)} event(s) that FR's seq and the step marks (system clock) put "
+                     f"on different sides of the window's start (first: {clock[0]}); the steps "
+                     "before the window cannot be told apart")
+    src["steps"] = {"checked": result["steps_checked"], "not_recorded": result["steps_not_recorded"],
+                    "incomplete": len(result["incomplete"]) + len(clock)}
+    if lines:
+        src["pass"] = False
+        src["mismatches"] = (src["mismatches"] + lines)[:20] if src["mismatches"] else lines[:20]
 
 
 def _op_kinds(src: dict, source_events: list, predicted_ops: dict, profile) -> None:

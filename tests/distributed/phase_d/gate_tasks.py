@@ -78,6 +78,26 @@ def _replanned(plan_fn, owner_of):
     return plan
 
 
+def _lossy_fr(read, warmup: bool):
+    """``read_flight_recorder`` whose read of rank 1's dump after the window (not of
+    ``fr_before/``) lacks one event: the last before the window (``warmup``) or the first in it."""
+    from pathlib import Path
+
+    from tracer.fr.parse import fr_window
+
+    def lossy(path, *args, **kwargs):
+        got = read(path, *args, **kwargs)
+        path = Path(path)
+        if dist.get_rank() != 1 or path.parent.name == "fr_before":
+            return got
+        window = fr_window(read(path.parent / "fr_before" / path.name).events, got.events)
+        first = got.events.index(window[0])
+        lost = got.events[first - 1 if warmup else first]
+        got.events = [ev for ev in got.events if ev is not lost]
+        return got
+    return lossy
+
+
 @contextlib.contextmanager
 def mutation(name: str):
     """Plant regression ``name`` (one of the names below) in this process for the duration."""
@@ -185,6 +205,14 @@ def mutation(name: str):
                                if "momentum_buffer" in e else e for k, e in sd["state"].items()}
                 return sd
             patch(optimizer.DMuon, "state_dict", state_dict)
+        # a trace source that loses a call (the source checks): the Flight Recorder's dump as
+        # rank 1 reads it after the window lacks one event, the last one before the window
+        # (a warm-up step) or the first one in it
+        elif name in ("fr_lost_warmup", "fr_lost_window"):
+            import verify.run.runner as runner
+
+            patch(runner, "read_flight_recorder", _lossy_fr(runner.read_flight_recorder,
+                                                            warmup=name == "fr_lost_warmup"))
         elif name != "none":
             raise ValueError(f"Invalid mutation={name!r}.")
         yield

@@ -15,6 +15,7 @@ from tracer.crosscheck import crosscheck
 from tracer.profiler import profiler_source_events
 from verify.compare import compare_run
 from verify.report.checks import run_checks
+from verify.run import runner
 
 pytestmark = pytest.mark.distributed
 
@@ -66,6 +67,10 @@ def test_ep_exact_collectives_closed_form_and_sources(pool4, mode):
         fr = [ev for r in results for ev in r["fr_events"]]
         check = crosscheck(events, fr, source="flight_recorder", backend="gloo")
         assert check.passed and check.matched == len(events), check.lines()[:10]
+        # every warm-up step FR holds: the whole prediction, the token all_to_alls by count
+        src = {"pass": True, "mismatches": []}
+        runner._fr_step_check(src, results, 2, "gloo")
+        assert src["pass"] and src["steps"]["checked"] == [0, 1], src
 
 
 @pytest.mark.slow  # a planted change; the exact EP comparison beside it fails on any other call
