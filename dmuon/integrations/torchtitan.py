@@ -95,8 +95,7 @@ def dedicate(model: nn.Module, parallel_dims, **kwargs) -> DedicatedParams:
     names, replicate_dim, shard_dims = mesh_dims(parallel_dims)
     mesh = parallel_dims.get_mesh(list(names) if len(names) > 1 else names[0])
     dm = dedicate_params(model, mesh, replicate_dim=replicate_dim, shard_dims=shard_dims, **kwargs)
-    for bucket in dm.buckets:  # the owners' reduced grads: the sum, as torchtitan's FSDP2
-        bucket.divisor = 1
+    dm.set_gradient_divide_factor(1)  # the owners' reduced grads: the sum, as torchtitan's FSDP2
     setattr(model, DEDICATED_ATTR, dm)
     return dm
 

@@ -261,7 +261,7 @@ class DedicatedParams:
 
     @property
     def buckets(self) -> list:
-        """The :class:`~dmuon.runtime.bucket_module.Bucket` objects in index order (read-only use)."""
+        """The :class:`~dmuon.runtime.bucket.Bucket` objects in index order (read-only use)."""
         return self._live("buckets").buckets
 
     @property
@@ -393,6 +393,24 @@ class DedicatedParams:
         return b.placements[i]
 
     # ------------------------------------------------------------------ between steps
+    def set_gradient_divide_factor(self, factor: float) -> None:
+        """Divide each owner's reduced grad by ``factor`` instead of the number of ranks whose
+        batches differ (the default, the mean), as FSDP2's
+        ``FSDPModule.set_gradient_divide_factor`` does for its shards; ``1`` gives the sum, for
+        a script that scales its loss by the global token count itself (torchtitan). Call it
+        with the same factor on every rank, before a backward or between steps.
+
+        Raises:
+            ValueError: ``factor`` is not a finite number > 0 (names the value and the fix).
+        """
+        rt = self._live("set_gradient_divide_factor()")
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not (
+                0 < factor < float("inf")):
+            raise ValueError(f"Invalid gradient divide factor {factor!r}. Must be a finite "
+                             "number > 0 (1: the owners' grads are the sum over the ranks).")
+        for b in rt.buckets:
+            b.divisor = factor
+
     @contextmanager
     def no_sync(self) -> Iterator[None]:
         """Accumulate grads locally (no reduce) in backward passes inside the block.

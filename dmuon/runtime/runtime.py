@@ -3,7 +3,7 @@ do (the role of FSDP2's ``FSDPParamGroup``). The protocol the hooks follow, and 
 with their transitions, are described in ``docs/protocol.md``; the transition table is
 ``state.py``'s.
 
-:class:`Runtime` builds the buckets (``bucket_module.Bucket``) and the :class:`~dmuon.runtime.schedule.Schedule`
+:class:`Runtime` builds the buckets (:class:`~dmuon.runtime.bucket.Bucket`) and the :class:`~dmuon.runtime.schedule.Schedule`
 that issues their calls, registers the hooks (``attach.HookSet``), and follows the model's
 moves: ``.to()`` / ``to_empty()`` reach :meth:`Runtime.before_apply` / :meth:`Runtime.after_apply`
 (``attach.follow_moves``); anything that changed a param without ``_apply`` (``p.data = x`` or

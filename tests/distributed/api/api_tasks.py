@@ -213,3 +213,42 @@ def rest_averaging_warnings(wrap: str) -> list[str]:
             opt.zero_grad()
     dm.close()
     return [str(w.message) for w in caught if "DMuon" in str(w.message)]
+
+
+def divide_factor_sums() -> dict:
+    """Two dedicated Linears on 2 ranks, each rank a batch of its own: each owner's reduced grad
+    under the default divide factor (the mean over the ranks) and under
+    ``set_gradient_divide_factor(1)`` (the sum), the sum of the ranks' grads of a plain copy as
+    the reference, and the errors of bad factors (raised here, before any collective)."""
+    import copy
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8, bias=False), nn.Linear(8, 6, bias=False))
+    plain = copy.deepcopy(model)
+    dm = dmuon.dedicate_params(model, T._mesh("flat"), params=["0.weight", "1.weight"])
+    opt = dmuon.DMuon(model.parameters(), dedicated=dm)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    x = torch.randn(3, 6, generator=torch.Generator().manual_seed(10 + rank))
+    plain(x).square().sum().backward()
+    summed_ref = {}
+    for n, p in plain.named_parameters():
+        dist.all_reduce(p.grad)
+        summed_ref[n] = p.grad
+
+    def owned_grads() -> dict[str, torch.Tensor]:
+        opt.zero_grad(set_to_none=True)
+        model(x).square().sum().backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    mean = owned_grads()
+    dm.set_gradient_divide_factor(1)
+    summed = owned_grads()
+    errors = []
+    for bad in (0, -2.0, float("inf"), float("nan"), True, "2"):
+        try:
+            dm.set_gradient_divide_factor(bad)
+        except ValueError as e:
+            errors.append(str(e))
+    return {"errors": errors,
+            "mean_vs_sum": {n: float((g * world - summed_ref[n]).abs().max()) for n, g in mean.items()},
+            "sum_vs_sum": {n: float((g - summed_ref[n]).abs().max()) for n, g in summed.items()}}

@@ -76,3 +76,15 @@ def test_a_rest_nothing_averages_is_named_once(pool2, wrap):
             assert "rest='replicate'" in warned[0]
         else:
             assert warned == [], warned
+
+
+def test_gradient_divide_factor_one_gives_the_owners_the_sum(pool2):
+    """Control: the default factor gives the mean (world × it equals the sum); factor 1 the sum.
+    Each owner holds its matrix's grad, so each rank checks the ones it owns."""
+    results = pool2.run_with_timeout(60, A.divide_factor_sums)
+    assert sum(len(r["sum_vs_sum"]) for r in results) == 2  # each matrix on its one owner
+    for r in results:
+        assert all(d < 1e-5 for d in r["mean_vs_sum"].values()), r
+        assert all(d < 1e-5 for d in r["sum_vs_sum"].values()), r
+        assert len(r["errors"]) == 6 and all("Invalid gradient divide factor" in e and "Must be a finite number > 0" in e
+                                             for e in r["errors"]), r["errors"]
