@@ -109,12 +109,14 @@ def test_a_class_refuses_another_kinds_dict():
         RunLayout.from_dict(tp.to_dict())  # was a dense layout of W = 2, not 4
     with pytest.raises(ValueError, match=r"TPRunLayout.from_dict: kind='dense'"):
         TPRunLayout.from_dict(dense.to_dict())
-    with pytest.raises(ValueError, match=r"Invalid layout kind='moe'. Must be one of \['dense', 'ep', 'pp', 'tp'\]"):
+    with pytest.raises(ValueError, match=r"Invalid layout kind='moe'. Must be one of \['cp', 'dense', 'ep', 'pp', 'tp'\]"):
         layout_from_dict({**dense.to_dict(), "kind": "moe"})
     with pytest.raises(ValueError, match=r"EPRunLayout.from_dict: missing ep_size"):
         layout_from_dict({**dense.to_dict(), "kind": "ep"})  # was a KeyError
     with pytest.raises(ValueError, match=r"PPRunLayout.from_dict: missing pp_size"):
         layout_from_dict({**dense.to_dict(), "kind": "pp"})
+    with pytest.raises(ValueError, match=r"CPRunLayout.from_dict: missing cp_size"):
+        layout_from_dict({**dense.to_dict(), "kind": "cp"})
 
 
 @pytest.mark.parametrize("t", [1, 0, True, 2.0])

@@ -8,15 +8,17 @@ branches on the kind. A new kind is one more subclass and one more entry in
 
 from __future__ import annotations
 
+from verify.traffic.cp import CPRunLayout
 from verify.traffic.ep import EPRunLayout
 from verify.traffic.pp import PPRunLayout
 from verify.traffic.predict import RunLayout
 from verify.traffic.tp import TPRunLayout
 
 #: ``kind`` -> class: ``"dense"`` (a data-parallel mesh), ``"tp"`` (an R × N × T mesh),
-#: ``"ep"`` (an R × N × E expert-parallel mesh), ``"pp"`` (an S × N pipeline mesh).
+#: ``"ep"`` (an R × N × E expert-parallel mesh), ``"pp"`` (an S × N pipeline mesh),
+#: ``"cp"`` (an N × C context-parallel mesh).
 LAYOUT_KINDS: dict[str, type[RunLayout]] = {cls.kind: cls for cls in (RunLayout, TPRunLayout, EPRunLayout,
-                                                                      PPRunLayout)}
+                                                                      PPRunLayout, CPRunLayout)}
 
 
 def layout_kind(d: dict) -> str:
