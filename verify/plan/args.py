@@ -197,6 +197,13 @@ def build_parser(defaults, presets, sweep_worlds) -> argparse.ArgumentParser:
     p.add_argument("--microbatch-tokens", type=_gpus, default=4096, metavar="TOKENS",
                    help="tokens of one micro-batch on one data-parallel rank, for the stage-to-stage "
                         "send/recv with --pp (default %(default)s)")
+    p.add_argument("--cp", type=_gpus, default=1, metavar="C",
+                   help="context-parallel degree: the mesh is R x N x C (x T with --tp), cp declared "
+                        "a shard dim, so the table is the mesh R x N·C (DMuon's N_eff = N·C) and the "
+                        "report adds the CP section (verify/plan/cp.py)")
+    p.add_argument("--cp-tokens", type=_gpus, default=8192, metavar="TOKENS",
+                   help="tokens of one rank's part of its sequences per step, for the attention's K/V "
+                        "exchange with --cp (default %(default)s)")
     p.add_argument("--json", action="store_true",
                    help="print JSON (schema_version, dtype, element_bytes, units, warnings, "
                         "cost_model, reports) instead of the table")

@@ -37,6 +37,7 @@ from dmuon.ownership.plan import OwnershipPlan, plan_ownership, specs_from_named
 from verify.plan.tp import format_tp, tp_report
 from verify.plan.ep import ep_report, format_ep
 from verify.plan.pp import format_pp, pp_report
+from verify.plan.cp import cp_report, format_cp
 from dmuon.ownership.select import matrix_shapes, select_params
 from tracer._compat import require
 from tracer.events import DTYPE_BYTES
@@ -442,6 +443,12 @@ UNITS: dict[str, str] = {
     "stage": "the stage's index (0 = first)",
     "blocks": "names of the stage's blocks (ModuleList elements)",
     "p_s": "elements of the stage's Muon-target parameters (P_s)",
+    "cp": "--cp: the context-parallel degree C, or the CP section (verify/plan/cp.py)",
+    "n_eff": "ranks of DMuon's shard group, N·C (cp declared a shard dim)",
+    "cp_tokens": "tokens of one rank's part of its sequences per training step",
+    "kv_width": "elements per token of K (and of V): n_kv_heads·head_dim; null: not stated",
+    "layers": "attention layers (L)",
+    "kv_closed_form": "the K/V exchange's closed form (elements received per rank per step)",
     "p2p": "the stage-to-stage send/recv of activations and their grads (not DMuon's); null: not sized",
 }
 
@@ -482,6 +489,18 @@ def _plan(args) -> tuple[list[dict], list[dict] | None, CostModel, ModelLayout, 
         raise UsageError(f"Invalid --pp {args.pp} on mesh {args.mesh[0]}x{args.mesh[1]} --tp {args.tp}: "
                          f"W = S·R·N·T = {args.pp * args.mesh[0] * args.mesh[1] * args.tp:,} ranks. "
                          f"Must be at most {MAX_WORLD_SIZE:,}.")
+    if args.cp > 1 and (args.sweep or args.ep > 1 or args.pp > 1 or not args.mesh):
+        other = "--ep" if args.ep > 1 else "--pp" if args.pp > 1 else "--sweep or no --mesh"
+        raise UsageError(f"Invalid --cp {args.cp} with {other}. Give --mesh N or RxN (dp_replicate x "
+                         "dp_shard) with --cp C [--tp T]: the mesh is R x N x C x T.")
+    if args.cp > 1:  # the table: DMuon's shard group spans dp_shard x cp, the mesh (R, N·C)
+        r, n = args.mesh
+        if r * n * args.cp * args.tp > MAX_WORLD_SIZE:
+            raise UsageError(f"Invalid --cp {args.cp} on mesh {r}x{n} --tp {args.tp}: W = R·N·C·T = "
+                             f"{r * n * args.cp * args.tp:,} ranks. Must be at most {MAX_WORLD_SIZE:,}; "
+                             "give a smaller --cp, --tp or --mesh.")
+        cp_mesh = (r, n)
+        args.mesh = (r, n * args.cp)
     if args.ep > 1 and (args.sweep or args.tp > 1):
         raise UsageError(f"Invalid --ep {args.ep} with {'--sweep' if args.sweep else '--tp'}. "
                          "Give --mesh N or RxN with --ep E alone (the mesh is R x N x E).")
@@ -519,6 +538,9 @@ def _plan(args) -> tuple[list[dict], list[dict] | None, CostModel, ModelLayout, 
             tp=args.tp, tp_fn=lambda sub, mesh, t: tp_report(sub, mesh, t, coalesce_bytes=coalesce_target(cm)),
             config=getattr(model, "config", None), microbatch_tokens=args.microbatch_tokens,
             dtype_bytes=DTYPES.get(args.dtype))
+    if args.cp > 1:  # context parallel (verify/plan/cp.py): the K/V exchange beside the table
+        reports[0]["cp"] = cp_report(cp_mesh, args.cp, tp=args.tp, config=getattr(model, "config", None),
+                                     cp_tokens=args.cp_tokens, dtype_bytes=DTYPES.get(args.dtype))
     return reports, swept, cm, ml, warnings
 
 
@@ -553,6 +575,8 @@ def main(argv=None) -> int:
             print(format_ep(reports[0]["ep"]))
         if "pp" in reports[0]:
             print(format_pp(reports[0]["pp"]))
+        if "cp" in reports[0]:
+            print(format_cp(reports[0]["cp"]))
     if args.png and not args.json:
         print(f"wrote {args.png}")
     return 0
