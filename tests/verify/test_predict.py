@@ -40,7 +40,7 @@ def _imports(path: Path) -> set[str]:
     return names
 
 
-@pytest.mark.parametrize("predictor", ["verify.traffic.predict", "verify.traffic.tp", "verify.traffic.pp",
+@pytest.mark.parametrize("predictor", ["verify.traffic.predict", "verify.traffic.tp", "verify.traffic.pp", "verify.traffic.cp",
                                        "verify.traffic.layouts"])
 def test_predictor_imports_only_the_planner_from_dmuon(predictor):
     # The predictor (and the TP one) and every harness module it reaches (transitively) may
