@@ -106,6 +106,9 @@ def applies(config, mode: str) -> str | None:
     if getattr(config, "pp", 1) > 1:
         return ("pipeline parallel: the probe runs one forward and backward of the whole model "
                 "on every rank, outside a schedule")
+    if getattr(config, "cp", 1) > 1:
+        return ("context parallel: the probe runs one forward and backward of the whole model on "
+                "every rank's whole sequences, without the CP group")
     if config.mixed_precision is not None:
         return "mixed precision: grads are reduced in the low dtype (another noise floor)"
     if config.qk_clip_tau is not None:

@@ -74,13 +74,15 @@ def ep_source(*, global_batch: int, seq_len: int, seed: int) -> ModelSource:
 
 
 class _Tag:
-    """The ``activations`` phase opened in one backward node and closed in a later one."""
+    """The ``activations`` phase (or ``phase``) opened in one backward node and closed in a
+    later one (also ``verify.modes.cp``'s K/V exchange)."""
 
-    def __init__(self) -> None:
+    def __init__(self, phase: str = ACTIVATIONS) -> None:
         self.open: list = []
+        self.phase = phase
 
     def enter(self) -> None:
-        cm = annotate.phase(ACTIVATIONS)
+        cm = annotate.phase(self.phase)
         cm.__enter__()
         self.open.append(cm)
 

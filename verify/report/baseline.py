@@ -48,14 +48,14 @@ STEP_TIME_NOISE = 3.0
 
 #: Knobs added after baselines were written, with the default that means "as before" (a run at
 #: it keys as ``None``, as the older baseline files read).
-_PREDATED = {"ep": 1, "pp": 1, "microbatches": 4}
+_PREDATED = {"ep": 1, "pp": 1, "microbatches": 4, "cp": 1}
 
 
 def baseline_key(report: Mapping) -> dict:
     """What a baseline must share with a run to apply: W, backend, model, torch major.minor
     and the report's ``config`` without the entries that do not change a step's figures, as
     JSON reads them back (a run's ``modes`` tuple and a baseline file's list compare equal).
-    A knob a baseline predates (``qk_clip_tau``, ``ep``, ``pp``, ``microbatches``) reads as ``None`` there: a run with its
+    A knob a baseline predates (``qk_clip_tau``, ``ep``, ``pp``, ``microbatches``, ``cp``) reads as ``None`` there: a run with its
     default (:data:`_PREDATED`, or ``None``) matches, any other value is another run (its
     reason names the knob)."""
     config = {k: (None if _PREDATED.get(k, object()) == v else v)

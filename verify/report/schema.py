@@ -146,6 +146,7 @@ PARAM_KEYS: dict[str, tuple] = {
 #: Optional per-run keys: ``tp_size`` (T of a tensor-parallel run, verify/traffic/tp.py),
 #: ``ep_size`` (E of an expert-parallel run, verify/traffic/ep.py), ``pp_size``, ``microbatches``
 #: and ``stage_p_m`` (S, M and each stage's P_s of a pipeline-parallel run, verify/traffic/pp.py),
+#: ``cp_size`` and ``n_eff`` (C and N·C of a context-parallel run, verify/traffic/cp.py),
 #: ``wire`` (verify.traffic.wire.wire_report), ``bytes``
 #: (``{"measured_avg_bytes"|"predicted_avg_bytes": {phase|"total": {dtype: bytes}}}``),
 #: ``timing`` (verify.measure.steptime.timing_report), ``checks`` (``[{"check", "pass", "detail"}]``,
@@ -157,7 +158,8 @@ PARAM_KEYS: dict[str, tuple] = {
 #: ``checkpoint`` (probed DMuon modes: the oracle's step P and the DCP round trip,
 #: verify.measure.numerics, verify.measure.resume).
 OPTIONAL_RUN_KEYS: dict[str, tuple] = {"tp_size": (int,), "ep_size": (int,), "pp_size": (int,),
-                                       "microbatches": (int,), "stage_p_m": (list,), "wire": (dict,), "bytes": (dict,),
+                                       "microbatches": (int,), "stage_p_m": (list,),
+                                       "cp_size": (int,), "n_eff": (int,), "wire": (dict,), "bytes": (dict,),
                                        "timing": (dict,), "checks": (list,), "loss_falls": (bool,),
                                        "hierarchy": (str,), "qk_clip": (dict,),
                                        "memory": (dict,), "losses": (list,), "numerics": (dict,),

@@ -42,6 +42,7 @@ from verify.run.ci import EXIT_OUTPUT, read_code, record_exit, reserve_exit
 from verify.run.nodes import NODE_FILE, report_elsewhere
 from verify.run.main import EXIT_MISMATCH, EXIT_NO_HARDWARE, EXIT_USAGE, VERDICT_FILE, parse_args
 from verify.run.runner import RunConfig
+from verify.traffic.cp import cp_skip_reason
 from verify.traffic.ep import ep_skip_reason
 from verify.traffic.pp import pp_skip_reason
 from verify.traffic.tp import tp_skip_reason
@@ -284,7 +285,21 @@ def usage_problem(extra: list[str], out_dir: Path, nproc: int) -> str | None:
         return err.getvalue().strip().splitlines()[-1].partition("error: ")[2] or err.getvalue().strip()
     modes = args.modes.split(",")
     at = f"at W={nproc}"
-    if args.pp > 1:  # the workers' mesh is S x (W/S) (verify.modes.pp.pp_mesh)
+    if args.cp > 1:  # the workers' mesh is (W/C) x C (verify.modes.cp.cp_mesh)
+        if nproc % args.cp or nproc // args.cp < 2:
+            return (f"Invalid --cp {args.cp} at W={nproc} (--nproc). Must divide W and leave W/C >= 2 "
+                    f"data-parallel ranks: give an --nproc of at least {2 * args.cp} that {args.cp} divides.")
+        try:  # each data-parallel rank's rows, each sequence in C equal parts
+            rows = global_batch_size(nproc, per_rank=RunConfig.batch_per_rank, global_batch=args.global_batch)
+        except ValueError as exc:
+            return str(exc)
+        if rows % (nproc // args.cp) or RunConfig.seq_len % args.cp:
+            return (f"Invalid --cp {args.cp} at W={nproc}: the {rows} sequences of {RunConfig.seq_len} tokens "
+                    f"of a step must split over {nproc // args.cp} data-parallel ranks and {args.cp} sequence "
+                    "parts (give --global-batch, or a --cp that divides the sequence length).")
+        skipped = {m: why for m in modes if (why := cp_skip_reason(m, nproc, args.cp))}
+        at = f"with --cp {args.cp} at W={nproc}"
+    elif args.pp > 1:  # the workers' mesh is S x (W/S) (verify.modes.pp.pp_mesh)
         if nproc % args.pp or nproc // args.pp < 2:
             return (f"Invalid --pp {args.pp} at W={nproc} (--nproc). Must divide W and leave W/S >= 2 "
                     f"data-parallel ranks per stage: give an --nproc of at least {2 * args.pp} that "

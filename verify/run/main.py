@@ -99,6 +99,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "send/recv is checked as phase 'pipeline' (verify/modes/pp.py)")
     parser.add_argument("--microbatches", type=int, default=4,
                         help="micro-batches per step with --pp (must divide the global batch / (W/S))")
+    parser.add_argument("--cp", type=int, default=1,
+                        help="context-parallel degree C: ddp-muon (the reference), dmuon-ddp, dmuon-z2, "
+                             "dmuon-z3 on a (W/C) x C mesh ('dp_shard', 'cp'), the CP decoder of "
+                             "examples/cp_attention.py at the built-in model's size, both dims DMuon's "
+                             "shard dims (N_eff = W), DMuon's rest replicated; the attention's K/V "
+                             "exchange is checked as phase 'context' (verify/modes/cp.py)")
     parser.add_argument("--qk-clip", type=float, nargs="?", const=QK_CLIP_DEFAULT_TAU, default=None,
                         metavar="TAU", dest="qk_clip",
                         help="run MuonClip's QK-clip (dmuon.optim.qk_clip.QKClip, alpha 0.5) in the "
@@ -141,6 +147,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                      "(--pp 1: no pipeline parallelism).")
     if args.pp > 1:
         _check_pp(parser, args)
+    if args.cp < 1:
+        parser.error(f"Invalid --cp {args.cp}. Must be >= 1 (--cp 1: no context parallelism).")
+    if args.cp > 1:
+        _check_cp(parser, args)
     unknown = [m for m in args.modes.split(",") if m not in MODES]
     if unknown:
         parser.error(f"Invalid --modes entries {unknown}. Must be among {list(MODES)}.")
@@ -184,6 +194,22 @@ def _check_pp(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None
             parser.error(f"--pp {args.pp} runs without {flag}: {why}.")
 
 
+def _check_cp(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """``--cp C`` (C > 1): the CP workload is the reference CP decoder at the built-in model's
+    size (verify/modes/cp.py), so no ``--model``, ``--tp`` / ``--ep`` / ``--pp``, ``--qk-clip``,
+    ``--mixed-precision``, ``--rest wrapper`` choice or ``--hierarchy flat``; else the parser's
+    usage error."""
+    fixed = [(args.model != BUILTIN, f"--model {args.model}", "the CP decoder is examples/cp_attention.py's"),
+             (args.tp > 1 or args.ep > 1 or args.pp > 1, "--tp / --ep / --pp", "one parallel axis at a time"),
+             (args.qk_clip is not None, "--qk-clip", "the CP builder attaches no QK-clip"),
+             (args.mixed_precision is not None, f"--mixed-precision {args.mixed_precision}",
+              "the CP builder runs fp32"),
+             (args.hierarchy == "flat", "--hierarchy flat", "the CP mesh has no replicate dim")]
+    for bad, flag, why in fixed:
+        if bad:
+            parser.error(f"--cp {args.cp} runs without {flag}: {why}.")
+
+
 def _check_qk_clip(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """``--qk-clip TAU``: a finite TAU > 0, the built-in model, no ``--tp``, and a DMuon mode
     in ``--modes`` (the only modes that run the clip); else the parser's usage error."""
@@ -221,6 +247,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"dmuon-verify-traffic: Invalid --pp {args.pp} at W={world}. Must divide the world "
               "size and leave W/S >= 2: the mesh is S x (W/S).", file=sys.stderr)
         return EXIT_USAGE
+    if world % args.cp or (args.cp > 1 and world // args.cp < 2):  # the mesh is (W/C) x C
+        print(f"dmuon-verify-traffic: Invalid --cp {args.cp} at W={world}. Must divide the world "
+              "size and leave W/C >= 2: the mesh is (W/C) x C.", file=sys.stderr)
+        return EXIT_USAGE
     if world % args.tp:  # the mesh is (W/T) x T (the launcher checks this before torchrun too)
         print(f"dmuon-verify-traffic: Invalid --tp {args.tp} at W={world}. Must divide the world "
               "size: the mesh is (W/T) x T.", file=sys.stderr)
@@ -245,20 +275,25 @@ def main(argv: list[str] | None = None) -> int:
         model=args.model,
         mixed_precision=args.mixed_precision,
         coalesce=args.coalesce,
-        rest="replicate" if args.ep > 1 or args.pp > 1 else args.rest,  # verify/modes/ep.py, pp.py
+        rest="replicate" if args.ep > 1 or args.pp > 1 or args.cp > 1 else args.rest,  # modes/ep, pp, cp
         hierarchy=args.hierarchy,
         tp=args.tp,
         qk_clip_tau=args.qk_clip,
         ep=args.ep,
         pp=args.pp,
         microbatches=args.microbatches,
+        cp=args.cp,
         numerics=not args.no_numerics,
     )
     rank = dist.get_rank()
     modes = runnable_modes(config, dist.get_world_size())
     bar = None
     if rank == 0:
-        if config.pp > 1:  # pipeline parallel: verify.traffic.pp.pp_skip_reason
+        if config.cp > 1:  # context parallel: verify.traffic.cp.cp_skip_reason
+            from verify.traffic.cp import cp_skip_reason
+
+            reasons = {m: cp_skip_reason(m, dist.get_world_size(), config.cp) for m in config.modes}
+        elif config.pp > 1:  # pipeline parallel: verify.traffic.pp.pp_skip_reason
             from verify.traffic.pp import pp_skip_reason
 
             reasons = {m: pp_skip_reason(m, dist.get_world_size(), config.pp) for m in config.modes}

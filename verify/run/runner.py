@@ -130,6 +130,8 @@ class RunConfig:
         pp: pipeline stages S; > 1 runs the PP-capable modes on an S × (W/S) mesh, the built-in
             model cut into S stage modules run by ``Schedule1F1B`` (``verify.modes.pp``).
         microbatches: the schedule's micro-batches per step (with ``pp`` > 1).
+        cp: context-parallel degree C; > 1 runs the CP-capable modes on a (W/C) × C mesh, the
+            reference CP decoder, both dims DMuon's shard dims (``verify.modes.cp``).
         numerics: after each mode's window, step P against the single-process oracle and a
             DCP round trip (``verify.measure.numerics``, ``verify.measure.resume``; checks
             ``numerics``, ``owner_grads``, ``checkpoint``); ``--no-numerics`` turns it off.
@@ -158,12 +160,17 @@ class RunConfig:
     ep: int = 1
     pp: int = 1
     microbatches: int = 4
+    cp: int = 1
     numerics: bool = True
 
 
 def runnable_modes(config: RunConfig, world_size: int) -> list[str]:
     """The modes of ``config`` this world size can run (``verify.workload.usermodel.skip_reasons``)."""
     skipped = skip_reasons(config.modes, world_size)
+    if config.cp > 1:  # CP (verify.modes.cp): only the CP-capable modes
+        from verify.traffic.cp import cp_skip_reason
+
+        return [m for m in config.modes if cp_skip_reason(m, world_size, config.cp) is None]
     if config.pp > 1:  # PP (verify.modes.pp): only the PP-capable modes
         from verify.traffic.pp import pp_skip_reason
 
@@ -340,8 +347,29 @@ def _train_mode(mode: str, config: RunConfig, corpus: ByteCorpus, progress,
 
     tagging = contextlib.nullcontext()
     routing = None  # EP: the harness's routing recorder (verify.modes.ep)
-    run_step = None  # PP: the schedule's step (verify.modes.pp)
-    if config.pp > 1:
+    run_step = None  # PP: the schedule's step (verify.modes.pp); CP: verify.modes.cp's step
+    if config.cp > 1:
+        if (config.tp, config.ep, config.pp, config.qk_clip_tau, config.mixed_precision, config.model) != (
+                1, 1, 1, None, None, BUILTIN):
+            raise ValueError(f"Invalid RunConfig with cp={config.cp}: tp={config.tp}, ep={config.ep}, "
+                             f"pp={config.pp}, qk_clip_tau={config.qk_clip_tau!r}, "
+                             f"mixed_precision={config.mixed_precision!r}, model={config.model!r}. Must be "
+                             "tp=ep=pp=1, no QK-clip, fp32, the built-in model's size (verify/modes/cp.py).")
+        from verify.modes import cp as cp_modes
+        from verify.modes.build import ADAMW_LR, MUON_LR, Built
+
+        cp_run = cp_modes.CPRun(
+            mode, config.device, config.cp, corpus=corpus or ByteCorpus.from_stdlib(),
+            global_batch=global_batch_size(dist.get_world_size(), per_rank=config.batch_per_rank,
+                                           global_batch=config.global_batch),
+            seq_len=config.seq_len, seed=config.seed, d_model=config.d_model, n_layers=config.n_layers,
+            n_heads=config.n_heads, muon_lr=MUON_LR, adamw_lr=ADAMW_LR, coalesce=config.coalesce)
+        built = Built(cp_run.model, cp_run.optimizer, cp_run.layout, cp_run.dm)
+        if scope is not None and cp_run.dm is not None:
+            scope.adopt(cp_run.dm)
+        loss_fn = None
+        run_step = cp_run.step
+    elif config.pp > 1:
         if (config.tp, config.ep, config.qk_clip_tau, config.mixed_precision, config.model) != (
                 1, 1, None, None, BUILTIN):
             raise ValueError(f"Invalid RunConfig with pp={config.pp}: tp={config.tp}, ep={config.ep}, "
@@ -422,7 +450,7 @@ def _train_mode(mode: str, config: RunConfig, corpus: ByteCorpus, progress,
     blocks = blocks_of(built.dedicated.names) if built.dedicated is not None else ()
     recorder = BlockOrderRecorder(bare_model(model), blocks, built.layout.fsdp_modules)
     meter = None  # DMuon's bytes at every hook (verify.measure.memory_meter), 1-D / HSDP only
-    if built.dedicated is not None and config.tp == 1 and config.ep == 1 and config.pp == 1:
+    if built.dedicated is not None and config.tp == 1 and config.ep == 1 and config.pp == 1 and config.cp == 1:
         meter = MemoryMeter(bare_model(model), built.dedicated, config.device).attach(opt)
     ns_before = 0
     marks_ns = []  # every step's start, then the last one's end: system clock, as FR's
@@ -501,7 +529,8 @@ def _after_window(mode: str, config: RunConfig, built, loss_fn, make_model, fres
     step = config.steps_warmup + config.steps_measured
     if not config.numerics:
         return {}
-    if mode == numerics.REFERENCE_MODE and config.tp == 1 and config.ep == 1 and config.pp == 1:
+    if mode == numerics.REFERENCE_MODE and config.tp == 1 and config.ep == 1 and config.pp == 1 \
+            and config.cp == 1:
         return {"probe_loss": loss_step(built.model, built.optimizer, loss_fn, dist.get_rank(), step)}
     if numerics.applies(config, mode) is not None:
         return {}
