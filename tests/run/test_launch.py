@@ -86,6 +86,23 @@ def test_usage_problem_checks_pp_before_torchrun(tmp_path, nproc, args, says):
     assert (problem is None) if says is None else (says in (problem or "")), problem
 
 
+@pytest.mark.parametrize("nproc, args, says", [
+    (4, ["--cp", "3"], "Invalid --cp 3 at W=4 (--nproc). Must divide W and leave W/C >= 2"),
+    (4, ["--cp", "4"], "Invalid --cp 4 at W=4 (--nproc)"),  # one data-parallel rank
+    (4, ["--modes", "naive-hsdp", "--cp", "2"], "no context-parallel variant"),
+    (4, ["--cp", "2", "--pp", "2"], "--cp 2 runs without --tp / --ep / --pp"),
+    (4, ["--cp", "2", "--mixed-precision", "bf16"], "--cp 2 runs without --mixed-precision bf16"),
+    (4, ["--cp", "0"], "Invalid --cp 0. Must be >= 1"),
+    (6, ["--cp", "3"], "Invalid --cp 3 at W=6: the 12 sequences of 64 tokens"),  # 3 does not divide 64
+    (4, ["--cp", "2"], None),  # every mode: the CP-capable ones run
+])
+def test_usage_problem_checks_cp_before_torchrun(tmp_path, nproc, args, says):
+    from verify.run.launch import usage_problem
+
+    problem = usage_problem(args, tmp_path, nproc)
+    assert (problem is None) if says is None else (says in (problem or "")), problem
+
+
 def test_rank_errors_name_the_ranks_own_error_before_a_peers_broken_connection(tmp_path):
     from verify.run.launch import rank_errors
 
