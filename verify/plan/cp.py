@@ -13,8 +13,8 @@ parallelism"). This module adds the CP section:
   model's ``config``; each TP rank its heads), received as the harness's all-gather form
   verifies it (``verify/traffic/cp.py``): forward two all_gathers, (C-1)·a each; backward two
   all_reduces of C·a, 2(C-1)·a each: ``kv_elems`` = 6(C-1)·L·a per rank and step. A ring
-  (torchtitan's ``context_parallel``) that passes K and V C-1 hops forward and K, V and their
-  grads C-1 hops backward receives the same 6(C-1)·L·a.
+  (torchtitan's ``context_parallel``, not measured here) that passes K and V C-1 hops forward
+  and K, V and their grads about C-1 hops each backward receives about the same.
 """
 
 from __future__ import annotations
