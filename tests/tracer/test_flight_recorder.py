@@ -254,6 +254,20 @@ def test_crosscheck_window_alignment(shared_fixtures):
                       backend="gloo").passed
 
 
+def test_fr_window_keeps_a_restarted_groups_calls(shared_fixtures):
+    """A ring holding an earlier default group's entries (a forked rank inherits its parent's;
+    a job may re-create its group) and a fresh group "0" whose seqs restart below them: the
+    window is what the end dump holds that the start dump did not. Control: without the times
+    that tell the entries apart, the window by seq drops the new calls the old seqs cover."""
+    fr = read_flight_recorder(shared_fixtures / PICKLE_AS_JSON).events
+    old, new = fr[:6], fr[6:]
+    restarted = [e.replace(seq=e.seq - 6) for e in new]  # recorded after every old entry
+    assert all(e.t_start_ns is not None for e in fr)
+    assert fr_window(old, old + restarted) == restarted
+    untimed = [e.replace(t_start_ns=None) for e in old + restarted]
+    assert len(fr_window(untimed[:6], untimed)) < len(restarted)
+
+
 def test_crosscheck_missing_extra_and_field_mismatches():
     ref = [_ref("broadcast", 0, 8, "float32", root=1), _ref("all_reduce", 1, 4, "float32"),
            _ref("send", 2, 3, "float32", root=2), _ref("reduce", 3, 5, "float32", root=0)]

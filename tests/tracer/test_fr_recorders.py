@@ -12,7 +12,13 @@ no NCCL entry, and under ``cpu:gloo,cuda:nccl`` the NCCL entries were missing.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
+import os
+import select
+import signal
+import traceback
 import warnings
 
 import pytest
@@ -48,9 +54,9 @@ class _NcclStandIn:
         return json.dumps(dump).encode()
 
 
-@pytest.fixture
-def gloo_group(tmp_path):
-    """A real one-rank gloo default group (FR on), destroyed afterwards."""
+@contextlib.contextmanager
+def _gloo_group(tmp_path):
+    """A real one-rank gloo default group (FR on) with two calls, destroyed afterwards."""
     assert not dist.is_initialized()
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
@@ -60,6 +66,46 @@ def gloo_group(tmp_path):
         yield
     finally:
         dist.destroy_process_group()
+
+
+def with_gloo_group_in_a_child(test):
+    """Run ``test`` (which takes ``tmp_path``) in a forked child holding :func:`_gloo_group`.
+
+    The Flight Recorder's ring outlives its group and no API clears it: a group run in the
+    pytest process would leave entries that every rank the distributed tests' pools fork later
+    inherits. The child's traceback, if any, fails the test here; a child silent for 120 s is
+    killed and named."""
+    @functools.wraps(test)
+    def run(*args, **kwargs):
+        read_fd, write_fd = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: run the test, send its traceback (or nothing), exit at once
+            os.close(read_fd)
+            message = b""
+            try:
+                with _gloo_group(kwargs["tmp_path"]):
+                    test(*args, **kwargs)
+            except BaseException:
+                message = traceback.format_exc().encode()
+            os.write(write_fd, message)
+            os._exit(0)
+        os.close(write_fd)
+        chunks = []
+        try:
+            while select.select([read_fd], [], [], 120)[0]:
+                chunk = os.read(read_fd, 65536)
+                if not chunk:
+                    break
+                chunks.append(chunk)
+            else:
+                os.kill(pid, signal.SIGKILL)
+                pytest.fail(f"{test.__name__}: its forked child sent nothing for 120 s (killed)")
+        finally:
+            os.close(read_fd)
+            os.waitpid(pid, 0)
+        if chunks:
+            pytest.fail(b"".join(chunks).decode(), pytrace=False)
+    return run
 
 
 def test_backend_strings_parse():
@@ -82,7 +128,8 @@ def test_recorders_for_each_backend():
     assert fr_dump.recorders_for("mpi") == []
 
 
-def test_nccl_group_dumps_the_nccl_recorder(gloo_group, tmp_path, monkeypatch):
+@with_gloo_group_in_a_child
+def test_nccl_group_dumps_the_nccl_recorder(tmp_path, monkeypatch):
     stand_in = _NcclStandIn([_nccl_entry(1, 10), _nccl_entry(2, 20, "nccl:_allgather_base")])
     monkeypatch.setattr(C10D, "_dump_nccl_trace_json", stand_in, raising=False)
     monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
@@ -97,7 +144,8 @@ def test_nccl_group_dumps_the_nccl_recorder(gloo_group, tmp_path, monkeypatch):
         ("all_reduce", 8, "0", "0"), ("all_gather", 8, "0", "0")]
 
 
-def test_mixed_group_merges_both_recorders_in_issue_order(gloo_group, tmp_path, monkeypatch):
+@with_gloo_group_in_a_child
+def test_mixed_group_merges_both_recorders_in_issue_order(tmp_path, monkeypatch):
     cpu_entries = json.loads(C10D._dump_fr_trace_json())["entries"]
     assert [e["profiling_name"] for e in cpu_entries][-2:] == ["gloo:all_reduce", "gloo:broadcast"]
     t_mid = (cpu_entries[-2]["time_created_ns"] + cpu_entries[-1]["time_created_ns"]) // 2
@@ -130,7 +178,8 @@ def test_window_keeps_each_recorders_sequence(tmp_path):
     assert [(e.op, e.count, e.comm, e.seq) for e in window] == [("all_reduce", 8, "0@nccl", 1)]
 
 
-def test_missing_nccl_dump_function_degrades_with_a_message(gloo_group, tmp_path, monkeypatch):
+@with_gloo_group_in_a_child
+def test_missing_nccl_dump_function_degrades_with_a_message(tmp_path, monkeypatch):
     monkeypatch.delattr(C10D, "_dump_nccl_trace_json", raising=False)
     monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
     with pytest.warns(RuntimeWarning, match="_dump_nccl_trace_json"):

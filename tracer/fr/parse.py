@@ -595,29 +595,44 @@ def read_flight_recorder_paths(
 def fr_window(
     before: Iterable[CollectiveEvent], after: Iterable[CollectiveEvent]
 ) -> list[CollectiveEvent]:
-    """FR events of a measurement window: those in ``after`` newer than anything in ``before``.
+    """FR events of a measurement window: those in ``after`` that ``before`` did not hold.
 
-    ``before``/``after`` come from dumps taken at the window's start and end. Per
-    ``(rank, pg name)`` the window starts after the largest ``seq`` seen in ``before``; p2p
-    events (``seq=None``) are kept when their ``t_start_ns`` is later than the last event of
-    ``before`` on that rank.
+    ``before``/``after`` come from dumps taken at the window's start and end. An entry is the
+    same in both when its rank, pg name, ``seq``, op and ``t_start_ns`` (FR's
+    ``time_created_ns``) agree, so the window is ``after`` less ``before`` entry by entry
+    (``record_id`` is not used: a dump merging two recorders renumbers it). That holds where a
+    group's ``seq`` restarted under a pg name an earlier group used: a process forked after its
+    parent ran a default group inherits the parent's ring (a fresh ``"0"`` counts from 0 again
+    below the inherited entries), and a job that re-creates its default group does the same.
+    Events without a time fall back to order: per ``(rank, pg name)`` after the largest
+    ``seq`` in ``before``; p2p events (``seq=None``) are kept then.
     """
+    seen: set[tuple] = set()
     last_seq: dict[tuple, int] = {}
-    last_t: dict = {}
     for ev in before:
+        key = _entry_key(ev)
+        if key is not None:
+            seen.add(key)
         if ev.seq is not None:
-            key = (ev.rank, ev.comm)
-            last_seq[key] = max(last_seq.get(key, -1), ev.seq)
-        if ev.t_start_ns is not None:
-            last_t[ev.rank] = max(last_t.get(ev.rank, 0), ev.t_start_ns)
+            comm_key = (ev.rank, ev.comm)
+            last_seq[comm_key] = max(last_seq.get(comm_key, -1), ev.seq)
     out = []
     for ev in after:
-        if ev.seq is not None:
-            if ev.seq > last_seq.get((ev.rank, ev.comm), -1):
+        key = _entry_key(ev)
+        if key is not None:
+            if key not in seen:
                 out.append(ev)
-        elif ev.t_start_ns is None or ev.t_start_ns > last_t.get(ev.rank, 0):
+        elif ev.seq is None or ev.seq > last_seq.get((ev.rank, ev.comm), -1):
             out.append(ev)
     return out
+
+
+def _entry_key(ev: CollectiveEvent) -> tuple | None:
+    """``(rank, pg name, seq, op, t_start_ns)`` of an FR event: what tells one entry from
+    another in two dumps of one ring; ``None`` without a time."""
+    if ev.t_start_ns is None:
+        return None
+    return (ev.rank, ev.comm, ev.seq, ev.op, ev.t_start_ns)
 
 
 # ------------------------------------------------------------------------------- CLI

@@ -19,7 +19,6 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.distributed.harness import DistributedPool
 from tracer.crosscheck import crosscheck
 from tracer.fr.parse import dump_flight_recorder, fr_window, read_flight_recorder
 from tracer.profiler import profiler_source_events, read_profiler_trace
@@ -79,13 +78,9 @@ def _expected(rank: int) -> list[tuple]:
 
 
 @pytest.fixture(scope="module")
-def uneven_run(tmp_path_factory):
-    """A pool of its own: the Flight Recorder's ring holds only this window's history (the shared
-    pool4's held earlier tasks' calls; under two xdist workers the window once came back two
-    calls short, not reproduced alone)."""
+def uneven_run(pool4, tmp_path_factory):
     out = tmp_path_factory.mktemp("a2a_uneven")
-    with DistributedPool(4, timeout_s=120) as pool:
-        per_rank = pool.run(_window, str(out))
+    per_rank = pool4.run(_window, str(out))
     return out, [ev for evs in per_rank for ev in evs]
 
 
