@@ -74,7 +74,7 @@ def test_usage_problem_checks_tp_before_torchrun(tmp_path, nproc, args, says):
     (4, ["--pp", "3"], "Invalid --pp 3 at W=4 (--nproc). Must divide W and leave W/S >= 2"),
     (4, ["--pp", "4"], "Invalid --pp 4 at W=4 (--nproc)"),  # one rank per stage: no data parallel
     (4, ["--modes", "naive-hsdp", "--pp", "2"], "no pipeline-parallel variant"),
-    (4, ["--pp", "2", "--tp", "2"], "--pp 2 runs without --tp / --ep"),
+    (4, ["--pp", "2", "--tp", "2"], "--pp 2 runs without --tp 2"),
     (4, ["--pp", "2", "--microbatches", "0"], "Invalid --pp 2 / --microbatches 0"),
     (4, ["--pp", "2", "--microbatches", "3"], "Invalid --microbatches 3 with --pp 2 at W=4: the 8 sequences"),
     (4, ["--pp", "2"], None),  # every mode: the PP-capable ones run
@@ -90,7 +90,7 @@ def test_usage_problem_checks_pp_before_torchrun(tmp_path, nproc, args, says):
     (4, ["--cp", "3"], "Invalid --cp 3 at W=4 (--nproc). Must divide W and leave W/C >= 2"),
     (4, ["--cp", "4"], "Invalid --cp 4 at W=4 (--nproc)"),  # one data-parallel rank
     (4, ["--modes", "naive-hsdp", "--cp", "2"], "no context-parallel variant"),
-    (4, ["--cp", "2", "--pp", "2"], "--cp 2 runs without --tp / --ep / --pp"),
+    (4, ["--cp", "2", "--pp", "2"], "--pp 2 runs without --cp 2"),
     (4, ["--cp", "2", "--mixed-precision", "bf16"], "--cp 2 runs without --mixed-precision bf16"),
     (4, ["--cp", "0"], "Invalid --cp 0. Must be >= 1"),
     (6, ["--cp", "3"], "Invalid --cp 3 at W=6: the 12 sequences of 64 tokens"),  # 3 does not divide 64

@@ -141,16 +141,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--rest replicate runs without --tp (DMuon does not replicate a tensor-"
                      "parallel model's rest; dedicate_params refuses it on a mesh with a 'tp' axis).")
     if args.ep > 1:
-        _check_ep(parser, args)
+        _check_axis(parser, args, "ep")
     if args.pp < 1 or args.microbatches < 1:
         parser.error(f"Invalid --pp {args.pp} / --microbatches {args.microbatches}. Must be >= 1 "
                      "(--pp 1: no pipeline parallelism).")
     if args.pp > 1:
-        _check_pp(parser, args)
+        _check_axis(parser, args, "pp")
     if args.cp < 1:
         parser.error(f"Invalid --cp {args.cp}. Must be >= 1 (--cp 1: no context parallelism).")
     if args.cp > 1:
-        _check_cp(parser, args)
+        _check_axis(parser, args, "cp")
     unknown = [m for m in args.modes.split(",") if m not in MODES]
     if unknown:
         parser.error(f"Invalid --modes entries {unknown}. Must be among {list(MODES)}.")
@@ -161,53 +161,32 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def _check_ep(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """``--ep E`` (E > 1): the EP workload is fixed (verify/modes/ep.py), so no ``--model``,
-    ``--tp``, ``--qk-clip``, ``--mixed-precision`` or ``--hierarchy flat``; else the parser's
-    usage error."""
-    fixed = [(args.model != BUILTIN, f"--model {args.model}", "the EP workload is the reference layer's tiny "
-              "Qwen3-MoE (examples/ep_moe.py)"),
-             (args.tp > 1, f"--tp {args.tp}", "one parallel axis at a time"),
-             (args.qk_clip is not None, "--qk-clip", "the EP builder attaches no QK-clip"),
+#: The workload each single-axis run builds (verify/modes/<axis>.py): why it takes no
+#: ``--model`` and why no ``--hierarchy flat``. Each also runs fp32 without QK-clip.
+_AXIS_WORKLOADS = {
+    "ep": ("the EP workload is the reference layer's tiny Qwen3-MoE (examples/ep_moe.py)",
+           "dedicate_params refuses 'flat' on a mesh with an 'ep' axis"),
+    "pp": ("the stages are cut from the built-in model", "each stage is a 1-D data-parallel slice"),
+    "cp": ("the CP decoder is examples/cp_attention.py's", "the CP mesh has no replicate dim"),
+}
+
+
+def _check_axis(parser: argparse.ArgumentParser, args: argparse.Namespace, axis: str) -> None:
+    """``--ep`` / ``--pp`` / ``--cp`` > 1: that axis's workload is fixed (``_AXIS_WORKLOADS``),
+    so no ``--model``, other parallel axis, ``--qk-clip``, ``--mixed-precision`` or
+    ``--hierarchy flat``; else the parser's usage error naming the flag and why."""
+    model_why, flat_why = _AXIS_WORKLOADS[axis]
+    others = [f"--{a} {getattr(args, a)}" for a in ("tp", "ep", "pp", "cp")
+              if a != axis and getattr(args, a) > 1]
+    fixed = [(args.model != BUILTIN, f"--model {args.model}", model_why),
+             (bool(others), " / ".join(others), "one parallel axis at a time"),
+             (args.qk_clip is not None, "--qk-clip", f"the {axis.upper()} builder attaches no QK-clip"),
              (args.mixed_precision is not None, f"--mixed-precision {args.mixed_precision}",
-              "the EP builder runs fp32"),
-             (args.hierarchy == "flat", "--hierarchy flat",
-              "dedicate_params refuses 'flat' on a mesh with an 'ep' axis")]
+              f"the {axis.upper()} builder runs fp32"),
+             (args.hierarchy == "flat", "--hierarchy flat", flat_why)]
     for bad, flag, why in fixed:
         if bad:
-            parser.error(f"--ep {args.ep} runs without {flag}: {why}.")
-
-
-def _check_pp(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """``--pp S`` (S > 1): the PP workload is the built-in model cut into stages
-    (verify/modes/pp.py), so no ``--model``, ``--tp``, ``--ep``, ``--qk-clip``,
-    ``--mixed-precision``, ``--rest wrapper`` choice or ``--hierarchy flat``; else the parser's
-    usage error."""
-    fixed = [(args.model != BUILTIN, f"--model {args.model}", "the stages are cut from the built-in model"),
-             (args.tp > 1 or args.ep > 1, "--tp / --ep", "one parallel axis at a time"),
-             (args.qk_clip is not None, "--qk-clip", "the PP builder attaches no QK-clip"),
-             (args.mixed_precision is not None, f"--mixed-precision {args.mixed_precision}",
-              "the PP builder runs fp32"),
-             (args.hierarchy == "flat", "--hierarchy flat", "each stage is a 1-D data-parallel slice")]
-    for bad, flag, why in fixed:
-        if bad:
-            parser.error(f"--pp {args.pp} runs without {flag}: {why}.")
-
-
-def _check_cp(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """``--cp C`` (C > 1): the CP workload is the reference CP decoder at the built-in model's
-    size (verify/modes/cp.py), so no ``--model``, ``--tp`` / ``--ep`` / ``--pp``, ``--qk-clip``,
-    ``--mixed-precision``, ``--rest wrapper`` choice or ``--hierarchy flat``; else the parser's
-    usage error."""
-    fixed = [(args.model != BUILTIN, f"--model {args.model}", "the CP decoder is examples/cp_attention.py's"),
-             (args.tp > 1 or args.ep > 1 or args.pp > 1, "--tp / --ep / --pp", "one parallel axis at a time"),
-             (args.qk_clip is not None, "--qk-clip", "the CP builder attaches no QK-clip"),
-             (args.mixed_precision is not None, f"--mixed-precision {args.mixed_precision}",
-              "the CP builder runs fp32"),
-             (args.hierarchy == "flat", "--hierarchy flat", "the CP mesh has no replicate dim")]
-    for bad, flag, why in fixed:
-        if bad:
-            parser.error(f"--cp {args.cp} runs without {flag}: {why}.")
+            parser.error(f"--{axis} {getattr(args, axis)} runs without {flag}: {why}.")
 
 
 def _check_qk_clip(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
