@@ -24,9 +24,9 @@ endif
 TORCH_VENV ?= .venv-torch
 # pytest-xdist workers for the test targets, one test file per worker at a time (module
 # fixtures stay shared): the serial suite leaves about a third of a 2-core machine idle while
-# ranks wait on each other. TEST_WORKERS=0 runs it in one process.
+# ranks wait on each other. TEST_WORKERS=0 runs it in one process (no pytest-xdist needed).
 TEST_WORKERS ?= 2
-XDIST := -n $(TEST_WORKERS) --dist loadfile
+XDIST := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
 
 .PHONY: install gpu-node test-torch test test-all test-torchtitan verify-traffic verify-traffic-full nsys-verify gpu-check bench timeline-png clean
 
