@@ -20,8 +20,8 @@ FSDP2 (``fully_shard(..., ignored_params=set(dm))``), so it comes in at two plac
 
 Gradients follow torchtitan's convention: its loss is each rank's token sum divided by the
 global token count and its FSDP2 units do not divide (``disable_fsdp_gradient_division``),
-so the grads are summed over the data-parallel ranks. DMuon's reduced grads are summed too
-(its average times the number of data-parallel ranks), so clipping sees the same norm.
+so the grads are summed over the data-parallel ranks. DMuon's owners sum too
+(``set_gradient_divide_factor(1)``), so clipping sees the same norm.
 
 Nothing here imports torchtitan at ``import dmuon``; torchtitan is imported when a function
 below runs (pyproject's ``torchtitan`` extra: ``make test-torchtitan`` installs it).
