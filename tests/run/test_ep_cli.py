@@ -14,7 +14,7 @@ import pytest
     (4, ["--ep", "4", "--modes", "dmuon-hsdp-z2"], "HSDP x EP runs on a (2, W/(2E), E) mesh"),
     (4, ["--ep", "2", "--modes", "ddp-muon"], "no expert-parallel variant"),
     (4, ["--ep", "0"], "Invalid --ep 0. Must be >= 1"),
-    (4, ["--ep", "2", "--tp", "2"], "--ep 2 runs without --tp 2"),
+    (4, ["--ep", "2", "--tp", "2"], "--tp 2 and --ep 2 do not run together"),
     (4, ["--ep", "2", "--model", "tiny-moe"], "--ep 2 runs without --model tiny-moe"),
     (4, ["--ep", "2", "--mixed-precision", "bf16"], "--ep 2 runs without --mixed-precision bf16"),
     (4, ["--ep", "2", "--hierarchy", "flat"], "--ep 2 runs without --hierarchy flat"),

@@ -34,7 +34,7 @@ def test_launch_env_sets_nccl_logging_only_for_nccl(tmp_path, monkeypatch):
     (["--tp", "3"], "Invalid --tp 3 at W=2 (--nproc). Must divide W"),
     (["--modes", "dmuon-ddp", "--tp", "2"], "no mode of --modes dmuon-ddp can run with --tp 2 at W=2"),
     (["--hierarchy", "ring"], "argument --hierarchy: invalid choice: 'ring'"),
-    (["--hierarchy", "flat", "--tp", "2"], "--hierarchy flat runs without --tp"),
+    (["--hierarchy", "flat", "--tp", "2"], "--tp 2 runs without --hierarchy flat"),
 ])
 def test_bad_worker_input_is_one_line_and_exit_2_before_torchrun(tmp_path, capsys, args, says):
     from verify.run.launch import main
@@ -74,7 +74,7 @@ def test_usage_problem_checks_tp_before_torchrun(tmp_path, nproc, args, says):
     (4, ["--pp", "3"], "Invalid --pp 3 at W=4 (--nproc). Must divide W and leave W/S >= 2"),
     (4, ["--pp", "4"], "Invalid --pp 4 at W=4 (--nproc)"),  # one rank per stage: no data parallel
     (4, ["--modes", "naive-hsdp", "--pp", "2"], "no pipeline-parallel variant"),
-    (4, ["--pp", "2", "--tp", "2"], "--pp 2 runs without --tp 2"),
+    (4, ["--pp", "2", "--tp", "2"], "--tp 2 and --pp 2 do not run together"),
     (4, ["--pp", "2", "--microbatches", "0"], "Invalid --pp 2 / --microbatches 0"),
     (4, ["--pp", "2", "--microbatches", "3"], "Invalid --microbatches 3 with --pp 2 at W=4: the 8 sequences"),
     (4, ["--pp", "2"], None),  # every mode: the PP-capable ones run
@@ -90,7 +90,7 @@ def test_usage_problem_checks_pp_before_torchrun(tmp_path, nproc, args, says):
     (4, ["--cp", "3"], "Invalid --cp 3 at W=4 (--nproc). Must divide W and leave W/C >= 2"),
     (4, ["--cp", "4"], "Invalid --cp 4 at W=4 (--nproc)"),  # one data-parallel rank
     (4, ["--modes", "naive-hsdp", "--cp", "2"], "no context-parallel variant"),
-    (4, ["--cp", "2", "--pp", "2"], "--pp 2 runs without --cp 2"),
+    (4, ["--cp", "2", "--pp", "2"], "--pp 2 and --cp 2 do not run together"),
     (4, ["--cp", "2", "--mixed-precision", "bf16"], "--cp 2 runs without --mixed-precision bf16"),
     (4, ["--cp", "0"], "Invalid --cp 0. Must be >= 1"),
     (6, ["--cp", "3"], "Invalid --cp 3 at W=6: the 12 sequences of 64 tokens"),  # 3 does not divide 64

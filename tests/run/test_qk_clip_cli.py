@@ -34,7 +34,7 @@ def test_qk_clip_option_parses(argv, want):
     (["--qk-clip", "0"], "Invalid --qk-clip 0.0. Must be a finite threshold > 0"),
     (["--qk-clip", "nan"], "Invalid --qk-clip nan"),
     (["--qk-clip", "--model", "gpt2-small"], "--qk-clip runs the built-in model only"),
-    (["--qk-clip", "--tp", "2"], "--qk-clip runs without --tp"),
+    (["--qk-clip", "--tp", "2"], "--tp 2 runs without --qk-clip"),
     (["--qk-clip", "--modes", "ddp-muon,naive-fsdp2-z2"], "no DMuon mode, so nothing would run the clip"),
     (["--qk-clip", "x"], "argument --qk-clip: invalid float value: 'x'"),
 ])

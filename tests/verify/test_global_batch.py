@@ -33,4 +33,4 @@ def test_verify_main_rejects_a_tp_that_does_not_divide_w_before_any_process_grou
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "4")
     assert verify_main(["--out-dir", str(tmp_path), "--tp", "3"]) == 2
-    assert "Invalid --tp 3 at W=4. Must divide the world size" in capsys.readouterr().err
+    assert "Invalid --tp 3 at W=4. Must divide W, the mesh being (W/T) x T" in capsys.readouterr().err

@@ -101,14 +101,11 @@ def applies(config, mode: str) -> str | None:
     """``None`` where the probe runs for ``mode`` under ``config`` (a ``RunConfig``), else why not."""
     if not mode.startswith("dmuon-"):
         return "not a DMuon mode"
-    if config.tp > 1 or config.ep > 1:
-        return "tensor / expert parallel: the probe is written for whole matrices"
-    if getattr(config, "pp", 1) > 1:
-        return ("pipeline parallel: the probe runs one forward and backward of the whole model "
-                "on every rank, outside a schedule")
-    if getattr(config, "cp", 1) > 1:
-        return ("context parallel: the probe runs one forward and backward of the whole model on "
-                "every rank's whole sequences, without the CP group")
+    from verify.modes.workloads import workload_of  # the modes import this module's callers
+
+    why = workload_of(config).numerics_why  # a parallel workload's params are not whole matrices
+    if why is not None:
+        return why
     if config.mixed_precision is not None:
         return "mixed precision: grads are reduced in the low dtype (another noise floor)"
     if config.qk_clip_tau is not None:

@@ -33,7 +33,8 @@ import dmuon
 from dmuon.ownership.plan import specs_from_named_parameters
 from dmuon.ownership.select import matrix_shapes
 from verify.modes.ep import _MarkInBackward, _Tag
-from verify.traffic.cp import CONTEXT, CP_MODES, CPRunLayout
+from verify.modes.workload import Running, Workload
+from verify.traffic.cp import CONTEXT, CP_MODES, CPRunLayout, cp_skip_reason
 from verify.traffic.predict import dmuon_coalesce_bytes, dmuon_reduce_by_gather, dmuon_uneven_aligned
 from verify.workload.data import ByteCorpus, local_slice
 
@@ -170,3 +171,44 @@ class CPRun:
         self.optimizer.step()
         self.optimizer.zero_grad()
         return loss.item()
+
+
+class CPWorkload(Workload):
+    """``--cp C``: the CP-capable modes on :func:`cp_mesh`, the reference CP decoder at the
+    built-in model's size (:class:`CPRun`; ``verify.modes.workload``)."""
+
+    axes = ("cp",)
+    mesh_text = "(W/C) x C"
+    model_why = "the CP decoder is examples/cp_attention.py's"
+    flat_why = "the CP mesh has no replicate dim"
+    qk_clip_why = "the CP builder attaches no QK-clip"
+    mixed_precision_why = "the CP builder runs fp32"
+    rest = "replicate"
+    numerics_why = ("context parallel: the probe runs one forward and backward of the whole model on "
+                    "every rank's whole sequences, without the CP group")
+    whole_model = False
+
+    def skip_reason(self, mode: str, world_size: int, cfg) -> str | None:
+        return cp_skip_reason(mode, world_size, cfg.cp)
+
+    def mesh_problem(self, world_size: int, cfg, *, global_batch: int, seq_len: int,
+                     where: str = "") -> str | None:
+        cp = cfg.cp
+        if world_size % cp or world_size // cp < 2:
+            return (f"Invalid --cp {cp} at W={world_size}{where}. Must divide W and leave W/C >= 2 "
+                    f"data-parallel ranks: give an --nproc of at least {2 * cp} that {cp} divides.")
+        if global_batch % (world_size // cp) or seq_len % cp:  # rows per rank, C equal parts each
+            return (f"Invalid --cp {cp} at W={world_size}: the {global_batch} sequences of {seq_len} tokens "
+                    f"of a step must split over {world_size // cp} data-parallel ranks and {cp} sequence "
+                    "parts (give --global-batch, or a --cp that divides the sequence length).")
+        return None
+
+    def start(self, mode: str, config, *, make_model, made: list, corpus, global_batch: int) -> Running:
+        from verify.modes.build import ADAMW_LR, MUON_LR, Built
+
+        self.check(config)
+        run = CPRun(mode, config.device, config.cp, corpus=corpus or ByteCorpus.from_stdlib(),
+                    global_batch=global_batch, seq_len=config.seq_len, seed=config.seed,
+                    d_model=config.d_model, n_layers=config.n_layers, n_heads=config.n_heads,
+                    muon_lr=MUON_LR, adamw_lr=ADAMW_LR, coalesce=config.coalesce)
+        return Running(Built(run.model, run.optimizer, run.layout, run.dm), None, run_step=run.step)

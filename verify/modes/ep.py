@@ -29,7 +29,8 @@ import dmuon
 from dmuon import annotate
 from dmuon.ownership.plan import specs_from_named_parameters
 from dmuon.ownership.select import matrix_shapes
-from verify.traffic.ep import ACTIVATIONS, EP_MODES, EPRunLayout
+from verify.modes.workload import Running, Workload
+from verify.traffic.ep import ACTIVATIONS, EP_MODES, EPRunLayout, ep_skip_reason
 from verify.traffic.predict import dmuon_coalesce_bytes, dmuon_reduce_by_gather, dmuon_uneven_aligned
 from verify.workload.data import ByteCorpus, local_slice
 from verify.workload.usermodel import ModelSource
@@ -213,3 +214,40 @@ def build_ep(mode: str, make_model, device: str, ep: int, *, muon_lr: float, ada
         dmuon_uneven_aligned=dmuon_uneven_aligned(backend),
         ep_size=ep, expert_names=experts, ep_layers=recorder.layer_specs())
     return model, opt, layout, dm, recorder
+
+
+class EPWorkload(Workload):
+    """``--ep E``: the EP-capable modes on :func:`ep_mesh`, the reference EP layer's tiny
+    Qwen3-MoE (:func:`ep_source`), DMuon's rest replicated (``verify.modes.workload``)."""
+
+    axes = ("ep",)
+    mesh_text = "(W/E) x E"
+    model_why = "the EP workload is the reference layer's tiny Qwen3-MoE (examples/ep_moe.py)"
+    flat_why = "dedicate_params refuses 'flat' on a mesh with an 'ep' axis"
+    qk_clip_why = "the EP builder attaches no QK-clip"
+    mixed_precision_why = "the EP builder runs fp32"
+    rest = "replicate"
+    numerics_why = "expert parallel: the probe is written for whole matrices"
+    whole_model = False
+
+    def skip_reason(self, mode: str, world_size: int, cfg) -> str | None:
+        return ep_skip_reason(mode, world_size, cfg.ep)
+
+    def mesh_problem(self, world_size: int, cfg, *, global_batch: int, seq_len: int,
+                     where: str = "") -> str | None:
+        if world_size % cfg.ep:
+            return (f"Invalid --ep {cfg.ep} at W={world_size}{where}. Must divide W, the mesh being "
+                    f"(W/E) x E: give an --nproc that {cfg.ep} divides.")
+        return None
+
+    def source(self, config, global_batch: int) -> ModelSource:
+        return ep_source(global_batch=global_batch, seq_len=config.seq_len, seed=config.seed)
+
+    def start(self, mode: str, config, *, make_model, made: list, corpus, global_batch: int) -> Running:
+        from verify.modes.build import ADAMW_LR, MUON_LR, Built
+
+        self.check(config)
+        model, opt, layout, dm, routing = build_ep(mode, make_model, config.device, config.ep,
+                                                   muon_lr=MUON_LR, adamw_lr=ADAMW_LR,
+                                                   coalesce=config.coalesce)
+        return Running(Built(model, opt, layout, dm), made[-1][1], routing=routing)

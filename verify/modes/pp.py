@@ -34,7 +34,8 @@ import dmuon
 from dmuon import annotate
 from dmuon.ownership.plan import specs_from_named_parameters
 from dmuon.ownership.select import matrix_shapes
-from verify.traffic.pp import PIPELINE, PP_MODES, PPRunLayout
+from verify.modes.workload import Running, Workload
+from verify.traffic.pp import PIPELINE, PP_MODES, PPRunLayout, pp_skip_reason
 from verify.traffic.predict import dmuon_coalesce_bytes, dmuon_reduce_by_gather, dmuon_uneven_aligned
 from verify.workload.data import ByteCorpus, local_slice
 
@@ -206,3 +207,44 @@ class PPRun:
         self.optimizer.step()
         self.optimizer.zero_grad()
         return float(torch.stack([v.detach() for v in losses]).mean()) if self.last else None
+
+
+class PPWorkload(Workload):
+    """``--pp S``: the PP-capable modes on :func:`pp_mesh`, the built-in model cut into S
+    stages run by ``Schedule1F1B`` (:class:`PPRun`; ``verify.modes.workload``)."""
+
+    axes = ("pp",)
+    mesh_text = "S x (W/S)"
+    model_why = "the stages are cut from the built-in model"
+    flat_why = "each stage is a 1-D data-parallel slice"
+    qk_clip_why = "the PP builder attaches no QK-clip"
+    mixed_precision_why = "the PP builder runs fp32"
+    rest = "replicate"
+    numerics_why = ("pipeline parallel: the probe runs one forward and backward of the whole model "
+                    "on every rank, outside a schedule")
+    whole_model = False
+
+    def skip_reason(self, mode: str, world_size: int, cfg) -> str | None:
+        return pp_skip_reason(mode, world_size, cfg.pp)
+
+    def mesh_problem(self, world_size: int, cfg, *, global_batch: int, seq_len: int,
+                     where: str = "") -> str | None:
+        pp, m = cfg.pp, cfg.microbatches
+        if world_size % pp or world_size // pp < 2:
+            return (f"Invalid --pp {pp} at W={world_size}{where}. Must divide W and leave W/S >= 2 "
+                    f"data-parallel ranks per stage: give an --nproc of at least {2 * pp} that {pp} divides.")
+        if global_batch % (world_size // pp * m):  # each data-parallel rank's rows in M micro-batches
+            return (f"Invalid --microbatches {m} with --pp {pp} at W={world_size}: the {global_batch} "
+                    f"sequences of a step over {world_size // pp} data-parallel ranks do not split into "
+                    "equal micro-batches. Must divide B/N (give --global-batch or another M).")
+        return None
+
+    def start(self, mode: str, config, *, make_model, made: list, corpus, global_batch: int) -> Running:
+        from verify.modes.build import ADAMW_LR, MUON_LR, Built
+
+        self.check(config)
+        run = PPRun(mode, make_model, config.device, config.pp, config.microbatches,
+                    corpus=corpus or ByteCorpus.from_stdlib(), global_batch=global_batch,
+                    seq_len=config.seq_len, seed=config.seed, muon_lr=MUON_LR, adamw_lr=ADAMW_LR,
+                    coalesce=config.coalesce)
+        return Running(Built(run.model, run.optimizer, run.layout, run.dm), None, run_step=run.step)

@@ -39,9 +39,10 @@ from dmuon.ownership.plan import specs_from_named_parameters
 from dmuon.ownership.select import matrix_shapes, select_params
 from tracer.context import current_phase
 from verify._compat import all_gather_single
-from verify.traffic.tp import TP_MODES, TPRunLayout
+from verify.modes.workload import Running, Workload
+from verify.traffic.tp import TP_MODES, TPRunLayout, tp_skip_reason
 from verify.traffic.predict import dmuon_coalesce_bytes, dmuon_reduce_by_gather, dmuon_uneven_aligned
-from verify.workload.data import local_slice
+from verify.workload.data import ByteCorpus, local_slice
 
 #: The TP plan of the built-in TinyGPT's blocks (module name within a block -> style).
 TP_PLAN = {"mlp.fc1": "colwise", "mlp.fc2": "rowwise"}
@@ -273,3 +274,41 @@ def build_tp(mode: str, make_model: Callable[[], nn.Module], device: str, tp: in
                        mesh["tp"].get_group(), lr=muon_lr)
     adamw = torch.optim.AdamW([p for n_, p in named.items() if n_ not in targets], lr=adamw_lr)
     return model, _Pair(muon, adamw, lambda: muon.ns_calls), layout(fsdp_modules), None
+
+
+class TPWorkload(Workload):
+    """``--tp T``: the TP-capable modes on :func:`tp_mesh`, the built-in model's blocks
+    tensor-parallel (:func:`parallelize_blocks`), the rest under FSDP2 (``verify.modes.workload``)."""
+
+    axes = ("tp",)
+    mesh_text = "(W/T) x T"
+    model_why = "its TP plan is fixed on the built-in model (verify/modes/tp.py)"
+    flat_why = "dedicate_params refuses 'flat' on a mesh with a 'tp' axis; 'auto' is hierarchical there"
+    qk_clip_why = "the TP builder attaches no QK-clip"
+    rest, rest_why = "wrapper", "DMuon does not replicate a tensor-parallel model's rest"
+    numerics_why = "tensor parallel: the probe is written for whole matrices"
+    whole_model = False
+
+    def skip_reason(self, mode: str, world_size: int, cfg) -> str | None:
+        return tp_skip_reason(mode, world_size, cfg.tp)
+
+    def mesh_problem(self, world_size: int, cfg, *, global_batch: int, seq_len: int,
+                     where: str = "") -> str | None:
+        if world_size % cfg.tp:
+            fits = [str(t) for t in range(2, world_size + 1) if world_size % t == 0]
+            return (f"Invalid --tp {cfg.tp} at W={world_size}{where}. Must divide W, the mesh being "
+                    f"(W/T) x T: give --tp {' or '.join(fits) or '1'}, or an --nproc that {cfg.tp} divides.")
+        return None
+
+    def start(self, mode: str, config, *, make_model, made: list, corpus, global_batch: int) -> Running:
+        from verify.modes.build import ADAMW_LR, MUON_LR, Built
+
+        self.check(config)
+        dp = dist.get_world_size() // config.tp
+        model, opt, layout, dm = build_tp(
+            mode, make_model, config.device, config.tp,
+            tokens_per_rank=global_batch // dp * config.seq_len, muon_lr=MUON_LR, adamw_lr=ADAMW_LR,
+            mixed_precision=config.mixed_precision, coalesce=config.coalesce)
+        loss_fn = tp_loss(corpus or ByteCorpus.from_stdlib(), global_batch=global_batch,
+                          seq_len=config.seq_len, seed=config.seed, tp=config.tp)
+        return Running(Built(model, opt, layout, dm), loss_fn, tagging=tp_phase())

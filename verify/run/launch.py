@@ -41,13 +41,10 @@ from tracer.fr.parse import flight_recorder_env
 from verify.run.ci import EXIT_OUTPUT, read_code, record_exit, reserve_exit
 from verify.run.nodes import NODE_FILE, report_elsewhere
 from verify.run.main import EXIT_MISMATCH, EXIT_NO_HARDWARE, EXIT_USAGE, VERDICT_FILE, parse_args
+from verify.modes.workloads import workload_of
 from verify.run.runner import RunConfig
-from verify.traffic.cp import cp_skip_reason
-from verify.traffic.ep import ep_skip_reason
-from verify.traffic.pp import pp_skip_reason
-from verify.traffic.tp import tp_skip_reason
 from verify.workload.data import global_batch_size
-from verify.workload.usermodel import resolve, skip_reasons
+from verify.workload.usermodel import resolve
 
 DEFAULT_CPU_PROCS = 4
 PROG = "verify-traffic"
@@ -272,10 +269,11 @@ def clear_run_outputs(out_dir: Path) -> list[Path]:
 
 def usage_problem(extra: list[str], out_dir: Path, nproc: int) -> str | None:
     """What the workers would refuse before training, checked once here: their arguments
-    (``verify.run.main.parse_args``: flags, ``--modes`` names, step counts), a mode set that
-    cannot run at W = ``nproc``, a ``--tp`` T that does not divide W or with which no mode
-    of the set can run (``verify.traffic.tp.tp_skip_reason``: the TP-capable modes), a
-    ``--global-batch`` that W does not divide, and a ``--model`` that cannot be imported.
+    (``verify.run.main.parse_args``: flags, ``--modes`` names, step counts, parallel degrees
+    that no workload runs together), a ``--global-batch`` that W does not divide, a W that
+    cannot hold the workload's mesh or split its batch (``Workload.mesh_problem``,
+    ``verify.modes.workload``), a mode set of which no mode can run there
+    (``Workload.skip_reason``), and a ``--model`` that cannot be imported.
     Returns one line, or ``None``."""
     err = io.StringIO()
     try:
@@ -284,56 +282,20 @@ def usage_problem(extra: list[str], out_dir: Path, nproc: int) -> str | None:
     except SystemExit:  # argparse's usage line, then "prog: error: ..."
         return err.getvalue().strip().splitlines()[-1].partition("error: ")[2] or err.getvalue().strip()
     modes = args.modes.split(",")
-    at = f"at W={nproc}"
-    if args.cp > 1:  # the workers' mesh is (W/C) x C (verify.modes.cp.cp_mesh)
-        if nproc % args.cp or nproc // args.cp < 2:
-            return (f"Invalid --cp {args.cp} at W={nproc} (--nproc). Must divide W and leave W/C >= 2 "
-                    f"data-parallel ranks: give an --nproc of at least {2 * args.cp} that {args.cp} divides.")
-        try:  # each data-parallel rank's rows, each sequence in C equal parts
-            rows = global_batch_size(nproc, per_rank=RunConfig.batch_per_rank, global_batch=args.global_batch)
-        except ValueError as exc:
-            return str(exc)
-        if rows % (nproc // args.cp) or RunConfig.seq_len % args.cp:
-            return (f"Invalid --cp {args.cp} at W={nproc}: the {rows} sequences of {RunConfig.seq_len} tokens "
-                    f"of a step must split over {nproc // args.cp} data-parallel ranks and {args.cp} sequence "
-                    "parts (give --global-batch, or a --cp that divides the sequence length).")
-        skipped = {m: why for m in modes if (why := cp_skip_reason(m, nproc, args.cp))}
-        at = f"with --cp {args.cp} at W={nproc}"
-    elif args.pp > 1:  # the workers' mesh is S x (W/S) (verify.modes.pp.pp_mesh)
-        if nproc % args.pp or nproc // args.pp < 2:
-            return (f"Invalid --pp {args.pp} at W={nproc} (--nproc). Must divide W and leave W/S >= 2 "
-                    f"data-parallel ranks per stage: give an --nproc of at least {2 * args.pp} that "
-                    f"{args.pp} divides.")
-        try:  # each data-parallel rank's rows split into M equal micro-batches
-            rows = global_batch_size(nproc, per_rank=RunConfig.batch_per_rank, global_batch=args.global_batch)
-        except ValueError as exc:
-            return str(exc)
-        if rows % (nproc // args.pp * args.microbatches):
-            return (f"Invalid --microbatches {args.microbatches} with --pp {args.pp} at W={nproc}: the "
-                    f"{rows} sequences of a step over {nproc // args.pp} data-parallel ranks do not split "
-                    "into equal micro-batches. Must divide B/N (give --global-batch or another M).")
-        skipped = {m: why for m in modes if (why := pp_skip_reason(m, nproc, args.pp))}
-        at = f"with --pp {args.pp} at W={nproc}"
-    elif args.ep > 1:  # the workers' mesh is (W/E) x E (verify.modes.ep.ep_mesh)
-        if nproc % args.ep:
-            return (f"Invalid --ep {args.ep} at W={nproc} (--nproc). Must divide W, the mesh being "
-                    f"(W/E) x E: give an --nproc that {args.ep} divides.")
-        skipped = {m: why for m in modes if (why := ep_skip_reason(m, nproc, args.ep))}
-        at = f"with --ep {args.ep} at W={nproc}"
-    elif args.tp > 1:  # the workers' mesh is (W/T) x T (verify.modes.tp.tp_mesh)
-        if nproc % args.tp:
-            fits = [str(t) for t in range(2, nproc + 1) if nproc % t == 0]
-            return (f"Invalid --tp {args.tp} at W={nproc} (--nproc). Must divide W, the mesh being "
-                    f"(W/T) x T: give --tp {' or '.join(fits) or '1'}, or an --nproc that "
-                    f"{args.tp} divides.")
-        skipped = {m: why for m in modes if (why := tp_skip_reason(m, nproc, args.tp))}
-        at = f"with --tp {args.tp} at W={nproc}"
-    else:
-        skipped = skip_reasons(modes, nproc)
+    workload = workload_of(args)  # parse_args has refused what no workload runs
+    try:
+        rows = global_batch_size(nproc, per_rank=RunConfig.batch_per_rank, global_batch=args.global_batch)
+    except ValueError as exc:
+        return str(exc)
+    problem = workload.mesh_problem(nproc, args, global_batch=rows, seq_len=RunConfig.seq_len,
+                                    where=" (--nproc)")
+    if problem is not None:
+        return problem
+    skipped = workload.skip_reasons(modes, nproc, args)
+    at = f"with {workload.flags(args)} at W={nproc}" if workload.axes else f"at W={nproc}"
     if len(skipped) == len(modes):
         return f"no mode of --modes {args.modes} can run {at}: {'; '.join(sorted(set(skipped.values())))}"
     try:
-        global_batch_size(nproc, per_rank=RunConfig.batch_per_rank, global_batch=args.global_batch)
         resolve(args.model)
     except ValueError as exc:
         return str(exc)

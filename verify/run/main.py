@@ -30,11 +30,12 @@ from verify.run.failstop import Board, exit_now, watch_sigterm
 from verify.run.nodes import node_map, this_node, write_node_file
 from verify.run.groups import init_kwargs
 from verify.measure.qk_clip import DEFAULT_TAU as QK_CLIP_DEFAULT_TAU
+from verify.modes.workloads import workload_of
 from verify.run.runner import RunConfig, run_all, runnable_modes
 from verify.traffic.variants import RUN_MODES as MODES  # modes and their variants
 from verify.traffic.variants import split_mode
 from verify.traffic.predict import DMUON_HIERARCHIES
-from verify.workload.usermodel import BUILTIN, skip_reasons
+from verify.workload.usermodel import BUILTIN
 
 #: Exit codes: every check passed; a check failed; bad input (``EXIT_USAGE``, before training);
 #: missing hardware (the launcher's, ``--backend nccl`` without a GPU).
@@ -127,30 +128,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.baseline is not None and not Path(args.baseline).is_file():
         parser.error(f"Invalid --baseline {args.baseline}: no such file. Must be a file written "
                      "by --write-baseline.")
-    if args.ep < 1:
-        parser.error(f"Invalid --ep {args.ep}. Must be >= 1 (1: no expert parallelism).")
-    if args.tp < 1:
-        parser.error(f"Invalid --tp {args.tp}. Must be >= 1 (1: no tensor parallelism).")
-    if args.tp > 1 and args.model != BUILTIN:
-        parser.error("--tp > 1 runs the built-in model only (its TP plan is fixed: "
-                     "verify/modes/tp.py).")
-    if args.tp > 1 and args.hierarchy == "flat":
-        parser.error("--hierarchy flat runs without --tp (dedicate_params refuses 'flat' on a mesh "
-                     "with a 'tp' axis; 'auto' is hierarchical there).")
-    if args.tp > 1 and args.rest != "wrapper":
-        parser.error("--rest replicate runs without --tp (DMuon does not replicate a tensor-"
-                     "parallel model's rest; dedicate_params refuses it on a mesh with a 'tp' axis).")
-    if args.ep > 1:
-        _check_axis(parser, args, "ep")
-    if args.pp < 1 or args.microbatches < 1:
+    if args.microbatches < 1:
         parser.error(f"Invalid --pp {args.pp} / --microbatches {args.microbatches}. Must be >= 1 "
-                     "(--pp 1: no pipeline parallelism).")
-    if args.pp > 1:
-        _check_axis(parser, args, "pp")
-    if args.cp < 1:
-        parser.error(f"Invalid --cp {args.cp}. Must be >= 1 (--cp 1: no context parallelism).")
-    if args.cp > 1:
-        _check_axis(parser, args, "cp")
+                     "(the schedule's micro-batches per step).")
+    try:  # the workload the parallel degrees select (verify.modes.workload), and what it fixes
+        problem = workload_of(args).usage_problem(args)
+    except ValueError as exc:
+        problem = str(exc)
+    if problem is not None:
+        parser.error(problem)
     unknown = [m for m in args.modes.split(",") if m not in MODES]
     if unknown:
         parser.error(f"Invalid --modes entries {unknown}. Must be among {list(MODES)}.")
@@ -161,46 +147,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-#: The workload each single-axis run builds (verify/modes/<axis>.py): why it takes no
-#: ``--model`` and why no ``--hierarchy flat``. Each also runs fp32 without QK-clip.
-_AXIS_WORKLOADS = {
-    "ep": ("the EP workload is the reference layer's tiny Qwen3-MoE (examples/ep_moe.py)",
-           "dedicate_params refuses 'flat' on a mesh with an 'ep' axis"),
-    "pp": ("the stages are cut from the built-in model", "each stage is a 1-D data-parallel slice"),
-    "cp": ("the CP decoder is examples/cp_attention.py's", "the CP mesh has no replicate dim"),
-}
-
-
-def _check_axis(parser: argparse.ArgumentParser, args: argparse.Namespace, axis: str) -> None:
-    """``--ep`` / ``--pp`` / ``--cp`` > 1: that axis's workload is fixed (``_AXIS_WORKLOADS``),
-    so no ``--model``, other parallel axis, ``--qk-clip``, ``--mixed-precision`` or
-    ``--hierarchy flat``; else the parser's usage error naming the flag and why."""
-    model_why, flat_why = _AXIS_WORKLOADS[axis]
-    others = [f"--{a} {getattr(args, a)}" for a in ("tp", "ep", "pp", "cp")
-              if a != axis and getattr(args, a) > 1]
-    fixed = [(args.model != BUILTIN, f"--model {args.model}", model_why),
-             (bool(others), " / ".join(others), "one parallel axis at a time"),
-             (args.qk_clip is not None, "--qk-clip", f"the {axis.upper()} builder attaches no QK-clip"),
-             (args.mixed_precision is not None, f"--mixed-precision {args.mixed_precision}",
-              f"the {axis.upper()} builder runs fp32"),
-             (args.hierarchy == "flat", "--hierarchy flat", flat_why)]
-    for bad, flag, why in fixed:
-        if bad:
-            parser.error(f"--{axis} {getattr(args, axis)} runs without {flag}: {why}.")
-
-
 def _check_qk_clip(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """``--qk-clip TAU``: a finite TAU > 0, the built-in model, no ``--tp``, and a DMuon mode
-    in ``--modes`` (the only modes that run the clip); else the parser's usage error."""
+    """``--qk-clip TAU``: a finite TAU > 0, the built-in model, and a DMuon mode in ``--modes`` (the only modes that run the clip); else the parser's usage error."""
     if not 0 < args.qk_clip < float("inf"):
         parser.error(f"Invalid --qk-clip {args.qk_clip}. Must be a finite threshold > 0 on the "
                      f"pre-softmax logit (e.g. {QK_CLIP_DEFAULT_TAU}, the default).")
     if args.model != BUILTIN:
         parser.error(f"--qk-clip runs the built-in model only (--model {BUILTIN}): the harness "
                      "reads q and k from its attention (verify/measure/qk_clip.py).")
-    if args.tp > 1:
-        parser.error("--qk-clip runs without --tp (the TP modes' builder, verify/modes/tp.py, "
-                     "attaches no QK-clip yet).")
     if not any(split_mode(m)[0].startswith("dmuon-") for m in args.modes.split(",")):
         parser.error(f"--qk-clip with --modes {args.modes}: no DMuon mode, so nothing would run "
                      "the clip. Add a dmuon-* mode (the baselines have no QK-clip).")
@@ -214,25 +168,14 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USAGE
     world = int(os.environ.get("WORLD_SIZE", "1"))
     try:  # every rank checks the same thing before any collective
-        global_batch_size(world, per_rank=RunConfig.batch_per_rank, global_batch=args.global_batch)
+        rows = global_batch_size(world, per_rank=RunConfig.batch_per_rank, global_batch=args.global_batch)
     except ValueError as exc:
         print(f"dmuon-verify-traffic: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    if world % args.ep:  # the mesh is (W/E) x E (the launcher checks this before torchrun too)
-        print(f"dmuon-verify-traffic: Invalid --ep {args.ep} at W={world}. Must divide the world "
-              "size: the mesh is (W/E) x E.", file=sys.stderr)
-        return EXIT_USAGE
-    if world % args.pp or (args.pp > 1 and world // args.pp < 2):  # the mesh is S x (W/S)
-        print(f"dmuon-verify-traffic: Invalid --pp {args.pp} at W={world}. Must divide the world "
-              "size and leave W/S >= 2: the mesh is S x (W/S).", file=sys.stderr)
-        return EXIT_USAGE
-    if world % args.cp or (args.cp > 1 and world // args.cp < 2):  # the mesh is (W/C) x C
-        print(f"dmuon-verify-traffic: Invalid --cp {args.cp} at W={world}. Must divide the world "
-              "size and leave W/C >= 2: the mesh is (W/C) x C.", file=sys.stderr)
-        return EXIT_USAGE
-    if world % args.tp:  # the mesh is (W/T) x T (the launcher checks this before torchrun too)
-        print(f"dmuon-verify-traffic: Invalid --tp {args.tp} at W={world}. Must divide the world "
-              "size: the mesh is (W/T) x T.", file=sys.stderr)
+    workload = workload_of(args)
+    problem = workload.mesh_problem(world, args, global_batch=rows, seq_len=RunConfig.seq_len)
+    if problem is not None:  # the launcher checks this before torchrun too
+        print(f"dmuon-verify-traffic: {problem}", file=sys.stderr)
         return EXIT_USAGE
     use_cuda = args.backend == "nccl" or (args.backend == "auto" and torch.cuda.is_available())
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -254,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
         model=args.model,
         mixed_precision=args.mixed_precision,
         coalesce=args.coalesce,
-        rest="replicate" if args.ep > 1 or args.pp > 1 or args.cp > 1 else args.rest,  # modes/ep, pp, cp
+        rest=workload.rest or args.rest,  # the rest a workload runs (EP, PP, CP: replicated)
         hierarchy=args.hierarchy,
         tp=args.tp,
         qk_clip_tau=args.qk_clip,
@@ -268,24 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     modes = runnable_modes(config, dist.get_world_size())
     bar = None
     if rank == 0:
-        if config.cp > 1:  # context parallel: verify.traffic.cp.cp_skip_reason
-            from verify.traffic.cp import cp_skip_reason
-
-            reasons = {m: cp_skip_reason(m, dist.get_world_size(), config.cp) for m in config.modes}
-        elif config.pp > 1:  # pipeline parallel: verify.traffic.pp.pp_skip_reason
-            from verify.traffic.pp import pp_skip_reason
-
-            reasons = {m: pp_skip_reason(m, dist.get_world_size(), config.pp) for m in config.modes}
-        elif config.ep > 1:  # expert parallel: verify.traffic.ep.ep_skip_reason
-            from verify.traffic.ep import ep_skip_reason
-
-            reasons = {m: ep_skip_reason(m, dist.get_world_size(), config.ep) for m in config.modes}
-        elif config.tp > 1:  # tensor parallel: verify.traffic.tp.tp_skip_reason
-            from verify.traffic.tp import tp_skip_reason
-
-            reasons = {m: tp_skip_reason(m, dist.get_world_size(), config.tp) for m in config.modes}
-        else:
-            reasons = skip_reasons(config.modes, dist.get_world_size())
+        reasons = workload.skip_reasons(config.modes, dist.get_world_size(), config)
         for mode, why in reasons.items():
             if why:
                 print(f"skipping {mode}: {why}", flush=True)

@@ -65,6 +65,7 @@ from verify.compare import compare_run
 from verify.measure.compute_spans import BlockCompute
 from verify.workload.data import ByteCorpus, global_batch_size
 from verify.modes.build import build
+from verify.modes.workloads import workload_of
 from verify.run.groups import ModeScope
 from verify.run.failstop import COLLECT_S, Board, stopped_failures, stopped_report
 from verify.run.nodes import node_traffic, own_chunks
@@ -86,7 +87,6 @@ from verify.workload.usermodel import (
     ModelSource,
     check_loss,
     resolve,
-    skip_reasons,
     validate_source,
 )
 
@@ -165,24 +165,9 @@ class RunConfig:
 
 
 def runnable_modes(config: RunConfig, world_size: int) -> list[str]:
-    """The modes of ``config`` this world size can run (``verify.workload.usermodel.skip_reasons``)."""
-    skipped = skip_reasons(config.modes, world_size)
-    if config.cp > 1:  # CP (verify.modes.cp): only the CP-capable modes
-        from verify.traffic.cp import cp_skip_reason
-
-        return [m for m in config.modes if cp_skip_reason(m, world_size, config.cp) is None]
-    if config.pp > 1:  # PP (verify.modes.pp): only the PP-capable modes
-        from verify.traffic.pp import pp_skip_reason
-
-        return [m for m in config.modes if pp_skip_reason(m, world_size, config.pp) is None]
-    if config.ep > 1:  # EP (verify.modes.ep): only the EP-capable modes
-        from verify.traffic.ep import ep_skip_reason
-
-        return [m for m in config.modes if ep_skip_reason(m, world_size, config.ep) is None]
-    if config.tp > 1:  # TP (verify.modes.tp): only the TP-capable modes
-        from verify.traffic.tp import tp_skip_reason
-
-        return [m for m in config.modes if tp_skip_reason(m, world_size, config.tp) is None]
+    """The modes of ``config`` this world size can run under its workload
+    (``verify.modes.workload``)."""
+    skipped = workload_of(config).skip_reasons(config.modes, world_size, config)
     return [m for m in config.modes if m not in skipped]
 
 
@@ -322,13 +307,10 @@ def _fr_steps(read, window: list, marks_ns: list[int], steps_warmup: int) -> dic
 def _source(config: RunConfig, corpus: ByteCorpus | None) -> ModelSource:
     batch = global_batch_size(dist.get_world_size(), per_rank=config.batch_per_rank,
                               global_batch=config.global_batch)
-    if config.ep > 1:  # the reference EP layer's model (verify.modes.ep)
-        from verify.modes.ep import ep_source
-
-        return ep_source(global_batch=batch, seq_len=config.seq_len, seed=config.seed)
-    return resolve(config.model, corpus=corpus, global_batch=batch,
-                   seq_len=config.seq_len, d_model=config.d_model, n_layers=config.n_layers,
-                   n_heads=config.n_heads, seed=config.seed)
+    own = workload_of(config).source(config, batch)  # a workload's own model (EP's)
+    return own if own is not None else resolve(
+        config.model, corpus=corpus, global_batch=batch, seq_len=config.seq_len, d_model=config.d_model,
+        n_layers=config.n_layers, n_heads=config.n_heads, seed=config.seed)
 
 
 def _train_mode(mode: str, config: RunConfig, corpus: ByteCorpus, progress,
@@ -345,101 +327,13 @@ def _train_mode(mode: str, config: RunConfig, corpus: ByteCorpus, progress,
         made.append(source.factory())
         return made[-1][0]
 
-    tagging = contextlib.nullcontext()
-    routing = None  # EP: the harness's routing recorder (verify.modes.ep)
-    run_step = None  # PP: the schedule's step (verify.modes.pp); CP: verify.modes.cp's step
-    if config.cp > 1:
-        if (config.tp, config.ep, config.pp, config.qk_clip_tau, config.mixed_precision, config.model) != (
-                1, 1, 1, None, None, BUILTIN):
-            raise ValueError(f"Invalid RunConfig with cp={config.cp}: tp={config.tp}, ep={config.ep}, "
-                             f"pp={config.pp}, qk_clip_tau={config.qk_clip_tau!r}, "
-                             f"mixed_precision={config.mixed_precision!r}, model={config.model!r}. Must be "
-                             "tp=ep=pp=1, no QK-clip, fp32, the built-in model's size (verify/modes/cp.py).")
-        from verify.modes import cp as cp_modes
-        from verify.modes.build import ADAMW_LR, MUON_LR, Built
-
-        cp_run = cp_modes.CPRun(
-            mode, config.device, config.cp, corpus=corpus or ByteCorpus.from_stdlib(),
-            global_batch=global_batch_size(dist.get_world_size(), per_rank=config.batch_per_rank,
-                                           global_batch=config.global_batch),
-            seq_len=config.seq_len, seed=config.seed, d_model=config.d_model, n_layers=config.n_layers,
-            n_heads=config.n_heads, muon_lr=MUON_LR, adamw_lr=ADAMW_LR, coalesce=config.coalesce)
-        built = Built(cp_run.model, cp_run.optimizer, cp_run.layout, cp_run.dm)
-        if scope is not None and cp_run.dm is not None:
-            scope.adopt(cp_run.dm)
-        loss_fn = None
-        run_step = cp_run.step
-    elif config.pp > 1:
-        if (config.tp, config.ep, config.qk_clip_tau, config.mixed_precision, config.model) != (
-                1, 1, None, None, BUILTIN):
-            raise ValueError(f"Invalid RunConfig with pp={config.pp}: tp={config.tp}, ep={config.ep}, "
-                             f"qk_clip_tau={config.qk_clip_tau!r}, mixed_precision={config.mixed_precision!r}, "
-                             f"model={config.model!r}. Must be tp=1, ep=1, no QK-clip, fp32, the "
-                             "built-in model (verify/modes/pp.py).")
-        from verify.modes import pp as pp_modes
-        from verify.modes.build import ADAMW_LR, MUON_LR, Built
-
-        pp_run = pp_modes.PPRun(
-            mode, make_model, config.device, config.pp, config.microbatches,
-            corpus=corpus or ByteCorpus.from_stdlib(),
-            global_batch=global_batch_size(dist.get_world_size(), per_rank=config.batch_per_rank,
-                                           global_batch=config.global_batch),
-            seq_len=config.seq_len, seed=config.seed, muon_lr=MUON_LR, adamw_lr=ADAMW_LR,
-            coalesce=config.coalesce)
-        built = Built(pp_run.model, pp_run.optimizer, pp_run.layout, pp_run.dm)
-        if scope is not None and pp_run.dm is not None:
-            scope.adopt(pp_run.dm)
-        loss_fn = None
-        run_step = pp_run.step
-    elif config.ep > 1:
-        if (config.rest, config.tp, config.qk_clip_tau, config.mixed_precision) != ("replicate", 1, None, None) \
-                or config.hierarchy == "flat":
-            raise ValueError(f"Invalid RunConfig with ep={config.ep}: rest={config.rest!r}, "
-                             f"tp={config.tp}, qk_clip_tau={config.qk_clip_tau!r}, mixed_precision="
-                             f"{config.mixed_precision!r}, hierarchy={config.hierarchy!r}. Must be "
-                             "rest='replicate', tp=1, no QK-clip, fp32, not flat (verify/modes/ep.py).")
-        from verify.modes import ep as ep_modes
-        from verify.modes.build import ADAMW_LR, MUON_LR, Built
-
-        ep_model, ep_opt, ep_layout, ep_dm, routing = ep_modes.build_ep(
-            mode, make_model, config.device, config.ep, muon_lr=MUON_LR, adamw_lr=ADAMW_LR,
-            coalesce=config.coalesce)
-        built = Built(ep_model, ep_opt, ep_layout, ep_dm)
-        if scope is not None:
-            scope.adopt(ep_dm)
-        loss_fn = made[-1][1]
-    elif config.tp > 1:  # tensor parallel (verify.modes.tp)
-        if config.qk_clip_tau is not None:
-            raise ValueError(f"Invalid qk_clip_tau={config.qk_clip_tau!r} with tp={config.tp}. "
-                             "Must be None under TP: the TP builder runs no QK-clip yet.")
-        if config.rest != "wrapper":
-            raise ValueError(f"Invalid rest={config.rest!r} with tp={config.tp}. Must be 'wrapper' "
-                             "under TP (dedicate_params refuses rest='replicate' on a 'tp' mesh).")
-        if config.hierarchy == "flat":
-            raise ValueError(f"Invalid hierarchy='flat' with tp={config.tp}. Must be 'auto' or "
-                             "'hierarchical' under TP (dedicate_params refuses 'flat' on a 'tp' mesh).")
-        from verify.modes import tp as tp_modes
-        from verify.modes.build import ADAMW_LR, MUON_LR, Built
-
-        batch = global_batch_size(dist.get_world_size(), per_rank=config.batch_per_rank,
-                                  global_batch=config.global_batch)
-        dp = dist.get_world_size() // config.tp
-        tp_model, tp_opt, tp_layout, tp_dm = tp_modes.build_tp(
-            mode, make_model, config.device, config.tp,
-            tokens_per_rank=batch // dp * config.seq_len, muon_lr=MUON_LR, adamw_lr=ADAMW_LR,
-            mixed_precision=config.mixed_precision, coalesce=config.coalesce)
-        built = Built(tp_model, tp_opt, tp_layout, tp_dm)
-        if scope is not None and tp_dm is not None:
-            scope.adopt(tp_dm)
-        loss_fn = tp_modes.tp_loss(corpus or ByteCorpus.from_stdlib(), global_batch=batch,
-                                   seq_len=config.seq_len, seed=config.seed, tp=config.tp)
-        tagging = tp_modes.tp_phase()
-    else:
-        built = build(mode, make_model, config.device, config.mixed_precision, config.coalesce,
-                      config.rest, config.hierarchy, qk_clip_tau=config.qk_clip_tau)
-        if scope is not None and built.dedicated is not None:
-            scope.adopt(built.dedicated)
-        loss_fn = made[-1][1]
+    workload = workload_of(config)
+    running = workload.start(mode, config, make_model=make_model, made=made, corpus=corpus,
+                             global_batch=global_batch_size(dist.get_world_size(), per_rank=config.batch_per_rank,
+                                                            global_batch=config.global_batch))
+    built, loss_fn, run_step, routing = running.built, running.loss_fn, running.run_step, running.routing
+    if scope is not None and built.dedicated is not None:
+        scope.adopt(built.dedicated)
     model, opt = built.model, built.optimizer
     out = Path(config.out_dir) / mode
     losses, step_bounds, step_times, clipped = [], [], [], []
@@ -450,12 +344,12 @@ def _train_mode(mode: str, config: RunConfig, corpus: ByteCorpus, progress,
     blocks = blocks_of(built.dedicated.names) if built.dedicated is not None else ()
     recorder = BlockOrderRecorder(bare_model(model), blocks, built.layout.fsdp_modules)
     meter = None  # DMuon's bytes at every hook (verify.measure.memory_meter), 1-D / HSDP only
-    if built.dedicated is not None and config.tp == 1 and config.ep == 1 and config.pp == 1 and config.cp == 1:
+    if built.dedicated is not None and workload.whole_model:
         meter = MemoryMeter(bare_model(model), built.dedicated, config.device).attach(opt)
     ns_before = 0
     marks_ns = []  # every step's start, then the last one's end: system clock, as FR's
     try:
-        with tagging:
+        with running.tagging:
             for step in range(config.steps_warmup + config.steps_measured):
                 marks_ns.append(time.time_ns())
                 if step == config.steps_warmup:
@@ -529,8 +423,7 @@ def _after_window(mode: str, config: RunConfig, built, loss_fn, make_model, fres
     step = config.steps_warmup + config.steps_measured
     if not config.numerics:
         return {}
-    if mode == numerics.REFERENCE_MODE and config.tp == 1 and config.ep == 1 and config.pp == 1 \
-            and config.cp == 1:
+    if mode == numerics.REFERENCE_MODE and workload_of(config).whole_model:
         return {"probe_loss": loss_step(built.model, built.optimizer, loss_fn, dist.get_rank(), step)}
     if numerics.applies(config, mode) is not None:
         return {}
@@ -730,22 +623,7 @@ def _loss_checks(runs: list[dict], config: RunConfig, source: ModelSource, world
 
 def _skipped(config: RunConfig, world: int) -> dict[str, str]:
     """``{mode: reason}`` of the modes of ``config`` that did not run at W = ``world``."""
-    if config.pp > 1:
-        from verify.traffic.pp import pp_skip_reason
-
-        reasons = {m: pp_skip_reason(m, world, config.pp) for m in config.modes}
-        return {m: why for m, why in reasons.items() if why}
-    if config.ep > 1:
-        from verify.traffic.ep import ep_skip_reason
-
-        reasons = {m: ep_skip_reason(m, world, config.ep) for m in config.modes}
-        return {m: why for m, why in reasons.items() if why}
-    if config.tp > 1:
-        from verify.traffic.tp import tp_skip_reason
-
-        reasons = {m: tp_skip_reason(m, world, config.tp) for m in config.modes}
-        return {m: why for m, why in reasons.items() if why}
-    return skip_reasons(config.modes, world)
+    return workload_of(config).skip_reasons(config.modes, world, config)
 
 
 def _finite(x: float) -> float | None:
