@@ -30,11 +30,17 @@ XDIST := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
 
 .PHONY: install gpu-node test-torch test test-all test-torchtitan verify-traffic verify-traffic-full nsys-verify gpu-check bench timeline-png clean
 
+# pyproject's pinned `torchtitan` extra, installed without torchtitan's own requirements
+# (10 s here): the suite trains torchtitan's llama3 with DMuon (tests/distributed/parity/
+# test_torchtitan.py, skipped where it is missing, e.g. an offline GPU node).
+TORCHTITAN_PKGS = $$($(PY) -c "import tomllib; print(' '.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['torchtitan']))")
+
 $(VENV)/.installed-$(TORCH_VERSION): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet torch==$(TORCH_VERSION)
 	$(PY) -m pip install --quiet -e '.[$(EXTRAS)]'
+	$(PY) -m pip install --quiet --no-deps $(TORCHTITAN_PKGS)
 	touch $@
 
 # pyproject.toml changed since `make gpu-node`: redo it over the same Python.
@@ -57,11 +63,10 @@ test: $(STAMP)
 test-all: $(STAMP)
 	$(PY) -m pytest $(XDIST) -m ''
 
-# DMuon as torchtitan's optimizer, on torchtitan itself: installs pyproject's pinned
-# `torchtitan` extra without torchtitan's own requirements (10 s here), then runs its test
-# (30 s to a minute at W = 4 on gloo; skipped by `make test` where torchtitan is missing).
+# DMuon as torchtitan's optimizer, on torchtitan itself: every case, the slow ones too (about
+# 2 minutes at W = 4 on gloo); installs the pinned extra where `make gpu-node` made the venv.
 test-torchtitan: $(STAMP)
-	$(PY) -m pip install --quiet --no-deps $$($(PY) -c "import tomllib; print(' '.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['torchtitan']))")
+	$(PY) -m pip install --quiet --no-deps $(TORCHTITAN_PKGS)
 	$(PY) -m pytest -m '' tests/distributed/parity/test_torchtitan.py tests/dmuon/test_torchtitan_dims.py
 
 # verify-traffic, nsys-verify and gpu-check write their exit code to <out>/exit_code and print

@@ -13,14 +13,18 @@ undeclared (every Muon matrix misses the oracle).
 Measured on a 2-core AMD EPYC: DMuon 1.8 % and 6.2 % of the displacement after steps 1 and 2
 on dp_shard 2 x tp 2 (bounds 14 % and 33 %), 3.3 % after step 2 on dp_replicate 2 x dp_shard 2
 (bound 18 %); the grad norm 1.6e-7 off the oracle's (bound 3.8e-6); the mapping's control 80 %
-and 83 % (bounds 10 % and 18 %). 30 s to a minute in all (importing torchtitan takes 10-20 s per
-process), so ``slow``."""
+and 83 % (bounds 10 % and 18 %).
+
+``make test`` runs dp_shard 2 x tp 2 (about 30 s: importing torchtitan takes 10-20 s per
+process); the other layout and the controls are ``slow`` (``make test-torchtitan`` runs them
+all). The ranks are a pool of this module's own, so torchtitan is imported into no process
+the other tests share."""
 
 import importlib.util
 
 import pytest
 
-pytestmark = [pytest.mark.distributed, pytest.mark.slow,
+pytestmark = [pytest.mark.distributed,
               pytest.mark.skipif(importlib.util.find_spec("torchtitan") is None,
                                  reason="torchtitan is not installed: `make test-torchtitan` "
                                         "installs pyproject's pinned 'torchtitan' extra and runs "
@@ -28,6 +32,14 @@ pytestmark = [pytest.mark.distributed, pytest.mark.slow,
 
 TIMEOUT_S = 240
 STEPS = 2
+
+
+@pytest.fixture(scope="module")
+def titan_pool4():
+    """4 gloo ranks of this module's own (module docstring), closed after its last test."""
+    from tests.distributed.harness import DistributedPool
+    with DistributedPool(4, timeout_s=TIMEOUT_S) as pool:
+        yield pool
 
 
 @pytest.fixture(scope="module")
@@ -46,10 +58,11 @@ def _oracle(T, init: dict) -> dict:
     return ref
 
 
-@pytest.mark.parametrize("layout", ["dp_shard2_tp2", "dp_replicate2_dp_shard2"])
-def test_torchtitan_llama3_trains_like_single_process_muon(pool4, T, layout):
+@pytest.mark.parametrize("layout", ["dp_shard2_tp2", pytest.param("dp_replicate2_dp_shard2",
+                                                                   marks=pytest.mark.slow)])
+def test_torchtitan_llama3_trains_like_single_process_muon(titan_pool4, T, layout):
     from tests.distributed import noise_floor as NF
-    results = pool4.run_with_timeout(TIMEOUT_S, T.train, STEPS, layout)
+    results = titan_pool4.run_with_timeout(TIMEOUT_S, T.train, STEPS, layout)
     r0 = results[0]
     for r in results[1:]:  # torchtitan's init, the same seed: one model on every rank
         assert all(r["init"][n].equal(t) for n, t in r0["init"].items())
@@ -74,21 +87,23 @@ def test_torchtitan_llama3_trains_like_single_process_muon(pool4, T, layout):
             r0["norms"][k], oracle["norms"][k], str(nf))
 
 
-def test_control_averaged_grads_miss_the_oracles_norm(pool4, T):
+@pytest.mark.slow
+def test_control_averaged_grads_miss_the_oracles_norm(titan_pool4, T):
     """The control: DMuon averages its grads (its default) while torchtitan's FSDP2 sums the
     rest's: the clip norm torchtitan measures lands beyond the bound at every step."""
-    results = pool4.run_with_timeout(TIMEOUT_S, T.train, STEPS, "dp_shard2_tp2", False)
+    results = titan_pool4.run_with_timeout(TIMEOUT_S, T.train, STEPS, "dp_shard2_tp2", False)
     oracle = _oracle(T, results[0]["init"])
     for k, nf in enumerate(oracle["norm_floors"]):
         assert abs(results[0]["norms"][k] - oracle["norms"][k]) / oracle["norms"][k] > nf.bound
 
 
-def test_control_replicate_dim_undeclared_misses_the_oracle(pool4, T):
+@pytest.mark.slow
+def test_control_replicate_dim_undeclared_misses_the_oracle(titan_pool4, T):
     """The control of the mesh mapping: ``dp_replicate`` left undeclared (model parallel), each
     replica steps its matrices on its half of the batch; every Muon matrix lands beyond the
     bound at every step."""
     from tests.distributed import noise_floor as NF
-    results = pool4.run_with_timeout(TIMEOUT_S, T.train, STEPS, "dp_replicate2_dp_shard2",
+    results = titan_pool4.run_with_timeout(TIMEOUT_S, T.train, STEPS, "dp_replicate2_dp_shard2",
                                      True, False)
     oracle = _oracle(T, results[0]["init"])
     for k, floor in enumerate(oracle["floors"]):
