@@ -107,6 +107,23 @@ def test_every_committed_baseline_is_of_another_run():
     assert keys and len(set(keys)) == len(keys)
 
 
+def test_every_committed_baseline_is_found_for_a_run_of_today_with_its_key():
+    """A run of today's harness has every knob in its config, at its default where the file
+    predates the knob (``ep``, ``pp``, ``microbatches``, ``cp``): the lookup must still find
+    the file written from that run (it used to fall back to the default baseline, and the
+    full profile's TP / EP / bf16 runs went uncompared)."""
+    from verify.report import baseline as bl
+
+    outer = ("world_size", "backend", "model", "torch")
+    for path in sorted(bl.BASELINES_DIR.glob("*.json")):
+        key = read_baseline(path)["key"]
+        config = {**bl._PREDATED, **{k: (bl._PREDATED.get(k) if v is None else v)
+                                     for k, v in key.items() if k not in outer}}
+        report = {"world_size": key["world_size"], "backend": key["backend"], "model": key["model"],
+                  "torch_version": key["torch"] + ".0", "config": config}
+        assert bl.committed_baseline(report) == path, path.name
+
+
 def test_baseline_of_another_run_skips_by_default_fails_when_explicit():
     base = make_baseline(_report())
     other = _report()
