@@ -225,19 +225,30 @@ class EPRunLayout(RunLayout):
                               part_owner=tuple(self.expert_plan().owner.items()))
 
     def kept_block(self) -> str | None:
-        """The unit Z3 keeps (both kinds): the last block of the merged order; ``None`` under Z2."""
-        if not self.reshard_after_forward or not self.muon_names:
-            return None
-        model = dmuon_model_blocks(self.muon_specs())
-        return dmuon_block_sequence(model, self.dmuon_block_order)[-1]
+        """The unit Z3 keeps (both kinds): :func:`merged_kept_block`."""
+        return merged_kept_block(self)
+
+    def ep_groups(self) -> list[list[int]]:
+        """The EP groups ``(r, s, ·)``, world ranks in e order: E consecutive ranks each."""
+        e = self.ep_size
+        return [list(range(base, base + e)) for base in range(0, self.world_size, e)]
 
 
-def _part_calls(layout: EPRunLayout, part: _PlannedLayout) -> list[Expected]:
+def merged_kept_block(layout: RunLayout) -> str | None:
+    """The unit Z3 keeps when a block's params move over two columns (both kinds share the
+    block's unit): the last block of the merged order (the recorded block order, else model
+    order) of all of ``layout``'s Muon params; ``None`` under Z2."""
+    if not layout.reshard_after_forward or not layout.muon_names:
+        return None
+    model = dmuon_model_blocks(layout.muon_specs())
+    return dmuon_block_sequence(model, layout.dmuon_block_order)[-1]
+
+
+def _part_calls(kept: str | None, part: RunLayout) -> list[Expected]:
     """The plain prediction of ``part``; under Z3 the plain rule keeps the part's own last
-    unit, so where that is not the merged kept unit (:meth:`EPRunLayout.kept_block`) its
+    unit, so where that is not the merged kept unit ``kept`` (:func:`merged_kept_block`) its
     forward broadcasts are repeated in backward."""
     calls = predict_step(part)
-    kept = layout.kept_block()
     specs = part.muon_specs()
     if kept is None or not specs:
         return calls
@@ -250,16 +261,30 @@ def _part_calls(layout: EPRunLayout, part: _PlannedLayout) -> list[Expected]:
     return calls + again
 
 
+def ep_part_calls(kept: str | None, dense: RunLayout, expert: RunLayout, e_size: int,
+                  to_world=None) -> list[Expected]:
+    """DMuon's calls of one step of the two parts of an EP mesh (module docstring): ``dense``'s
+    on its ``(R, N·E)`` ranks, ``expert``'s on its ``(R, N)`` ranks once per EP index e (column
+    rank ``r·N + s`` -> ``(r·N + s)·E + e``), both with the merged kept unit ``kept``
+    (:func:`_part_calls`). ``to_world``: the world rank of an ``(R, N·E)`` rank (identity:
+    they are the world ranks; ``verify.traffic.tpep``: one TP column's); groups are remapped
+    member by member."""
+    to_world = to_world or (lambda c: c)
+
+    def moved(c: Expected, rank: int, members: list[int]) -> Expected:
+        return dataclasses.replace(c, rank=to_world(rank),
+                                   group_id=group_id_from_ranks([to_world(m) for m in members]))
+
+    out = [moved(c, c.rank, _column_group(dense, c)) for c in _part_calls(kept, dense)]
+    for c in _part_calls(kept, expert):
+        members = _column_group(expert, c)
+        out += [moved(c, c.rank * e_size + e, [m * e_size + e for m in members]) for e in range(e_size)]
+    return out
+
+
 def predict_ep_step(layout: EPRunLayout) -> list[Expected]:
     """Every call of one step on every rank but the token all_to_all (module docstring)."""
-    e_size = layout.ep_size
-    out = _part_calls(layout, layout.dense_part())  # the (R, N·E) ranks are the world ranks
-    expert = layout.expert_part()
-    for c in _part_calls(layout, expert):
-        members = _column_group(expert, c)
-        for e in range(e_size):
-            ranks = [m * e_size + e for m in members]
-            out.append(dataclasses.replace(c, rank=c.rank * e_size + e, group_id=group_id_from_ranks(ranks)))
+    out = ep_part_calls(layout.kept_block(), layout.dense_part(), layout.expert_part(), layout.ep_size)
     world = group_id_from_ranks(range(layout.world_size))
     for rank in range(layout.world_size):
         out += [Expected(rank, c.phase, c.op, world, c.group_size, c.count, c.dtype, c.root, c.module,
@@ -288,6 +313,7 @@ def predict_activations(layout: EPRunLayout, steps: int) -> list[Expected]:
                          f"{len(layers)} MoE layers. Must hold one entry per layer per measured step "
                          "(recorded by verify.modes.ep.RoutingRecorder).")
     e_size, w = layout.ep_size, layout.world_size
+    groups = layout.ep_groups()
     out: list[Expected] = []
     for module, counts in routing:
         if module not in layers:
@@ -296,13 +322,12 @@ def predict_activations(layout: EPRunLayout, steps: int) -> list[Expected]:
         if len(counts) != w or any(len(row) != x for row in counts):
             raise ValueError(f"Invalid ep_routing counts of {module!r}: must be W={w} rows of X={x}.")
         local = x // e_size
-        for base in range(0, w, e_size):  # one EP group (r, s, ·) = world ranks base..base+E-1
-            gid = group_id_from_ranks(range(base, base + e_size))
-            for me in range(e_size):
-                rank = base + me
+        for group in groups:  # one EP group, world ranks in e order
+            gid = group_id_from_ranks(group)
+            for me, rank in enumerate(group):
                 out.append(_a2a(rank, gid, e_size, module, "int64", x, x, local))
                 send = [sum(counts[rank][j * local:(j + 1) * local]) * d for j in range(e_size)]
-                recv = [sum(counts[base + j][me * local:(me + 1) * local]) * d for j in range(e_size)]
+                recv = [sum(counts[group[j]][me * local:(me + 1) * local]) * d for j in range(e_size)]
                 mine = send[me]
                 for _ in range(2):  # forward dispatch + the combine's transpose in backward
                     out.append(_a2a(rank, gid, e_size, module, dtype, sum(send), sum(recv), mine))
@@ -316,13 +341,21 @@ def ep_closed_form(layout: EPRunLayout) -> ClosedForm:
     the mode's form of docs/spec.md §2 at (N·E, R) evaluated at P_D (its Z3 term at P_D^L,
     the dense elements of the kept unit) plus the form at (N, R) at P_X/E (Z3: P_X^L, the
     local stack elements of the kept unit)."""
-    n, r, e = layout.shard_size, layout.replicate_size, layout.ep_size
-    p_m = layout.p_m() or 1
-    kept = layout.kept_block()
+    return ep_parts_form(layout.mode, layout.shard_size, layout.replicate_size, layout.ep_size,
+                         layout.dense_specs(), layout.local_stacks(), layout.kept_block(), layout.p_m())
+
+
+def ep_parts_form(mode: str, n: int, r: int, e: int, dense: list[ParamSpec], stacks: list[ParamSpec],
+                  kept: str | None, p_m: int, dense_label: str = "P_D") -> ClosedForm:
+    """:func:`ep_closed_form` from its pieces, as factors of ``p_m`` per phase: the mode's form
+    at (N·E, R) at the elements of ``dense`` (labelled ``dense_label``) plus the form at (N, R)
+    at those of ``stacks`` (the local stacks, ``P_X/E``); their Z3 terms at the elements of the
+    block ``kept`` (:func:`merged_kept_block`)."""
+    p_m = p_m or 1
     out: dict[str, float] = {}
     texts = []
-    for specs, form, label in ((layout.dense_specs(), closed_form(layout.mode, n * e, r), "P_D"),
-                               (layout.local_stacks(), closed_form(layout.mode, n, r), "P_X/E")):
+    for specs, form, label in ((dense, closed_form(mode, n * e, r), dense_label),
+                               (stacks, closed_form(mode, n, r), "P_X/E")):
         p = sum(s.numel for s in specs) / p_m
         k = sum(s.numel for s in specs if kept is not None and dmuon_block(s.module) == kept) / p_m
         for ph in {*form.phases, *(form.kept_phases or {})}:
@@ -335,7 +368,7 @@ def ep_closed_form(layout: EPRunLayout) -> ClosedForm:
 def _part_text(text: str, label: str) -> str:
     """A part's form as printed: the plain form's N and W renamed to the part's mesh (dense:
     N·E and W; expert: N and R·N) and applied to ``label``."""
-    if label == "P_D":
+    if label != "P_X/E":
         text = text.replace("(N-1)/N", "(NE-1)/(NE)")
     else:
         text = text.replace("(W-1)/W", "(RN-1)/(RN)")

@@ -207,16 +207,12 @@ def predict_tp_step(layout: TPRunLayout) -> list[Expected]:
                                            group_id=group_id_from_ranks(ranks)))
     tp = layout.tp_names()
     local = {p.name: p for p in layout.local_specs()}
+    owner, ns = layout._dp_owner(), layout.ns_rank()
     for rank in range(layout.world_size):
         gid = group_id_from_ranks(tp_group(layout, rank))
-        # DTensor's own calls (phase "tp")
-        for module, style, numel, dtype in layout.tp_activations:
-            phase = "forward" if style == "rowwise" else "backward"
-            runs = layout.calls_of(module) if phase == "forward" else 1
-            for _ in range(runs):
-                out.append(Expected(rank, "tp", "all_reduce", gid, t_size, numel, dtype, None, module, 0))
+        out += tp_activation_calls(layout, rank)
         if layout.is_dmuon:
-            out += _dmuon_tp_step(layout, rank, gid, local)
+            out += tp_step_calls(layout, rank, owner, ns, local)
         elif layout.mode.startswith("naive-"):
             for p in layout.muon_specs():
                 if p.name in tp:
@@ -225,16 +221,34 @@ def predict_tp_step(layout: TPRunLayout) -> list[Expected]:
     return out
 
 
-def _dmuon_tp_step(layout: TPRunLayout, rank: int, gid: str, local: dict) -> list[Expected]:
-    """DMuon's gather and scatter of ``rank``'s TP group (module docstring)."""
-    n, t_size = layout.shard_size, layout.tp_size
+def tp_activation_calls(layout: RunLayout, rank: int) -> list[Expected]:
+    """DTensor's own all_reduces of activations on ``rank`` in one step (phase ``tp``, no
+    dedicated share; module docstring), over its TP group (:func:`tp_group`), from
+    ``layout.tp_activations`` and ``layout.tp_size`` (a :class:`TPRunLayout` or any kind with
+    those fields and TP groups of consecutive ranks)."""
+    t_size = layout.tp_size
+    gid = group_id_from_ranks(tp_group(layout, rank))
+    out = []
+    for module, style, numel, dtype in layout.tp_activations:
+        phase = "forward" if style == "rowwise" else "backward"
+        runs = layout.calls_of(module) if phase == "forward" else 1
+        out += [Expected(rank, "tp", "all_reduce", gid, t_size, numel, dtype, None, module, 0)] * runs
+    return out
+
+
+def tp_step_calls(layout: RunLayout, rank: int, owner: dict[str, int], ns: dict[str, int],
+                  local: dict[str, ParamSpec]) -> list[Expected]:
+    """DMuon's step-6 gather and scatter on ``rank``'s TP group (module docstring): per NS rank
+    t_o (``ns``: TP param -> t_o) and dtype of the TP params whose column owner (``owner``: name
+    -> ``r·N + s`` of the column, the column rank being ``rank // T``) is this rank's column
+    rank, one ``gather`` to t_o and one ``scatter`` from it, count the sum of their local
+    numels (``local``: name -> local spec)."""
+    t_size = layout.tp_size
     col_rank = rank // t_size
-    s_me = col_rank % n
-    owner = layout._dp_owner()
-    ns = layout.ns_rank()
+    gid = group_id_from_ranks(tp_group(layout, rank))
     counts: dict[tuple[int, str], int] = {}
     for p in layout.muon_specs():
-        if p.name in ns and owner[p.name] % n == s_me and owner[p.name] // n == col_rank // n:
+        if p.name in ns and owner[p.name] == col_rank:
             key = (ns[p.name], p.dtype)
             counts[key] = counts.get(key, 0) + local[p.name].numel
     out = []
