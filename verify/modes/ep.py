@@ -53,15 +53,17 @@ def ep_mesh(world: int, ep: int, device: str, hsdp: bool = False):
     return init_device_mesh(device, (world // ep, ep), mesh_dim_names=("shard", "ep"))
 
 
-def ep_source(*, global_batch: int, seq_len: int, seed: int) -> ModelSource:
+def ep_source(*, global_batch: int, seq_len: int, seed: int, tp: int = 1) -> ModelSource:
     """The EP workload as a ``--model`` source: the unsharded tiny Qwen3-MoE with EPMoE blocks
-    (vocab 256, positions up to ``seq_len``) and next-byte cross-entropy on this rank's rows."""
+    (vocab 256, positions up to ``seq_len``) and next-byte cross-entropy on this rank's rows:
+    those of data-parallel index ``rank // tp`` of ``W / tp`` (``tp`` > 1: the TP × EP run,
+    ``verify.modes.tpep``, whose TP groups share their rows)."""
     corpus = ByteCorpus.from_stdlib()
 
     def loss_fn(model: nn.Module, rank: int, step: int) -> torch.Tensor:
         x, y = corpus.global_batch(step, global_batch, seq_len, seed=seed)
         world = dist.get_world_size() if dist.is_initialized() else 1
-        x, y = local_slice(x, rank, world), local_slice(y, rank, world)
+        x, y = local_slice(x, rank // tp, world // tp), local_slice(y, rank // tp, world // tp)
         device = next(model.parameters()).device
         logits = model(input_ids=x.to(device)).logits
         return F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.to(device).reshape(-1))

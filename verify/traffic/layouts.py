@@ -13,12 +13,13 @@ from verify.traffic.ep import EPRunLayout
 from verify.traffic.pp import PPRunLayout
 from verify.traffic.predict import RunLayout
 from verify.traffic.tp import TPRunLayout
+from verify.traffic.tpep import TPEPRunLayout
 
 #: ``kind`` -> class: ``"dense"`` (a data-parallel mesh), ``"tp"`` (an R × N × T mesh),
 #: ``"ep"`` (an R × N × E expert-parallel mesh), ``"pp"`` (an S × N pipeline mesh),
-#: ``"cp"`` (an N × C context-parallel mesh).
+#: ``"cp"`` (an N × C context-parallel mesh), ``"tpep"`` (an N × E × T mesh: TP × EP).
 LAYOUT_KINDS: dict[str, type[RunLayout]] = {cls.kind: cls for cls in (RunLayout, TPRunLayout, EPRunLayout,
-                                                                      PPRunLayout, CPRunLayout)}
+                                                                      PPRunLayout, CPRunLayout, TPEPRunLayout)}
 
 
 def layout_kind(d: dict) -> str:
