@@ -78,7 +78,7 @@ verify-traffic: $(STAMP)
 # The default run, then one run per path it leaves out (TP, EP, PP, CP, bf16, the replicated rest, one
 # unit per block), each compared with its committed baseline (verify/baselines/); exits with
 # the worst run's code (docs/verify.md, "The full profile").
-FULL_RUNS := default|--nproc 4 --tp 2|--nproc 4 --ep 2|--nproc 4 --pp 2|--nproc 4 --cp 2|--mixed-precision bf16|--rest replicate|--coalesce block
+FULL_RUNS := default|--nproc 4 --tp 2|--nproc 4 --ep 2|--nproc 4 --tp 2 --ep 2|--nproc 4 --pp 2|--nproc 4 --cp 2|--mixed-precision bf16|--rest replicate|--coalesce block
 FULL_OUT ?= traces/full-$(shell date -u +%Y%m%dT%H%M%S)
 verify-traffic-full: $(STAMP)
 	@worst=0; runs='$(FULL_RUNS)'; IFS='|'; for run in $$runs; do \
