@@ -109,7 +109,7 @@ def test_a_class_refuses_another_kinds_dict():
         RunLayout.from_dict(tp.to_dict())  # was a dense layout of W = 2, not 4
     with pytest.raises(ValueError, match=r"TPRunLayout.from_dict: kind='dense'"):
         TPRunLayout.from_dict(dense.to_dict())
-    with pytest.raises(ValueError, match=r"Invalid layout kind='moe'. Must be one of \['cp', 'dense', 'ep', 'pp', 'tp'\]"):
+    with pytest.raises(ValueError, match=r"Invalid layout kind='moe'. Must be one of \['cp', 'dense', 'ep', 'pp', 'tp', 'tpep'\]"):
         layout_from_dict({**dense.to_dict(), "kind": "moe"})
     with pytest.raises(ValueError, match=r"EPRunLayout.from_dict: missing ep_size"):
         layout_from_dict({**dense.to_dict(), "kind": "ep"})  # was a KeyError
@@ -117,6 +117,8 @@ def test_a_class_refuses_another_kinds_dict():
         layout_from_dict({**dense.to_dict(), "kind": "pp"})
     with pytest.raises(ValueError, match=r"CPRunLayout.from_dict: missing cp_size"):
         layout_from_dict({**dense.to_dict(), "kind": "cp"})
+    with pytest.raises(ValueError, match=r"TPEPRunLayout.from_dict: missing \['tp_size', 'ep_size'\]"):
+        layout_from_dict({**dense.to_dict(), "kind": "tpep"})
 
 
 @pytest.mark.parametrize("t", [1, 0, True, 2.0])
