@@ -141,10 +141,11 @@ def test_closed_form_equals_summed_prediction(mode, n):
     equals the closed form; its totals are the documented W = 4 numbers."""
     layout = _layout(mode, shard_size=n)
     _form_matches(layout, layout.predict_calls())
-    if n == 1:
-        total = tpep_closed_form(layout).total_at(layout.p_m())
-        assert total == (4224 if mode.endswith("z3") else 3584)
-        assert layout.closed_form_check().p_m == 29184
+    # by hand: W = 4, Z2 2·2560/2 + 4096/4 (Z3 + 1280/2); W = 8 (N = 2), Z2
+    # 3/2·2560 + 12288 + 4096/8, Z3 9/4·2560 − 3/4·1280 + 3/2·12288 − 1/2·6144 + 4096/8
+    hand = {(1, False): 3584, (1, True): 4224, (2, False): 16640, (2, True): 20672}
+    assert tpep_closed_form(layout).total_at(layout.p_m()) == hand[(n, mode.endswith("z3"))]
+    assert layout.closed_form_check().p_m == 29184
 
 
 def test_control_closed_form_catches_a_missing_tp_step(monkeypatch):
