@@ -14,7 +14,12 @@ import pytest
     (4, ["--ep", "4", "--modes", "dmuon-hsdp-z2"], "HSDP x EP runs on a (2, W/(2E), E) mesh"),
     (4, ["--ep", "2", "--modes", "ddp-muon"], "no expert-parallel variant"),
     (4, ["--ep", "0"], "Invalid --ep 0. Must be >= 1"),
-    (4, ["--ep", "2", "--tp", "2"], "--tp 2 and --ep 2 do not run together"),
+    (4, ["--ep", "2", "--tp", "2"], None),  # TP x EP (verify/modes/tpep.py): dmuon-z2, dmuon-z3
+    (4, ["--ep", "2", "--tp", "2", "--modes", "ddp-muon"], "no TP x EP variant"),
+    (6, ["--ep", "2", "--tp", "2"], "Invalid --tp 2 --ep 2 at W=6 (--nproc). E·T = 4 must divide W"),
+    (4, ["--ep", "2", "--tp", "2", "--pp", "2"], "do not run together"),
+    (4, ["--ep", "2", "--tp", "2", "--rest", "replicate"], "--tp 2 --ep 2 runs without --rest replicate"),
+    (4, ["--ep", "2", "--tp", "2", "--mixed-precision", "bf16"], "--tp 2 --ep 2 runs without --mixed-precision"),
     (4, ["--ep", "2", "--model", "tiny-moe"], "--ep 2 runs without --model tiny-moe"),
     (4, ["--ep", "2", "--mixed-precision", "bf16"], "--ep 2 runs without --mixed-precision bf16"),
     (4, ["--ep", "2", "--hierarchy", "flat"], "--ep 2 runs without --hierarchy flat"),

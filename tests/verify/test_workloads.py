@@ -48,3 +48,18 @@ def test_a_workload_names_the_flag_it_runs_without_and_why():
     assert Workload().usage_problem(cfg(model="gpt2-small", hierarchy="flat")) is None
     with pytest.raises(ValueError, match="Invalid RunConfig: --ep 2 runs without --hierarchy flat"):
         ep.check(cfg(ep=2, hierarchy="flat"))
+
+
+def test_tp_and_ep_together_select_the_tp_x_ep_workload():
+    """--tp with --ep is the TP x EP run (verify/modes/tpep.py): its mesh, modes and fixed flags."""
+    from verify.modes.tpep import TPEPWorkload
+
+    both = workload_of(cfg(tp=2, ep=2))
+    assert type(both) is TPEPWorkload and both.flags(cfg(tp=2, ep=2)) == "--tp 2 --ep 2"
+    assert both.usage_problem(cfg(tp=2, ep=2)) is None
+    assert both.usage_problem(cfg(tp=2, ep=2, rest="replicate")).startswith(
+        "--tp 2 --ep 2 runs without --rest replicate:")
+    assert both.mesh_problem(4, cfg(tp=2, ep=2), global_batch=8, seq_len=64) is None
+    assert "E·T = 4 must divide W" in both.mesh_problem(6, cfg(tp=2, ep=2), global_batch=12, seq_len=64)
+    assert both.skip_reasons(["dmuon-z2", "dmuon-z3", "dmuon-ddp"], 4, cfg(tp=2, ep=2)) == {
+        "dmuon-ddp": "no TP x EP variant (--tp with --ep runs dmuon-z2, dmuon-z3)"}

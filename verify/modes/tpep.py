@@ -33,9 +33,12 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 import dmuon
 from dmuon.ownership.plan import specs_from_named_parameters
 from dmuon.ownership.select import matrix_shapes
-from verify.modes.ep import RoutingRecorder
+from verify.modes.ep import RoutingRecorder, ep_source
+from verify.modes.tp import tp_phase
+from verify.modes.workload import Running, Workload
 from verify.traffic.predict import dmuon_coalesce_bytes, dmuon_reduce_by_gather, dmuon_uneven_aligned
-from verify.traffic.tpep import TPEP_MODES, TPEPRunLayout
+from verify.traffic.tpep import TPEP_MODES, TPEPRunLayout, tpep_skip_reason
+from verify.workload.usermodel import ModelSource
 
 #: The TP plan of each attention (module name within ``self_attn`` -> style).
 ATTENTION_PLAN = {"q_proj": "colwise", "k_proj": "colwise", "v_proj": "colwise", "o_proj": "rowwise"}
@@ -151,3 +154,45 @@ def build_tpep(mode: str, make_model: Callable[[], nn.Module], device: str, tp: 
         tp_size=tp, ep_size=ep, tp_dims=tp_dims, tp_activations=acts, expert_names=experts,
         ep_layers=recorder.layer_specs())
     return model, opt, layout, dm, recorder
+
+
+class TPEPWorkload(Workload):
+    """``--tp T --ep E``: DMuon Z2 / Z3 on :func:`tpep_mesh`, the EP run's tiny Qwen3-MoE
+    (:func:`verify.modes.ep.ep_source`, each TP group on one data-parallel slice) with its
+    attention on ``tp`` and its experts on ``ep``, the rest under FSDP2 (module docstring;
+    ``verify.modes.workload``)."""
+
+    axes = ("tp", "ep")
+    mesh_text = "(W/(E·T)) x E x T"
+    model_why = "the TP x EP workload is the EP run's tiny Qwen3-MoE (examples/ep_moe.py)"
+    flat_why = "dedicate_params refuses 'flat' on a mesh with 'tp' and 'ep' axes"
+    qk_clip_why = "the TP x EP builder attaches no QK-clip"
+    mixed_precision_why = "the TP x EP builder runs fp32"
+    rest, rest_why = "wrapper", "DMuon does not replicate a tensor-parallel model's rest"
+    numerics_why = "tensor and expert parallel: the probe is written for whole matrices"
+    whole_model = False
+
+    def skip_reason(self, mode: str, world_size: int, cfg) -> str | None:
+        return tpep_skip_reason(mode, world_size, cfg.tp, cfg.ep)
+
+    def mesh_problem(self, world_size: int, cfg, *, global_batch: int, seq_len: int,
+                     where: str = "") -> str | None:
+        if world_size % (cfg.tp * cfg.ep):
+            return (f"Invalid --tp {cfg.tp} --ep {cfg.ep} at W={world_size}{where}. E·T = "
+                    f"{cfg.tp * cfg.ep} must divide W, the mesh being (W/(E·T)) x E x T: give an "
+                    f"--nproc that {cfg.tp * cfg.ep} divides.")
+        return None
+
+    def source(self, config, global_batch: int) -> ModelSource:
+        return ep_source(global_batch=global_batch, seq_len=config.seq_len, seed=config.seed, tp=config.tp)
+
+    def start(self, mode: str, config, *, make_model, made: list, corpus, global_batch: int) -> Running:
+        from verify.modes.build import ADAMW_LR, MUON_LR, Built
+
+        self.check(config)
+        dp = dist.get_world_size() // config.tp
+        model, opt, layout, dm, routing = build_tpep(
+            mode, make_model, config.device, config.tp, config.ep,
+            tokens_per_rank=global_batch // dp * config.seq_len, muon_lr=MUON_LR, adamw_lr=ADAMW_LR,
+            coalesce=config.coalesce)
+        return Running(Built(model, opt, layout, dm), made[-1][1], tagging=tp_phase(), routing=routing)

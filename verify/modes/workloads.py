@@ -7,12 +7,13 @@ from verify.modes.cp import CPWorkload
 from verify.modes.ep import EPWorkload
 from verify.modes.pp import PPWorkload
 from verify.modes.tp import TPWorkload
+from verify.modes.tpep import TPEPWorkload
 from verify.modes.workload import AXES, Workload
 
 
 def workloads() -> tuple[Workload, ...]:
     """Every workload the harness runs: the dense one, then one per parallel layout."""
-    return (Workload(), TPWorkload(), EPWorkload(), PPWorkload(), CPWorkload())
+    return (Workload(), TPWorkload(), EPWorkload(), PPWorkload(), CPWorkload(), TPEPWorkload())
 
 
 def workload_of(cfg) -> Workload:
