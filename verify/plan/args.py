@@ -3,8 +3,8 @@ it accepts and the warnings it gives (used by :mod:`verify.plan.cli`).
 
 Every bad input is a :class:`UsageError` (one line; ``dmuon-plan`` prints it on stderr and
 exits 2): an unknown flag or a flag's bad value (argparse), a mesh that is not ``N`` or
-``RxN`` of positive integers, a mesh above :data:`MAX_WORLD_SIZE` ranks (R·N·T with
-``--tp T``: checked by :mod:`verify.plan.cli`), an unknown
+``RxN`` of positive integers, a mesh above :data:`MAX_WORLD_SIZE` ranks (the job's W with
+``--tp`` / ``--ep`` / ``--pp`` / ``--cp``: checked by each kind, :mod:`verify.plan.kind`), an unknown
 ``--dtype``, a non-finite or non-positive bandwidth / TFLOP rate.
 
 Warnings (stderr, exit 0) mark meshes the α-β model of :class:`verify.traffic.scale.CostModel`

@@ -15,7 +15,9 @@ the harness does; the naive baselines also wrap each Muon Linear. Traffic comes 
 from :class:`verify.traffic.scale.CostModel` (flags below; defaults printed with every table).
 Traffic accounting: docs/spec.md §2 and docs/traffic-model.md.
 
-Input, bounds and warnings: :mod:`verify.plan.args`. Exit codes: 0 a plan was printed (a model
+Input, bounds and warnings: :mod:`verify.plan.args`. ``--tp``, ``--ep``, ``--pp`` and ``--cp``
+are the parallel kinds of :data:`KINDS` (:mod:`verify.plan.kind`): each checks its own flags and
+W bound, may change the table's mesh and adds its section. Exit codes: 0 a plan was printed (a model
 without Muon-target params gets an empty plan that says so); 2 bad input, one line on stderr
 (bad flags, mesh or dtype; a factory that cannot be imported or raises; an unwritable
 ``--png``). Warnings go to stderr and keep exit 0. ``--json`` prints :func:`json_document`.
@@ -34,18 +36,15 @@ import torch.nn as nn
 from tabulate import tabulate
 
 from dmuon.ownership.plan import OwnershipPlan, plan_ownership, specs_from_named_parameters
-from verify.plan.tp import format_tp, tp_report
-from verify.plan.ep import ep_report, format_ep
-from verify.plan.pp import format_pp, pp_report
-from verify.plan.cp import cp_report, format_cp
 from dmuon.ownership.select import matrix_shapes, select_params
 from tracer._compat import require
 from tracer.events import DTYPE_BYTES
 
+from verify.plan import cp, ep, pp, tp
+from verify.plan.kind import PlanContext
 from verify.plan.memory import format_memory, memory_summary
 from verify.plan.args import (
     DTYPES,
-    MAX_WORLD_SIZE,
     MODEL_DTYPE,
     UsageError,
     mesh_warnings,
@@ -60,6 +59,13 @@ __all__ = ["ModelLayout", "build_parser", "json_document", "main", "parse_mesh",
 
 #: World sizes of ``--sweep``.
 SWEEP_WORLDS = (8, 16, 32, 64, 128, 256, 512, 1024)
+
+#: The parallel kinds (:class:`verify.plan.kind.PlanKind`), in the order of their sections in
+#: the report (JSON keys of ``reports[0]``, text under the table).
+KINDS = (tp.KIND, ep.KIND, pp.KIND, cp.KIND)
+#: The same kinds in the order their usage rules and world sizes are checked (the first error
+#: wins) and their table meshes applied.
+CHECK_ORDER = (pp.KIND, cp.KIND, ep.KIND, tp.KIND)
 
 
 class ModelLayout:
@@ -481,66 +487,27 @@ def _plan(args) -> tuple[list[dict], list[dict] | None, CostModel, ModelLayout, 
         gpus_per_node=args.gpus_per_node, intra_gbps=args.intra_gbps, inter_gbps=args.inter_gbps,
         intra_alpha_us=args.intra_alpha_us, inter_alpha_us=args.inter_alpha_us, tflops=args.tflops,
     )
-    if args.pp > 1 and (args.sweep or args.ep > 1 or not args.mesh):
-        raise UsageError(f"Invalid --pp {args.pp} with {'--ep' if args.ep > 1 else '--sweep or no --mesh'}. "
-                         "Give --mesh N or RxN (each stage's data-parallel slice) with --pp S "
-                         "[--tp T]: the mesh is S x R x N x T.")
-    if args.pp > 1 and args.mesh and args.pp * args.mesh[0] * args.mesh[1] * args.tp > MAX_WORLD_SIZE:
-        raise UsageError(f"Invalid --pp {args.pp} on mesh {args.mesh[0]}x{args.mesh[1]} --tp {args.tp}: "
-                         f"W = S·R·N·T = {args.pp * args.mesh[0] * args.mesh[1] * args.tp:,} ranks. "
-                         f"Must be at most {MAX_WORLD_SIZE:,}.")
-    if args.cp > 1 and (args.sweep or args.ep > 1 or args.pp > 1 or not args.mesh):
-        other = "--ep" if args.ep > 1 else "--pp" if args.pp > 1 else "--sweep or no --mesh"
-        raise UsageError(f"Invalid --cp {args.cp} with {other}. Give --mesh N or RxN (dp_replicate x "
-                         "dp_shard) with --cp C [--tp T]: the mesh is R x N x C x T.")
-    if args.cp > 1:  # the table: DMuon's shard group spans dp_shard x cp, the mesh (R, N·C)
-        r, n = args.mesh
-        if r * n * args.cp * args.tp > MAX_WORLD_SIZE:
-            raise UsageError(f"Invalid --cp {args.cp} on mesh {r}x{n} --tp {args.tp}: W = R·N·C·T = "
-                             f"{r * n * args.cp * args.tp:,} ranks. Must be at most {MAX_WORLD_SIZE:,}; "
-                             "give a smaller --cp, --tp or --mesh.")
-        cp_mesh = (r, n)
-        args.mesh = (r, n * args.cp)
-    if args.ep > 1 and (args.sweep or args.tp > 1):
-        raise UsageError(f"Invalid --ep {args.ep} with {'--sweep' if args.sweep else '--tp'}. "
-                         "Give --mesh N or RxN with --ep E alone (the mesh is R x N x E).")
-    if args.mesh and args.ep > 1:  # the table: the same W without EP, on (R, N·E)
-        r, n = args.mesh
-        if r * n * args.ep > MAX_WORLD_SIZE:
-            raise UsageError(f"Invalid --ep {args.ep} on mesh {r}x{n}: W = R·N·E = "
-                             f"{r * n * args.ep:,} ranks. Must be at most {MAX_WORLD_SIZE:,}; give "
-                             "a smaller --ep or --mesh.")
-        args.mesh = (r, n * args.ep)
-    if args.mesh and args.mesh[0] * args.mesh[1] * args.tp > MAX_WORLD_SIZE:
-        r, n = args.mesh
-        raise UsageError(f"Invalid --tp {args.tp} on mesh {r}x{n}: W = R·N·T = {r * n * args.tp:,} "
-                         f"ranks. Must be at most {MAX_WORLD_SIZE:,} (dmuon-plan's bound: time and "
-                         "memory grow with W); give a smaller --tp or --mesh.")
-    warnings = mesh_warnings(args.mesh, cm.gpus_per_node, args.tp) if args.mesh else []
+    mesh = table_mesh = args.mesh
+    given = [kind for kind in CHECK_ORDER if kind.given(args)]
+    for kind in given:
+        error = kind.refusal(args) or kind.world_error(args, table_mesh)
+        if error:
+            raise UsageError(error)
+        if table_mesh:
+            table_mesh = kind.table_mesh(args, table_mesh)
+    warnings = mesh_warnings(table_mesh, cm.gpus_per_node, args.tp) if table_mesh else []
     model = _load_model(args.model)
     ml = ModelLayout(model, args.model, None if args.dtype == MODEL_DTYPE else args.dtype)
-    if args.ep > 1:  # expert parallelism (verify/plan/ep.py) on (R, N, E); bad --ep exits here
-        ep = ep_report(ml, (args.mesh[0], args.mesh[1] // args.ep), args.ep,
-                       coalesce_bytes=coalesce_target(cm), config=getattr(model, "config", None),
-                       dtype_bytes=DTYPES.get(args.dtype), tflops=cm.tflops)
+    ctx = PlanContext(args=args, ml=ml, config=getattr(model, "config", None), mesh=mesh,
+                      table_mesh=table_mesh, coalesce_bytes=coalesce_target(cm),
+                      dtype_bytes=DTYPES.get(args.dtype), tflops=cm.tflops,
+                      report=lambda sub, sub_mesh: report(sub, sub_mesh, cm))
+    early = {kind.flag: kind.section(ctx) for kind in given if kind.before_table}
     swept = sweep(ml, cm) if args.sweep or args.png else None
-    reports = swept if args.sweep else [report(ml, args.mesh, cm)]
-    if args.tp > 1:  # tensor parallelism (verify/plan/tp.py)
-        if args.sweep or not ml.muon_specs:
-            raise UsageError("Invalid --tp with --sweep or a model without Muon targets. Give "
-                             "--mesh RxN with --tp T (the mesh is R x N x T).")
-        reports[0]["tp"] = tp_report(ml, args.mesh, args.tp, coalesce_bytes=coalesce_target(cm))
-    if args.ep > 1:
-        reports[0]["ep"] = ep
-    if args.pp > 1:  # pipeline stages (verify/plan/pp.py), each on its own (R, N) slice
-        reports[0]["pp"] = pp_report(
-            ml, args.mesh, args.pp, args.microbatches, report_fn=lambda sub, mesh: report(sub, mesh, cm),
-            tp=args.tp, tp_fn=lambda sub, mesh, t: tp_report(sub, mesh, t, coalesce_bytes=coalesce_target(cm)),
-            config=getattr(model, "config", None), microbatch_tokens=args.microbatch_tokens,
-            dtype_bytes=DTYPES.get(args.dtype))
-    if args.cp > 1:  # context parallel (verify/plan/cp.py): the K/V exchange beside the table
-        reports[0]["cp"] = cp_report(cp_mesh, args.cp, tp=args.tp, config=getattr(model, "config", None),
-                                     cp_tokens=args.cp_tokens, dtype_bytes=DTYPES.get(args.dtype))
+    reports = swept if args.sweep else [report(ml, table_mesh, cm)]
+    for kind in KINDS:  # each given kind's section (verify/plan/{tp,ep,pp,cp}.py)
+        if kind in given:
+            reports[0][kind.flag] = early[kind.flag] if kind.flag in early else kind.section(ctx)
     return reports, swept, cm, ml, warnings
 
 
@@ -569,14 +536,9 @@ def main(argv=None) -> int:
         print(format_sweep(reports, cm))
     else:
         print(format_report(reports[0], cm))
-        if "tp" in reports[0]:
-            print(format_tp(reports[0]["tp"]))
-        if "ep" in reports[0]:
-            print(format_ep(reports[0]["ep"]))
-        if "pp" in reports[0]:
-            print(format_pp(reports[0]["pp"]))
-        if "cp" in reports[0]:
-            print(format_cp(reports[0]["cp"]))
+        for kind in KINDS:
+            if kind.flag in reports[0]:
+                print(kind.format(reports[0][kind.flag]))
     if args.png and not args.json:
         print(f"wrote {args.png}")
     return 0

@@ -19,6 +19,8 @@ parallelism"). This module adds the CP section:
 
 from __future__ import annotations
 
+from verify.plan.kind import PlanContext, PlanKind, given
+
 
 def kv_width(config) -> int | None:
     """Elements per token of K (and of V): n_kv_heads·head_dim of ``config`` (this repo's
@@ -84,3 +86,34 @@ def format_cp(cp: dict) -> str:
                      f"{cp['kv_elems']:,.0f} elements{gib} (L = {cp['layers']}, a = {cp['cp_tokens']} "
                      f"tokens x {cp['kv_width']} K/V width / T = {cp['tp']})")
     return "\n".join(lines)
+
+
+class CPKind(PlanKind):
+    """``--cp C`` (:mod:`verify.plan.kind`): with ``--mesh`` and optionally ``--tp``; the
+    table is the mesh (R, N·C); not with ``--ep``, ``--pp`` or ``--sweep``."""
+
+    flag = "cp"
+    times = ("tp",)
+    world_formula = "R·N·C·T"
+    world_fix = "; give a smaller --cp, --tp or --mesh."
+
+    def refusal(self, args) -> str | None:
+        if args.sweep or given(args, "ep") or given(args, "pp") or not args.mesh:
+            other = "--ep" if given(args, "ep") else "--pp" if given(args, "pp") else "--sweep or no --mesh"
+            return self._with(args, other, "Give --mesh N or RxN (dp_replicate x dp_shard) with --cp C "
+                                           "[--tp T]: the mesh is R x N x C x T.")
+        return None
+
+    def table_mesh(self, args, mesh: tuple[int, int]) -> tuple[int, int]:
+        return mesh[0], mesh[1] * self.degree(args)
+
+    def section(self, ctx: PlanContext) -> dict:
+        args = ctx.args
+        return cp_report(ctx.mesh, self.degree(args), tp=args.tp, config=ctx.config,
+                         cp_tokens=args.cp_tokens, dtype_bytes=ctx.dtype_bytes)
+
+    def format(self, section: dict) -> str:
+        return format_cp(section)
+
+
+KIND = CPKind()

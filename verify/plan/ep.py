@@ -41,13 +41,14 @@ from tabulate import tabulate
 from dmuon.ownership.plan import OwnershipPlan, ParamSpec, plan_ownership
 
 from verify.plan.args import UsageError
+from verify.plan.kind import PlanContext, PlanKind, given
 from verify.plan.memory import FIELDS, adamw_rest_bytes, rank_memory
 from verify.plan.tp import tp_modes
 from verify.traffic.formulas import closed_form
 from verify.traffic.predict import RunLayout
 from verify.traffic.scale import StepTraffic, step_traffic
 
-__all__ = ["EPPlan", "ep_report", "expert_stacks", "format_ep", "part_traffic", "plan_ep", "rank_traffic",
+__all__ = ["KIND", "EPKind", "EPPlan", "ep_report", "expert_stacks", "format_ep", "part_traffic", "plan_ep", "rank_traffic",
            "split_specs"]
 
 
@@ -380,3 +381,33 @@ def format_ep(rep: dict) -> str:
     lines.append("  (docs/traffic-model.md, 'Expert parallelism'; the table above is the same W "
                  "without EP: every rank holds all X experts of each stack)")
     return "\n".join(lines)
+
+
+class EPKind(PlanKind):
+    """``--ep E`` (:mod:`verify.plan.kind`): alone with ``--mesh``; the table is the same W
+    without EP, the mesh (R, N·E); the section is computed before the table (a bad E for the
+    model exits first)."""
+
+    flag = "ep"
+    world_formula = "R·N·E"
+    world_fix = "; give a smaller --ep or --mesh."
+    before_table = True
+
+    def refusal(self, args) -> str | None:
+        if args.sweep or given(args, "tp"):
+            return self._with(args, "--sweep" if args.sweep else "--tp",
+                              "Give --mesh N or RxN with --ep E alone (the mesh is R x N x E).")
+        return None
+
+    def table_mesh(self, args, mesh: tuple[int, int]) -> tuple[int, int]:
+        return mesh[0], mesh[1] * self.degree(args)
+
+    def section(self, ctx: PlanContext) -> dict:
+        return ep_report(ctx.ml, ctx.mesh, self.degree(ctx.args), coalesce_bytes=ctx.coalesce_bytes,
+                         config=ctx.config, dtype_bytes=ctx.dtype_bytes, tflops=ctx.tflops)
+
+    def format(self, section: dict) -> str:
+        return format_ep(section)
+
+
+KIND = EPKind()

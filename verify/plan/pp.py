@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import copy
 
+from verify.plan.kind import PlanContext, PlanKind, given
+from verify.plan.tp import tp_report
 from verify.traffic.predict import dmuon_block
 
 #: The held-for-the-step counterpart of each Z3 mode (docs/protocol.md, "Pipeline parallelism").
@@ -188,3 +190,32 @@ def format_pp(rep: dict) -> str:
         lines.append("  (with --tp: per-rank elements from the TP section's rule per stage; bytes and "
                      "memory as the table above, on the stage's (R, N) slice without TP)")
     return "\n".join(lines)
+
+
+class PPKind(PlanKind):
+    """``--pp S`` (:mod:`verify.plan.kind`): with ``--mesh`` (the stage's slice) and
+    optionally ``--tp``; not with ``--ep`` or ``--sweep``."""
+
+    flag = "pp"
+    times = ("tp",)
+    world_formula = "S·R·N·T"
+
+    def refusal(self, args) -> str | None:
+        if args.sweep or given(args, "ep") or not args.mesh:
+            return self._with(args, "--ep" if given(args, "ep") else "--sweep or no --mesh",
+                              "Give --mesh N or RxN (each stage's data-parallel slice) with --pp S "
+                              "[--tp T]: the mesh is S x R x N x T.")
+        return None
+
+    def section(self, ctx: PlanContext) -> dict:
+        args = ctx.args
+        return pp_report(
+            ctx.ml, ctx.table_mesh, self.degree(args), args.microbatches, report_fn=ctx.report,
+            tp=args.tp, tp_fn=lambda sub, mesh, t: tp_report(sub, mesh, t, coalesce_bytes=ctx.coalesce_bytes),
+            config=ctx.config, microbatch_tokens=args.microbatch_tokens, dtype_bytes=ctx.dtype_bytes)
+
+    def format(self, section: dict) -> str:
+        return format_pp(section)
+
+
+KIND = PPKind()

@@ -26,6 +26,8 @@ import dataclasses
 
 from dmuon.ownership.plan import plan_ownership
 
+from verify.plan.args import UsageError
+from verify.plan.kind import PlanContext, PlanKind
 from verify.traffic.predict import RunLayout, kept_elems
 from verify.traffic.tp import TPRunLayout
 
@@ -146,3 +148,25 @@ def format_tp(rep: dict) -> str:
     lines.append("  (docs/traffic-model.md, 'Tensor parallelism'; DTensor's own activation "
                  "collectives are not included)")
     return "\n".join(lines)
+
+
+class TPKind(PlanKind):
+    """``--tp T`` (:mod:`verify.plan.kind`): the TP section of the table's mesh; it refuses
+    ``--sweep`` and a model without Muon targets once the model is built."""
+
+    flag = "tp"
+    world_formula = "R·N·T"
+    world_fix = (" (dmuon-plan's bound: time and memory grow with W); give a smaller --tp or "
+                 "--mesh.")
+
+    def section(self, ctx: PlanContext) -> dict:
+        if ctx.args.sweep or not ctx.ml.muon_specs:
+            raise UsageError("Invalid --tp with --sweep or a model without Muon targets. Give "
+                             "--mesh RxN with --tp T (the mesh is R x N x T).")
+        return tp_report(ctx.ml, ctx.table_mesh, self.degree(ctx.args), coalesce_bytes=ctx.coalesce_bytes)
+
+    def format(self, section: dict) -> str:
+        return format_tp(section)
+
+
+KIND = TPKind()
