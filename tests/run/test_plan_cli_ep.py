@@ -230,7 +230,6 @@ def test_cli_prints_the_ep_section_and_json(capsys):
     (["--mesh", "2", "--ep", "3"], ["X = 4", "divisible by E = 3"]),
     (["--mesh", "1", "--ep", "8"], ["X = 4", "divisible by E = 8"]),
     (["--mesh", "2", "--ep", "0"], ["--ep"]),
-    (["--mesh", "2", "--ep", "2", "--tp", "2"], ["Invalid --ep 2 with --tp"]),
     (["--sweep", "--ep", "2"], ["Invalid --ep 2 with --sweep"]),
     (["--mesh", "1024x1024", "--ep", "2"], ["W = R·N·E", "at most"]),
 ])

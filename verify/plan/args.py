@@ -185,9 +185,9 @@ def build_parser(defaults, presets, sweep_worlds) -> argparse.ArgumentParser:
                    help="tensor-parallel degree: the mesh is R x N x T (W = R·N·T) and the report "
                         "adds the TP terms and the NS balance with TP (verify/plan/tp.py)")
     p.add_argument("--ep", type=_gpus, default=1, metavar="E",
-                   help="expert-parallel degree: the mesh is R x N x E (W = R·N·E), expert "
-                        "stacks sharded over E, and the report adds the EP section; the table "
-                        "above it is the same W without EP (verify/plan/ep.py)")
+                   help="expert-parallel degree: the mesh is R x N x E (x T with --tp; W = R·N·E·T), "
+                        "expert stacks sharded over E, and the report adds the EP section; the "
+                        "table above it is the same W without EP (verify/plan/ep.py)")
     p.add_argument("--pp", type=_gpus, default=1, metavar="S",
                    help="pipeline stages: the mesh is S x R x N (x T with --tp), the model's blocks "
                         "cut into S contiguous stages, each planned on its own (R, N) slice; the "

@@ -27,6 +27,20 @@ from the runtime. An **expert stack** is a 3-D Muon param ``(X, a, b)`` in the s
   from the model's ``config.moe.top_k`` and ``config.d_model`` when it has them (the presets).
 
 World rank of (r, s, e) = (r·N + s)·E + e; the dense slot of the (R, N·E) plan is that rank.
+
+**TP × EP** (``tp`` = T > 1; the mesh R × N × E × T, torchtitan's ``dp_shard × ep × tp`` with
+``shard_dims=("dp_shard", "ep")``, docs/protocol.md, "Other meshes"; world rank
+((r·N + s)·E + e)·T + t): a dense Muon matrix one of whose dims T divides is TP-sharded
+(:func:`verify.plan.tp.tp_sharded`), the other dense params and the expert stacks are
+replicated over TP. Each TP column (the R·N·E ranks of one t) is the EP layout above with every
+TP matrix at its local shape (n/T), so its figures are the ones above at P_D,loc = P_TP/T +
+P_rep; the T columns are alike. The plan: the local stacks over (R, N) as above, their load on
+every (e, t); the dense params over the W = R·N·E·T slots on top of it (the TP plan's rule,
+docs/protocol.md, "Tensor parallelism": slot g is the NS rank, g // T the data-parallel owner
+in the column). The TP step adds per TP matrix a gather and a scatter on its owner's TP group
+(:func:`verify.plan.tp.tp_step_traffic`), 2(T-1)/(T·W)·P_TP on the W-average. NS runs once per
+TP matrix and in every TP column for a replicated matrix and for each expert. Memory and the
+token all_to_all are not sized under TP (``None``).
 """
 
 from __future__ import annotations
@@ -43,12 +57,12 @@ from dmuon.ownership.plan import OwnershipPlan, ParamSpec, plan_ownership
 from verify.plan.args import UsageError
 from verify.plan.kind import PlanContext, PlanKind, given
 from verify.plan.memory import FIELDS, adamw_rest_bytes, rank_memory
-from verify.plan.tp import tp_modes
+from verify.plan.tp import tp_local, tp_modes, tp_sharded, tp_step_traffic
 from verify.traffic.formulas import closed_form
 from verify.traffic.predict import RunLayout
 from verify.traffic.scale import StepTraffic, step_traffic
 
-__all__ = ["KIND", "EPKind", "EPPlan", "ep_report", "expert_stacks", "format_ep", "part_traffic", "plan_ep", "rank_traffic",
+__all__ = ["KIND", "EPKind", "EPPlan", "TPStep", "tp_column", "ep_report", "expert_stacks", "format_ep", "part_traffic", "plan_ep", "rank_traffic",
            "split_specs"]
 
 
@@ -174,26 +188,80 @@ def part_traffic(ml, plan: EPPlan, mode: str, coalesce_bytes: int, dense, local)
     return lay_d, lay_x, step_traffic(lay_d, plan.dense), step_traffic(lay_x, plan.expert)
 
 
-def rank_traffic(st_d: StepTraffic, st_x: StepTraffic, mesh: tuple[int, int, int]) -> dict[str, list]:
-    """Per world rank (r, s, e), in rank order: ``calls``, ``ded_avg_elems`` and
+def rank_traffic(st_d: StepTraffic, st_x: StepTraffic, mesh: tuple[int, int, int],
+                 t: int = 1) -> dict[str, list]:
+    """Per world rank (r, s, e[, t]), in rank order: ``calls``, ``ded_avg_elems`` and
     ``ded_avg_bytes`` of one step, the dense tally of shard index s·E + e plus the expert
-    tally of column shard index s (every replica r alike, as in ``StepTraffic``)."""
+    tally of column shard index s (every replica r alike, as in ``StepTraffic``; with
+    ``t`` = T, every TP index alike: the tallies of one TP column, without the TP step)."""
     r, n, e = mesh
     out = {}
     for attr in ("calls", "ded_avg_elems", "ded_avg_bytes"):
         d, x = _per_shard(st_d, attr), _per_shard(st_x, attr)
-        out[attr] = [d[s * e + k] + x[s] for s in range(n) for k in range(e)] * r
+        out[attr] = [d[s * e + k] + x[s] for s in range(n) for k in range(e) for _ in range(t)] * r
     return out
 
 
-def _mode_row(mode: str, ml, plan: EPPlan, dense, local, coalesce_bytes: int) -> dict:
+@dataclass(frozen=True)
+class TPStep:
+    """The ``tp`` axis of a TP × EP layout (R, N, E, T): T, W = R·N·E·T, P_TP (the TP-sharded
+    dense elements, full shapes) and DMuon's step-6 gathers and scatters per world rank
+    (:func:`verify.plan.tp.tp_step_traffic`)."""
+
+    t: int
+    world_size: int
+    p_tp: int
+    per_rank: dict[str, list]
+
+    def add_to(self, row: dict, per_rank: dict[str, list]) -> dict:
+        """``row`` (one TP column's figures, ``per_rank`` its tallies on all W ranks) with the
+        TP step added: on the W-average 2(T-1)/(T·W)·P_TP (docs/traffic-model.md, "Tensor
+        parallelism"), per rank the tally."""
+        t, w = self.t, self.world_size
+        gather = (t - 1) / (t * w) * self.p_tp
+        ranks = {k: [a + b for a, b in zip(v, self.per_rank[k])] for k, v in per_rank.items()}
+        step = {k: sum(v) / w for k, v in self.per_rank.items()}
+        return {**row,
+                # one column's form (its W is R·N·E) at the local shapes, plus the TP step
+                "closed_form": row["closed_form"].replace("P_D", "P_D,loc").replace("(W-1)/W", "(RNE-1)/(RNE)")
+                + " + 2(T-1)/(T·W)·P_TP",
+                "closed_form_elems": row["closed_form_elems"] + 2 * gather,
+                "ded_avg_elems": row["ded_avg_elems"] + step["ded_avg_elems"],
+                "ded_avg_bytes": row["ded_avg_bytes"] + step["ded_avg_bytes"],
+                "ded_max_bytes": max(ranks["ded_avg_bytes"]),
+                "calls_avg": row["calls_avg"] + step["calls"],
+                "calls_max": int(max(ranks["calls"])),
+                "tp_gather_elems": gather, "tp_scatter_elems": gather}
+
+
+def tp_column(plan: EPPlan, dense: list[ParamSpec], t: int) -> tuple[EPPlan, list[ParamSpec], TPStep | None]:
+    """One TP column of ``plan`` (:func:`plan_ep` on (R, N, E·T): the W-slot plan, module
+    docstring "TP × EP"): ``(the column's EP plan on (R, N, E), the dense params at their local
+    shapes, the TP step)``; the column's dense owner is the slot's column rank g // T. ``t`` = 1:
+    ``(plan, dense, None)``."""
+    if t == 1:
+        return plan, list(dense), None
+    r, n, et = plan.mesh
+    local = [tp_local(sp, t) for sp in dense]
+    column = EPPlan(mesh=(r, n, et // t), expert=plan.expert, dense=OwnershipPlan(
+        mesh_shape=(r, n * et // t), specs=tuple(local),
+        owner={name: g // t for name, g in plan.dense.owner.items()}))
+    p_tp = sum(sp.numel for sp in dense if tp_sharded(sp, t) is not None)
+    w = plan.world_size
+    return column, local, TPStep(t, w, p_tp, tp_step_traffic(dense, plan.dense.owner, t, w))
+
+
+def _mode_row(mode: str, ml, plan: EPPlan, dense, local, coalesce_bytes: int, tp: TPStep | None = None) -> dict:
+    """One mode's row. ``plan``: the EP plan of one TP column, ``dense`` at its local shapes;
+    ``tp``: the TP step (``None``: no TP). With TP the T columns are alike and the memory is
+    not sized (``None``: the NS rank's full-shape momentum is not modelled here)."""
     r, n, e = plan.mesh
     lay_d, lay_x, st_d, st_x = part_traffic(ml, plan, mode, coalesce_bytes, dense, local)
     p_d, p_x_loc = st_d.p_m, st_x.p_m
     form_d = closed_form(mode, n * e, r).total_at(p_d, 0, st_d.p_m_kept)
     form_x = closed_form(mode, n, r).total_at(p_x_loc, 0, st_x.p_m_kept)
-    per_rank = rank_traffic(st_d, st_x, plan.mesh)
-    return {
+    per_rank = rank_traffic(st_d, st_x, plan.mesh, 1 if tp is None else tp.t)
+    row = {
         "mode": mode,
         "closed_form": _form_text(mode),
         "closed_form_elems": form_d + form_x,
@@ -206,8 +274,9 @@ def _mode_row(mode: str, ml, plan: EPPlan, dense, local, coalesce_bytes: int) ->
         "ded_max_bytes": max(per_rank["ded_avg_bytes"]),
         "calls_avg": st_d.calls_avg + st_x.calls_avg,
         "calls_max": int(max(per_rank["calls"])),
-        "memory": _memory(ml, mode, plan, lay_d, lay_x, coalesce_bytes),
+        "memory": None if tp else _memory(ml, mode, plan, lay_d, lay_x, coalesce_bytes),
     }
+    return row if tp is None else tp.add_to(row, per_rank)
 
 
 def _memory(ml, mode: str, plan: EPPlan, lay_d, lay_x, coalesce_bytes: int) -> dict:
@@ -253,13 +322,16 @@ def _activations(config, stacks: list[ParamSpec], e: int, dtype_bytes: int | Non
 
 
 def ep_report(ml, mesh: tuple[int, int], e: int, *, coalesce_bytes: int, config=None,
-              dtype_bytes: int | None = None, tflops: float | None = None) -> dict:
-    """The EP section of one mesh (module docstring).
+              dtype_bytes: int | None = None, tflops: float | None = None, tp: int = 1) -> dict:
+    """The EP section of one mesh (module docstring; with ``tp`` > 1 its "TP × EP").
 
     Args:
         ml: the model (:class:`verify.plan.cli.ModelLayout`).
-        mesh: (R, N); the job's mesh is (R, N, E).
+        mesh: (R, N); the job's mesh is (R, N, E), with ``tp`` = T (R, N, E, T).
         e: E >= 1.
+        tp: T >= 1: the dense Muon matrices T divides a dim of are TP-sharded
+            (:func:`verify.plan.tp.tp_sharded`), the rest and the expert stacks replicated
+            over TP.
         coalesce_bytes: DMuon's unit target in bytes (the table's, ``coalesce="auto"``); on an
             EP mesh DMuon joins no blocks (``docs/protocol.md``, "Expert parallelism":
             one unit per block, its dense and expert buckets side by side), so the EP section
@@ -273,30 +345,44 @@ def ep_report(ml, mesh: tuple[int, int], e: int, *, coalesce_bytes: int, config=
     """
     r, n = mesh
     dense, local = split_specs(ml.muon_specs, e)
-    plan = plan_ep(dense, local, (r, n, e))
+    plan = plan_ep(dense, local, (r, n, e * tp))  # TP: the dense NS ranks over all W slots
     w = plan.world_size
     load = plan.ns_load()
+    replicated = [sp for sp in dense if tp_sharded(sp, tp) is None] if tp > 1 else []
+    for sp in replicated:  # NS in every TP column: on each rank of its owner's TP group
+        g = plan.dense.owner[sp.name]
+        for k in range(tp):
+            if k != g % tp:
+                load[g - g % tp + k] += plan.dense.ns_cost[sp.name]
     mean = sum(load) / w
     stacks = expert_stacks(ml.muon_specs)
+    column, dense_col, step = tp_column(plan, dense, tp)
     p_x = sum(sp.numel for sp in stacks)
     # any dense plan on top of the fixed expert loads: the busiest column owner's load, the
     # largest dense matrix on the least-loaded rank, the mean
     xl = plan.expert.ns_load
     bound = max(max(xl), min(xl) + max(plan.dense.ns_cost.values(), default=0), mean)
-    return {
-        "ep": e, "world_size": w, "mesh": {"replicate": r, "shard": n, "ep": e},
+    rep = {
+        "ep": e, "world_size": w,
+        "mesh": {"replicate": r, "shard": n, "ep": e, **({"tp": tp} if step else {})},
         "expert_stacks": len(stacks), "experts": sorted({sp.shape[0] for sp in stacks}),
         "p_d": sum(sp.numel for sp in dense), "p_x": p_x, "p_x_local": p_x // e,
-        "ns_calls": sum(sp.matrices for sp in dense) + sum(sp.matrices for sp in stacks),
+        # NS: a TP matrix once, a matrix replicated over TP and every expert in each TP column
+        "ns_calls": sum(sp.matrices * (tp if sp in replicated else 1) for sp in dense)
+        + tp * sum(sp.matrices for sp in stacks),
         "ns_max_over_mean": max(load) / mean if mean else 0.0,
         "ns_max_flops": max(load),
         "ns_critical_path_s": max(load) / (tflops * 1e12) if tflops else None,
         "ns_bound_ratio": max(load) / bound if bound else 0.0,
         "ns_idle_ranks": sum(1 for x in load if x == 0),
-        "modes": [_mode_row(mode, ml, plan, dense, local, 0) for mode in tp_modes(r)],
-        "activations": _activations(config, stacks, e, dtype_bytes),
+        "modes": [_mode_row(mode, ml, column, dense_col, local, 0, step) for mode in tp_modes(r)],
+        "activations": None if step else _activations(config, stacks, e, dtype_bytes),
         "units": EP_UNITS,
     }
+    if step:
+        rep.update(tp=tp, p_tp=step.p_tp, p_d_local=sum(sp.numel for sp in dense_col),
+                   units={**EP_UNITS, **TP_EP_UNITS})
+    return rep
 
 
 #: ``units`` of the EP section's JSON (``reports[0].ep``): field -> unit.
@@ -322,40 +408,73 @@ EP_UNITS: dict[str, str] = {
 }
 
 
+#: ``units`` the EP section adds with ``--tp`` (TP × EP).
+TP_EP_UNITS: dict[str, str] = {
+    "tp": "tensor-parallel degree T (the mesh is R x N x E x T)",
+    "p_tp": "elements of the TP-sharded dense Muon params, full shapes (P_TP)",
+    "p_d_local": "elements of the dense Muon params one rank holds (P_D,loc = P_TP/T + the rest)",
+    "tp_*_elems": "the TP step's gather / scatter, elements per rank per step, W-average",
+    "memory": "null: not sized with --tp (the NS rank's full-shape momentum is not modelled)",
+    "activations": "null: not sized with --tp",
+}
+
+
 def _gib(b: float) -> str:
     return f"{b / 2**30:.2f}"
 
 
 def format_ep(rep: dict) -> str:
-    """The EP section as text."""
-    m = rep["mesh"]
+    """The EP section as text (with ``tp``: the TP × EP layout's)."""
+    m, tp = rep["mesh"], rep.get("tp")
+    mesh = f"{m['replicate']}x{m['shard']}x{m['ep']}" + (f"x{tp} (R x N x E x T" if tp else " (R x N x E")
+    dense = (f"dense P_D = {rep['p_d']:,}" if not tp else
+             f"dense P_D = {rep['p_d']:,} of which P_TP = {rep['p_tp']:,} TP-sharded, "
+             f"P_D,loc = {rep['p_d_local']:,} per rank")
     lines = [
-        f"expert parallel: mesh {m['replicate']}x{m['shard']}x{m['ep']} (R x N x E, W = "
+        f"expert parallel: mesh {mesh}, W = "
         f"{rep['world_size']:,}); {rep['expert_stacks']} expert stacks of X = "
         f"{'/'.join(map(str, rep['experts']))} (P_X = {rep['p_x']:,} elements, P_X/E = "
-        f"{rep['p_x_local']:,} per rank), dense P_D = {rep['p_d']:,}",
-        f"  plan: stacks over (R, N) columns, then dense over (R, N·E) on that load (LPT); NS "
-        f"once per expert: {rep['ns_calls']:,} calls/step; NS max/mean {rep['ns_max_over_mean']:.3f}, "
+        f"{rep['p_x_local']:,} per rank), {dense}",
+        f"  plan: stacks over (R, N) columns, then dense over (R, N·E{'·T' if tp else ''}) on that "
+        f"load (LPT); NS once per expert{' and TP matrix, a replicated matrix or expert in each TP column' if tp else ''}: "
+        f"{rep['ns_calls']:,} calls/step; NS max/mean {rep['ns_max_over_mean']:.3f}, "
         f"max / bound {rep['ns_bound_ratio']:.3f} (bound: max(busiest column owner, least-loaded "
         f"rank + largest dense matrix, mean)), idle ranks {rep['ns_idle_ranks']}"
         + (f", NS critical path {rep['ns_critical_path_s'] * 1e3:.1f} ms"
            if rep["ns_critical_path_s"] is not None else ""),
     ]
-    headers = ["mode", "closed form (W-average)", "÷ (P_D + P_X/E)", "vs closed", "dense ÷ P_D",
+    p_d, d_name = (rep["p_d_local"], "P_D,loc") if tp else (rep["p_d"], "P_D")
+    headers = ["mode", "closed form (W-average)", f"÷ ({d_name} + P_X/E)", "vs closed", f"dense ÷ {d_name}",
                "expert ÷ P_X/E", "ded GiB/rank avg", "ded GiB busiest", "calls/step busiest",
                "calls/step avg"]
     body = []
-    unit = (rep["p_d"] + rep["p_x_local"]) or 1
+    unit = (p_d + rep["p_x_local"]) or 1
     for row in rep["modes"]:
         body.append([
             row["mode"], row["closed_form"], f"{row['ded_avg_elems'] / unit:.4f}",
             f"{row['ded_avg_elems'] / row['closed_form_elems']:.4f}" if row["closed_form_elems"] else "-",
-            f"{row['dense_elems'] / rep['p_d']:.4f}" if rep["p_d"] else "-",
+            f"{row['dense_elems'] / p_d:.4f}" if p_d else "-",
             f"{row['expert_elems'] / rep['p_x_local']:.4f}",
             _gib(row["ded_avg_bytes"]), _gib(row["ded_max_bytes"]), row["calls_max"],
             f"{row['calls_avg']:.1f}",
         ])
     lines.append(tabulate(body, headers=headers, tablefmt="github"))
+    if tp:
+        lines += [f"  (with --tp: dense and expert per TP column; the TP step's gather and scatter, "
+                  f"2(T-1)/(T·W)·P_TP, in the total, bytes and calls; the calls of DTensor's own TP "
+                  f"collectives not)",
+                  "  memory per rank and activations: not sized with --tp (the NS ranks' full-shape "
+                  "momentum and the token routing under TP are not modelled here)"]
+    else:
+        lines += _memory_lines(rep) + [_activations_line(rep["activations"])]
+    above = ("the table and the tensor-parallel section above are the same W without EP (their N "
+             "is N·E)" if tp else "the table above is the same W without EP")
+    lines.append(f"  (docs/traffic-model.md, 'Expert parallelism'; {above}: every rank holds all X "
+                 "experts of each stack)")
+    return "\n".join(lines)
+
+
+def _memory_lines(rep: dict) -> list[str]:
     mem_rows = []
     for row in rep["modes"]:
         mem = row["memory"]
@@ -364,29 +483,26 @@ def format_ep(rep: dict) -> str:
                                            ("busiest", f"busiest: rank {big['rank']}"))):
             mem_rows.append([row["mode"] if i == 0 else "", label,
                              *(_gib(mem[stat][k]) for k, _ in FIELDS)])
-    lines += ["  Memory per rank with EP, GiB (dense part + the rank's column's expert part, "
-              "verify.plan.memory per part; prefetch_depth 1):",
-              tabulate(mem_rows, headers=["mode", "ranks", *(h for _, h in FIELDS)], tablefmt="github")]
-    act = rep["activations"]
+    return ["  Memory per rank with EP, GiB (dense part + the rank's column's expert part, "
+            "verify.plan.memory per part; prefetch_depth 1):",
+            tabulate(mem_rows, headers=["mode", "ranks", *(h for _, h in FIELDS)], tablefmt="github")]
+
+
+def _activations_line(act: dict | None) -> str:
     if act:
-        lines.append(
-            f"  activations (token all_to_all over the EP group, not P_M; uniform routing): "
-            f"{act['calls_per_step']} calls/step ({act['moe_layers']} MoE layers x 5); "
-            f"4·k·D·b·(E-1)/E = {act['bytes_per_token_per_layer'] / 2**10:,.1f} KiB per routed token "
-            f"per layer, {act['bytes_per_token'] / 2**20:,.2f} MiB per token per step (x T tokens "
-            f"per rank), + {act['count_bytes_per_step']:,.0f} B of counts")
-    else:
-        lines.append("  activations: not sized (the model states no config.moe.top_k / d_model); "
-                     "4·k·D·b·(E-1)/E bytes per routed token per MoE layer")
-    lines.append("  (docs/traffic-model.md, 'Expert parallelism'; the table above is the same W "
-                 "without EP: every rank holds all X experts of each stack)")
-    return "\n".join(lines)
+        return (f"  activations (token all_to_all over the EP group, not P_M; uniform routing): "
+                f"{act['calls_per_step']} calls/step ({act['moe_layers']} MoE layers x 5); "
+                f"4·k·D·b·(E-1)/E = {act['bytes_per_token_per_layer'] / 2**10:,.1f} KiB per routed token "
+                f"per layer, {act['bytes_per_token'] / 2**20:,.2f} MiB per token per step (x T tokens "
+                f"per rank), + {act['count_bytes_per_step']:,.0f} B of counts")
+    return ("  activations: not sized (the model states no config.moe.top_k / d_model); "
+            "4·k·D·b·(E-1)/E bytes per routed token per MoE layer")
 
 
 class EPKind(PlanKind):
-    """``--ep E`` (:mod:`verify.plan.kind`): alone with ``--mesh``; the table is the same W
-    without EP, the mesh (R, N·E); the section is computed before the table (a bad E for the
-    model exits first)."""
+    """``--ep E`` (:mod:`verify.plan.kind`): with ``--mesh`` and optionally ``--tp`` (TP × EP);
+    the table is the same W without EP (and without TP), the mesh (R, N·E); the section is
+    computed before the table (a bad E for the model exits first)."""
 
     flag = "ep"
     world_formula = "R·N·E"
@@ -394,9 +510,9 @@ class EPKind(PlanKind):
     before_table = True
 
     def refusal(self, args) -> str | None:
-        if args.sweep or given(args, "tp"):
-            return self._with(args, "--sweep" if args.sweep else "--tp",
-                              "Give --mesh N or RxN with --ep E alone (the mesh is R x N x E).")
+        if args.sweep:
+            return self._with(args, "--sweep", "Give --mesh N or RxN with --ep E [--tp T] (the mesh "
+                                               "is R x N x E x T).")
         return None
 
     def table_mesh(self, args, mesh: tuple[int, int]) -> tuple[int, int]:
@@ -404,7 +520,8 @@ class EPKind(PlanKind):
 
     def section(self, ctx: PlanContext) -> dict:
         return ep_report(ctx.ml, ctx.mesh, self.degree(ctx.args), coalesce_bytes=ctx.coalesce_bytes,
-                         config=ctx.config, dtype_bytes=ctx.dtype_bytes, tflops=ctx.tflops)
+                         config=ctx.config, dtype_bytes=ctx.dtype_bytes, tflops=ctx.tflops,
+                         tp=ctx.args.tp)
 
     def format(self, section: dict) -> str:
         return format_ep(section)

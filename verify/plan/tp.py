@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 
 from dmuon.ownership.plan import plan_ownership
+from tracer.events import DTYPE_BYTES
 
 from verify.plan.args import UsageError
 from verify.plan.kind import PlanContext, PlanKind
@@ -56,6 +57,44 @@ def tp_sharded(spec, t: int) -> int | None:
     if spec.shape[0] % t == 0:
         return 0
     return 1 if spec.shape[1] % t == 0 else None
+
+
+def tp_local(spec, t: int):
+    """``spec`` at its per-rank shape: its :func:`tp_sharded` dim divided by ``t`` (unchanged
+    when replicated over TP)."""
+    d = tp_sharded(spec, t)
+    if d is None:
+        return spec
+    shape = list(spec.shape)
+    shape[d] //= t
+    return dataclasses.replace(spec, shape=tuple(shape))
+
+
+def tp_step_traffic(specs, owner: dict[str, int], t: int, w: int) -> dict[str, list]:
+    """DMuon's step-6 gathers and scatters (channel ``tp``, docs/protocol.md, "Tensor
+    parallelism") per world rank of one step: ``calls``, ``ded_avg_elems`` and
+    ``ded_avg_bytes`` (lists of ``w``).
+
+    ``owner``: Muon param name -> its slot g of the W-slot plan: the NS rank is world rank g,
+    the data-parallel owner column rank g // T; the TP group of g is ranks T·(g // T) + k. Per
+    group, per (NS rank, dtype) of the TP params its column rank owns: one gather and one
+    scatter of the local counts c, each charging every member (T-1)/T·c (docs/traffic-model.md,
+    "Tensor parallelism"). ``t`` = 1: no TP group, zeros.
+    """
+    out = {"calls": [0] * w, "ded_avg_elems": [0.0] * w, "ded_avg_bytes": [0.0] * w}
+    if t == 1:
+        return out
+    counts: dict[tuple[int, int, str], int] = {}
+    for sp in specs:
+        if tp_sharded(sp, t) is not None:
+            key = (owner[sp.name] // t, owner[sp.name] % t, sp.dtype)
+            counts[key] = counts.get(key, 0) + sp.numel // t
+    for (col, _, dtype), c in counts.items():
+        for k in range(t):
+            out["calls"][col * t + k] += 2
+            out["ded_avg_elems"][col * t + k] += 2 * (t - 1) / t * c
+            out["ded_avg_bytes"][col * t + k] += 2 * (t - 1) / t * c * DTYPE_BYTES[dtype]
+    return out
 
 
 def tp_layout(layout: RunLayout, t: int) -> TPRunLayout:
