@@ -14,7 +14,7 @@ import torch
 from dmuon.ownership.buckets import block_of
 from verify.plan.cli import ModelLayout, main
 from verify.plan.ep import ep_report, part_traffic, plan_ep, rank_traffic, split_specs, tp_column
-from verify.plan.tp import tp_report
+from verify.plan.tp import tp_dims, tp_report
 
 from tests.run.test_plan_cli_ep import BF16, _buckets, tiny_moe
 
@@ -33,8 +33,9 @@ def ml():
 
 def _tp_dim(sp, t):
     """The documented rule: a 2-D matrix is TP-sharded on its output dim if T divides it, else
-    on its input dim if T divides that, else replicated over TP (None)."""
-    if len(sp.shape) != 2:
+    on its input dim if T divides that, else replicated over TP (None); the MoE router
+    (``mlp.router`` in tiny_moe) is replicated."""
+    if len(sp.shape) != 2 or sp.module.endswith(".mlp.router"):
         return None
     return 0 if sp.shape[0] % t == 0 else 1 if sp.shape[1] % t == 0 else None
 
@@ -44,13 +45,13 @@ def brute_force(ml, mesh, mode, with_tp_step=True):
     step, call by call. In each TP column k: the dense buckets (local shards: n/T of a TP
     matrix) over the replica's N·E shard group of column k, owner column index g // T of the
     W-slot plan (HSDP: then the replicate pair); the expert buckets per (e, k) over the
-    column's N shard group. Then per TP group, per (NS rank, dtype) of the TP matrices its
+    column's N shard group, owner the column index of the stack's (R, N·T) slot. Then per TP group, per (NS rank, dtype) of the TP matrices its
     column index owns: a gather and a scatter of the local counts c, (T-1)/T·c each on every
     member. Z3 re-broadcasts every bucket in backward but those of each part's last block."""
     r, n, e, t = mesh
     w, ne = r * n * e * t, n * e
     dense_specs, local = split_specs(ml.muon_specs, e)
-    plan = plan_ep(dense_specs, local, (r, n, e * t))
+    plan = plan_ep(dense_specs, local, (r, n, e), t)
     stacks = [sp for sp in ml.muon_specs if len(sp.shape) == 3]
     blocks = list(dict.fromkeys(block_of(sp.module) for sp in ml.params))
     elems, calls = [0.0] * w, [0] * w
@@ -73,7 +74,8 @@ def brute_force(ml, mesh, mode, with_tp_step=True):
                 take([(ri * ne + j) * t + k for j in range(ne)], ne, numel, 2 + (z3 and blk != kept))
             if r > 1:
                 take([(ri * ne + cg % ne) * t + k for ri in range(r)], r, numel, 2)
-    buckets, kept = _buckets(stacks, plan.expert.owner, blocks, e)
+    # a stack's slot (r·N + s)·T + m: column owner r·N + s, stepped in every column (e, t)
+    buckets, kept = _buckets(stacks, {k: j // t for k, j in plan.expert.owner.items()}, blocks, e)
     for (blk, c), numel in buckets.items():
         for k in range(t):
             for ek in range(e):
@@ -119,7 +121,8 @@ def test_tp_ep_figures_equal_the_brute_force_per_rank_sum(ml, mesh):
     p_tp = sum(sp.numel for sp in dense if _tp_dim(sp, t) is not None)
     assert rep["p_tp"] == p_tp and rep["p_d_local"] == p_tp // t + rep["p_d"] - p_tp
     dense_specs, local = split_specs(ml.muon_specs, e)
-    column, dense_col, step = tp_column(plan_ep(dense_specs, local, (r, n, e * t)), dense_specs, t)
+    column, dense_col, step = tp_column(plan_ep(dense_specs, local, (r, n, e), t), dense_specs,
+                                        tp_dims(ml.muon_specs, t))
     for row in rep["modes"]:
         elems, calls = brute_force(ml, mesh, row["mode"])
         st = part_traffic(ml, column, row["mode"], 0, dense_col, local)[2:]
@@ -153,18 +156,49 @@ def test_with_e_1_tp_ep_is_the_tp_model(ml):
         assert ep["modes"][0]["ded_avg_elems"] == pytest.approx(tp["modes"][0]["ded_avg_elems"], rel=1e-12)
 
 
-@pytest.mark.parametrize("mesh", [(1, 2, 2, 2), (1, 2, 2, 3)], ids=lambda m: "x".join(map(str, m)))
-def test_ns_counts(ml, mesh):
-    """NS once per TP matrix; in every TP column for a replicated matrix and for each expert."""
+@pytest.mark.parametrize("mesh", [(1, 2, 2, 2), (1, 2, 2, 3), (2, 3, 2, 2)], ids=lambda m: "x".join(map(str, m)))
+def test_ns_counts_and_the_plan(ml, mesh):
+    """NS once per TP matrix; in every TP column for a replicated matrix and for each expert.
+    The plan (docs/protocol.md, "Other meshes"): the stacks over the (R, N·T) slots; the dense
+    params, greedy by (cost, bytes, name) onto the least (load, bytes, slot), over the W slots
+    from the load the stacks leave on the world ranks of their slot's TP index (every e)."""
     r, n, e, t = mesh
+    w = r * n * e * t
     rep = ep_report(ml, (r, n), e, coalesce_bytes=0, tp=t)
-    dense = [sp for sp in ml.muon_specs if len(sp.shape) != 3]
+    dense, local = split_specs(ml.muon_specs, e)
     stacks = [sp for sp in ml.muon_specs if len(sp.shape) == 3]
-    want = (sum(sp.matrices * (1 if _tp_dim(sp, t) is not None else t) for sp in dense)
-            + t * sum(sp.shape[0] for sp in stacks))
-    assert rep["ns_calls"] == want
+    assert rep["ns_calls"] == (sum(sp.matrices * (1 if _tp_dim(sp, t) is not None else t) for sp in dense)
+                               + t * sum(sp.shape[0] for sp in stacks))
     if t == 3:  # some dense matrices are replicated over TP at T = 3 (d_model 16)
         assert any(_tp_dim(sp, t) is None for sp in dense)
+    plan = plan_ep(dense, local, (r, n, e), t)
+    assert plan.expert.mesh_shape == (r, n * t) and plan.dense.mesh_shape == (r, n * e * t)
+    load, held = [0.0] * w, [0] * w
+    for sp in local:
+        j = plan.expert.owner[sp.name]
+        for k in range(e):
+            load[(j // t * e + k) * t + j % t] += sp.ns_cost
+            held[(j // t * e + k) * t + j % t] += sp.nbytes
+    owner = {}
+    for sp in sorted(dense, key=lambda sp: (-sp.ns_cost, -sp.nbytes, sp.name)):
+        g = min(range(w), key=lambda g: (load[g], held[g], g))
+        owner[sp.name] = g
+        load[g] += sp.ns_cost
+        held[g] += sp.nbytes
+    assert plan.dense.owner == owner
+    # the NS work: every stack in every (e, t) column of its owner, a replicated dense matrix on
+    # each rank of its owner's TP group, a TP matrix on its NS rank
+    work = [0.0] * w
+    for sp in local:
+        c = plan.expert.owner[sp.name] // t
+        for k in range(e * t):
+            work[c * e * t + k] += sp.ns_cost
+    for sp in dense:
+        g = plan.dense.owner[sp.name]
+        for k in (range(t) if _tp_dim(sp, t) is None else [g % t]):
+            work[g - g % t + k] += sp.ns_cost
+    assert rep["ns_max_over_mean"] == pytest.approx(max(work) / (sum(work) / w))
+    assert rep["ns_idle_ranks"] == sum(1 for x in work if x == 0)
 
 
 def test_cli_prints_the_tp_ep_section_and_json(capsys):

@@ -31,13 +31,17 @@ World rank of (r, s, e) = (r·N + s)·E + e; the dense slot of the (R, N·E) pla
 **TP × EP** (``tp`` = T > 1; the mesh R × N × E × T, torchtitan's ``dp_shard × ep × tp`` with
 ``shard_dims=("dp_shard", "ep")``, docs/protocol.md, "Other meshes"; world rank
 ((r·N + s)·E + e)·T + t): a dense Muon matrix one of whose dims T divides is TP-sharded
-(:func:`verify.plan.tp.tp_sharded`), the other dense params and the expert stacks are
-replicated over TP. Each TP column (the R·N·E ranks of one t) is the EP layout above with every
+but a MoE layer's router (:func:`verify.plan.tp.tp_dims`, as torchtitan leaves it
+unsharded); the other dense params and the expert stacks are replicated
+over TP. Each TP column (the R·N·E ranks of one t) is the EP layout above with every
 TP matrix at its local shape (n/T), so its figures are the ones above at P_D,loc = P_TP/T +
-P_rep; the T columns are alike. The plan: the local stacks over (R, N) as above, their load on
-every (e, t); the dense params over the W = R·N·E·T slots on top of it (the TP plan's rule,
-docs/protocol.md, "Tensor parallelism": slot g is the NS rank, g // T the data-parallel owner
-in the column). The TP step adds per TP matrix a gather and a scatter on its owner's TP group
+P_rep; the T columns are alike. The plan (docs/protocol.md, "Other meshes": slots (r, s_K, m),
+m the TP index, columns sharded on data dims first): the local stacks over the slots (R, N·T),
+slot (r·N + s)·T + m making (r, s) their column owner; each stack's cost on the world ranks
+(r, s, e, m) for every e; then the dense params over the W = R·N·E·T world slots from that load
+(slot g: column owner g // T and, for a TP matrix, NS rank g). The NS work itself: each stack
+in every column (e, t) of its owner, a matrix replicated over TP on each rank of its owner's
+TP group. The TP step adds per TP matrix a gather and a scatter on its owner's TP group
 (:func:`verify.plan.tp.tp_step_traffic`), 2(T-1)/(T·W)·P_TP on the W-average. NS runs once per
 TP matrix and in every TP column for a replicated matrix and for each expert. Memory and the
 token all_to_all are not sized under TP (``None``).
@@ -57,7 +61,7 @@ from dmuon.ownership.plan import OwnershipPlan, ParamSpec, plan_ownership
 from verify.plan.args import UsageError
 from verify.plan.kind import PlanContext, PlanKind, given
 from verify.plan.memory import FIELDS, adamw_rest_bytes, rank_memory
-from verify.plan.tp import tp_local, tp_modes, tp_sharded, tp_step_traffic
+from verify.plan.tp import tp_dims, tp_local, tp_modes, tp_step_traffic
 from verify.traffic.formulas import closed_form
 from verify.traffic.predict import RunLayout
 from verify.traffic.scale import StepTraffic, step_traffic
@@ -99,42 +103,56 @@ def split_specs(specs, e: int) -> tuple[list[ParamSpec], list[ParamSpec]]:
 
 @dataclass(frozen=True)
 class EPPlan:
-    """The two-level plan on an (R, N, E) mesh.
+    """The two-level plan on an (R, N, E) mesh (with ``tp`` = T: (R, N, E, T)).
 
     Attributes:
         mesh: (R, N, E).
-        expert: owners of the local stacks on the column mesh (R, N): owner index r·N + s.
-        dense: owners of the dense params on (R, N·E): owner index = world rank.
+        expert: owners of the local stacks on the slots (R, N·T): owner slot (r·N + s)·T + m,
+            column owner index r·N + s (T = 1: the column mesh (R, N)).
+        dense: owners of the dense params on (R, N·E·T): owner index = world rank.
+        tp: T.
     """
 
     mesh: tuple[int, int, int]
     expert: OwnershipPlan
     dense: OwnershipPlan
+    tp: int = 1
 
     @property
     def world_size(self) -> int:
         r, n, e = self.mesh
-        return r * n * e
+        return r * n * e * self.tp
 
     def column_rank(self, rank: int) -> int:
-        """The column owner index r·N + s of world rank (r, s, e)."""
-        return rank // self.mesh[2]
+        """The column owner index r·N + s of world rank (r, s, e[, t])."""
+        return rank // (self.mesh[2] * self.tp)
+
+    def expert_load(self) -> list[float]:
+        """NS FLOPs per column owner index r·N + s and step: its local stacks (of all its T
+        slots), which it runs in every column (e, t)."""
+        xl, t = self.expert.ns_load, self.tp
+        return [sum(xl[c * t + m] for m in range(t)) for c in range(len(xl) // t)]
 
     def ns_load(self) -> list[float]:
         """NS FLOPs per world rank and step: its column owner's local stacks plus its dense
         matrices."""
-        xl, dl = self.expert.ns_load, self.dense.ns_load
+        xl, dl = self.expert_load(), self.dense.ns_load
         return [xl[self.column_rank(g)] + dl[g] for g in range(self.world_size)]
 
 
-def plan_ep(dense: list[ParamSpec], local_stacks: list[ParamSpec], mesh: tuple[int, int, int]) -> EPPlan:
+def plan_ep(dense: list[ParamSpec], local_stacks: list[ParamSpec], mesh: tuple[int, int, int],
+            tp: int = 1) -> EPPlan:
     """Plan the local stacks over (R, N), then the dense params over (R, N·E) on top of the
-    expert load of every world rank (module docstring: LPT from initial loads)."""
+    expert load of every world rank (module docstring: LPT from initial loads). With ``tp`` =
+    T (module docstring, "TP × EP"): the stacks over the slots (R, N·T), a stack's cost on the
+    world ranks (r, s, e, m) of its slot's TP index m for every e, then the dense params over
+    the W = R·N·E·T world slots."""
     r, n, e = mesh
-    expert = plan_ownership(local_stacks, (r, n))
-    w = r * n * e
+    expert = plan_ownership(local_stacks, (r, n * tp))
+    w = r * n * e * tp
     xl, xb = expert.ns_load, expert.bytes_load
-    heap = [(xl[g // e], xb[g // e], g) for g in range(w)]
+    slot = [g // (e * tp) * tp + g % tp for g in range(w)]  # world rank -> its stack slot
+    heap = [(xl[slot[g]], xb[slot[g]], g) for g in range(w)]
     heapq.heapify(heap)
     ordered = sorted(dense, key=lambda sp: (-sp.ns_cost, -sp.nbytes, sp.name))
     owner: dict[str, int] = {}
@@ -142,8 +160,8 @@ def plan_ep(dense: list[ParamSpec], local_stacks: list[ParamSpec], mesh: tuple[i
         load, held, g = heap[0]
         owner[sp.name] = g
         heapq.heapreplace(heap, (load + sp.ns_cost, held + sp.nbytes, g))
-    dense_plan = OwnershipPlan(mesh_shape=(r, n * e), specs=tuple(dense), owner=owner)
-    return EPPlan(mesh=(r, n, e), expert=expert, dense=dense_plan)
+    dense_plan = OwnershipPlan(mesh_shape=(r, n * e * tp), specs=tuple(dense), owner=owner)
+    return EPPlan(mesh=(r, n, e), expert=expert, dense=dense_plan, tp=tp)
 
 
 @dataclass(frozen=True)
@@ -234,21 +252,25 @@ class TPStep:
                 "tp_gather_elems": gather, "tp_scatter_elems": gather}
 
 
-def tp_column(plan: EPPlan, dense: list[ParamSpec], t: int) -> tuple[EPPlan, list[ParamSpec], TPStep | None]:
-    """One TP column of ``plan`` (:func:`plan_ep` on (R, N, E·T): the W-slot plan, module
-    docstring "TP × EP"): ``(the column's EP plan on (R, N, E), the dense params at their local
-    shapes, the TP step)``; the column's dense owner is the slot's column rank g // T. ``t`` = 1:
-    ``(plan, dense, None)``."""
+def tp_column(plan: EPPlan, dense: list[ParamSpec], tp: dict[str, int]) -> tuple[EPPlan, list[ParamSpec], TPStep | None]:
+    """One TP column of ``plan`` (module docstring, "TP × EP"), ``tp`` the TP-sharded dense
+    params (:func:`verify.plan.tp.tp_dims`): ``(the column's EP plan on (R, N, E), the dense params at their local
+    shapes, the TP step)``; the column's owners are the slots' column ranks (slot // T).
+    T = 1: ``(plan, dense, None)``."""
+    t = plan.tp
     if t == 1:
         return plan, list(dense), None
-    r, n, et = plan.mesh
-    local = [tp_local(sp, t) for sp in dense]
-    column = EPPlan(mesh=(r, n, et // t), expert=plan.expert, dense=OwnershipPlan(
-        mesh_shape=(r, n * et // t), specs=tuple(local),
+    r, n, e = plan.mesh
+    local = [tp_local(sp, tp[sp.name], t) if sp.name in tp else sp for sp in dense]
+    column = EPPlan(mesh=(r, n, e), expert=OwnershipPlan(
+        mesh_shape=(r, n), specs=plan.expert.specs,
+        owner={name: j // t for name, j in plan.expert.owner.items()}), dense=OwnershipPlan(
+        mesh_shape=(r, n * e), specs=tuple(local),
         owner={name: g // t for name, g in plan.dense.owner.items()}))
-    p_tp = sum(sp.numel for sp in dense if tp_sharded(sp, t) is not None)
+    sharded = [sp for sp in dense if sp.name in tp]
     w = plan.world_size
-    return column, local, TPStep(t, w, p_tp, tp_step_traffic(dense, plan.dense.owner, t, w))
+    return column, local, TPStep(t, w, sum(sp.numel for sp in sharded),
+                                 tp_step_traffic(sharded, plan.dense.owner, t, w))
 
 
 def _mode_row(mode: str, ml, plan: EPPlan, dense, local, coalesce_bytes: int, tp: TPStep | None = None) -> dict:
@@ -330,7 +352,7 @@ def ep_report(ml, mesh: tuple[int, int], e: int, *, coalesce_bytes: int, config=
         mesh: (R, N); the job's mesh is (R, N, E), with ``tp`` = T (R, N, E, T).
         e: E >= 1.
         tp: T >= 1: the dense Muon matrices T divides a dim of are TP-sharded
-            (:func:`verify.plan.tp.tp_sharded`), the rest and the expert stacks replicated
+            (:func:`verify.plan.tp.tp_dims`), the rest and the expert stacks replicated
             over TP.
         coalesce_bytes: DMuon's unit target in bytes (the table's, ``coalesce="auto"``); on an
             EP mesh DMuon joins no blocks (``docs/protocol.md``, "Expert parallelism":
@@ -345,10 +367,11 @@ def ep_report(ml, mesh: tuple[int, int], e: int, *, coalesce_bytes: int, config=
     """
     r, n = mesh
     dense, local = split_specs(ml.muon_specs, e)
-    plan = plan_ep(dense, local, (r, n, e * tp))  # TP: the dense NS ranks over all W slots
+    plan = plan_ep(dense, local, (r, n, e), tp)
     w = plan.world_size
     load = plan.ns_load()
-    replicated = [sp for sp in dense if tp_sharded(sp, tp) is None] if tp > 1 else []
+    sharded = tp_dims(ml.muon_specs, tp) if tp > 1 else {sp.name: 0 for sp in dense}
+    replicated = [sp for sp in dense if sp.name not in sharded]
     for sp in replicated:  # NS in every TP column: on each rank of its owner's TP group
         g = plan.dense.owner[sp.name]
         for k in range(tp):
@@ -356,11 +379,11 @@ def ep_report(ml, mesh: tuple[int, int], e: int, *, coalesce_bytes: int, config=
                 load[g - g % tp + k] += plan.dense.ns_cost[sp.name]
     mean = sum(load) / w
     stacks = expert_stacks(ml.muon_specs)
-    column, dense_col, step = tp_column(plan, dense, tp)
+    column, dense_col, step = tp_column(plan, dense, sharded)
     p_x = sum(sp.numel for sp in stacks)
     # any dense plan on top of the fixed expert loads: the busiest column owner's load, the
     # largest dense matrix on the least-loaded rank, the mean
-    xl = plan.expert.ns_load
+    xl = plan.expert_load()
     bound = max(max(xl), min(xl) + max(plan.dense.ns_cost.values(), default=0), mean)
     rep = {
         "ep": e, "world_size": w,
@@ -368,7 +391,7 @@ def ep_report(ml, mesh: tuple[int, int], e: int, *, coalesce_bytes: int, config=
         "expert_stacks": len(stacks), "experts": sorted({sp.shape[0] for sp in stacks}),
         "p_d": sum(sp.numel for sp in dense), "p_x": p_x, "p_x_local": p_x // e,
         # NS: a TP matrix once, a matrix replicated over TP and every expert in each TP column
-        "ns_calls": sum(sp.matrices * (tp if sp in replicated else 1) for sp in dense)
+        "ns_calls": sum(sp.matrices * (1 if sp.name in sharded else tp) for sp in dense)
         + tp * sum(sp.matrices for sp in stacks),
         "ns_max_over_mean": max(load) / mean if mean else 0.0,
         "ns_max_flops": max(load),
@@ -435,7 +458,8 @@ def format_ep(rep: dict) -> str:
         f"{rep['world_size']:,}); {rep['expert_stacks']} expert stacks of X = "
         f"{'/'.join(map(str, rep['experts']))} (P_X = {rep['p_x']:,} elements, P_X/E = "
         f"{rep['p_x_local']:,} per rank), {dense}",
-        f"  plan: stacks over (R, N) columns, then dense over (R, N·E{'·T' if tp else ''}) on that "
+        f"  plan: stacks over {'(R, N·T) slots' if tp else '(R, N) columns'}, then dense over "
+        f"(R, N·E{'·T' if tp else ''}) on that "
         f"load (LPT); NS once per expert{' and TP matrix, a replicated matrix or expert in each TP column' if tp else ''}: "
         f"{rep['ns_calls']:,} calls/step; NS max/mean {rep['ns_max_over_mean']:.3f}, "
         f"max / bound {rep['ns_bound_ratio']:.3f} (bound: max(busiest column owner, least-loaded "

@@ -5,8 +5,9 @@ Derived from the documented protocol (``docs/protocol.md``, "Tensor parallelism"
 TP-sharded: every Muon matrix of a 2-D param one of whose dims T divides (torchtitan's plan
 shards every block Linear with ``ColwiseParallel`` / ``RowwiseParallel``; an output dim that
 T divides is taken as ``Shard(0)``, else the input dim as ``Shard(1)``); the others (3-D expert
-stacks, conv weights, dims T divides neither) are replicated over TP and stepped in every TP
-column.
+stacks, conv weights, dims T divides neither, and a MoE layer's router beside its expert stacks,
+which torchtitan leaves unsharded: :func:`tp_dims`) are replicated over TP and stepped in every
+TP column.
 
 Figures per rank per step, elements (``*_elems``) on the W-average of docs/spec.md §2:
 
@@ -59,14 +60,20 @@ def tp_sharded(spec, t: int) -> int | None:
     return 1 if spec.shape[1] % t == 0 else None
 
 
-def tp_local(spec, t: int):
-    """``spec`` at its per-rank shape: its :func:`tp_sharded` dim divided by ``t`` (unchanged
-    when replicated over TP)."""
-    d = tp_sharded(spec, t)
-    if d is None:
-        return spec
+def tp_dims(specs, t: int) -> dict[str, int]:
+    """Muon param name -> the dim it is TP-sharded on, for those of ``specs`` that are: the
+    :func:`tp_sharded` ones but a MoE layer's router (a matrix of X rows in the module that
+    holds X-expert stacks (X, a, b) beside it), which torchtitan's plan leaves unsharded."""
+    specs = list(specs)
+    routers = {(sp.module.rpartition(".")[0], sp.shape[0]) for sp in specs if len(sp.shape) == 3}
+    return {sp.name: d for sp in specs if (d := tp_sharded(sp, t)) is not None
+            and (sp.module.rpartition(".")[0], sp.shape[0]) not in routers}
+
+
+def tp_local(spec, dim: int, t: int):
+    """``spec`` at its per-rank shape: dim ``dim`` divided by ``t``."""
     shape = list(spec.shape)
-    shape[d] //= t
+    shape[dim] //= t
     return dataclasses.replace(spec, shape=tuple(shape))
 
 
@@ -75,7 +82,8 @@ def tp_step_traffic(specs, owner: dict[str, int], t: int, w: int) -> dict[str, l
     parallelism") per world rank of one step: ``calls``, ``ded_avg_elems`` and
     ``ded_avg_bytes`` (lists of ``w``).
 
-    ``owner``: Muon param name -> its slot g of the W-slot plan: the NS rank is world rank g,
+    ``specs``: the TP-sharded Muon params (full shapes; n/T per rank). ``owner``: param name ->
+    its slot g of the W-slot plan: the NS rank is world rank g,
     the data-parallel owner column rank g // T; the TP group of g is ranks T·(g // T) + k. Per
     group, per (NS rank, dtype) of the TP params its column rank owns: one gather and one
     scatter of the local counts c, each charging every member (T-1)/T·c (docs/traffic-model.md,
@@ -86,9 +94,8 @@ def tp_step_traffic(specs, owner: dict[str, int], t: int, w: int) -> dict[str, l
         return out
     counts: dict[tuple[int, int, str], int] = {}
     for sp in specs:
-        if tp_sharded(sp, t) is not None:
-            key = (owner[sp.name] // t, owner[sp.name] % t, sp.dtype)
-            counts[key] = counts.get(key, 0) + sp.numel // t
+        key = (owner[sp.name] // t, owner[sp.name] % t, sp.dtype)
+        counts[key] = counts.get(key, 0) + sp.numel // t
     for (col, _, dtype), c in counts.items():
         for k in range(t):
             out["calls"][col * t + k] += 2
@@ -99,8 +106,8 @@ def tp_step_traffic(specs, owner: dict[str, int], t: int, w: int) -> dict[str, l
 
 def tp_layout(layout: RunLayout, t: int) -> TPRunLayout:
     """``layout`` (full shapes, on (R, N)) on the (R, N, T) mesh, its TP params those of
-    :func:`tp_sharded`."""
-    dims = tuple((sp.name, d) for sp in layout.muon_specs() if (d := tp_sharded(sp, t)) is not None)
+    :func:`tp_dims`."""
+    dims = tuple(tp_dims(layout.muon_specs(), t).items())
     base = {f.name: getattr(layout, f.name) for f in dataclasses.fields(RunLayout)}
     return TPRunLayout(**base, tp_size=t, tp_dims=dims)
 
@@ -120,7 +127,7 @@ def tp_report(ml, mesh: tuple[int, int], t: int, *, coalesce_bytes: int) -> dict
     muon_specs = ml.muon_specs
     r, n = mesh
     w = r * n * t
-    tp_names = {sp.name for sp in muon_specs if tp_sharded(sp, t) is not None}
+    tp_names = set(tp_dims(muon_specs, t))
     p_m = sum(sp.numel for sp in muon_specs)
     p_tp = sum(sp.numel for sp in muon_specs if sp.name in tp_names)
     p_rep = p_m - p_tp
