@@ -6,6 +6,7 @@ JSON and bounds."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -15,6 +16,8 @@ from dmuon.ownership.buckets import block_of
 from verify.plan.cli import ModelLayout, main
 from verify.plan.ep import ep_report, part_traffic, plan_ep, rank_traffic, split_specs, tp_column
 from verify.plan.tp import tp_dims, tp_report
+from verify.traffic.predict import RunLayout
+from verify.traffic.tpep import TPEPRunLayout, tpep_closed_form
 
 from tests.run.test_plan_cli_ep import BF16, _buckets, tiny_moe
 
@@ -173,12 +176,11 @@ def test_ns_counts_and_the_plan(ml, mesh):
         assert any(_tp_dim(sp, t) is None for sp in dense)
     plan = plan_ep(dense, local, (r, n, e), t)
     assert plan.expert.mesh_shape == (r, n * t) and plan.dense.mesh_shape == (r, n * e * t)
-    load, held = [0.0] * w, [0] * w
+    load, held = [0.0] * w, [0] * w  # held: the dense bytes placed so far
     for sp in local:
         j = plan.expert.owner[sp.name]
         for k in range(e):
             load[(j // t * e + k) * t + j % t] += sp.ns_cost
-            held[(j // t * e + k) * t + j % t] += sp.nbytes
     owner = {}
     for sp in sorted(dense, key=lambda sp: (-sp.ns_cost, -sp.nbytes, sp.name)):
         g = min(range(w), key=lambda g: (load[g], held[g], g))
@@ -199,6 +201,27 @@ def test_ns_counts_and_the_plan(ml, mesh):
             work[g - g % t + k] += sp.ns_cost
     assert rep["ns_max_over_mean"] == pytest.approx(max(work) / (sum(work) / w))
     assert rep["ns_idle_ranks"] == sum(1 for x in work if x == 0)
+
+
+@pytest.mark.parametrize("mesh", [(1, 2, 2), (2, 2, 2), (3, 2, 2), (2, 2, 4), (1, 4, 2)],
+                         ids=lambda m: "x".join(map(str, m)))
+def test_plan_and_closed_form_agree_with_the_traffic_harness(ml, mesh):
+    """The harness's TP × EP layout (verify.traffic.tpep, R = 1) on the same model: the same
+    expert and dense owners and NS ranks, the same closed form per mode."""
+    n, e, t = mesh
+    dense, local = split_specs(ml.muon_specs, e)
+    plan = plan_ep(dense, local, (1, n, e), t)
+    rep = ep_report(ml, (1, n), e, coalesce_bytes=0, tp=t)
+    for row in rep["modes"]:
+        fields = {f.name: getattr(ml.layout(row["mode"], 1, n), f.name) for f in dataclasses.fields(RunLayout)}
+        lay = TPEPRunLayout(**{**fields, "dmuon_rest": "wrapper"}, tp_size=t, ep_size=e,
+                            tp_dims=tuple(tp_dims(ml.muon_specs, t).items()),
+                            expert_names=tuple(sp.name for sp in ml.muon_specs if len(sp.shape) == 3))
+        expert_owner, dense_owner, ns_rank = lay.plans()
+        assert {k: j // t for k, j in plan.expert.owner.items()} == expert_owner
+        assert {k: g // t for k, g in plan.dense.owner.items()} == dense_owner
+        assert {k: plan.dense.owner[k] % t for k in ns_rank} == ns_rank
+        assert row["closed_form_elems"] == pytest.approx(tpep_closed_form(lay).total * lay.p_m(), rel=1e-12)
 
 
 def test_cli_prints_the_tp_ep_section_and_json(capsys):

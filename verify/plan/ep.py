@@ -10,9 +10,8 @@ from the runtime. An **expert stack** is a 3-D Muon param ``(X, a, b)`` in the s
   :func:`dmuon.ownership.plan.plan_ownership` (cost: X/E matrices of a × b); owner (r, s) of a
   local stack owns it in every column e, so its load lands on world ranks (r, s, e) for every
   e. The dense params are then planned over the W slots of the data-parallel mesh
-  (R, N·E) on top of that load: ``plan_ownership`` has no initial-load argument, so this
-  module runs the same greedy LPT (order by cost, bytes, name; least (load, bytes, g) first)
-  from the expert loads, without the planner's MULTIFIT retry.
+  (R, N·E) on top of that load (``plan_ownership(initial_load=)``: its greedy LPT from the
+  expert loads, without the MULTIFIT retry).
 - **Traffic** per mode: the dense part is a plain DMuon over (R, N·E) at P_D, the expert part
   a plain DMuon over each column's (R, N) at P_X/E (:func:`verify.traffic.scale.step_traffic`
   on each part's own layout and plan); world rank (r, s, e) issues the dense calls of shard
@@ -28,8 +27,9 @@ from the runtime. An **expert stack** is a 3-D Muon param ``(X, a, b)`` in the s
 
 World rank of (r, s, e) = (r·N + s)·E + e; the dense slot of the (R, N·E) plan is that rank.
 
-**TP × EP** (``tp`` = T > 1; the mesh R × N × E × T, torchtitan's ``dp_shard × ep × tp`` with
-``shard_dims=("dp_shard", "ep")``, docs/protocol.md, "Other meshes"; world rank
+**TP × EP** (``tp`` = T > 1; docs/traffic-model.md, "TP × EP"; the mesh R × N × E × T,
+torchtitan's ``dp_shard × ep × tp`` with ``shard_dims=("dp_shard", "ep")``, docs/protocol.md,
+"Other meshes"; world rank
 ((r·N + s)·E + e)·T + t): a dense Muon matrix one of whose dims T divides is TP-sharded
 but a MoE layer's router (:func:`verify.plan.tp.tp_dims`, as torchtitan leaves it
 unsharded); the other dense params and the expert stacks are replicated
@@ -50,7 +50,6 @@ token all_to_all are not sized under TP (``None``).
 from __future__ import annotations
 
 import dataclasses
-import heapq
 import statistics
 from dataclasses import dataclass
 
@@ -149,18 +148,10 @@ def plan_ep(dense: list[ParamSpec], local_stacks: list[ParamSpec], mesh: tuple[i
     the W = R·N·E·T world slots."""
     r, n, e = mesh
     expert = plan_ownership(local_stacks, (r, n * tp))
-    w = r * n * e * tp
-    xl, xb = expert.ns_load, expert.bytes_load
-    slot = [g // (e * tp) * tp + g % tp for g in range(w)]  # world rank -> its stack slot
-    heap = [(xl[slot[g]], xb[slot[g]], g) for g in range(w)]
-    heapq.heapify(heap)
-    ordered = sorted(dense, key=lambda sp: (-sp.ns_cost, -sp.nbytes, sp.name))
-    owner: dict[str, int] = {}
-    for sp in ordered:
-        load, held, g = heap[0]
-        owner[sp.name] = g
-        heapq.heapreplace(heap, (load + sp.ns_cost, held + sp.nbytes, g))
-    dense_plan = OwnershipPlan(mesh_shape=(r, n * e * tp), specs=tuple(dense), owner=owner)
+    xl = expert.ns_load
+    # world rank (r, s, e, m) -> the load of its stack slot (r·N + s)·T + m
+    load = [xl[g // (e * tp) * tp + g % tp] for g in range(r * n * e * tp)]
+    dense_plan = plan_ownership(dense, (r, n * e * tp), initial_load=load)
     return EPPlan(mesh=(r, n, e), expert=expert, dense=dense_plan, tp=tp)
 
 
@@ -493,7 +484,8 @@ def format_ep(rep: dict) -> str:
         lines += _memory_lines(rep) + [_activations_line(rep["activations"])]
     above = ("the table and the tensor-parallel section above are the same W without EP (their N "
              "is N·E)" if tp else "the table above is the same W without EP")
-    lines.append(f"  (docs/traffic-model.md, 'Expert parallelism'; {above}: every rank holds all X "
+    doc = "TP × EP" if tp else "Expert parallelism"
+    lines.append(f"  (docs/traffic-model.md, '{doc}'; {above}: every rank holds all X "
                  "experts of each stack)")
     return "\n".join(lines)
 
