@@ -248,12 +248,12 @@ def test_help_exits_0_and_documents_exit_codes_and_bounds(capsys):
 def test_warnings_count_the_tp_ranks(capsys):
     """--mesh 1 --tp 2 warned 'W = 1 has no collectives; every traffic … figure is 0' above a
     TP section with W = 2 and 0.5·P_M of traffic: the warnings take W = R·N·T."""
-    assert mesh_warnings((1, 1), 8, tp=2) == []
+    assert mesh_warnings((1, 1), 8, {"tp": 2}) == []
     assert mesh_warnings((1, 1), 8) != []
     assert main([*MODEL, "--mesh", "1", "--tp", "2"]) == 0
     captured = capsys.readouterr()
     assert "W = 1" not in captured.err and "W = 2" in captured.out
-    (big,) = mesh_warnings((1, LARGE_WORLD_SIZE), 8, tp=2)
+    (big,) = mesh_warnings((1, LARGE_WORLD_SIZE), 8, {"tp": 2})
     assert "--tp 2" in big and f"W = {2 * LARGE_WORLD_SIZE:,}" in big
 
 

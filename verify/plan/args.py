@@ -126,13 +126,15 @@ def _gpus(text: str) -> int:
     return int(text)
 
 
-def mesh_warnings(mesh: tuple[int, int], gpus_per_node: int, tp: int = 1) -> list[str]:
-    """The warnings for an (R, N) mesh with tensor-parallel degree ``tp`` (T; the job has
-    W = R·N·T ranks) on nodes of ``gpus_per_node`` GPUs (module docstring), one line each;
-    ``[]`` for a mesh the cost model describes."""
+def mesh_warnings(mesh: tuple[int, int], gpus_per_node: int,
+                  model_parallel: dict[str, int] | None = None) -> list[str]:
+    """The warnings for an (R, N) mesh times the ``model_parallel`` degrees (flag -> degree,
+    e.g. ``{"tp": T}``: the job has W = R·N·T ranks) on nodes of ``gpus_per_node`` GPUs
+    (module docstring), one line each; ``[]`` for a mesh the cost model describes."""
     r, n = mesh
-    w, g = r * n * tp, gpus_per_node
-    text = (f"{r}x{n}" if r > 1 else str(n)) + (f" --tp {tp}" if tp > 1 else "")
+    degrees = {flag: d for flag, d in (model_parallel or {}).items() if d > 1}
+    w, g = r * n * math.prod(degrees.values()), gpus_per_node
+    text = " ".join([f"{r}x{n}" if r > 1 else str(n), *(f"--{flag} {d}" for flag, d in degrees.items())])
     out = []
     if w == 1:
         out.append(f"mesh {text}: W = 1 has no collectives; every traffic and communication "

@@ -495,7 +495,7 @@ def _plan(args) -> tuple[list[dict], list[dict] | None, CostModel, ModelLayout, 
             raise UsageError(error)
         if table_mesh:
             table_mesh = kind.table_mesh(args, table_mesh)
-    warnings = mesh_warnings(table_mesh, cm.gpus_per_node, args.tp) if table_mesh else []
+    warnings = mesh_warnings(table_mesh, cm.gpus_per_node, {"tp": args.tp}) if table_mesh else []
     model = _load_model(args.model)
     ml = ModelLayout(model, args.model, None if args.dtype == MODEL_DTYPE else args.dtype)
     ctx = PlanContext(args=args, ml=ml, config=getattr(model, "config", None), mesh=mesh,
