@@ -46,6 +46,8 @@ DEDICATED_ATTR = "_dmuon_dedicated"
 #: model-parallel dims) until FSDP2 shards them: the others make every param a DTensor over
 #: the data-parallel dims too, which DMuon cannot dedicate.
 BACKEND = "partial_dtensor"
+#: The attribute of a ``ParallelDims`` that keeps :func:`dedicating_mesh`'s roots under PP.
+STAGE_ROOTS_ATTR = "_dmuon_stage_roots"
 
 
 def mesh_dims(parallel_dims) -> tuple[tuple[str, ...], str | None, tuple[str, ...]]:
@@ -93,11 +95,40 @@ def dedicate(model: nn.Module, parallel_dims, **kwargs) -> DedicatedParams:
         ValueError: as :func:`mesh_dims` and ``dedicate_params``.
     """
     names, replicate_dim, shard_dims = mesh_dims(parallel_dims)
-    mesh = parallel_dims.get_mesh(list(names) if len(names) > 1 else names[0])
+    mesh = dedicating_mesh(parallel_dims, names)
     dm = dedicate_params(model, mesh, replicate_dim=replicate_dim, shard_dims=shard_dims, **kwargs)
     dm.set_gradient_divide_factor(1)  # the owners' reduced grads: the sum, as torchtitan's FSDP2
     setattr(model, DEDICATED_ATTR, dm)
     return dm
+
+
+def dedicating_mesh(parallel_dims, names: Sequence[str]):
+    """The ``DeviceMesh`` over ``names`` (:func:`mesh_dims`) that DMuon dedicates on. Local
+    (no process group is made).
+
+    Without pipeline parallelism it is torchtitan's ``parallel_dims.get_mesh(names)``. With
+    ``pp`` > 1 it is the same ranks and the same process groups, but as the slice of a mesh that
+    names ``pp``: every torchtitan mesh is unflattened from its 1-D ``("world",)`` mesh, which
+    is then the root of every slice, and DMuon recognises a pipeline stage's data-parallel mesh
+    by a root over the world with a ``"pp"`` dim (``dmuon.ownership.topology.stage_ranks``;
+    without it the stage's mesh is refused as one that does not span the world). The root is
+    ``DeviceMesh.from_group`` over torchtitan's own groups of ``("pp", *names)``, made once per
+    ``parallel_dims`` and kept on it.
+    """
+    names = tuple(names)
+    if getattr(parallel_dims, "pp", 1) <= 1:
+        return parallel_dims.get_mesh(list(names) if len(names) > 1 else names[0])
+    from torch.distributed.device_mesh import DeviceMesh
+
+    full = ("pp",) + names
+    roots = parallel_dims.__dict__.setdefault(STAGE_ROOTS_ATTR, {})
+    root = roots.get(full)
+    if root is None:
+        tt = parallel_dims.get_mesh(list(full))
+        root = DeviceMesh.from_group([parallel_dims.get_mesh(n).get_group() for n in full],
+                                     tt.device_type, mesh=tt.mesh, mesh_dim_names=full)
+        roots[full] = root
+    return root[names] if len(names) > 1 else root[names[0]]
 
 
 def dedicated_of(model: nn.Module) -> DedicatedParams:
@@ -178,6 +209,109 @@ def _dedicating_fully_shard(model: nn.Module, parallel_dims, dedicate_kwargs: di
         tt_fsdp.fully_shard = original
 
 
+def pipelining_fn(pipelining: Callable) -> Callable:
+    """``pipelining`` (a torchtitan ``ModelSpec.pipelining_fn``: llama3's ``pipeline_llm``,
+    called as ``pipelining(model, *, parallelize_fn, ...)`` and returning ``(schedule,
+    model_parts, has_first_stage, has_last_stage)``) with DMuon: it runs as it is (the
+    ``parallelize_fn`` it is given must be :func:`parallelize_fn`'s, which dedicates each model
+    part), then the schedule's ``step`` is made DMuon's (:func:`pipeline_schedule`), so
+    torchtitan's trainer, which calls ``pp_schedule.step(...)`` itself, needs no change. The
+    same signature and return.
+
+    Raises:
+        ValueError: a model part was not dedicated (as :func:`dedicated_of`), or as
+            :func:`pipeline_schedule`.
+    """
+
+    @functools.wraps(pipelining)
+    def wrapped(model, *args, **kwargs):
+        schedule, parts, *rest = pipelining(model, *args, **kwargs)
+        pipeline_schedule(schedule, parts)
+        return (schedule, parts, *rest)
+
+    return wrapped
+
+
+#: The attribute of a schedule whose ``step`` :func:`pipeline_schedule` wrapped.
+SCHEDULE_ATTR = "_dmuon_model_parts"
+
+
+def pipeline_schedule(schedule, model_parts: Sequence[nn.Module]):
+    """Make ``schedule.step`` (a ``torch.distributed.pipelining`` schedule over this rank's
+    ``model_parts``, built by torchtitan's ``pipeline_llm``) run each step inside
+    :func:`dmuon.pipeline_step` with every part's handle, so each dedicated grad reaches its
+    owner once, after the step's last micro-batch's backward. Returns ``schedule``; a second
+    call on the same schedule does nothing. Local, no collective.
+
+    torchtitan builds its ``PipelineStage`` objects without ``input_args`` / ``output_args``,
+    so a schedule's first ``step`` (and its first after a switch between ``eval`` and training)
+    infers the stages' shapes by running one forward and one input-grad backward through each
+    stage module before the first micro-batch (torch's ``_initialize_pp_stages``).
+    ``dmuon.pipeline_step`` refuses such stages, since it would count that pass as a
+    micro-batch. Here the inference runs with each handle's ``no_sync()`` (it reduces nothing;
+    torch then clears whatever it left in the grads) and ``dmuon.pipeline_step`` is entered
+    right after it, inside ``step``: every backward it counts is a micro-batch's.
+
+    Raises:
+        ValueError: a part not dedicated (as :func:`dedicated_of`); the schedule has no
+            ``_initialize_pp_stages`` (a torch whose schedules infer shapes elsewhere: build
+            the stages with ``input_args`` / ``output_args`` and use ``dmuon.pipeline_step``
+            around ``schedule.step`` instead); at ``step``, as ``dmuon.pipeline_step``.
+        RuntimeError: at the end of a ``step`` that never called ``_initialize_pp_stages``.
+    """
+    if getattr(schedule, SCHEDULE_ATTR, None) is not None:
+        return schedule
+    handles = [dedicated_of(part) for part in model_parts]
+    initialize = getattr(schedule, "_initialize_pp_stages", None)
+    if not callable(initialize):
+        raise ValueError(
+            f"Invalid schedule of type {type(schedule).__name__} for DMuon's torchtitan "
+            "integration: it has no _initialize_pp_stages, where this torch infers the stages' "
+            "shapes. Build the PipelineStage objects with input_args/output_args and run "
+            "schedule.step inside dmuon.pipeline_step(schedule, handles) yourself.")
+    from dmuon.pipeline import pipeline_step
+
+    step, open_steps = schedule.step, []
+
+    def initialize_uncounted(*args, **kwargs):
+        with contextlib.ExitStack() as quiet:
+            for dm in handles:
+                quiet.enter_context(dm.no_sync())
+            out = initialize(*args, **kwargs)
+        if open_steps and open_steps[-1] is not None:  # once per step, after the inference
+            stack, open_steps[-1] = open_steps[-1], None
+            # the schedule stores the returned (forward, backward) flags right after this
+            # returns; the forward one now, so dmuon.pipeline_step sees the shapes known
+            for flag in ("_stage_forward_initialized", "_stages_forward_initialized"):
+                if hasattr(schedule, flag):
+                    setattr(schedule, flag, bool(out[0]))
+            stack.enter_context(pipeline_step(schedule, handles if len(handles) > 1
+                                              else handles[0]))
+        return out
+
+    @functools.wraps(step)
+    def dmuon_step(*args, **kwargs):
+        with contextlib.ExitStack() as stack:
+            open_steps.append(stack)
+            try:
+                out = step(*args, **kwargs)
+            finally:
+                unopened = open_steps.pop() is not None
+            if unopened:
+                raise RuntimeError(
+                    f"DMuon: {type(schedule).__name__}.step never called "
+                    "_initialize_pp_stages, so dmuon.pipeline_step was not entered and the "
+                    "dedicated grads were reduced at the first micro-batch's backward. Build "
+                    "the stages with input_args/output_args and run schedule.step inside "
+                    "dmuon.pipeline_step(schedule, handles) yourself.")
+            return out
+
+    schedule._initialize_pp_stages = initialize_uncounted
+    schedule.step = dmuon_step
+    setattr(schedule, SCHEDULE_ATTR, list(model_parts))
+    return schedule
+
+
 #: DMuon's hyperparameters a torchtitan config may set (``DMuon``'s keyword arguments).
 HPARAMS = ("lr", "weight_decay", "momentum", "nesterov", "ns_steps", "eps", "adjust_lr_fn",
            "adamw_lr", "adamw_betas", "adamw_eps", "adamw_weight_decay")
@@ -249,17 +383,57 @@ def _container_class():
             Optimizer.__init__(self, params, {})
 
         def state_dict(self) -> dict[str, Any]:
-            """Flat, FQN-keyed (torch DCP's ``get_optimizer_state_dict`` per model part)."""
-            out: dict[str, Any] = {}
-            for part in self.model_parts:
-                out.update(dcp_sd.get_optimizer_state_dict(part, self.optimizers[0], options=flat))
-            return out
+            """Flat, keyed by each param's FQN in its model part (torch DCP's
+            ``get_optimizer_state_dict`` over :func:`parts_holder`), as torchtitan's own
+            container keys one optimizer per part."""
+            return dcp_sd.get_optimizer_state_dict(parts_holder(self.model_parts),
+                                                   self.optimizers[0], options=flat)
 
         def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-            for part in self.model_parts:
-                dcp_sd.set_optimizer_state_dict(part, self.optimizers[0], state_dict, options=flat)
+            dcp_sd.set_optimizer_state_dict(parts_holder(self.model_parts), self.optimizers[0],
+                                            state_dict, options=flat)
 
     return DMuonOptimizers
+
+
+def parts_holder(model_parts: Sequence[nn.Module]) -> nn.Module:
+    """One module whose ``named_parameters`` name each param of ``model_parts`` by its FQN in
+    its own part: the part itself when there is one; else the parts merged, submodule by
+    submodule (a submodule held by one part is that part's own module, FSDP2's included; one
+    held by several, e.g. torchtitan's ``layers`` of each pipeline part, becomes a plain
+    container of theirs). torch DCP's optimizer state dict maps every param of the optimizer
+    to a name of the model it is given, and one DMuon steps every part of the rank: per part
+    it raised ``KeyError`` on the other parts' params. Local, no collective.
+
+    Raises:
+        ValueError: two parts hold a param under the same FQN (parts of one model, as
+            torchtitan's ``pipeline_llm`` cuts them, never do).
+    """
+    parts = list(model_parts)
+    return parts[0] if len(parts) == 1 else _merged_modules(parts, "")
+
+
+def _merged_modules(modules: list[nn.Module], prefix: str) -> nn.Module:
+    holder = nn.Module()
+    for m in modules:
+        for name, p in m._parameters.items():
+            if p is None:
+                continue
+            if name in holder._parameters:
+                raise ValueError(
+                    f"Invalid model_parts: two parts hold a param named {prefix + name!r}. "
+                    "Each param of a rank's model parts needs its own FQN (torchtitan's "
+                    "pipeline_llm keeps the whole model's names in every part).")
+            holder._parameters[name] = p
+    names = list(dict.fromkeys(n for m in modules for n, c in m._modules.items() if c is not None))
+    for name in names:
+        held = [m._modules[name] for m in modules
+                if m._modules.get(name) is not None
+                and next(m._modules[name].parameters(), None) is not None]
+        if held:
+            holder._modules[name] = (held[0] if len(held) == 1
+                                     else _merged_modules(held, f"{prefix}{name}."))
+    return holder
 
 
 def _check_meshes(handles: list[DedicatedParams], parallel_dims) -> None:

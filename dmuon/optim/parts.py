@@ -80,6 +80,7 @@ class DedicatedParts:
         self.names = [f"parts[{i}].{n}" if clash else n
                       for i, dm in enumerate(self.parts) for n in dm.names]
         self.params = [p for dm in self.parts for p in dm.params]
+        self._grads_final_done: list[set[int]] = []  # per on_grads_final: the parts done
         self._part_of = {id(p): dm for dm in self.parts for p in dm.params}
         self.placements = {name: pl for name, pl in zip(
             self.names, (dm.placements[n] for dm in self.parts for n in dm.names))}
@@ -151,8 +152,24 @@ class DedicatedParts:
 
     # ------------------------------------------------------------------ per step, every part
     def on_grads_final(self, fn) -> None:
-        for dm in self.parts:
-            dm.on_grads_final(fn)
+        """Call ``fn()`` once every part's grads are final: at the end of the backward that
+        finishes the last part still open since the last call (or ``zero_grad``). An
+        interleaved schedule ends its parts' last backward passes at different times, and
+        ``fn`` (the optimizer's grad view and notes) reads every part's grads: called at the
+        first part's end, it showed the next part's grads as DTensors before that part's
+        backward passes added to them."""
+        done: set[int] = set()
+        self._grads_final_done.append(done)
+        n = len(self.parts)
+
+        def part_done(i: int) -> None:
+            done.add(i)
+            if len(done) == n:
+                done.clear()
+                fn()
+
+        for i, dm in enumerate(self.parts):
+            dm.on_grads_final(lambda i=i: part_done(i))
 
     def take_back_grads(self) -> None:
         for dm in self.parts:
@@ -171,6 +188,8 @@ class DedicatedParts:
             dm.after_step()
 
     def after_zero_grad(self) -> None:
+        for done in self._grads_final_done:  # a step cut short: its parts start over
+            done.clear()
         for dm in self.parts:
             dm.after_zero_grad()
 

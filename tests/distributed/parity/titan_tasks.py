@@ -115,10 +115,10 @@ def parallelism(layout: str) -> ParallelismConfig:
     return ParallelismConfig(spmd_backend="partial_dtensor", **LAYOUTS[layout])
 
 
-def model_config(par: ParallelismConfig):
+def model_config(par: ParallelismConfig, layers: int = LAYERS):
     """The llama3 debug model's recipe (torchtitan's ``_debugmodel``: its layer builder, inits,
     fused QKV, RoPE and FFN sizing) at :data:`DIM`, :data:`HEADS`, :data:`LAYERS` and
-    :data:`VOCAB` instead of 256, 16, 6 and 2048: Newton–Schulz runs in bfloat16, which this
+    :data:`VOCAB` (``layers`` decoder layers, :data:`LAYERS` by default) instead of 256, 16, 6 and 2048: Newton–Schulz runs in bfloat16, which this
     CPU multiplies at about 0.3 GFLOP/s (0.18 s per GEMM of a 256-wide matrix, two minutes per
     oracle run of two steps at the debug model's size). Attention on SDPA, the sharding set
     (module docstring)."""
@@ -130,7 +130,7 @@ def model_config(par: ParallelismConfig):
         lm_head=L.Linear.Config(in_features=DIM, out_features=VOCAB,
                                 param_init=L._output_linear_init(DIM)),
         layers=L._build_llama3_layers(
-            fuse_qkv=True, n_layers=LAYERS, dim=DIM, n_heads=HEADS,
+            fuse_qkv=True, n_layers=layers, dim=DIM, n_heads=HEADS,
             hidden_dim=L.compute_ffn_hidden_dim(DIM, multiple_of=256),
             rope=L.ComplexRoPE.Config(dim=DIM // HEADS, max_seq_len=4 * SEQ, theta=500000,
                                       scaling="llama"),
@@ -174,8 +174,9 @@ def oracle(init: dict[str, torch.Tensor], steps: int, nudge: str | None = None) 
     tt_dist.set_spmd_backend("partial_dtensor")
     with oracle_threads(nudge):
         par = ParallelismConfig(spmd_backend="partial_dtensor")
+        layers = len({n.split(".")[1] for n in init if n.startswith("layers.")})
         with torch.device("meta"):
-            model = model_config(par).build()
+            model = model_config(par, layers).build()
         model.to_empty(device="cpu")
         with torch.no_grad():
             model.init_weights(buffer_device=None)  # the buffers (RoPE); the params: init
