@@ -261,14 +261,14 @@ def pipeline_schedule(schedule, model_parts: Sequence[nn.Module]):
     """
     if getattr(schedule, SCHEDULE_ATTR, None) is not None:
         return schedule
-    handles = [dedicated_of(part) for part in model_parts]
-    initialize = getattr(schedule, "_initialize_pp_stages", None)
+    initialize = getattr(schedule, "_initialize_pp_stages", None)  # torch's, private
     if not callable(initialize):
         raise ValueError(
             f"Invalid schedule of type {type(schedule).__name__} for DMuon's torchtitan "
             "integration: it has no _initialize_pp_stages, where this torch infers the stages' "
             "shapes. Build the PipelineStage objects with input_args/output_args and run "
             "schedule.step inside dmuon.pipeline_step(schedule, handles) yourself.")
+    handles = [dedicated_of(part) for part in model_parts]
     from dmuon.pipeline import pipeline_step
 
     step, open_steps = schedule.step, []
@@ -416,23 +416,21 @@ def parts_holder(model_parts: Sequence[nn.Module]) -> nn.Module:
 def _merged_modules(modules: list[nn.Module], prefix: str) -> nn.Module:
     holder = nn.Module()
     for m in modules:
-        for name, p in m._parameters.items():
-            if p is None:
-                continue
-            if name in holder._parameters:
+        for name, p in m.named_parameters(recurse=False):
+            if hasattr(holder, name):
                 raise ValueError(
                     f"Invalid model_parts: two parts hold a param named {prefix + name!r}. "
                     "Each param of a rank's model parts needs its own FQN (torchtitan's "
                     "pipeline_llm keeps the whole model's names in every part).")
-            holder._parameters[name] = p
-    names = list(dict.fromkeys(n for m in modules for n, c in m._modules.items() if c is not None))
-    for name in names:
-        held = [m._modules[name] for m in modules
-                if m._modules.get(name) is not None
-                and next(m._modules[name].parameters(), None) is not None]
-        if held:
-            holder._modules[name] = (held[0] if len(held) == 1
-                                     else _merged_modules(held, f"{prefix}{name}."))
+            holder.register_parameter(name, p)
+    children: dict[str, list[nn.Module]] = {}
+    for m in modules:
+        for name, child in m.named_children():
+            if next(child.parameters(), None) is not None:
+                children.setdefault(name, []).append(child)
+    for name, held in children.items():
+        holder.register_module(name, held[0] if len(held) == 1
+                               else _merged_modules(held, f"{prefix}{name}."))
     return holder
 
 

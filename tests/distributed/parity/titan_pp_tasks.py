@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 
 from tests.distributed.parity import titan_tasks as TT
 from tests.distributed.parity.dmuon_tasks import ADAMW_LR, MUON_LR
@@ -60,6 +61,11 @@ def pp_loss(pred: torch.Tensor, labels: torch.Tensor, global_valid_tokens: int):
     return TT.token_sum_loss(pred, labels, global_valid_tokens), None
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor (compared without a collective), or ``t``."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
 def _full(parts) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     for part in parts:
@@ -77,7 +83,8 @@ def train(steps: int, schedule: str = "Interleaved1F1B", left_out: int | None = 
     ``left_out``: the control, that model part (its index on this rank) is left out of the
     optimizer (no norm measured). Returns this rank's parts' full params at init and after each step, the norms,
     the stage indices, the dedicated names, the container's state-dict keys, its base class, the
-    NS count and the message ``dmuon.pipeline_step`` refuses torchtitan's schedule with (its
+    NS count, whether its state dict came back unchanged through ``load_state_dict`` and the
+    message ``dmuon.pipeline_step`` refuses torchtitan's schedule with (its
     stages are built without shapes)."""
     par = parallelism(schedule)
     tt_dist.set_spmd_backend(par.spmd_backend)
@@ -133,11 +140,17 @@ def train(steps: int, schedule: str = "Interleaved1F1B", left_out: int | None = 
         for dm in handles:
             dm.sync_params()
         after.append(_full(parts))
-    state = opts.state_dict()
+    state = opts.state_dict()  # flat, FQN-keyed (torch DCP), as torchtitan's checkpointer saves
+    saved = {k: _local(v).clone() if torch.is_tensor(v) else v for k, v in state.items()}
+    opts.load_state_dict(state)  # the round trip torchtitan's checkpointer makes on resume
+    reloaded = opts.state_dict()
+    same = sorted(reloaded) == sorted(saved) and all(
+        (_local(reloaded[k]).equal(v) if torch.is_tensor(v) else reloaded[k] == v)
+        for k, v in saved.items())
     out = {"init": init, "steps": after, "norms": norms, "refusal": refusal,
            "stages": [s.stage_index for s in getattr(sched, "_stages", None) or [sched._stage]], "schedule": type(sched).__name__,
            "dedicated": sorted(n for dm in handles for n in dm.names),
-           "state_keys": sorted(state), "ns_calls": opts.optimizers[0].ns_calls,
+           "state_keys": sorted(state), "state_reloaded": same, "ns_calls": opts.optimizers[0].ns_calls,
            "kind": type(opts).__mro__[1].__name__}
     for dm in handles:
         dm.close()
