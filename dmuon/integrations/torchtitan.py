@@ -12,6 +12,10 @@ FSDP2 (``fully_shard(..., ignored_params=set(dm))``), so it comes in at two plac
   the model on the data-parallel dims of torchtitan's ``ParallelDims`` meshes
   (:func:`mesh_dims`), and every ``fully_shard`` of the call leaves the dedicated params to
   DMuon. The handle is kept on the model (:func:`dedicated_of`).
+- :func:`pipelining_fn` wraps the model's pipelining function (llama3's ``pipeline_llm``)
+  under pipeline parallelism: the schedule it builds runs each ``step`` inside
+  :func:`dmuon.pipeline_step` over every model part's handle (:func:`pipeline_schedule`), the
+  shape inference of torchtitan's shapeless stages left uncounted.
 - :func:`build_optimizers` (and :func:`optimizer_config`, the config torchtitan's trainer
   builds with ``model_parts=``) makes one :class:`~dmuon.DMuon` over every model part, with
   each part's handle (several parts: ``dmuon/optim/parts.py``), inside a container that is a
