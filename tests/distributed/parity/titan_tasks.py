@@ -117,10 +117,10 @@ def parallelism(layout: str) -> ParallelismConfig:
 
 def model_config(par: ParallelismConfig, layers: int = LAYERS):
     """The llama3 debug model's recipe (torchtitan's ``_debugmodel``: its layer builder, inits,
-    fused QKV, RoPE and FFN sizing) at :data:`DIM`, :data:`HEADS`, :data:`LAYERS` and
-    :data:`VOCAB` (``layers`` decoder layers, :data:`LAYERS` by default) instead of 256, 16, 6 and 2048: Newton–Schulz runs in bfloat16, which this
-    CPU multiplies at about 0.3 GFLOP/s (0.18 s per GEMM of a 256-wide matrix, two minutes per
-    oracle run of two steps at the debug model's size). Attention on SDPA, the sharding set
+    fused QKV, RoPE and FFN sizing) at :data:`DIM`, :data:`HEADS`, ``layers`` (:data:`LAYERS`
+    unless given) and :data:`VOCAB` instead of 256, 16, 6 and 2048: Newton–Schulz runs in
+    bfloat16, which this CPU multiplies at about 0.3 GFLOP/s (0.18 s per GEMM of a 256-wide
+    matrix, two minutes per oracle run of two steps at the debug model's size). Attention on SDPA, the sharding set
     (module docstring)."""
     config = L.Llama3Model.Config(
         dim=DIM, vocab_size=VOCAB,
@@ -168,8 +168,8 @@ def targets(model) -> list[str]:
 
 def oracle(init: dict[str, torch.Tensor], steps: int, nudge: str | None = None) -> dict:
     """One process, the whole batch, from ``init`` (the ranks' init, :func:`train`):
-    torch.optim.Muon on DMuon's default targets, AdamW on the rest, the mean loss over every
-    token. Returns ``init``, the params after each step (``steps``), the grad norm before each
+    torch.optim.Muon on DMuon's default targets, AdamW on the rest (the model as many layers
+    deep as ``init`` holds), the mean loss over every token. Returns ``init``, the params after each step (``steps``), the grad norm before each
     step (``norms``) and the Muon targets (``muon``)."""
     tt_dist.set_spmd_backend("partial_dtensor")
     with oracle_threads(nudge):
