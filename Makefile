@@ -67,7 +67,7 @@ test-all: $(STAMP)
 # 2 minutes at W = 4 on gloo); installs the pinned extra where `make gpu-node` made the venv.
 test-torchtitan: $(STAMP)
 	$(PY) -m pip install --quiet --no-deps $(TORCHTITAN_PKGS)
-	$(PY) -m pytest -m '' tests/distributed/parity/test_torchtitan.py tests/distributed/parity/test_torchtitan_pp.py tests/dmuon/test_torchtitan_dims.py
+	$(PY) -m pytest -m '' tests/distributed/parity/test_torchtitan.py tests/distributed/parity/test_torchtitan_pp.py tests/dmuon/test_torchtitan_dims.py tests/distributed/api/test_torchtitan_stage_mesh.py
 
 # verify-traffic, nsys-verify and gpu-check write their exit code to <out>/exit_code and print
 # it; make itself exits 0 or 2, so CI runs `bin/dmuon-ci <target> ARGS...`, which returns the
