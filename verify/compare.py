@@ -256,7 +256,7 @@ def compare_run(
     )
     ok = not missing and not unexpected and ns_per_step == ns_expected and closed_ok
     run = dict(
-        mode=layout.run_name,  # a variant's label (verify.traffic.variants)
+        mode=layout.run_name,  # a variant's label (verify.modes.variants)
         world_size=w,
         shard_size=layout.shard_size,
         replicate_size=layout.replicate_size,

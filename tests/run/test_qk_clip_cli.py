@@ -20,7 +20,7 @@ from verify.report import baseline as bl
 from verify.run.main import parse_args
 from verify.measure.qk_clip import DEFAULT_TAU
 from verify.run.runner import RunConfig, report_config
-from verify.traffic.variants import RUN_MODES
+from verify.modes.variants import RUN_MODES
 
 
 @pytest.mark.parametrize("argv, want", [([], None), (["--qk-clip"], DEFAULT_TAU),

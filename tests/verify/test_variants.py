@@ -1,4 +1,4 @@
-"""The default run's mode variants (verify/traffic/variants.py) and the link policy the
+"""The default run's mode variants (verify/modes/variants.py) and the link policy the
 harness derives on its own (verify/traffic/predict.py, ``dmuon_policy_backend``)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from verify.modes.build import muon_names
 from verify.traffic.formulas import MODES
 from verify.traffic.predict import (dmuon_coalesce_bytes, dmuon_policy_backend, dmuon_reduce_by_gather,
                                     dmuon_uneven_aligned)
-from verify.traffic.variants import MODE_VARIANTS, RUN_MODES, split_mode, variant_targets
+from verify.modes.variants import MODE_VARIANTS, RUN_MODES, split_mode, variant_targets
 from verify.workload.model import TinyGPT
 
 

@@ -26,7 +26,7 @@ from verify.modes.baselines import MatrixMuon, NaiveShardedMuon, ZeroOneMuon
 from verify.traffic.predict import (DMUON_HIERARCHIES, DMUON_REST_MODES, RunLayout, dmuon_coalesce_bytes,
                                     dmuon_flattens, dmuon_policy_backend, dmuon_reduce_by_gather,
                                     dmuon_uneven_aligned)
-from verify.traffic.variants import split_mode, variant_targets
+from verify.modes.variants import split_mode, variant_targets
 from verify.workload.usermodel import block_names
 
 #: Hyper-parameters every mode uses (Muon's and AdamW's torch defaults except the lrs).
@@ -152,10 +152,10 @@ def build(mode: str, make_model: Callable[[], nn.Module], device: str = "cpu",
     optimizer (:mod:`verify.measure.qk_clip`, ``Built.qk_clip``) and the layout its head count
     (``RunLayout.qk_clip_heads``, counted from the model); the other modes run without it.
 
-    ``mode`` may be a variant (``"dmuon-z3[block]"``, :mod:`verify.traffic.variants`): its
+    ``mode`` may be a variant (``"dmuon-z3[block]"``, :mod:`verify.modes.variants`): its
     knobs replace ``coalesce`` / ``hierarchy``, set ``dedicate_params(link=...)`` (the layout
     then takes the harness's tables of that backend, :func:`verify.traffic.predict.dmuon_policy_backend`)
-    and which Muon targets are dedicated (:func:`verify.traffic.variants.variant_targets`), and
+    and which Muon targets are dedicated (:func:`verify.modes.variants.variant_targets`), and
     the layout records the label.
 
     Raises:

@@ -78,9 +78,9 @@ def tp_local(spec, dim: int, t: int):
 
 
 def tp_step_traffic(specs, owner: dict[str, int], t: int, w: int) -> dict[str, list]:
-    """DMuon's step-6 gathers and scatters (channel ``tp``, docs/protocol.md, "Tensor
-    parallelism") per world rank of one step: ``calls``, ``ded_avg_elems`` and
-    ``ded_avg_bytes`` (lists of ``w``).
+    """DMuon's step-6 gathers and scatters (channel ``tp``,
+    docs/protocol.md, "Tensor parallelism") per world rank of one step: ``calls``,
+    ``ded_avg_elems`` and ``ded_avg_bytes`` (lists of ``w``).
 
     ``specs``: the TP-sharded Muon params (full shapes; n/T per rank). ``owner``: param name ->
     its slot g of the W-slot plan: the NS rank is world rank g,

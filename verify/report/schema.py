@@ -32,7 +32,7 @@ from collections.abc import Mapping
 from tracer.events import SOURCES
 
 from verify.report.checks import CHECK_NAMES, READING_REL_TOL, RUN_CHECK_NAMES, checks_of, failures
-from verify.traffic.variants import RUN_MODES as MODES  # modes and their variants
+from verify.modes.variants import RUN_MODES as MODES  # modes and their variants
 
 __all__ = ["READING_REL_TOL", "SCHEMA_VERSION", "validate_report"]
 

@@ -27,7 +27,7 @@ from tracer.events import SOURCES
 
 from verify.report import schema as S
 from verify.report.checks import CHECK_NAMES, RUN_CHECK_NAMES
-from verify.traffic.variants import RUN_MODES as MODES  # modes and their variants
+from verify.modes.variants import RUN_MODES as MODES  # modes and their variants
 
 #: The committed schema file (package data of ``verify``).
 SCHEMA_PATH = Path(__file__).with_name("report.schema.json")

@@ -32,8 +32,8 @@ from verify.run.groups import init_kwargs
 from verify.measure.qk_clip import DEFAULT_TAU as QK_CLIP_DEFAULT_TAU
 from verify.modes.workloads import workload_of
 from verify.run.runner import RunConfig, run_all, runnable_modes
-from verify.traffic.variants import RUN_MODES as MODES  # modes and their variants
-from verify.traffic.variants import split_mode
+from verify.modes.variants import RUN_MODES as MODES  # modes and their variants
+from verify.modes.variants import split_mode
 from verify.traffic.predict import DMUON_HIERARCHIES
 from verify.workload.usermodel import BUILTIN
 

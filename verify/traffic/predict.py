@@ -163,7 +163,7 @@ class RunLayout:
             all_reduce over all W ranks of one fp32 element, phase ``optimizer``, no Muon
             payload (:func:`grad_clip_calls`; docs/traffic-model.md, "Clipping"). DMuon modes only.
         label: the run's name where it is a variant of ``mode`` (``"dmuon-z3[block]"``,
-            :mod:`verify.traffic.variants`), ``""`` for the mode itself; reports name the run
+            :mod:`verify.modes.variants`), ``""`` for the mode itself; reports name the run
             by it. The knobs the variant overrides are in the fields above.
 
     A layout *kind* (this class: ``"dense"``, a data-parallel mesh; ``verify.traffic.tp.TPRunLayout``:
@@ -220,7 +220,7 @@ class RunLayout:
             raise ValueError(f"Invalid mode={self.mode!r}. Must be one of {MODES}.")
         if self.label and not self.label.startswith(self.mode + "["):
             raise ValueError(f"Invalid label={self.label!r} for mode={self.mode!r}. Must be "
-                             f"'' or a variant '{self.mode}[...]' (verify.traffic.variants).")
+                             f"'' or a variant '{self.mode}[...]' (verify.modes.variants).")
         for name in ("mp_param_dtype", "mp_reduce_dtype"):
             value = getattr(self, name)
             if value is not None and value not in DTYPE_BYTES:
