@@ -2,7 +2,8 @@
 
 ``RUN`` is a mode folder written by ``make verify-traffic`` (``traces/<run-id>/<mode>/``,
 holding ``layout.json``) or that ``layout.json`` itself. The prediction is
-:func:`verify.traffic.predict.predict_step` repeated for the number of steps.
+:func:`verify.traffic.predict.predict_step` repeated for the number of steps, plus the
+calls a layout lists once per window (``window_calls``: EP's token all_to_alls).
 
 The comparison is per rank: each rank's events against that rank's predicted calls, so a
 dropped, duplicated or altered row is named individually (``missing``: the predicted call with
@@ -150,10 +151,34 @@ def _key_fields(events: Sequence[CollectiveEvent]) -> tuple[str, ...]:
     return tuple(fields)
 
 
-def _infer_steps(meas: dict[int, list], pred: dict[int, list]) -> tuple[int, dict[int, int]]:
-    """Steps per given rank (rounded ratio, >= 1) and their median (low), >= 1."""
-    per_rank = {r: max(1, round(len(evs) / len(pred[r]))) for r, evs in meas.items() if pred.get(r)}
+def _infer_steps(meas: dict[int, list], pred: dict[int, list],
+                 window: Counter | None = None) -> tuple[int, dict[int, int]]:
+    """Steps per given rank (its events less its ``window`` calls, over its predicted calls
+    per step, rounded, >= 1) and their median (low), >= 1."""
+    window = window or Counter()
+    per_rank = {r: max(1, round((len(evs) - window[r]) / len(pred[r]))) for r, evs in meas.items()
+                if pred.get(r)}
     return (statistics.median_low(per_rank.values()) if per_rank else 1), per_rank
+
+
+def _window(layout: RunLayout, steps: int | None, inferred: int) -> tuple[int, list[Expected]]:
+    """The steps and the layout's :meth:`~RunLayout.window_calls` for them: ``steps`` where
+    given; else ``inferred`` where the layout takes it, or the one step count its window
+    holds (EP's routing records the measured steps' forwards).
+
+    Raises:
+        ValueError: the layout's window does not cover ``steps`` (or no count up to ``inferred``)."""
+    if steps is not None:
+        return steps, layout.window_calls(steps)
+    fits = []
+    for s in range(inferred, 0, -1):
+        try:
+            fits.append((s, layout.window_calls(s)))
+        except ValueError:
+            continue
+        if s == inferred or fits[-1][1]:
+            return fits[-1]
+    return inferred, layout.window_calls(inferred)  # raises, naming what the window holds
 
 
 def check_events(
@@ -184,8 +209,10 @@ def check_events(
     meas: dict[int, list[CollectiveEvent]] = defaultdict(list)
     for ev in events:
         meas[ev.rank].append(ev)
-    inferred, steps_by_rank = _infer_steps(meas, pred)
-    steps = steps or inferred
+    inferred, _ = _infer_steps(meas, pred)
+    steps, window = _window(layout, steps, inferred)  # calls listed once per window (EP's all_to_all)
+    per_window = Counter(e.rank for e in window)
+    _, steps_by_rank = _infer_steps(meas, pred, per_window)
     missing, unexpected, missing_calls, unexpected_calls = Counter(), Counter(), [], []
     for rank in sorted(meas):
         want = Counter()
@@ -193,6 +220,10 @@ def check_events(
         for e in pred.get(rank, []):
             want[key(e)] += steps
             modules[key(e)].add(e.module or "")
+        for e in window:
+            if e.rank == rank:
+                want[key(e)] += 1
+                modules[key(e)].add(e.module or "")
         seen: dict[tuple, list[CollectiveEvent]] = defaultdict(list)
         for ev in meas[rank]:
             seen[key(ev)].append(ev)
@@ -214,7 +245,7 @@ def check_events(
         "steps_by_rank": steps_by_rank,
         "key": list(fields),
         "events": len(events),
-        "predicted": steps * sum(len(pred.get(r, [])) for r in meas),
+        "predicted": steps * sum(len(pred.get(r, [])) for r in meas) + sum(per_window[r] for r in meas),
         "ranks": sorted(meas),
         "absent_ranks": absent,
         "partial": bool(absent),

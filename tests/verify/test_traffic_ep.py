@@ -162,3 +162,29 @@ def test_the_predictor_imports_only_the_planner_of_dmuon():
     mods = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
     mods |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     assert {m for m in mods if m.split(".")[0] == "dmuon"} == {"dmuon.ownership.plan"}
+
+
+def test_dmuon_verify_check_adds_the_window_calls_and_infers_the_window_steps():
+    """``dmuon-verify check`` on an EP run's events: each step's calls times the steps plus the
+    token all_to_alls once per window (they used to be counted as unexpected, and their number
+    inflated the inferred steps). The routing holds 2 steps; a dropped all_to_all is missing."""
+    from tracer.events import CollectiveEvent
+    from verify.check import check_events
+
+    route = ("layers.0.mlp", ((1, 2, 3, 0), (0, 1, 1, 2)))
+    layout = _layout("dmuon-z2", (1, 1, 2), ep_layers=(("layers.0.mlp", 4, 8, "float32"),),
+                     ep_routing=(route, route))
+    calls = [*layout.predict_calls(), *layout.predict_calls(), *layout.window_calls(2)]
+    events = [CollectiveEvent(source="interposer", op=e.op, rank=e.rank, group_id=e.group_id,
+                              group_size=e.group_size, count=e.count, dtype=e.dtype, root=e.root,
+                              in_elems=e.in_elems, out_elems=e.out_elems, phase=e.phase,
+                              module=e.module, source_ref=f"r{e.rank}#{i}")
+              for i, e in enumerate(calls)]
+    result = check_events(events, layout)
+    assert result["pass"] and result["steps"] == 2 and result["steps_by_rank"] == {0: 2, 1: 2}
+    assert result["predicted"] == len(events)
+    dropped = [ev for ev in events if ev is not next(e for e in events if e.phase == "activations")]
+    result = check_events(dropped, layout, steps=2)
+    assert not result["pass"] and [row["phase"] for row, n in result["missing"]] == ["activations"]
+    with pytest.raises(ValueError, match="for 3 steps"):
+        check_events(events, layout, steps=3)
