@@ -219,22 +219,22 @@ def shard_experts(module: nn.Module, ep_mesh: DeviceMesh) -> nn.Module:
     return module
 
 
-def tiny_qwen3_moe(seed: int = 0, **overrides):
-    """A tiny Hugging Face ``Qwen3MoeForCausalLM`` (transformers 5, no download), seeded.
+#: :func:`tiny_qwen3_moe`'s ``Qwen3MoeConfig`` fields: vocab 64, hidden 32, 2 layers, 4 heads
+#: (2 KV, head dim 8), 8 experts of width 16, top-2, ``norm_topk_prob=True``.
+TINY_QWEN3_MOE = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=8, max_position_embeddings=16,
+                      tie_word_embeddings=False, intermediate_size=48, moe_intermediate_size=16,
+                      num_experts=8, num_experts_per_tok=2, decoder_sparse_step=1,
+                      norm_topk_prob=True)
 
-    Defaults: vocab 64, hidden 32, 2 layers, 4 heads (2 KV, head dim 8), 8 experts of width 16,
-    top-2, ``norm_topk_prob=True``; ``overrides`` go to ``Qwen3MoeConfig``.
-    """
+
+def tiny_qwen3_moe(seed: int = 0, **overrides):
+    """A tiny Hugging Face ``Qwen3MoeForCausalLM`` (transformers 5, no download), seeded: the
+    config :data:`TINY_QWEN3_MOE` with ``overrides``."""
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    kwargs = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=8, max_position_embeddings=16,
-                  tie_word_embeddings=False, intermediate_size=48, moe_intermediate_size=16,
-                  num_experts=8, num_experts_per_tok=2, decoder_sparse_step=1,
-                  norm_topk_prob=True)
-    kwargs.update(overrides)
     torch.manual_seed(seed)
-    return Qwen3MoeForCausalLM(Qwen3MoeConfig(**kwargs))
+    return Qwen3MoeForCausalLM(Qwen3MoeConfig(**{**TINY_QWEN3_MOE, **overrides}))
 
 
 def replace_qwen3_moe_blocks(model: nn.Module) -> nn.Module:

@@ -11,6 +11,8 @@ import pytest
     (4, ["--ep", "2"], None),
     (4, ["--ep", "2", "--modes", "dmuon-z2,dmuon-hsdp-z3"], None),  # (2, 2) and (2, 1, 2)
     (4, ["--ep", "3"], "Invalid --ep 3 at W=4 (--nproc). Must divide W"),
+    (3, ["--ep", "3"], "Invalid --ep 3: the EP workload's 8 experts per layer"),  # 8 % 3
+    (8, ["--ep", "2", "--tp", "4"], "the attention's 2 KV heads must split evenly over T"),
     (4, ["--ep", "4", "--modes", "dmuon-hsdp-z2"], "HSDP x EP runs on a (2, W/(2E), E) mesh"),
     (4, ["--ep", "2", "--modes", "ddp-muon"], "no expert-parallel variant"),
     (4, ["--ep", "0"], "Invalid --ep 0. Must be >= 1"),

@@ -58,6 +58,8 @@ def test_bad_worker_input_is_one_line_and_exit_2_before_torchrun(tmp_path, capsy
     (4, ["--modes", "dmuon-ddp,dmuon-z3", "--tp", "4"], None),  # dmuon-ddp skipped, as the workers do
     (8, ["--tp", "2"], None),  # every mode: the TP-capable ones run
     (4, ["--tp", "2", "--hierarchy", "hierarchical"], None),  # what 'auto' is under TP
+    (3, ["--tp", "3"], "Invalid --tp 3 at W=3 (--nproc): the built-in model's MLP width"),  # 256 % 3
+    (6, ["--tp", "2"], "the N = W/T = 3 data-parallel ranks"),  # 64 rows over 3 ranks
     (4, ["--hierarchy", "flat"], None),  # ARGS="--hierarchy ..." reaches the workers' parser
 ])
 def test_usage_problem_checks_tp_before_torchrun(tmp_path, nproc, args, says):
@@ -77,6 +79,7 @@ def test_usage_problem_checks_tp_before_torchrun(tmp_path, nproc, args, says):
     (4, ["--pp", "2", "--tp", "2"], "--tp 2 and --pp 2 do not run together"),
     (4, ["--pp", "2", "--microbatches", "0"], "Invalid --pp 2 / --microbatches 0"),
     (4, ["--pp", "2", "--microbatches", "3"], "Invalid --microbatches 3 with --pp 2 at W=4: the 8 sequences"),
+    (4, ["--pp", "2", "--microbatches", "1"], "torch's Schedule1F1B needs at least one micro-batch per stage"),
     (4, ["--pp", "2"], None),  # every mode: the PP-capable ones run
 ])
 def test_usage_problem_checks_pp_before_torchrun(tmp_path, nproc, args, says):

@@ -218,6 +218,18 @@ def build_ep(mode: str, make_model, device: str, ep: int, *, muon_lr: float, ada
     return model, opt, layout, dm, recorder
 
 
+def experts_problem(ep: int) -> str | None:
+    """Why the EP workload's model cannot split its experts over ``ep`` ranks, or ``None``."""
+    from examples.ep_moe import TINY_QWEN3_MOE
+
+    x = TINY_QWEN3_MOE["num_experts"]
+    if x % ep:
+        fits = " or ".join(str(e) for e in range(2, x + 1) if x % e == 0)
+        return (f"Invalid --ep {ep}: the EP workload's {x} experts per layer must split evenly over "
+                f"E ranks (examples/ep_moe.py, TINY_QWEN3_MOE). Give --ep {fits}.")
+    return None
+
+
 class EPWorkload(Workload):
     """``--ep E``: the EP-capable modes on :func:`ep_mesh`, the reference EP layer's tiny
     Qwen3-MoE (:func:`ep_source`), DMuon's rest replicated (``verify.modes.workload``)."""
@@ -240,7 +252,7 @@ class EPWorkload(Workload):
         if world_size % cfg.ep:
             return (f"Invalid --ep {cfg.ep} at W={world_size}{where}. Must divide W, the mesh being "
                     f"(W/E) x E: give an --nproc that {cfg.ep} divides.")
-        return None
+        return experts_problem(cfg.ep)
 
     def source(self, config, global_batch: int) -> ModelSource:
         return ep_source(global_batch=global_batch, seq_len=config.seq_len, seed=config.seed)

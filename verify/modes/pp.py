@@ -233,6 +233,9 @@ class PPWorkload(Workload):
         if world_size % pp or world_size // pp < 2:
             return (f"Invalid --pp {pp} at W={world_size}{where}. Must divide W and leave W/S >= 2 "
                     f"data-parallel ranks per stage: give an --nproc of at least {2 * pp} that {pp} divides.")
+        if m < pp:  # torch's Schedule1F1B: one micro-batch per stage in flight
+            return (f"Invalid --microbatches {m} with --pp {pp}: torch's Schedule{SCHEDULE} needs at least one "
+                    f"micro-batch per stage. Give --microbatches >= {pp}.")
         if global_batch % (world_size // pp * m):  # each data-parallel rank's rows in M micro-batches
             return (f"Invalid --microbatches {m} with --pp {pp} at W={world_size}: the {global_batch} "
                     f"sequences of a step over {world_size // pp} data-parallel ranks do not split into "

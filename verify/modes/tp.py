@@ -43,6 +43,7 @@ from verify.modes.workload import Running, Workload
 from verify.traffic.tp import TP_MODES, TPRunLayout, tp_skip_reason
 from verify.traffic.predict import dmuon_coalesce_bytes, dmuon_reduce_by_gather, dmuon_uneven_aligned
 from verify.workload.data import ByteCorpus, local_slice
+from verify.workload.model import GPTConfig
 
 #: The TP plan of the built-in TinyGPT's blocks (module name within a block -> style).
 TP_PLAN = {"mlp.fc1": "colwise", "mlp.fc2": "rowwise"}
@@ -298,6 +299,12 @@ class TPWorkload(Workload):
             fits = [str(t) for t in range(2, world_size + 1) if world_size % t == 0]
             return (f"Invalid --tp {cfg.tp} at W={world_size}{where}. Must divide W, the mesh being "
                     f"(W/T) x T: give --tp {' or '.join(fits) or '1'}, or an --nproc that {cfg.tp} divides.")
+        d, t, n = getattr(cfg, "d_model", GPTConfig.d_model), cfg.tp, world_size // cfg.tp  # built-in model only
+        rows = {"mlp.fc1 (local)": 4 * d // t, "attn.qkv": 3 * d, "attn.proj": d, "mlp.fc2": d}
+        if (4 * d) % t or any(r % n for r in rows.values()):  # TP_PLAN's shards, then N's
+            return (f"Invalid --tp {t} at W={world_size}{where}: the built-in model's MLP width 4·D = "
+                    f"{4 * d} must split over T and each matrix's (local) rows {rows} over the N = W/T = "
+                    f"{n} data-parallel ranks (verify/modes/tp.py). Give a --tp and --nproc that do.")
         return None
 
     def start(self, mode: str, config, *, make_model, made: list, corpus, global_batch: int) -> Running:

@@ -33,7 +33,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 import dmuon
 from dmuon.ownership.plan import specs_from_named_parameters
 from dmuon.ownership.select import matrix_shapes
-from verify.modes.ep import RoutingRecorder, ep_source
+from verify.modes.ep import RoutingRecorder, ep_source, experts_problem
 from verify.modes.tp import tp_phase
 from verify.modes.workload import Running, Workload
 from verify.traffic.predict import dmuon_coalesce_bytes, dmuon_reduce_by_gather, dmuon_uneven_aligned
@@ -181,7 +181,14 @@ class TPEPWorkload(Workload):
             return (f"Invalid --tp {cfg.tp} --ep {cfg.ep} at W={world_size}{where}. E·T = "
                     f"{cfg.tp * cfg.ep} must divide W, the mesh being (W/(E·T)) x E x T: give an "
                     f"--nproc that {cfg.tp * cfg.ep} divides.")
-        return None
+        from examples.ep_moe import TINY_QWEN3_MOE
+
+        heads = TINY_QWEN3_MOE["num_key_value_heads"]  # q, k, v split by whole heads over T
+        if heads % cfg.tp:
+            return (f"Invalid --tp {cfg.tp} with --ep {cfg.ep}: the attention's {heads} KV heads "
+                    "must split evenly over T ranks (examples/ep_moe.py, TINY_QWEN3_MOE). Give "
+                    f"--tp {' or '.join(str(t) for t in range(2, heads + 1) if heads % t == 0)}.")
+        return experts_problem(cfg.ep)
 
     def source(self, config, global_batch: int) -> ModelSource:
         return ep_source(global_batch=global_batch, seq_len=config.seq_len, seed=config.seed, tp=config.tp)

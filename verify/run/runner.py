@@ -64,6 +64,7 @@ from verify.measure.block_order import BlockOrderRecorder, bare_model, blocks_of
 from verify.compare import compare_run
 from verify.measure.compute_spans import BlockCompute
 from verify.workload.data import ByteCorpus, global_batch_size
+from verify.workload.model import GPTConfig
 from verify.modes.build import build
 from verify.modes.workloads import workload_of
 from verify.run.groups import ModeScope
@@ -142,10 +143,10 @@ class RunConfig:
     steps_measured: int = 2
     batch_per_rank: int = 2
     global_batch: int | None = None
-    seq_len: int = 64
-    d_model: int = 64
-    n_layers: int = 2
-    n_heads: int = 4
+    seq_len: int = GPTConfig.seq_len
+    d_model: int = GPTConfig.d_model
+    n_layers: int = GPTConfig.n_layers
+    n_heads: int = GPTConfig.n_heads
     seed: int = 0
     out_dir: str = "traces/latest"
     device: str = "cpu"
