@@ -329,13 +329,14 @@ class MeshLayout:
                 "matrix sharded on one of its two matrix dims, not both at once; shard the experts' "
                 "matrices on dim 0 only, or keep the param out of DMuon (params= / predicate=).")
         for dim in data + stack + ([matrix] if matrix else []):
-            n = dims.size(data + stack) if dim in data + stack else dims.size((matrix,))
-            d = 0 if dim in data + stack else shard_dim
+            stacked = dim in data + stack  # the experts' dim 0, else the matrix's own dim
+            n = dims.size(data + stack) if stacked else dims.size((matrix,))
+            d = 0 if stacked else shard_dim
             if p.shape[d] % n:
-                what = "experts" if d == 0 else "rows" if d == p.ndim - 2 else "columns"
+                what = "experts" if stacked else "rows" if d == p.ndim - 2 else "columns"
                 raise ValueError(
                     f"Invalid sharded param {name!r}: shape {tuple(p.shape)} sharded on dim {d} over "
-                    f"{n} ranks (mesh dims {tuple(data + stack) if d == 0 else (matrix,)}), and "
+                    f"{n} ranks (mesh dims {tuple(data + stack) if stacked else (matrix,)}), and "
                     f"{p.shape[d]} is not a multiple of {n}. DMuon needs equal shards of whole "
                     f"{what}: choose a degree that divides the dim, or pad the layer.")
         return ParamLayout(tuple(data), tuple(data + stack), matrix, shard_dim)

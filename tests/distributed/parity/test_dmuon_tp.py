@@ -110,7 +110,7 @@ def test_tp_mixed_precision_fp32_masters_bf16_compute_and_z2_equals_z3(pool4):
 
 @pytest.mark.parametrize("case, expected", [
     ("replicate_placement", "placement Shard(0) (ColwiseParallel) or Shard(1)"),
-    ("not_dividing", "33 is not a multiple of 2"),
+    ("not_dividing", "over 2 ranks (mesh dims ('tp',)), and 33 is not a multiple of 2. DMuon needs equal shards of whole rows"),
     ("no_tp_axis", "needs the whole mesh, named ('shard', 'tp')"),
     ("bad_names", "Must be ('shard', 'tp')"),
     ("fsdp_wrapped", "already wrapped by DDP or FSDP2"),
