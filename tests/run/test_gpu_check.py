@@ -171,6 +171,8 @@ def test_resolve_backend(backend, gpus, nproc, expected):
     ("nccl", 2, 3, "Invalid --nproc=3 for --backend nccl with 2 visible GPUs"),
     ("auto", 0, 1, "Invalid --nproc=1. Must be >= 2"),
     ("mpi", 0, 1, "Invalid --backend='mpi'"),
+    ("auto", 0, 0, "Invalid --nproc=0. Must be >= 1, or left out"),  # was the default (4)
+    ("nccl", 8, 0, "Invalid --nproc=0. Must be >= 1, or left out"),  # was the GPU count
 ])
 def test_resolve_backend_rejects(backend, gpus, nproc, text):
     with pytest.raises(ValueError, match=text.replace("(", r"\(").replace("[", r"\[")):

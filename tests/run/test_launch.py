@@ -34,6 +34,7 @@ def test_launch_env_sets_nccl_logging_only_for_nccl(tmp_path, monkeypatch):
     (["--tp", "3"], "Invalid --tp 3 at W=2 (--nproc). Must divide W"),
     (["--modes", "dmuon-ddp", "--tp", "2"], "no mode of --modes dmuon-ddp can run with --tp 2 at W=2"),
     (["--hierarchy", "ring"], "argument --hierarchy: invalid choice: 'ring'"),
+    (["--timeout-s", "0"], "Invalid --timeout-s 0. Must be >= 1 second"),
     (["--hierarchy", "flat", "--tp", "2"], "--tp 2 runs without --hierarchy flat"),
 ])
 def test_bad_worker_input_is_one_line_and_exit_2_before_torchrun(tmp_path, capsys, args, says):

@@ -263,3 +263,19 @@ def test_tp_world_above_the_bound_exits_2(capsys):
     assert main([*MODEL, "--mesh", "1024", "--tp", "1025"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "Invalid --tp 1025 on mesh 1x1024" in err[0] and f"{MAX_WORLD_SIZE:,}" in err[0]
+
+
+def test_a_factory_in_the_current_directory_resolves_from_a_console_script(tmp_path, monkeypatch):
+    """``dmuon-plan`` (a console script) has no current directory on ``sys.path`` as ``python -m``
+    has: ``--model mymodels:build`` from the directory holding mymodels.py used to say
+    "No module named 'mymodels'"."""
+    import sys
+
+    import torch
+
+    from verify.workload.presets import resolve_model
+
+    (tmp_path / "mymodels_cwd.py").write_text("import torch\ndef build():\n    return torch.nn.Linear(4, 4)\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    assert isinstance(resolve_model("mymodels_cwd:build")(), torch.nn.Linear)

@@ -118,6 +118,9 @@ def resolve_backend(backend: str, gpus: int, nproc: int | None) -> tuple[bool, i
     """
     if backend not in BACKENDS:
         raise ValueError(f"Invalid --backend={backend!r}. Must be one of {BACKENDS}.")
+    if nproc is not None and nproc < 1:  # 0 used to mean the default
+        raise ValueError(f"Invalid --nproc={nproc}. Must be >= 1, or left out for the default "
+                         f"(the GPU count, else {DEFAULT_CPU_PROCS} CPU processes).")
     if backend == "nccl" or (backend == "auto" and gpus >= 2):
         n = nproc or gpus
         if gpus < 1 or not 1 <= n <= gpus:

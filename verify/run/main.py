@@ -128,6 +128,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.baseline is not None and not Path(args.baseline).is_file():
         parser.error(f"Invalid --baseline {args.baseline}: no such file. Must be a file written "
                      "by --write-baseline.")
+    if args.timeout_s < 1:
+        parser.error(f"Invalid --timeout-s {args.timeout_s}. Must be >= 1 second (the process "
+                     "groups' timeout).")
     if args.microbatches < 1:
         parser.error(f"Invalid --pp {args.pp} / --microbatches {args.microbatches}. Must be >= 1 "
                      "(the schedule's micro-batches per step).")

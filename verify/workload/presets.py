@@ -553,7 +553,8 @@ def build_preset(name: str, device: str | torch.device = "meta") -> nn.Module:
 
 
 def resolve_model(spec: str) -> Callable[[], nn.Module]:
-    """A factory for ``spec``: a preset name or ``pkg.module:factory`` (called under meta;
+    """A factory for ``spec``: a preset name or ``pkg.module:factory`` (importable from the
+    current directory, for a console script too; called under meta;
     returning an ``nn.Module``, or ``(model, loss_fn)`` as ``verify-traffic``'s factories do).
 
     Raises:
@@ -568,8 +569,12 @@ def resolve_model(spec: str) -> Callable[[], nn.Module]:
             "'pkg.module:factory' (a callable returning an nn.Module)."
         )
     import importlib
+    import os
+    import sys
 
     module_name, _, attr = spec.partition(":")
+    if "" not in sys.path and os.getcwd() not in sys.path:  # a console script: as `python -m` does
+        sys.path.insert(0, os.getcwd())
     try:
         factory = getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as exc:
