@@ -178,7 +178,6 @@ class CPWorkload(Workload):
     built-in model's size (:class:`CPRun`; ``verify.modes.workload``)."""
 
     axes = ("cp",)
-    mesh_text = "(W/C) x C"
     model_why = "the CP decoder is examples/cp_attention.py's"
     flat_why = "the CP mesh has no replicate dim"
     qk_clip_why = "the CP builder attaches no QK-clip"

@@ -235,7 +235,6 @@ class EPWorkload(Workload):
     Qwen3-MoE (:func:`ep_source`), DMuon's rest replicated (``verify.modes.workload``)."""
 
     axes = ("ep",)
-    mesh_text = "(W/E) x E"
     model_why = "the EP workload is the reference layer's tiny Qwen3-MoE (examples/ep_moe.py)"
     flat_why = "dedicate_params refuses 'flat' on a mesh with an 'ep' axis"
     qk_clip_why = "the EP builder attaches no QK-clip"

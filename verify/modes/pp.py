@@ -214,7 +214,6 @@ class PPWorkload(Workload):
     stages run by ``Schedule1F1B`` (:class:`PPRun`; ``verify.modes.workload``)."""
 
     axes = ("pp",)
-    mesh_text = "S x (W/S)"
     model_why = "the stages are cut from the built-in model"
     flat_why = "each stage is a 1-D data-parallel slice"
     qk_clip_why = "the PP builder attaches no QK-clip"

@@ -282,7 +282,6 @@ class TPWorkload(Workload):
     tensor-parallel (:func:`parallelize_blocks`), the rest under FSDP2 (``verify.modes.workload``)."""
 
     axes = ("tp",)
-    mesh_text = "(W/T) x T"
     model_why = "its TP plan is fixed on the built-in model (verify/modes/tp.py)"
     flat_why = "dedicate_params refuses 'flat' on a mesh with a 'tp' axis; 'auto' is hierarchical there"
     qk_clip_why = "the TP builder attaches no QK-clip"

@@ -163,7 +163,6 @@ class TPEPWorkload(Workload):
     ``verify.modes.workload``)."""
 
     axes = ("tp", "ep")
-    mesh_text = "(W/(E·T)) x E x T"
     model_why = "the TP x EP workload is the EP run's tiny Qwen3-MoE (examples/ep_moe.py)"
     flat_why = "dedicate_params refuses 'flat' on a mesh with 'tp' and 'ep' axes"
     qk_clip_why = "the TP x EP builder attaches no QK-clip"

@@ -50,7 +50,6 @@ class Workload:
 
     Class attributes a subclass sets (``None``: allowed):
         axes: the degrees above 1 that select it (``()``: the dense one).
-        mesh_text: its mesh, in messages (``"(W/T) x T"``).
         model_why: why it takes no ``--model`` (its model is fixed).
         flat_why, mixed_precision_why, qk_clip_why: why it takes no ``--hierarchy flat``,
             ``--mixed-precision``, ``--qk-clip``.
@@ -62,7 +61,6 @@ class Workload:
     """
 
     axes: tuple[str, ...] = ()
-    mesh_text = "a data-parallel mesh"
     model_why: str | None = None
     flat_why: str | None = None
     mixed_precision_why: str | None = None
