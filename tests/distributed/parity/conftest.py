@@ -11,6 +11,20 @@ from tests.distributed.parity import dmuon_tasks as T
 STEPS = 2
 
 
+#: Per-call timeout of :func:`titan_pool4`'s tasks, seconds (importing torchtitan takes 10-20 s
+#: per process on these machines).
+TITAN_TIMEOUT_S = 300
+
+
+@pytest.fixture(scope="module")
+def titan_pool4():
+    """4 gloo ranks of the requesting module's own, closed after its last test: the torchtitan
+    tests' ranks, so torchtitan is imported into no pool the other tests share."""
+    from tests.distributed.harness import DistributedPool
+    with DistributedPool(4, timeout_s=TITAN_TIMEOUT_S) as pool:
+        yield pool
+
+
 @pytest.fixture(scope="package")
 def tinygpt_oracle() -> dict:
     """The TinyGPT oracle (``dmuon_tasks.oracle_run``) over :data:`STEPS` steps with its

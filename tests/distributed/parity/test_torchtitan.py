@@ -35,14 +35,6 @@ STEPS = 2
 
 
 @pytest.fixture(scope="module")
-def titan_pool4():
-    """4 gloo ranks of this module's own (module docstring), closed after its last test."""
-    from tests.distributed.harness import DistributedPool
-    with DistributedPool(4, timeout_s=TIMEOUT_S) as pool:
-        yield pool
-
-
-@pytest.fixture(scope="module")
 def T():
     from tests.distributed.parity import titan_tasks
     return titan_tasks
