@@ -163,7 +163,7 @@ def test_a_flat_hsdp_run_says_so_on_its_lines():
     _, rows = compact_rows(report)
     assert ["dmuon-hsdp-z2", "total"] in [r[:2] for r in rows]
     hierarchy = [line.split() for line in text.splitlines() if line.startswith("dmuon-hsdp-z")]
-    assert ["dmuon-hsdp-z2", "4", "2", "2", "1", "flat"] in [words[:6] for words in hierarchy]
+    assert ["dmuon-hsdp-z2", "4", "2", "2", "–", "flat"] in [words[:6] for words in hierarchy]
     md = format_markdown(report)
     assert "| dmuon-hsdp-z2 (flat) | total" in md.replace("  ", " ")
     _, wide = table_rows(report)
@@ -172,3 +172,14 @@ def test_a_flat_hsdp_run_says_so_on_its_lines():
     runs["dmuon-hsdp-z2"]["hierarchy"] = "ring"
     with pytest.raises(ValueError, match="hierarchy='ring'. Must be one of"):
         validate_report(report)
+
+
+def test_the_run_table_names_every_model_parallel_size():
+    """A TP x EP run's row reads ``T2 E2`` (W = N·R·T·E); it used to show T alone, so its W, N,
+    R, T did not multiply to W. PP and CP runs show S and C."""
+    from verify.report.render import _parallel_cell
+
+    assert _parallel_cell({"tp_size": 2, "ep_size": 2}) == "T2 E2"
+    assert _parallel_cell({"tp_size": 1, "pp_size": 2, "microbatches": 4}) == "S2"
+    assert _parallel_cell({"tp_size": 1, "cp_size": 2}) == "C2"
+    assert _parallel_cell({"tp_size": 1}) == "–"

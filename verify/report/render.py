@@ -215,19 +215,28 @@ def table_rows(report: Mapping) -> tuple[list[str], list[list[str]]]:
     return headers, rows
 
 
+#: The model-parallel sizes a run's layout reports (``RunLayout.report_fields``), by letter.
+PARALLEL_SIZES = (("T", "tp_size"), ("E", "ep_size"), ("S", "pp_size"), ("C", "cp_size"))
+
+
+def _parallel_cell(run: Mapping) -> str:
+    """``"T2 E2"``: the run's model-parallel sizes other than 1 (:data:`PARALLEL_SIZES`); "–": none."""
+    return " ".join(f"{letter}{run[key]}" for letter, key in PARALLEL_SIZES if run.get(key, 1) != 1) or "–"
+
+
 def all_params_rows(report: Mapping, two_line: bool = False) -> tuple[list[str], list[list[str]]]:
-    """The run table: per run its mesh (W, N, R, T), how a DMuon HSDP run moved its
-    dedicated params (``hierarchy``: flat or hierarchical, docs/traffic-model.md, "HSDP: flat
-    or hierarchical"), P_M, all params' averages and the loss; ``two_line``: the terminal's
-    headers."""
-    headers = ["mode", "W", "N", "R", "T", "hierarchy", "P_M [elem]", "all params measured avg [elem]",
+    """The run table: per run its mesh (W, N, R and the model-parallel sizes T, E, S, C), how
+    a DMuon HSDP run moved its dedicated params (``hierarchy``: flat or hierarchical,
+    docs/traffic-model.md, "HSDP: flat or hierarchical"), P_M, all params' averages and the
+    loss; ``two_line``: the terminal's headers."""
+    headers = ["mode", "W", "N", "R", "T E S C", "hierarchy", "P_M [elem]", "all params measured avg [elem]",
                "all params predicted avg [elem]", "loss first", "loss last"]
     if two_line:
-        headers = ["mode", "W", "N", "R", "T", "hier-\narchy", "P_M\n[elem]", "all params measured\navg [elem]",
-                   "all params predicted\navg [elem]", "loss\nfirst", "loss\nlast"]
+        headers = ["mode", "W", "N", "R", "T E\nS C", "hier-\narchy", "P_M\n[elem]", "all params\nmeasured\navg [elem]",
+                   "all params\npredicted\navg [elem]", "loss\nfirst", "loss\nlast"]
     rows = [
         [run["mode"], run["world_size"], run["shard_size"], run["replicate_size"],
-         run.get("tp_size", 1), _hierarchy_cell(run, two_line),
+         _parallel_cell(run), _hierarchy_cell(run, two_line),
          fmt_elems(run["p_m"]), fmt_elems(run["total_measured_avg_elems"]),
          fmt_elems(run["total_predicted_avg_elems"]), _fmt_loss(run["loss_first"]),
          _fmt_loss(run["loss_last"])]
