@@ -238,7 +238,7 @@ def test_cli_prints_the_tp_ep_section_and_json(capsys):
 
 
 @pytest.mark.parametrize("argv, words", [
-    (["--mesh", "1024x512", "--ep", "2", "--tp", "2"], ["Invalid --tp 2 on mesh 1024x1024", "W = R·N·T"]),
+    (["--mesh", "1024x512", "--ep", "2", "--tp", "2"], ["Invalid --ep 2 on mesh 1024x512 --tp 2", "W = R·N·E·T = 2,097,152"]),
     (["--sweep", "--ep", "2", "--tp", "2"], ["Invalid --ep 2 with --sweep"]),
     (["--mesh", "2", "--ep", "3", "--tp", "2"], ["divisible by E = 3"]),
 ])

@@ -76,11 +76,11 @@ def test_a_kind_in_the_table_refuses_and_bounds_w(with_nodes, capsys):
 @pytest.mark.parametrize("argv, first", [
     # --pp is checked before --cp and --ep: its rule gives the line, though theirs fail too
     (["--sweep", "--cp", "2", "--pp", "2"], "Invalid --pp 2 with --sweep or no --mesh."),
-    (["--mesh", "1024x1024", "--pp", "2", "--cp", "2"], "Invalid --pp 2 on mesh 1024x1024 --tp 1: W = S·R·N·T"),
+    (["--mesh", "1024x1024", "--pp", "2", "--cp", "2"], "Invalid --pp 2 on mesh 1024x1024: W = S·R·N ="),
     (["--mesh", "1024x512", "--pp", "4", "--ep", "2"], "Invalid --pp 4 with --ep."),
     # --cp before --ep; --ep's bound before --tp's
     (["--mesh", "4", "--cp", "2", "--ep", "2"], "Invalid --cp 2 with --ep."),
-    (["--mesh", "1024x1024", "--ep", "2", "--tp", "2"], "Invalid --ep 2 on mesh 1024x1024: W = R·N·E"),
+    (["--mesh", "1024x1024", "--ep", "2", "--tp", "2"], "Invalid --ep 2 on mesh 1024x1024 --tp 2: W = R·N·E·T ="),
     (["--mesh", "1024x1024", "--tp", "2"], "Invalid --tp 2 on mesh 1024x1024: W = R·N·T"),
 ])
 def test_the_first_kind_in_the_check_order_gives_the_error(argv, first, capsys):

@@ -93,8 +93,8 @@ class CPKind(PlanKind):
     table is the mesh (R, N·C); not with ``--ep``, ``--pp`` or ``--sweep``."""
 
     flag = "cp"
-    times = ("tp",)
-    world_formula = "R·N·C·T"
+    times = {"tp": "T"}
+    world_formula = "R·N·C"
     world_fix = "; give a smaller --cp, --tp or --mesh."
 
     def refusal(self, args) -> str | None:

@@ -521,6 +521,7 @@ class EPKind(PlanKind):
     computed before the table (a bad E for the model exits first)."""
 
     flag = "ep"
+    times = {"tp": "T"}  # TP x EP
     world_formula = "R·N·E"
     world_fix = "; give a smaller --ep or --mesh."
     before_table = True

@@ -14,6 +14,7 @@ report's table is planned on (:meth:`PlanKind.table_mesh`), its report section
 from __future__ import annotations
 
 import argparse
+import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -61,9 +62,10 @@ class PlanKind:
 
     #: the flag without dashes, also the key of the section in ``reports[0]``
     flag: str = ""
-    #: the other degrees the job's W multiplies by, e.g. ``("tp",)``: W = degree·R·N·∏ them
-    times: tuple[str, ...] = ()
-    #: W's formula in the too-large error, e.g. ``"R·N·T"``
+    #: the other degrees the job's W multiplies by, flag -> letter, e.g. ``{"tp": "T"}``:
+    #: W = degree·R·N·∏ them (the error names those given, and their letters)
+    times: dict[str, str] = {}
+    #: W's formula in the too-large error without :attr:`times`' letters, e.g. ``"R·N·T"``
     world_formula: str = ""
     #: what follows "Must be at most <bound>" in that error, through its final period
     world_fix: str = "."
@@ -92,14 +94,14 @@ class PlanKind:
         if mesh is None:
             return None
         r, n = mesh
-        w = self.degree(args) * r * n
-        for flag in self.times:
-            w *= getattr(args, flag)
+        given = {flag: getattr(args, flag) for flag in self.times if getattr(args, flag) != 1}
+        w = self.degree(args) * r * n * math.prod(given.values())
         if w <= MAX_WORLD_SIZE:
             return None
-        also = "".join(f" --{flag} {getattr(args, flag)}" for flag in self.times)
+        also = "".join(f" --{flag} {d}" for flag, d in given.items())
+        formula = self.world_formula + "".join(f"·{self.times[flag]}" for flag in given)
         return (f"Invalid --{self.flag} {self.degree(args)} on mesh {r}x{n}{also}: W = "
-                f"{self.world_formula} = {w:,} ranks. Must be at most {MAX_WORLD_SIZE:,}{self.world_fix}")
+                f"{formula} = {w:,} ranks. Must be at most {MAX_WORLD_SIZE:,}{self.world_fix}")
 
     def table_mesh(self, args: argparse.Namespace, mesh: tuple[int, int]) -> tuple[int, int]:
         """The (R, N) the report's table is planned on when this kind is given (default:

@@ -197,8 +197,8 @@ class PPKind(PlanKind):
     optionally ``--tp``; not with ``--ep`` or ``--sweep``."""
 
     flag = "pp"
-    times = ("tp",)
-    world_formula = "S·R·N·T"
+    times = {"tp": "T"}
+    world_formula = "S·R·N"
 
     def refusal(self, args) -> str | None:
         if args.sweep or given(args, "ep") or not args.mesh:
