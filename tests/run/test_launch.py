@@ -59,8 +59,9 @@ def test_bad_worker_input_is_one_line_and_exit_2_before_torchrun(tmp_path, capsy
     (4, ["--modes", "dmuon-ddp,dmuon-z3", "--tp", "4"], None),  # dmuon-ddp skipped, as the workers do
     (8, ["--tp", "2"], None),  # every mode: the TP-capable ones run
     (4, ["--tp", "2", "--hierarchy", "hierarchical"], None),  # what 'auto' is under TP
-    (3, ["--tp", "3"], "Invalid --tp 3 at W=3 (--nproc): the built-in model's MLP width"),  # 256 % 3
-    (6, ["--tp", "2"], "the N = W/T = 3 data-parallel ranks"),  # 64 rows over 3 ranks
+    (3, ["--tp", "3"], "Invalid --tp 3 at W=3 (--nproc): the built-in model's blocks.0.mlp.fc1.weight "
+                       "has 256 rows, not a multiple of T=3"),
+    (6, ["--tp", "2"], "attn.proj.weight has 64 local rows, not a multiple of N=3"),
     (4, ["--hierarchy", "flat"], None),  # ARGS="--hierarchy ..." reaches the workers' parser
 ])
 def test_usage_problem_checks_tp_before_torchrun(tmp_path, nproc, args, says):

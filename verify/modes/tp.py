@@ -43,7 +43,7 @@ from verify.modes.workload import Running, Workload
 from verify.traffic.tp import TP_MODES, TPRunLayout, tp_skip_reason
 from verify.traffic.predict import dmuon_coalesce_bytes, dmuon_reduce_by_gather, dmuon_uneven_aligned
 from verify.workload.data import ByteCorpus, local_slice
-from verify.workload.model import GPTConfig
+from verify.workload.model import GPTConfig, TinyGPT
 
 #: The TP plan of the built-in TinyGPT's blocks (module name within a block -> style).
 TP_PLAN = {"mlp.fc1": "colwise", "mlp.fc2": "rowwise"}
@@ -196,6 +196,21 @@ class NaiveTPMuon(Optimizer):
                 data.add_(piece, alpha=-adjust_lr(group["lr"], group["adjust_lr_fn"], tuple(full.shape)))
 
 
+def shard_problem(shapes: dict[str, tuple[int, ...]], tp_dims: dict[str, int], tp: int,
+                  n: int) -> str | None:
+    """Why the Muon matrices ``shapes`` (name -> shape) do not shard evenly: a TP-sharded one's
+    dim (``tp_dims``: name -> 0 or 1) not a multiple of T, or its local rows not a multiple of
+    the N data-parallel ranks (the closed forms assume no FSDP2 padding); ``None``: they do."""
+    for name, shape in shapes.items():
+        d = tp_dims.get(name)
+        if d is not None and shape[d] % tp:
+            return f"{name} has {shape[d]} {'rows' if d == 0 else 'columns'}, not a multiple of T={tp}"
+        rows = shape[0] // (tp if d == 0 else 1)
+        if rows % n:
+            return f"{name} has {rows} local rows, not a multiple of N={n}"
+    return None
+
+
 def build_tp(mode: str, make_model: Callable[[], nn.Module], device: str, tp: int, *,
              tokens_per_rank: int, muon_lr: float, adamw_lr: float,
              mixed_precision: str | None = None, coalesce: str = "auto"):
@@ -241,12 +256,9 @@ def build_tp(mode: str, make_model: Callable[[], nn.Module], device: str, tp: in
                                                 else modules[m].out_features), dtype)
                  for m, style in layers)
     n = world // tp // r_size
-    for spec in specs:  # the closed forms assume no FSDP2 padding of the local shards
-        if spec.name in targets:
-            rows = spec.shape[0] // (tp if dict(tp_dims).get(spec.name) == 0 else 1)
-            if rows % n:
-                raise ValueError(f"Invalid --tp {tp} at W={world}: {spec.name} has {rows} local "
-                                 f"rows, not a multiple of N={n}.")
+    why = shard_problem({s.name: s.shape for s in specs if s.name in targets}, dict(tp_dims), tp, n)
+    if why is not None:
+        raise ValueError(f"Invalid --tp {tp} at W={world}: {why}.")
     reshard = mode.endswith("z3")
     backend = "nccl" if device.startswith("cuda") else "gloo"  # DMuon's coalescing depends on it
     frozen = tuple(name for name, p in model.named_parameters() if not p.requires_grad)
@@ -298,12 +310,19 @@ class TPWorkload(Workload):
             fits = [str(t) for t in range(2, world_size + 1) if world_size % t == 0]
             return (f"Invalid --tp {cfg.tp} at W={world_size}{where}. Must divide W, the mesh being "
                     f"(W/T) x T: give --tp {' or '.join(fits) or '1'}, or an --nproc that {cfg.tp} divides.")
-        d, t, n = getattr(cfg, "d_model", GPTConfig.d_model), cfg.tp, world_size // cfg.tp  # built-in model only
-        rows = {"mlp.fc1 (local)": 4 * d // t, "attn.qkv": 3 * d, "attn.proj": d, "mlp.fc2": d}
-        if (4 * d) % t or any(r % n for r in rows.values()):  # TP_PLAN's shards, then N's
-            return (f"Invalid --tp {t} at W={world_size}{where}: the built-in model's MLP width 4·D = "
-                    f"{4 * d} must split over T and each matrix's (local) rows {rows} over the N = W/T = "
-                    f"{n} data-parallel ranks (verify/modes/tp.py). Give a --tp and --nproc that do.")
+        from verify.modes.build import muon_names
+
+        size = {k: getattr(cfg, k, getattr(GPTConfig, k)) for k in ("d_model", "n_layers", "n_heads")}
+        with torch.device("meta"):  # the built-in model (TP runs no other), as build_tp shards it
+            model = TinyGPT(GPTConfig(**size))
+        targets = set(muon_names(model))
+        tp_dims = {f"blocks.{i}.{m}.weight": 0 if style == "colwise" else 1
+                   for i in range(len(model.blocks)) for m, style in TP_PLAN.items()}
+        why = shard_problem({n: tuple(p.shape) for n, p in model.named_parameters() if n in targets},
+                            tp_dims, cfg.tp, world_size // cfg.tp)
+        if why is not None:
+            return (f"Invalid --tp {cfg.tp} at W={world_size}{where}: the built-in model's {why} "
+                    "(verify/modes/tp.py). Give a --tp and --nproc that split it evenly.")
         return None
 
     def start(self, mode: str, config, *, make_model, made: list, corpus, global_batch: int) -> Running:
